@@ -1,0 +1,21 @@
+"""Plain-torch Block AttnRes mix: softmax over depth sources instead of `h + f(h)`."""
+
+from __future__ import annotations
+
+import torch
+
+from ..kda.naive import acc_dtype
+
+
+def attn_res_mix(bank, p, norm_weight, proj_weight, eps: float):
+    """bank `[N, n, d]` (sealed block sums), p `[N, d]` (the pending partial sum) -> `[N, d]` in p.dtype.
+
+    s_j = <RMSNorm_g(V_j), w> over the n+1 sources V = (bank[:, 0..n-1], p); a = softmax_j(s);
+    out = sum_j a_j V_j (raw values). fp32 inside.
+    """
+    dt = acc_dtype(p)
+    V = torch.cat([bank.to(dt), p.to(dt).unsqueeze(1)], dim=1)                  # [N, n+1, d]
+    gw = norm_weight.to(dt) * proj_weight.reshape(-1).to(dt)                      # [d]
+    s = torch.rsqrt(V.pow(2).mean(-1) + eps) * (V * gw).sum(-1)                   # [N, n+1]
+    a = torch.softmax(s, dim=-1)
+    return (a.unsqueeze(-1) * V).sum(1).to(p.dtype)
