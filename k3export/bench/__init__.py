@@ -1,0 +1,22 @@
+"""`k3export bench ...`: benchmarks. Each module here adds one subcommand to the `bench` group; results carry
+date, machine and command, and are never asserted on (see docs/perf.md)."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+import click
+
+
+@click.group("bench")
+def bench() -> None:
+    """Benchmarks: kernels against their baselines, and end-to-end latency against eager PyTorch."""
+
+
+# One entry per benchmark module (k3export/bench/<name>.py defines `@bench.command(...)`).
+BENCH_MODULES = ("kda", "mla", "moe", "layer", "model")
+
+for _name in BENCH_MODULES:
+    if importlib.util.find_spec(f"{__name__}.{_name}") is not None:
+        importlib.import_module(f"{__name__}.{_name}")
