@@ -18,7 +18,8 @@ def _register() -> None:
     """Attach each stage's commands (one import line per stage module)."""
     from k3export.bench import bench
     from k3export.commands import demo, generate, init
-    for cmd in (init, generate, demo, bench):
+    from k3export.shapes import shapes
+    for cmd in (init, shapes, generate, demo, bench):
         main.add_command(cmd)
 
 
