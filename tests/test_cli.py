@@ -1,0 +1,59 @@
+"""The CLI: init -> generate round trip, shapes, and specific errors on bad input."""
+
+import json
+
+from click.testing import CliRunner
+
+from k3export.cli import main
+
+
+def run(*args):
+    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+def test_init_then_generate_is_deterministic(tmp_path):
+    r = run("init", "--preset", "k3-tiny", "--out", str(tmp_path / "a"))
+    assert r.exit_code == 0 and "wrote k3-tiny checkpoint" in r.output and str(tmp_path / "a") in r.output
+    run("init", "--preset", "k3-tiny", "--out", str(tmp_path / "b"))
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
+    g = run("generate", "--checkpoint", str(tmp_path / "a"), "--ids", "1,2,3;4,5", "--max-new-tokens", "4")
+    assert g.exit_code == 0 and g.output.count("->") == 2 and "8 tokens for 2 prompt(s)" in g.output
+    s1 = run("generate", "--checkpoint", str(tmp_path / "a"), "--ids", "1,2", "--temperature", "0.8",
+             "--top-k", "20", "--top-p", "0.9", "--seed", "3")
+    s2 = run("generate", "--checkpoint", str(tmp_path / "a"), "--ids", "1,2", "--temperature", "0.8",
+             "--top-k", "20", "--top-p", "0.9", "--seed", "3")
+    assert s1.output.splitlines()[0] == s2.output.splitlines()[0]
+
+
+def test_generate_bad_input_errors():
+    r = run("generate", "--preset", "k3-tiny", "--ids", "1,999")
+    assert r.exit_code != 0 and "outside [0, 256)" in r.output
+    r = run("generate", "--preset", "k3-tiny", "--ids", "a,b")
+    assert r.exit_code != 0 and "expected token ids" in r.output
+    r = run("generate", "--preset", "k3-tiny", "--ids", "1", "--top-p", "0")
+    assert r.exit_code != 0 and "top_p must lie in (0, 1]" in r.output
+
+
+def test_init_refuses_full_model(tmp_path):
+    r = run("init", "--preset", "k3", "--out", str(tmp_path / "x"))
+    assert r.exit_code != 0 and "cannot be materialised" in r.output and not (tmp_path / "x").exists()
+
+
+def test_shapes_full_k3_tp8():
+    r = run("shapes", "--preset", "k3", "--tp", "8", "--tokens", "16")
+    assert r.exit_code == 0
+    out = r.output
+    assert "6284 columns, padded to 6288" in out
+    assert "[4608, 3]" in out and "[12, 128, 128]" in out
+    assert "576 latent values vs 30720" in out and "53.3x" in out
+    assert "[16, 8, 7168]" in out
+    j = run("shapes", "--preset", "k3-tiny", "--json", "--tokens", "4")
+    data = json.loads(j.output)
+    assert data["layers"]["MLA + LatentMoE"]["layer"] == 3
+
+
+def test_demo_runs_end_to_end(tmp_path):
+    r = run("demo", "--out", str(tmp_path / "demo"))
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "demo" / "checkpoint" / "model.safetensors").exists()
+    assert json.loads((tmp_path / "demo" / "generate.json").read_text())["tokens"]
