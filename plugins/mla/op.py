@@ -39,3 +39,9 @@ def mla_decode(q: Tensor, cache: Tensor, new_row: Tensor, cache_len: Tensor, sca
 @mla_decode.register_fake
 def _(q, cache, new_row, cache_len, scale, v_dim):
     return q.new_empty(q.shape[0], q.shape[1], v_dim)
+
+
+try:  # the Triton kernels register themselves as the CUDA implementations
+    from . import kernels  # noqa: F401,E402
+except ImportError:
+    pass

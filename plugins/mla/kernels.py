@@ -1,0 +1,299 @@
+"""Triton MLA kernels: the CUDA implementations of `k3::mla_decode` and `k3::mla_prefill` (see CONTRACT.md).
+
+Decode is latent MQA: every query head attends the same 576-wide rows, so one program takes BLOCK_H heads and
+streams a chunk of the cache once for all of them (keys = whole row, values = its first v_dim columns, loaded
+once and used twice). The cache length is split over programs (flash-decoding) so B = 1 at 64k fills the GPU;
+a combine kernel merges the partial softmaxes and folds in the new row. Prefill is causal flash attention with
+d_qk = 192 (loaded as 128 + 64) and d_v = 128 over the old rows (valid below past_len[b]) then the new rows.
+Softmax runs in fp32 (base-2 exponent with the scale folded in); P is rounded to the value dtype for P.V.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .op import mla_decode, mla_prefill
+
+LOG2E = 1.4426950408889634
+
+
+def _pow2(n: int, at_least: int = 16) -> int:
+    return max(at_least, triton.next_power_of_2(n))
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs get exact fp32 products (tf32 would cost ~1e-3); 16-bit inputs ignore the setting."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _sm_count(device: torch.device) -> int:
+    return _num_sms(device.index or 0) if device.type == "cuda" else 8
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+# ---------------------------------------------------------------------------------------------- decode
+# Tunables (the bench sweeps them); chosen per dtype because fp32 tiles take twice the shared memory.
+DECODE_CONFIG = {"block_n": 32, "num_warps": 8, "num_stages": 2, "min_chunk": 256, "waves": 2}
+
+
+@triton.jit
+def mla_decode_fwd_kernel(q, cache, cache_len, o_part, lse_part,
+                          stride_qb, stride_qh, stride_cb, stride_cl,
+                          H, num_splits, qk_scale, V_DIM, R,
+                          BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+                          BLOCK_PE: tl.constexpr, DOT_PREC: tl.constexpr):
+    """One (head block, split, sequence): partial softmax over cache rows [start, end) of sequence b.
+
+    o_part `[B, H, S, BLOCK_V]` fp32 (normalised partial output), lse_part `[B, H, S]` fp32 (log2 domain;
+    -inf for an empty split)."""
+    pid_h = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    b = tl.program_id(2)
+    n = tl.load(cache_len + b).to(tl.int32)
+    chunk = tl.cdiv(tl.cdiv(n, num_splits), BLOCK_N) * BLOCK_N
+    start = pid_s * chunk
+    end = tl.minimum(start + chunk, n)
+
+    heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = heads < H
+    offs_v = tl.arange(0, BLOCK_V)
+    offs_pe = V_DIM + tl.arange(0, BLOCK_PE)
+    v_ok = offs_v < V_DIM
+    pe_ok = offs_pe < R
+    q_row = q + b * stride_qb + heads[:, None] * stride_qh
+    q_v = tl.load(q_row + offs_v[None, :], mask=h_ok[:, None] & v_ok[None, :], other=0.0)     # [BH, BV]
+    q_pe = tl.load(q_row + offs_pe[None, :], mask=h_ok[:, None] & pe_ok[None, :], other=0.0)  # [BH, BPE]
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_V], tl.float32)
+    c_base = cache + b.to(tl.int64) * stride_cb
+    for j0 in range(start, end, BLOCK_N):
+        rows = j0 + tl.arange(0, BLOCK_N)
+        r_ok = rows < end
+        c_row = c_base + rows[:, None].to(tl.int64) * stride_cl
+        kv = tl.load(c_row + offs_v[None, :], mask=r_ok[:, None] & v_ok[None, :], other=0.0)     # [BN, BV]
+        k_pe = tl.load(c_row + offs_pe[None, :], mask=r_ok[:, None] & pe_ok[None, :], other=0.0)  # [BN, BPE]
+        s = tl.dot(q_v, tl.trans(kv), input_precision=DOT_PREC)
+        s = tl.dot(q_pe, tl.trans(k_pe), acc=s, input_precision=DOT_PREC)                       # [BH, BN]
+        s = tl.where(r_ok[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(kv.dtype), kv, acc=acc, input_precision=DOT_PREC)
+        m_i = m_new
+
+    has = l_i > 0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    part = (b * H + heads) * num_splits + pid_s                                                 # [BH]
+    tl.store(o_part + part[:, None].to(tl.int64) * BLOCK_V + offs_v[None, :], out, mask=h_ok[:, None])
+    tl.store(lse_part + part, lse, mask=h_ok)
+
+
+@triton.jit
+def mla_decode_combine_kernel(q, new_row, o_part, lse_part, o,
+                              stride_qb, stride_qh, stride_nb, stride_ob, stride_oh,
+                              H, num_splits, qk_scale, V_DIM, R,
+                              BLOCK_V: tl.constexpr, BLOCK_PE: tl.constexpr, BLOCK_S: tl.constexpr):
+    """One (head, sequence): merge the split partials and the always-attended new row."""
+    h = tl.program_id(0)
+    b = tl.program_id(1)
+    offs_v = tl.arange(0, BLOCK_V)
+    offs_pe = V_DIM + tl.arange(0, BLOCK_PE)
+    v_ok = offs_v < V_DIM
+    pe_ok = offs_pe < R
+    q_v = tl.load(q + b * stride_qb + h * stride_qh + offs_v, mask=v_ok, other=0.0).to(tl.float32)
+    q_pe = tl.load(q + b * stride_qb + h * stride_qh + offs_pe, mask=pe_ok, other=0.0).to(tl.float32)
+    r_v = tl.load(new_row + b * stride_nb + offs_v, mask=v_ok, other=0.0).to(tl.float32)
+    r_pe = tl.load(new_row + b * stride_nb + offs_pe, mask=pe_ok, other=0.0).to(tl.float32)
+    s_new = (tl.sum(q_v * r_v, 0) + tl.sum(q_pe * r_pe, 0)) * qk_scale
+
+    base = (b * H + h) * num_splits
+    offs_s = tl.arange(0, BLOCK_S)
+    lse = tl.load(lse_part + base + offs_s, mask=offs_s < num_splits, other=float("-inf"))
+    m = tl.maximum(tl.max(lse, 0), s_new)
+    w = tl.exp2(lse - m)                                                                       # 0 for empty
+    w_new = tl.exp2(s_new - m)
+    acc = w_new * r_v
+    for i in range(num_splits):
+        w_i = tl.sum(tl.where(offs_s == i, w, 0.0), 0)
+        acc += w_i * tl.load(o_part + (base + i).to(tl.int64) * BLOCK_V + offs_v)
+    out = acc / (tl.sum(w, 0) + w_new)
+    tl.store(o + b * stride_ob + h * stride_oh + offs_v, out.to(o.dtype.element_ty), mask=v_ok)
+
+
+def decode_splits(B: int, H: int, L: int, block_h: int, device: torch.device) -> int:
+    """Splits of the cache length: enough programs for `waves` per SM, no chunk under `min_chunk` rows."""
+    cfg = DECODE_CONFIG
+    programs = B * triton.cdiv(H, block_h)
+    want = triton.cdiv(cfg["waves"] * _sm_count(device), programs)
+    return max(1, min(want, triton.cdiv(max(L, 1), cfg["min_chunk"])))
+
+
+def decode_block_h(H: int) -> int:
+    """Heads per program: the whole latent row is read once per head block, so larger is better until the
+    fp32 accumulator `[BLOCK_H, 512]` no longer fits the registers."""
+    return DECODE_CONFIG.get("block_h") or (16 if H <= 16 else 32)
+
+
+def mla_decode_fwd(q, cache, new_row, cache_len, scale: float, v_dim: int, num_splits: int | None = None):
+    """q `[B, H, R]`, cache `[B, L, R]`, new_row `[B, R]`, cache_len `[B]` -> o `[B, H, v_dim]` in q.dtype."""
+    B, H, R = q.shape
+    L = cache.shape[1]
+    _check(cache.shape[0] == B and cache.shape[2] == R, f"mla_decode: cache {tuple(cache.shape)} must be "
+           f"[B={B}, L, R={R}] like q {tuple(q.shape)}")
+    _check(new_row.shape == (B, R), f"mla_decode: new_row {tuple(new_row.shape)} must be [{B}, {R}]")
+    _check(0 < v_dim < R, f"mla_decode: v_dim {v_dim} must be in (0, R={R})")
+    _check(q.dtype == cache.dtype == new_row.dtype, f"mla_decode: q/cache/new_row dtypes differ: "
+           f"{q.dtype}, {cache.dtype}, {new_row.dtype}")
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    cache = cache if cache.stride(-1) == 1 else cache.contiguous()
+    new_row = new_row.contiguous()
+    cache_len = cache_len.clamp(0, L).to(torch.int32)
+    block_h = decode_block_h(H)
+    S = num_splits or decode_splits(B, H, L, block_h, q.device)
+    BV, BPE = _pow2(v_dim), _pow2(R - v_dim)
+    o_part = torch.empty(B, H, S, BV, device=q.device, dtype=torch.float32)
+    lse_part = torch.empty(B, H, S, device=q.device, dtype=torch.float32)
+    o = torch.empty(B, H, v_dim, device=q.device, dtype=q.dtype)
+    fp32 = q.dtype == torch.float32
+    cfg = DECODE_CONFIG
+    qk_scale = scale * LOG2E
+    mla_decode_fwd_kernel[(triton.cdiv(H, block_h), S, B)](
+        q, cache, cache_len, o_part, lse_part, q.stride(0), q.stride(1), cache.stride(0), cache.stride(1),
+        H, S, qk_scale, v_dim, R, BLOCK_H=block_h, BLOCK_N=16 if fp32 else cfg["block_n"], BLOCK_V=BV,
+        BLOCK_PE=BPE, DOT_PREC=_dot_precision(q.dtype), num_warps=cfg["num_warps"],
+        num_stages=1 if fp32 else cfg["num_stages"])
+    mla_decode_combine_kernel[(H, B)](
+        q, new_row, o_part, lse_part, o, q.stride(0), q.stride(1), new_row.stride(0), o.stride(0), o.stride(1),
+        H, S, qk_scale, v_dim, R, BLOCK_V=BV, BLOCK_PE=BPE, BLOCK_S=_pow2(S, 2), num_warps=4)
+    return o
+
+
+# ---------------------------------------------------------------------------------------------- prefill
+PREFILL_CONFIG = {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3}
+
+
+@triton.jit
+def _attend_block(acc, m_i, l_i, q_a, q_b, k_ptr, v_ptr, cols, ok, stride_ks, stride_vs, qk_scale,
+                  offs_a, offs_b, offs_v, D_QK, D_V, HAS_B: tl.constexpr, DOT_PREC: tl.constexpr):
+    """One key block of online softmax: ok `[BM, BN]` masks scores; cols `[BN]` are row indices into k/v."""
+    col_ok = tl.max(ok.to(tl.int32), 0) > 0
+    k_row = k_ptr + cols[:, None].to(tl.int64) * stride_ks
+    k_a = tl.load(k_row + offs_a[None, :], mask=col_ok[:, None], other=0.0)
+    s = tl.dot(q_a, tl.trans(k_a), input_precision=DOT_PREC)
+    if HAS_B:
+        k_b = tl.load(k_row + offs_b[None, :], mask=col_ok[:, None] & (offs_b[None, :] < D_QK), other=0.0)
+        s = tl.dot(q_b, tl.trans(k_b), acc=s, input_precision=DOT_PREC)
+    s = tl.where(ok, s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    v = tl.load(v_ptr + cols[:, None].to(tl.int64) * stride_vs + offs_v[None, :],
+                mask=col_ok[:, None] & (offs_v[None, :] < D_V), other=0.0)
+    acc = tl.dot(p.to(v.dtype), v, acc=acc * alpha[:, None], input_precision=DOT_PREC)
+    return acc, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def mla_prefill_fwd_kernel(q, k, v, past_len, o,
+                           stride_qb, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
+                           stride_vb, stride_vs, stride_vh, stride_ob, stride_ot, stride_oh,
+                           T, S, H, qk_scale, D_QK, D_V,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr,
+                           BLOCK_B: tl.constexpr, HAS_B: tl.constexpr, BLOCK_V: tl.constexpr,
+                           DOT_PREC: tl.constexpr):
+    """One (query block, sequence x head): old rows j < min(past_len[b], S - T) unmasked, then new rows
+    causally (new row j' visible to query i when j' <= i). Head dim split as BLOCK_A (pow2) + BLOCK_B."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    old = S - T
+    n_old = tl.minimum(tl.load(past_len + b).to(tl.int32), old)
+    n_old = tl.maximum(n_old, 0)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < T
+    offs_a = tl.arange(0, BLOCK_A)
+    offs_b = BLOCK_A + tl.arange(0, BLOCK_B)
+    offs_v = tl.arange(0, BLOCK_V)
+    q_row = q + b.to(tl.int64) * stride_qb + h * stride_qh + offs_m[:, None].to(tl.int64) * stride_qt
+    q_a = tl.load(q_row + offs_a[None, :], mask=m_ok[:, None], other=0.0)
+    q_b = tl.load(q_row + offs_b[None, :], mask=m_ok[:, None] & (offs_b[None, :] < D_QK), other=0.0)
+    k_ptr = k + b.to(tl.int64) * stride_kb + h * stride_kh
+    v_ptr = v + b.to(tl.int64) * stride_vb + h * stride_vh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_V], tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    for j0 in range(0, n_old, BLOCK_N):
+        cols = j0 + offs_n
+        ok = (cols[None, :] < n_old) & (offs_m[:, None] >= 0)
+        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q_a, q_b, k_ptr, v_ptr, cols, ok, stride_ks, stride_vs,
+                                      qk_scale, offs_a, offs_b, offs_v, D_QK, D_V, HAS_B, DOT_PREC)
+    hi = tl.minimum(T, (pid_m + 1) * BLOCK_M)
+    for j0 in range(0, hi, BLOCK_N):
+        cols = j0 + offs_n
+        ok = (cols[None, :] <= offs_m[:, None]) & (cols[None, :] < T)
+        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q_a, q_b, k_ptr, v_ptr, old + cols, ok, stride_ks,
+                                      stride_vs, qk_scale, offs_a, offs_b, offs_v, D_QK, D_V, HAS_B, DOT_PREC)
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o_row = o + b.to(tl.int64) * stride_ob + h * stride_oh + offs_m[:, None].to(tl.int64) * stride_ot
+    tl.store(o_row + offs_v[None, :], out.to(o.dtype.element_ty), mask=m_ok[:, None] & (offs_v[None, :] < D_V))
+
+
+def mla_prefill_fwd(q, k, v, past_len, scale: float):
+    """q `[B, T, H, Dqk]`, k `[B, S, H, Dqk]`, v `[B, S, H, Dv]`, past_len `[B]` -> o `[B, T, H, Dv]`."""
+    B, T, H, D = q.shape
+    S = k.shape[1]
+    _check(k.shape == (B, S, H, D) and S >= T, f"mla_prefill: k {tuple(k.shape)} must be [B={B}, S>=T={T}, "
+           f"H={H}, Dqk={D}]")
+    _check(v.shape[:3] == (B, S, H), f"mla_prefill: v {tuple(v.shape)} must be [{B}, {S}, {H}, Dv]")
+    _check(q.dtype == k.dtype == v.dtype, f"mla_prefill: q/k/v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    Dv = v.shape[-1]
+    o = torch.empty(B, T, H, Dv, device=q.device, dtype=q.dtype)
+    if T == 0:
+        return o
+    block_a = 1 << (D.bit_length() - 1)
+    rest = D - block_a
+    cfg = PREFILL_CONFIG
+    fp32 = q.dtype == torch.float32
+    block_m = min(cfg["block_m"], _pow2(T)) if not fp32 else 32
+    block_n = cfg["block_n"] if not fp32 else 32
+    mla_prefill_fwd_kernel[(triton.cdiv(T, block_m), B * H)](
+        q, k, v, past_len.to(torch.int32), o, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
+        T, S, H, scale * LOG2E, D, Dv, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_A=max(block_a, 16),
+        BLOCK_B=_pow2(max(rest, 1)), HAS_B=rest > 0, BLOCK_V=_pow2(Dv), DOT_PREC=_dot_precision(q.dtype),
+        num_warps=cfg["num_warps"] if not fp32 else 4, num_stages=cfg["num_stages"] if not fp32 else 1)
+    return o
+
+
+# ---------------------------------------------------------------------------------------------- registration
+@mla_decode.register_kernel("cuda")
+def _(q, cache, new_row, cache_len, scale, v_dim):
+    return mla_decode_fwd(q, cache, new_row, cache_len, scale, v_dim)
+
+
+@mla_prefill.register_kernel("cuda")
+def _(q, k, v, past_len, scale):
+    return mla_prefill_fwd(q, k, v, past_len, scale)

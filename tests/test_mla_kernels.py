@@ -1,0 +1,143 @@
+"""Triton MLA kernels (`plugins/mla/kernels.py`) against the plain-torch twins (`plugins/mla/naive.py`).
+
+CPU: the kernels run under TRITON_INTERPRET=1 at tiny shapes, in fp32 and fp16 (triton 3.9's interpreter
+computes bf16 `tl.dot` wrongly, so bf16 is checked on the GPU only). GPU (`cuda`): K3 shapes, 96 and 12 heads,
+caches 1..64k, through `torch.ops.k3.*` (the registered CUDA kernels), bf16.
+
+Error = max |kernel - reference| / max |reference|, the reference in fp64 (CPU) or fp32 (GPU) on the same inputs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+if __name__ == "__main__":  # the interpreter run (see `interp`): the flag must be set before triton is imported
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest
+import torch
+
+from k3export.plugins.mla.naive import mla_decode_attention, mla_prefill_attention
+
+# Named bounds. fp32: reordered fp32 sums over <= 576-wide dots and a few thousand rows.
+FP32_BOUND = 1e-5
+# fp16 (CPU): P and the output are rounded to fp16 once each (2^-11 relative), inputs shared with the reference.
+FP16_BOUND = 3e-3
+# bf16 (GPU): P and the output are rounded to bf16 once each (2^-8 relative each).
+BF16_BOUND = 1e-2
+SCALE = 1.0 / math.sqrt(192)
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+
+
+def _rel(out, ref):
+    return ((out.double() - ref.double()).abs().max() / ref.double().abs().max()).item()
+
+
+def _interpreter_cases() -> dict:
+    """Every CPU case, run in this process under TRITON_INTERPRET=1 -> {case: relative error}."""
+    from k3export.plugins.mla.kernels import mla_decode_fwd, mla_prefill_fwd
+    res = {}
+    for name, dt in DTYPES.items():
+        torch.manual_seed(0)
+        B, H, R, L = 3, 5, 576, 70
+        q, cache, row = (torch.randn(*s).to(dt) for s in ((B, H, R), (B, L, R), (B, R)))
+        cache_len = torch.tensor([0, 37, 70])                  # empty cache, partial, full
+        ref = mla_decode_attention(q.double(), cache.double(), row.double(), cache_len, SCALE, 512)
+        for splits in (1, 3, 8):                                # 8 splits of 70 rows: some splits are empty
+            out = mla_decode_fwd(q, cache, row, cache_len, SCALE, 512, num_splits=splits)
+            assert out.dtype == dt and out.shape == (B, H, 512)
+            res[f"decode-{name}-splits{splits}"] = _rel(out, ref)
+        torch.manual_seed(1)
+        B, T, H, D, Dv, Lc = 2, 40, 3, 24, 16, 13              # D = 16 + 8: the split head dim, as 192 = 128 + 64
+        q, k, v = (torch.randn(*s).to(dt) for s in ((B, T, H, D), (B, Lc + T, H, D), (B, Lc + T, H, Dv)))
+        past_len = torch.tensor([5, 13])
+        out = mla_prefill_fwd(q, k, v, past_len, 0.2)
+        assert out.shape == (B, T, H, Dv) and out.dtype == dt
+        res[f"prefill-{name}"] = _rel(out, mla_prefill_attention(q.double(), k.double(), v.double(), past_len, 0.2))
+    q, k, v = (torch.randn(1, 33, 2, 16) for _ in range(3))
+    out = mla_prefill_fwd(q, k, v, torch.tensor([0]), 0.25)    # no old rows at all
+    res["prefill-fp32-no-old"] = _rel(out, mla_prefill_attention(q.double(), k.double(), v.double(),
+                                                                  torch.tensor([0]), 0.25))
+    try:
+        mla_decode_fwd(torch.randn(1, 2, 40), torch.randn(1, 4, 40), torch.randn(1, 39), torch.tensor([1]), 1.0, 32)
+        res["bad-shape-named"] = 0.0
+    except ValueError as e:
+        res["bad-shape-named"] = float("new_row" in str(e))
+    return res
+
+
+@pytest.fixture(scope="module")
+def interp():
+    """`triton.jit` (and triton's own library functions) pick the interpreter when triton is first imported, so
+    the CPU cases run in a fresh process with TRITON_INTERPRET=1 set before that import."""
+    run = subprocess.run([sys.executable, __file__], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case,bound", [(f"decode-{n}-splits{s}", b) for n, b in (("fp32", FP32_BOUND),
+                                        ("fp16", FP16_BOUND)) for s in (1, 3, 8)]
+                         + [("prefill-fp32", FP32_BOUND), ("prefill-fp16", FP16_BOUND),
+                            ("prefill-fp32-no-old", FP32_BOUND)])
+def test_interpreted(interp, case, bound):
+    assert interp[case] < bound, interp
+
+
+def test_bad_shapes_are_named(interp):
+    assert interp["bad-shape-named"] == 1.0
+
+
+# ---------------------------------------------------------------------------------------------- GPU, K3 shapes
+@pytest.mark.cuda
+@pytest.mark.parametrize("H", [96, 12])
+@pytest.mark.parametrize("B,L", [(2, 1), (3, 1000), (2, 4097), (1, 65536), (2, 65536), (64, 2048)])
+def test_decode_k3_shapes(H, B, L):
+    torch.manual_seed(3)
+    dev, dt = "cuda", torch.bfloat16
+    q = torch.randn(B, H, 576, device=dev, dtype=dt)
+    cache = torch.randn(B, L, 576, device=dev, dtype=dt)
+    row = torch.randn(B, 576, device=dev, dtype=dt)
+    cache_len = torch.randint(0, L + 1, (B,), device=dev)
+    cache_len[0] = L                                            # a full cache in every case
+    if B > 1:
+        cache_len[1] = 0                                        # and an empty one (only the new row)
+    out = torch.ops.k3.mla_decode(q, cache, row, cache_len, SCALE, 512)
+    ref = mla_decode_attention(q.float(), cache.float(), row.float(), cache_len, SCALE, 512)
+    err = _rel(out, ref)
+    print(f"mla_decode H={H} B={B} L={L}: rel err {err:.2e}")
+    assert out.dtype == dt and err < BF16_BOUND
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("H,B,T,Lc", [(96, 1, 1000, 500), (12, 2, 4096, 0), (12, 2, 300, 2000), (96, 2, 129, 7)])
+def test_prefill_k3_shapes(H, B, T, Lc):
+    torch.manual_seed(4)
+    dev, dt = "cuda", torch.bfloat16
+    q = torch.randn(B, T, H, 192, device=dev, dtype=dt)
+    k = torch.randn(B, Lc + T, H, 192, device=dev, dtype=dt)
+    v = torch.randn(B, Lc + T, H, 128, device=dev, dtype=dt)
+    past_len = torch.randint(0, Lc + 1, (B,), device=dev)
+    past_len[0] = Lc
+    out = torch.ops.k3.mla_prefill(q, k, v, past_len, SCALE)
+    ref = mla_prefill_attention(q.float(), k.float(), v.float(), past_len, SCALE)
+    err = _rel(out, ref)
+    print(f"mla_prefill H={H} B={B} T={T} Lc={Lc}: rel err {err:.2e}")
+    assert out.dtype == dt and err < BF16_BOUND
+
+
+@pytest.mark.cuda
+def test_decode_fp32_gpu():
+    torch.manual_seed(5)
+    q, cache, row = (torch.randn(*s, device="cuda") for s in ((2, 96, 576), (2, 3000, 576), (2, 576)))
+    cache_len = torch.tensor([3000, 17], device="cuda")
+    out = torch.ops.k3.mla_decode(q, cache, row, cache_len, SCALE, 512)
+    ref = mla_decode_attention(q.double(), cache.double(), row.double(), cache_len, SCALE, 512)
+    assert _rel(out, ref) < FP32_BOUND, _rel(out, ref)
+
+
+if __name__ == "__main__":
+    print(json.dumps(_interpreter_cases()))
