@@ -59,9 +59,16 @@ def kda_decode(qkv: Tensor, conv_state: Tensor, conv_weight: Tensor, f: Tensor, 
     qn, kn, gate, beta = kda_inputs(q, k, f.view(B, H, K), b, A_log, dt_bias, lower_bound)
     o, S = kda_step(qn, kn, v.to(qn.dtype), gate, beta, state.to(qn.dtype))
     o = head_rmsnorm_gate(o.to(qkv.dtype), o_norm_weight, g.view(B, H, K), eps)
-    return o.reshape(B, H * K).to(qkv.dtype), window[..., 1:].to(conv_state.dtype), S.to(state.dtype)
+    # contiguous: compiled graphs (Inductor/AOTI) assume the fake's strides for the outputs
+    return o.reshape(B, H * K).to(qkv.dtype), window[..., 1:].to(conv_state.dtype).contiguous(), S.to(state.dtype)
 
 
 @kda_decode.register_fake
 def _(qkv, conv_state, conv_weight, f, b, g, A_log, dt_bias, o_norm_weight, state, lower_bound, eps):
     return (qkv.new_empty(qkv.shape[0], qkv.shape[1] // 3), torch.empty_like(conv_state), torch.empty_like(state))
+
+
+try:  # Triton kernels register themselves as the CUDA implementations of both ops (kernels.py)
+    from . import kernels  # noqa: E402,F401
+except ImportError:  # no triton: every device keeps the reference above
+    pass
