@@ -1,0 +1,42 @@
+"""The measured ceilings that benchmarks report against: device copy bandwidth and the bf16 matmul rate.
+
+Measured in the same run as the kernel they judge (never copied from a table), with `triton.testing.do_bench`
+medians; do_bench flushes L2 between repetitions, so memory-bound kernels are timed from HBM.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+def bench_ms(fn, rep: int = 100) -> float:
+    """Median milliseconds of fn() (L2 flushed between calls)."""
+    from triton.testing import do_bench
+    return float(do_bench(fn, warmup=10, rep=rep, return_mode="median"))
+
+
+@functools.lru_cache(maxsize=None)
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    """Bytes/s of a device-to-device copy (read + write counted) of nbytes."""
+    a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    b = torch.empty_like(a)
+    ms = bench_ms(lambda: b.copy_(a))
+    del a, b
+    return 2 * nbytes / (ms * 1e-3)
+
+
+@functools.lru_cache(maxsize=None)
+def matmul_rate(n: int = 8192) -> float:
+    """FLOP/s of an n^3 bf16 matmul on random data."""
+    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    ms = bench_ms(lambda: a @ b)
+    return 2 * n ** 3 / (ms * 1e-3)
+
+
+def machine() -> str:
+    p = torch.cuda.get_device_properties(0)
+    import triton
+    return f"{p.name} ({p.multi_processor_count} SMs), torch {torch.__version__}, triton {triton.__version__}"

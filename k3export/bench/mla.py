@@ -1,0 +1,133 @@
+"""`k3export bench mla`: MLA latent decode (and prefill) kernels against the cache-bytes floor, eager and SDPA.
+
+Decode reads each cache row (576 bf16) once per head block; the floor is cache bytes / copy bandwidth. With 96
+heads the kernel also does 96 * (576 + 512) * 2 = 209 kFLOP per 1152-byte row (181 FLOP/byte), close to the
+H200's bf16 ridge: at 96 heads the ceiling is the tensor cores as much as memory. 12 heads (TP=8) is memory-bound.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+from pathlib import Path
+
+import click
+import torch
+
+from k3export.bench import bench
+from k3export.bench.ceilings import bench_ms, copy_bandwidth, machine
+
+SCALE = 1.0 / math.sqrt(192)
+
+
+def _decode_inputs(B, H, L):
+    q = torch.randn(B, H, 576, device="cuda", dtype=torch.bfloat16)
+    cache = torch.randn(B, L, 576, device="cuda", dtype=torch.bfloat16)
+    row = torch.randn(B, 576, device="cuda", dtype=torch.bfloat16)
+    return q, cache, row, torch.full((B,), L, device="cuda", dtype=torch.int64)
+
+
+def sweep_decode(H: int, B: int, L: int) -> list[dict]:
+    """Time a few DECODE_CONFIG variants at one shape; leaves the best in DECODE_CONFIG."""
+    from k3export.plugins.mla import kernels as K
+    q, cache, row, cl = _decode_inputs(B, H, L)
+    base = dict(K.DECODE_CONFIG)
+    variants = [dict(block_h=bh, block_n=bn, num_warps=w, num_stages=s)
+                for bh, bn, w, s in ((16, 32, 4, 2), (32, 32, 8, 2), (32, 64, 8, 2), (64, 32, 8, 2),
+                                     (16, 64, 4, 3), (32, 32, 4, 3))
+                if not (H <= 16 and bh > 16)]
+    rows, best = [], (float("inf"), base)
+    for v in variants:
+        K.DECODE_CONFIG.update(base | v)
+        try:
+            ms = bench_ms(lambda: K.mla_decode_fwd(q, cache, row, cl, SCALE, 512), rep=50)
+        except Exception as e:  # out of shared memory / registers for this tile: report and skip
+            rows.append({**v, "error": type(e).__name__})
+            continue
+        rows.append({**v, "ms": ms})
+        best = min(best, (ms, base | v), key=lambda t: t[0])
+    K.DECODE_CONFIG.clear()
+    K.DECODE_CONFIG.update(best[1])
+    return rows
+
+
+def decode_rows(heads, batches, lengths, bw, baselines_up_to: int) -> list[dict]:
+    from k3export.plugins.mla.kernels import mla_decode_fwd
+    from k3export.plugins.mla.naive import mla_decode_attention
+    out = []
+    for H in heads:
+        for B in batches:
+            for L in lengths:
+                if B * L * 576 * 2 > 12e9:
+                    continue
+                q, cache, row, cl = _decode_inputs(B, H, L)
+                ms = bench_ms(lambda: mla_decode_fwd(q, cache, row, cl, SCALE, 512))
+                nbytes = cache.numel() * 2
+                r = {"H": H, "B": B, "L": L, "ms": ms, "GB/s": nbytes / ms / 1e6,
+                     "frac_copy": nbytes / (ms * 1e-3) / bw, "TFLOP/s": B * L * H * (576 + 512) * 2 / ms / 1e9}
+                if B * L <= baselines_up_to:
+                    r["eager_ms"] = bench_ms(lambda: mla_decode_attention(q, cache, row, cl, SCALE, 512), rep=20)
+                    if B * L * H * 320 * 2 <= 16e9:   # expanded per-head K (192) and V (128) for the history
+                        k = torch.randn(B, H, L + 1, 192, device="cuda", dtype=torch.bfloat16)
+                        v = torch.randn(B, H, L + 1, 128, device="cuda", dtype=torch.bfloat16)
+                        qe = torch.randn(B, H, 1, 192, device="cuda", dtype=torch.bfloat16)
+                        sdpa = torch.nn.functional.scaled_dot_product_attention
+                        r["sdpa_expanded_ms"] = bench_ms(lambda: sdpa(qe, k, v, scale=SCALE), rep=20)
+                        del k, v
+                out.append(r)
+                print("  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()),
+                      flush=True)
+                del q, cache
+                torch.cuda.empty_cache()
+    return out
+
+
+def prefill_rows(bw_flops=None) -> list[dict]:
+    from k3export.plugins.mla.kernels import mla_prefill_fwd
+    out = []
+    for H, T, Lc in ((96, 4096, 0), (96, 8192, 0), (12, 16384, 0), (96, 4096, 4096)):
+        q = torch.randn(1, T, H, 192, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(1, Lc + T, H, 192, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(1, Lc + T, H, 128, device="cuda", dtype=torch.bfloat16)
+        pl = torch.full((1,), Lc, device="cuda", dtype=torch.int64)
+        ms = bench_ms(lambda: mla_prefill_fwd(q, k, v, pl, SCALE), rep=30)
+        pairs = T * Lc + T * (T + 1) / 2                        # (query, key) pairs attended
+        flops = pairs * H * (192 + 128) * 2
+        r = {"H": H, "T": T, "Lc": Lc, "ms": ms, "TFLOP/s": flops / ms / 1e9}
+        qs, ks, vs = (t.transpose(1, 2) for t in (q, k, v))
+        if Lc == 0:
+            sdpa = torch.nn.functional.scaled_dot_product_attention
+            r["sdpa_causal_ms"] = bench_ms(lambda: sdpa(qs, ks, vs, is_causal=True, scale=SCALE), rep=30)
+        out.append(r)
+        print("  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()), flush=True)
+    return out
+
+
+@bench.command("mla")
+@click.option("--out", type=click.Path(path_type=Path), default=Path("out/bench"), show_default=True)
+@click.option("--quick", is_flag=True, help="fewer shapes")
+def mla(out: Path, quick: bool) -> None:
+    """MLA decode: B in 1..128, cache 1k..64k, 96 and 12 heads, cache bytes vs copy bandwidth; vs eager and
+    vs SDPA on the expanded (per-head K/V) form. Prefill: TFLOP/s vs SDPA causal."""
+    out.mkdir(parents=True, exist_ok=True)
+    bw = copy_bandwidth()
+    print(f"{machine()}; copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    sweep = {H: sweep_decode(H, 32, 16384) for H in (96, 12)} if not quick else {}
+    print("decode config sweep (B=32, L=16k):", json.dumps(sweep), flush=True)
+    from k3export.plugins.mla.kernels import DECODE_CONFIG
+    print("decode config used (last sweep):", DECODE_CONFIG, flush=True)
+    batches = (1, 8, 32, 128) if not quick else (1, 32)
+    lengths = (1024, 8192, 65536) if not quick else (1024, 65536)
+    res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "machine": machine(), "copy_TBps": bw / 1e12, "sweep": sweep, "config": dict(DECODE_CONFIG)}
+    rows = []
+    for H in (96, 12):
+        if sweep.get(H):   # the best config for this head count
+            best = min((r for r in sweep[H] if "ms" in r), key=lambda r: r["ms"])
+            DECODE_CONFIG.update({k: best[k] for k in ("block_h", "block_n", "num_warps", "num_stages")})
+        rows += decode_rows((H,), batches, lengths, bw, baselines_up_to=256 * 1024)
+    res["decode"] = rows
+    res["prefill"] = prefill_rows()
+    (out / "mla.json").write_text(json.dumps(res, indent=1))
+    print(f"wrote {out / 'mla.json'}")
