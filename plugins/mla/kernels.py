@@ -6,6 +6,7 @@ once and used twice). The cache length is split over programs (flash-decoding) s
 a combine kernel merges the partial softmaxes and folds in the new row. Prefill is causal flash attention with
 d_qk = 192 (loaded as 128 + 64) and d_v = 128 over the old rows (valid below past_len[b]) then the new rows.
 Softmax runs in fp32 (base-2 exponent with the scale folded in); P is rounded to the value dtype for P.V.
+Kernel parameters are ordered inputs..., scalars..., outputs... (TensorRT AOT plugins need that order).
 """
 
 from __future__ import annotations
@@ -51,9 +52,10 @@ DECODE_CONFIG = {"block_n": 32, "num_warps": 8, "num_stages": 2, "min_chunk": 25
 
 
 @triton.jit
-def mla_decode_fwd_kernel(q, cache, cache_len, o_part, lse_part,
+def mla_decode_fwd_kernel(q, cache, cache_len,
                           stride_qb, stride_qh, stride_cb, stride_cl,
                           H, num_splits, qk_scale, V_DIM, R,
+                          o_part, lse_part,
                           BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
                           BLOCK_PE: tl.constexpr, DOT_PREC: tl.constexpr):
     """One (head block, split, sequence): partial softmax over cache rows [start, end) of sequence b.
@@ -108,9 +110,10 @@ def mla_decode_fwd_kernel(q, cache, cache_len, o_part, lse_part,
 
 
 @triton.jit
-def mla_decode_combine_kernel(q, new_row, o_part, lse_part, o,
+def mla_decode_combine_kernel(q, new_row, o_part, lse_part,
                               stride_qb, stride_qh, stride_nb, stride_ob, stride_oh,
                               H, num_splits, qk_scale, V_DIM, R,
+                              o,
                               BLOCK_V: tl.constexpr, BLOCK_PE: tl.constexpr, BLOCK_S: tl.constexpr):
     """One (head, sequence): merge the split partials and the always-attended new row."""
     h = tl.program_id(0)
@@ -177,13 +180,13 @@ def mla_decode_fwd(q, cache, new_row, cache_len, scale: float, v_dim: int, num_s
     cfg = DECODE_CONFIG
     qk_scale = scale * LOG2E
     mla_decode_fwd_kernel[(triton.cdiv(H, block_h), S, B)](
-        q, cache, cache_len, o_part, lse_part, q.stride(0), q.stride(1), cache.stride(0), cache.stride(1),
-        H, S, qk_scale, v_dim, R, BLOCK_H=block_h, BLOCK_N=16 if fp32 else cfg["block_n"], BLOCK_V=BV,
+        q, cache, cache_len, q.stride(0), q.stride(1), cache.stride(0), cache.stride(1),
+        H, S, qk_scale, v_dim, R, o_part, lse_part, BLOCK_H=block_h, BLOCK_N=16 if fp32 else cfg["block_n"], BLOCK_V=BV,
         BLOCK_PE=BPE, DOT_PREC=_dot_precision(q.dtype), num_warps=cfg["num_warps"],
         num_stages=1 if fp32 else cfg["num_stages"])
     mla_decode_combine_kernel[(H, B)](
-        q, new_row, o_part, lse_part, o, q.stride(0), q.stride(1), new_row.stride(0), o.stride(0), o.stride(1),
-        H, S, qk_scale, v_dim, R, BLOCK_V=BV, BLOCK_PE=BPE, BLOCK_S=_pow2(S, 2), num_warps=4)
+        q, new_row, o_part, lse_part, q.stride(0), q.stride(1), new_row.stride(0), o.stride(0), o.stride(1),
+        H, S, qk_scale, v_dim, R, o, BLOCK_V=BV, BLOCK_PE=BPE, BLOCK_S=_pow2(S, 2), num_warps=4)
     return o
 
 
@@ -214,10 +217,11 @@ def _attend_block(acc, m_i, l_i, q_a, q_b, k_ptr, v_ptr, cols, ok, stride_ks, st
 
 
 @triton.jit
-def mla_prefill_fwd_kernel(q, k, v, past_len, o,
+def mla_prefill_fwd_kernel(q, k, v, past_len,
                            stride_qb, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
                            stride_vb, stride_vs, stride_vh, stride_ob, stride_ot, stride_oh,
                            T, S, H, qk_scale, D_QK, D_V,
+                           o,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr,
                            BLOCK_B: tl.constexpr, HAS_B: tl.constexpr, BLOCK_V: tl.constexpr,
                            DOT_PREC: tl.constexpr):
@@ -281,8 +285,8 @@ def mla_prefill_fwd(q, k, v, past_len, scale: float):
     block_m = min(cfg["block_m"], _pow2(T)) if not fp32 else 32
     block_n = cfg["block_n"] if not fp32 else 32
     mla_prefill_fwd_kernel[(triton.cdiv(T, block_m), B * H)](
-        q, k, v, past_len.to(torch.int32), o, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
-        T, S, H, scale * LOG2E, D, Dv, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_A=max(block_a, 16),
+        q, k, v, past_len.to(torch.int32), *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
+        T, S, H, scale * LOG2E, D, Dv, o, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_A=max(block_a, 16),
         BLOCK_B=_pow2(max(rest, 1)), HAS_B=rest > 0, BLOCK_V=_pow2(Dv), DOT_PREC=_dot_precision(q.dtype),
         num_warps=cfg["num_warps"] if not fp32 else 4, num_stages=cfg["num_stages"] if not fp32 else 1)
     return o
