@@ -1,0 +1,165 @@
+"""FP8 (E4M3) inference: quantized linears and expert banks that swap in after the model is built.
+
+The model code never branches on precision: `quantize_model(model, scales)` replaces each `nn.Linear` named in a
+scales file (written by `k3export calibrate`) with an `FP8Linear`, and each routed expert bank with FP8 storage
+(`k3export.fp8_moe`). An FP8 GEMM is one op, `k3::fp8_linear`:
+
+    y = (q(x / s_x) * s_x) @ (W_q * s_w)^T        q = round-to-nearest E4M3, saturating at +-448
+
+Its default implementation (every device) is the dequantizing reference below; on CUDA, when the GEMM meets the
+cuBLASLt FP8 constraints (K and N multiples of 16), it is a real `torch._scaled_mm` (tensor-wise scales, or
+row-wise when the weight scales are per output channel). Weights are stored as float8_e4m3fn, never fake-quant.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from k3export.plugins.kda.naive import acc_dtype
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0        # largest finite E4M3 value; casts beyond it give NaN, so quantize() saturates first
+
+
+def scale_from_amax(amax: Tensor) -> Tensor:
+    """fp32 scale s with amax / s = 448 (an all-zero tensor gets s = 1: any scale represents it)."""
+    amax = amax.float()
+    return torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+
+
+def quantize(x: Tensor, scale: Tensor) -> Tensor:
+    """x / scale rounded to E4M3, saturating at +-448. scale broadcasts against x (fp32)."""
+    return (x.to(acc_dtype(x)) / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def weight_amax(w: Tensor, per_channel: bool) -> Tensor:
+    """|w| max over the input dim: `[..., out]` per output channel, else one per matrix (`[...]`).
+    w `[..., out, in]` (a stacked expert bank keeps its leading dims)."""
+    a = w.detach().abs().amax(-1).float()
+    return a if per_channel else a.amax(-1)
+
+
+def _dequant_weight(w: Tensor, w_scale: Tensor, dt: torch.dtype) -> Tensor:
+    """w `[N, K]` fp8, w_scale `[N]` or `[]` -> `[N, K]` in dt."""
+    s = w_scale.to(dt)
+    return w.to(dt) * (s[:, None] if s.dim() else s)
+
+
+def fp8_linear_ref(x: Tensor, x_scale: Tensor, w: Tensor, w_scale: Tensor) -> Tensor:
+    """The reference FP8 GEMM: quantize x, dequantize both, multiply in at least fp32. -> `[M, N]` in x.dtype."""
+    dt = acc_dtype(x)
+    xd = quantize(x, x_scale).to(dt) * x_scale.to(dt)
+    return (xd @ _dequant_weight(w, w_scale, dt).T).to(x.dtype)
+
+
+@torch.library.custom_op("k3::fp8_linear", mutates_args=())
+def fp8_linear(x: Tensor, x_scale: Tensor, w: Tensor, w_scale: Tensor) -> Tensor:
+    """FP8 GEMM with a static per-tensor activation scale.
+
+    x `[M, K]` (any float dtype, quantized inside), x_scale `[]` fp32, w `[N, K]` float8_e4m3fn, w_scale `[N]`
+    (per output channel) or `[]` fp32. Returns `[M, N]` in x.dtype; accumulation in fp32 (or wider).
+    """
+    return fp8_linear_ref(x, x_scale, w, w_scale)
+
+
+@fp8_linear.register_fake
+def _(x, x_scale, w, w_scale):
+    return x.new_empty(x.shape[0], w.shape[0])
+
+
+def scaled_mm_ok(x: Tensor, w: Tensor) -> bool:
+    """cuBLASLt FP8 needs K and N to be multiples of 16 (M is free)."""
+    return x.shape[1] % 16 == 0 and w.shape[0] % 16 == 0
+
+
+@fp8_linear.register_kernel("cuda")
+def _(x, x_scale, w, w_scale):
+    if not scaled_mm_ok(x, w):
+        return fp8_linear_ref(x, x_scale, w, w_scale)
+    M, N = x.shape[0], w.shape[0]
+    xq = quantize(x, x_scale)
+    sa = x_scale.float().reshape(())
+    if w_scale.dim() == 0:                                  # tensor-wise: any output dtype
+        out_dt = x.dtype if x.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
+        return torch._scaled_mm(xq, w.t(), scale_a=sa, scale_b=w_scale.float(), out_dtype=out_dt).to(x.dtype)
+    # row-wise (per output channel): cuBLAS/CUTLASS want [M, 1] and [1, N] fp32 scales and a bf16 output
+    y = torch._scaled_mm(xq, w.t(), scale_a=sa.expand(M, 1).contiguous(), scale_b=w_scale.float().view(1, N),
+                         out_dtype=torch.bfloat16)
+    return y.to(x.dtype)
+
+
+class FP8Linear(nn.Module):
+    """Drop-in for a bias-free `nn.Linear`: E4M3 weight `[out, in]`, fp32 weight scale (`[out]` or `[]`) and a
+    static fp32 input scale, all buffers (they travel with `state_dict`, `.to()` and export)."""
+
+    def __init__(self, in_features: int, out_features: int, per_channel: bool = True, out_dtype=torch.bfloat16,
+                 device=None):
+        super().__init__()
+        self.in_features, self.out_features, self.out_dtype = in_features, out_features, out_dtype
+        self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=FP8, device=device))
+        self.register_buffer("weight_scale", torch.ones((out_features,) if per_channel else (), device=device))
+        self.register_buffer("input_scale", torch.ones((), device=device))
+
+    @classmethod
+    @torch.no_grad()
+    def from_linear(cls, linear: nn.Linear, input_scale: Tensor, weight_scale: Tensor) -> "FP8Linear":
+        if linear.bias is not None:
+            raise ValueError("FP8Linear covers the bias-free linears of K3; this one has a bias")
+        w = linear.weight
+        m = cls(linear.in_features, linear.out_features, per_channel=weight_scale.dim() == 1, out_dtype=w.dtype,
+                device=w.device)
+        m.weight_scale.copy_(weight_scale.float())
+        m.input_scale.copy_(input_scale.float().reshape(()))
+        ws = m.weight_scale[:, None] if m.weight_scale.dim() else m.weight_scale
+        m.qweight.copy_(quantize(w, ws))
+        return m
+
+    @property
+    def weight(self) -> Tensor:
+        """The dequantized weight `[out, in]` in the original dtype, for code that reads a weight as a matrix."""
+        return _dequant_weight(self.qweight, self.weight_scale, acc_dtype(self.input_scale)).to(self.out_dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x `[..., in]` -> `[..., out]` in x.dtype."""
+        y = fp8_linear(x.reshape(-1, self.in_features), self.input_scale, self.qweight, self.weight_scale)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        g = "per-channel" if self.weight_scale.dim() else "per-tensor"
+        return f"in={self.in_features}, out={self.out_features}, e4m3 weights ({g}), static input scale"
+
+
+def quantized_modules(scales: dict[str, Tensor]) -> dict[str, str]:
+    """Module name -> kind ('linear' or 'experts') for every module a scales file covers."""
+    out = {}
+    for key in scales:
+        name, _, leaf = key.rpartition(".")
+        if leaf == "weight_scale":
+            out[name] = "linear"
+        elif leaf == "w13_scale":
+            out[name] = "experts"
+    return out
+
+
+@torch.no_grad()
+def quantize_model(model: nn.Module, scales: dict[str, Tensor]) -> dict[str, int]:
+    """Swap, in place, every module named in `scales` (a `k3export calibrate` scales file) for its FP8 form.
+    Returns counts {'linear': n, 'experts': n}. Raises KeyError naming a module the model lacks."""
+    from k3export.fp8_moe import quantize_latent_moe
+    counts = {"linear": 0, "experts": 0}
+    mods = dict(model.named_modules())
+    for name, kind in quantized_modules(scales).items():
+        if name not in mods:
+            raise KeyError(f"the scales file names module '{name}', which this model does not have "
+                           "(scales calibrated for another config?)")
+        dev = mods[name].parameters().__next__().device if kind == "experts" else mods[name].weight.device
+        s = {k[len(name) + 1:]: v.to(dev) for k, v in scales.items() if k.startswith(name + ".")}
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        if kind == "linear":
+            setattr(parent, attr, FP8Linear.from_linear(mods[name], s["input_scale"], s["weight_scale"]))
+        else:
+            quantize_latent_moe(parent, s)
+        counts[kind] += 1
+    return counts

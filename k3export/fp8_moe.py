@@ -1,0 +1,135 @@
+"""FP8 routed experts: E4M3 expert banks inside the LatentMoE path, swapped in after the model is built.
+
+`quantize_latent_moe` replaces a `LatentMoE`'s `ExpertBank` with an `FP8ExpertBank` (w1|w3 stacked as w13
+`[E, 2I, L]`, w2 `[E, L, I]`, fp32 scales per expert and output channel or per expert) and makes the module an
+`FP8LatentMoE`, whose forward calls `k3::moe_routed_fp8` instead of `k3::moe_routed`. Same routing (fp32
+router, unchanged), same latent norm and up projection around it.
+
+`k3::moe_routed_fp8` per hit expert e and its tokens t:
+
+    y13 = fp8_linear(z[t], s_z, w13[e], s13[e]);  h = SiTU_GLU(y13[:, :I], y13[:, I:])
+    u[t] += w_te * fp8_linear(h, s_h, w2[e], s2[e])
+
+Default implementation (every device): sort tokens by expert and run each hit expert's two FP8 GEMMs through
+`k3::fp8_linear`. CUDA: a Triton grouped GEMM over expert-sorted blocks of pairs with E4M3 weight tiles
+(`k3export.fp8_moe_kernels`), without host sync, so decode CUDA graphs capture it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from k3export.fp8 import FP8, fp8_linear, quantize, scale_from_amax, weight_amax
+from k3export.model.moe import LatentMoE
+from k3export.plugins.kda.naive import acc_dtype
+from k3export.plugins.moe.naive import route, situ_glu
+
+
+class FP8ExpertBank(nn.Module):
+    """Routed experts in E4M3. w13 `[E, 2I, L]` (w1 rows then w3 rows), w2 `[E, L, I]`; weight scales `[E, out]`
+    (per channel) or `[E]`; static input scales for the latent z (w13) and the SiTU-GLU output h (w2)."""
+
+    def __init__(self, E: int, I: int, L: int, per_channel: bool = True, device=None):
+        super().__init__()
+        self.register_buffer("w13", torch.zeros(E, 2 * I, L, dtype=FP8, device=device))
+        self.register_buffer("w2", torch.zeros(E, L, I, dtype=FP8, device=device))
+        self.register_buffer("w13_scale", torch.ones((E, 2 * I) if per_channel else (E,), device=device))
+        self.register_buffer("w2_scale", torch.ones((E, L) if per_channel else (E,), device=device))
+        self.register_buffer("w13_input_scale", torch.ones((), device=device))
+        self.register_buffer("w2_input_scale", torch.ones((), device=device))
+
+
+def _expand(s: Tensor, w: Tensor) -> Tensor:
+    return s[..., None] if s.dim() == w.dim() - 1 else s.view(-1, *([1] * (w.dim() - 1)))
+
+
+@torch.no_grad()
+def quantize_latent_moe(moe: LatentMoE, s: dict[str, Tensor]) -> None:
+    """In place: moe.experts -> FP8ExpertBank from the bank's scales-file entries `s` (keys relative to the
+    bank: 'w13_scale', 'w2_scale', 'w13_input_scale', 'w2_input_scale'), and moe becomes an FP8LatentMoE."""
+    bank = moe.experts
+    E, I, L = bank.w1.shape
+    per_channel = s["w13_scale"].dim() == 2
+    q = FP8ExpertBank(E, I, L, per_channel, device=bank.w1.device)
+    w13 = torch.cat([bank.w1, bank.w3], dim=1)                                     # [E, 2I, L]
+    q.w13_scale.copy_(s["w13_scale"])
+    q.w2_scale.copy_(s["w2_scale"])
+    q.w13.copy_(quantize(w13, _expand(q.w13_scale, w13)))
+    q.w2.copy_(quantize(bank.w2, _expand(q.w2_scale, bank.w2)))
+    q.w13_input_scale.copy_(s["w13_input_scale"])
+    q.w2_input_scale.copy_(s["w2_input_scale"])
+    moe.experts = q
+    moe.__class__ = FP8LatentMoE
+
+
+def expert_weight_scales(w1: Tensor, w3: Tensor, w2: Tensor, per_channel: bool) -> dict[str, Tensor]:
+    """Weight scales of a bank as the scales file stores them: w13 `[E, 2I]` / `[E]`, w2 `[E, L]` / `[E]`."""
+    w13 = torch.cat([w1, w3], dim=1)
+    return {"w13_scale": scale_from_amax(weight_amax(w13, per_channel)),
+            "w2_scale": scale_from_amax(weight_amax(w2, per_channel))}
+
+
+class FP8LatentMoE(LatentMoE):
+    """LatentMoE whose routed experts run in FP8 (`k3::moe_routed_fp8`); made by `quantize_latent_moe`."""
+
+    def forward(self, x):
+        """x `[N, d]` -> `[N, d]`."""
+        z = self.routed_expert_down_proj(x)                                          # [N, L]
+        e = self.experts
+        u = moe_routed_fp8(x, z, self.gate.weight, self.gate.e_score_correction_bias, e.w13, e.w2, e.w13_scale,
+                           e.w2_scale, e.w13_input_scale, e.w2_input_scale, **self.routing)
+        return self._finish(x, u)
+
+    forward_naive = forward
+
+
+@torch.library.custom_op("k3::moe_routed_fp8", mutates_args=())
+def moe_routed_fp8(x: Tensor, z: Tensor, gate_weight: Tensor, bias: Tensor, w13: Tensor, w2: Tensor,
+                   w13_scale: Tensor, w2_scale: Tensor, z_scale: Tensor, h_scale: Tensor, top_k: int,
+                   renormalize: bool, scaling: float, beta: float, linear_beta: float) -> Tensor:
+    """Routed part of Stable LatentMoE with E4M3 experts.
+
+    x `[N, d]` (router input), z `[N, L]`, gate_weight `[E, d]`, bias `[E]`, w13 `[E, 2I, L]` and w2 `[E, L, I]`
+    float8_e4m3fn, w13_scale `[E, 2I]` or `[E]`, w2_scale `[E, L]` or `[E]`, z_scale/h_scale `[]` fp32.
+    Returns u `[N, L]` in z.dtype, accumulated in fp32 (or wider).
+    """
+    return moe_fp8_sorted(x, z, gate_weight, bias, w13, w2, w13_scale, w2_scale, z_scale, h_scale, top_k,
+                          renormalize, scaling, beta, linear_beta)
+
+
+@moe_routed_fp8.register_fake
+def _(x, z, gate_weight, bias, w13, w2, w13_scale, w2_scale, z_scale, h_scale, top_k, renormalize, scaling, beta,
+      linear_beta):
+    return torch.empty_like(z)
+
+
+def moe_fp8_sorted(x, z, gate_weight, bias, w13, w2, w13_scale, w2_scale, z_scale, h_scale, top_k, renormalize,
+                   scaling, beta, linear_beta):
+    """Sorted reference: each hit expert runs once on its tokens through two `k3::fp8_linear` GEMMs."""
+    top, w = route(x, gate_weight, bias, top_k, renormalize, scaling)
+    dt = acc_dtype(z)
+    I = w2.shape[-1]
+    u = torch.zeros(z.shape, dtype=dt, device=z.device)
+    flat = top.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    tokens = order // top_k
+    start = 0
+    for e, n in enumerate(torch.bincount(flat, minlength=w13.shape[0]).tolist()):
+        if n == 0:
+            continue
+        idx, t = order[start:start + n], tokens[start:start + n]
+        y13 = fp8_linear(z[t], z_scale, w13[e], w13_scale[e])                        # [n, 2I] in z.dtype
+        h = situ_glu(y13[:, :I], y13[:, I:], beta, linear_beta).to(z.dtype)
+        y = fp8_linear(h, h_scale, w2[e], w2_scale[e])                              # [n, L]
+        u.index_add_(0, t, y.to(dt) * w.reshape(-1)[idx].unsqueeze(-1).to(dt))
+        start += n
+    return u.to(z.dtype)
+
+
+@moe_routed_fp8.register_kernel("cuda")
+def _(x, z, gate_weight, bias, w13, w2, w13_scale, w2_scale, z_scale, h_scale, top_k, renormalize, scaling, beta,
+      linear_beta):
+    from k3export.fp8_moe_kernels import moe_fp8_grouped
+    return moe_fp8_grouped(x, z, gate_weight, bias, w13, w2, w13_scale, w2_scale, z_scale, h_scale, top_k,
+                           renormalize, scaling, beta, linear_beta)
