@@ -19,14 +19,8 @@ def _register() -> None:
     from k3export.bench import bench
     from k3export.calibrate import calibrate_command
     from k3export.commands import demo, generate, init
-    from k3export.export import export_cmd
-    from k3export.onnx_export import onnx_cmd
-    from k3export.verify import verify_cmd
     from k3export.shapes import shapes
-    from k3export.build import build_command
-    from k3export.runtime import run_command
-    for cmd in (init, shapes, generate, demo, bench, calibrate_command, build_command, run_command,
-                export_cmd, onnx_cmd, verify_cmd):
+    for cmd in (init, shapes, generate, demo, bench, calibrate_command):
         main.add_command(cmd)
 
 
