@@ -47,8 +47,11 @@ def _check(cond: bool, msg: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- decode
-# Tunables (the bench sweeps them); chosen per dtype because fp32 tiles take twice the shared memory.
-DECODE_CONFIG = {"block_n": 32, "num_warps": 8, "num_stages": 2, "min_chunk": 256, "waves": 2}
+# Split rule, and tiles per head count: the fastest of `k3export bench mla`'s sweep at B=32, L=16k on the H200
+# (docs/perf.md). Keys set in DECODE_CONFIG (the bench's sweep does that) override the tiles.
+DECODE_CONFIG = {"min_chunk": 256, "waves": 2}
+DECODE_TILES = {"few_heads": dict(block_h=16, block_n=64, num_warps=4, num_stages=3),    # H <= 16 (12 at TP=8)
+                "many_heads": dict(block_h=32, block_n=32, num_warps=4, num_stages=3)}  # e.g. 96
 
 
 @triton.jit
@@ -150,10 +153,16 @@ def decode_splits(B: int, H: int, L: int, block_h: int, device: torch.device) ->
     return max(1, min(want, triton.cdiv(max(L, 1), cfg["min_chunk"])))
 
 
+def decode_tiles(H: int) -> dict:
+    """block_h (heads per program: each latent row is read once per head block, so larger reads less until the
+    fp32 accumulator `[BLOCK_H, 512]` no longer fits the registers), block_n, num_warps, num_stages."""
+    t = dict(DECODE_TILES["few_heads" if H <= 16 else "many_heads"])
+    t.update({k: DECODE_CONFIG[k] for k in t if k in DECODE_CONFIG})
+    return t
+
+
 def decode_block_h(H: int) -> int:
-    """Heads per program: the whole latent row is read once per head block, so larger is better until the
-    fp32 accumulator `[BLOCK_H, 512]` no longer fits the registers."""
-    return DECODE_CONFIG.get("block_h") or (16 if H <= 16 else 32)
+    return decode_tiles(H)["block_h"]
 
 
 def mla_decode_fwd(q, cache, new_row, cache_len, scale: float, v_dim: int, num_splits: int | None = None):
@@ -177,7 +186,7 @@ def mla_decode_fwd(q, cache, new_row, cache_len, scale: float, v_dim: int, num_s
     lse_part = torch.empty(B, H, S, device=q.device, dtype=torch.float32)
     o = torch.empty(B, H, v_dim, device=q.device, dtype=q.dtype)
     fp32 = q.dtype == torch.float32
-    cfg = DECODE_CONFIG
+    cfg = decode_tiles(H)
     qk_scale = scale * LOG2E
     mla_decode_fwd_kernel[(triton.cdiv(H, block_h), S, B)](
         q, cache, cache_len, q.stride(0), q.stride(1), cache.stride(0), cache.stride(1),

@@ -19,7 +19,8 @@ import torch
 
 from k3export.plugins.aot import Launch, compile_ptx, pointer_type
 
-from .kernels import (DECODE_CONFIG, LOG2E, PREFILL_CONFIG, _pow2, decode_block_h, mla_decode_combine_kernel,
+from .kernels import (DECODE_CONFIG, LOG2E, PREFILL_CONFIG, _pow2, decode_block_h, decode_tiles,
+                      mla_decode_combine_kernel,
                       mla_decode_fwd_kernel, mla_prefill_fwd_kernel)
 
 H200_SMS = 132
@@ -43,7 +44,7 @@ def decode_launches(B: int, H: int, L: int, R: int, v_dim: int, dtype: torch.dty
     S = decode_splits(B, H, L, sms)
     bh, bv, bpe = decode_block_h(H), _pow2(v_dim), _pow2(R - v_dim)
     p = pointer_type(dtype)
-    cfg = DECODE_CONFIG
+    cfg = decode_tiles(H)
     fp32 = dtype == torch.float32
     common = dict(H="i32", num_splits="i32", qk_scale="fp32", V_DIM="i32", R="i32")
     scalars = dict(H=H, num_splits=S, qk_scale=scale * LOG2E, V_DIM=v_dim, R=R)

@@ -210,11 +210,11 @@ def moe_combine_fwd_kernel(y, w, u, L, TOP_K: tl.constexpr, BLOCK_L: tl.constexp
     tl.store(u + n.to(tl.int64) * L + offs, acc.to(u.dtype.element_ty), mask=ok)
 
 
-# Tile configs per regime (the bench sweeps them). "decode": few rows per expert, stream the weights;
-# "prefill": many rows per expert, tensor-core bound.
+# Tile configs per regime: the fastest of `k3export bench moe`'s sweeps on the H200 (docs/perf.md).
+# "decode": few rows per expert, stream the weights; "prefill": many rows per expert, tensor-core bound.
 CONFIGS = {
-    "decode": {"block_m": 16, "gemm1": (64, 128, 4, 4), "gemm2": (64, 128, 4, 4)},       # (BN, BK, warps, stages)
-    "prefill": {"block_m": 128, "gemm1": (64, 64, 8, 3), "gemm2": (128, 64, 8, 3)},
+    "decode": {"block_m": 16, "gemm1": (32, 256, 4, 4), "gemm2": (32, 256, 4, 4)},       # (BN, BK, warps, stages)
+    "prefill": {"block_m": 64, "gemm1": (64, 64, 4, 4), "gemm2": (128, 64, 4, 4)},
 }
 
 
