@@ -30,7 +30,7 @@ def kda_prefill(q: Tensor, k: Tensor, v: Tensor, f: Tensor, b: Tensor, A_log: Te
     g = g * valid[..., None, None]                                                    # padding: alpha = 1
     beta = beta * valid[..., None]                                                    # padding: no write
     o, S = chunk_kda(qn, kn, v, g, beta, initial_state, CHUNK)
-    return o.to(q.dtype), S.to(initial_state.dtype)
+    return o.to(q.dtype).contiguous(), S.to(initial_state.dtype)     # contiguous, as the fake says
 
 
 @kda_prefill.register_fake

@@ -17,7 +17,7 @@ def mla_prefill(q: Tensor, k: Tensor, v: Tensor, past_len: Tensor, scale: float)
     Query i of sequence b sits at absolute position past_len[b] + i and sees old rows j < past_len[b] and
     new rows j' <= i. Rows of padded queries are unspecified but finite.
     """
-    return mla_prefill_attention(q, k, v, past_len, scale)
+    return mla_prefill_attention(q, k, v, past_len, scale).contiguous()     # contiguous, as the fake says
 
 
 @mla_prefill.register_fake
