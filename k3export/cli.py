@@ -19,8 +19,12 @@ def _register() -> None:
     from k3export.bench import bench
     from k3export.calibrate import calibrate_command
     from k3export.commands import demo, generate, init
+    from k3export.export import export_cmd
+    from k3export.onnx_export import onnx_cmd
+    from k3export.verify import verify_cmd
     from k3export.shapes import shapes
-    for cmd in (init, shapes, generate, demo, bench, calibrate_command):
+    for cmd in (init, shapes, generate, demo, bench, calibrate_command,
+                export_cmd, onnx_cmd, verify_cmd):
         main.add_command(cmd)
 
 

@@ -1,0 +1,93 @@
+"""`manifest.json`: what a graph directory holds, and the refusal of a directory that does not fit.
+
+Written by `k3export export` beside `prefill.pt2` and `decode.pt2` (format described in `k3export/export.py`);
+`k3export onnx` adds an `onnx` entry. Every consumer (the exported-program driver, verify, engine builders) calls
+`check_manifest` first: a graph built from another config, another checkpoint or other library versions is
+refused with a message that names each difference.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+from pathlib import Path
+
+import torch
+
+FORMAT = "k3export.graphs/1"
+MANIFEST = "manifest.json"
+
+
+class ManifestError(ValueError):
+    """A graph directory does not match what it is used with; the message lists every difference."""
+
+
+def library_versions() -> dict[str, str]:
+    """Versions that decide whether a serialized graph loads and computes the same (local build tags such as
+    `+cpu` are dropped: they name the wheel, not the graph format)."""
+    import k3export
+    v = {"torch": torch.__version__.split("+")[0], "k3export": k3export.__version__,
+         "python": ".".join(platform.python_version_tuple()[:2])}
+    return v
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def checkpoint_fingerprint(path: str | Path) -> str:
+    """Cheap identity of a checkpoint directory: config.json, then per safetensors file its name, size, header
+    (tensor names, dtypes, offsets) and first MiB of data. Reads a few MiB whatever the checkpoint size."""
+    p = Path(path)
+    h = hashlib.sha256((p / "config.json").read_bytes())
+    for f in sorted(p.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            h.update(f.name.encode() + str(f.stat().st_size).encode() + fh.read(n) + fh.read(1 << 20))
+    return h.hexdigest()[:16]
+
+
+def preset_fingerprint(preset: str, seed: int, dtype: torch.dtype) -> str:
+    """Random preset weights are a function of (preset, seed, dtype)."""
+    return f"preset:{preset}:seed{seed}:{str(dtype).removeprefix('torch.')}"
+
+
+def write_manifest(out: Path, manifest: dict) -> Path:
+    path = Path(out) / MANIFEST
+    path.write_text(json.dumps(manifest, indent=2) + "\n")
+    return path
+
+
+def load_manifest(graph_dir: str | Path) -> dict:
+    path = Path(graph_dir) / MANIFEST
+    if not path.exists():
+        raise ManifestError(f"{graph_dir} has no {MANIFEST}: not a graph directory (run `k3export export` first)")
+    m = json.loads(path.read_text())
+    if m.get("format") != FORMAT:
+        raise ManifestError(f"{path}: format {m.get('format')!r}, this k3export reads {FORMAT!r}; re-export")
+    return m
+
+
+def check_manifest(manifest: dict, *, config_hash: str | None = None, weights: str | None = None,
+                   versions: dict[str, str] | None = None) -> None:
+    """Refuse a graph directory that does not fit: compares the config hash, the weights fingerprint and the
+    library versions (the running ones unless `versions` is given; pass `{}` to skip). Raises ManifestError
+    naming each difference."""
+    diffs = []
+    if config_hash is not None and manifest["config_hash"] != config_hash:
+        diffs.append(f"config hash: graphs {manifest['config_hash']}, checkpoint {config_hash}")
+    if weights is not None and manifest["source"]["weights"] != weights:
+        diffs.append(f"weights: graphs exported from {manifest['source']['weights']}, given {weights}")
+    running = library_versions() if versions is None else versions
+    for lib, want in running.items():
+        have = manifest["versions"].get(lib)
+        if have != want:
+            diffs.append(f"{lib} version: graphs exported with {have}, running {want}")
+    if diffs:
+        raise ManifestError("graph directory does not match: " + "; ".join(diffs) +
+                            " (re-run `k3export export` for this checkpoint and these libraries)")

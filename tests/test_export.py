@@ -1,0 +1,160 @@
+"""Export ladder: eager == exported programs re-loaded from disk, the graph contract (k3 op counts, no guards),
+the driver that runs prefill -> decode -> decode from the graphs alone, and refusals of bad input."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from k3export.config import K3Config
+from k3export.export import ExportLimits, OUTPUTS, expected_k3_ops, export_graphs, guard_nodes, k3_op_counts
+from k3export.exported import ExportedK3, GraphInputError
+from k3export.generate import generate
+from k3export.manifest import ManifestError, checkpoint_fingerprint, load_manifest
+from k3export.model import K3Model
+from k3export.model.weights import random_model, save_checkpoint
+
+# Exported vs eager, fp32, relative (max-abs / max|eager|): the same aten ops in the same order; measured 0 for
+# prefill and up to 3e-7 for decode (reductions over a differently sliced cache).
+EXACT = 1e-6
+LIMITS = ExportLimits(max_batch=4, max_tokens=32, max_cache=64)
+SEED = 0
+
+
+def small_tiny() -> K3Config:
+    """k3-tiny cut to 4 layers (3 KDA + 1 MLA, dense layer 0, two AttnRes blocks): every op kind, half the nodes."""
+    c = K3Config.from_name("k3-tiny")
+    lac = dataclasses.replace(c.linear_attn_config, kda_layers=(), full_attn_layers=())
+    return dataclasses.replace(c, num_hidden_layers=4, attn_res_block_size=2, linear_attn_config=lac)
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    out = tmp_path_factory.mktemp("checkpoint")
+    save_checkpoint(random_model(small_tiny(), seed=SEED), out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def model(checkpoint):
+    return K3Model.from_pretrained(checkpoint, dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def graph_dir(model, checkpoint, tmp_path_factory):
+    out = tmp_path_factory.mktemp("graphs")
+    export_graphs(model, out, LIMITS, {"weights": checkpoint_fingerprint(checkpoint), "checkpoint": str(checkpoint)},
+                  log=lambda *_: None)
+    return out
+
+
+@pytest.fixture(scope="session")
+def exported(graph_dir):
+    return ExportedK3(graph_dir)
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+
+
+def state_inputs(model, B, past, cache_len, seed):
+    """A random (never zero) state with `past` cache rows, of which cache_len[b] are valid."""
+    g = torch.Generator().manual_seed(seed)
+    st = model.new_state(B, max(past, 1))
+    return (torch.randn(st.kda_conv.shape, generator=g) * 0.5, torch.randn(st.kda_state.shape, generator=g) * 0.1,
+            torch.randn(st.mla_cache[:, :, :past].shape, generator=g), torch.tensor(cache_len))
+
+
+def test_graphs_hold_exactly_the_k3_ops_and_no_guards(exported, model):
+    for name, ep in exported.programs.items():
+        want = expected_k3_ops(model.config, name)
+        assert k3_op_counts(ep) == want == exported.manifest["graphs"][name]["k3_ops"]
+        assert guard_nodes(ep) == []
+        # Only the named dims are symbolic, with the exported ranges (no extra data-dependent symbols).
+        ranges = sorted((int(r.lower), int(r.upper)) for r in ep.range_constraints.values())
+        dims = LIMITS.dims()
+        want_ranges = sorted(dims[d] for d in (("batch", "tokens", "past") if name == "prefill" else ("batch", "cache")))
+        assert ranges == want_ranges
+    assert expected_k3_ops(model.config, "decode") == {"attn_res": 8, "kda_decode": 3, "mla_decode": 1,
+                                                      "moe_routed": 3}
+
+
+@pytest.mark.parametrize("B,T,past,lengths,cache_len", [
+    (1, 1, 0, [1], [0]),                      # one token, fresh
+    (2, 5, 0, [5, 2], [0, 0]),                # mixed lengths, fresh
+    (3, 9, 7, [9, 4, 1], [7, 0, 3]),          # continued prefill, mixed cache lengths
+    (4, 32, 64, [32, 32, 17, 3], [64, 5, 0, 40]),   # at the exported maxima
+])
+def test_prefill_matches_eager(exported, model, B, T, past, lengths, cache_len):
+    conv, state, cache, clen = state_inputs(model, B, past, cache_len, seed=T)
+    ids = torch.randint(0, model.config.vocab_size, (B, T), generator=torch.Generator().manual_seed(B))
+    inputs = dict(input_ids=ids, lengths=torch.tensor(lengths), kda_conv=conv, kda_state=state, mla_cache=cache,
+                  cache_len=clen)
+    with torch.no_grad():
+        eager = dict(zip(OUTPUTS, model.forward_prefill(**inputs)))
+    got = exported.run("prefill", inputs)
+    for k in OUTPUTS:
+        assert got[k].shape == eager[k].shape and got[k].dtype == eager[k].dtype
+        assert rel(got[k], eager[k]) <= EXACT, k
+
+
+@pytest.mark.parametrize("B,L,cache_len", [(1, 1, [1]), (3, 9, [9, 4, 0]), (4, 64, [64, 1, 33, 7])])
+def test_decode_matches_eager(exported, model, B, L, cache_len):
+    conv, state, cache, clen = state_inputs(model, B, L, cache_len, seed=L)
+    inputs = dict(input_ids=torch.arange(B) * 7 % model.config.vocab_size, kda_conv=conv, kda_state=state,
+                  mla_cache=cache, cache_len=clen)
+    with torch.no_grad():
+        eager = dict(zip(OUTPUTS, model.forward_decode(**inputs)))
+    got = exported.run("decode", inputs)
+    for k in OUTPUTS:
+        assert got[k].shape == eager[k].shape
+        assert rel(got[k], eager[k]) <= EXACT, k
+
+
+def test_generation_from_exported_programs_alone_matches_eager(exported, model):
+    prompts = [[1, 2, 3, 4, 5, 6], [7, 7], [200, 100, 50]]
+    assert generate(exported, prompts, 5) == generate(model, prompts, 5)
+
+
+def test_chunked_prefill_then_decode_matches_eager(exported, model):
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
+    states = [model.new_state(2, 24), exported.new_state(2, 24)]
+    logits = []
+    for runner, st in zip((model, exported), states):
+        a = runner.prefill(ids[:, :7], st, [7, 4])          # first chunk, mixed lengths
+        b = runner.prefill(ids[:, 7:], st, [5, 5])          # continued from the cache
+        c = runner.decode(b[:, -1].argmax(-1), st)
+        logits.append((a, b, c))
+    for x, y in zip(*logits):
+        assert rel(y, x) <= EXACT
+    assert torch.equal(states[0].lengths, states[1].lengths)
+    assert rel(states[1].mla_cache, states[0].mla_cache) <= EXACT
+
+
+def test_inputs_beyond_the_exported_maxima_are_refused(exported):
+    st = exported.new_state(2, 80)
+    with pytest.raises(GraphInputError, match=r"tokens\) = 33 is outside the exported range \[1, 32\].*--max-tokens"):
+        exported.prefill(torch.zeros(2, 33, dtype=torch.int64), st)
+    with pytest.raises(GraphInputError, match=r"batch\) = 5 .*\[1, 4\]"):
+        exported.prefill(torch.zeros(5, 3, dtype=torch.int64), exported.new_state(5, 8))
+    st.lengths.fill_(65)
+    with pytest.raises(GraphInputError, match=r"cache\) = 65 .*\[1, 64\].*--max-cache"):
+        exported.decode(torch.zeros(2, dtype=torch.int64), st)
+    bad = dict(input_ids=torch.zeros(1, dtype=torch.int64), kda_conv=st.kda_conv[:, :1].double(),
+               kda_state=st.kda_state[:, :1], mla_cache=st.mla_cache[:, :1, :4], cache_len=torch.tensor([4]))
+    with pytest.raises(GraphInputError, match="kda_conv: dtype torch.float64.*float32"):
+        exported.run("decode", bad)
+
+
+def test_mismatched_manifest_is_refused_saying_what_differs(graph_dir, model, checkpoint, tmp_path):
+    with pytest.raises(ManifestError, match="config hash: graphs .*, checkpoint deadbeef"):
+        ExportedK3(graph_dir, config_hash="deadbeef")
+    other = tmp_path / "other"                                # same config, other weights
+    save_checkpoint(random_model(small_tiny(), seed=SEED + 1), other)
+    theirs = checkpoint_fingerprint(other)
+    with pytest.raises(ManifestError, match=f"weights: graphs exported from {checkpoint_fingerprint(checkpoint)}, "
+                                            f"given {theirs}"):
+        ExportedK3(graph_dir, config_hash=model.config.hash(), weights=theirs)
+    have = load_manifest(graph_dir)["versions"]["torch"]
+    with pytest.raises(ManifestError, match=f"torch version: graphs exported with {have}, running 2.0.0"):
+        ExportedK3(graph_dir, versions={"torch": "2.0.0"})
