@@ -5,7 +5,8 @@ Each k3 op becomes one bare node: domain `k3`, op_type = the plugin name (`kda_p
 ints). That is what a TensorRT plugin is matched on. The node schemas are registered with `onnx.defs` (domain
 `k3`, version 1), so the model is checker-clean with `full_check`. Opset 20 for everything else; graph inputs
 and outputs carry the names and the named dynamic axes of the manifest; weights go to `<graph>.onnx.data` when
-the initializers exceed `EXTERNAL_BYTES`.
+the initializers exceed `EXTERNAL_BYTES`. A meta-device export (no weights) gives a structure-only ONNX in which
+every weight is a named graph input.
 
 Execution on CPU (`OrtGraph`): onnxruntime with the k3 ops registered as Python custom ops through
 onnxruntime-extensions, whose implementations call our references (`torch.ops.k3.*` on CPU). Its PyOps live in
@@ -108,21 +109,25 @@ def export_onnx(graph_dir: str | Path, log=print) -> dict:
         ep = torch.export.load(graph_dir / g["file"])
         t0 = time.perf_counter()
         prog = torch.onnx.export(ep, dynamo=True, opset_version=OPSET, custom_translation_table=table,
-                                 output_names=list(OUTPUTS), optimize=True, verbose=False)
+                                 output_names=list(OUTPUTS), optimize=not manifest["meta"], verbose=False)
         convert_s = time.perf_counter() - t0
         path = graph_dir / f"{name}.onnx"
         weight_bytes = sum(p.numel() * p.element_size() for p in ep.state_dict.values())
         external = weight_bytes > EXTERNAL_BYTES
         for stale in (path, path.with_name(path.name + ".data")):
             stale.unlink(missing_ok=True)
-        prog.save(str(path), external_data=external)
+        if manifest["meta"]:      # no weights to write: they become named graph inputs (structure only)
+            prog.save(str(path), include_initializers=False, keep_initializers_as_inputs=True)
+        else:
+            prog.save(str(path), external_data=external)
         _name_axes(path, ep, g["inputs"])
         onnx.checker.check_model(str(path), full_check=True)
         counts = k3_node_counts(onnx.load(str(path), load_external_data=False))
         if counts != g["k3_ops"]:
             raise RuntimeError(f"{name}.onnx has k3 nodes {counts}, the exported program has {g['k3_ops']}")
         total_s = time.perf_counter() - t0
-        entry["graphs"][name] = {"file": path.name, "external_data": external, "k3_nodes": counts,
+        entry["graphs"][name] = {"file": path.name, "external_data": external and not manifest["meta"],
+                                 "weights_as_inputs": manifest["meta"], "k3_nodes": counts,
                                  "convert_s": round(convert_s, 2), "total_s": round(total_s, 2)}
         log(f"onnx {name}: {sum(counts.values())} k3 nodes {counts}, checker clean, in {total_s:.1f}s -> {path}"
             + (f" (+ {path.name}.data)" if external else ""))

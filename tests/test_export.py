@@ -158,3 +158,12 @@ def test_mismatched_manifest_is_refused_saying_what_differs(graph_dir, model, ch
     have = load_manifest(graph_dir)["versions"]["torch"]
     with pytest.raises(ManifestError, match=f"torch version: graphs exported with {have}, running 2.0.0"):
         ExportedK3(graph_dir, versions={"torch": "2.0.0"})
+
+
+def test_meta_device_export_has_the_same_graphs_and_cannot_run(tmp_path):
+    with torch.device("meta"):
+        meta = K3Model(small_tiny())
+    man = export_graphs(meta, tmp_path, LIMITS, {"weights": "meta:test"}, log=lambda *_: None)
+    assert man["meta"] and man["graphs"]["decode"]["k3_ops"] == expected_k3_ops(small_tiny(), "decode")
+    with pytest.raises(ManifestError, match="meta device: its graphs carry no weights"):
+        ExportedK3(tmp_path)
