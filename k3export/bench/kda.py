@@ -1,0 +1,206 @@
+"""`k3export bench kda`: the KDA Triton kernels against fla-core and the eager PyTorch path (one H200 run).
+
+Prefill (B=1, T, H, K = V = 128, bf16, lower-bound gate): ms and TFLOP/s for ours, fla-core's `chunk_kda`
+(gate, L2 norm and beta sigmoid in its kernels, same inputs) and the eager reference op; a small sweep of the
+chunk-pass launch configuration. Decode (one token, B = 1..256): GB/s of fp32 state traffic (read + write)
+against the device copy bandwidth measured in the same run, ours vs fla's `fused_recurrent_kda` and eager.
+
+FLOP count of chunked KDA, per chunk (C = 64) and head: A_kk, A_qk (lower halves) 2 C^2 K; W, U (triangular)
+C^2 (K + V); W S, Q S, K^T Vn 6 C K V; A_qk Vn (lower half) C^2 V.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+from pathlib import Path
+
+import click
+import torch
+
+from k3export.bench import bench
+
+
+def _flops(B, T, H, K, V, C=64):
+    NT = -(-T // C)
+    return B * H * NT * (2 * C * C * K + C * C * (K + V) + 6 * C * K * V + C * C * V)
+
+
+def _rel(x, ref):
+    x, ref = x.double(), ref.double()
+    return ((x - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()).item()
+
+
+def _ms(fn, rep=100):
+    from triton.testing import do_bench
+    return float(do_bench(fn, warmup=10, rep=rep))
+
+
+def _try(fn):
+    try:
+        return fn()
+    except Exception as e:  # a baseline that cannot run is reported, not fatal
+        return f"{type(e).__name__}: {str(e)[:200]}"
+
+
+def copy_bandwidth(nbytes=2 << 30) -> float:
+    x = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda")
+    y = torch.empty_like(x)
+    return 2 * nbytes / _ms(lambda: y.copy_(x)) / 1e6   # GB/s
+
+
+def bench_prefill(T: int, H: int, K: int = 128) -> dict:
+    from k3export.plugins.kda import kernels
+    from k3export.plugins.kda.op import kda_prefill
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=g)
+    q, k, v, f = (r(1, T, H, K).bfloat16() for _ in range(4))
+    b = r(1, T, H).bfloat16()
+    A_log, dt_bias, S0 = r(H) * 0.5, r(H * K), r(1, H, K, K)
+    lengths = torch.tensor([T], device="cuda")
+    args = (q, k, v, f, b, A_log, dt_bias, S0, lengths, -5.0)
+    flop = _flops(1, T, H, K, K)
+    res = {"shape": dict(B=1, T=T, H=H, K=K, V=K, dtype="bf16"), "gflop": flop / 1e9}
+
+    o, S = kda_prefill(*args)
+    o_ref, S_ref = kda_prefill._init_fn(*args)
+    res["ours_vs_eager_rel_rms"] = {"o": _rel(o, o_ref), "state": _rel(S, S_ref)}
+    ms = _ms(lambda: kda_prefill(*args))
+    res["ours"] = {"ms": ms, "tflops": flop / ms / 1e9}
+    print("prefill ours", res["ours"], res["ours_vs_eager_rel_rms"], flush=True)
+
+    real = kernels.kda_prefill_fwd_kernel
+
+    class _Skip:  # time the intra launch alone (the chunk pass replaced by a no-op)
+        def __getitem__(self, grid):
+            return lambda *a, **kw: None
+    kernels.kda_prefill_fwd_kernel = _Skip()
+    try:
+        res["ours_intra_only_ms"] = _ms(lambda: kernels.kda_prefill_fwd(*args))
+    finally:
+        kernels.kda_prefill_fwd_kernel = real
+
+    sweep = []
+    for cfg in (dict(BV=64, state_stages=1), dict(BV=128, state_warps=8, state_stages=1), dict(intra_warps=4)):
+        t = _try(lambda: _ms(lambda: kernels.kda_prefill_fwd(*args, config=cfg), rep=50))
+        sweep.append({**cfg, "ms": t})
+        print("sweep", sweep[-1], flush=True)
+    res["config_sweep"] = sweep
+
+    def fla():
+        from fla.ops.kda import chunk_kda
+        call = lambda: chunk_kda(q, k, v, f, b, scale=K ** -0.5, initial_state=S0, output_final_state=True,
+                                 use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                 use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=-5.0,
+                                 A_log=A_log, dt_bias=dt_bias)
+        with torch.inference_mode():
+            o_f, S_f = call()
+            ms_f = _ms(call)
+        return {"ms": ms_f, "tflops": flop / ms_f / 1e9, "rel_rms_vs_eager": {"o": _rel(o_f, o_ref),
+                                                                            "state": _rel(S_f, S_ref)}}
+    res["fla_chunk_kda"] = _try(fla)
+    print("fla", res["fla_chunk_kda"], flush=True)
+    ms_e = _ms(lambda: kda_prefill._init_fn(*args), rep=20)
+    res["eager"] = {"ms": ms_e, "tflops": flop / ms_e / 1e9}
+    return res
+
+
+def bench_decode(batches, H: int, K: int = 128, copy_gbs: float = 0.0) -> list[dict]:
+    from k3export.plugins.kda import kernels
+    from k3export.plugins.kda.op import kda_decode
+
+    rows = []
+    for B in batches:
+        g = torch.Generator(device="cuda").manual_seed(B)
+        r = lambda *s: torch.randn(*s, device="cuda", generator=g)
+        C = 3 * H * K
+        args = (r(B, C).bfloat16(), r(B, C, 3).bfloat16(), (r(C, 4) * 0.5).bfloat16(), r(B, H * K).bfloat16(),
+                r(B, H).bfloat16(), r(B, H * K).bfloat16(), r(H) * 0.5, r(H * K), (r(K).abs() + 0.5).bfloat16(),
+                r(B, H, K, K), -5.0, 1e-5)
+        state_bytes = 2 * B * H * K * K * 4                         # fp32 state read + written
+        row = {"B": B, "state_MB": state_bytes / 2 / 1e6}
+        ms = _ms(lambda: kda_decode(*args))
+        row["ours"] = {"ms": ms, "GBs": state_bytes / ms / 1e6, "frac_copy": state_bytes / ms / 1e6 / copy_gbs}
+        for w in (4,):
+            row[f"ours_warps{w}_ms"] = _try(lambda: _ms(lambda: kernels.kda_decode_fwd(*args, config={"num_warps": w})))
+
+        def fla():
+            from fla.ops.kda import fused_recurrent_kda
+            qkv = args[0].view(B, 1, 3, H, K)
+            q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+            f = args[3].view(B, 1, H, K)
+            b = args[4].view(B, 1, H)
+            call = lambda: fused_recurrent_kda(q, k, v, f, b, A_log=args[6], dt_bias=args[7], scale=K ** -0.5,
+                                               initial_state=args[9], output_final_state=True,
+                                               use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                               use_beta_sigmoid_in_kernel=True, lower_bound=-5.0)
+            with torch.inference_mode():
+                ms_f = _ms(call)
+            return {"ms": ms_f, "GBs": state_bytes / ms_f / 1e6, "frac_copy": state_bytes / ms_f / 1e6 / copy_gbs}
+        row["fla_fused_recurrent_kda"] = _try(fla)
+        ms_e = _ms(lambda: kda_decode._init_fn(*args), rep=30)
+        row["eager"] = {"ms": ms_e, "GBs": state_bytes / ms_e / 1e6}
+        rows.append(row)
+        print("decode", row, flush=True)
+    return rows
+
+
+def _markdown(res: dict) -> str:
+    p = res["prefill"]
+    fmt = lambda d: f"{d['ms']:.3f} ms, {d['tflops']:.1f} TFLOP/s" if isinstance(d, dict) else str(d)
+    lines = [f"KDA kernels, {res['date']}, {res['device']}, torch {res['torch']}, triton {res['triton']}",
+             f"command: `{res['command']}`", "",
+             f"Prefill B=1 T={p['shape']['T']} H={p['shape']['H']} K=V=128 bf16 ({p['gflop']:.1f} GFLOP):", "",
+             "| impl | time |", "|---|---|",
+             f"| ours (Triton, 2 launches) | {fmt(p['ours'])} (intra launch alone {p['ours_intra_only_ms']:.3f} ms) |",
+             f"| fla-core chunk_kda | {fmt(p['fla_chunk_kda'])} |", f"| eager reference | {fmt(p['eager'])} |", "",
+             f"ours vs eager rel. RMS: o {p['ours_vs_eager_rel_rms']['o']:.2e}, state "
+             f"{p['ours_vs_eager_rel_rms']['state']:.2e}", "",
+             "config sweep: " + "; ".join(
+                 f"{ {k: v for k, v in c.items() if k != 'ms'} } {c['ms'] if isinstance(c['ms'], str) else round(c['ms'], 3)}"
+                 for c in p["config_sweep"]), "",
+             f"Decode H={res['decode_H']}, fp32 state read + write; copy bandwidth {res['copy_GBs']:.0f} GB/s:", "",
+             "| B | state MB | ours ms | ours GB/s (of copy) | fla ms | fla GB/s (of copy) | eager ms |",
+             "|---|---|---|---|---|---|---|"]
+    for r in res["decode"]:
+        fl = r["fla_fused_recurrent_kda"]
+        fl_s = (f"{fl['ms']:.3f} | {fl['GBs']:.0f} ({fl['frac_copy']:.0%})" if isinstance(fl, dict)
+                else f"{fl} | -")
+        o = r["ours"]
+        lines.append(f"| {r['B']} | {r['state_MB']:.0f} | {o['ms']:.3f} | {o['GBs']:.0f} ({o['frac_copy']:.0%}) | "
+                     f"{fl_s} | {r['eager']['ms']:.3f} |")
+    lines.append("")
+    lines.append("decode warps sweep (ms): " + "; ".join(
+        f"B={r['B']}: 4 warps {r['ours_warps4_ms']}" for r in res["decode"]))
+    return "\n".join(lines) + "\n"
+
+
+@bench.command("kda")
+@click.option("--out", "out_dir", default="out/bench/kda", show_default=True, help="Directory for JSON + markdown.")
+@click.option("--tokens", "T", default=8192, show_default=True, help="Prefill tokens (B=1).")
+@click.option("--heads", "H", default=96, show_default=True, help="KDA heads (96 full width, 12 per TP-8 rank).")
+@click.option("--batches", default="1,4,16,64,256", show_default=True, help="Decode batch sizes.")
+def kda_bench(out_dir: str, T: int, H: int, batches: str) -> None:
+    """Prefill and decode KDA kernels vs fla-core and eager PyTorch (needs a CUDA GPU)."""
+    if not torch.cuda.is_available():
+        raise click.ClickException("bench kda needs a CUDA GPU (run it on the GPU machine)")
+    import sys
+
+    import triton
+    res = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+           "device": torch.cuda.get_device_name(), "host": platform.node(), "torch": torch.__version__,
+           "triton": triton.__version__, "command": "k3export bench kda " + " ".join(sys.argv[3:])}
+    res["copy_GBs"] = copy_bandwidth()
+    click.echo(f"copy bandwidth {res['copy_GBs']:.0f} GB/s")
+    res["prefill"] = bench_prefill(T, H)
+    click.echo(json.dumps(res["prefill"], indent=1))
+    res["decode_H"] = H
+    res["decode"] = bench_decode([int(x) for x in batches.split(",")], H, copy_gbs=res["copy_GBs"])
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "kda.json").write_text(json.dumps(res, indent=1))
+    md = _markdown(res)
+    (out / "kda.md").write_text(md)
+    click.echo(md)

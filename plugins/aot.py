@@ -1,0 +1,127 @@
+"""Ahead-of-time launch contracts for Triton kernels: what a TensorRT AOT plugin (or any driver-level caller) needs
+to run a kernel with no Python: its PTX, entry name, grid, block, dynamic shared memory and parameter order.
+
+A `Launch` is plain data, computed without TensorRT. `launch_cupy` runs one through the CUDA driver (cupy
+`RawModule`), which is how the contracts are tested against the torch ops on the GPU machine.
+
+Parameter order is the kernel's own (ours are written inputs..., scalars..., outputs..., as TensorRT's AOT
+plugins require). Triton appends hidden pointer parameters (global / profile scratch) after them; the contract
+records how many, and a caller passes null for each (`compile_ptx` refuses kernels that need scratch memory).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+
+import torch
+
+TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
+                torch.int64: "i64", torch.int32: "i32", torch.int8: "i8", torch.uint8: "u8"}
+
+
+def pointer_type(dtype: torch.dtype) -> str:
+    """Triton signature string of a pointer to `dtype`, e.g. `*bf16`."""
+    return "*" + TRITON_TYPES[dtype]
+
+
+@dataclass(frozen=True)
+class CompiledKernel:
+    name: str            # PTX entry name
+    ptx: str
+    shared_mem: int      # dynamic shared memory bytes
+    num_warps: int
+    hidden_params: int   # trailing pointer params Triton adds (pass null)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch. `params` is the kernel's parameter order as (name, triton type) pairs, constexprs
+    excluded; `scalars` gives the value of every non-pointer param for these shapes."""
+
+    kernel: CompiledKernel
+    grid: tuple[int, int, int]
+    params: tuple[tuple[str, str], ...]
+    scalars: dict = field(default_factory=dict)
+
+    @property
+    def block(self) -> tuple[int, int, int]:
+        return (self.kernel.num_warps * 32, 1, 1)
+
+
+def compile_ptx(fn, signature: dict[str, str], constexprs: dict, num_warps: int, num_stages: int = 1,
+                arch: int = 90) -> CompiledKernel:
+    """Compile a `@triton.jit` kernel to PTX for sm_`arch` (no GPU needed: Triton ships ptxas).
+
+    signature: every parameter of `fn` in order, `"*bf16"`-style for pointers, `"i32"`/`"fp32"` for scalars,
+    `"constexpr"` for compile-time constants, whose values come in `constexprs`. Pointers are assumed 16-byte
+    aligned (TensorRT and torch allocations are).
+    """
+    return _compile(fn, tuple(signature.items()), tuple(constexprs.items()), num_warps, num_stages, arch)
+
+
+@functools.lru_cache(maxsize=64)
+def _compile(fn, sig_items, constexpr_items, num_warps, num_stages, arch) -> CompiledKernel:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature, constexprs = dict(sig_items), dict(constexpr_items)
+    names = list(signature)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in signature.items() if t.startswith("*")}
+    src = ASTSource(fn, signature, constexprs, attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                              options=dict(num_warps=num_warps, num_stages=num_stages))
+    md = compiled.metadata
+    if getattr(md, "global_scratch_size", 0) or getattr(md, "profile_scratch_size", 0):
+        raise ValueError(f"{md.name} needs Triton scratch memory; an AOT plugin has no workspace")
+    ptx = compiled.asm["ptx"]
+    n_params = len(_entry_params(ptx, md.name))
+    n_sig = sum(1 for t in signature.values() if t != "constexpr")
+    return CompiledKernel(md.name, ptx, md.shared, num_warps, n_params - n_sig)
+
+
+def _entry_params(ptx: str, name: str) -> list[str]:
+    m = re.search(r"\.entry\s+" + re.escape(name) + r"\s*\((.*?)\)", ptx, re.S)
+    if m is None:
+        raise ValueError(f"entry {name} not found in the PTX")
+    return re.findall(r"\.param\s+\S+(?:\s+\S+)*?\s+(\w+_param_\d+)", m.group(1))
+
+
+def launch_cupy(launch: Launch, tensors: dict[str, torch.Tensor]) -> None:
+    """Run `launch` through the CUDA driver with cupy, binding pointer params to `tensors` by name and scalar
+    params to `launch.scalars`. Synchronises torch before and after (cupy launches on its own null stream)."""
+    import cupy
+    import numpy as np
+
+    fn = _cupy_function(launch.kernel.ptx, launch.kernel.name)
+    smem = launch.kernel.shared_mem
+    if smem > 48 * 1024:
+        fn.max_dynamic_shared_size_bytes = smem
+    scalar_np = {"i32": np.int32, "i64": np.int64, "fp32": np.float32, "u32": np.uint32}
+    args = []
+    for name, ty in launch.params:
+        if ty.startswith("*"):
+            t = tensors[name]
+            if pointer_type(t.dtype) != ty:
+                raise TypeError(f"{launch.kernel.name}: param {name} is {ty}, got a {t.dtype} tensor")
+            args.append(np.uint64(t.data_ptr()))
+        else:
+            args.append(scalar_np[ty](launch.scalars[name]))
+    args += [np.uint64(0)] * launch.kernel.hidden_params
+    torch.cuda.synchronize()
+    fn(launch.grid, launch.block, tuple(args), shared_mem=smem)
+    cupy.cuda.runtime.deviceSynchronize()
+
+
+@functools.lru_cache(maxsize=64)
+def _cupy_function(ptx: str, name: str):
+    import cupy
+
+    path = os.path.join(tempfile.mkdtemp(prefix="k3aot-"), name + ".ptx")
+    with open(path, "w") as fh:
+        fh.write(ptx)
+    return cupy.RawModule(path=path).get_function(name)

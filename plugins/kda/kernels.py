@@ -1,0 +1,381 @@
+"""Triton KDA kernels: the CUDA implementations of `k3::kda_prefill` and `k3::kda_decode` (see CONTRACT.md).
+
+Prefill is two launches over right-padded `[B, T, H, K]` inputs, chunk BT = 64:
+  1. `kda_prefill_intra_fwd_kernel`, one program per (chunk, sequence*head), all chunks in parallel: L2 norm,
+     lower-bound gate, in-chunk cumulative decay Gam, A_kk / A_qk from 16-row sub-tiles (every exponent <= 80,
+     so nothing overflows fp32), the UT transform X = (I + A_kk)^-1 (block Neumann series, exact for the
+     nilpotent strictly-lower A_kk), W = X beta exp(Gam) K, U = X beta V. Writes W, U, exp(Gam) Q,
+     exp(Gam_C - Gam) K, A_qk (compute dtype) and Gam_C (fp32).
+  2. `kda_prefill_fwd_kernel`, one program per (V block, sequence*head), chunks in order: the inter-chunk state
+     pass Vn = U - W S, O = exp(Gam) Q S + A_qk Vn, S <- exp(Gam_C) S + (exp(Gam_C - Gam) K)^T Vn, fp32 state.
+Decode is one launch, `kda_decode_fwd_kernel`, one program per (sequence, head) holding its [K, V] state.
+
+Each op's launch configuration lives in `*_config` functions shared with the AOT contract in `trt.py`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .op import CHUNK, kda_decode, kda_prefill
+
+BC = 16  # sub-tile rows: 16 steps of a gate > -5 decay by less than e^80, finite in fp32
+
+
+@triton.jit
+def kda_prefill_intra_fwd_kernel(
+    q, k, v, f, b, A_log, dt_bias, lengths,          # inputs
+    T,                                                # scalar: padded tokens per sequence
+    w, u, qg, kd, aqk, gl,                            # outputs
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, LOWER: tl.constexpr, PREC: tl.constexpr,
+):
+    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    NT = tl.cdiv(T, BT)
+    NC: tl.constexpr = BT // BC
+    length = tl.load(lengths + i_b).to(tl.int32)
+    o_t = i_n * BT + tl.arange(0, BT)                                   # [BT] token index
+    o_k = tl.arange(0, BK)
+    o_v = tl.arange(0, BV)
+    m_t = o_t < T
+    m_valid = o_t < length
+    m_k = o_k < K
+    m_v = o_v < V
+    tok = (i_b * T + o_t).to(tl.int64)                                  # [BT] row in [B*T]
+
+    # Per-token inputs: [BT, BK] fp32.
+    p_k = tok[:, None] * (H * K) + i_h * K + o_k[None, :]
+    m_tk = m_t[:, None] & m_k[None, :]
+    b_q = tl.load(q + p_k, mask=m_tk, other=0.).to(tl.float32)
+    b_k = tl.load(k + p_k, mask=m_tk, other=0.).to(tl.float32)
+    b_f = tl.load(f + p_k, mask=m_tk, other=0.).to(tl.float32)
+    b_v = tl.load(v + tok[:, None] * (H * V) + i_h * V + o_v[None, :],
+                  mask=m_t[:, None] & m_v[None, :], other=0.).to(tl.float32)
+    b_beta = tl.sigmoid(tl.load(b + tok * H + i_h, mask=m_t, other=0.).to(tl.float32))
+    b_beta = tl.where(m_valid, b_beta, 0.)                              # padding: no write
+
+    b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, 1) + 1e-6)[:, None] * (K ** -0.5)
+    b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, 1) + 1e-6)[:, None]
+    a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+    b_bias = tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.).to(tl.float32)
+    b_g = LOWER * tl.sigmoid(a * (b_f + b_bias[None, :]))
+    b_g = tl.where(m_valid[:, None] & m_k[None, :], b_g, 0.)           # padding: alpha = 1
+    b_G = tl.cumsum(b_g, 0)                                             # [BT, BK] in-chunk Gam
+
+    # A_kk, A_qk by column blocks J of BC rows, referenced to c_J = Gam at J's last row:
+    # exp(Gam_i - Gam_j) = exp(Gam_i - c_J) * exp(c_J - Gam_j); the first factor is <= e^80 on the
+    # diagonal block and <= 1 below it, the second <= 1. Rows above block J are masked out (-inf exponent).
+    r_t = tl.arange(0, BT)
+    # Right operands are full [BT, BK] tiles with the rows outside block J zeroed. (Cutting [BC, BK] sub-tiles
+    # with tl.reshape is 4x fewer MACs and exact under the interpreter, but gave a wrong U on the H200 with
+    # Triton 3.6; cause not found.)
+    b_Aqk = tl.zeros((BT, BT), dtype=tl.float32)
+    b_A = tl.zeros((BT, BT), dtype=tl.float32)
+    for J in tl.static_range(NC):
+        c_J = tl.sum(tl.where(r_t[:, None] == J * BC + BC - 1, b_G, 0.), 0)           # [BK]
+        e_J = tl.exp(tl.where(r_t[:, None] >= J * BC, b_G - c_J[None, :], float("-inf")))
+        in_J = (r_t[:, None] >= J * BC) & (r_t[:, None] < J * BC + BC)
+        r_J = tl.trans(b_k * tl.exp(tl.where(in_J, c_J[None, :] - b_G, float("-inf"))))   # [BK, BT]
+        b_Aqk += tl.dot(b_q * e_J, r_J, input_precision=PREC)
+        b_A += tl.dot(b_k * e_J, r_J, input_precision=PREC)
+    b_Aqk = tl.where(r_t[:, None] >= r_t[None, :], b_Aqk, 0.)
+    tl.store(aqk + (i_bh * NT * BT + i_n * BT + r_t[:, None]).to(tl.int64) * BT + r_t[None, :],
+             b_Aqk.to(aqk.dtype.element_ty))
+    b_A = tl.where(r_t[:, None] > r_t[None, :], b_A * b_beta[:, None], 0.)
+
+    # UT transform X = (I + A)^-1. D = I + A_bd (the diagonal BC-blocks) is nilpotent-shifted of order BC:
+    # D^-1 = (I - A_bd)(I + A_bd^2)(I + A_bd^4)(I + A_bd^8). N = D^-1 A_lo has N^NC = 0 (NC = 4 blocks):
+    # X = (I - N)(I + N^2) D^-1.
+    eye = tl.where(r_t[:, None] == r_t[None, :], 1., 0.)
+    same = (r_t[:, None] // BC) == (r_t[None, :] // BC)
+    A_bd = tl.where(same, b_A, 0.)
+    A_lo = b_A - A_bd
+    P2 = tl.dot(A_bd, A_bd, input_precision=PREC)
+    P4 = tl.dot(P2, P2, input_precision=PREC)
+    P8 = tl.dot(P4, P4, input_precision=PREC)
+    D_inv = tl.dot(eye - A_bd, eye + P2, input_precision=PREC)
+    D_inv = tl.dot(D_inv, eye + P4, input_precision=PREC)
+    D_inv = tl.dot(D_inv, eye + P8, input_precision=PREC)
+    N1 = tl.dot(D_inv, A_lo, input_precision=PREC)
+    N2 = tl.dot(N1, N1, input_precision=PREC)
+    X = tl.dot(tl.dot(eye - N1, eye + N2, input_precision=PREC), D_inv, input_precision=PREC)
+
+    b_eG = tl.exp(b_G)
+    b_w = tl.dot(X, b_beta[:, None] * b_eG * b_k, input_precision=PREC)               # [BT, BK]
+    b_u = tl.dot(X, b_beta[:, None] * b_v, input_precision=PREC)                      # [BT, BV]
+    G_last = tl.sum(tl.where(r_t[:, None] == BT - 1, b_G, 0.), 0)                     # [BK]
+
+    row = (i_bh * NT * BT + i_n * BT + r_t).to(tl.int64)                               # [BT] in [B*H*NT*BT]
+    p_o = row[:, None] * K + o_k[None, :]
+    tl.store(w + p_o, b_w.to(w.dtype.element_ty), mask=m_k[None, :])
+    tl.store(qg + p_o, (b_eG * b_q).to(qg.dtype.element_ty), mask=m_k[None, :])
+    tl.store(kd + p_o, (tl.exp(G_last[None, :] - b_G) * b_k).to(kd.dtype.element_ty), mask=m_k[None, :])
+    tl.store(u + row[:, None] * V + o_v[None, :], b_u.to(u.dtype.element_ty), mask=m_v[None, :])
+    tl.store(gl + (i_bh * NT + i_n).to(tl.int64) * K + o_k, G_last, mask=m_k)
+
+
+@triton.jit
+def kda_prefill_fwd_kernel(
+    w, u, qg, kd, aqk, gl, h0, lengths,               # inputs
+    T,                                                # scalar: padded tokens per sequence
+    o, ht,                                            # outputs
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr, PREC: tl.constexpr,
+):
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    NT = tl.cdiv(T, BT)
+    length = tl.load(lengths + i_b).to(tl.int32)
+    NV = tl.minimum(tl.cdiv(length, BT), NT)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    r_t = tl.arange(0, BT)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    causal = r_t[:, None] >= r_t[None, :]
+    p_s = i_bh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
+    b_s = tl.load(h0 + p_s, mask=m_kv, other=0.).to(tl.float32)                       # [BK, BV] fp32
+    dt = w.dtype.element_ty
+    for i_n in range(0, NV):
+        row = (i_bh * NT * BT + i_n * BT + r_t).to(tl.int64)                           # [BT]
+        p_k = row[:, None] * K + o_k[None, :]
+        b_w = tl.load(w + p_k, mask=m_k[None, :], other=0.)
+        b_qg = tl.load(qg + p_k, mask=m_k[None, :], other=0.)
+        b_kdT = tl.load(kd + row[None, :] * K + o_k[:, None], mask=m_k[:, None], other=0.)     # [BK, BT]
+        b_u = tl.load(u + row[:, None] * V + o_v[None, :], mask=m_v[None, :], other=0.).to(tl.float32)
+        b_a = tl.load(aqk + row[:, None] * BT + r_t[None, :], mask=causal, other=0.)
+        b_decay = tl.exp(tl.load(gl + (i_bh * NT + i_n).to(tl.int64) * K + o_k, mask=m_k, other=0.))
+        b_sd = b_s.to(dt)
+        b_vn = b_u - tl.dot(b_w, b_sd, input_precision=PREC)                         # [BT, BV]
+        b_vnd = b_vn.to(dt)
+        b_o = tl.dot(b_qg, b_sd, input_precision=PREC) + tl.dot(b_a, b_vnd, input_precision=PREC)
+        t = i_n * BT + r_t
+        p_o = (i_b * T + t).to(tl.int64)[:, None] * (H * V) + i_h * V + o_v[None, :]
+        tl.store(o + p_o, b_o.to(o.dtype.element_ty), mask=(t < T)[:, None] & m_v[None, :])
+        b_s = b_s * b_decay[:, None] + tl.dot(b_kdT, b_vnd, input_precision=PREC)
+    for i_n in range(NV, NT):                # chunks wholly past the length: finite (zero) rows
+        t = i_n * BT + r_t
+        p_o = (i_b * T + t).to(tl.int64)[:, None] * (H * V) + i_h * V + o_v[None, :]
+        tl.store(o + p_o, tl.zeros((BT, BV), dtype=o.dtype.element_ty), mask=(t < T)[:, None] & m_v[None, :])
+    tl.store(ht + p_s, b_s.to(ht.dtype.element_ty), mask=m_kv)
+
+
+@triton.jit
+def _conv_step(qkv, conv_state, conv_weight, conv_out, i_b, c0, C, K: tl.constexpr, W: tl.constexpr,
+               BK: tl.constexpr, BW: tl.constexpr):
+    """Depthwise causal conv of channels c0..c0+K-1 over [previous W-1 inputs, new input], then SiLU (rounded to
+    qkv's dtype as the op does). Stores the next window (inputs 1..W-1) to conv_out. Returns [BK] fp32."""
+    o_k = tl.arange(0, BK)
+    o_w = tl.arange(0, BW)
+    m_k = o_k < K
+    c = c0 + o_k
+    p_win = (i_b.to(tl.int64) * C + c)[:, None] * (W - 1) + o_w[None, :]           # [BK, BW]
+    m_win = m_k[:, None] & (o_w[None, :] < W - 1)
+    x_new = tl.load(qkv + i_b.to(tl.int64) * C + c, mask=m_k, other=0.)
+    win = tl.load(conv_state + p_win, mask=m_win, other=0.).to(tl.float32)
+    win = tl.where(o_w[None, :] == W - 1, x_new.to(tl.float32)[:, None], win)
+    wt = tl.load(conv_weight + c[:, None] * W + o_w[None, :], mask=m_k[:, None] & (o_w[None, :] < W),
+                 other=0.).to(tl.float32)
+    y = tl.sum(win * wt, 1)
+    nxt = tl.load(conv_state + p_win + 1, mask=m_k[:, None] & (o_w[None, :] < W - 2), other=0.)
+    nxt = tl.where(o_w[None, :] == W - 2, x_new[:, None].to(nxt.dtype), nxt)
+    tl.store(conv_out + p_win, nxt.to(conv_out.dtype.element_ty), mask=m_win)
+    return (y * tl.sigmoid(y)).to(qkv.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def kda_decode_fwd_kernel(
+    qkv, conv_state, conv_weight, f, b, g, A_log, dt_bias, o_norm_weight, state,   # inputs
+    o, conv_out, state_out,                                                          # outputs
+    H: tl.constexpr, K: tl.constexpr, W: tl.constexpr, BK: tl.constexpr, BW: tl.constexpr,
+    LOWER: tl.constexpr, EPS: tl.constexpr,
+):
+    i_bh = tl.program_id(0)
+    i_b, i_h = i_bh // H, i_bh % H
+    C: tl.constexpr = 3 * H * K
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+
+    # Short conv + SiLU on this head's q | k | v channels; writes their next windows.
+    b_q = _conv_step(qkv, conv_state, conv_weight, conv_out, i_b, 0 * H * K + i_h * K, C, K, W, BK, BW)
+    b_k = _conv_step(qkv, conv_state, conv_weight, conv_out, i_b, 1 * H * K + i_h * K, C, K, W, BK, BW)
+    b_v = _conv_step(qkv, conv_state, conv_weight, conv_out, i_b, 2 * H * K + i_h * K, C, K, W, BK, BW)
+
+    b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6) * (K ** -0.5)
+    b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
+    a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+    b_f = tl.load(f + i_b.to(tl.int64) * H * K + i_h * K + o_k, mask=m_k, other=0.).to(tl.float32)
+    b_bias = tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.).to(tl.float32)
+    alpha = tl.exp(LOWER * tl.sigmoid(a * (b_f + b_bias)))
+    beta = tl.sigmoid(tl.load(b + i_bh).to(tl.float32))
+
+    # Delta rule on the fp32 state: read once, write once.
+    o_v = tl.arange(0, BK)
+    p_s = i_bh.to(tl.int64) * K * K + o_k[:, None] * K + o_v[None, :]
+    m_s = m_k[:, None] & m_k[None, :]
+    S = tl.load(state + p_s, mask=m_s, other=0.).to(tl.float32) * alpha[:, None]    # [BK(k), BK(v)]
+    err = b_v - tl.sum(S * b_k[:, None], 0)                                         # v - S'^T k
+    S += beta * b_k[:, None] * err[None, :]
+    b_o = tl.sum(S * b_q[:, None], 0)                                               # read after the write
+    tl.store(state_out + p_s, S.to(state_out.dtype.element_ty), mask=m_s)
+
+    # Head RMSNorm over V (shared weight) and output gate, with the op's roundings.
+    b_o = b_o.to(o.dtype.element_ty).to(tl.float32)
+    on = (b_o * tl.rsqrt(tl.sum(b_o * b_o) / K + EPS)).to(o.dtype.element_ty)
+    wn = tl.load(o_norm_weight + o_v, mask=m_k, other=0.) * on
+    b_g = tl.load(g + i_b.to(tl.int64) * H * K + i_h * K + o_v, mask=m_k, other=0.).to(tl.float32)
+    y = wn.to(tl.float32) * tl.sigmoid(b_g)
+    tl.store(o + i_b.to(tl.int64) * H * K + i_h * K + o_v, y.to(o.dtype.element_ty), mask=m_k)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Launch configuration (shared with the AOT contract in trt.py) and host wrappers.
+
+def _pow2(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))
+
+
+def prefill_config(K: int, V: int) -> dict:
+    """Block sizes and warps of both prefill launches for head dims K, V (K = V = 128 is the tuned case).
+    Verified on the H200 for K = V = 128: BV 64 / 4 warps / 2 stages and BV 128 / 8 warps / 1 stage. BV = 32 with
+    1 stage gave wrong outputs there (exact under the interpreter; cause not found): do not use BV < 64."""
+    big = max(K, V) >= 64
+    return dict(BT=CHUNK, BK=_pow2(K), BV_intra=_pow2(V), BV=min(_pow2(V), 64),
+                intra_warps=8 if big else 4, state_warps=4, state_stages=2 if big else 1)
+
+
+def decode_config(K: int, W: int) -> dict:
+    return dict(BK=_pow2(K), BW=triton.next_power_of_2(W), num_warps=8 if K >= 64 else 4)
+
+
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    """Dtype of the prefill intermediates and of the tensor-core operands: the input dtype when half-width."""
+    return t.dtype if t.dtype in (torch.bfloat16, torch.float16) else torch.float32
+
+
+def _check_prefill(q, k, v, f, b, A_log, dt_bias, initial_state, lengths, lower_bound) -> None:
+    if q.dim() != 4:
+        raise ValueError(f"kda_prefill: q must be [B, T, H, K], got shape {tuple(q.shape)}")
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    want = {"k": (k, (B, T, H, K)), "f": (f, (B, T, H, K)), "v": (v, (B, T, H, V)), "b": (b, (B, T, H)),
+            "initial_state": (initial_state, (B, H, K, V)), "lengths": (lengths, (B,))}
+    for name, (t, shape) in want.items():
+        if tuple(t.shape) != shape:
+            raise ValueError(f"kda_prefill: {name} must have shape {shape} (from q {tuple(q.shape)}), "
+                             f"got {tuple(t.shape)}")
+    if A_log.numel() < H or dt_bias.numel() != H * K:
+        raise ValueError(f"kda_prefill: need A_log with >= {H} entries and dt_bias with {H * K}, got "
+                         f"{A_log.numel()} and {dt_bias.numel()}")
+    if not -5.5 <= lower_bound < 0:
+        raise ValueError(f"kda_prefill kernel: lower_bound must be in [-5.5, 0) (16-token sub-tile decays must "
+                         f"stay below e^88), got {lower_bound}; use the reference op for other gates")
+
+
+def kda_prefill_fwd(q, k, v, f, b, A_log, dt_bias, initial_state, lengths, lower_bound: float,
+                    config: dict | None = None):
+    """Launch both prefill kernels. Shapes as `k3::kda_prefill`; initial_state fp32. Returns (o, final_state).
+    `config` overrides entries of `prefill_config` (benchmark sweeps)."""
+    _check_prefill(q, k, v, f, b, A_log, dt_bias, initial_state, lengths, lower_bound)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    cfg = {**prefill_config(K, V), **(config or {})}
+    BT = cfg["BT"]
+    NT = triton.cdiv(T, BT)
+    q, k, v, f, b = (x.contiguous() for x in (q, k, v, f, b))
+    dt = _compute_dtype(q)
+    prec = "ieee" if dt == torch.float32 else "tf32"    # fp32 callers get fp32 products
+    rows = B * H * NT * BT
+    w, qg, kd = (q.new_empty(rows, K, dtype=dt) for _ in range(3))
+    u = q.new_empty(rows, V, dtype=dt)
+    aqk = q.new_empty(rows, BT, dtype=dt)
+    gl = q.new_empty(B * H * NT, K, dtype=torch.float32)
+    lengths = lengths.to(torch.int64).contiguous()
+    kda_prefill_intra_fwd_kernel[(NT, B * H)](
+        q, k, v, f, b, A_log.contiguous(), dt_bias.contiguous(), lengths, T, w, u, qg, kd, aqk, gl,
+        H=H, K=K, V=V, BK=cfg["BK"], BV=cfg["BV_intra"], BT=BT, BC=BC, LOWER=float(lower_bound), PREC=prec,
+        num_warps=cfg["intra_warps"])
+    o = q.new_empty(B, T, H, V)
+    ht = torch.empty_like(initial_state, dtype=torch.float32)
+    kda_prefill_fwd_kernel[(triton.cdiv(V, cfg["BV"]), B * H)](
+        w, u, qg, kd, aqk, gl, initial_state.to(torch.float32).contiguous(), lengths, T, o, ht,
+        H=H, K=K, V=V, BK=cfg["BK"], BV=cfg["BV"], BT=BT, PREC=prec,
+        num_warps=cfg["state_warps"], num_stages=cfg["state_stages"])
+    return o, ht.to(initial_state.dtype)
+
+
+def _check_decode(qkv, conv_state, conv_weight, f, b, g, A_log, dt_bias, o_norm_weight, state) -> None:
+    B, H = b.shape
+    C = qkv.shape[-1]
+    if qkv.dim() != 2 or C % (3 * H):
+        raise ValueError(f"kda_decode: qkv must be [B, 3*H*K] with H = b.shape[1] = {H}, got {tuple(qkv.shape)}")
+    K = C // (3 * H)
+    W = conv_weight.shape[-1]
+    want = {"conv_state": (conv_state, (B, C, W - 1)), "conv_weight": (conv_weight, (C, W)),
+            "f": (f, (B, H * K)), "g": (g, (B, H * K)), "o_norm_weight": (o_norm_weight, (K,)),
+            "state": (state, (B, H, K, K)), "dt_bias": (dt_bias, (H * K,))}
+    for name, (t, shape) in want.items():
+        if tuple(t.shape) != shape:
+            raise ValueError(f"kda_decode: {name} must have shape {shape} (from qkv {tuple(qkv.shape)}, "
+                             f"b {tuple(b.shape)}), got {tuple(t.shape)}")
+    if A_log.numel() < H:
+        raise ValueError(f"kda_decode: A_log needs >= {H} entries, got {A_log.numel()}")
+    if W < 2:
+        raise ValueError(f"kda_decode: conv kernel size must be >= 2, got {W}")
+
+
+def kda_decode_fwd(qkv, conv_state, conv_weight, f, b, g, A_log, dt_bias, o_norm_weight, state,
+                   lower_bound: float, eps: float, config: dict | None = None):
+    """Launch the fused decode step. Shapes as `k3::kda_decode`; state fp32. Returns (o, new_conv, new_state)."""
+    _check_decode(qkv, conv_state, conv_weight, f, b, g, A_log, dt_bias, o_norm_weight, state)
+    B, H = b.shape
+    K = qkv.shape[-1] // (3 * H)
+    W = conv_weight.shape[-1]
+    cfg = {**decode_config(K, W), **(config or {})}
+    args = [x.contiguous() for x in (qkv, conv_state, conv_weight, f, b, g, A_log, dt_bias, o_norm_weight)]
+    o = qkv.new_empty(B, H * K)
+    conv_out = torch.empty_like(args[1])
+    state_out = torch.empty_like(state, dtype=torch.float32)
+    kda_decode_fwd_kernel[(B * H,)](*args, state.to(torch.float32).contiguous(), o, conv_out, state_out,
+                                    H=H, K=K, W=W, BK=cfg["BK"], BW=cfg["BW"], LOWER=float(lower_bound),
+                                    EPS=float(eps), num_warps=cfg["num_warps"])
+    return o, conv_out, state_out.to(state.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The ops' CUDA implementations. Float64 calls (validation runs) keep the reference: the kernels compute in fp32.
+
+def _wide(*ts: torch.Tensor) -> bool:
+    return any(t.dtype == torch.float64 for t in ts)
+
+
+def prefill_kernel_applies(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """The prefill kernels serve bf16/fp16 inputs with K = V = 128 (K3; verified on the H200). Other head dims
+    and fp32 inputs keep the reference (fp32 intra tiles at K = 128 exceed the 227 KB of shared memory)."""
+    return q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] == v.shape[-1] == 128
+
+
+def _prefill_cuda(q, k, v, f, b, A_log, dt_bias, initial_state, lengths, lower_bound):
+    if _wide(q, k, v, f, initial_state) or not prefill_kernel_applies(q, v):
+        return kda_prefill._init_fn(q, k, v, f, b, A_log, dt_bias, initial_state, lengths, lower_bound)
+    return kda_prefill_fwd(q, k, v, f, b, A_log, dt_bias, initial_state, lengths, lower_bound)
+
+
+def _decode_cuda(qkv, conv_state, conv_weight, f, b, g, A_log, dt_bias, o_norm_weight, state, lower_bound, eps):
+    if _wide(qkv, conv_state, state):
+        return kda_decode._init_fn(qkv, conv_state, conv_weight, f, b, g, A_log, dt_bias, o_norm_weight, state,
+                                   lower_bound, eps)
+    return kda_decode_fwd(qkv, conv_state, conv_weight, f, b, g, A_log, dt_bias, o_norm_weight, state,
+                          lower_bound, eps)
+
+
+# K3_KDA_TRITON=0 keeps the reference on CUDA too (escape hatch while the kernels are young).
+if os.environ.get("K3_KDA_TRITON", "1") != "0":
+    kda_prefill.register_kernel("cuda")(_prefill_cuda)
+    kda_decode.register_kernel("cuda")(_decode_cuda)
