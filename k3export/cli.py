@@ -23,7 +23,9 @@ def _register() -> None:
     from k3export.onnx_export import onnx_cmd
     from k3export.verify import verify_cmd
     from k3export.shapes import shapes
-    for cmd in (init, shapes, generate, demo, bench, calibrate_command,
+    from k3export.build import build_command
+    from k3export.runtime import run_command
+    for cmd in (init, shapes, generate, demo, bench, calibrate_command, build_command, run_command,
                 export_cmd, onnx_cmd, verify_cmd):
         main.add_command(cmd)
 

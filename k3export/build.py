@@ -1,0 +1,362 @@
+"""`k3export build`: engine directories, one per target, and their refusal when they do not fit.
+
+A target is (preset or checkpoint, precision, device, backend); its directory is named from them, e.g.
+`engines/k3-small-bf16-h200-aoti/`. Every engine directory holds:
+
+    manifest.json   format, backend, config (+ hash), weights fingerprint, precision, device/GPU, library
+                    versions, every file with its size and sha256, the optimisation profiles (named dims
+                    min/opt/max), the state layout, build timings and the reuse key
+    build.log       what was done, with timings
+    weights.safetensors   the model tensors in the engine's precision (the engine needs no checkpoint)
+    + backend files: aoti: prefill.aoti.pt2 / decode.aoti.pt2 (AOTInductor packages, weights kept outside
+      so prefill and decode share one copy); tensorrt: prefill.engine / decode.engine / timing.cache;
+      compile: inductor-cache/ (Inductor's on-disk cache, so a later process skips code generation)
+
+`open_engine` re-checks everything before anything runs: a missing/truncated/corrupt file, another config,
+other library versions or another GPU is refused with a message that says which and what to do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+import torch
+
+from k3export.commands import device_option, load_model
+from k3export.config import PRESETS, K3Config
+from k3export.manifest import checkpoint_fingerprint, file_sha256, library_versions, preset_fingerprint
+
+FORMAT = "k3export.engine/1"
+BACKENDS = ("eager", "compile", "aoti", "tensorrt")
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+WEIGHTS = "weights.safetensors"
+DEFAULT_PROFILES = {"prefill": {"batch": [1, 1, 8], "tokens": [1, 128, 4096]},
+                    "decode": {"batch": [1, 8, 64], "cache": [2, 1024, 4096]}}
+
+
+class EngineError(RuntimeError):
+    """An engine directory cannot be used; the message says what is wrong and how to fix it."""
+
+
+class TensorRTMissing(EngineError):
+    pass
+
+
+TENSORRT_INSTALL = ("TensorRT is not installed: install TensorRT 11 for CUDA 13 from NVIDIA's index, e.g. "
+                    "`pip install --extra-index-url https://pypi.nvidia.com tensorrt-cu13` (PyPI's "
+                    "`tensorrt-cu13-libs` is a stub that downloads from there), then rebuild with "
+                    "`k3export build --backend tensorrt`. On machines without that index use --backend aoti.")
+
+
+# ---------------------------------------------------------------------------------------------- naming
+def device_slug(device: str | torch.device) -> str:
+    """'cpu', or the GPU's name in lower case without the vendor: 'h200', 'a100-sxm4-80gb'."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return device.type
+    name = torch.cuda.get_device_name(device).lower().replace("nvidia", "")
+    return re.sub(r"[^a-z0-9]+", "-", name).strip("-")
+
+
+def preset_name(config: K3Config) -> str:
+    """The preset a config equals, else 'custom-<hash>'."""
+    for name, c in PRESETS.items():
+        if c == config:
+            return name
+    return f"custom-{config.hash()[:8]}"
+
+
+def precision_name(dtype: torch.dtype) -> str:
+    return {v: k for k, v in PRECISIONS.items()}[dtype]
+
+
+def engine_name(config: K3Config, dtype: torch.dtype, device, backend: str) -> str:
+    return f"{preset_name(config)}-{precision_name(dtype)}-{device_slug(device)}-{backend}"
+
+
+def state_layout(config: K3Config, dtype: torch.dtype) -> dict:
+    """Per-sequence shapes of the state tensors (batch and cache length named), as `K3State` allocates them."""
+    from k3export.model.state import K3State
+    s = K3State.empty(config, 1, 1, dtype=dtype, device="meta")
+    named = {"kda_conv": ["n_kda", "batch", "channels", "window"], "kda_state": ["n_kda", "batch", "H", "K", "V"],
+             "mla_cache": ["n_mla", "batch", "cache", "R"], "lengths": ["batch"]}
+    return {k: {"shape": [d if n not in ("batch", "cache") else n for d, n in zip(t.shape, named[k])],
+                "dtype": str(t.dtype).removeprefix("torch.")}
+            for k, t in (("kda_conv", s.kda_conv), ("kda_state", s.kda_state), ("mla_cache", s.mla_cache),
+                         ("lengths", s.lengths))}
+
+
+# ---------------------------------------------------------------------------------------------- building
+@dataclass
+class BuildLog:
+    """Timed steps, written to build.log and the manifest."""
+
+    lines: list[str]
+    seconds: dict[str, float]
+
+    def step(self, name: str, fn, *args, **kw):
+        t0 = time.perf_counter()
+        out = fn(*args, **kw)
+        dt = time.perf_counter() - t0
+        self.seconds[name] = round(self.seconds.get(name, 0.0) + dt, 3)
+        self.lines.append(f"{time.strftime('%H:%M:%S')} {name}: {dt:.2f}s")
+        return out
+
+    def note(self, text: str) -> None:
+        self.lines.append(f"{time.strftime('%H:%M:%S')} {text}")
+
+
+def build(backend: str, model, out_root: str | Path = "engines", *, graphs: str | Path | None = None,
+          weights_id: str = "unknown", profiles: dict | None = None, echo=print) -> Path:
+    """Build `backend` for `model` (its config, dtype and device define the target) under `out_root`.
+    `graphs`: an export directory (prefill.pt2, decode.pt2, manifest.json) for aoti/tensorrt; exported into
+    the engine directory when not given. Returns the engine directory."""
+    if backend not in BACKENDS:
+        raise EngineError(f"unknown backend '{backend}'; choose one of {', '.join(BACKENDS)}")
+    if backend == "tensorrt":
+        from k3export.build_trt import import_tensorrt
+        import_tensorrt()                                         # fail before any work when it is missing
+    config, dtype, device = model.config, model.dtype, model.device
+    out = Path(out_root) / engine_name(config, dtype, device, backend)
+    out.mkdir(parents=True, exist_ok=True)
+    log = BuildLog([f"k3export build --backend {backend} -> {out}"], {})
+    manifest = {
+        "format": FORMAT, "backend": backend, "preset": preset_name(config), "config_hash": config.hash(),
+        "config": config.to_hf(), "weights": weights_id, "precision": precision_name(dtype),
+        "device": torch.device(device).type, "gpu": _gpu(device), "versions": _versions(),
+        "profiles": profiles or DEFAULT_PROFILES, "state_layout": state_layout(config, dtype),
+    }
+    files: dict[str, str] = {}
+    weights_key = _weights_key(manifest)
+    old = _read_manifest(out)
+    if old and old.get("weights_key") == weights_key and _files_ok(out, old, WEIGHTS):
+        log.note(f"{WEIGHTS}: unchanged (same weights, precision and config), reused")
+    else:
+        log.step("write weights", _save_weights, model, out / WEIGHTS)
+    files[WEIGHTS] = WEIGHTS
+    if backend == "compile":
+        from k3export.runtime import CompileBackend
+        log.step("compile warm-up (prefill + decode)", _warm_compile, CompileBackend(model, cache_dir=out))
+        manifest["inductor_cache"] = "inductor-cache"
+    elif backend == "aoti":
+        from k3export.build_aoti import build_aoti
+        files.update(build_aoti(model, out, graphs, manifest, log, echo))
+    elif backend == "tensorrt":
+        from k3export.build_trt import build_tensorrt
+        files.update(build_tensorrt(out, graphs, manifest, log))
+    manifest["weights_key"] = weights_key
+    manifest["files"] = {name: {"bytes": (out / rel).stat().st_size, "sha256": file_sha256(out / rel)}
+                         for name, rel in files.items()}
+    manifest["build"] = {"seconds": log.seconds, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    log.note(f"total: {sum(log.seconds.values()):.2f}s")
+    (out / "build.log").write_text("\n".join(log.lines) + "\n")
+    return out
+
+
+def _gpu(device) -> dict | None:
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return {"name": torch.cuda.get_device_name(device),
+            "capability": ".".join(map(str, torch.cuda.get_device_capability(device)))}
+
+
+def _versions() -> dict[str, str]:
+    v = library_versions()
+    try:
+        import triton
+        v["triton"] = triton.__version__
+    except ImportError:
+        pass
+    if torch.version.cuda:
+        v["cuda"] = torch.version.cuda
+    return v
+
+
+def _weights_key(manifest: dict) -> str:
+    return f"{manifest['config_hash']}:{manifest['weights']}:{manifest['precision']}"
+
+
+def _save_weights(model, path: Path) -> None:
+    from safetensors.torch import save_file
+    save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(path))
+
+
+def _warm_compile(backend) -> None:
+    """Compile the decode and prefill programs once (small shapes), filling the engine's Inductor cache."""
+    from k3export.model.state import K3State
+    cfg = backend.config
+    st = K3State.empty(cfg, 2, 8, dtype=backend.dtype, device=backend.device)
+    ids = torch.ones(2, 4, dtype=torch.int64, device=backend.device)
+    backend.prefill(ids, torch.tensor([4, 3], device=backend.device), st.kda_conv, st.kda_state,
+                    st.mla_cache[:, :, :0], st.lengths)
+    backend.decode(ids[:, 0], st.kda_conv, st.kda_state, st.mla_cache, st.lengths)
+
+
+# ---------------------------------------------------------------------------------------------- opening
+def _read_manifest(path: Path) -> dict | None:
+    try:
+        return json.loads((path / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _files_ok(out: Path, manifest: dict, *names: str) -> bool:
+    try:
+        return all(file_sha256(out / n) == manifest["files"][n]["sha256"] for n in names)
+    except (OSError, KeyError):
+        return False
+
+
+def check_engine_dir(path: str | Path, device=None, config: K3Config | None = None, hash_files: bool = True) -> dict:
+    """Validate an engine directory and return its manifest; raise EngineError saying what is wrong.
+
+    Checks: a readable manifest of this format; every listed file present, of the recorded size (else
+    'truncated') and sha256 (else 'corrupt'); the config (when given) by hash; for compiled artifacts (aoti,
+    tensorrt) the library versions and the device/GPU they were built for."""
+    path = Path(path)
+    if not path.is_dir():
+        raise EngineError(f"{path}: no such engine directory (build one with `k3export build`)")
+    mpath = path / "manifest.json"
+    if not mpath.exists():
+        raise EngineError(f"{path}: no manifest.json; not an engine directory, or its build did not finish "
+                          "(rebuild with `k3export build`)")
+    try:
+        m = json.loads(mpath.read_text())
+    except ValueError as e:
+        raise EngineError(f"{mpath} is corrupt (not valid JSON: {e}); rebuild the engine") from None
+    if m.get("format") != FORMAT:
+        raise EngineError(f"{mpath}: format {m.get('format')!r}, this k3export reads {FORMAT!r}; rebuild")
+    problems = []
+    for name, rec in m.get("files", {}).items():
+        f = path / name
+        if not f.exists():
+            problems.append(f"{name} is missing")
+        elif f.stat().st_size != rec["bytes"]:
+            problems.append(f"{name} is truncated or altered: {f.stat().st_size} bytes, manifest says {rec['bytes']}")
+        elif hash_files and file_sha256(f) != rec["sha256"]:
+            problems.append(f"{name} is corrupt: sha256 {file_sha256(f)[:12]}..., manifest says {rec['sha256'][:12]}...")
+    if config is not None and config.hash() != m["config_hash"]:
+        problems.append(f"config mismatch: engine built for config {m['config_hash']} ({m['preset']}), "
+                        f"the model given has {config.hash()} ({preset_name(config)})")
+    if m["backend"] in ("aoti", "tensorrt"):
+        now = _versions()
+        for lib in ("torch", "triton", "cuda"):
+            if m["versions"].get(lib) != now.get(lib) and (lib != "triton" or m["device"] == "cuda"):
+                problems.append(f"{lib} version mismatch: built with {m['versions'].get(lib)}, running {now.get(lib)}")
+        dev = torch.device(device) if device is not None else torch.device(m["device"])
+        if dev.type != m["device"]:
+            problems.append(f"device mismatch: built for {m['device']}, asked to run on {dev.type}")
+        elif m["gpu"] and dev.type == "cuda":
+            if not torch.cuda.is_available():
+                problems.append(f"built for GPU {m['gpu']['name']}, but no GPU is visible")
+            elif _gpu(dev) != m["gpu"]:
+                problems.append(f"GPU mismatch: built for {m['gpu']['name']} (sm {m['gpu']['capability']}), "
+                                f"running on {_gpu(dev)['name']} (sm {_gpu(dev)['capability']})")
+    if problems:
+        raise EngineError(f"refusing engine {path}: " + "; ".join(problems) +
+                          f" (rebuild with `k3export build --backend {m['backend']}`)")
+    return m
+
+
+def open_backend(path: str | Path, device=None, config: K3Config | None = None):
+    """Check the engine directory, then load its backend (a `runtime.Backend`)."""
+    path = Path(path)
+    m = check_engine_dir(path, device, config)
+    device = torch.device(device if device is not None else m["device"])
+    if m["backend"] == "aoti":
+        from k3export.build_aoti import AOTIBackend
+        return AOTIBackend(path, m, device)
+    if m["backend"] == "tensorrt":
+        from k3export.build_trt import TensorRTBackend
+        return TensorRTBackend(path, m, device)
+    model = _load_model(path, m, device)
+    if m["backend"] == "compile":
+        from k3export.runtime import CompileBackend
+        return CompileBackend(model, cache_dir=path)
+    from k3export.runtime import EagerBackend
+    return EagerBackend(model)
+
+
+def _load_model(path: Path, m: dict, device):
+    from safetensors.torch import load_file
+    from k3export.model import K3Model
+    with torch.device("meta"):
+        model = K3Model(K3Config.from_dict(m["config"]))
+    model.load_state_dict(load_file(str(path / WEIGHTS), device=str(device)), assign=True, strict=True)
+    return model.eval().requires_grad_(False)
+
+
+def load_engine(path: str | Path, max_batch: int = 1, max_len: int = 1024, device=None, cuda_graphs: bool = True):
+    """An `Engine` over the engine directory's backend, within its decode profile."""
+    from k3export.runtime import Engine
+    backend = open_backend(path, device)
+    prof = json.loads((Path(path) / "manifest.json").read_text())["profiles"]["decode"]
+    if max_batch > prof["batch"][2] or max_len > prof["cache"][2]:
+        raise EngineError(f"{path}: asked for batch {max_batch} x {max_len} cache rows, the engine's decode "
+                          f"profile allows batch <= {prof['batch'][2]}, cache <= {prof['cache'][2]}; rebuild "
+                          "with larger --max-batch/--max-len")
+    return Engine(backend, max_batch, max_len, cuda_graphs=cuda_graphs)
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+def best_backend(device) -> str:
+    """TensorRT when it is installed and a GPU is used, else AOTInductor."""
+    if torch.device(device).type == "cuda":
+        try:
+            from k3export.build_trt import import_tensorrt
+            import_tensorrt()
+            return "tensorrt"
+        except EngineError:
+            pass
+    return "aoti"
+
+
+def profiles_for(max_batch: int, max_tokens: int, max_len: int) -> dict:
+    return {"prefill": {"batch": [1, 1, max_batch], "tokens": [1, min(128, max_tokens), max_tokens]},
+            "decode": {"batch": [1, min(8, max_batch), max_batch], "cache": [1, min(1024, max_len), max_len]}}
+
+
+@click.command("build")
+@click.option("--backend", type=click.Choice(BACKENDS + ("best",)), default="best", show_default=True,
+              help="best: tensorrt when installed on a GPU, else aoti.")
+@click.option("--checkpoint", type=click.Path(exists=True, file_okay=False), help="Checkpoint directory.")
+@click.option("--preset", type=click.Choice(sorted(PRESETS)), help="Random weights of a preset (default k3-tiny).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the preset's random weights.")
+@click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default="fp32", show_default=True)
+@device_option()
+@click.option("--graphs", type=click.Path(exists=True, file_okay=False),
+              help="Export directory (aoti/tensorrt); exported into the engine directory when omitted.")
+@click.option("--out", type=click.Path(file_okay=False), default="engines", show_default=True,
+              help="Parent of the engine directory (named <preset>-<precision>-<gpu>-<backend>).")
+@click.option("--max-batch", type=int, default=8, show_default=True)
+@click.option("--max-tokens", type=int, default=512, show_default=True, help="Longest prefill chunk.")
+@click.option("--max-len", type=int, default=4096, show_default=True, help="Cache rows per sequence.")
+def build_command(backend, checkpoint, preset, seed, dtype, device, graphs, out, max_batch, max_tokens, max_len):
+    """Build an engine directory: engine files, manifest.json (versions, GPU, config hash, file hashes,
+    profiles, state layout) and build.log with timings. Unchanged inputs are reused (weights, AOTI packages)."""
+    if backend == "best":
+        backend = best_backend(device)
+    try:
+        model = load_model(checkpoint, preset, PRECISIONS[dtype], device, seed)
+        wid = checkpoint_fingerprint(checkpoint) if checkpoint else \
+            preset_fingerprint(preset or "k3-tiny", seed, PRECISIONS[dtype])
+        t0 = time.perf_counter()
+        path = build(backend, model, out, graphs=graphs, weights_id=wid,
+                     profiles=profiles_for(max_batch, max_tokens, max_len), echo=click.echo)
+    except (EngineError, ValueError) as e:
+        raise click.ClickException(str(e))
+    m = json.loads((path / "manifest.json").read_text())
+    click.echo(f"built {backend} engine in {time.perf_counter() - t0:.1f}s -> {path}/")
+    for name, rec in m["files"].items():
+        click.echo(f"  {name:24s} {rec['bytes'] / 2**20:9.1f} MiB  sha256 {rec['sha256'][:12]}")
+    for step, s in m["build"]["seconds"].items():
+        click.echo(f"  {step:40s} {s:8.2f}s")
+    click.echo(f"  log: {path / 'build.log'}")

@@ -1,0 +1,169 @@
+"""The `aoti` backend: AOTInductor packages of the exported prefill and decode graphs.
+
+Build: each graph of an export directory (`k3export export`) is compiled by `aoti_compile_and_package` with the
+weights kept *outside* the package (`package_constants_in_so=False`), so the two packages share the engine's one
+`weights.safetensors` and a package is a few MiB whatever the model size. The two graphs compile in parallel
+processes, and each package is cached under `$K3EXPORT_CACHE` (default `~/.cache/k3export/aoti`) keyed by the
+graph file's sha256, the library versions, the device and the Inductor options: an unchanged input is reused
+without compiling.
+
+Load: `aoti_load_package` + `load_constants` (user managed: both programs point at the same weight tensors).
+Nothing of the model's Python code is imported; the k3 ops stay opaque calls that AOTInductor makes through
+the op dispatcher, so the op library (`k3export.plugins`, whose CUDA implementations are the Triton kernels) is
+imported first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+
+import torch
+
+from k3export.build import PRECISIONS, WEIGHTS, EngineError, _versions, device_slug
+from k3export.config import K3Config
+
+GRAPHS = ("prefill", "decode")
+CONSTANT_PREFIX = "model."                  # export wraps the model as `PrefillGraph.model` / `DecodeGraph.model`
+INDUCTOR_CONFIGS = {"aot_inductor.package_constants_in_so": False}
+
+
+def package_name(graph: str) -> str:
+    return f"{graph}.aoti.pt2"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("K3EXPORT_CACHE", Path.home() / ".cache" / "k3export")) / "aoti"
+
+
+def cache_key(graph_sha: str, device) -> str:
+    blob = json.dumps([graph_sha, _versions(), device_slug(device), INDUCTOR_CONFIGS], sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+def build_aoti(model, out: Path, graphs, manifest: dict, log, echo) -> dict[str, str]:
+    """Compile (or reuse) both packages into `out`; returns {file name: path relative to out}."""
+    from k3export.manifest import check_manifest, load_manifest
+    if graphs is None:
+        from k3export.export import ExportLimits, export_graphs
+        graphs = out / "graphs"
+        lim = manifest["profiles"]
+        limits = ExportLimits(max_batch=max(lim["prefill"]["batch"][2], lim["decode"]["batch"][2]),
+                              max_tokens=lim["prefill"]["tokens"][2], max_cache=lim["decode"]["cache"][2])
+        log.step("export (prefill + decode graphs)", export_graphs, model, graphs, limits,
+                 {"weights": manifest["weights"]}, log=log.note)
+    graphs = Path(graphs)
+    gm = load_manifest(graphs)
+    try:
+        check_manifest(gm, config_hash=manifest["config_hash"])
+    except ValueError as e:
+        raise EngineError(str(e)) from None
+    if gm["dtype"] != str(model.dtype).removeprefix("torch."):
+        raise EngineError(f"graphs in {graphs} are {gm['dtype']}, the engine is {manifest['precision']}; "
+                          "re-export at the engine's precision")
+    manifest["graphs"] = {"dir": str(graphs), "config_hash": gm["config_hash"],
+                          "sha256": {g: gm["graphs"][g]["sha256"] for g in GRAPHS}}
+    manifest["profiles"] = profiles_from_dims(gm)
+    device = model.device
+    todo, files = {}, {}
+    for g in GRAPHS:
+        key = cache_key(gm["graphs"][g]["sha256"], device)
+        cached = cache_root() / key / package_name(g)
+        if not cached.exists():
+            todo[g] = (str(graphs / gm["graphs"][g]["file"]), str(cached), device.type)
+        else:
+            log.note(f"{g}: reused cached package {cached} (key {key})")
+        files[g] = cached
+    if todo:
+        echo(f"AOTInductor: compiling {', '.join(todo)} ({'in parallel' if len(todo) > 1 else 'one graph'}; "
+             "cached for the next build)")
+        log.step(f"aoti compile ({' + '.join(todo)}, parallel)", _compile_parallel, todo)
+    manifest["aoti"] = {"constant_prefix": CONSTANT_PREFIX, "inductor_configs": INDUCTOR_CONFIGS,
+                        "cache_keys": {g: files[g].parent.name for g in GRAPHS}}
+    names = {}
+    for g in GRAPHS:
+        dst = out / package_name(g)
+        dst.unlink(missing_ok=True)
+        try:
+            os.link(files[g], dst)
+        except OSError:
+            shutil.copyfile(files[g], dst)
+        names[dst.name] = dst.name
+    return names
+
+
+def profiles_from_dims(gm: dict) -> dict:
+    """Engine profiles (min/opt/max per named dim) from the export's dynamic dims."""
+    d = gm["dims"]
+
+    def mmo(name, opt):
+        lo, hi = d[name]["min"], d[name]["max"]
+        return [lo, min(max(opt, lo), hi), hi]
+
+    return {"prefill": {"batch": mmo("batch", 1), "tokens": mmo("tokens", 128), "past": mmo("past", 0)},
+            "decode": {"batch": mmo("batch", 8), "cache": mmo("cache", 1024)}}
+
+
+def _compile_parallel(todo: dict) -> None:
+    if len(todo) == 1:
+        (args,) = todo.values()
+        _compile_one(*args)
+        return
+    with ProcessPoolExecutor(max_workers=len(todo), mp_context=get_context("spawn")) as pool:
+        for f in [pool.submit(_compile_one, *args) for args in todo.values()]:
+            f.result()
+
+
+def _compile_one(pt2: str, package: str, device_type: str) -> None:
+    """Worker: load one exported graph and compile it into `package` (written atomically)."""
+    import k3export.plugins  # noqa: F401  (registers the k3 ops the graph calls)
+    from k3export.runtime import load_kernels
+    load_kernels(device_type)
+    ep = torch.export.load(pt2)
+    Path(package).parent.mkdir(parents=True, exist_ok=True)
+    tmp = f"{package[:-len('.pt2')]}.tmp{os.getpid()}.pt2"
+    torch._inductor.aoti_compile_and_package(ep, package_path=tmp, inductor_configs=INDUCTOR_CONFIGS)
+    os.replace(tmp, package)
+
+
+class AOTIBackend:
+    """Runs the two packages; the `runtime.Backend` interface."""
+
+    name = "aoti"
+
+    def __init__(self, path: Path, manifest: dict, device: torch.device):
+        import k3export.plugins  # noqa: F401
+        from safetensors.torch import load_file
+        from k3export.runtime import load_kernels
+        load_kernels(device.type)
+        self.config = K3Config.from_dict(manifest["config"])
+        self.dtype, self.device = PRECISIONS[manifest["precision"]], device
+        self.max_prefill_tokens = manifest["profiles"]["prefill"]["tokens"][2]
+        weights = load_file(str(path / WEIGHTS), device=str(device))
+        prefix = manifest["aoti"]["constant_prefix"]
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        self._run = {}
+        for g in GRAPHS:
+            pkg = torch._inductor.aoti_load_package(str(path / package_name(g)), run_single_threaded=True)
+            fqns = pkg.get_constant_fqns()
+            missing = [f for f in fqns if f.removeprefix(prefix) not in weights]
+            if missing:
+                raise EngineError(f"{path / package_name(g)} needs constants missing from {WEIGHTS}: {missing[:4]}"
+                                  " (the package and the weights come from different builds; rebuild)")
+            pkg.load_constants({f: weights[f.removeprefix(prefix)] for f in fqns}, check_full_update=True,
+                               user_managed=True)
+            self._run[g] = pkg
+        self._weights = weights                     # user-managed constants: keep them alive
+
+    def prefill(self, input_ids, lengths, kda_conv, kda_state, mla_cache, cache_len):
+        return tuple(self._run["prefill"](input_ids, lengths, kda_conv.contiguous(), kda_state.contiguous(),
+                                          mla_cache.contiguous(), cache_len))
+
+    def decode(self, input_ids, kda_conv, kda_state, mla_cache, cache_len):
+        return tuple(self._run["decode"](input_ids, kda_conv, kda_state, mla_cache, cache_len))

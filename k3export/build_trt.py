@@ -1,0 +1,156 @@
+"""The `tensorrt` backend: a thin layer over the TensorRT 11 Python API. NOT RUN: TensorRT cannot be installed on
+the machines this project has (see docs/deployment-notes.md); everything here except the `trt.*` calls is plain
+data computed and tested without it (`profile_shapes`).
+
+Build, per graph: the ONNX from `k3export onnx` (k3 ops are bare plugin nodes, domain `k3`) -> a strongly typed
+network (precision comes from the tensor dtypes) -> one optimisation profile whose min/opt/max come from the
+graph manifest's named dims -> a serialized engine, with a shared timing cache kept in the engine directory so
+a rebuild reuses the tactic timings. The k3 plugins are registered by importing each `plugins/<op>/trt.py`
+(their `tensorrt.plugin` AOT definitions: Triton PTX + launch contracts).
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import torch
+
+from k3export.build import PRECISIONS, TENSORRT_INSTALL, EngineError, TensorRTMissing
+from k3export.config import K3Config
+
+GRAPHS = ("prefill", "decode")
+TIMING_CACHE = "timing.cache"
+PLUGIN_OPS = ("kda", "mla", "moe", "attn_res")
+
+
+def import_tensorrt():
+    try:
+        import tensorrt as trt
+    except ImportError:
+        raise TensorRTMissing(TENSORRT_INSTALL) from None
+    if int(trt.__version__.split(".")[0]) < 11:
+        raise EngineError(f"TensorRT {trt.__version__} found; the k3 engines need TensorRT >= 11 (strongly typed "
+                          "networks, AOT plugins). " + TENSORRT_INSTALL.split(": ", 1)[1])
+    return trt
+
+
+def profile_shapes(inputs: list[dict], profile: dict[str, list[int]], fixed: dict[str, int] | None = None
+                   ) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
+    """(min, opt, max) shape per graph input, from its manifest shape (ints and dim names) and the profile's
+    `[min, opt, max]` per dim name. A named dim missing from the profile must be in `fixed`."""
+    fixed = fixed or {}
+    out = {}
+    for spec in inputs:
+        rows = []
+        for i in range(3):
+            shape = []
+            for d in spec["shape"]:
+                if isinstance(d, int):
+                    shape.append(d)
+                elif d in profile:
+                    shape.append(profile[d][i])
+                elif d in fixed:
+                    shape.append(fixed[d])
+                else:
+                    raise EngineError(f"input {spec['name']}: dim '{d}' has no profile entry")
+            rows.append(tuple(shape))
+        out[spec["name"]] = tuple(rows)
+    return out
+
+
+def register_plugins() -> list[str]:
+    """Import every `plugins/<op>/trt.py` that exists (each registers its `tensorrt.plugin` definitions)."""
+    done = []
+    for op in PLUGIN_OPS:
+        name = f"k3export.plugins.{op}.trt"
+        if importlib.util.find_spec(name) is not None:
+            importlib.import_module(name)
+            done.append(op)
+    return done
+
+
+def build_tensorrt(out: Path, graphs, manifest: dict, log) -> dict[str, str]:
+    trt = import_tensorrt()
+    from k3export.build_aoti import profiles_from_dims
+    from k3export.manifest import load_manifest
+    if graphs is None:
+        raise EngineError("--backend tensorrt needs --graphs DIR holding prefill.onnx/decode.onnx "
+                          "(run `k3export export` then `k3export onnx`)")
+    gm = load_manifest(graphs)
+    manifest["profiles"] = profiles = profiles_from_dims(gm)
+    log.note(f"plugins registered: {register_plugins()}")
+    logger = trt.Logger(trt.Logger.WARNING)
+    builder = trt.Builder(logger)
+    cache_path = out / TIMING_CACHE
+    config0 = builder.create_builder_config()
+    cache = config0.create_timing_cache(cache_path.read_bytes() if cache_path.exists() else b"")
+    files = {}
+    for g in GRAPHS:
+        onnx_path = Path(graphs) / f"{g}.onnx"
+        if not onnx_path.exists():
+            raise EngineError(f"{onnx_path} is missing; run `k3export onnx --graphs {graphs}`")
+        network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
+        parser = trt.OnnxParser(network, logger)
+        if not log.step(f"{g}: parse ONNX", parser.parse_from_file, str(onnx_path)):
+            errs = [str(parser.get_error(i)) for i in range(parser.num_errors)]
+            raise EngineError(f"TensorRT could not parse {onnx_path}: {'; '.join(errs[:5])}")
+        config = builder.create_builder_config()
+        config.set_timing_cache(cache, ignore_mismatch=False)
+        profile = builder.create_optimization_profile()
+        for name, (lo, opt, hi) in profile_shapes(gm["graphs"][g]["inputs"], profiles[g]).items():
+            profile.set_shape(name, lo, opt, hi)
+        config.add_optimization_profile(profile)
+        plan = log.step(f"{g}: build engine", builder.build_serialized_network, network, config)
+        if plan is None:
+            raise EngineError(f"TensorRT failed to build the {g} engine (see the TensorRT log above)")
+        (out / f"{g}.engine").write_bytes(bytes(plan))
+        files[f"{g}.engine"] = f"{g}.engine"
+    cache_path.write_bytes(bytes(cache.serialize()))
+    return files
+
+
+class TensorRTBackend:
+    """Runs the serialized engines with torch-allocated buffers (the `runtime.Backend` interface)."""
+
+    name = "tensorrt"
+
+    def __init__(self, path: Path, manifest: dict, device: torch.device):
+        trt = import_tensorrt()
+        register_plugins()
+        self.config = K3Config.from_dict(manifest["config"])
+        self.dtype, self.device = PRECISIONS[manifest["precision"]], device
+        self.max_prefill_tokens = manifest["profiles"]["prefill"]["tokens"][2]
+        runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
+        self._ctx = {}
+        for g in GRAPHS:
+            engine = runtime.deserialize_cuda_engine((path / f"{g}.engine").read_bytes())
+            if engine is None:
+                raise EngineError(f"{path / (g + '.engine')} does not deserialize with TensorRT {trt.__version__}")
+            self._ctx[g] = (engine, engine.create_execution_context())
+
+    def _run(self, g: str, names: tuple[str, ...], args) -> tuple:
+        from k3export.export import OUTPUTS
+        engine, ctx = self._ctx[g]
+        keep = [t.contiguous() for t in args]                  # alive until the launch is queued
+        for name, t in zip(names, keep):
+            ctx.set_input_shape(name, tuple(t.shape))
+            ctx.set_tensor_address(name, t.data_ptr())
+        outs = []
+        for name in OUTPUTS:
+            shape = tuple(ctx.get_tensor_shape(name))
+            dtype = {"FLOAT": torch.float32, "BF16": torch.bfloat16, "HALF": torch.float16,
+                     "INT64": torch.int64}[engine.get_tensor_dtype(name).name]
+            o = torch.empty(shape, dtype=dtype, device=self.device)
+            ctx.set_tensor_address(name, o.data_ptr())
+            outs.append(o)
+        ctx.execute_async_v3(torch.cuda.current_stream().cuda_stream)
+        return tuple(outs)
+
+    def prefill(self, *args):
+        from k3export.export import PREFILL_INPUTS
+        return self._run("prefill", PREFILL_INPUTS, args)
+
+    def decode(self, *args):
+        from k3export.export import DECODE_INPUTS
+        return self._run("decode", DECODE_INPUTS, args)

@@ -1,0 +1,385 @@
+"""The serving runtime: one `Engine` over every backend, and a continuous-batching `Generator` on top.
+
+A backend is a pair of functional programs with the signatures of `K3Model.forward_prefill` and
+`K3Model.forward_decode` (state in; logits, new KDA tensors and new MLA rows out). Eager PyTorch, torch.compile
+and the AOTInductor packages all fit that mould, so the engine never asks which one it runs.
+
+The engine owns a fixed number of *slots*: one preallocated `K3State` of `max_batch` sequences x `max_len`
+cache rows that is never reallocated (a captured CUDA graph holds its addresses). A request joins by being
+prefilled (in one batch with the other joiners) into a free slot; every decode step runs all slots at once,
+each at its own position, and only the active slots advance. On a GPU the decode step (program + state
+commit) is captured once as a CUDA graph for the engine's batch size and replayed.
+
+    engine = Engine(EagerBackend(model), max_batch=4, max_len=256)
+    gen = Generator(engine)
+    gen.generate([[1, 2, 3], [4, 5]], max_new_tokens=8)        # == k3export.generate.generate, greedy
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Protocol
+
+import torch
+
+from k3export.config import K3Config
+from k3export.generate import Sampling, check_prompts, sample
+from k3export.model.state import K3State
+
+
+def load_kernels(device_type: str) -> list[str]:
+    """On a GPU, import each op's `kernels.py` (it registers the Triton kernels as the op's CUDA implementation).
+    Returns the ops whose kernels loaded. A no-op elsewhere: the references serve every other device."""
+    import importlib
+    import importlib.util
+    loaded = []
+    if device_type != "cuda":
+        return loaded
+    for op in ("kda", "mla", "moe", "attn_res"):
+        name = f"k3export.plugins.{op}.kernels"
+        if importlib.util.find_spec(name) is not None:
+            importlib.import_module(name)
+            loaded.append(op)
+    return loaded
+
+
+class Backend(Protocol):
+    """Functional prefill/decode programs plus what the engine needs to allocate their state."""
+
+    name: str
+    config: K3Config
+    dtype: torch.dtype            # model dtype: the conv window and the MLA cache use it
+    device: torch.device
+    max_prefill_tokens: int | None   # longest prefill chunk the program accepts (None: any)
+
+    def prefill(self, input_ids, lengths, kda_conv, kda_state, mla_cache, cache_len):
+        """As `K3Model.forward_prefill`: -> (logits `[B, T, V]`, kda_conv, kda_state, rows `[n_mla, B, T, R]`)."""
+
+    def decode(self, input_ids, kda_conv, kda_state, mla_cache, cache_len):
+        """As `K3Model.forward_decode`: -> (logits `[B, V]`, kda_conv, kda_state, rows `[n_mla, B, 1, R]`)."""
+
+
+class EagerBackend:
+    """The model's own Python forward: the baseline every other backend is compared with."""
+
+    name = "eager"
+
+    def __init__(self, model):
+        load_kernels(model.device.type)
+        self.model, self.config = model, model.config
+        self.dtype, self.device = model.dtype, model.device
+        self.max_prefill_tokens = None
+
+    @torch.no_grad()
+    def prefill(self, *args):
+        return self.model.forward_prefill(*args)
+
+    @torch.no_grad()
+    def decode(self, *args):
+        return self.model.forward_decode(*args)
+
+
+class CompileBackend(EagerBackend):
+    """torch.compile of the two forwards (Inductor). The k3 ops stay opaque calls into their registered kernels.
+    Compilation happens on first use per shape; `cache_dir` (the engine directory) keeps Inductor's on-disk
+    caches, so a later process reuses the generated code."""
+
+    name = "compile"
+
+    def __init__(self, model, mode: str | None = None, cache_dir=None):
+        super().__init__(model)
+        if cache_dir is not None:
+            import os
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(cache_dir).resolve() / "inductor-cache")
+        self._prefill = torch.compile(model.forward_prefill, dynamic=True, mode=mode)
+        self._decode = torch.compile(model.forward_decode, dynamic=False, mode=mode)
+
+    @torch.no_grad()
+    def prefill(self, *args):
+        return self._prefill(*args)
+
+    @torch.no_grad()
+    def decode(self, *args):
+        return self._decode(*args)
+
+
+# ---------------------------------------------------------------------------------------------- the engine
+class Engine:
+    """Preallocated slots + a backend. `prefill` puts prompts into slots; `decode` advances every active slot by
+    one token. All state lives in `self.state` (never reallocated) and `self.active` `[max_batch]` bool."""
+
+    def __init__(self, backend: Backend, max_batch: int, max_len: int, cuda_graphs: bool = True):
+        if max_batch < 1 or max_len < 2:
+            raise ValueError(f"need max_batch >= 1 and max_len >= 2, got {max_batch}, {max_len}")
+        self.backend, self.config = backend, backend.config
+        self.max_batch, self.max_len = max_batch, max_len
+        self.device = torch.device(backend.device)
+        self.state = K3State.empty(self.config, max_batch, max_len, dtype=backend.dtype, device=self.device)
+        self.active = torch.zeros(max_batch, dtype=torch.bool, device=self.device)
+        self._ids = torch.zeros(max_batch, dtype=torch.int64, device=self.device)     # decode input buffer
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._graph_logits: torch.Tensor | None = None
+        self.graph_error: str | None = None
+        if cuda_graphs and self.device.type == "cuda":
+            self._capture()
+
+    # ------------------------------------------------------------------ prefill: prompts into slots
+    @torch.no_grad()
+    def prefill(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:
+        """Fresh prefill of `prompts` (any lengths) into `slots`, in one batch; long prompts go in chunks of
+        the backend's `max_prefill_tokens`, continuing the state. Returns each prompt's last logits `[n, V]`."""
+        check_prompts(prompts, self.config.vocab_size)
+        if len(slots) != len(prompts) or len(set(slots)) != len(slots):
+            raise ValueError(f"need one distinct slot per prompt, got slots {slots} for {len(prompts)} prompts")
+        bad = [s for s in slots if not 0 <= s < self.max_batch]
+        if bad:
+            raise ValueError(f"slots {bad} outside [0, {self.max_batch})")
+        too_long = [len(p) for p in prompts if len(p) > self.max_len]
+        if too_long:
+            raise ValueError(f"prompt of {too_long[0]} tokens exceeds the engine's max_len={self.max_len}")
+        dev, n = self.device, len(prompts)
+        s = self.state
+        idx = torch.tensor(slots, device=dev)
+        conv, rec = torch.zeros_like(s.kda_conv[:, idx]), torch.zeros_like(s.kda_state[:, idx])
+        done = torch.zeros(n, dtype=torch.int64, device=dev)
+        total = torch.tensor([len(p) for p in prompts], device=dev)
+        chunk = self.backend.max_prefill_tokens or max(map(len, prompts))
+        last = None
+        for start in range(0, max(map(len, prompts)), chunk):
+            parts = [p[start:start + chunk] for p in prompts]
+            T = max(map(len, parts))
+            ids = torch.zeros(n, T, dtype=torch.int64, device=dev)
+            for i, p in enumerate(parts):
+                ids[i, :len(p)] = torch.tensor(p, dtype=torch.int64)
+            lengths = torch.tensor([len(p) for p in parts], device=dev)
+            cache = s.mla_cache[:, idx, :start].contiguous()                          # [n_mla, n, start, R]
+            logits, conv, rec, rows = self.backend.prefill(ids, lengths, conv, rec, cache, done)
+            for i, (slot, p) in enumerate(zip(slots, parts)):
+                s.mla_cache[:, slot, start:start + len(p)] = rows[:, i, :len(p)].to(s.mla_cache.dtype)
+            ends = (lengths - 1).clamp(min=0)
+            step_last = logits[torch.arange(n, device=dev), ends]                     # [n, V]
+            last = step_last if last is None else torch.where((lengths > 0)[:, None], step_last, last)
+            done = done + lengths
+        s.kda_conv[:, idx] = conv.to(s.kda_conv.dtype)
+        s.kda_state[:, idx] = rec.to(s.kda_state.dtype)
+        s.lengths[idx] = total
+        self.active[idx] = True
+        return last
+
+    def release(self, slot: int) -> None:
+        """Free a slot; its state is left as is and overwritten by the next prefill into it."""
+        self.active[slot] = False
+
+    # ------------------------------------------------------------------ decode: one token per slot
+    @torch.no_grad()
+    def decode(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens `[max_batch]` (inactive slots: any id) -> logits `[max_batch, V]` (inactive rows: junk).
+        Active slots write their new MLA row at their position and advance by one; callers keep positions
+        below `max_len` (the `Generator` does)."""
+        self._ids.copy_(tokens)
+        if self._graph is not None:
+            self._graph.replay()
+            return self._graph_logits
+        return self._step()
+
+    def _step(self) -> torch.Tensor:
+        """The decode program and its commit; every op here is capturable (no host sync, fixed addresses)."""
+        s = self.state
+        logits, conv, rec, rows = self.backend.decode(self._ids, s.kda_conv, s.kda_state, s.mla_cache, s.lengths)
+        s.kda_conv.copy_(conv)
+        s.kda_state.copy_(rec)
+        n_mla, B, _, R = s.mla_cache.shape
+        if n_mla:
+            pos = s.lengths.clamp(max=self.max_len - 1).view(1, B, 1, 1).expand(n_mla, B, 1, R)
+            s.mla_cache.scatter_(2, pos, rows.to(s.mla_cache.dtype))
+        s.lengths.add_(self.active)
+        return logits
+
+    def _capture(self) -> None:
+        """Capture `_step` for this batch size. Warm-up runs touch the state, so it is zeroed afterwards. If the
+        backend cannot be captured (a host sync inside an op), decoding stays uncaptured and `graph_error`
+        says why."""
+        s = self.state
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._step()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self._graph_logits = self._step()
+            self._graph = graph
+        except Exception as e:                                                        # noqa: BLE001
+            self._graph, self._graph_logits = None, None
+            self.graph_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            torch.cuda.synchronize()
+        for t in (s.kda_conv, s.kda_state, s.mla_cache, s.lengths):
+            t.zero_()
+
+    @property
+    def graphed(self) -> bool:
+        return self._graph is not None
+
+
+# ---------------------------------------------------------------------------------------------- requests
+@dataclass
+class Request:
+    """One generation request. `tokens` collects the new tokens; `finish` is None, 'stop' or 'length'."""
+
+    prompt: list[int]
+    max_new_tokens: int
+    sampling: Sampling = Sampling()
+    stop_tokens: tuple[int, ...] = ()
+    id: int = field(default_factory=itertools.count().__next__)
+    tokens: list[int] = field(default_factory=list)
+    finish: str | None = None
+    slot: int | None = None
+    _gen: torch.Generator | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish is not None
+
+
+class Generator:
+    """Continuous batching over an `Engine`: requests wait in a queue, join free slots (prefilled together),
+    decode together at their own positions, and leave on a stop token or after max_new_tokens. Sampling and
+    stopping follow `k3export.generate.generate`, with one seeded torch.Generator per request, so a request's
+    tokens do not depend on what else shares the batch."""
+
+    def __init__(self, engine: Engine, on_token: Callable[[Request, int], None] | None = None):
+        self.engine, self.on_token = engine, on_token
+        self.waiting: deque[Request] = deque()
+        self.running: dict[int, Request] = {}                       # slot -> request
+
+    def submit(self, prompt: list[int], max_new_tokens: int, sampling: Sampling = Sampling(),
+               stop_tokens: tuple[int, ...] = ()) -> Request:
+        e = self.engine
+        check_prompts([prompt], e.config.vocab_size)
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        need = len(prompt) + max_new_tokens - 1                     # the last sampled token is never fed back
+        if need > e.max_len:
+            raise ValueError(f"a {len(prompt)}-token prompt with max_new_tokens={max_new_tokens} needs {need} "
+                             f"cache rows; the engine holds max_len={e.max_len}")
+        r = Request(list(prompt), max_new_tokens, sampling, tuple(stop_tokens))
+        r._gen = torch.Generator().manual_seed(sampling.seed)
+        self.waiting.append(r)
+        return r
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def step(self) -> list[Request]:
+        """Admit waiting requests into free slots (one prefill), then one decode step for the running ones.
+        Returns the requests that finished during this step."""
+        finished: list[Request] = []
+        free = [s for s in range(self.engine.max_batch) if s not in self.running]
+        joining = [self.waiting.popleft() for _ in range(min(len(free), len(self.waiting)))]
+        if joining:
+            slots = free[:len(joining)]
+            logits = self.engine.prefill(slots, [r.prompt for r in joining])
+            for r, slot in zip(joining, slots):
+                r.slot = slot
+                self.running[slot] = r
+            self._emit(joining, logits, finished)
+        if self.running:
+            ids = torch.zeros(self.engine.max_batch, dtype=torch.int64)
+            for slot, r in self.running.items():
+                ids[slot] = r.tokens[-1]
+            logits = self.engine.decode(ids.to(self.engine.device))
+            reqs = list(self.running.values())
+            self._emit(reqs, logits[torch.tensor([r.slot for r in reqs], device=logits.device)], finished)
+        return finished
+
+    def _emit(self, reqs: list[Request], logits: torch.Tensor, finished: list[Request]) -> None:
+        """Sample one token per request from its logits row `[len(reqs), V]`; retire the finished."""
+        greedy = [i for i, r in enumerate(reqs) if r.sampling.temperature == 0]
+        toks = [0] * len(reqs)
+        if greedy:
+            for i, t in zip(greedy, logits[greedy].argmax(-1).tolist()):
+                toks[i] = t
+        for i, r in enumerate(reqs):
+            if r.sampling.temperature != 0:
+                toks[i] = int(sample(logits[i:i + 1], r.sampling, r._gen)[0])
+        for r, t in zip(reqs, toks):
+            r.tokens.append(t)
+            if self.on_token:
+                self.on_token(r, t)
+            if t in r.stop_tokens:
+                r.finish = "stop"
+            elif len(r.tokens) >= r.max_new_tokens:
+                r.finish = "length"
+            if r.done:
+                self.engine.release(r.slot)
+                del self.running[r.slot]
+                finished.append(r)
+
+    def run(self) -> None:
+        while not self.idle:
+            self.step()
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling = Sampling(),
+                 stop_tokens: tuple[int, ...] = ()) -> list[list[int]]:
+        """Same contract as `k3export.generate.generate`: new tokens per prompt (stop token kept)."""
+        reqs = [self.submit(p, max_new_tokens, sampling, stop_tokens) for p in prompts]
+        self.run()
+        return [r.tokens for r in reqs]
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+def _run_command():
+    import time
+
+    import click
+
+    from k3export.commands import parse_ids
+
+    @click.command("run")
+    @click.option("--engine", "engine_dir", required=True, type=click.Path(file_okay=False),
+                  help="Engine directory from `k3export build`.")
+    @click.option("--ids", "ids_text", required=True, help="Prompt token ids: '1,2,3' or several '1,2;3,4,5'.")
+    @click.option("--max-new-tokens", type=int, default=8, show_default=True)
+    @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
+    @click.option("--top-k", type=int, default=0, show_default=True, help="0 = off.")
+    @click.option("--top-p", type=float, default=1.0, show_default=True, help="1 = off.")
+    @click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed.")
+    @click.option("--stop", "stop_text", default="", help="Stop token ids, comma separated.")
+    @click.option("--max-batch", type=int, default=None, help="Slots (default: number of prompts).")
+    @click.option("--device", default=None, help="Default: the device the engine was built for.")
+    @click.option("--no-cuda-graphs", is_flag=True, help="Decode without CUDA-graph capture.")
+    def run(engine_dir, ids_text, max_new_tokens, temperature, top_k, top_p, seed, stop_text, max_batch, device,
+            no_cuda_graphs):
+        """Generate from an engine directory (any backend) with continuous batching: the prompts queue for
+        `--max-batch` slots, are prefilled into free slots and decoded together."""
+        from k3export.build import EngineError, load_engine
+        prompts = parse_ids(ids_text)
+        try:
+            sampling = Sampling(temperature, top_k, top_p, seed)
+            stop = tuple(int(t) for t in stop_text.split(",") if t.strip())
+            max_len = max(map(len, prompts)) + max_new_tokens
+            t0 = time.perf_counter()
+            engine = load_engine(engine_dir, max_batch or len(prompts), max_len, device, not no_cuda_graphs)
+            t_load = time.perf_counter() - t0
+            gen = Generator(engine)
+            t0 = time.perf_counter()
+            out = gen.generate(prompts, max_new_tokens, sampling, stop)
+            dt = time.perf_counter() - t0
+        except (EngineError, ValueError) as e:
+            raise click.ClickException(str(e))
+        for p, o in zip(prompts, out):
+            click.echo(f"{p} -> {o}")
+        click.echo(f"{engine.backend.name} engine {engine_dir} on {engine.device} (loaded in {t_load:.2f}s, "
+                   f"{engine.max_batch} slots, CUDA graph: {engine.graphed or engine.graph_error or 'off'}): "
+                   f"{sum(map(len, out))} tokens in {dt:.2f}s")
+
+    return run
+
+
+run_command = _run_command()
