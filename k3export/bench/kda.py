@@ -85,7 +85,8 @@ def bench_prefill(T: int, H: int, K: int = 128) -> dict:
     sweep = []
     for cfg in (dict(BV=64, state_stages=1), dict(BV=128, state_warps=8, state_stages=1), dict(intra_warps=4)):
         t = _try(lambda: _ms(lambda: kernels.kda_prefill_fwd(*args, config=cfg), rep=50))
-        sweep.append({**cfg, "ms": t})
+        err = _try(lambda: _rel(kernels.kda_prefill_fwd(*args, config=cfg)[0], o_ref))
+        sweep.append({**cfg, "ms": t, "o_rel_rms": err})     # a config is only usable if its error is too
         print("sweep", sweep[-1], flush=True)
     res["config_sweep"] = sweep
 
@@ -129,7 +130,7 @@ def bench_decode(batches, H: int, K: int = 128, copy_gbs: float = 0.0) -> list[d
         def fla():
             from fla.ops.kda import fused_recurrent_kda
             qkv = args[0].view(B, 1, 3, H, K)
-            q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+            q, k, v = (qkv[:, :, i].contiguous() for i in range(3))
             f = args[3].view(B, 1, H, K)
             b = args[4].view(B, 1, H)
             call = lambda: fused_recurrent_kda(q, k, v, f, b, A_log=args[6], dt_bias=args[7], scale=K ** -0.5,
@@ -159,7 +160,7 @@ def _markdown(res: dict) -> str:
              f"ours vs eager rel. RMS: o {p['ours_vs_eager_rel_rms']['o']:.2e}, state "
              f"{p['ours_vs_eager_rel_rms']['state']:.2e}", "",
              "config sweep: " + "; ".join(
-                 f"{ {k: v for k, v in c.items() if k != 'ms'} } {c['ms'] if isinstance(c['ms'], str) else round(c['ms'], 3)}"
+                 f"{ {k: v for k, v in c.items() if k not in ('ms', 'o_rel_rms')} } {c['ms'] if isinstance(c['ms'], str) else round(c['ms'], 3)} ms (o rel. {c['o_rel_rms'] if isinstance(c['o_rel_rms'], str) else format(c['o_rel_rms'], '.1e')})"
                  for c in p["config_sweep"]), "",
              f"Decode H={res['decode_H']}, fp32 state read + write; copy bandwidth {res['copy_GBs']:.0f} GB/s:", "",
              "| B | state MB | ours ms | ours GB/s (of copy) | fla ms | fla GB/s (of copy) | eager ms |",
