@@ -83,7 +83,7 @@ def bench_prefill(T: int, H: int, K: int = 128) -> dict:
         kernels.kda_prefill_fwd_kernel = real
 
     sweep = []
-    for cfg in (dict(BV=64, state_stages=1), dict(BV=128, state_warps=8, state_stages=1), dict(intra_warps=4)):
+    for cfg in (dict(BV=64, state_stages=1), dict(BV=128, state_warps=8, state_stages=1), dict(low_ab=True)):
         t = _try(lambda: _ms(lambda: kernels.kda_prefill_fwd(*args, config=cfg), rep=50))
         err = _try(lambda: _rel(kernels.kda_prefill_fwd(*args, config=cfg)[0], o_ref))
         sweep.append({**cfg, "ms": t, "o_rel_rms": err})     # a config is only usable if its error is too

@@ -27,12 +27,21 @@ BC = 16  # sub-tile rows: 16 steps of a gate > -5 decay by less than e^80, finit
 
 
 @triton.jit
+def _mm(a, b, low_dtype, PREC: tl.constexpr, LOW: tl.constexpr):
+    """fp32 x fp32 product at PREC, or (LOW) with both operands rounded to low_dtype (bf16: same exponent range,
+    so the e^80 diagonal-block factors stay finite), fp32 accumulation."""
+    if LOW:
+        return tl.dot(a.to(low_dtype), b.to(low_dtype))
+    return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit
 def kda_prefill_intra_fwd_kernel(
     q, k, v, f, b, A_log, dt_bias, lengths,          # inputs
     T,                                                # scalar: padded tokens per sequence
     w, u, qg, kd, aqk, gl,                            # outputs
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, LOWER: tl.constexpr, PREC: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, LOWER: tl.constexpr, PREC: tl.constexpr, LOW: tl.constexpr,
 ):
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
@@ -81,8 +90,8 @@ def kda_prefill_intra_fwd_kernel(
         e_J = tl.exp(tl.where(r_t[:, None] >= J * BC, b_G - c_J[None, :], float("-inf")))
         in_J = (r_t[:, None] >= J * BC) & (r_t[:, None] < J * BC + BC)
         r_J = tl.trans(b_k * tl.exp(tl.where(in_J, c_J[None, :] - b_G, float("-inf"))))   # [BK, BT]
-        b_Aqk += tl.dot(b_q * e_J, r_J, input_precision=PREC)
-        b_A += tl.dot(b_k * e_J, r_J, input_precision=PREC)
+        b_Aqk += _mm(b_q * e_J, r_J, w.dtype.element_ty, PREC, LOW)
+        b_A += _mm(b_k * e_J, r_J, w.dtype.element_ty, PREC, LOW)
     b_Aqk = tl.where(r_t[:, None] >= r_t[None, :], b_Aqk, 0.)
     tl.store(aqk + (i_bh * NT * BT + i_n * BT + r_t[:, None]).to(tl.int64) * BT + r_t[None, :],
              b_Aqk.to(aqk.dtype.element_ty))
@@ -106,8 +115,8 @@ def kda_prefill_intra_fwd_kernel(
     X = tl.dot(tl.dot(eye - N1, eye + N2, input_precision=PREC), D_inv, input_precision=PREC)
 
     b_eG = tl.exp(b_G)
-    b_w = tl.dot(X, b_beta[:, None] * b_eG * b_k, input_precision=PREC)               # [BT, BK]
-    b_u = tl.dot(X, b_beta[:, None] * b_v, input_precision=PREC)                      # [BT, BV]
+    b_w = _mm(X, b_beta[:, None] * b_eG * b_k, w.dtype.element_ty, PREC, LOW)         # [BT, BK]
+    b_u = _mm(X, b_beta[:, None] * b_v, w.dtype.element_ty, PREC, LOW)                # [BT, BV]
     G_last = tl.sum(tl.where(r_t[:, None] == BT - 1, b_G, 0.), 0)                     # [BK]
 
     row = (i_bh * NT * BT + i_n * BT + r_t).to(tl.int64)                               # [BT] in [B*H*NT*BT]
@@ -243,11 +252,12 @@ def _pow2(n: int) -> int:
 
 def prefill_config(K: int, V: int) -> dict:
     """Block sizes and warps of both prefill launches for head dims K, V (K = V = 128 is the tuned case).
+    `low_ab` (bf16 inputs only): bf16 operands for the A_kk/A_qk and W/U products (unmeasured, off).
     Verified on the H200 for K = V = 128: BV 64 / 4 warps / 2 stages and BV 128 / 8 warps / 1 stage. BV = 32 with
     1 stage gave wrong outputs there (exact under the interpreter; cause not found): do not use BV < 64."""
     big = max(K, V) >= 64
     return dict(BT=CHUNK, BK=_pow2(K), BV_intra=_pow2(V), BV=min(_pow2(V), 64),
-                intra_warps=8 if big else 4, state_warps=4, state_stages=2 if big else 1)
+                intra_warps=8 if big else 4, low_ab=False, state_warps=4, state_stages=2 if big else 1)
 
 
 def decode_config(K: int, W: int) -> dict:
@@ -300,7 +310,7 @@ def kda_prefill_fwd(q, k, v, f, b, A_log, dt_bias, initial_state, lengths, lower
     kda_prefill_intra_fwd_kernel[(NT, B * H)](
         q, k, v, f, b, A_log.contiguous(), dt_bias.contiguous(), lengths, T, w, u, qg, kd, aqk, gl,
         H=H, K=K, V=V, BK=cfg["BK"], BV=cfg["BV_intra"], BT=BT, BC=BC, LOWER=float(lower_bound), PREC=prec,
-        num_warps=cfg["intra_warps"])
+        LOW=bool(cfg["low_ab"]) and dt == torch.bfloat16, num_warps=cfg["intra_warps"])
     o = q.new_empty(B, T, H, V)
     ht = torch.empty_like(initial_state, dtype=torch.float32)
     kda_prefill_fwd_kernel[(triton.cdiv(V, cfg["BV"]), B * H)](

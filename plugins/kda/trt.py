@@ -59,7 +59,8 @@ def prefill_launches(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype,
     g_intra, g_chunk = prefill_grids(B, T, H, K, V)
 
     intra_cx = dict(H=H, K=K, V=V, BK=cfg["BK"], BV=cfg["BV_intra"], BT=cfg["BT"], BC=BC,
-                    LOWER=float(lower_bound), PREC="tf32")
+                    LOWER=float(lower_bound), PREC="tf32",
+                    LOW=bool(cfg["low_ab"]) and dtype == torch.bfloat16)
     intra = _launch(kda_prefill_intra_fwd_kernel, ptr, intra_cx, g_intra, {"T": T}, cfg["intra_warps"], 1, arch)
     chunk_cx = dict(H=H, K=K, V=V, BK=cfg["BK"], BV=cfg["BV"], BT=cfg["BT"], PREC="tf32")
     chunk = _launch(kda_prefill_fwd_kernel, ptr, chunk_cx, g_chunk, {"T": T}, cfg["state_warps"],
