@@ -111,6 +111,8 @@ class Engine:
     """Preallocated slots + a backend. `prefill` puts prompts into slots; `decode` advances every active slot by
     one token. All state lives in `self.state` (never reallocated) and `self.active` `[max_batch]` bool."""
 
+    MAX_PREFILL_GRAPHS = 8
+
     def __init__(self, backend: Backend, max_batch: int, max_len: int, cuda_graphs: bool = True):
         if max_batch < 1 or max_len < 2:
             raise ValueError(f"need max_batch >= 1 and max_len >= 2, got {max_batch}, {max_len}")
@@ -123,8 +125,12 @@ class Engine:
         self._graph: torch.cuda.CUDAGraph | None = None
         self._graph_logits: torch.Tensor | None = None
         self.graph_error: str | None = None
-        if cuda_graphs and self.device.type == "cuda":
+        self._graphs_on = cuda_graphs and self.device.type == "cuda"
+        self._prefill_graphs: dict[tuple[int, int], tuple] = {}
+        self._prefill_seen: dict[tuple[int, int], int] = {}
+        if self._graphs_on:
             self._capture()
+            self._graphs_on = self.graphed
 
     # ------------------------------------------------------------------ prefill: prompts into slots
     @torch.no_grad()
@@ -155,8 +161,11 @@ class Engine:
             for i, p in enumerate(parts):
                 ids[i, :len(p)] = torch.tensor(p, dtype=torch.int64)
             lengths = torch.tensor([len(p) for p in parts], device=dev)
-            cache = s.mla_cache[:, idx, :start].contiguous()                          # [n_mla, n, start, R]
-            logits, conv, rec, rows = self.backend.prefill(ids, lengths, conv, rec, cache, done)
+            if start == 0:
+                logits, conv, rec, rows = self._fresh_prefill(ids, lengths)
+            else:
+                cache = s.mla_cache[:, idx, :start].contiguous()                      # [n_mla, n, start, R]
+                logits, conv, rec, rows = self.backend.prefill(ids, lengths, conv, rec, cache, done)
             for i, (slot, p) in enumerate(zip(slots, parts)):
                 s.mla_cache[:, slot, start:start + len(p)] = rows[:, i, :len(p)].to(s.mla_cache.dtype)
             ends = (lengths - 1).clamp(min=0)
@@ -168,6 +177,46 @@ class Engine:
         s.lengths[idx] = total
         self.active[idx] = True
         return last
+
+    def _fresh_prefill(self, ids, lengths):
+        """The first prefill chunk (zero state, no cache rows). On a GPU a shape `(n, T)` seen a second time is
+        captured as a CUDA graph (at most `MAX_PREFILL_GRAPHS` of them) and replayed from then on: the inputs
+        other than ids/lengths are zeros, so the graph's static buffers need no refill."""
+        n, T = ids.shape
+        key = (n, T)
+        g = self._prefill_graphs.get(key)
+        if g is None and self._graphs_on and self._prefill_seen.get(key, 0) >= 1 \
+                and len(self._prefill_graphs) < self.MAX_PREFILL_GRAPHS:
+            g = self._prefill_graphs[key] = self._capture_prefill(n, T)
+        if g is not None:
+            graph, ids_buf, len_buf, outs = g
+            ids_buf.copy_(ids)
+            len_buf.copy_(lengths)
+            graph.replay()
+            return outs
+        self._prefill_seen[key] = self._prefill_seen.get(key, 0) + 1
+        return self.backend.prefill(ids, lengths, *self._zero_state(n))
+
+    def _zero_state(self, n):
+        s = self.state
+        return (s.kda_conv.new_zeros((s.kda_conv.shape[0], n) + s.kda_conv.shape[2:]),
+                s.kda_state.new_zeros((s.kda_state.shape[0], n) + s.kda_state.shape[2:]),
+                s.mla_cache.new_zeros(s.mla_cache.shape[0], n, 0, s.mla_cache.shape[3]),
+                torch.zeros(n, dtype=torch.int64, device=self.device))
+
+    def _capture_prefill(self, n, T):
+        ids = torch.zeros(n, T, dtype=torch.int64, device=self.device)
+        lengths = torch.full((n,), T, dtype=torch.int64, device=self.device)
+        zeros = self._zero_state(n)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self.backend.prefill(ids, lengths, *zeros)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = self.backend.prefill(ids, lengths, *zeros)
+        return graph, ids, lengths, outs
 
     def release(self, slot: int) -> None:
         """Free a slot; its state is left as is and overwritten by the next prefill into it."""

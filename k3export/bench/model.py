@@ -1,0 +1,299 @@
+"""`k3export bench model`: end-to-end latency of every backend against eager PyTorch, through the runtime.
+
+Prefill: one fresh prompt of T tokens into a slot (`Engine.prefill`). Decode: one step of B sequences that
+each hold `context` tokens (`Engine.decode`, state commit included). Backends:
+
+    eager     the model's Python forward, no CUDA graphs: the baseline ("eager PyTorch")
+    graph     the same programs, decode (and repeated prefill shapes) captured as CUDA graphs
+    compile   torch.compile (Inductor) programs, CUDA graphs on top
+    aoti      an AOTInductor engine from `k3export build` (built or reused under --engines), CUDA graphs on top
+
+Napkin math beside every time. Decode floor = bytes a step must move / measured copy bandwidth: every weight
+except the routed experts and the embedding table, the routed experts a batch of B hits in expectation
+(E (1 - (1 - k/E)^B) per layer; exactly k at B = 1), B embedding rows, the KDA state and conv window read and
+written, the MLA cache rows read and one row written per sequence. Prefill floor = max(that byte count with
+all experts, matmul FLOPs 2 T x active params + causal MLA attention / measured bf16 matmul rate).
+Medians of --iters timed runs after --warmup (CUDA events on GPU), spread as p10..p90.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import click
+import torch
+
+from k3export.bench import bench
+
+BACKENDS = ("eager", "graph", "compile", "aoti")
+
+
+# ---------------------------------------------------------------------------------------------- napkin math
+def param_bytes(config, dtype) -> dict[str, int]:
+    """Bytes of the embedding table, the routed experts (all layers) and everything else."""
+    from k3export.model import K3Model
+    from k3export.model.weights import param_dtype
+    with torch.device("meta"):
+        m = K3Model(config)
+    out = {"embed": 0, "experts": 0, "other": 0}
+    for name, p in m.named_parameters():
+        b = p.numel() * torch.empty(0, dtype=param_dtype(name, dtype)).element_size()
+        out["embed" if "embed_tokens" in name else "experts" if ".experts." in name else "other"] += b
+    return out
+
+
+def decode_bytes(config, dtype, pb: dict, B: int, context: int) -> int:
+    from k3export.model.state import state_bytes
+    E, k = config.num_experts, config.num_experts_per_token
+    hit = E * (1 - (1 - k / E) ** B)
+    sb = state_bytes(config, dtype)
+    row = pb["embed"] // config.vocab_size
+    return int(pb["other"] + pb["experts"] * hit / E + B * row +
+               B * 2 * (sb["kda_conv_per_seq"] + sb["kda_state_per_seq"]) + B * (context + 1) * sb["mla_cache_per_token"])
+
+
+def prefill_flops(config, dtype, pb: dict, T: int) -> float:
+    item = torch.empty(0, dtype=dtype).element_size()
+    active = (pb["other"] + pb["experts"] * config.num_experts_per_token / config.num_experts) / item
+    H = config.num_attention_heads
+    attn = len(config.mla_layers) * H * T * T * (config.qk_head_dim + config.v_head_dim)   # causal: half of 2x
+    return 2 * T * active + attn
+
+
+# ---------------------------------------------------------------------------------------------- timing
+def time_ms(fn, warmup: int, iters: int, cuda: bool) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(iters):
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            out.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def summary(ms: list[float]) -> dict:
+    q = statistics.quantiles(ms, n=10) if len(ms) > 1 else [ms[0]] * 9
+    return {"ms": statistics.median(ms), "p10": q[0], "p90": q[-1]}
+
+
+# ---------------------------------------------------------------------------------------------- backends
+def make_backend(name: str, model, engines: Path, profiles: dict, log) -> tuple[object, bool, dict]:
+    """-> (runtime backend, use CUDA graphs, build info)."""
+    from k3export.runtime import CompileBackend, EagerBackend
+    cuda = model.device.type == "cuda"
+    if name == "eager":
+        return EagerBackend(model), False, {}
+    if name == "graph":
+        return EagerBackend(model), True, {}
+    if name == "compile":
+        return CompileBackend(model), cuda, {}
+    if name == "aoti":
+        from k3export.build import build, open_backend
+        t0 = time.perf_counter()
+        path = build("aoti", model, engines, profiles=profiles, echo=log)
+        m = json.loads((path / "manifest.json").read_text())
+        return open_backend(path, model.device), cuda, {"engine": str(path), "build_s": round(time.perf_counter() - t0, 2),
+                                                        "build_steps_s": m["build"]["seconds"]}
+    raise click.BadParameter(f"unknown backend '{name}'; choose from {', '.join(BACKENDS)}")
+
+
+def run_backend(name, backend, graphs, model, args, bw, rate, pb, bar) -> list[dict]:
+    from k3export.runtime import Engine
+    cfg, dtype, dev = model.config, model.dtype, model.device
+    cuda = dev.type == "cuda"
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    for T in args["prefill_lengths"]:
+        t_first = time.perf_counter()
+        eng = Engine(backend, max_batch=1, max_len=T + 1, cuda_graphs=graphs)
+        prompt = torch.randint(0, cfg.vocab_size, (T,), generator=g).tolist()
+        ms = time_ms(lambda: eng.prefill([0], [prompt]), args["warmup"], args["iters"], cuda)
+        del eng
+        fl = prefill_flops(cfg, dtype, pb, T)
+        floor = max(fl / rate if rate else 0.0, (pb["other"] + pb["experts"]) / bw) * 1e3
+        s = summary(ms)
+        rows.append({"phase": "prefill", "backend": name, "batch": 1, "tokens": T, **s,
+                     "tokens_per_s": T / s["ms"] * 1e3, "tflops": fl / s["ms"] / 1e9, "floor_ms": floor,
+                     "x_floor": s["ms"] / floor, "first_call_s": round(time.perf_counter() - t_first, 2)})
+        bar.update(1)
+    ctx_max = max(args["contexts"])
+    for B in args["batches"]:
+        steps = args["warmup"] + args["iters"]
+        eng = Engine(backend, max_batch=B, max_len=ctx_max + len(args["contexts"]) * steps + 2, cuda_graphs=graphs)
+        eng.active.fill_(True)
+        tok = torch.randint(0, cfg.vocab_size, (B,), generator=g).to(dev)
+        for ctx in args["contexts"]:
+            eng.state.lengths.fill_(ctx)
+            ms = time_ms(lambda: eng.decode(tok), args["warmup"], args["iters"], cuda)
+            nbytes = decode_bytes(cfg, dtype, pb, B, ctx)
+            s = summary(ms)
+            rows.append({"phase": "decode", "backend": name, "batch": B, "context": ctx, **s,
+                         "tokens_per_s": B / s["ms"] * 1e3, "gb_s": nbytes / s["ms"] / 1e6,
+                         "floor_ms": nbytes / bw * 1e3, "x_floor": s["ms"] / (nbytes / bw * 1e3),
+                         "graphed": eng.graphed, "graph_error": eng.graph_error})
+            bar.update(1)
+        del eng
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- reports
+def add_speedups(rows: list[dict]) -> None:
+    base = {(r["phase"], r["batch"], r.get("tokens"), r.get("context")): r["ms"] for r in rows
+            if r["backend"] == "eager"}
+    for r in rows:
+        b = base.get((r["phase"], r["batch"], r.get("tokens"), r.get("context")))
+        r["speedup"] = b / r["ms"] if b else None
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| phase | backend | B | T / context | ms (median) | p10..p90 | tokens/s | GB/s or TFLOP/s | floor ms | x floor | vs eager |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        phys = f"{r['gb_s']:.0f} GB/s" if r["phase"] == "decode" else f"{r['tflops']:.1f} TFLOP/s"
+        sp = f"{r['speedup']:.1f}x" if r.get("speedup") else "-"
+        lines.append(f"| {r['phase']} | {r['backend']} | {r['batch']} | {r.get('tokens', r.get('context'))} | "
+                     f"{r['ms']:.3f} | {r['p10']:.3f}..{r['p90']:.3f} | {r['tokens_per_s']:.0f} | {phys} | "
+                     f"{r['floor_ms']:.3f} | {r['x_floor']:.1f} | {sp} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path, title: str) -> Path | None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    backends = list(dict.fromkeys(r["backend"] for r in rows))
+    for name in backends:
+        pre = [r for r in rows if r["backend"] == name and r["phase"] == "prefill"]
+        a.plot([r["tokens"] for r in pre], [r["ms"] for r in pre], "o-", label=name)
+        for i, ctx in enumerate(sorted({r["context"] for r in rows if r["phase"] == "decode"})):
+            dec = [r for r in rows if r["backend"] == name and r["phase"] == "decode" and r["context"] == ctx]
+            b.plot([r["batch"] for r in dec], [r["ms"] for r in dec], "o" + ("-", "--", ":")[i % 3],
+                   label=f"{name}, ctx {ctx}", color=a.lines[-1].get_color())
+    floor = [r for r in rows if r["backend"] == backends[0] and r["phase"] == "decode"]
+    if floor:
+        ctx0 = floor[0]["context"]
+        b.plot([r["batch"] for r in floor if r["context"] == ctx0], [r["floor_ms"] for r in floor if r["context"] == ctx0],
+               "k:", label=f"bytes floor, ctx {ctx0}")
+    for ax, xl, t in ((a, "prompt tokens", "prefill latency"), (b, "batch (sequences)", "decode step latency")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel(xl)
+        ax.set_ylabel("ms")
+        ax.set_title(t)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {text!r}")
+
+
+@bench.command("model")
+@click.option("--preset", type=click.Choice(["k3-tiny", "k3-small"]), default="k3-tiny", show_default=True)
+@click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default=None, help="Default: bf16 on GPU, fp32 on CPU.")
+@click.option("--device", default="cuda" if torch.cuda.is_available() else "cpu", show_default=True)
+@click.option("--backends", default="eager,graph,aoti", show_default=True, help=f"Any of {','.join(BACKENDS)}.")
+@click.option("--prefill-lengths", default="128,512,2048", show_default=True)
+@click.option("--batches", default="1,2,4,8,16,32,64", show_default=True)
+@click.option("--contexts", default="1024,4096", show_default=True, help="Tokens already in each sequence.")
+@click.option("--warmup", default=3, show_default=True)
+@click.option("--iters", default=10, show_default=True)
+@click.option("--engines", type=click.Path(file_okay=False, path_type=Path), default=Path("engines"), show_default=True)
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("out/bench/model"), show_default=True)
+@click.option("--layer", is_flag=True, help="Instead: one full-width K3 layer pair (`k3export bench layer`).")
+@click.pass_context
+def model_bench(ctx, preset, dtype, device, backends, prefill_lengths, batches, contexts, warmup, iters, engines, out,
+                layer):
+    """Prefill and decode latency per backend against eager PyTorch: JSON, markdown table and PNG plot."""
+    if layer:
+        from k3export.bench import layer as layer_mod
+        return ctx.invoke(layer_mod.layer, out=out)
+    from tqdm import tqdm
+    from k3export.build import PRECISIONS, profiles_for
+    from k3export.config import K3Config
+    from k3export.model.weights import random_model
+    cuda = torch.device(device).type == "cuda"
+    dtype = dtype or ("bf16" if cuda else "fp32")
+    names = [b.strip() for b in backends.split(",") if b.strip()]
+    if not cuda and "graph" in names:
+        names.remove("graph")                                   # CUDA graphs need a GPU: same as eager here
+    if "eager" not in names:
+        names.insert(0, "eager")
+    args = {"prefill_lengths": _ints(prefill_lengths), "batches": _ints(batches), "contexts": _ints(contexts),
+            "warmup": warmup, "iters": iters}
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = K3Config.from_name(preset)
+    t0 = time.perf_counter()
+    model = random_model(cfg, seed=0, dtype=PRECISIONS[dtype], device=device)
+    click.echo(f"{preset} {dtype} random weights on {device} in {time.perf_counter() - t0:.1f}s")
+    if cuda:
+        from k3export.bench.ceilings import copy_bandwidth, machine, matmul_rate
+        bw, rate, where = copy_bandwidth(), matmul_rate(), machine()
+    else:
+        x = torch.empty(1 << 26, dtype=torch.float32)
+        y = torch.empty_like(x)
+        bw = 2 * x.numel() * 4 / (statistics.median(time_ms(lambda: y.copy_(x), 2, 5, False)) * 1e-3)
+        rate, where = None, f"{platform.processor() or platform.machine()} CPU, torch {torch.__version__}"
+    click.echo(f"measured copy bandwidth {bw / 1e9:.0f} GB/s" + (f", bf16 matmul {rate / 1e12:.0f} TFLOP/s" if rate else ""))
+    pb = param_bytes(cfg, PRECISIONS[dtype])
+    profiles = profiles_for(max(args["batches"]), max(args["prefill_lengths"]),
+                            max(args["contexts"]) + len(args["contexts"]) * (warmup + iters) + 2)
+    rows, builds = [], {}
+    n_cases = len(names) * (len(args["prefill_lengths"]) + len(args["batches"]) * len(args["contexts"]))
+    with tqdm(total=n_cases, desc="bench model", unit="case") as bar:
+        for name in names:
+            bar.set_postfix_str(name)
+            try:
+                backend, graphs, info = make_backend(name, model, engines, profiles, lambda s: bar.write(s))
+            except Exception as e:                                  # a backend that cannot build is reported
+                bar.write(f"{name}: not run ({type(e).__name__}: {str(e)[:200]})")
+                builds[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                bar.update(len(args["prefill_lengths"]) + len(args["batches"]) * len(args["contexts"]))
+                continue
+            builds[name] = info
+            rows += run_backend(name, backend, graphs, model, args, bw, rate, pb, bar)
+            (out / "model.partial.json").write_text(json.dumps({"builds": builds, "rows": rows}, indent=2))
+            del backend
+            if cuda:
+                torch.cuda.empty_cache()
+    add_speedups(rows)
+    cmd = "k3export bench model " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in ctx.params.items()
+                                             if k != "layer" and v is not None)
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "machine": where,
+            "command": cmd, "preset": preset, "dtype": dtype, "copy_gb_s": bw / 1e9,
+            "matmul_tflops": rate / 1e12 if rate else None, "param_bytes": pb, "builds": builds}
+    (out / "model.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    table = markdown(rows)
+    (out / "model.md").write_text(f"{meta['date']}, {where}\n\n`{cmd}`\n\n{table}")
+    png = plot(rows, out / "model.png", f"{preset} {dtype}, {where}")
+    click.echo(table)
+    for name, info in builds.items():
+        if info:
+            click.echo(f"{name}: {info}")
+    click.echo(f"wrote {out / 'model.json'}, {out / 'model.md'}" + (f", {png}" if png else ""))
