@@ -386,8 +386,8 @@ def _click():
     @click.option("--report-tokens", type=int, default=32, show_default=True, help="Greedy tokens per prompt.")
     @click.option("--report-len", type=int, default=64, show_default=True, help="Tokens per held-out sequence "
                   "(4 sequences, seed 5678; the first 16 tokens of two of them prompt the greedy generation).")
-    @click.option("--noise-floor", is_flag=True, help="Also report the model dtype against fp32 (the model's "
-                  "own sensitivity to rounding).")
+    @click.option("--noise-floor", type=click.Choice(["float16", "float32"]), help="Also report the model dtype "
+                  "against this precision (same weights): the model's own sensitivity to rounding.")
     @dtype_option("bfloat16")
     @device_option()
     def calibrate_cmd(checkpoint, preset, recipe_path, data, method, percentile, granularity, batch, out, scales,
@@ -453,9 +453,9 @@ def _run_report(checkpoint, preset, dtype, device, ref, table, scales_path, toke
         click.echo(f"  onnx oracle skipped: {e}")
     if noise_floor:
         del fp8
-        hi = load_model(checkpoint, preset, torch.float32, device)
+        hi = load_model(checkpoint, preset, DTYPES[noise_floor], device)
         rep["noise_floor"] = accuracy_report(ref, hi, held, prompts, tokens)
-        click.echo(format_report(rep["noise_floor"], f"noise floor: {dtype} vs float32"))
+        click.echo(format_report(rep["noise_floor"], f"noise floor: {dtype} vs {noise_floor}"))
     out = Path(str(scales_path).removesuffix(".safetensors") + ".report.json")
     out.write_text(json.dumps(rep, indent=2))
     click.echo(f"wrote {out}")

@@ -6,9 +6,10 @@ scales file (written by `k3export calibrate`) with an `FP8Linear`, and each rout
 
     y = (q(x / s_x) * s_x) @ (W_q * s_w)^T        q = round-to-nearest E4M3, saturating at +-448
 
-Its default implementation (every device) is the dequantizing reference below; on CUDA, when the GEMM meets the
-cuBLASLt FP8 constraints (K and N multiples of 16), it is a real `torch._scaled_mm` (tensor-wise scales, or
-row-wise when the weight scales are per output channel). Weights are stored as float8_e4m3fn, never fake-quant.
+Its default implementation (every device) is the dequantizing reference below. On CUDA it runs real FP8 matmuls:
+a one-launch Triton quantization of x, then `torch._scaled_mm` (tensor-wise scales, or row-wise when the weight
+scales are per output channel; K and N must be multiples of 16, else the reference runs). A fused small-M Triton
+kernel exists (`SMALL_M`), off because it measured slower. Weights are stored as float8_e4m3fn, never fake-quant.
 """
 
 from __future__ import annotations
@@ -73,19 +74,33 @@ def scaled_mm_ok(x: Tensor, w: Tensor) -> bool:
     return x.shape[1] % 16 == 0 and w.shape[0] % 16 == 0
 
 
+# Up to SMALL_M rows the fused Triton kernel (`fp8_kernels.fp8_linear_fwd`) would run instead of quantize +
+# cuBLASLt. Off (0): on the H200 it measured slower, its K loop being latency-bound with few CTAs (k3-small decode
+# step at B = 1: 8.48 ms with it vs 5.75 ms with _scaled_mm; full-width KDA+MoE pair 2.17 ms vs 0.89 ms bf16).
+SMALL_M = 0
+_fused = {"ok": True}  # set False (once, with a message) if the fused kernel cannot compile on this GPU
+
+
 @fp8_linear.register_kernel("cuda")
 def _(x, x_scale, w, w_scale):
+    from k3export import fp8_kernels
+    M, N = x.shape[0], w.shape[0]
+    if M <= SMALL_M and _fused["ok"]:
+        try:
+            return fp8_kernels.fp8_linear_fwd(x, x_scale, w, w_scale)       # quantize + E4M3 MMA, one launch
+        except Exception as e:                                                  # noqa: BLE001 (reported)
+            _fused["ok"] = False
+            print(f"k3::fp8_linear: fused Triton kernel unavailable ({type(e).__name__}: {str(e)[:160]}); "
+                  "using torch._scaled_mm")
     if not scaled_mm_ok(x, w):
         return fp8_linear_ref(x, x_scale, w, w_scale)
-    M, N = x.shape[0], w.shape[0]
-    xq = quantize(x, x_scale)
-    sa = x_scale.float().reshape(())
+    xq, rows = fp8_kernels.fp8_quant_fwd(x, x_scale)
     if w_scale.dim() == 0:                                  # tensor-wise: any output dtype
         out_dt = x.dtype if x.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
-        return torch._scaled_mm(xq, w.t(), scale_a=sa, scale_b=w_scale.float(), out_dtype=out_dt).to(x.dtype)
-    # row-wise (per output channel): cuBLAS/CUTLASS want [M, 1] and [1, N] fp32 scales and a bf16 output
-    y = torch._scaled_mm(xq, w.t(), scale_a=sa.expand(M, 1).contiguous(), scale_b=w_scale.float().view(1, N),
-                         out_dtype=torch.bfloat16)
+        return torch._scaled_mm(xq, w.t(), scale_a=x_scale.float().reshape(()), scale_b=w_scale.float(),
+                                out_dtype=out_dt).to(x.dtype)
+    # row-wise (per output channel): [M, 1] and [1, N] fp32 scales, bf16 output
+    y = torch._scaled_mm(xq, w.t(), scale_a=rows, scale_b=w_scale.float().view(1, N), out_dtype=torch.bfloat16)
     return y.to(x.dtype)
 
 

@@ -44,6 +44,9 @@ def _expand(s: Tensor, w: Tensor) -> Tensor:
     return s[..., None] if s.dim() == w.dim() - 1 else s.view(-1, *([1] * (w.dim() - 1)))
 
 
+CHUNK = 16   # experts quantized at a time: full-width K3 banks are 59 GB in bf16, so no whole-bank temporaries
+
+
 @torch.no_grad()
 def quantize_latent_moe(moe: LatentMoE, s: dict[str, Tensor]) -> None:
     """In place: moe.experts -> FP8ExpertBank from the bank's scales-file entries `s` (keys relative to the
@@ -52,22 +55,30 @@ def quantize_latent_moe(moe: LatentMoE, s: dict[str, Tensor]) -> None:
     E, I, L = bank.w1.shape
     per_channel = s["w13_scale"].dim() == 2
     q = FP8ExpertBank(E, I, L, per_channel, device=bank.w1.device)
-    w13 = torch.cat([bank.w1, bank.w3], dim=1)                                     # [E, 2I, L]
     q.w13_scale.copy_(s["w13_scale"])
     q.w2_scale.copy_(s["w2_scale"])
-    q.w13.copy_(quantize(w13, _expand(q.w13_scale, w13)))
-    q.w2.copy_(quantize(bank.w2, _expand(q.w2_scale, bank.w2)))
+    for c in range(0, E, CHUNK):
+        sl = slice(c, c + CHUNK)
+        w13 = torch.cat([bank.w1[sl], bank.w3[sl]], dim=1)                             # [c, 2I, L]
+        q.w13[sl] = quantize(w13, _expand(q.w13_scale[sl], w13))
+        q.w2[sl] = quantize(bank.w2[sl], _expand(q.w2_scale[sl], bank.w2[sl]))
     q.w13_input_scale.copy_(s["w13_input_scale"])
     q.w2_input_scale.copy_(s["w2_input_scale"])
     moe.experts = q
     moe.__class__ = FP8LatentMoE
 
 
+@torch.no_grad()
 def expert_weight_scales(w1: Tensor, w3: Tensor, w2: Tensor, per_channel: bool) -> dict[str, Tensor]:
-    """Weight scales of a bank as the scales file stores them: w13 `[E, 2I]` / `[E]`, w2 `[E, L]` / `[E]`."""
-    w13 = torch.cat([w1, w3], dim=1)
-    return {"w13_scale": scale_from_amax(weight_amax(w13, per_channel)),
-            "w2_scale": scale_from_amax(weight_amax(w2, per_channel))}
+    """Weight scales of a bank as the scales file stores them: w13 `[E, 2I]` / `[E]`, w2 `[E, L]` / `[E]`
+    (w13 = w1 rows then w3 rows; computed CHUNK experts at a time)."""
+    a13, a2 = [], []
+    for c in range(0, w1.shape[0], CHUNK):
+        sl = slice(c, c + CHUNK)
+        a = torch.cat([weight_amax(w1[sl], True), weight_amax(w3[sl], True)], dim=1)   # [c, 2I]
+        a13.append(a if per_channel else a.amax(-1))
+        a2.append(weight_amax(w2[sl], per_channel))
+    return {"w13_scale": scale_from_amax(torch.cat(a13)), "w2_scale": scale_from_amax(torch.cat(a2))}
 
 
 class FP8LatentMoE(LatentMoE):

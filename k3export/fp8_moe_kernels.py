@@ -1,96 +1,166 @@
-"""Triton grouped GEMM for E4M3 routed experts: the CUDA path of `k3::moe_routed_fp8` (no host sync, so decode
+"""Triton grouped GEMMs for E4M3 routed experts: the CUDA path of `k3::moe_routed_fp8` (no host sync, so decode
 CUDA graphs capture it).
 
-`moe_fp8_gemm_fwd_kernel` -> `moe_fp8_gemm_fwd` -> `moe_fp8_grouped` (the routed MoE built on it). The (token,
-slot) pairs are sorted by expert and cut into blocks of BLOCK_M rows of one expert (`align_blocks` of the bf16
-MoE kernels), so each hit expert's E4M3 weight tiles stream from memory once per block, at half the bytes of
-bf16. Tiles are widened to bf16 in registers before `tl.dot`: every E4M3 value is exact in bf16 and products
-accumulate in fp32, so the result is that of an FP8 MMA. Reference: `k3export.fp8_moe.moe_fp8_sorted`.
+    route:  the bf16 MoE kernels' fp32 router + top-k (`route_fwd`)            ids, w `[N, k]`
+    align:  pairs sorted by expert, blocks of BLOCK_M rows of one expert (`align_blocks`)
+    gemm1:  h = q(SiTU_GLU(z W1_e^T, z W3_e^T) / s_h)   E4M3 x E4M3 -> E4M3   moe_fp8_gemm1_fwd_kernel [P, I]
+    gemm2:  y = (h s_h) (W2_e s_2)^T, rows back in pair order                 moe_fp8_gemm2_fwd_kernel [P, L]
+    combine u[n] = sum_j w[n, j] y[n*k + j] in fp32 (torch)
+
+Each hit expert's E4M3 weight tiles stream once per block, at half the bytes of bf16. Rounding follows
+`k3export.fp8_moe.moe_fp8_sorted` step by step (z quantized with s_z; the GEMM output rounded to z.dtype before
+SiTU-GLU; h rounded to z.dtype, then quantized with s_h; y rounded to z.dtype). Under the CPU interpreter the
+E4M3 tiles are widened to fp32 before `tl.dot` (same exact products) and gemm1 writes h / s_h in fp32 for torch
+to round to E4M3 (the interpreter's own E4M3 conversion is wrong at binade carries; see `fp8_kernels`).
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
-from torch import Tensor
 
-from k3export.fp8 import quantize
+from k3export.fp8_kernels import INTERPRET, fp8_quant_fwd
 from k3export.plugins.kda.naive import acc_dtype
 from k3export.plugins.moe.kernels import align_blocks
-from k3export.plugins.moe.naive import route, situ_glu
+from k3export.plugins.moe.naive import route
 
-# E4M3 tiles are widened before tl.dot: bf16 on the GPU (exact for every E4M3 value); fp32 under the CPU
-# interpreter, whose bf16 dot is wrong (numpy has no bf16). Same result either way: exact inputs, fp32 sums.
-_WIDE = tl.float32 if os.environ.get("TRITON_INTERPRET") == "1" else tl.bfloat16
+_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 @triton.jit
-def moe_fp8_gemm_fwd_kernel(x, x_scale, w, w_scale, y, order, block_expert, block_row, block_rows, N, K,
-                            stride_x, stride_we, stride_wn, stride_se, stride_y,
-                            ROW_DIV: tl.constexpr, PER_CHANNEL: tl.constexpr, WIDE: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Block pb of one expert e, columns [n0, n0 + BLOCK_N): y[pair] = (x[pair // ROW_DIV] s_x) (W_e s_e)^T."""
+def _tanh(x):
+    # (1 - e^-2|x|) / (1 + e^-2|x|), with the odd Taylor series below |x| = 0.1 where that form cancels:
+    # relative error ~3e-7 in fp32 (2 * sigmoid(2x) - 1 loses all digits as x -> 0)
+    ax = tl.abs(x)
+    t = tl.exp(-2.0 * ax)
+    big = (1.0 - t) / (1.0 + t)
+    x2 = ax * ax
+    small = ax * (1.0 - x2 * (1.0 / 3.0 - x2 * (2.0 / 15.0 - x2 * (17.0 / 315.0))))
+    r = tl.where(ax < 0.1, small, big)
+    return tl.where(x < 0, -r, r)
+
+
+@triton.jit
+def _block_rows(order, block_expert, block_row, block_rows, BLOCK_M: tl.constexpr):
     pb = tl.program_id(0)
     e = tl.load(block_expert + pb)
-    if e < 0:
-        return
     offs_m = tl.arange(0, BLOCK_M)
     m_ok = offs_m < tl.load(block_rows + pb)
-    pair = tl.load(order + tl.load(block_row + pb) + offs_m, mask=m_ok, other=0)
-    row = pair // ROW_DIV
+    pair = tl.load(order + tl.load(block_row + pb) + offs_m, mask=m_ok, other=0)    # invalid blocks: 0 rows
+    return e, pair, m_ok
+
+
+@triton.jit
+def moe_fp8_gemm1_fwd_kernel(z, z_scale, w13, s13, h, h_scale, order, block_expert, block_row, block_rows, I, L,
+                             stride_z, stride_we, stride_wn, stride_se, stride_h, beta, linear_beta,
+                             TOP_K: tl.constexpr, PER_CHANNEL: tl.constexpr, FP8_DOT: tl.constexpr,
+                             ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr):
+    """Block of one expert e, columns [n0, n0 + BLOCK_N) of I: h[pair] = E4M3 of SiTU_GLU(y1, y3) / s_h."""
+    e, pair, m_ok = _block_rows(order, block_expert, block_row, block_rows, BLOCK_M)
+    if e < 0:
+        return
+    token = pair // TOP_K
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
+    n_ok = offs_n < I
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptr = x + row[:, None].to(tl.int64) * stride_x + offs_k[None, :]                            # [BM, BK]
-    b_ptr = w + e.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [BK, BN]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = (k0 + offs_k) < K
-        a = tl.load(a_ptr + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(WIDE)
-        b = tl.load(b_ptr + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0).to(WIDE)
-        acc = tl.dot(a, b, acc=acc)
+    a_ptr = z + token[:, None].to(tl.int64) * stride_z + offs_k[None, :]
+    w_off = e.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]   # [BK, BN]
+    acc1 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc3 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, L, BLOCK_K):
+        k_ok = (k0 + offs_k) < L
+        a = tl.load(a_ptr + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b1 = tl.load(w13 + w_off + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        b3 = tl.load(w13 + w_off + I * stride_wn + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if FP8_DOT:
+            acc1 = tl.dot(a, b1, acc=acc1)
+            acc3 = tl.dot(a, b3, acc=acc3)
+        else:
+            acc1 = tl.dot(a.to(tl.float32), b1.to(tl.float32), acc=acc1)
+            acc3 = tl.dot(a.to(tl.float32), b3.to(tl.float32), acc=acc3)
     if PER_CHANNEL:
-        s = tl.load(w_scale + e * stride_se + offs_n, mask=n_ok, other=0.0)[None, :]
+        s1 = tl.load(s13 + e * stride_se + offs_n, mask=n_ok, other=0.0)[None, :]
+        s3 = tl.load(s13 + e * stride_se + I + offs_n, mask=n_ok, other=0.0)[None, :]
     else:
-        s = tl.load(w_scale + e)
-    acc = acc * s * tl.load(x_scale)
-    tl.store(y + pair[:, None].to(tl.int64) * stride_y + offs_n[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
+        s1 = tl.load(s13 + e)
+        s3 = s1
+    zs = tl.load(z_scale)
+    y1 = (acc1 * zs * s1).to(ROUND).to(tl.float32)
+    y3 = (acc3 * zs * s3).to(ROUND).to(tl.float32)
+    act = beta * _tanh(y1 / beta) * tl.sigmoid(y1) * (linear_beta * _tanh(y3 / linear_beta))
+    act = act.to(ROUND).to(tl.float32)
+    hq = tl.clamp(tl.math.div_rn(act, tl.load(h_scale)), -448.0, 448.0)
+    tl.store(h + pair[:, None].to(tl.int64) * stride_h + offs_n[None, :], hq.to(h.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])                # E4M3 (fp32 under the interpreter)
 
 
-def moe_fp8_gemm_fwd(x: Tensor, x_scale: Tensor, w: Tensor, w_scale: Tensor, blocks, n_pairs: int, row_div: int,
-                     block_m: int) -> Tensor:
-    """x `[M, K]` E4M3 (row of pair p: p // row_div), x_scale `[]`, w `[E, N, K]` E4M3, w_scale `[E, N]` or `[E]`,
-    blocks = align_blocks(...) -> y `[n_pairs, N]` fp32 in pair order."""
-    order, block_expert, block_row, block_rows = blocks
-    E, N, K = w.shape
-    x, w_scale = x.contiguous(), w_scale.float().contiguous()
-    y = torch.empty(n_pairs, N, dtype=torch.float32, device=x.device)
-    BLOCK_N, BLOCK_K = 64, 128
-    grid = (block_expert.shape[0], triton.cdiv(N, BLOCK_N))
-    moe_fp8_gemm_fwd_kernel[grid](
-        x, x_scale.float().reshape(1), w, w_scale, y, order, block_expert, block_row, block_rows, N, K,
-        x.stride(0), w.stride(0), w.stride(1), w_scale.stride(0) if w_scale.dim() == 2 else 1, y.stride(0),
-        ROW_DIV=row_div, PER_CHANNEL=w_scale.dim() == 2, WIDE=_WIDE, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-        num_warps=4)
-    return y
+@triton.jit
+def moe_fp8_gemm2_fwd_kernel(h, h_scale, w2, s2, y, order, block_expert, block_row, block_rows, L, I,
+                             stride_h, stride_we, stride_wn, stride_se, stride_y,
+                             PER_CHANNEL: tl.constexpr, FP8_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Block of one expert e, columns [n0, n0 + BLOCK_N) of L: y[pair] = (h[pair] s_h) (W2_e s_2)^T -> y.dtype."""
+    e, pair, m_ok = _block_rows(order, block_expert, block_row, block_rows, BLOCK_M)
+    if e < 0:
+        return
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < L
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptr = h + pair[:, None].to(tl.int64) * stride_h + offs_k[None, :]
+    b_ptr = w2 + e.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        k_ok = (k0 + offs_k) < I
+        a = tl.load(a_ptr + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptr + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if FP8_DOT:
+            acc = tl.dot(a, b, acc=acc)
+        else:
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc=acc)
+    if PER_CHANNEL:
+        s = tl.load(s2 + e * stride_se + offs_n, mask=n_ok, other=0.0)[None, :]
+    else:
+        s = tl.load(s2 + e)
+    out = acc * tl.load(h_scale) * s
+    tl.store(y + pair[:, None].to(tl.int64) * stride_y + offs_n[None, :], out.to(y.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _route_cuda(x, gate_weight, bias, top_k, renormalize, scaling):
+    from k3export.plugins.moe.kernels import route_fwd
+    ids, w, _ = route_fwd(x, gate_weight, bias, top_k, renormalize, scaling)
+    return ids, w
 
 
 def moe_fp8_grouped(x, z, gate_weight, bias, w13, w2, w13_scale, w2_scale, z_scale, h_scale, top_k, renormalize,
                     scaling, beta, linear_beta):
     """Same math and signature as `moe_fp8_sorted` (static activation scales, fp32 accumulation)."""
-    top, w = route(x, gate_weight, bias, top_k, renormalize, scaling)                  # [N, k]
+    router = route if INTERPRET or not z.is_cuda else _route_cuda
+    top, w = router(x, gate_weight, bias, top_k, renormalize, scaling)                # [N, k]
     N, L = z.shape
     E, I = w13.shape[0], w2.shape[-1]
     P = N * top_k
     block_m = 16 if P <= 4 * E else 64
-    blocks = align_blocks(top, E, block_m)
-    y13 = moe_fp8_gemm_fwd(quantize(z, z_scale), z_scale, w13, w13_scale, blocks, P, top_k, block_m)
-    y13 = y13.to(z.dtype)                                                               # [P, 2I], as fp8_linear
-    h = situ_glu(y13[:, :I], y13[:, I:], beta, linear_beta).to(z.dtype)                # [P, I]
-    y = moe_fp8_gemm_fwd(quantize(h, h_scale), h_scale, w2, w2_scale, blocks, P, 1, block_m).to(z.dtype)
+    order, block_expert, block_row, block_rows = align_blocks(top, E, block_m)
+    MB = block_expert.shape[0]
+    zq, _ = fp8_quant_fwd(z, z_scale)
+    h = torch.empty(P, I, dtype=torch.float32 if INTERPRET else w13.dtype, device=z.device)   # pair order
+    y = torch.empty(P, L, dtype=z.dtype, device=z.device)
+    pc = w13_scale.dim() == 2
+    s13, s2 = w13_scale.float().contiguous(), w2_scale.float().contiguous()
+    common = dict(FP8_DOT=not INTERPRET, BLOCK_M=block_m, BLOCK_K=128, num_warps=4,
+                  num_stages=1 if INTERPRET else 3)
+    moe_fp8_gemm1_fwd_kernel[(MB, triton.cdiv(I, 64))](
+        zq, z_scale.float().reshape(1), w13, s13, h, h_scale.float().reshape(1), order, block_expert, block_row,
+        block_rows, I, L, zq.stride(0), w13.stride(0), w13.stride(1), s13.stride(0) if pc else 1, h.stride(0),
+        beta, linear_beta, TOP_K=top_k, PER_CHANNEL=pc, ROUND=_TL[z.dtype], BLOCK_N=64, **common)
+    if INTERPRET:
+        h = h.to(w13.dtype)
+    moe_fp8_gemm2_fwd_kernel[(MB, triton.cdiv(L, 64))](
+        h, h_scale.float().reshape(1), w2, s2, y, order, block_expert, block_row, block_rows, L, I, h.stride(0),
+        w2.stride(0), w2.stride(1), s2.stride(0) if pc else 1, y.stride(0), PER_CHANNEL=pc, BLOCK_N=64, **common)
     dt = acc_dtype(z)
     u = (y.to(dt).view(N, top_k, L) * w.to(dt).unsqueeze(-1)).sum(1)
     return u.to(z.dtype)

@@ -79,9 +79,9 @@ def accuracy_report(test: nn.Module, ref: nn.Module, ids: Tensor, gen_prompts: l
     layers = []
     for layer in ref.model.layers:
         i = layer.index
-        x_att = rec_r[(i, "attn_in")].view(B, T, -1)
-        att_ref, att_test = _attention(ref, i, x_att), _attention(test, i, x_att)
-        mix_in = rec_r[(i, "mix_in")]
+        x_att = rec_r[(i, "attn_in")].view(B, T, -1)                  # the reference's input, in each dtype
+        att_ref, att_test = _attention(ref, i, x_att), _attention(test, i, x_att.to(test.dtype))
+        mix_in = rec_r[(i, "mix_in")].to(test.dtype)
         mixer = test.model.layers[i].channel_mixer
         layers.append({
             "layer": i, "kind": ("MLA" if layer.is_mla else "KDA") + ("+MLP" if hasattr(layer, "mlp") else "+MoE"),

@@ -15,7 +15,7 @@ def bench() -> None:
 
 
 # One entry per benchmark module (k3export/bench/<name>.py defines `@bench.command(...)`).
-BENCH_MODULES = ("kda", "mla", "moe", "layer", "model")
+BENCH_MODULES = ("kda", "mla", "moe", "layer", "model", "fp8")
 
 for _name in BENCH_MODULES:
     if importlib.util.find_spec(f"{__name__}.{_name}") is not None:

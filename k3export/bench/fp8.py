@@ -1,0 +1,304 @@
+"""`k3export bench fp8`: a whole model (k3-small by default) in FP8 against the same weights in bf16.
+
+One run does: random bf16 weights on the GPU, calibration with the default recipe, the FP8 copy
+(`quantize_model`), the accuracy report (FP8 vs bf16, and bf16 vs fp32 as the noise floor, greedy over
+--report-tokens tokens), then timings: one decode step at each batch size (CUDA graph of `forward_decode`,
+`--context` cache rows per sequence) and a prefill of --prefill tokens (eager). Each time sits beside the
+weight bytes the step reads (napkin: every non-expert weight once, the expected number of distinct routed
+experts for B random tokens, the KDA state read and written, the MLA cache rows) and the achieved GB/s against
+the copy bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import click
+import torch
+
+from k3export.bench import bench
+
+
+@torch.no_grad()
+def gpu_random_model(config, seed: int, dtype=torch.bfloat16):
+    """A K3Model with `init_random_`'s distributions drawn on the GPU (fast; not bitwise the CPU-seeded
+    weights of `random_model`): linear N(0, 1/fan_in), norms 1 + N(0, 0.1^2), AttnRes queries N(0, 0.5^2),
+    conv taps N(0, 0.5^2), A_log = log U(1, 16), dt_bias N(0, 1), router bias N(0, 0.3^2), embedding N(0, 1)."""
+    from k3export.model.k3 import K3Model
+    from k3export.model.weights import param_dtype
+    with torch.device("meta"):
+        model = K3Model(config)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    for name, p in list(model.named_parameters()):
+        t = torch.empty(p.shape, dtype=param_dtype(name, dtype), device="cuda")
+        leaf = name.rsplit(".", 2)
+        if name.endswith("A_log"):
+            t.uniform_(1, 16, generator=g).log_()
+        elif name.endswith(("dt_bias", "embed_tokens.weight")):
+            t.normal_(0, 1, generator=g)
+        elif name.endswith("e_score_correction_bias"):
+            t.normal_(0, 0.3, generator=g)
+        elif name.endswith("_res_proj.weight") or "conv1d" in name:
+            t.normal_(0, 0.5, generator=g)
+        elif "norm" in leaf[-2] or name.endswith("o_norm.weight"):
+            t.normal_(1, 0.1, generator=g)
+        else:
+            t.normal_(0, p.shape[-1] ** -0.5, generator=g)
+        mod_name, _, attr = name.rpartition(".")
+        model.get_submodule(mod_name)._parameters[attr] = torch.nn.Parameter(t, requires_grad=False)
+    return model.eval()
+
+
+def step_bytes(model, B: int, context: int) -> int:
+    """Napkin bytes one decode step reads (and writes, for the KDA state)."""
+    cfg = model.config
+    E, k = cfg.num_experts, cfg.num_experts_per_token
+    distinct = E * (1 - (1 - k / E) ** B)
+    total = 0
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        nb = t.numel() * t.element_size()
+        if "embed_tokens" in name:
+            total += B * t.shape[-1] * t.element_size()
+        elif ".experts." in name:
+            total += nb / E * distinct
+        else:
+            total += nb
+    lac = cfg.linear_attn_config
+    n_kda, n_mla = len(cfg.kda_layers), len(cfg.mla_layers)
+    total += B * n_kda * (2 * lac.num_heads * lac.head_dim ** 2 * 4 + 2 * 3 * cfg.kda_dim * 3 * 2)
+    total += B * n_mla * context * cfg.latent_dim * 2
+    return int(total)
+
+
+def decode_ms(model, B: int, context: int) -> tuple[float, str]:
+    """Median ms of one decode step for B sequences holding `context` tokens: a CUDA graph replay when capture
+    works, else eager."""
+    from k3export.bench.ceilings import bench_ms
+    st = model.new_state(B, context + 8)
+    st.lengths.fill_(context)
+    st.mla_cache.normal_()
+    ids = torch.randint(0, model.config.vocab_size, (B,), device="cuda")
+    args = (ids, st.kda_conv, st.kda_state, st.mla_cache, st.lengths)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            model.forward_decode(*args)
+    torch.cuda.current_stream().wait_stream(s)
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            model.forward_decode(*args)
+        return bench_ms(graph.replay, rep=50), "graph"
+    except Exception as e:                                                      # noqa: BLE001
+        print(f"  (B={B}: CUDA graph capture failed: {type(e).__name__}: {str(e)[:120]}; timing eager)")
+        torch.cuda.synchronize()
+        return bench_ms(lambda: model.forward_decode(*args), rep=50), "eager"
+
+
+def prefill_ms(model, T: int) -> float:
+    from k3export.bench.ceilings import bench_ms
+    ids = torch.randint(0, model.config.vocab_size, (1, T), device="cuda")
+    st = model.new_state(1, T)
+    lengths = torch.full((1,), T, device="cuda")
+    fn = lambda: model.forward_prefill(ids, lengths, st.kda_conv, st.kda_state, st.mla_cache[:, :, :0],  # noqa
+                                       st.lengths)
+    fn()
+    return bench_ms(fn, rep=300)
+
+
+def selfcheck(ref, fp8) -> dict:
+    """The GPU paths against their references on this model's own tensors (relative errors)."""
+    from k3export.fp8 import fp8_linear_ref
+    from k3export.fp8_moe import moe_fp8_sorted
+    rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm())    # noqa: E731
+    out = {}
+    lin = fp8.model.layers[0].self_attn.q_proj
+    for M in (1, 128):                                           # fused Triton kernel; torch._scaled_mm
+        x = torch.randn(M, lin.in_features, device=ref.device, dtype=ref.dtype)
+        args = (x, lin.input_scale, lin.qweight, lin.weight_scale)
+        out[f"fp8_linear_M{M}"] = rel(torch.ops.k3.fp8_linear(*args), fp8_linear_ref(x.float(), *args[1:]))
+    moe = fp8.model.layers[1].block_sparse_moe
+    e = moe.experts
+    for N in (1, 64):
+        x = torch.randn(N, ref.config.hidden_size, device=ref.device, dtype=ref.dtype)
+        z = moe.routed_expert_down_proj(x)
+        args = (x, z, moe.gate.weight, moe.gate.e_score_correction_bias, e.w13, e.w2, e.w13_scale, e.w2_scale,
+                e.w13_input_scale, e.w2_input_scale, *moe.routing.values())
+        out[f"moe_fp8_N{N}"] = rel(torch.ops.k3.moe_routed_fp8(*args), moe_fp8_sorted(*args))
+    return out
+
+
+def layer_pair_fn(recipe, cache_len: int = 4096) -> list[dict]:
+    """Full-width K3 layer pair (`bench layer`'s MLA + MoE and KDA + MoE, one shared 896-expert bank), one decode
+    step at B = 1 in bf16, then the same layers quantized by `recipe` (scales from one observed step)."""
+    import fnmatch
+
+    from k3export.bench.ceilings import bench_ms
+    from k3export.bench.layer import _graphed, build_pair, decode_step
+    from k3export.calibrate import AmaxObserver, _observe_experts, _scales
+    from k3export.fp8 import quantize_model
+    from k3export.model.moe import ExpertBank
+    cfg, mla, kda, inputs = build_pair(cache_len)
+    holder = torch.nn.ModuleDict({"mla": mla, "kda": kda})
+
+    def step_bytes_layer(layer):
+        moe = layer.block_sparse_moe
+        ex = {id(t) for t in [*moe.experts.parameters(), *moe.experts.buffers()]}
+        tensors = [*layer.parameters(), *layer.buffers()]
+        total = sum(t.numel() * t.element_size() for t in tensors if id(t) not in ex)
+        total += cfg.num_experts_per_token * sum(t[0].numel() * t.element_size() for t in
+                                                 [*moe.experts.parameters(), *moe.experts.buffers()] if t.dim() > 1)
+        return total
+
+    def timings(tag):
+        rows = []
+        for name, layer in (("MLA+MoE", mla), ("KDA+MoE", kda)):
+            replay = _graphed(lambda: decode_step(cfg, layer, inputs))
+            ms = bench_ms(replay) if replay else bench_ms(lambda: decode_step(cfg, layer, inputs))
+            nb = step_bytes_layer(layer)
+            rows.append({"pair": name, "precision": tag, "ms": ms, "GB": nb / 1e9, "GBps": nb / ms / 1e6,
+                         "graph": replay is not None})
+        return rows
+
+    def calibrate_pair():
+        strip = lambda p: p.split("model.layers.*.", 1)[-1]                       # noqa: E731
+        pats, keep = [strip(p) for p in recipe.quantize], [strip(p) for p in recipe.keep]
+        mods = dict(holder.named_modules())                  # the shared MoE appears once, under mla
+        targets, obs, hooks = {}, {}, []
+        for n, m in mods.items():
+            rest = n.split(".", 1)[-1]
+            if isinstance(m, (torch.nn.Linear, ExpertBank)) and any(fnmatch.fnmatchcase(rest, p) for p in pats) \
+                    and not any(fnmatch.fnmatchcase(rest, k) for k in keep):
+                targets[n] = "experts" if isinstance(m, ExpertBank) else "linear"
+        for n, kind in targets.items():
+            if kind == "linear":
+                obs[n] = AmaxObserver(n, recipe.method, recipe.percentile)
+                hooks.append(mods[n].register_forward_pre_hook(obs[n].hook))
+            else:
+                z, h = (obs.setdefault(f"{n}.{p}", AmaxObserver(n, recipe.method, recipe.percentile))
+                        for p in ("w13_input", "w2_input"))
+                hooks += _observe_experts(mods[n.rsplit(".", 1)[0]], z, h)
+        decode_step(cfg, mla, inputs)
+        decode_step(cfg, kda, inputs)
+        for hk in hooks:
+            hk.remove()
+        return _scales(holder, recipe, targets, obs)
+
+    with torch.inference_mode():
+        rows = timings("bf16")
+        scales = calibrate_pair()
+        quantize_model(holder, scales)
+        torch.cuda.empty_cache()
+        rows += timings("fp8")
+    return rows
+
+
+@bench.command("fp8")
+@click.option("--preset", default="k3-small", show_default=True)
+@click.option("--batches", default="1,2,4,8,16,32,64", show_default=True, help="Decode batch sizes.")
+@click.option("--context", type=int, default=512, show_default=True, help="Cache rows per sequence in decode.")
+@click.option("--prefill", "prefill_tokens", type=int, default=2048, show_default=True)
+@click.option("--report-tokens", type=int, default=256, show_default=True)
+@click.option("--noise-dtype", type=click.Choice(["float16", "float32", "none"]), default="float16",
+              show_default=True, help="Precision of the noise-floor twin (bf16 vs it).")
+@click.option("--layer-pair/--no-layer-pair", default=True, show_default=True,
+              help="Also time a full-width K3 layer pair in bf16 and FP8 (needs ~90 GB).")
+@click.option("--out", type=click.Path(file_okay=False), default="out/bench", show_default=True)
+def fp8_bench(preset, batches, context, prefill_tokens, report_tokens, noise_dtype, layer_pair, out):
+    """FP8 vs bf16: accuracy report, decode step at B = 1..64 (CUDA graphs) and prefill, on one GPU."""
+    from k3export.bench.ceilings import copy_bandwidth, machine
+    from k3export.calibrate import DEFAULT_RECIPE, HELDOUT_SEED, Recipe, calibrate, default_batches
+    from k3export.config import K3Config
+    from k3export.fp8 import quantize_model
+    from k3export.fp8_report import accuracy_report, format_report
+    outdir = Path(out)
+    outdir.mkdir(parents=True, exist_ok=True)
+    res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "machine": machine(), "command": " ".join(["k3export", *sys.argv[1:]]), "preset": preset}
+    save = lambda: (outdir / "fp8.json").write_text(json.dumps(res, indent=2))          # noqa: E731
+    cfg = K3Config.from_name(preset)
+    t0 = time.perf_counter()
+    ref = gpu_random_model(cfg, seed=0)
+    recipe = Recipe.load(DEFAULT_RECIPE)
+    scales = calibrate(ref, recipe, default_batches(cfg.vocab_size), progress=False)
+    fp8 = copy.deepcopy(ref)
+    counts = quantize_model(fp8, scales)
+    gb = lambda m: sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()]) / 1e9  # noqa
+    res["setup"] = {"seconds": time.perf_counter() - t0, "quantized": counts, "bf16_GB": gb(ref), "fp8_GB": gb(fp8)}
+    click.echo(f"{machine()}; {preset}: bf16 {gb(ref):.2f} GB, fp8 {gb(fp8):.2f} GB ({counts}); "
+               f"setup {res['setup']['seconds']:.1f}s")
+    res["selfcheck"] = selfcheck(ref, fp8)
+    click.echo("selfcheck (rel. error vs reference): " + ", ".join(f"{k} {v:.1e}" for k, v in
+                                                                   res["selfcheck"].items()))
+    save()
+    bw = copy_bandwidth()
+    res["copy_GBps"] = bw / 1e9
+    res["decode"] = []
+    for B in [int(b) for b in batches.split(",")]:
+        row = {"B": B}
+        for tag, m in (("bf16", ref), ("fp8", fp8)):
+            ms, how = decode_ms(m, B, context)
+            nbytes = step_bytes(m, B, context)
+            row[tag] = {"ms": ms, "how": how, "MB": nbytes / 1e6, "GBps": nbytes / ms / 1e6,
+                        "frac_copy": nbytes / ms * 1e3 / bw}
+        row["speedup"] = row["bf16"]["ms"] / row["fp8"]["ms"]
+        res["decode"].append(row)
+        save()
+        click.echo(f"decode B={B:3d} ctx={context}: bf16 {row['bf16']['ms']:.3f} ms ({row['bf16']['GBps']:.0f} GB/s)"
+                   f", fp8 {row['fp8']['ms']:.3f} ms ({row['fp8']['GBps']:.0f} GB/s) [{row['fp8']['how']}]: "
+                   f"{row['speedup']:.2f}x")
+    if prefill_tokens:
+        p = {"T": prefill_tokens, "bf16_ms": prefill_ms(ref, prefill_tokens), "fp8_ms": prefill_ms(fp8, prefill_tokens)}
+        p["speedup"] = p["bf16_ms"] / p["fp8_ms"]
+        res["prefill"] = p
+        save()
+        click.echo(f"prefill T={prefill_tokens}: bf16 {p['bf16_ms']:.2f} ms, fp8 {p['fp8_ms']:.2f} ms: "
+                   f"{p['speedup']:.2f}x")
+    if report_tokens:
+        held = torch.cat(default_batches(cfg.vocab_size, n_seqs=4, seq_len=64, seed=HELDOUT_SEED))
+        prompts = held[:2, :16].tolist()
+        rep = accuracy_report(fp8, ref, held, prompts, report_tokens)
+        res["report"] = rep
+        save()
+        click.echo(format_report(rep, f"FP8 vs bf16 ({preset})"))
+    del fp8
+    torch.cuda.empty_cache()
+    if report_tokens and noise_dtype != "none":
+        hi = copy.deepcopy(ref)
+        for p in hi.parameters():                       # the fp32-by-spec parameters stay fp32
+            if p.dtype == torch.bfloat16:
+                p.data = p.data.to(getattr(torch, noise_dtype))
+        try:
+            res["noise_floor"] = accuracy_report(ref, hi, held, prompts, report_tokens)
+            res["noise_floor"]["twin"] = noise_dtype
+            save()
+            nf = res["noise_floor"]
+            click.echo(f"noise floor bf16 vs {noise_dtype}: cosine {nf['logits']['cosine_mean']:.5f}, "
+                       f"KL {nf['logits']['kl_mean']:.3e}, top-1 {nf['logits']['top1_agreement']:.4f}, "
+                       f"greedy {nf['greedy']['agreement']:.4f} (first divergence "
+                       f"{nf['greedy']['first_divergence']}); worst local layer error "
+                       f"{nf['worst_layer']['rel_err']:.2e}")
+        except Exception as e:                                                    # noqa: BLE001 (reported)
+            res["noise_floor"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            click.echo(f"noise floor failed: {res['noise_floor']['error']}")
+        del hi
+    if layer_pair:
+        del ref
+        torch.cuda.empty_cache()
+        try:
+            res["layer_pair"] = layer_pair_fn(recipe)
+        except Exception as e:                                                    # noqa: BLE001 (reported)
+            res["layer_pair"] = []
+            click.echo(f"layer pair failed: {type(e).__name__}: {str(e)[:300]}")
+        save()
+        for r in res["layer_pair"]:
+            click.echo(f"full-width {r['pair']} decode B=1 {r['precision']}: {r['ms']:.3f} ms, {r['GB']:.2f} GB "
+                       f"({r['GBps']:.0f} GB/s, {r['GBps'] * 1e9 / bw:.0%} of copy)")
+    click.echo(f"wrote {outdir / 'fp8.json'}")
