@@ -189,7 +189,7 @@ class Engine:
                 and len(self._prefill_graphs) < self.MAX_PREFILL_GRAPHS:
             g = self._prefill_graphs[key] = self._capture_prefill(n, T)
         if g is not None:
-            graph, ids_buf, len_buf, outs = g
+            graph, ids_buf, len_buf, outs, _ = g
             ids_buf.copy_(ids)
             len_buf.copy_(lengths)
             graph.replay()
@@ -216,7 +216,7 @@ class Engine:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             outs = self.backend.prefill(ids, lengths, *zeros)
-        return graph, ids, lengths, outs
+        return graph, ids, lengths, outs, zeros            # zeros too: the graph reads them at every replay
 
     def release(self, slot: int) -> None:
         """Free a slot; its state is left as is and overwritten by the next prefill into it."""

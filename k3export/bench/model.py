@@ -90,6 +90,17 @@ def summary(ms: list[float]) -> dict:
     return {"ms": statistics.median(ms), "p10": q[0], "p90": q[-1]}
 
 
+def ceilings(cuda: bool) -> tuple[float, float | None, str]:
+    """(copy bytes/s, bf16 matmul FLOP/s or None on CPU, machine description), measured now."""
+    if cuda:
+        from k3export.bench.ceilings import copy_bandwidth, machine, matmul_rate
+        return copy_bandwidth(), matmul_rate(), machine()
+    x = torch.empty(1 << 26, dtype=torch.float32)
+    y = torch.empty_like(x)
+    bw = 2 * x.numel() * 4 / (statistics.median(time_ms(lambda: y.copy_(x), 2, 5, False)) * 1e-3)
+    return bw, None, f"{platform.processor() or platform.machine()} CPU, torch {torch.__version__}"
+
+
 # ---------------------------------------------------------------------------------------------- backends
 def make_backend(name: str, model, engines: Path, profiles: dict, log) -> tuple[object, bool, dict]:
     """-> (runtime backend, use CUDA graphs, build info)."""
@@ -226,10 +237,11 @@ def _ints(text: str) -> list[int]:
 @click.option("--iters", default=10, show_default=True)
 @click.option("--engines", type=click.Path(file_okay=False, path_type=Path), default=Path("engines"), show_default=True)
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("out/bench/model"), show_default=True)
+@click.option("--threads", type=int, default=None, help="CPU intra-op threads (default: torch's).")
 @click.option("--layer", is_flag=True, help="Instead: one full-width K3 layer pair (`k3export bench layer`).")
 @click.pass_context
 def model_bench(ctx, preset, dtype, device, backends, prefill_lengths, batches, contexts, warmup, iters, engines, out,
-                layer):
+                threads, layer):
     """Prefill and decode latency per backend against eager PyTorch: JSON, markdown table and PNG plot."""
     if layer:
         from k3export.bench import layer as layer_mod
@@ -238,6 +250,8 @@ def model_bench(ctx, preset, dtype, device, backends, prefill_lengths, batches, 
     from k3export.build import PRECISIONS, profiles_for
     from k3export.config import K3Config
     from k3export.model.weights import random_model
+    if threads:
+        torch.set_num_threads(threads)
     cuda = torch.device(device).type == "cuda"
     dtype = dtype or ("bf16" if cuda else "fp32")
     names = [b.strip() for b in backends.split(",") if b.strip()]
@@ -252,14 +266,7 @@ def model_bench(ctx, preset, dtype, device, backends, prefill_lengths, batches, 
     t0 = time.perf_counter()
     model = random_model(cfg, seed=0, dtype=PRECISIONS[dtype], device=device)
     click.echo(f"{preset} {dtype} random weights on {device} in {time.perf_counter() - t0:.1f}s")
-    if cuda:
-        from k3export.bench.ceilings import copy_bandwidth, machine, matmul_rate
-        bw, rate, where = copy_bandwidth(), matmul_rate(), machine()
-    else:
-        x = torch.empty(1 << 26, dtype=torch.float32)
-        y = torch.empty_like(x)
-        bw = 2 * x.numel() * 4 / (statistics.median(time_ms(lambda: y.copy_(x), 2, 5, False)) * 1e-3)
-        rate, where = None, f"{platform.processor() or platform.machine()} CPU, torch {torch.__version__}"
+    bw, rate, where = ceilings(cuda)
     click.echo(f"measured copy bandwidth {bw / 1e9:.0f} GB/s" + (f", bf16 matmul {rate / 1e12:.0f} TFLOP/s" if rate else ""))
     pb = param_bytes(cfg, PRECISIONS[dtype])
     profiles = profiles_for(max(args["batches"]), max(args["prefill_lengths"]),
