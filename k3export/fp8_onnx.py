@@ -10,6 +10,12 @@ so each quantized linear adds exactly one QuantizeLinear and two DequantizeLinea
 as FP8 with its fp32 scales, and high-precision linears stay plain MatMul/Gemm. onnxruntime (CPU) executes
 these nodes, which makes it a numerics oracle for the FP8 graphs. `TRANSLATIONS` is the table an exporter
 passes to `torch.onnx.export(..., custom_translation_table=...)`; `export_qdq` exports a module with it.
+
+Whole FP8 graphs (`export_fp8_graph`): the export stage's prefill/decode wrappers around an FP8 model give a
+`.pt2` (torch.export, k3 ops opaque, `k3::fp8_linear` and `k3::moe_routed_fp8` among them) and an ONNX file whose
+linears are Q/DQ and whose FP8 expert banks feed one bare `k3.moe_routed_fp8` node with E4M3 weight inputs (the
+TensorRT plugin's contract; onnxruntime has no kernel for it, so the full graph is checked structurally and the
+Q/DQ numerics on the MLP sub-graph).
 """
 
 from __future__ import annotations
@@ -19,9 +25,9 @@ from pathlib import Path
 
 import onnx
 import torch
-from onnxscript import opset21 as op
+from onnxscript import opset19 as op
 
-OPSET = 21      # QuantizeLinear/DequantizeLinear with float8e4m3fn and a scalar zero point
+OPSET = 20      # as the export stage; Q/DQ-19 carries float8e4m3fn (zero point, per-axis scales)
 
 
 def fp8_linear_onnx(x, x_scale, w, w_scale):
@@ -58,3 +64,55 @@ def run_onnx(path: str | Path, *inputs: torch.Tensor) -> list[torch.Tensor]:
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     feeds = {i.name: t.detach().cpu().numpy() for i, t in zip(sess.get_inputs(), inputs)}
     return [torch.from_numpy(o) for o in sess.run(None, feeds)]
+
+
+def register_fp8_schemas() -> None:
+    """The `k3.moe_routed_fp8` node schema (idempotent): floats T (activations), Z (latent), F (fp32 router bias,
+    scales), E4M3 Q (expert weights)."""
+    from onnx.defs import OpSchema
+    if onnx.defs.has("moe_routed_fp8", "k3"):
+        return
+    floats = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)", "tensor(double)"]
+    P = OpSchema.FormalParameter
+    AT = OpSchema.AttrType
+    ins = [("x", "T"), ("z", "Z"), ("gate_weight", "T"), ("bias", "F"), ("w13", "Q"), ("w2", "Q"),
+           ("w13_scale", "F"), ("w2_scale", "F"), ("z_scale", "F"), ("h_scale", "F")]
+    onnx.defs.register_schema(OpSchema(
+        "moe_routed_fp8", "k3", 1, doc="k3::moe_routed_fp8; see k3export/fp8_moe.py",
+        inputs=[P(n, t) for n, t in ins], outputs=[P("u", "Z")],
+        type_constraints=[("T", floats, ""), ("Z", floats, ""), ("F", floats, ""),
+                          ("Q", ["tensor(float8e4m3fn)"], "E4M3 weights")],
+        attributes=[OpSchema.Attribute("top_k", AT.INT, ""), OpSchema.Attribute("renormalize", AT.INT, ""),
+                    *(OpSchema.Attribute(a, AT.FLOAT, "") for a in ("scaling", "beta", "linear_beta"))]))
+
+
+def moe_routed_fp8_onnx(x, z, gate_weight, bias, w13, w2, w13_scale, w2_scale, z_scale, h_scale, top_k: int,
+                        renormalize: bool, scaling: float, beta: float, linear_beta: float):
+    import onnxscript
+    k3 = onnxscript.values.Opset("k3", 1)
+    return k3.moe_routed_fp8(x, z, gate_weight, bias, w13, w2, w13_scale, w2_scale, z_scale, h_scale, top_k=top_k,
+                             renormalize=int(renormalize), scaling=scaling, beta=beta, linear_beta=linear_beta)
+
+
+def export_fp8_graph(model: torch.nn.Module, out: str | Path, graph: str = "decode") -> dict:
+    """Export `graph` ('prefill' or 'decode') of an FP8 model (after `quantize_model`) to `<out>/<graph>_fp8.pt2`
+    and `<out>/<graph>_fp8.onnx`. Returns {'pt2', 'onnx', 'args' (the example inputs), 'census'}."""
+    from k3export.export import (EXAMPLE, DecodeGraph, ExportLimits, PrefillGraph, dynamic_shapes, example_inputs,
+                                 io_specs)
+    from k3export.onnx_export import translation_table
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    spec = io_specs(model.config, model.dtype)[graph]["inputs"]
+    args = tuple(example_inputs(spec, EXAMPLE, vocab=model.config.vocab_size).values())
+    wrapper = (DecodeGraph if graph == "decode" else PrefillGraph)(model).eval()
+    with torch.no_grad():
+        ep = torch.export.export(wrapper, args, dynamic_shapes=dynamic_shapes(spec, ExportLimits()))
+    pt2 = out / f"{graph}_fp8.pt2"
+    torch.export.save(ep, pt2)
+    register_fp8_schemas()
+    table = {**translation_table(), **TRANSLATIONS, torch.ops.k3.moe_routed_fp8.default: moe_routed_fp8_onnx}
+    prog = torch.onnx.export(ep, dynamo=True, opset_version=OPSET, custom_translation_table=table, optimize=False,
+                             verbose=False)
+    path = out / f"{graph}_fp8.onnx"
+    prog.save(str(path))
+    return {"pt2": pt2, "onnx": path, "args": args, "census": qdq_census(onnx.load(str(path)))}
