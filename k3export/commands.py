@@ -112,29 +112,21 @@ def generate(checkpoint, preset, ids_text, max_new_tokens, temperature, top_k, t
 @click.option("--preset", type=click.Choice(["k3-tiny", "k3-small"]), default="k3-tiny", show_default=True)
 @device_option()
 def demo(out: str, preset: str, device: str) -> None:
-    """The main job on the embedded default: a deterministic random checkpoint, its shape table, and a few
-    generated tokens from the eager model, saying where each artifact went."""
-    from k3export.generate import generate as run
-    from k3export.model import K3Model
+    """The main job on the embedded default: a deterministic random checkpoint and its shape table, then
+    export -> build (best backend here) -> run -> bench against eager PyTorch, saying where each artifact went."""
     from k3export.model.weights import random_model, save_checkpoint
     from k3export.shapes import shape_report
     root = Path(out)
     ckpt = root / "checkpoint"
-    click.echo(f"[1/3] init: {preset} random checkpoint (seed {DEFAULT_SEED})")
+    click.echo(f"[1/6] init: {preset} random checkpoint (seed {DEFAULT_SEED})")
     files = save_checkpoint(random_model(K3Config.from_name(preset), seed=DEFAULT_SEED), ckpt)
     click.echo(f"      wrote {ckpt}/ ({', '.join(f.name for f in files)})")
-    click.echo("[2/3] shapes: per-module shapes and state bytes (meta device)")
+    click.echo("[2/6] shapes: per-module shapes and state bytes (meta device)")
     report = shape_report(K3Config.from_name(preset), tokens=8, batch=2)
     (root / "shapes.txt").write_text(report)
     click.echo(report)
     click.echo(f"      wrote {root / 'shapes.txt'}")
-    click.echo(f"[3/3] generate: eager prefill + decode on {device}")
-    model = K3Model.from_pretrained(ckpt, dtype=torch.float32, device=device)
-    prompts = [[1, 2, 3, 4, 5], [7, 7, 7]]
-    t0 = time.perf_counter()
-    toks = run(model, prompts, max_new_tokens=8)
-    for p, o in zip(prompts, toks):
-        click.echo(f"      {p} -> {o}")
-    (root / "generate.json").write_text(json.dumps({"prompts": prompts, "tokens": toks}, indent=2))
-    click.echo(f"      {sum(map(len, toks))} tokens in {time.perf_counter() - t0:.2f}s; wrote {root / 'generate.json'}")
-    click.echo(f"done: artifacts under {root}/")
+    from k3export.pipeline import run_pipeline
+    art = run_pipeline(root, ckpt, device, click.echo, first_step=3, steps=6)
+    click.echo(f"done: artifacts under {root}/: checkpoint {ckpt}/, shapes {root / 'shapes.txt'}, "
+               + ", ".join(f"{k} {v}" for k, v in art.items()))

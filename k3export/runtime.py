@@ -149,7 +149,6 @@ class Engine:
         dev, n = self.device, len(prompts)
         s = self.state
         idx = torch.tensor(slots, device=dev)
-        conv, rec = torch.zeros_like(s.kda_conv[:, idx]), torch.zeros_like(s.kda_state[:, idx])
         done = torch.zeros(n, dtype=torch.int64, device=dev)
         total = torch.tensor([len(p) for p in prompts], device=dev)
         chunk = self.backend.max_prefill_tokens or max(map(len, prompts))
