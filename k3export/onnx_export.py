@@ -120,17 +120,17 @@ def export_onnx(graph_dir: str | Path, log=print) -> dict:
             prog.save(str(path), include_initializers=False, keep_initializers_as_inputs=True)
         else:
             prog.save(str(path), external_data=external)
-        _name_axes(path, ep, g["inputs"])
+        passes = _postprocess(path, ep, g["inputs"])
         onnx.checker.check_model(str(path), full_check=True)
         counts = k3_node_counts(onnx.load(str(path), load_external_data=False))
         if counts != g["k3_ops"]:
             raise RuntimeError(f"{name}.onnx has k3 nodes {counts}, the exported program has {g['k3_ops']}")
         total_s = time.perf_counter() - t0
-        entry["graphs"][name] = {"file": path.name, "external_data": external and not manifest["meta"],
+        entry["graphs"][name] = {"file": path.name, "external_data": external and not manifest["meta"], "passes": passes,
                                  "weights_as_inputs": manifest["meta"], "k3_nodes": counts,
                                  "convert_s": round(convert_s, 2), "total_s": round(total_s, 2)}
-        log(f"onnx {name}: {sum(counts.values())} k3 nodes {counts}, checker clean, in {total_s:.1f}s -> {path}"
-            + (f" (+ {path.name}.data)" if external else ""))
+        log(f"onnx {name}: {sum(counts.values())} k3 nodes {counts}, passes {passes}, checker clean, in {total_s:.1f}s -> {path}"
+            + (f" (+ {path.name}.data)" if entry["graphs"][name]["external_data"] else ""))
     manifest["onnx"] = entry
     write_manifest(graph_dir, manifest)
     return entry
@@ -145,7 +145,44 @@ def k3_node_counts(model) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
-def _name_axes(path: Path, ep, input_specs: list[dict]) -> None:
+def _postprocess(path: Path, ep, input_specs: list[dict]) -> dict[str, int]:
+    """Two passes over the saved model; returns how many items each changed."""
+    import onnx
+    model = onnx.load(str(path), load_external_data=False)
+    changed = {"axes named": _name_axes(model, ep, input_specs), "bf16 Einsum -> fp32": _fp32_einsum(model)}
+    onnx.save(model, str(path))
+    return changed
+
+
+def _fp32_einsum(model) -> int:
+    """ONNX Einsum takes bfloat16 only from opset 28 (onnx 1.23's newest); at our opset 20 each bf16 Einsum (the
+    MLA decode BMM1/BMM2) runs in fp32 between Casts. fp32 accumulation is what a bf16 GEMM does anyway; the result is rounded back to bf16."""
+    import onnx
+    from onnx import TensorProto, helper
+    g = model.graph
+    types = {v.name: v.type.tensor_type.elem_type for v in list(g.value_info) + list(g.input) + list(g.output)}
+    types.update({t.name: t.data_type for t in g.initializer})
+    nodes, n_changed = [], 0
+    for n in g.node:
+        if n.op_type != "Einsum" or n.domain or types.get(n.output[0]) != TensorProto.BFLOAT16:
+            nodes.append(n)
+            continue
+        ins = []
+        for i in n.input:
+            nodes.append(helper.make_node("Cast", [i], [f"{n.name}_{i}_fp32"], to=TensorProto.FLOAT,
+                                          name=f"{n.name}_cast_{i}"))
+            ins.append(f"{n.name}_{i}_fp32")
+        wide = f"{n.output[0]}_fp32"
+        nodes.append(helper.make_node("Einsum", ins, [wide], name=n.name,
+                                      equation=onnx.helper.get_attribute_value(n.attribute[0])))
+        nodes.append(helper.make_node("Cast", [wide], [n.output[0]], to=TensorProto.BFLOAT16, name=f"{n.name}_cast"))
+        n_changed += 1
+    del g.node[:]
+    g.node.extend(nodes)
+    return n_changed
+
+
+def _name_axes(model, ep, input_specs: list[dict]) -> int:
     """Rename the exporter's symbols (s18, s70 + s35, ...) to the manifest's dim names in every value info."""
     names = {}
     placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"][-len(input_specs):]
@@ -153,15 +190,15 @@ def _name_axes(path: Path, ep, input_specs: list[dict]) -> None:
         for d, want in zip(node.meta["val"].shape, spec["shape"]):
             if isinstance(want, str) and isinstance(d, torch.SymInt):
                 names[str(d)] = want
-    import onnx
     pattern = re.compile(r"\b(" + "|".join(map(re.escape, sorted(names, key=len, reverse=True))) + r")\b")
-    model = onnx.load(str(path), load_external_data=False)
-    g = model.graph
+    g, n_changed = model.graph, 0
     for vi in list(g.input) + list(g.output) + list(g.value_info):
         for dim in vi.type.tensor_type.shape.dim:
             if dim.dim_param:
-                dim.dim_param = pattern.sub(lambda m: names[m.group(1)], dim.dim_param)
-    onnx.save(model, str(path))
+                new = pattern.sub(lambda m: names[m.group(1)], dim.dim_param)
+                n_changed += new != dim.dim_param
+                dim.dim_param = new
+    return n_changed
 
 
 # ---------------------------------------------------------------------------------------------- CPU execution

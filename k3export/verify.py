@@ -25,6 +25,7 @@ TOL = {
     # random state; fp32 eager itself sits 4.3e-5 from fp64 on those inputs, so 1e-3 is ~10x the noise.
     ("onnx", "float32"): 1e-3,
 }
+GEN_TOKENS = 3
 # Inputs per graph: dim sizes and per-sequence lengths (mixed lengths, continued prefill, mixed cache lengths).
 CASES = {
     "prefill": ({"batch": 2, "tokens": 7, "past": 5}, {"lengths": [7, 3], "cache_len": [5, 2]}),
@@ -104,6 +105,13 @@ def verify(graph_dir: str | Path, checkpoint: str | None = None, run_onnx: bool 
                     status = "FAIL"
             ok &= status == "ok"
             rows.append((graph, out, *cells, status))
+    # prefill -> decode -> decode driven by the exported programs alone, against eager generation.
+    from k3export.generate import generate
+    prompts = [[1, 2, 3, 4, 5], [7, 7]]
+    mine, theirs = generate(exported, prompts, GEN_TOKENS), generate(model, prompts, GEN_TOKENS)
+    ok &= mine == theirs
+    rows.append(("generate", f"{GEN_TOKENS} greedy tokens", "same" if mine == theirs else f"{mine} != {theirs}",
+                 "", "-", "-", "ok" if mine == theirs else "FAIL"))
     head = ("graph", "output", "pt2 max-abs", "pt2 rel", "onnx max-abs", "onnx rel", "status")
     widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in [head] + rows]
