@@ -159,3 +159,23 @@ def test_tensorrt_engine_matches_eager(tmp_path):
                         "docs/deployment-notes.md); the tensorrt backend is written against the TensorRT 11 API "
                         "but has never run")
     pytest.skip("needs ONNX graphs with k3 plugin nodes and a GPU; run on a TensorRT machine")
+
+
+def test_bench_model_writes_json_table_and_plot(tmp_path):
+    """Smoke run of `k3export bench model` (eager only, tiny sweep): the artifacts exist and the napkin math is
+    consistent (times are never asserted on)."""
+    from click.testing import CliRunner
+    from k3export.cli import main
+    out = tmp_path / "bench"
+    threads = torch.get_num_threads()                                # --threads sets it process-wide
+    r = CliRunner().invoke(main, ["bench", "model", "--backends", "eager", "--prefill-lengths", "8", "--batches",
+                                  "1,2", "--contexts", "8", "--warmup", "0", "--iters", "2", "--threads", "1",
+                                  "--device", "cpu", "--out", str(out)])
+    torch.set_num_threads(threads)
+    assert r.exit_code == 0, r.output
+    rows = json.loads((out / "model.json").read_text())["rows"]
+    assert [(x["phase"], x["batch"]) for x in rows] == [("prefill", 1), ("decode", 1), ("decode", 2)]
+    assert all(x["speedup"] == 1.0 and x["floor_ms"] > 0 for x in rows)
+    assert rows[2]["floor_ms"] > rows[1]["floor_ms"]                  # more sequences move more bytes
+    assert "| decode | eager | 2 | 8 |" in (out / "model.md").read_text()
+    assert (out / "model.png").stat().st_size > 0
