@@ -78,6 +78,7 @@ def build_aoti(model, out: Path, graphs, manifest: dict, log, echo) -> dict[str,
             todo[g] = (str(graphs / gm["graphs"][g]["file"]), str(cached), device.type)
         else:
             log.note(f"{g}: reused cached package {cached} (key {key})")
+            echo(f"{g}: unchanged graph, reused the cached AOTI package {cached}")
         files[g] = cached
     if todo:
         echo(f"AOTInductor: compiling {', '.join(todo)} ({'in parallel' if len(todo) > 1 else 'one graph'}; "
