@@ -32,9 +32,16 @@ whole (a runtime may ping-pong it between two buffers). The graphs never write t
 manifest.json fields: `format` ("k3export.graphs/1"), `config` (the text_config dict), `config_hash`,
 `source` {`weights` fingerprint, `checkpoint` path or `preset`/`seed`}, `dtype` (model dtype), `limits`
 {max_batch, max_tokens, max_cache}, `dims` {name: {min, max}}, `graphs` {prefill|decode: {file, sha256,
-inputs, outputs, k3_ops (node counts), export_s}}, each input/output `{name, dtype, shape}` with dynamic dims
-given by name, `state` (the K3State layout), `versions` (torch, k3export, python), `meta` (true when exported on
-the meta device: the .pt2 then carries no weights), `peak_rss_mib`.
+inputs, outputs, k3_ops (node counts), export_s, save_s}}, each input/output `{name, dtype, shape}` with dynamic
+dims given by name, `state` (the K3State layout), `versions` (torch, k3export, python), `meta` (true when exported
+on the meta device: the .pt2 then carries no weights), `peak_rss_mib`; after `k3export onnx` also `onnx`
+{opset, domain, graphs: {prefill|decode: {file, external_data, weights_as_inputs, passes, k3_nodes, convert_s,
+total_s}}}.
+
+Calling the programs: `torch.export.load(path).module()(*inputs in the order above)` returns the outputs as a
+tuple in the order above (`k3export.exported.ExportedK3` wraps this with input checks against the manifest).
+`mla_cache` may be the whole preallocated cache (rows at or past cache_len[b] are never read) or just its used
+prefix, as long as its length is within the exported range.
 """
 
 from __future__ import annotations
