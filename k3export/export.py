@@ -40,8 +40,8 @@ total_s}}}.
 
 Calling the programs: `torch.export.load(path).module()(*inputs in the order above)` returns the outputs as a
 tuple in the order above (`k3export.exported.ExportedK3` wraps this with input checks against the manifest).
-`mla_cache` may be the whole preallocated cache (rows at or past cache_len[b] are masked out, but must be finite) or its used
-prefix, as long as its length is within the exported range.
+`mla_cache` may be the whole preallocated cache (rows at or past cache_len[b] are masked out but must be finite)
+or its used prefix, as long as its length is within the exported range.
 """
 
 from __future__ import annotations
