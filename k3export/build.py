@@ -141,8 +141,10 @@ def build(backend: str, model, out_root: str | Path = "engines", *, graphs: str 
         log.step("write weights", _save_weights, model, out / WEIGHTS)
     files[WEIGHTS] = WEIGHTS
     if backend == "compile":
-        from k3export.runtime import CompileBackend
-        log.step("compile warm-up (prefill + decode)", _warm_compile, CompileBackend(model, cache_dir=out))
+        # Nothing to compile ahead: Inductor specialises on the serving shapes (slot count, cache rows), so it
+        # compiles on first use and keeps the generated code in inductor-cache/ for later processes.
+        (out / "inductor-cache").mkdir(exist_ok=True)
+        log.note("compile: code is generated on first use per shape, cached in inductor-cache/")
         manifest["inductor_cache"] = "inductor-cache"
     elif backend == "aoti":
         from k3export.build_aoti import build_aoti
@@ -187,17 +189,6 @@ def _weights_key(manifest: dict) -> str:
 def _save_weights(model, path: Path) -> None:
     from safetensors.torch import save_file
     save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(path))
-
-
-def _warm_compile(backend) -> None:
-    """Compile the decode and prefill programs once (small shapes), filling the engine's Inductor cache."""
-    from k3export.model.state import K3State
-    cfg = backend.config
-    st = K3State.empty(cfg, 2, 8, dtype=backend.dtype, device=backend.device)
-    ids = torch.ones(2, 4, dtype=torch.int64, device=backend.device)
-    backend.prefill(ids, torch.tensor([4, 3], device=backend.device), st.kda_conv, st.kda_state,
-                    st.mla_cache[:, :, :0], st.lengths)
-    backend.decode(ids[:, 0], st.kda_conv, st.kda_state, st.mla_cache, st.lengths)
 
 
 # ---------------------------------------------------------------------------------------------- opening

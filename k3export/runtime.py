@@ -94,7 +94,7 @@ class CompileBackend(EagerBackend):
         if cache_dir is not None:
             import os
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(cache_dir).resolve() / "inductor-cache")
-        self._prefill = torch.compile(model.forward_prefill, dynamic=True, mode=mode)
+        self._prefill = torch.compile(model.forward_prefill, dynamic=None, mode=mode)   # static first, dynamic on a new shape
         self._decode = torch.compile(model.forward_decode, dynamic=False, mode=mode)
 
     @torch.no_grad()
