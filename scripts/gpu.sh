@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
-# GPU machine entry point (device tool): `bash scripts/gpu.sh test|bench [extra pytest/bench args]`.
+# GPU machine entry point (device tool): `bash scripts/gpu.sh test|bench [extra pytest args | bench names]`.
+#   test           every `cuda`-marked test (`make test-gpu`)
+#   bench [names]  the benchmarks (default: kda mla moe layer model fp8), each under a time limit, results
+#                  tarred into $OUT/bench.tar.gz (the device tool brings back at most 8 files)
 # Uses the image's python3 (torch 2.11, triton 3.6); wheels in .whl/ (fla-core) are installed to /tmp/site.
 # Logs go to $OUT (or ./out/gpu when run elsewhere).
 set -uo pipefail
@@ -16,6 +19,21 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 case "$mode" in
   test)  python3 -m pytest -q -m cuda "$@" 2>&1 | tee "$OUT/test-gpu.log" ;;
-  bench) python3 -m k3export.cli bench-all --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" ;;
+  bench)
+    names=${*:-kda mla moe layer model fp8}
+    mkdir -p "$OUT/bench"
+    for name in $names; do
+      case "$name" in
+        model) args=(--preset k3-small --dtype bf16 --backends eager,graph --prefill-lengths 512,2048
+                     --batches 1,2,4,8,16,32,64 --contexts 1024 --warmup 2 --iters 5) ;;
+        fp8)   args=(--preset k3-small --batches 1,8,64) ;;
+        mla)   args=(--quick) ;;
+        *)     args=() ;;
+      esac
+      echo "== k3export bench $name ${args[*]}" | tee -a "$OUT/bench.log"
+      timeout "${BENCH_TIMEOUT:-300}" python3 -m k3export.cli bench "$name" --out "$OUT/bench/$name" "${args[@]}" \
+        2>&1 | tee -a "$OUT/bench.log"
+    done
+    tar -C "$OUT" -czf "$OUT/bench.tar.gz" bench && rm -rf "$OUT/bench" ;;
   *) echo "usage: scripts/gpu.sh test|bench"; exit 2 ;;
 esac
