@@ -38,6 +38,21 @@ def parse_ids(text: str) -> list[list[int]]:
         raise click.BadParameter(f"expected token ids like '1,2,3;4,5' or a JSON list, got {text[:40]!r}")
 
 
+def generation_options(f):
+    """Prompt, length, sampling and stop options shared by `generate` and `run`."""
+    for opt in reversed((
+        click.option("--ids", "ids_text", required=True, help="Prompt token ids: '1,2,3' or several '1,2;3,4,5'."),
+        click.option("--max-new-tokens", type=int, default=8, show_default=True),
+        click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy."),
+        click.option("--top-k", type=int, default=0, show_default=True, help="0 = off."),
+        click.option("--top-p", type=float, default=1.0, show_default=True, help="1 = off."),
+        click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed."),
+        click.option("--stop", "stop_text", default="", help="Stop token ids, comma separated."),
+    )):
+        f = opt(f)
+    return f
+
+
 def load_model(checkpoint: str | None, preset: str | None, dtype: torch.dtype, device: str, seed: int = DEFAULT_SEED):
     """A checkpoint directory, or a preset with deterministic random weights."""
     from k3export.model import K3Model
@@ -75,13 +90,7 @@ def init(preset: str, out: str, seed: int, dtype: str) -> None:
 @click.option("--checkpoint", type=click.Path(exists=True, file_okay=False), help="Checkpoint directory.")
 @click.option("--preset", type=click.Choice(sorted(PRESETS)), help="Random weights of a preset instead "
               "(default k3-tiny when no checkpoint is given).")
-@click.option("--ids", "ids_text", required=True, help="Prompt token ids: '1,2,3' or several '1,2;3,4,5'.")
-@click.option("--max-new-tokens", type=int, default=8, show_default=True)
-@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
-@click.option("--top-k", type=int, default=0, show_default=True, help="0 = off.")
-@click.option("--top-p", type=float, default=1.0, show_default=True, help="1 = off.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed.")
-@click.option("--stop", "stop_text", default="", help="Stop token ids, comma separated.")
+@generation_options
 @dtype_option()
 @device_option()
 def generate(checkpoint, preset, ids_text, max_new_tokens, temperature, top_k, top_p, seed, stop_text, dtype,

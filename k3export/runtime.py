@@ -387,18 +387,12 @@ def _run_command():
 
     import click
 
-    from k3export.commands import parse_ids
+    from k3export.commands import generation_options, parse_ids
 
     @click.command("run")
     @click.option("--engine", "engine_dir", required=True, type=click.Path(file_okay=False),
                   help="Engine directory from `k3export build`.")
-    @click.option("--ids", "ids_text", required=True, help="Prompt token ids: '1,2,3' or several '1,2;3,4,5'.")
-    @click.option("--max-new-tokens", type=int, default=8, show_default=True)
-    @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
-    @click.option("--top-k", type=int, default=0, show_default=True, help="0 = off.")
-    @click.option("--top-p", type=float, default=1.0, show_default=True, help="1 = off.")
-    @click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed.")
-    @click.option("--stop", "stop_text", default="", help="Stop token ids, comma separated.")
+    @generation_options
     @click.option("--max-batch", type=int, default=None, help="Slots (default: number of prompts).")
     @click.option("--device", default=None, help="Default: the device the engine was built for.")
     @click.option("--no-cuda-graphs", is_flag=True, help="Decode without CUDA-graph capture.")

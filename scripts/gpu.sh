@@ -27,7 +27,6 @@ case "$mode" in
         model) args=(--preset k3-small --dtype bf16 --backends eager,graph --prefill-lengths 512,2048
                      --batches 1,2,4,8,16,32,64 --contexts 1024 --warmup 2 --iters 5) ;;
         fp8)   args=(--preset k3-small --batches 1,8,64) ;;
-        mla)   args=(--quick) ;;
         *)     args=() ;;
       esac
       echo "== k3export bench $name ${args[*]}" | tee -a "$OUT/bench.log"
