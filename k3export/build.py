@@ -19,7 +19,6 @@ other library versions or another GPU is refused with a message that says which 
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
 from dataclasses import dataclass

@@ -18,16 +18,6 @@ PROMPTS = [[1, 2, 3, 4, 5], [7, 7, 7], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11]]
 PROFILES = profiles_for(max_batch=4, max_tokens=16, max_len=32)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny shapes gain nothing from intra-op threads, and on a busy 2-core machine two threads spin-wait
-    (measured: a k3-tiny decode step 19 ms with one thread, 160 ms with two under load)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def model():
     return random_model(K3Config.from_name("k3-tiny"), seed=0)

@@ -181,47 +181,5 @@ def test_tensorrt_plugin_registration():
     pytest.skip("the tensorrt.plugin wiring for MLA is not written yet; the AOT contracts are tested via cupy")
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("H,B,L", [(96, 1, 4096), (12, 4, 1000)])
-def test_decode_aot_launch_through_cupy(H, B, L):
-    """The AOT contract (PTX, grid, params) launched by the CUDA driver == torch.ops.k3.mla_decode."""
-    pytest.importorskip("cupy", reason="cupy launches the PTX through the CUDA driver")
-    from k3export.plugins.aot import launch_cupy
-    from k3export.plugins.mla.trt import decode_launches
-    torch.manual_seed(6)
-    q, cache, row = (torch.randn(*s, device="cuda", dtype=torch.bfloat16) for s in ((B, H, 576), (B, L, 576), (B, 576)))
-    cache_len = torch.randint(0, L + 1, (B,), device="cuda")
-    split, comb, inter = decode_launches(B, H, L, 576, 512, torch.bfloat16, SCALE,
-                                         sms=torch.cuda.get_device_properties(0).multi_processor_count)
-    t = {n: torch.empty(*shape, device="cuda", dtype=dt) for n, (shape, dt) in inter.items()}
-    o = torch.empty(B, H, 512, device="cuda", dtype=torch.bfloat16)
-    launch_cupy(split, dict(q=q, cache=cache, cache_len=cache_len, **t))
-    launch_cupy(comb, dict(q=q, new_row=row, o=o, **t))
-    ref = torch.ops.k3.mla_decode(q, cache, row, cache_len, SCALE, 512)
-    assert _rel(o, ref) < 1e-6, _rel(o, ref)       # same kernels, same splits: equal up to nothing
-
-
-@pytest.mark.cuda
-def test_prefill_aot_launch_through_cupy():
-    pytest.importorskip("cupy", reason="cupy launches the PTX through the CUDA driver")
-    from k3export.plugins.aot import launch_cupy
-    from k3export.plugins.mla.trt import prefill_launch
-    torch.manual_seed(7)
-    B, T, Lc, H = 2, 300, 100, 12
-    q = torch.randn(B, T, H, 192, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(B, Lc + T, H, 192, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(B, Lc + T, H, 128, device="cuda", dtype=torch.bfloat16)
-    past_len = torch.tensor([100, 40], device="cuda")
-    o = torch.empty(B, T, H, 128, device="cuda", dtype=torch.bfloat16)
-    launch_cupy(prefill_launch(B, T, Lc + T, H, 192, 128, torch.bfloat16, SCALE),
-                dict(q=q, k=k, v=v, past_len=past_len, o=o))
-    assert _rel(o, torch.ops.k3.mla_prefill(q, k, v, past_len, SCALE)) < 1e-6
-
-
-def test_tensorrt_plugin_registration():
-    pytest.importorskip("tensorrt", reason="TensorRT is not installable on these machines (docs/deployment-notes)")
-    pytest.skip("the tensorrt.plugin wiring for MLA is not written yet; the AOT contracts are tested via cupy")
-
-
 if __name__ == "__main__":
     print(json.dumps(_interpreter_cases()))

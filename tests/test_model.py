@@ -7,7 +7,7 @@ import torch
 from k3export import K3Config, K3Model
 from k3export.model.weights import random_model
 from k3export.plugins.kda.naive import chunk_kda, kda_gate, l2norm, naive_recurrent_kda
-from k3export.plugins.moe.naive import moe_sorted, naive_moe, route, situ_glu
+from k3export.plugins.moe.naive import moe_sorted, route, situ_glu
 
 F64 = torch.float64
 

@@ -15,15 +15,6 @@ from k3export.runtime import EagerBackend, Engine, Generator
 PROMPTS = [[1, 2, 3, 4, 5], [7, 7, 7], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11], [200]]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny shapes gain nothing from intra-op threads; on a busy 2-core machine two threads spin-wait."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def model():
     return random_model(K3Config.from_name("k3-tiny"), seed=0)
