@@ -204,7 +204,7 @@ def render(data: dict, config: K3Config) -> str:
                  f" + KDA recurrent {sb['kda_state_per_seq'] / 2**20:.1f} MiB (fixed), MLA "
                  f"{sb['mla_cache_per_token'] / 1024:.1f} KiB per token")
     lines.append("why two graphs: prefill runs KDA chunked (matmuls inside chunks), MLA expanded and MoE as grouped "
-                 "GEMMs; decode runs one fused KDA step on the fixed state, MLA absorbed over the 576-wide cache "
+                 f"GEMMs; decode runs one fused KDA step on the fixed state, MLA absorbed over the {config.latent_dim}-wide cache "
                  "(no K/V rebuilt) and memory-bound expert reads.")
     return "\n".join(lines)
 

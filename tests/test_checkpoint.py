@@ -145,3 +145,19 @@ def test_tp_that_does_not_divide_heads():
     from k3export.shapes import shape_data
     with pytest.raises(ConfigError, match="num_heads: 4 does not divide by --tp 3"):
         shape_data(TINY, tokens=2, tp=3)
+
+
+def test_quantized_experts_get_a_specific_error(tmp_path, ckpt):
+    path, _ = ckpt
+    sd = load_file(str(path / "model.safetensors"))
+    key = "language_model.model.layers.1.block_sparse_moe.experts.0.w1.weight"
+    del sd[key]
+    sd[key + "_packed"] = torch.zeros(24, 4, dtype=torch.uint8)
+    sd[key + "_scale"] = torch.ones(24, 1)
+    out = tmp_path / "q"
+    out.mkdir()
+    save_file(sd, str(out / "model.safetensors"))
+    (out / "config.json").write_text((path / "config.json").read_text())
+    with pytest.raises(CheckpointError, match="stored quantized .*MXFP4.*dequantize") as e:
+        K3Model.from_pretrained(out)
+    assert "1 missing" in str(e.value) and key in str(e.value)

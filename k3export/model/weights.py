@@ -21,6 +21,8 @@ from safetensors.torch import save_file
 PREFIX = "language_model."
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(\d+)\.(w[123])\.weight$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+# Tensor-name endings of quantized weights (MXFP4 blocks/scales, packed int formats).
+_QUANT_SUFFIXES = {"blocks", "scales", "weight_packed", "weight_scale", "weight_shape", "scale", "qweight"}
 # Parameters the spec keeps in (at least) fp32 whatever the model dtype.
 FP32_PARAMS = ("A_log", "dt_bias", "e_score_correction_bias")
 
@@ -113,6 +115,11 @@ def load_checkpoint(model: torch.nn.Module, path: Path, dtype: torch.dtype, devi
     missing = [k for k in expected if k not in seen]
     if missing or unexpected or misshaped:
         parts = []
+        quantized = [k for k in unexpected if ".experts." in k and k.rsplit(".", 1)[-1] in _QUANT_SUFFIXES]
+        if quantized:
+            parts.append(f"the routed experts are stored quantized ({quantized[0]}, ...): the released checkpoint "
+                         "keeps them in MXFP4, which this loader does not decode yet; dequantize them to "
+                         "`experts.{e}.w1/w2/w3.weight` in bf16 first")
         for title, items in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped)):
             if items:
                 shown = "\n  ".join(items[:50]) + (f"\n  ... and {len(items) - 50} more" if len(items) > 50 else "")
