@@ -112,7 +112,7 @@ def moe_routed_fp8(x: Tensor, z: Tensor, gate_weight: Tensor, bias: Tensor, w13:
 @moe_routed_fp8.register_fake
 def _(x, z, gate_weight, bias, w13, w2, w13_scale, w2_scale, z_scale, h_scale, top_k, renormalize, scaling, beta,
       linear_beta):
-    return torch.empty_like(z)
+    return z.new_empty(z.shape)                      # contiguous, like the implementations
 
 
 def moe_fp8_sorted(x, z, gate_weight, bias, w13, w2, w13_scale, w2_scale, z_scale, h_scale, top_k, renormalize,

@@ -22,23 +22,10 @@ import triton.language as tl
 
 from k3export.fp8_kernels import INTERPRET, fp8_quant_fwd
 from k3export.plugins.kda.naive import acc_dtype
-from k3export.plugins.moe.kernels import align_blocks
+from k3export.plugins.moe.kernels import _tanh, align_blocks
 from k3export.plugins.moe.naive import route
 
 _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
-
-
-@triton.jit
-def _tanh(x):
-    # (1 - e^-2|x|) / (1 + e^-2|x|), with the odd Taylor series below |x| = 0.1 where that form cancels:
-    # relative error ~3e-7 in fp32 (2 * sigmoid(2x) - 1 loses all digits as x -> 0)
-    ax = tl.abs(x)
-    t = tl.exp(-2.0 * ax)
-    big = (1.0 - t) / (1.0 + t)
-    x2 = ax * ax
-    small = ax * (1.0 - x2 * (1.0 / 3.0 - x2 * (2.0 / 15.0 - x2 * (17.0 / 315.0))))
-    r = tl.where(ax < 0.1, small, big)
-    return tl.where(x < 0, -r, r)
 
 
 @triton.jit

@@ -16,4 +16,4 @@ def attn_res(bank: Tensor, p: Tensor, norm_weight: Tensor, proj_weight: Tensor, 
 
 @attn_res.register_fake
 def _(bank, p, norm_weight, proj_weight, eps):
-    return torch.empty_like(p)
+    return p.new_empty(p.shape)                      # contiguous, like the implementation

@@ -266,9 +266,9 @@ def decode_config(K: int, W: int) -> dict:
     return dict(BK=_pow2(K), BW=triton.next_power_of_2(W), num_warps=4)
 
 
-def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Dtype of the prefill intermediates and of the tensor-core operands: the input dtype when half-width."""
-    return t.dtype if t.dtype in (torch.bfloat16, torch.float16) else torch.float32
+    return dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
 
 
 def _check_prefill(q, k, v, f, b, A_log, dt_bias, initial_state, lengths, lower_bound) -> None:
@@ -301,7 +301,7 @@ def kda_prefill_fwd(q, k, v, f, b, A_log, dt_bias, initial_state, lengths, lower
     BT = cfg["BT"]
     NT = triton.cdiv(T, BT)
     q, k, v, f, b = (x.contiguous() for x in (q, k, v, f, b))
-    dt = _compute_dtype(q)
+    dt = compute_dtype(q.dtype)
     prec = "ieee" if dt == torch.float32 else "tf32"    # fp32 callers get fp32 products
     rows = B * H * NT * BT
     w, qg, kd = (q.new_empty(rows, K, dtype=dt) for _ in range(3))
@@ -314,7 +314,7 @@ def kda_prefill_fwd(q, k, v, f, b, A_log, dt_bias, initial_state, lengths, lower
         H=H, K=K, V=V, BK=cfg["BK"], BV=cfg["BV_intra"], BT=BT, BC=BC, LOWER=float(lower_bound), PREC=prec,
         LOW=bool(cfg["low_ab"]) and dt == torch.bfloat16, num_warps=cfg["intra_warps"])
     o = q.new_empty(B, T, H, V)
-    ht = torch.empty_like(initial_state, dtype=torch.float32)
+    ht = torch.empty(initial_state.shape, device=q.device, dtype=torch.float32)      # contiguous, as written
     kda_prefill_fwd_kernel[(triton.cdiv(V, cfg["BV"]), B * H)](
         w, u, qg, kd, aqk, gl, initial_state.to(torch.float32).contiguous(), lengths, T, o, ht,
         H=H, K=K, V=V, BK=cfg["BK"], BV=cfg["BV"], BT=BT, PREC=prec,
@@ -352,8 +352,8 @@ def kda_decode_fwd(qkv, conv_state, conv_weight, f, b, g, A_log, dt_bias, o_norm
     cfg = {**decode_config(K, W), **(config or {})}
     args = [x.contiguous() for x in (qkv, conv_state, conv_weight, f, b, g, A_log, dt_bias, o_norm_weight)]
     o = qkv.new_empty(B, H * K)
-    conv_out = torch.empty_like(args[1])
-    state_out = torch.empty_like(state, dtype=torch.float32)
+    conv_out = torch.empty(args[1].shape, device=qkv.device, dtype=args[1].dtype)   # contiguous, as written
+    state_out = torch.empty(state.shape, device=qkv.device, dtype=torch.float32)
     kda_decode_fwd_kernel[(B * H,)](*args, state.to(torch.float32).contiguous(), o, conv_out, state_out,
                                     H=H, K=K, W=W, BK=cfg["BK"], BW=cfg["BW"], LOWER=float(lower_bound),
                                     EPS=float(eps), num_warps=cfg["num_warps"])

@@ -35,7 +35,7 @@ def kda_prefill(q: Tensor, k: Tensor, v: Tensor, f: Tensor, b: Tensor, A_log: Te
 
 @kda_prefill.register_fake
 def _(q, k, v, f, b, A_log, dt_bias, initial_state, lengths, lower_bound):
-    return q.new_empty(*q.shape[:3], v.shape[-1]), torch.empty_like(initial_state)
+    return q.new_empty(*q.shape[:3], v.shape[-1]), initial_state.new_empty(initial_state.shape)  # contiguous
 
 
 @torch.library.custom_op("k3::kda_decode", mutates_args=())
@@ -65,7 +65,8 @@ def kda_decode(qkv: Tensor, conv_state: Tensor, conv_weight: Tensor, f: Tensor, 
 
 @kda_decode.register_fake
 def _(qkv, conv_state, conv_weight, f, b, g, A_log, dt_bias, o_norm_weight, state, lower_bound, eps):
-    return (qkv.new_empty(qkv.shape[0], qkv.shape[1] // 3), torch.empty_like(conv_state), torch.empty_like(state))
+    return (qkv.new_empty(qkv.shape[0], qkv.shape[1] // 3), conv_state.new_empty(conv_state.shape),
+            state.new_empty(state.shape))                      # contiguous, like the implementations
 
 
 try:  # Triton kernels register themselves as the CUDA implementations of both ops (kernels.py)

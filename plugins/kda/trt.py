@@ -18,16 +18,12 @@ import torch
 
 from k3export.plugins.aot import Launch, compile_ptx, pointer_type
 
-from .kernels import (BC, decode_config, kda_decode_fwd_kernel, kda_prefill_fwd_kernel,
+from .kernels import (BC, compute_dtype, decode_config, kda_decode_fwd_kernel, kda_prefill_fwd_kernel,
                       kda_prefill_intra_fwd_kernel, prefill_config)
 
 
 def _cdiv(a, b: int):
     return (a + (b - 1)) // b
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
 
 
 # --- prefill ---------------------------------------------------------------------------------------------------
@@ -37,7 +33,7 @@ def prefill_intermediates(B, T, H, K: int, V: int, dtype: torch.dtype) -> dict:
     of BT = 64 tokens; the kernels index them flat, rows = B*H*NT*BT)."""
     BT = prefill_config(K, V)["BT"]
     NT = _cdiv(T, BT)
-    cd = _compute_dtype(dtype)
+    cd = compute_dtype(dtype)
     return {"w": ((B, H, NT * BT, K), cd), "u": ((B, H, NT * BT, V), cd), "qg": ((B, H, NT * BT, K), cd),
             "kd": ((B, H, NT * BT, K), cd), "aqk": ((B, H, NT * BT, BT), cd), "gl": ((B, H, NT, K), torch.float32)}
 
@@ -57,12 +53,13 @@ def prefill_launches(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype,
     ptr.update(A_log="*fp32", dt_bias="*fp32", lengths="*i64", h0="*fp32", o=pointer_type(dtype), ht="*fp32")
     ptr.update({n: pointer_type(dt) for n, (_, dt) in inter.items()})
     g_intra, g_chunk = prefill_grids(B, T, H, K, V)
+    prec = "ieee" if compute_dtype(dtype) == torch.float32 else "tf32"      # as kda_prefill_fwd
 
     intra_cx = dict(H=H, K=K, V=V, BK=cfg["BK"], BV=cfg["BV_intra"], BT=cfg["BT"], BC=BC,
-                    LOWER=float(lower_bound), PREC="tf32",
+                    LOWER=float(lower_bound), PREC=prec,
                     LOW=bool(cfg["low_ab"]) and dtype == torch.bfloat16)
     intra = _launch(kda_prefill_intra_fwd_kernel, ptr, intra_cx, g_intra, {"T": T}, cfg["intra_warps"], 1, arch)
-    chunk_cx = dict(H=H, K=K, V=V, BK=cfg["BK"], BV=cfg["BV"], BT=cfg["BT"], PREC="tf32")
+    chunk_cx = dict(H=H, K=K, V=V, BK=cfg["BK"], BV=cfg["BV"], BT=cfg["BT"], PREC=prec)
     chunk = _launch(kda_prefill_fwd_kernel, ptr, chunk_cx, g_chunk, {"T": T}, cfg["state_warps"],
                     cfg["state_stages"], arch)
     return intra, chunk

@@ -282,6 +282,7 @@ def mla_prefill_fwd(q, k, v, past_len, scale: float):
            f"H={H}, Dqk={D}]")
     _check(v.shape[:3] == (B, S, H), f"mla_prefill: v {tuple(v.shape)} must be [{B}, {S}, {H}, Dv]")
     _check(q.dtype == k.dtype == v.dtype, f"mla_prefill: q/k/v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    _check(D >= 16, f"mla_prefill kernel: Dqk must be >= 16, got {D} (the op keeps the reference below that)")
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     Dv = v.shape[-1]
     o = torch.empty(B, T, H, Dv, device=q.device, dtype=q.dtype)
@@ -302,11 +303,16 @@ def mla_prefill_fwd(q, k, v, past_len, scale: float):
 
 
 # ---------------------------------------------------------------------------------------------- registration
+# Float64 calls (validation runs) keep the reference: the kernels compute in fp32.
 @mla_decode.register_kernel("cuda")
 def _(q, cache, new_row, cache_len, scale, v_dim):
+    if torch.float64 in (q.dtype, cache.dtype):
+        return mla_decode._init_fn(q, cache, new_row, cache_len, scale, v_dim)
     return mla_decode_fwd(q, cache, new_row, cache_len, scale, v_dim)
 
 
 @mla_prefill.register_kernel("cuda")
 def _(q, k, v, past_len, scale):
+    if q.dtype == torch.float64 or q.shape[-1] < 16:     # the q/k tile loads assume Dqk >= 16 (unmasked)
+        return mla_prefill._init_fn(q, k, v, past_len, scale)
     return mla_prefill_fwd(q, k, v, past_len, scale)

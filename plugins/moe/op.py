@@ -23,7 +23,7 @@ def moe_routed(x: Tensor, z: Tensor, gate_weight: Tensor, bias: Tensor, w1: Tens
 
 @moe_routed.register_fake
 def _(x, z, gate_weight, bias, w1, w3, w2, top_k, renormalize, scaling, beta, linear_beta):
-    return torch.empty_like(z)
+    return z.new_empty(z.shape)                      # contiguous, like the implementations
 
 
 try:  # the Triton kernels register themselves as the CUDA implementation
