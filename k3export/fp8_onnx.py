@@ -31,10 +31,17 @@ OPSET = 20      # as the export stage; Q/DQ-19 carries float8e4m3fn (zero point,
 
 
 def fp8_linear_onnx(x, x_scale, w, w_scale):
+    """x `[M, K]` in the model dtype, x_scale `[]` fp32, w `[N, K]` E4M3, w_scale `[N]` or `[]` fp32 -> `[M, N]` in
+    x's dtype. QuantizeLinear-19 needs x and its scale of one type and DequantizeLinear yields the scale's type
+    (fp32), so a bf16/fp16 x is cast to fp32 first and the product cast back (as the reference: fp32 math)."""
+    F = onnx.TensorProto.FLOAT
+    low = getattr(x, "dtype", None) != F                              # model dtype not fp32 (or unknown here)
+    xf = op.Cast(x, to=F) if low else x
     zero = op.Constant(value=onnx.helper.make_tensor("zero", onnx.TensorProto.FLOAT8E4M3FN, [], [0.0]))
-    xd = op.DequantizeLinear(op.QuantizeLinear(x, x_scale, zero), x_scale)
+    xd = op.DequantizeLinear(op.QuantizeLinear(xf, x_scale, zero), x_scale)
     wd = op.DequantizeLinear(w, w_scale, axis=0)                     # [N, K], per output channel or per tensor
-    return op.MatMul(xd, op.Transpose(wd, perm=[1, 0]))
+    y = op.MatMul(xd, op.Transpose(wd, perm=[1, 0]))                  # [M, N] fp32
+    return op.CastLike(y, x) if low else y
 
 
 TRANSLATIONS = {torch.ops.k3.fp8_linear.default: fp8_linear_onnx}
