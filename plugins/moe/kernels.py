@@ -9,7 +9,7 @@
     combine: u[n] = sum_j w[n, j] y[n*k + j] in fp32 -> z.dtype      moe_combine_fwd_kernel  [N, L]
 
 One grouped GEMM serves both regimes: with few tokens (decode) BLOCK_M = 16 and every selected expert's weights
-stream once from memory; with many tokens (prefill) BLOCK_M = 64/128 and the blocks of one expert sit next to
+stream once from memory; with many tokens (prefill) BLOCK_M = 64 and the blocks of one expert sit next to
 each other in the grid so its weight tiles are shared through L2. Ties in s + bias go to the lowest expert id.
 """
 
