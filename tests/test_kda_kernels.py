@@ -29,10 +29,12 @@ FP16_PREFILL_BOUND = 3e-3
 # UT transform; o is also rounded to bf16 (rel. 2^-9 = 2e-3 alone).
 BF16_PREFILL_BOUND = 2e-2
 BF16_STATE_BOUND = 2e-2
-# Decode follows the op's own roundings step by step; what is left is fp32 summation order (state) and an
-# occasional 1-ulp flip of a rounded half-width value (o).
+# Decode follows the op's own roundings step by step; what is left is fp32 summation order (state) and
+# occasional 1-ulp flips of o rounded to 16 bits (one flip among the >= 12288 outputs of the GPU cases is
+# ~2^-8 / sqrt(12288) = 3.5e-5 rel. RMS in bf16). Measured o: bf16 on the H200 <= 5.6e-5 (plugins/kda/CONTRACT.md);
+# fp16 in the interpreter <= 3.9e-5 over 12 draws (B,H,K = 3,2,16 and 2,3,32); fp32 <= 2e-7. Bounds ~10-20x that.
 DECODE_STATE_BOUND = 1e-5
-DECODE_O_BOUND = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+DECODE_O_BOUND = {torch.float32: 1e-5, torch.float16: 5e-4, torch.bfloat16: 1e-3}
 
 
 def rel(x: torch.Tensor, ref: torch.Tensor) -> float:
