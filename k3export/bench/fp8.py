@@ -115,14 +115,18 @@ def prefill_ms(model, T: int) -> float:
 def selfcheck(ref, fp8) -> dict:
     """The GPU paths against their references on this model's own tensors (relative errors)."""
     from k3export.fp8 import fp8_linear_ref
+    from k3export.fp8_kernels import fp8_linear_fwd
     from k3export.fp8_moe import moe_fp8_sorted
     rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm())    # noqa: E731
     out = {}
     lin = fp8.model.layers[0].self_attn.q_proj
-    for M in (1, 128):                                           # fused Triton kernel; torch._scaled_mm
+    for M in (1, 128):                      # the op: Triton quantization + torch._scaled_mm at every M (SMALL_M = 0)
         x = torch.randn(M, lin.in_features, device=ref.device, dtype=ref.dtype)
         args = (x, lin.input_scale, lin.qweight, lin.weight_scale)
-        out[f"fp8_linear_M{M}"] = rel(torch.ops.k3.fp8_linear(*args), fp8_linear_ref(x.float(), *args[1:]))
+        want = fp8_linear_ref(x.float(), *args[1:])
+        out[f"fp8_linear_M{M}"] = rel(torch.ops.k3.fp8_linear(*args), want)
+        if M == 1:                          # the fused small-M Triton kernel (off in the op), called directly
+            out["fp8_linear_fused_M1"] = rel(fp8_linear_fwd(*args), want)
     moe = fp8.model.layers[1].block_sparse_moe
     e = moe.experts
     for N in (1, 64):
