@@ -10,6 +10,11 @@ Its default implementation (every device) is the dequantizing reference below. O
 a one-launch Triton quantization of x, then `torch._scaled_mm` (tensor-wise scales, or row-wise when the weight
 scales are per output channel; K and N must be multiples of 16, else the reference runs). A fused small-M Triton
 kernel exists (`SMALL_M`), off because it measured slower. Weights are stored as float8_e4m3fn, never fake-quant.
+Output rounding on CUDA: tensor-wise GEMMs write x.dtype directly. Row-wise GEMMs write bf16 and cast to x.dtype,
+because the row-wise `_scaled_mm` output dtypes depend on the torch build and GPU (CUTLASS path: bf16 only in older
+torch, bf16/fp16 in newer; fp32 only through cuBLAS >= 12.9 on SM90) and this was not re-measured on the H200:
+for an fp16 or fp32 model with per-channel weight scales the result carries one extra bf16 rounding (<= 2^-9
+relative per element) versus the reference.
 """
 
 from __future__ import annotations
@@ -99,7 +104,7 @@ def _(x, x_scale, w, w_scale):
         out_dt = x.dtype if x.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
         return torch._scaled_mm(xq, w.t(), scale_a=x_scale.float().reshape(()), scale_b=w_scale.float(),
                                 out_dtype=out_dt).to(x.dtype)
-    # row-wise (per output channel): [M, 1] and [1, N] fp32 scales, bf16 output
+    # row-wise (per output channel): [M, 1] and [1, N] fp32 scales, bf16 output (see the module docstring)
     y = torch._scaled_mm(xq, w.t(), scale_a=rows, scale_b=w_scale.float().view(1, N), out_dtype=torch.bfloat16)
     return y.to(x.dtype)
 
