@@ -48,7 +48,7 @@ def cache_key(graph_sha: str, device) -> str:
 
 def build_aoti(model, out: Path, graphs, manifest: dict, log, echo) -> dict[str, str]:
     """Compile (or reuse) both packages into `out`; returns {file name: path relative to out}."""
-    from k3export.manifest import check_manifest, load_manifest
+    from k3export.manifest import check_graph_files, check_manifest, dtype_name, load_manifest
     if graphs is None:
         from k3export.export import ExportLimits, export_graphs
         graphs = out / "graphs"
@@ -58,12 +58,13 @@ def build_aoti(model, out: Path, graphs, manifest: dict, log, echo) -> dict[str,
         log.step("export (prefill + decode graphs)", export_graphs, model, graphs, limits,
                  {"weights": manifest["weights"]}, log=log.note)
     graphs = Path(graphs)
-    gm = load_manifest(graphs)
     try:
+        gm = load_manifest(graphs)
         check_manifest(gm, config_hash=manifest["config_hash"])
+        check_graph_files(graphs, gm)          # the cache key below is the manifest's sha: it must be the file's
     except ValueError as e:
         raise EngineError(str(e)) from None
-    if gm["dtype"] != str(model.dtype).removeprefix("torch."):
+    if gm["dtype"] != dtype_name(model.dtype):
         raise EngineError(f"graphs in {graphs} are {gm['dtype']}, the engine is {manifest['precision']}; "
                           "re-export at the engine's precision")
     manifest["graphs"] = {"dir": str(graphs), "config_hash": gm["config_hash"],
@@ -125,11 +126,11 @@ def _compile_one(pt2: str, package: str, device_type: str) -> None:
     import k3export.plugins  # noqa: F401  (registers the k3 ops the graph calls)
     from k3export.runtime import load_kernels
     load_kernels(device_type)
+    from k3export.manifest import replacing
     ep = torch.export.load(pt2)
     Path(package).parent.mkdir(parents=True, exist_ok=True)
-    tmp = f"{package[:-len('.pt2')]}.tmp{os.getpid()}.pt2"
-    torch._inductor.aoti_compile_and_package(ep, package_path=tmp, inductor_configs=INDUCTOR_CONFIGS)
-    os.replace(tmp, package)
+    with replacing(package) as tmp:
+        torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp), inductor_configs=INDUCTOR_CONFIGS)
 
 
 class AOTIBackend:

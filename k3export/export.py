@@ -59,7 +59,7 @@ from torch import nn
 from torch.export import Dim
 
 from k3export.config import PRESETS, K3Config
-from k3export.manifest import FORMAT, file_sha256, library_versions, write_manifest
+from k3export.manifest import FORMAT, MANIFEST, dtype_name, file_sha256, library_versions, replacing, write_manifest
 from k3export.model import K3Model
 from k3export.plugins.kda.naive import acc_dtype
 
@@ -109,8 +109,8 @@ def io_specs(config: K3Config, dtype: torch.dtype) -> dict[str, dict[str, list[d
     lac = config.linear_attn_config
     H, K, W = lac.num_heads, lac.head_dim, lac.short_conv_kernel_size
     n_kda, n_mla, R = len(config.kda_layers), len(config.mla_layers), config.latent_dim
-    dt, st = _name(dtype), _name(acc_dtype(torch.empty(0, dtype=dtype)))
-    logit = _name(torch.promote_types(dtype, torch.float32))
+    dt, st = dtype_name(dtype), dtype_name(acc_dtype(torch.empty(0, dtype=dtype)))
+    logit = dtype_name(torch.promote_types(dtype, torch.float32))
     conv = ("kda_conv", dt, [n_kda, "batch", 3 * H * K, W - 1])
     state = ("kda_state", st, [n_kda, "batch", H, K, K])
 
@@ -179,11 +179,18 @@ def guard_nodes(ep: torch.export.ExportedProgram) -> list[str]:
 
 def export_graphs(model: K3Model, out: str | Path, limits: ExportLimits = ExportLimits(),
                   source: dict | None = None, log=print) -> dict:
-    """Export prefill and decode of `model` (any device, meta included) into `out`; returns the manifest."""
+    """Export prefill and decode of `model` (any device, meta included) into `out`; returns the manifest.
+
+    Re-exporting over an existing directory is safe to interrupt: its manifest is removed first and written
+    last, each graph file is replaced atomically, and the previous export's ONNX files (which belong to the old
+    graphs) are removed; a directory without a manifest is refused by every reader."""
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     cfg = model.config
     _check_limits(limits)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MANIFEST).unlink(missing_ok=True)
+    for stale in out.glob("*.onnx*"):
+        stale.unlink()
     specs = io_specs(cfg, model.dtype)
     meta = model.device.type == "meta"
     graphs = {}
@@ -201,7 +208,8 @@ def export_graphs(model: K3Model, out: str | Path, limits: ExportLimits = Export
                                f"guard nodes {guards}")
         path = out / f"{name}.pt2"
         t1 = time.perf_counter()
-        torch.export.save(ep, path)
+        with replacing(path) as tmp:
+            torch.export.save(ep, tmp)
         save_s = time.perf_counter() - t1
         graphs[name] = {"file": path.name, "sha256": file_sha256(path), **spec, "k3_ops": ops,
                         "export_s": round(export_s, 2), "save_s": round(save_s, 2)}
@@ -212,11 +220,11 @@ def export_graphs(model: K3Model, out: str | Path, limits: ExportLimits = Export
         "config": cfg.to_hf(),
         "config_hash": cfg.hash(),
         "source": source or {"weights": "unknown"},
-        "dtype": _name(model.dtype),
+        "dtype": dtype_name(model.dtype),
         "limits": dataclasses.asdict(limits),
         "dims": {n: {"min": lo, "max": hi} for n, (lo, hi) in limits.dims().items()},
         "graphs": graphs,
-        "state": _state_layout(cfg, model.dtype),
+        "state": state_layout(cfg, model.dtype),
         "versions": library_versions(),
         "meta": meta,
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
@@ -225,10 +233,11 @@ def export_graphs(model: K3Model, out: str | Path, limits: ExportLimits = Export
     return manifest
 
 
-def _state_layout(cfg: K3Config, dtype: torch.dtype) -> dict:
-    """The K3State tensors (see `k3export/model/state.py`) as the runtime must allocate them."""
+def state_layout(cfg: K3Config, dtype: torch.dtype, rows: str = "max_len") -> dict:
+    """The K3State tensors (see `k3export/model/state.py`) as the runtime must allocate them; `rows` names the
+    cache-rows dim (graph manifests: 'max_len'; engine manifests: 'cache', the name of their profile dim)."""
     specs = io_specs(cfg, dtype)["decode"]["inputs"]
-    layout = {s["name"]: {"dtype": s["dtype"], "shape": [("max_len" if d == "cache" else d) for d in s["shape"]]}
+    layout = {s["name"]: {"dtype": s["dtype"], "shape": [(rows if d == "cache" else d) for d in s["shape"]]}
               for s in specs if s["name"] in ("kda_conv", "kda_state", "mla_cache")}
     layout["lengths"] = {"dtype": "int64", "shape": ["batch"]}
     layout["kda_layers"] = list(cfg.kda_layers)
@@ -246,10 +255,6 @@ def _check_limits(limits: ExportLimits) -> None:
     if small:
         raise ValueError(f"limits too small to trace with the example sizes {small}; use max_batch >= "
                          f"{EXAMPLE['batch']}, max_tokens >= {EXAMPLE['tokens']}, max_cache >= {EXAMPLE['cache']}")
-
-
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 @click.command("export")

@@ -14,7 +14,7 @@ import torch
 
 from k3export.config import K3Config
 from k3export.export import OUTPUTS
-from k3export.manifest import ManifestError, check_manifest, load_manifest
+from k3export.manifest import ManifestError, check_graph_files, check_manifest, dtype_name, load_manifest
 from k3export.model.k3 import _lengths
 from k3export.model.state import K3State
 
@@ -33,7 +33,7 @@ def check_inputs(manifest: dict, graph: str, inputs: dict[str, torch.Tensor]) ->
     sizes: dict[str, int] = {}
     for s in specs:
         t, name = inputs[s["name"]], s["name"]
-        if str(t.dtype).removeprefix("torch.") != s["dtype"]:
+        if dtype_name(t.dtype) != s["dtype"]:
             raise GraphInputError(f"{graph} input {name}: dtype {t.dtype}, the graph was exported for {s['dtype']}")
         if t.dim() != len(s["shape"]):
             raise GraphInputError(f"{graph} input {name}: shape {list(t.shape)}, expected {s['shape']}")
@@ -66,13 +66,16 @@ class ExportedK3:
     """The two exported programs of a graph directory, re-loaded from disk.
 
     config_hash / weights: when given, refuse a directory exported from another config or checkpoint.
-    versions: library versions to compare (default: the running ones; `{}` skips the check)."""
+    versions: library versions to compare (default: the running ones; `{}` skips the check).
+    check_files: refuse a graph file whose sha256 differs from the manifest (each file is hashed once, here);
+    `verify` turns it off to report the difference in its table instead. A missing file is always refused."""
 
     def __init__(self, graph_dir: str | Path, config_hash: str | None = None, weights: str | None = None,
-                 versions: dict[str, str] | None = None):
+                 versions: dict[str, str] | None = None, check_files: bool = True):
         self.dir = Path(graph_dir)
         self.manifest = load_manifest(self.dir)
         check_manifest(self.manifest, config_hash=config_hash, weights=weights, versions=versions)
+        check_graph_files(self.dir, self.manifest, sha256=check_files)
         if self.manifest["meta"]:
             raise ManifestError(f"{self.dir} was exported on the meta device: its graphs carry no weights and "
                                 "cannot run (export from a checkpoint or a materialised preset)")

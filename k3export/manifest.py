@@ -8,8 +8,10 @@ refused with a message that names each difference.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
 import platform
 from pathlib import Path
 
@@ -30,6 +32,32 @@ def library_versions() -> dict[str, str]:
     v = {"torch": torch.__version__.split("+")[0], "k3export": k3export.__version__,
          "python": ".".join(platform.python_version_tuple()[:2])}
     return v
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The manifest spelling of a torch dtype: 'float32', 'bfloat16', 'int64'."""
+    return str(dtype).removeprefix("torch.")
+
+
+@contextlib.contextmanager
+def replacing(path: str | Path):
+    """Write a file atomically: yields a temporary path beside `path` (same suffix, so writers that check it
+    accept it); when the block succeeds it is renamed over `path` (os.replace), else removed. A reader never
+    sees a half-written file, and an interrupted write leaves the old one."""
+    path = Path(path)
+    tmp = path.with_name(f"{path.stem}.tmp{os.getpid()}{path.suffix}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def atomic_write(path: str | Path, data: str | bytes) -> Path:
+    """`path.write_text/write_bytes`, atomically (see `replacing`)."""
+    with replacing(path) as tmp:
+        tmp.write_bytes(data.encode() if isinstance(data, str) else data)
+    return Path(path)
 
 
 def file_sha256(path: Path) -> str:
@@ -54,23 +82,42 @@ def checkpoint_fingerprint(path: str | Path) -> str:
 
 def preset_fingerprint(preset: str, seed: int, dtype: torch.dtype) -> str:
     """Random preset weights are a function of (preset, seed, dtype)."""
-    return f"preset:{preset}:seed{seed}:{str(dtype).removeprefix('torch.')}"
+    return f"preset:{preset}:seed{seed}:{dtype_name(dtype)}"
 
 
 def write_manifest(out: Path, manifest: dict) -> Path:
-    path = Path(out) / MANIFEST
-    path.write_text(json.dumps(manifest, indent=2) + "\n")
-    return path
+    return atomic_write(Path(out) / MANIFEST, json.dumps(manifest, indent=2) + "\n")
 
 
 def load_manifest(graph_dir: str | Path) -> dict:
     path = Path(graph_dir) / MANIFEST
     if not path.exists():
         raise ManifestError(f"{graph_dir} has no {MANIFEST}: not a graph directory (run `k3export export` first)")
-    m = json.loads(path.read_text())
-    if m.get("format") != FORMAT:
-        raise ManifestError(f"{path}: format {m.get('format')!r}, this k3export reads {FORMAT!r}; re-export")
+    try:
+        m = json.loads(path.read_text())
+    except ValueError as e:
+        raise ManifestError(f"{path} is corrupt (not valid JSON: {e}); re-run `k3export export`") from None
+    fmt = m.get("format") if isinstance(m, dict) else None
+    if fmt != FORMAT:
+        raise ManifestError(f"{path}: format {fmt!r}, this k3export reads {FORMAT!r}; re-export")
     return m
+
+
+def check_graph_files(graph_dir: str | Path, manifest: dict, sha256: bool = True) -> dict[str, Path]:
+    """The graph files (`prefill.pt2`, `decode.pt2`) of a graph directory, each present and (unless `sha256` is
+    False) with the sha256 the manifest records (one read of each file); raises ManifestError naming each
+    missing or different file. Returns {graph: path}."""
+    graph_dir, problems, files = Path(graph_dir), [], {}
+    for g, rec in manifest["graphs"].items():
+        f = files[g] = graph_dir / rec["file"]
+        if not f.exists():
+            problems.append(f"{rec['file']} is missing")
+        elif sha256 and file_sha256(f) != rec["sha256"]:
+            problems.append(f"{rec['file']} differs from the manifest (sha256): the file was changed or a "
+                            "re-export was interrupted")
+    if problems:
+        raise ManifestError(f"{graph_dir}: " + "; ".join(problems) + " (re-run `k3export export`)")
+    return files
 
 
 def check_manifest(manifest: dict, *, config_hash: str | None = None, weights: str | None = None,

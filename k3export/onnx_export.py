@@ -24,7 +24,7 @@ import click
 import torch
 
 from k3export.export import OUTPUTS
-from k3export.manifest import load_manifest, write_manifest
+from k3export.manifest import check_graph_files, load_manifest, write_manifest
 
 OPSET = 20
 DOMAIN = "k3"
@@ -103,6 +103,7 @@ def export_onnx(graph_dir: str | Path, log=print) -> dict:
     import onnx
     graph_dir = Path(graph_dir)
     manifest = load_manifest(graph_dir)
+    check_graph_files(graph_dir, manifest)
     table = translation_table()
     entry = {"opset": OPSET, "domain": DOMAIN, "graphs": {}}
     for name, g in manifest["graphs"].items():

@@ -167,3 +167,68 @@ def test_meta_device_export_has_the_same_graphs_and_cannot_run(tmp_path):
     assert man["meta"] and man["graphs"]["decode"]["k3_ops"] == expected_k3_ops(small_tiny(), "decode")
     with pytest.raises(ManifestError, match="meta device: its graphs carry no weights"):
         ExportedK3(tmp_path)
+
+
+def _meta_model():
+    with torch.device("meta"):
+        return K3Model(small_tiny())
+
+
+def test_reexport_removes_stale_onnx_and_an_interrupted_one_leaves_no_manifest(tmp_path, monkeypatch):
+    for stale in ("prefill.onnx", "decode.onnx", "decode.onnx.data"):
+        (tmp_path / stale).write_bytes(b"old")
+    export_graphs(_meta_model(), tmp_path, LIMITS, {"weights": "meta:test"}, log=lambda *_: None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["decode.pt2", "manifest.json", "prefill.pt2"]
+    save = torch.export.save
+
+    def save_prefill_only(ep, path):                   # the process dies while saving the decode graph
+        if "decode" in str(path):
+            raise KeyboardInterrupt
+        save(ep, path)
+
+    monkeypatch.setattr(torch.export, "save", save_prefill_only)
+    with pytest.raises(KeyboardInterrupt):
+        export_graphs(_meta_model(), tmp_path, LIMITS, {"weights": "meta:test"}, log=lambda *_: None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["decode.pt2", "prefill.pt2"]   # no temp files either
+    with pytest.raises(ManifestError, match="no manifest.json: not a graph directory"):
+        ExportedK3(tmp_path)
+
+
+def _copy_graphs(graph_dir, tmp_path):
+    import shutil
+    return shutil.copytree(graph_dir, tmp_path / "graphs")
+
+
+def test_changed_missing_or_corrupt_graph_files_are_refused(graph_dir, tmp_path):
+    d = _copy_graphs(graph_dir, tmp_path)
+    with open(d / "decode.pt2", "ab") as f:
+        f.write(b"\0")
+    with pytest.raises(ManifestError, match="decode.pt2 differs from the manifest \\(sha256\\)"):
+        ExportedK3(d)
+    (d / "prefill.pt2").unlink()
+    with pytest.raises(ManifestError, match="prefill.pt2 is missing"):
+        ExportedK3(d, check_files=False)
+    (d / "manifest.json").write_text('{"format": "k3export.gr')
+    with pytest.raises(ManifestError, match="manifest.json is corrupt \\(not valid JSON"):
+        ExportedK3(d)
+
+
+def test_cli_onnx_and_verify_name_a_missing_graph_file(graph_dir, tmp_path):
+    from click.testing import CliRunner
+    from k3export.cli import main
+    d = _copy_graphs(graph_dir, tmp_path)
+    (d / "decode.pt2").unlink()
+    for cmd in ("onnx", "verify"):
+        r = CliRunner().invoke(main, [cmd, "--graphs", str(d)])
+        assert r.exit_code == 1 and "decode.pt2 is missing" in r.output and r.exception.__class__ is SystemExit, \
+            (cmd, r.output, r.exception)
+
+
+def test_aoti_build_refuses_a_graph_file_that_differs_from_its_manifest(model, graph_dir, tmp_path):
+    """The AOTI package cache is keyed by the manifest's sha256, so a changed file must be refused first."""
+    from k3export.build import EngineError, build
+    d = _copy_graphs(graph_dir, tmp_path)
+    with open(d / "prefill.pt2", "ab") as f:
+        f.write(b"\0")
+    with pytest.raises(EngineError, match="prefill.pt2 differs from the manifest"):
+        build("aoti", model, tmp_path / "engines", graphs=d, echo=lambda *_: None)
