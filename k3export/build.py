@@ -29,7 +29,9 @@ import torch
 
 from k3export.commands import device_option, load_model
 from k3export.config import PRESETS, K3Config
-from k3export.manifest import checkpoint_fingerprint, file_sha256, library_versions, preset_fingerprint
+from k3export.export import state_layout
+from k3export.manifest import (atomic_write, checkpoint_fingerprint, file_sha256, library_versions, preset_fingerprint,
+                               replacing)
 
 FORMAT = "k3export.engine/1"
 BACKENDS = ("eager", "compile", "aoti", "tensorrt")
@@ -79,18 +81,6 @@ def engine_name(config: K3Config, dtype: torch.dtype, device, backend: str) -> s
     return f"{preset_name(config)}-{precision_name(dtype)}-{device_slug(device)}-{backend}"
 
 
-def state_layout(config: K3Config, dtype: torch.dtype) -> dict:
-    """Per-sequence shapes of the state tensors (batch and cache length named), as `K3State` allocates them."""
-    from k3export.model.state import K3State
-    s = K3State.empty(config, 1, 1, dtype=dtype, device="meta")
-    named = {"kda_conv": ["n_kda", "batch", "channels", "window"], "kda_state": ["n_kda", "batch", "H", "K", "V"],
-             "mla_cache": ["n_mla", "batch", "cache", "R"], "lengths": ["batch"]}
-    return {k: {"shape": [d if n not in ("batch", "cache") else n for d, n in zip(t.shape, named[k])],
-                "dtype": str(t.dtype).removeprefix("torch.")}
-            for k, t in (("kda_conv", s.kda_conv), ("kda_state", s.kda_state), ("mla_cache", s.mla_cache),
-                         ("lengths", s.lengths))}
-
-
 # ---------------------------------------------------------------------------------------------- building
 @dataclass
 class BuildLog:
@@ -129,7 +119,7 @@ def build(backend: str, model, out_root: str | Path = "engines", *, graphs: str 
         "format": FORMAT, "backend": backend, "preset": preset_name(config), "config_hash": config.hash(),
         "config": config.to_hf(), "weights": weights_id, "precision": precision_name(dtype),
         "device": torch.device(device).type, "gpu": _gpu(device), "versions": _versions(),
-        "profiles": profiles or DEFAULT_PROFILES, "state_layout": state_layout(config, dtype),
+        "profiles": profiles or DEFAULT_PROFILES, "state_layout": state_layout(config, dtype, rows="cache"),
     }
     files: dict[str, str] = {}
     weights_key = _weights_key(manifest)
@@ -155,9 +145,9 @@ def build(backend: str, model, out_root: str | Path = "engines", *, graphs: str 
     manifest["files"] = {name: {"bytes": (out / rel).stat().st_size, "sha256": file_sha256(out / rel)}
                          for name, rel in files.items()}
     manifest["build"] = {"seconds": log.seconds, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    atomic_write(out / "manifest.json", json.dumps(manifest, indent=2) + "\n")
     log.note(f"total: {sum(log.seconds.values()):.2f}s")
-    (out / "build.log").write_text("\n".join(log.lines) + "\n")
+    atomic_write(out / "build.log", "\n".join(log.lines) + "\n")
     return out
 
 
@@ -187,7 +177,8 @@ def _weights_key(manifest: dict) -> str:
 
 def _save_weights(model, path: Path) -> None:
     from safetensors.torch import save_file
-    save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(path))
+    with replacing(path) as tmp:
+        save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(tmp))
 
 
 # ---------------------------------------------------------------------------------------------- opening
@@ -261,6 +252,9 @@ def open_backend(path: str | Path, device=None, config: K3Config | None = None):
     path = Path(path)
     m = check_engine_dir(path, device, config)
     device = torch.device(device if device is not None else m["device"])
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise EngineError(f"{path}: asked to run on {device}, but CUDA is not available here (no NVIDIA GPU or a "
+                          "CPU-only torch); use --device cpu, or an engine built for the CPU")
     if m["backend"] == "aoti":
         from k3export.build_aoti import AOTIBackend
         return AOTIBackend(path, m, device)
@@ -284,11 +278,15 @@ def _load_model(path: Path, m: dict, device):
     return model.eval().requires_grad_(False)
 
 
-def load_engine(path: str | Path, max_batch: int = 1, max_len: int = 1024, device=None, cuda_graphs: bool = True):
-    """An `Engine` over the engine directory's backend, within its decode profile."""
+def load_engine(path: str | Path, max_batch: int = 1, max_len: int = 1024, device=None, cuda_graphs: bool = True,
+                fit_batch: bool = False):
+    """An `Engine` over the engine directory's backend, within its decode profile. fit_batch: cap `max_batch`
+    at the profile's batch maximum instead of refusing (more requests than slots then queue)."""
     from k3export.runtime import Engine
     backend = open_backend(path, device)
     prof = json.loads((Path(path) / "manifest.json").read_text())["profiles"]["decode"]
+    if fit_batch:
+        max_batch = min(max_batch, prof["batch"][2])
     if max_batch > prof["batch"][2] or max_len > prof["cache"][2]:
         raise EngineError(f"{path}: asked for batch {max_batch} x {max_len} cache rows, the engine's decode "
                           f"profile allows batch <= {prof['batch'][2]}, cache <= {prof['cache'][2]}; rebuild "

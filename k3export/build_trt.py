@@ -70,14 +70,33 @@ def register_plugins() -> list[str]:
     return done
 
 
-def build_tensorrt(out: Path, graphs, manifest: dict, log) -> dict[str, str]:
-    trt = import_tensorrt()
-    from k3export.build_aoti import profiles_from_dims
-    from k3export.manifest import load_manifest
+def onnx_inputs(graphs, manifest: dict) -> tuple[dict, dict[str, Path]]:
+    """The graph manifest of `graphs` (checked against the engine's config) and its ONNX file per graph, as the
+    manifest's `onnx` entry names them; EngineError when the directory does not fit or a file is missing."""
+    from k3export.manifest import check_manifest, load_manifest
     if graphs is None:
         raise EngineError("--backend tensorrt needs --graphs DIR holding prefill.onnx/decode.onnx "
                           "(run `k3export export` then `k3export onnx`)")
-    gm = load_manifest(graphs)
+    graphs = Path(graphs)
+    try:
+        gm = load_manifest(graphs)
+        check_manifest(gm, config_hash=manifest["config_hash"])
+    except ValueError as e:
+        raise EngineError(str(e)) from None
+    if "onnx" not in gm:
+        raise EngineError(f"{graphs} has no ONNX graphs; run `k3export onnx --graphs {graphs}`")
+    files = {g: graphs / gm["onnx"]["graphs"][g]["file"] for g in GRAPHS}
+    missing = [str(f) for f in files.values() if not f.exists()]
+    if missing:
+        raise EngineError(f"{', '.join(missing)} missing; run `k3export onnx --graphs {graphs}`")
+    return gm, files
+
+
+def build_tensorrt(out: Path, graphs, manifest: dict, log) -> dict[str, str]:
+    trt = import_tensorrt()
+    from k3export.build_aoti import profiles_from_dims
+    from k3export.manifest import atomic_write
+    gm, onnx_files = onnx_inputs(graphs, manifest)
     manifest["profiles"] = profiles = profiles_from_dims(gm)
     log.note(f"plugins registered: {register_plugins()}")
     logger = trt.Logger(trt.Logger.WARNING)
@@ -87,9 +106,7 @@ def build_tensorrt(out: Path, graphs, manifest: dict, log) -> dict[str, str]:
     cache = config0.create_timing_cache(cache_path.read_bytes() if cache_path.exists() else b"")
     files = {}
     for g in GRAPHS:
-        onnx_path = Path(graphs) / f"{g}.onnx"
-        if not onnx_path.exists():
-            raise EngineError(f"{onnx_path} is missing; run `k3export onnx --graphs {graphs}`")
+        onnx_path = onnx_files[g]
         network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
         parser = trt.OnnxParser(network, logger)
         if not log.step(f"{g}: parse ONNX", parser.parse_from_file, str(onnx_path)):
@@ -104,9 +121,9 @@ def build_tensorrt(out: Path, graphs, manifest: dict, log) -> dict[str, str]:
         plan = log.step(f"{g}: build engine", builder.build_serialized_network, network, config)
         if plan is None:
             raise EngineError(f"TensorRT failed to build the {g} engine (see the TensorRT log above)")
-        (out / f"{g}.engine").write_bytes(bytes(plan))
+        atomic_write(out / f"{g}.engine", bytes(plan))
         files[f"{g}.engine"] = f"{g}.engine"
-    cache_path.write_bytes(bytes(cache.serialize()))
+    atomic_write(cache_path, bytes(cache.serialize()))
     return files
 
 

@@ -169,3 +169,43 @@ def test_bench_model_writes_json_table_and_plot(tmp_path):
     assert rows[2]["floor_ms"] > rows[1]["floor_ms"]                  # more sequences move more bytes
     assert "| decode | eager | 2 | 8 |" in (out / "model.md").read_text()
     assert (out / "model.png").stat().st_size > 0
+
+
+def test_tensorrt_reads_the_onnx_files_the_graph_manifest_names(model, tmp_path):
+    """Plain data (runs without TensorRT): the graph directory is checked like aoti's, and the ONNX files come
+    from the manifest's `onnx` entry."""
+    from k3export.build_trt import onnx_inputs
+    from k3export.manifest import FORMAT, library_versions, write_manifest
+    engine = {"config_hash": model.config.hash()}
+    gm = {"format": FORMAT, "config_hash": model.config.hash(), "versions": library_versions(), "graphs": {},
+          "source": {"weights": "x"}}
+    write_manifest(tmp_path, gm)
+    with pytest.raises(EngineError, match="has no ONNX graphs; run `k3export onnx"):
+        onnx_inputs(tmp_path, engine)
+    gm["onnx"] = {"graphs": {"prefill": {"file": "p.onnx"}, "decode": {"file": "d.onnx"}}}
+    write_manifest(tmp_path, gm)
+    with pytest.raises(EngineError, match="p.onnx, .*d.onnx missing"):
+        onnx_inputs(tmp_path, engine)
+    (tmp_path / "p.onnx").write_bytes(b"")
+    (tmp_path / "d.onnx").write_bytes(b"")
+    assert onnx_inputs(tmp_path, engine)[1] == {"prefill": tmp_path / "p.onnx", "decode": tmp_path / "d.onnx"}
+    with pytest.raises(EngineError, match="config hash: graphs .*, checkpoint deadbeef"):
+        onnx_inputs(tmp_path, {"config_hash": "deadbeef"})
+    (tmp_path / "manifest.json").write_text("{")
+    with pytest.raises(EngineError, match="manifest.json is corrupt"):
+        onnx_inputs(tmp_path, engine)
+
+
+def test_build_writes_leave_no_temporary_files(eager_dir):
+    assert sorted(p.name for p in eager_dir.iterdir()) == ["build.log", "manifest.json", "weights.safetensors"]
+
+
+def test_engine_built_for_cuda_without_cuda_is_refused_clearly(eager_dir, tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("checks the message on a machine without CUDA")
+    d = _copy(eager_dir, tmp_path)
+    m = json.loads((d / "manifest.json").read_text())
+    m["device"] = "cuda"
+    (d / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(EngineError, match="CUDA is not available here"):
+        load_engine(d, max_batch=1, max_len=8)
