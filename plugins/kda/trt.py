@@ -17,13 +17,10 @@ from __future__ import annotations
 import torch
 
 from k3export.plugins.aot import Launch, compile_ptx, pointer_type
+from k3export.plugins.triton_common import cdiv
 
 from .kernels import (BC, compute_dtype, decode_config, kda_decode_fwd_kernel, kda_prefill_fwd_kernel,
                       kda_prefill_intra_fwd_kernel, prefill_config)
-
-
-def _cdiv(a, b: int):
-    return (a + (b - 1)) // b
 
 
 # --- prefill ---------------------------------------------------------------------------------------------------
@@ -32,7 +29,7 @@ def prefill_intermediates(B, T, H, K: int, V: int, dtype: torch.dtype) -> dict:
     """Shapes and dtypes of the tensors passed from the intra launch to the chunk launch (contiguous; NT chunks
     of BT = 64 tokens; the kernels index them flat, rows = B*H*NT*BT)."""
     BT = prefill_config(K, V)["BT"]
-    NT = _cdiv(T, BT)
+    NT = cdiv(T, BT)
     cd = compute_dtype(dtype)
     return {"w": ((B, H, NT * BT, K), cd), "u": ((B, H, NT * BT, V), cd), "qg": ((B, H, NT * BT, K), cd),
             "kd": ((B, H, NT * BT, K), cd), "aqk": ((B, H, NT * BT, BT), cd), "gl": ((B, H, NT, K), torch.float32)}
@@ -41,7 +38,7 @@ def prefill_intermediates(B, T, H, K: int, V: int, dtype: torch.dtype) -> dict:
 def prefill_grids(B, T, H, K: int, V: int):
     """(intra grid, chunk grid) for inputs `[B, T, H, K]`, v `[B, T, H, V]`."""
     cfg = prefill_config(K, V)
-    return (_cdiv(T, cfg["BT"]), B * H, 1), (_cdiv(V, cfg["BV"]), B * H, 1)
+    return (cdiv(T, cfg["BT"]), B * H, 1), (cdiv(V, cfg["BV"]), B * H, 1)
 
 
 def prefill_launches(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, lower_bound: float = -5.0,

@@ -12,24 +12,15 @@ Kernel parameters are ordered inputs..., scalars..., outputs... (TensorRT AOT pl
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import triton
 import triton.language as tl
 
+from ..triton_common import check, dot_precision, pow2
 from .op import mla_decode, mla_prefill
 
 LOG2E = 1.4426950408889634
-
-
-def _pow2(n: int, at_least: int = 16) -> int:
-    return max(at_least, triton.next_power_of_2(n))
-
-
-def _dot_precision(dtype: torch.dtype) -> str:
-    """fp32 inputs get exact fp32 products (tf32 would cost ~1e-3); 16-bit inputs ignore the setting."""
-    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 @functools.lru_cache(maxsize=None)
@@ -39,11 +30,6 @@ def _num_sms(device_index: int) -> int:
 
 def _sm_count(device: torch.device) -> int:
     return _num_sms(device.index or 0) if device.type == "cuda" else 8
-
-
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(msg)
 
 
 # ---------------------------------------------------------------------------------------------- decode
@@ -145,12 +131,18 @@ def mla_decode_combine_kernel(q, new_row, o_part, lse_part,
     tl.store(o + b * stride_ob + h * stride_oh + offs_v, out.to(o.dtype.element_ty), mask=v_ok)
 
 
-def decode_splits(B: int, H: int, L: int, block_h: int, device: torch.device) -> int:
-    """Splits of the cache length: enough programs for `waves` per SM, no chunk under `min_chunk` rows."""
+def split_rule(B: int, H: int, L: int, block_h: int, sms: int) -> int:
+    """Splits of the cache length: enough programs for `waves` per SM, no chunk under `min_chunk` rows (the AOT
+    adapter, trt.py, calls it with a fixed SM count)."""
     cfg = DECODE_CONFIG
     programs = B * triton.cdiv(H, block_h)
-    want = triton.cdiv(cfg["waves"] * _sm_count(device), programs)
+    want = triton.cdiv(cfg["waves"] * sms, programs)
     return max(1, min(want, triton.cdiv(max(L, 1), cfg["min_chunk"])))
+
+
+def decode_splits(B: int, H: int, L: int, block_h: int, device: torch.device) -> int:
+    """`split_rule` with the SM count of `device`."""
+    return split_rule(B, H, L, block_h, _sm_count(device))
 
 
 def decode_tiles(H: int) -> dict:
@@ -169,19 +161,19 @@ def mla_decode_fwd(q, cache, new_row, cache_len, scale: float, v_dim: int, num_s
     """q `[B, H, R]`, cache `[B, L, R]`, new_row `[B, R]`, cache_len `[B]` -> o `[B, H, v_dim]` in q.dtype."""
     B, H, R = q.shape
     L = cache.shape[1]
-    _check(cache.shape[0] == B and cache.shape[2] == R, f"mla_decode: cache {tuple(cache.shape)} must be "
-           f"[B={B}, L, R={R}] like q {tuple(q.shape)}")
-    _check(new_row.shape == (B, R), f"mla_decode: new_row {tuple(new_row.shape)} must be [{B}, {R}]")
-    _check(0 < v_dim < R, f"mla_decode: v_dim {v_dim} must be in (0, R={R})")
-    _check(q.dtype == cache.dtype == new_row.dtype, f"mla_decode: q/cache/new_row dtypes differ: "
-           f"{q.dtype}, {cache.dtype}, {new_row.dtype}")
+    check(cache.shape[0] == B and cache.shape[2] == R, f"mla_decode: cache {tuple(cache.shape)} must be "
+          f"[B={B}, L, R={R}] like q {tuple(q.shape)}")
+    check(new_row.shape == (B, R), f"mla_decode: new_row {tuple(new_row.shape)} must be [{B}, {R}]")
+    check(0 < v_dim < R, f"mla_decode: v_dim {v_dim} must be in (0, R={R})")
+    check(q.dtype == cache.dtype == new_row.dtype, f"mla_decode: q/cache/new_row dtypes differ: "
+          f"{q.dtype}, {cache.dtype}, {new_row.dtype}")
     q = q if q.stride(-1) == 1 else q.contiguous()
     cache = cache if cache.stride(-1) == 1 else cache.contiguous()
     new_row = new_row.contiguous()
     cache_len = cache_len.clamp(0, L).to(torch.int32)
     block_h = decode_block_h(H)
     S = num_splits or decode_splits(B, H, L, block_h, q.device)
-    BV, BPE = _pow2(v_dim), _pow2(R - v_dim)
+    BV, BPE = pow2(v_dim), pow2(R - v_dim)
     o_part = torch.empty(B, H, S, BV, device=q.device, dtype=torch.float32)
     lse_part = torch.empty(B, H, S, device=q.device, dtype=torch.float32)
     o = torch.empty(B, H, v_dim, device=q.device, dtype=q.dtype)
@@ -191,11 +183,11 @@ def mla_decode_fwd(q, cache, new_row, cache_len, scale: float, v_dim: int, num_s
     mla_decode_fwd_kernel[(triton.cdiv(H, block_h), S, B)](
         q, cache, cache_len, q.stride(0), q.stride(1), cache.stride(0), cache.stride(1),
         H, S, qk_scale, v_dim, R, o_part, lse_part, BLOCK_H=block_h, BLOCK_N=16 if fp32 else cfg["block_n"], BLOCK_V=BV,
-        BLOCK_PE=BPE, DOT_PREC=_dot_precision(q.dtype), num_warps=cfg["num_warps"],
+        BLOCK_PE=BPE, DOT_PREC=dot_precision(q.dtype), num_warps=cfg["num_warps"],
         num_stages=1 if fp32 else cfg["num_stages"])
     mla_decode_combine_kernel[(H, B)](
         q, new_row, o_part, lse_part, q.stride(0), q.stride(1), new_row.stride(0), o.stride(0), o.stride(1),
-        H, S, qk_scale, v_dim, R, o, BLOCK_V=BV, BLOCK_PE=BPE, BLOCK_S=_pow2(S, 2), num_warps=4)
+        H, S, qk_scale, v_dim, R, o, BLOCK_V=BV, BLOCK_PE=BPE, BLOCK_S=pow2(S, 2), num_warps=4)
     return o
 
 
@@ -274,30 +266,36 @@ def mla_prefill_fwd_kernel(q, k, v, past_len,
     tl.store(o_row + offs_v[None, :], out.to(o.dtype.element_ty), mask=m_ok[:, None] & (offs_v[None, :] < D_V))
 
 
+def prefill_head_blocks(D: int) -> dict:
+    """The Dqk split of the prefill kernel: BLOCK_A, the largest power of two <= D (at least 16), plus a second
+    block BLOCK_B (HAS_B) for the rest, e.g. 192 = 128 + 64 (shared with the AOT adapter, trt.py)."""
+    block_a = 1 << (D.bit_length() - 1)
+    rest = D - block_a
+    return dict(BLOCK_A=max(block_a, 16), BLOCK_B=pow2(max(rest, 1)), HAS_B=rest > 0)
+
+
 def mla_prefill_fwd(q, k, v, past_len, scale: float):
     """q `[B, T, H, Dqk]`, k `[B, S, H, Dqk]`, v `[B, S, H, Dv]`, past_len `[B]` -> o `[B, T, H, Dv]`."""
     B, T, H, D = q.shape
     S = k.shape[1]
-    _check(k.shape == (B, S, H, D) and S >= T, f"mla_prefill: k {tuple(k.shape)} must be [B={B}, S>=T={T}, "
-           f"H={H}, Dqk={D}]")
-    _check(v.shape[:3] == (B, S, H), f"mla_prefill: v {tuple(v.shape)} must be [{B}, {S}, {H}, Dv]")
-    _check(q.dtype == k.dtype == v.dtype, f"mla_prefill: q/k/v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
-    _check(D >= 16, f"mla_prefill kernel: Dqk must be >= 16, got {D} (the op keeps the reference below that)")
+    check(k.shape == (B, S, H, D) and S >= T, f"mla_prefill: k {tuple(k.shape)} must be [B={B}, S>=T={T}, "
+          f"H={H}, Dqk={D}]")
+    check(v.shape[:3] == (B, S, H), f"mla_prefill: v {tuple(v.shape)} must be [{B}, {S}, {H}, Dv]")
+    check(q.dtype == k.dtype == v.dtype, f"mla_prefill: q/k/v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    check(D >= 16, f"mla_prefill kernel: Dqk must be >= 16, got {D} (the op keeps the reference below that)")
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     Dv = v.shape[-1]
     o = torch.empty(B, T, H, Dv, device=q.device, dtype=q.dtype)
     if T == 0:
         return o
-    block_a = 1 << (D.bit_length() - 1)
-    rest = D - block_a
     cfg = PREFILL_CONFIG
     fp32 = q.dtype == torch.float32
-    block_m = min(cfg["block_m"], _pow2(T)) if not fp32 else 32
+    block_m = min(cfg["block_m"], pow2(T)) if not fp32 else 32
     block_n = cfg["block_n"] if not fp32 else 32
     mla_prefill_fwd_kernel[(triton.cdiv(T, block_m), B * H)](
         q, k, v, past_len.to(torch.int32), *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
-        T, S, H, scale * LOG2E, D, Dv, o, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_A=max(block_a, 16),
-        BLOCK_B=_pow2(max(rest, 1)), HAS_B=rest > 0, BLOCK_V=_pow2(Dv), DOT_PREC=_dot_precision(q.dtype),
+        T, S, H, scale * LOG2E, D, Dv, o, BLOCK_M=block_m, BLOCK_N=block_n, **prefill_head_blocks(D),
+        BLOCK_V=pow2(Dv), DOT_PREC=dot_precision(q.dtype),
         num_warps=cfg["num_warps"] if not fp32 else 4, num_stages=cfg["num_stages"] if not fp32 else 1)
     return o
 

@@ -19,21 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..triton_common import check, dot_precision, pow2
 from .op import moe_routed
-
-
-def _pow2(n: int, at_least: int = 16) -> int:
-    return max(at_least, triton.next_power_of_2(n))
-
-
-def _dot_precision(dtype: torch.dtype) -> str:
-    """fp32 inputs get exact fp32 products; 16-bit inputs ignore the setting."""
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(msg)
 
 
 @triton.jit
@@ -111,12 +98,12 @@ def route_fwd(x, gate_weight, bias, top_k: int, renormalize: bool, scaling: floa
     block_e = 16 if N <= 16 else 64
     moe_router_fwd_kernel[(triton.cdiv(N, block_m), triton.cdiv(E, block_e))](
         x, gate_weight, s, N, E, D, x.stride(0), gate_weight.stride(0), BLOCK_M=block_m, BLOCK_E=block_e,
-        BLOCK_D=128 if x.dtype != torch.float32 else 32, DOT_PREC=_dot_precision(x.dtype), num_warps=4,
+        BLOCK_D=128 if x.dtype != torch.float32 else 32, DOT_PREC=dot_precision(x.dtype), num_warps=4,
         num_stages=3 if x.dtype != torch.float32 else 1)
     ids = torch.empty(N, top_k, device=x.device, dtype=torch.int32)
     w = torch.empty(N, top_k, device=x.device, dtype=torch.float32)
-    moe_topk_fwd_kernel[(N,)](s, bias.contiguous(), ids, w, E, scaling, K=top_k, BLOCK_K=_pow2(top_k, 2),
-                              BLOCK_E=_pow2(E), RENORM=bool(renormalize and top_k > 1), num_warps=4)
+    moe_topk_fwd_kernel[(N,)](s, bias.contiguous(), ids, w, E, scaling, K=top_k, BLOCK_K=pow2(top_k, 2),
+                              BLOCK_E=pow2(E), RENORM=bool(renormalize and top_k > 1), num_warps=4)
     return ids, w, s
 
 
@@ -236,14 +223,14 @@ def moe_routed_fwd(x, z, gate_weight, bias, w1, w3, w2, top_k: int, renormalize:
     """The op's contract (see op.py): u `[N, L]` in z.dtype, combine in fp32."""
     N, Lz = z.shape
     E, I, L = w1.shape
-    _check(x.shape[0] == N, f"moe_routed: x has {x.shape[0]} tokens, z has {N}")
-    _check(gate_weight.shape == (E, x.shape[1]), f"moe_routed: gate_weight {tuple(gate_weight.shape)} must be "
-           f"[E={E}, d={x.shape[1]}]")
-    _check(Lz == L and w3.shape == w1.shape and w2.shape == (E, L, I), f"moe_routed: z {tuple(z.shape)}, "
-           f"w1 {tuple(w1.shape)}, w3 {tuple(w3.shape)}, w2 {tuple(w2.shape)} disagree ([E, I, L] / [E, L, I])")
-    _check(0 < top_k <= E, f"moe_routed: top_k {top_k} must be in 1..{E}")
-    _check(z.dtype == w1.dtype == w3.dtype == w2.dtype, f"moe_routed: z/w1/w3/w2 dtypes differ: {z.dtype}, "
-           f"{w1.dtype}, {w3.dtype}, {w2.dtype}")
+    check(x.shape[0] == N, f"moe_routed: x has {x.shape[0]} tokens, z has {N}")
+    check(gate_weight.shape == (E, x.shape[1]), f"moe_routed: gate_weight {tuple(gate_weight.shape)} must be "
+          f"[E={E}, d={x.shape[1]}]")
+    check(Lz == L and w3.shape == w1.shape and w2.shape == (E, L, I), f"moe_routed: z {tuple(z.shape)}, "
+          f"w1 {tuple(w1.shape)}, w3 {tuple(w3.shape)}, w2 {tuple(w2.shape)} disagree ([E, I, L] / [E, L, I])")
+    check(0 < top_k <= E, f"moe_routed: top_k {top_k} must be in 1..{E}")
+    check(z.dtype == w1.dtype == w3.dtype == w2.dtype, f"moe_routed: z/w1/w3/w2 dtypes differ: {z.dtype}, "
+          f"{w1.dtype}, {w3.dtype}, {w2.dtype}")
     u = torch.empty(z.shape, device=z.device, dtype=z.dtype)     # contiguous, as the combine kernel writes it
     if N == 0:
         return u
@@ -259,7 +246,7 @@ def moe_routed_fwd(x, z, gate_weight, bias, w1, w3, w2, top_k: int, renormalize:
     MB = block_expert.numel()
     h = torch.empty(MB * bm, I, device=z.device, dtype=z.dtype)
     y = torch.empty(P, L, device=z.device, dtype=torch.float32)
-    prec = _dot_precision(z.dtype)
+    prec = dot_precision(z.dtype)
     fp32 = z.dtype == torch.float32
     bn, bk, warps, stages = cfg["gemm1"] if not fp32 else (32, 32, 4, 1)
     moe_gemm1_fwd_kernel[(MB, triton.cdiv(I, bn))](
@@ -270,7 +257,7 @@ def moe_routed_fwd(x, z, gate_weight, bias, w1, w3, w2, top_k: int, renormalize:
     moe_gemm2_fwd_kernel[(MB, triton.cdiv(L, bn))](
         h, w2, y, order, block_expert, block_row, block_rows, L, I, h.stride(0), w2.stride(0), w2.stride(1),
         y.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_PREC=prec, num_warps=warps, num_stages=stages)
-    block_l = min(1024, _pow2(L))
+    block_l = min(1024, pow2(L))
     moe_combine_fwd_kernel[(N, triton.cdiv(L, block_l))](y, w, u, L, TOP_K=top_k, BLOCK_L=block_l, num_warps=4)
     return u
 
