@@ -20,6 +20,7 @@ import click
 import torch
 
 from k3export.bench import bench
+from k3export.bench.ceilings import bench_ms, copy_bandwidth   # median ms, as every bench
 
 
 def _flops(B, T, H, K, V, C=64):
@@ -32,22 +33,11 @@ def _rel(x, ref):
     return ((x - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()).item()
 
 
-def _ms(fn, rep=100):
-    from triton.testing import do_bench
-    return float(do_bench(fn, warmup=10, rep=rep))
-
-
 def _try(fn):
     try:
         return fn()
     except Exception as e:  # a baseline that cannot run is reported, not fatal
         return f"{type(e).__name__}: {str(e)[:200]}"
-
-
-def copy_bandwidth(nbytes=2 << 30) -> float:
-    x = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda")
-    y = torch.empty_like(x)
-    return 2 * nbytes / _ms(lambda: y.copy_(x)) / 1e6   # GB/s
 
 
 def bench_prefill(T: int, H: int, K: int = 128) -> dict:
@@ -67,7 +57,7 @@ def bench_prefill(T: int, H: int, K: int = 128) -> dict:
     o, S = kda_prefill(*args)
     o_ref, S_ref = kda_prefill._init_fn(*args)
     res["ours_vs_eager_rel_rms"] = {"o": _rel(o, o_ref), "state": _rel(S, S_ref)}
-    ms = _ms(lambda: kda_prefill(*args))
+    ms = bench_ms(lambda: kda_prefill(*args))
     res["ours"] = {"ms": ms, "tflops": flop / ms / 1e9}
     print("prefill ours", res["ours"], res["ours_vs_eager_rel_rms"], flush=True)
 
@@ -78,13 +68,13 @@ def bench_prefill(T: int, H: int, K: int = 128) -> dict:
             return lambda *a, **kw: None
     kernels.kda_prefill_fwd_kernel = _Skip()
     try:
-        res["ours_intra_only_ms"] = _ms(lambda: kernels.kda_prefill_fwd(*args))
+        res["ours_intra_only_ms"] = bench_ms(lambda: kernels.kda_prefill_fwd(*args))
     finally:
         kernels.kda_prefill_fwd_kernel = real
 
     sweep = []
     for cfg in (dict(BV=64, state_stages=1), dict(low_ab=False)):
-        t = _try(lambda: _ms(lambda: kernels.kda_prefill_fwd(*args, config=cfg), rep=50))
+        t = _try(lambda: bench_ms(lambda: kernels.kda_prefill_fwd(*args, config=cfg), rep=50))
         err = _try(lambda: _rel(kernels.kda_prefill_fwd(*args, config=cfg)[0], o_ref))
         sweep.append({**cfg, "ms": t, "o_rel_rms": err})     # a config is only usable if its error is too
         print("sweep", sweep[-1], flush=True)
@@ -98,12 +88,12 @@ def bench_prefill(T: int, H: int, K: int = 128) -> dict:
                                  A_log=A_log, dt_bias=dt_bias)
         with torch.inference_mode():
             o_f, S_f = call()
-            ms_f = _ms(call)
+            ms_f = bench_ms(call)
         return {"ms": ms_f, "tflops": flop / ms_f / 1e9, "rel_rms_vs_eager": {"o": _rel(o_f, o_ref),
                                                                             "state": _rel(S_f, S_ref)}}
     res["fla_chunk_kda"] = _try(fla)
     print("fla", res["fla_chunk_kda"], flush=True)
-    ms_e = _ms(lambda: kda_prefill._init_fn(*args), rep=20)
+    ms_e = bench_ms(lambda: kda_prefill._init_fn(*args), rep=20)
     res["eager"] = {"ms": ms_e, "tflops": flop / ms_e / 1e9}
     return res
 
@@ -122,10 +112,11 @@ def bench_decode(batches, H: int, K: int = 128, copy_gbs: float = 0.0) -> list[d
                 r(B, H, K, K), -5.0, 1e-5)
         state_bytes = 2 * B * H * K * K * 4                         # fp32 state read + written
         row = {"B": B, "state_MB": state_bytes / 2 / 1e6}
-        ms = _ms(lambda: kda_decode(*args))
+        ms = bench_ms(lambda: kda_decode(*args))
         row["ours"] = {"ms": ms, "GBs": state_bytes / ms / 1e6, "frac_copy": state_bytes / ms / 1e6 / copy_gbs}
         for w in (8,):
-            row[f"ours_warps{w}_ms"] = _try(lambda: _ms(lambda: kernels.kda_decode_fwd(*args, config={"num_warps": w})))
+            row[f"ours_warps{w}_ms"] = _try(lambda: bench_ms(lambda: kernels.kda_decode_fwd(
+                *args, config={"num_warps": w})))
 
         def fla():
             from fla.ops.kda import fused_recurrent_kda
@@ -138,10 +129,10 @@ def bench_decode(batches, H: int, K: int = 128, copy_gbs: float = 0.0) -> list[d
                                                use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
                                                use_beta_sigmoid_in_kernel=True, lower_bound=-5.0)
             with torch.inference_mode():
-                ms_f = _ms(call)
+                ms_f = bench_ms(call)
             return {"ms": ms_f, "GBs": state_bytes / ms_f / 1e6, "frac_copy": state_bytes / ms_f / 1e6 / copy_gbs}
         row["fla_fused_recurrent_kda"] = _try(fla)
-        ms_e = _ms(lambda: kda_decode._init_fn(*args), rep=30)
+        ms_e = bench_ms(lambda: kda_decode._init_fn(*args), rep=30)
         row["eager"] = {"ms": ms_e, "GBs": state_bytes / ms_e / 1e6}
         rows.append(row)
         print("decode", row, flush=True)
@@ -193,7 +184,7 @@ def kda_bench(out_dir: str, T: int, H: int, batches: str) -> None:
     res = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
            "device": torch.cuda.get_device_name(), "host": platform.node(), "torch": torch.__version__,
            "triton": triton.__version__, "command": "k3export bench kda " + " ".join(sys.argv[3:])}
-    res["copy_GBs"] = copy_bandwidth()
+    res["copy_GBs"] = copy_bandwidth() / 1e9
     click.echo(f"copy bandwidth {res['copy_GBs']:.0f} GB/s")
     res["prefill"] = bench_prefill(T, H)
     click.echo(json.dumps(res["prefill"], indent=1))
