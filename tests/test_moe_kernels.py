@@ -110,8 +110,9 @@ def interp():
 
 @pytest.mark.parametrize("case,bound", [("moe-fp32-decode-k4-True", FP32_BOUND), ("moe-fp32-decode-k4-False",
                           FP32_BOUND), ("moe-fp32-decode-k1-True", FP32_BOUND), ("moe-fp16-decode-k4-True",
-                          FP16_BOUND), ("moe-fp16-prefill-k4-True", FP16_BOUND), ("ties-decode", FP32_BOUND), ("moe-fp32-small-z", FP32_BOUND),
-                            ("route-w-fp32", WEIGHT_BOUND), ("route-w-fp16", WEIGHT_BOUND)])
+                          FP16_BOUND), ("moe-fp16-prefill-k4-True", FP16_BOUND), ("ties-decode", FP32_BOUND),
+                          ("moe-fp32-small-z", FP32_BOUND), ("route-w-fp32", WEIGHT_BOUND),
+                          ("route-w-fp16", WEIGHT_BOUND)])
 def test_interpreted(interp, case, bound):
     assert interp[case] < bound, interp
 
@@ -175,7 +176,8 @@ def test_route_k3_shapes(k3_experts):
 @pytest.mark.cuda
 def test_moe_ties_hot_experts_gpu():
     """896 experts top-16 with pairs of identical experts (ties) and 16 hot experts that take every token
-    (several 64-row blocks of one expert: prefill block_m); 880 experts receive no token. Small L/I: routing is the subject."""
+    (several 64-row blocks of one expert: prefill block_m); 880 experts receive no token. Small L/I: routing is
+    the subject."""
     E, d, L, I = 896, 7168, 256, 384
     torch.manual_seed(11)
     g, b, w1, w3, w2 = _weights(E, d, L, I, torch.bfloat16, "cuda")
