@@ -32,10 +32,35 @@ def parse_ids(text: str) -> list[list[int]]:
     try:
         if text.startswith("["):
             v = json.loads(text)
-            return [list(map(int, p)) for p in (v if v and isinstance(v[0], list) else [v])]
-        return [[int(t) for t in p.split(",") if t.strip()] for p in text.split(";") if p.strip()]
+            prompts = [list(map(int, p)) for p in (v if v and isinstance(v[0], list) else [v])]
+        else:
+            prompts = [[int(t) for t in p.split(",") if t.strip()] for p in text.split(";") if p.strip()]
     except (ValueError, TypeError, json.JSONDecodeError):
         raise click.BadParameter(f"expected token ids like '1,2,3;4,5' or a JSON list, got {text[:40]!r}")
+    if not prompts or not all(prompts):
+        raise click.BadParameter(f"no prompt token ids in {text[:40]!r}: give at least one id per prompt, "
+                                 "e.g. --ids '1,2,3;4,5'", param_hint="'--ids'")
+    return prompts
+
+
+def parse_stop(text: str) -> tuple[int, ...]:
+    """'5,9' -> (5, 9); '' -> ()."""
+    try:
+        return tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated token ids, got {text[:40]!r}", param_hint="'--stop'")
+
+
+def check_device(device: str) -> torch.device:
+    """A usable torch device, or a click error that says why not (a bad name, or CUDA asked for without it)."""
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise click.BadParameter(str(e).splitlines()[0], param_hint="'--device'")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise click.ClickException(f"--device {device}: CUDA is not available here (no NVIDIA GPU or a CPU-only "
+                                   "torch); use --device cpu")
+    return dev
 
 
 def generation_options(f):
@@ -102,7 +127,10 @@ def generate(checkpoint, preset, ids_text, max_new_tokens, temperature, top_k, t
         sampling = Sampling(temperature, top_k, top_p, seed)
     except ValueError as e:
         raise click.BadParameter(str(e))
-    stop = tuple(int(t) for t in stop_text.split(",") if t.strip())
+    stop = parse_stop(stop_text)
+    if max_new_tokens < 1:
+        raise click.BadParameter(f"must be >= 1, got {max_new_tokens}", param_hint="'--max-new-tokens'")
+    check_device(device)
     try:
         model = load_model(checkpoint, preset, DTYPES[dtype], device)
         t0 = time.perf_counter()

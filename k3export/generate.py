@@ -1,7 +1,8 @@
 """Token generation with the eager model: one batched prefill, then decode steps on the explicit state.
 
-Sampling: greedy when temperature == 0, else temperature, then top-k, then top-p (nucleus), drawn from a
-seeded generator so a seed reproduces the tokens.
+Sampling: greedy when temperature == 0, else temperature, then top-k, then top-p (nucleus). Each sequence draws
+from its own generator seeded with `Sampling.seed` (`row_generator`, as the runtime's `Generator` does per
+request), so a seed reproduces a prompt's tokens whatever else shares the batch.
 """
 
 from __future__ import annotations
@@ -45,6 +46,11 @@ def sample(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None)
     return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
 
 
+def row_generator(s: Sampling) -> torch.Generator:
+    """The generator one sequence samples from (one per sequence, all seeded alike)."""
+    return torch.Generator().manual_seed(s.seed)
+
+
 def check_prompts(prompts: list[list[int]], vocab_size: int) -> None:
     if not prompts:
         raise ValueError("no prompts given")
@@ -62,6 +68,8 @@ def generate(model: K3Model, prompts: list[list[int]], max_new_tokens: int, samp
     """Generate up to `max_new_tokens` per prompt (prompts may differ in length). A sequence stops at its
     first stop token (kept in the output). Returns the new tokens per prompt."""
     check_prompts(prompts, model.config.vocab_size)
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     B, T = len(prompts), max(len(p) for p in prompts)
     dev = model.device
     ids = torch.zeros(B, T, dtype=torch.int64, device=dev)
@@ -69,13 +77,17 @@ def generate(model: K3Model, prompts: list[list[int]], max_new_tokens: int, samp
         ids[i, :len(p)] = torch.tensor(p)
     lengths = torch.tensor([len(p) for p in prompts], device=dev)
     state = model.new_state(B, T + max_new_tokens)
-    gen = torch.Generator().manual_seed(sampling.seed)
+    gens = [row_generator(sampling) for _ in range(B)]
     logits = model.prefill(ids, state, lengths)
     last = logits[torch.arange(B, device=dev), lengths - 1]                      # [B, V]
     out: list[list[int]] = [[] for _ in range(B)]
     done = [False] * B
     for step in range(max_new_tokens):
-        tok = sample(last, sampling, gen)
+        if sampling.temperature == 0:
+            tok = last.argmax(-1)
+        else:                                  # finished rows draw nothing (as a retired request does)
+            tok = torch.stack([sample(last[i:i + 1], sampling, gens[i])[0] if not done[i] else last[i].argmax()
+                               for i in range(B)])
         for i, t in enumerate(tok.tolist()):
             if not done[i]:
                 out[i].append(t)

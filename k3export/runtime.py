@@ -26,7 +26,7 @@ from typing import Callable, Protocol
 import torch
 
 from k3export.config import K3Config
-from k3export.generate import Sampling, check_prompts, sample
+from k3export.generate import Sampling, check_prompts, row_generator, sample
 from k3export.model.state import K3State
 
 
@@ -121,6 +121,10 @@ class Engine:
         self.device = torch.device(backend.device)
         self.state = K3State.empty(self.config, max_batch, max_len, dtype=backend.dtype, device=self.device)
         self.active = torch.zeros(max_batch, dtype=torch.bool, device=self.device)
+        # Host-side copies of `active` and `state.lengths` as prefill/decode/release leave them, so the graph path
+        # can refuse a full slot without reading the device (code that writes the tensors directly bypasses them).
+        self._host_active = [False] * max_batch
+        self._host_lengths = [0] * max_batch
         self._ids = torch.zeros(max_batch, dtype=torch.int64, device=self.device)     # decode input buffer
         self._graph: torch.cuda.CUDAGraph | None = None
         self._graph_logits: torch.Tensor | None = None
@@ -143,6 +147,11 @@ class Engine:
         bad = [s for s in slots if not 0 <= s < self.max_batch]
         if bad:
             raise ValueError(f"slots {bad} outside [0, {self.max_batch})")
+        active = self.active.tolist()
+        busy = [s for s in slots if active[s]]
+        if busy:
+            raise ValueError(f"slots {busy} hold active sequences; release them first (a prefill would overwrite "
+                             "their state)")
         too_long = [len(p) for p in prompts if len(p) > self.max_len]
         if too_long:
             raise ValueError(f"prompt of {too_long[0]} tokens exceeds the engine's max_len={self.max_len}")
@@ -175,6 +184,8 @@ class Engine:
         s.kda_state[:, idx] = rec.to(s.kda_state.dtype)
         s.lengths[idx] = total
         self.active[idx] = True
+        for slot, p in zip(slots, prompts):
+            self._host_active[slot], self._host_lengths[slot] = True, len(p)
         return last
 
     def _fresh_prefill(self, ids, lengths):
@@ -220,14 +231,24 @@ class Engine:
     def release(self, slot: int) -> None:
         """Free a slot; its state is left as is and overwritten by the next prefill into it."""
         self.active[slot] = False
+        self._host_active[slot] = False
 
     # ------------------------------------------------------------------ decode: one token per slot
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens `[max_batch]` (inactive slots: any id) -> logits `[max_batch, V]` (inactive rows: junk).
-        Active slots write their new MLA row at their position and advance by one; callers keep positions
-        below `max_len` (the `Generator` does)."""
+        Active slots write their new MLA row at their position and advance by one; an active slot already
+        holding `max_len` rows is refused (ValueError) before anything runs."""
+        if self._graph is not None:
+            full = [b for b in range(self.max_batch) if self._host_active[b] and self._host_lengths[b] >= self.max_len]
+        else:
+            full = torch.nonzero(self.active & (self.state.lengths >= self.max_len)).flatten().tolist()
+        if full:
+            raise ValueError(f"slots {full} are full (max_len={self.max_len} cache rows); a decode step would "
+                             "overwrite their last row: release them or use an engine with a larger max_len")
         self._ids.copy_(tokens)
+        for b in range(self.max_batch):
+            self._host_lengths[b] += self._host_active[b]
         if self._graph is not None:
             self._graph.replay()
             return self._graph_logits
@@ -316,7 +337,7 @@ class Generator:
             raise ValueError(f"a {len(prompt)}-token prompt with max_new_tokens={max_new_tokens} needs {need} "
                              f"cache rows; the engine holds max_len={e.max_len}")
         r = Request(list(prompt), max_new_tokens, sampling, tuple(stop_tokens))
-        r._gen = torch.Generator().manual_seed(sampling.seed)
+        r._gen = row_generator(sampling)
         self.waiting.append(r)
         return r
 
@@ -387,13 +408,14 @@ def _run_command():
 
     import click
 
-    from k3export.commands import generation_options, parse_ids
+    from k3export.commands import check_device, generation_options, parse_ids, parse_stop
 
     @click.command("run")
     @click.option("--engine", "engine_dir", required=True, type=click.Path(file_okay=False),
                   help="Engine directory from `k3export build`.")
     @generation_options
-    @click.option("--max-batch", type=int, default=None, help="Slots (default: number of prompts).")
+    @click.option("--max-batch", type=int, default=None,
+                  help="Slots (default: the number of prompts, at most the engine's batch maximum).")
     @click.option("--device", default=None, help="Default: the device the engine was built for.")
     @click.option("--no-cuda-graphs", is_flag=True, help="Decode without CUDA-graph capture.")
     def run(engine_dir, ids_text, max_new_tokens, temperature, top_k, top_p, seed, stop_text, max_batch, device,
@@ -402,12 +424,15 @@ def _run_command():
         `--max-batch` slots, are prefilled into free slots and decoded together."""
         from k3export.build import EngineError, load_engine
         prompts = parse_ids(ids_text)
+        stop = parse_stop(stop_text)
+        if device is not None:
+            check_device(device)
         try:
             sampling = Sampling(temperature, top_k, top_p, seed)
-            stop = tuple(int(t) for t in stop_text.split(",") if t.strip())
             max_len = max(map(len, prompts)) + max_new_tokens
             t0 = time.perf_counter()
-            engine = load_engine(engine_dir, max_batch or len(prompts), max_len, device, not no_cuda_graphs)
+            engine = load_engine(engine_dir, max_batch or len(prompts), max_len, device, not no_cuda_graphs,
+                                 fit_batch=max_batch is None)
             t_load = time.perf_counter() - t0
             gen = Generator(engine)
             t0 = time.perf_counter()

@@ -200,6 +200,18 @@ def test_build_writes_leave_no_temporary_files(eager_dir):
     assert sorted(p.name for p in eager_dir.iterdir()) == ["build.log", "manifest.json", "weights.safetensors"]
 
 
+def test_run_queues_prompts_beyond_the_profile_batch(eager_dir, reference):
+    """Five prompts, a decode profile of batch <= 4: `run` takes 4 slots and the fifth prompt queues."""
+    from click.testing import CliRunner
+    from k3export.cli import main
+    prompts = PROMPTS + [[4, 4], [5]]
+    r = CliRunner().invoke(main, ["run", "--engine", str(eager_dir), "--ids", ";".join(",".join(map(str, p))
+                                  for p in prompts), "--max-new-tokens", "5", "--device", "cpu"])
+    assert r.exit_code == 0, r.output
+    assert "4 slots" in r.output
+    assert r.output.splitlines()[:3] == [f"{p} -> {o}" for p, o in zip(PROMPTS, reference)]
+
+
 def test_engine_built_for_cuda_without_cuda_is_refused_clearly(eager_dir, tmp_path):
     if torch.cuda.is_available():
         pytest.skip("checks the message on a machine without CUDA")

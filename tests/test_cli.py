@@ -2,6 +2,7 @@
 
 import json
 
+import torch
 from click.testing import CliRunner
 
 from k3export.cli import main
@@ -57,3 +58,38 @@ def test_demo_runs_end_to_end(tmp_path):
     assert r.exit_code == 0, r.output
     assert (tmp_path / "demo" / "checkpoint" / "model.safetensors").exists()
     assert json.loads((tmp_path / "demo" / "generate.json").read_text())["tokens"]
+
+
+def test_more_bad_input_gives_a_message_not_a_traceback(tmp_path):
+    cases = [(["generate", "--ids", "1,2", "--stop", "abc"], "expected comma-separated token ids"),
+             (["generate", "--ids", "1,2", "--max-new-tokens", "-3"], "must be >= 1, got -3"),
+             (["generate", "--ids", "1,2", "--max-new-tokens", "0"], "must be >= 1, got 0"),
+             (["generate", "--ids", "", "--device", "cpu"], "no prompt token ids"),
+             (["generate", "--ids", ";", "--device", "cpu"], "no prompt token ids"),
+             (["generate", "--ids", "1", "--device", "nonsense"], "Invalid value for '--device'"),
+             (["run", "--engine", str(tmp_path), "--ids", ""], "no prompt token ids"),
+             (["run", "--engine", str(tmp_path), "--ids", "1", "--stop", "x"], "expected comma-separated")]
+    if not torch.cuda.is_available():
+        cases.append((["generate", "--ids", "1", "--device", "cuda"], "CUDA is not available here"))
+    for args, msg in cases:
+        r = CliRunner().invoke(main, args)
+        assert r.exit_code in (1, 2) and isinstance(r.exception, SystemExit) and msg in r.output, (args, r.output)
+
+
+def test_generate_and_run_sample_the_same_tokens(tmp_path):
+    """Same preset weights (seed 0), prompts and sampling seed: `generate` (eager, one batch) and `run` (an
+    eager engine, continuous batching with two slots for three prompts) print the same tokens."""
+    b = run("build", "--backend", "eager", "--preset", "k3-tiny", "--device", "cpu", "--out", str(tmp_path),
+            "--max-batch", "2", "--max-len", "64")
+    assert b.exit_code == 0, b.output
+    engine = tmp_path / "k3-tiny-fp32-cpu-eager"
+    opts = ["--ids", "1,2,3;7,7;9,8,7,6", "--max-new-tokens", "5", "--temperature", "0.9", "--top-k", "30",
+            "--seed", "4"]
+    g = run("generate", "--preset", "k3-tiny", "--device", "cpu", *opts)
+    r = run("run", "--engine", str(engine), *opts)
+    assert g.exit_code == 0 and r.exit_code == 0, (g.output, r.output)
+    assert "2 slots" in r.output
+    assert g.output.splitlines()[:3] == r.output.splitlines()[:3]
+    if not torch.cuda.is_available():
+        c = CliRunner().invoke(main, ["run", "--engine", str(engine), "--device", "cuda", *opts])
+        assert c.exit_code == 1 and "CUDA is not available here" in c.output, c.output

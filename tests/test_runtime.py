@@ -100,3 +100,35 @@ def test_cuda_graph_decode_equals_plain_decode():
     for _ in range(3):                      # runs 2 and 3 capture and replay the (4, 11) prefill graph
         assert gen.generate(PROMPTS, 6) == ref
     assert list(gen.engine._prefill_graphs) == [(4, 11)]
+
+
+def test_sampled_rows_do_not_depend_on_the_batch_and_generate_equals_the_runtime(model):
+    """`generate` draws each row from its own generator seeded as `Generator.submit` seeds a request's, so the
+    sampled tokens of a prompt are the same alone, in a batch, and through the serving runtime."""
+    sampled = Sampling(temperature=0.9, top_k=30, top_p=0.9, seed=5)
+    batched = generate(model, PROMPTS[:3], 6, sampled)
+    assert batched == [alone(model, p, 6, sampled) for p in PROMPTS[:3]]
+    assert Generator(Engine(EagerBackend(model), max_batch=2, max_len=32)).generate(PROMPTS[:3], 6, sampled) \
+        == batched
+    assert batched != generate(model, PROMPTS[:3], 6)                # it did sample (not the greedy tokens)
+
+
+def test_engine_refuses_prefill_into_an_active_slot_and_decode_past_max_len(model):
+    engine = Engine(EagerBackend(model), max_batch=2, max_len=4)
+    engine.prefill([0], [[1, 2, 3]])
+    with pytest.raises(ValueError, match=r"slots \[0\] hold active sequences; release them first"):
+        engine.prefill([1, 0], [[4], [5]])
+    tok = torch.tensor([1, 0])
+    engine.decode(tok)                                               # row 4 of 4: fits
+    cache = engine.state.mla_cache.clone()
+    with pytest.raises(ValueError, match=r"slots \[0\] are full \(max_len=4 cache rows\)"):
+        engine.decode(tok)
+    assert torch.equal(engine.state.mla_cache, cache) and engine.state.lengths.tolist() == [4, 0]
+    engine.release(0)
+    engine.prefill([0], [[4]])                                       # a released slot takes a new prompt
+
+
+def test_generate_refuses_a_non_positive_token_budget(model):
+    for n in (0, -3):
+        with pytest.raises(ValueError, match=f"max_new_tokens must be >= 1, got {n}"):
+            generate(model, [[1, 2]], n)

@@ -132,7 +132,7 @@ def run_backend(name, backend, graphs, model, args, bw, rate, pb, bar) -> list[d
         t_first = time.perf_counter()
         eng = Engine(backend, max_batch=1, max_len=T + 1, cuda_graphs=graphs)
         prompt = torch.randint(0, cfg.vocab_size, (T,), generator=g).tolist()
-        ms = time_ms(lambda: eng.prefill([0], [prompt]), args["warmup"], args["iters"], cuda)
+        ms = time_ms(lambda: (eng.prefill([0], [prompt]), eng.release(0)), args["warmup"], args["iters"], cuda)
         del eng
         fl = prefill_flops(cfg, dtype, pb, T)
         floor = max(fl / rate if rate else 0.0, (pb["other"] + pb["experts"]) / bw) * 1e3
