@@ -1,3 +1,7 @@
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -19,3 +23,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def interp(request):
+    """Results of the requesting test module run as a script under the Triton interpreter. `triton.jit` (and
+    triton's own library functions) pick the interpreter when triton is first imported, so the CPU kernel cases
+    run in a fresh process with TRITON_INTERPRET=1 set before that import; the script prints one JSON dict of
+    relative errors as its last line."""
+    run = subprocess.run([sys.executable, request.module.__file__], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])

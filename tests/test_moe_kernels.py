@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
-if __name__ == "__main__":  # the interpreter run (see `interp`): the flag must be set before triton is imported
+if __name__ == "__main__":  # the interpreter run (see `interp` in conftest.py): the flag must be set before triton is imported
     os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest
@@ -97,15 +95,6 @@ def _interpreter_cases() -> dict:
     except ValueError as e:
         res["bad-shape-named"] = float("w1" in str(e))
     return res
-
-
-@pytest.fixture(scope="module")
-def interp():
-    """`triton.jit` (and triton's own library functions) pick the interpreter when triton is first imported, so
-    the CPU cases run in a fresh process with TRITON_INTERPRET=1 set before that import."""
-    run = subprocess.run([sys.executable, __file__], capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("case,bound", [("moe-fp32-decode-k4-True", FP32_BOUND), ("moe-fp32-decode-k4-False",
