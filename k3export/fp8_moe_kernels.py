@@ -22,20 +22,10 @@ import triton.language as tl
 
 from k3export.fp8_kernels import INTERPRET, fp8_quant_fwd
 from k3export.plugins.kda.naive import acc_dtype
-from k3export.plugins.moe.kernels import _tanh, align_blocks
+from k3export.plugins.moe.kernels import _block_rows, _tanh, align_blocks
 from k3export.plugins.moe.naive import route
 
 _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
-
-
-@triton.jit
-def _block_rows(order, block_expert, block_row, block_rows, BLOCK_M: tl.constexpr):
-    pb = tl.program_id(0)
-    e = tl.load(block_expert + pb)
-    offs_m = tl.arange(0, BLOCK_M)
-    m_ok = offs_m < tl.load(block_rows + pb)
-    pair = tl.load(order + tl.load(block_row + pb) + offs_m, mask=m_ok, other=0)    # invalid blocks: 0 rows
-    return e, pair, m_ok
 
 
 @triton.jit

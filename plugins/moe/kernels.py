@@ -134,18 +134,27 @@ def align_blocks(ids: torch.Tensor, E: int, block_m: int):
 
 # ---------------------------------------------------------------------------------------------- experts
 @triton.jit
+def _block_rows(order, block_expert, block_row, block_rows, BLOCK_M: tl.constexpr):
+    """This program's expert (-1: an unused block), its (token, slot) pair ids and their row mask."""
+    pb = tl.program_id(0)
+    e = tl.load(block_expert + pb)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_ok = offs_m < tl.load(block_rows + pb)
+    pair = tl.load(order + tl.load(block_row + pb) + offs_m, mask=m_ok, other=0)    # invalid blocks: 0 rows
+    return e, pair, m_ok
+
+
+@triton.jit
 def moe_gemm1_fwd_kernel(z, w1, w3, h, order, block_expert, block_row, block_rows,
                          L, I, stride_zn, stride_we, stride_wi, stride_hm, beta, linear_beta,
                          TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr):
     """Block pb, columns [n0, n0 + BLOCK_N) of I: h = SiTU_GLU(z_rows W1_e^T, z_rows W3_e^T) -> h.dtype."""
     pb = tl.program_id(0)
-    e = tl.load(block_expert + pb)
+    e, pair, m_ok = _block_rows(order, block_expert, block_row, block_rows, BLOCK_M)
     if e < 0:
         return
     offs_m = tl.arange(0, BLOCK_M)
-    m_ok = offs_m < tl.load(block_rows + pb)
-    pair = tl.load(order + tl.load(block_row + pb) + offs_m, mask=m_ok, other=0)
     token = pair // TOP_K
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < I
@@ -173,12 +182,10 @@ def moe_gemm2_fwd_kernel(h, w2, y, order, block_expert, block_row, block_rows,
                          DOT_PREC: tl.constexpr):
     """Block pb, columns [n0, n0 + BLOCK_N) of L: y[pair] = h_rows W2_e^T in fp32, rows back in pair order."""
     pb = tl.program_id(0)
-    e = tl.load(block_expert + pb)
+    e, pair, m_ok = _block_rows(order, block_expert, block_row, block_rows, BLOCK_M)
     if e < 0:
         return
     offs_m = tl.arange(0, BLOCK_M)
-    m_ok = offs_m < tl.load(block_rows + pb)
-    pair = tl.load(order + tl.load(block_row + pb) + offs_m, mask=m_ok, other=0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < L
     offs_k = tl.arange(0, BLOCK_K)
