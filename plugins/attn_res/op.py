@@ -17,3 +17,9 @@ def attn_res(bank: Tensor, p: Tensor, norm_weight: Tensor, proj_weight: Tensor, 
 @attn_res.register_fake
 def _(bank, p, norm_weight, proj_weight, eps):
     return p.new_empty(p.shape)                      # contiguous, like the implementation
+
+
+try:  # the Triton kernel registers itself as the CUDA implementation, only with K3_ATTN_RES_TRITON=1 (kernels.py)
+    from . import kernels  # noqa: F401,E402
+except ImportError:
+    pass

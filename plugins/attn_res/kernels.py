@@ -1,0 +1,114 @@
+"""Triton AttnRes kernel: one launch for `k3::attn_res` (see CONTRACT.md), replacing ~18 small torch kernels.
+
+    pass 1:  per source j (bank rows 0..n-1, then p), over d in BLOCK_D chunks, in fp32:
+             ss_j = sum_d V_j^2,  dot_j = sum_d V_j * norm_weight * proj_weight
+             s_j = rsqrt(ss_j / d + eps) * dot_j;  a = softmax_j(s)
+    pass 2:  out = sum_j a_j V_j in fp32 -> p.dtype                  attn_res_fwd_kernel   [N, d]
+
+One program per token row; the row's n + 1 sources are read twice (no fp32 copy of them is kept).
+
+Off by default: the kernel becomes the CUDA implementation of `k3::attn_res` only when the environment variable
+K3_ATTN_RES_TRITON=1 is set when this module is imported (it is interpreter-tested, not yet run on a GPU).
+float64 inputs always keep the plain-torch reference.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ..triton_common import check, pow2
+from .op import attn_res
+
+MAX_SOURCES = 16                     # bank rows a launch takes (K3: n <= 8); N_SRC is a power of two >= n
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+ENABLED = os.environ.get("K3_ATTN_RES_TRITON") == "1"
+
+
+@triton.jit
+def attn_res_fwd_kernel(bank, p, nw, pw, out, n, D, stride_bn, stride_bj, stride_pn, eps,
+                        N_SRC: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Row r: out[r] = sum_j softmax(s)_j V_j over V = (bank[r, 0..n-1], p[r]); the d axis has unit stride."""
+    r = tl.program_id(0).to(tl.int64)
+    offs_j = tl.arange(0, N_SRC)
+    j_ok = offs_j < n
+    offs_d = tl.arange(0, BLOCK_D)
+    b_row = bank + r * stride_bn + offs_j[:, None].to(tl.int64) * stride_bj     # [N_SRC, 1] pointers
+    p_row = p + r * stride_pn
+    ss_b = tl.zeros([N_SRC], tl.float32)
+    dot_b = tl.zeros([N_SRC], tl.float32)
+    ss_p = tl.zeros([BLOCK_D], tl.float32)
+    dot_p = tl.zeros([BLOCK_D], tl.float32)
+    for d0 in range(0, D, BLOCK_D):                                              # pass 1: the scores
+        d_ok = (d0 + offs_d) < D
+        gw = tl.load(nw + d0 + offs_d, mask=d_ok, other=0.0).to(tl.float32) * \
+            tl.load(pw + d0 + offs_d, mask=d_ok, other=0.0).to(tl.float32)       # [BLOCK_D]
+        vb = tl.load(b_row + d0 + offs_d[None, :], mask=j_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        vp = tl.load(p_row + d0 + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+        ss_b += tl.sum(vb * vb, 1)
+        dot_b += tl.sum(vb * gw[None, :], 1)
+        ss_p += vp * vp
+        dot_p += vp * gw
+    s_b = tl.where(j_ok, tl.rsqrt(ss_b / D + eps) * dot_b, float("-inf"))      # [N_SRC]
+    s_p = tl.rsqrt(tl.sum(ss_p, 0) / D + eps) * tl.sum(dot_p, 0)
+    m = tl.maximum(tl.max(s_b, 0), s_p)
+    e_b = tl.exp(s_b - m)
+    e_p = tl.exp(s_p - m)
+    z = tl.sum(e_b, 0) + e_p
+    a_b = e_b / z
+    a_p = e_p / z
+    o_row = out + r * D
+    for d0 in range(0, D, BLOCK_D):                                              # pass 2: the mix
+        d_ok = (d0 + offs_d) < D
+        vb = tl.load(b_row + d0 + offs_d[None, :], mask=j_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        vp = tl.load(p_row + d0 + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+        o = tl.sum(a_b[:, None] * vb, 0) + a_p * vp
+        tl.store(o_row + d0 + offs_d, o.to(out.dtype.element_ty), mask=d_ok)
+
+
+def attn_res_fwd(bank, p, norm_weight, proj_weight, eps: float, block_d: int | None = None):
+    """The op's contract (see op.py): bank `[N, n, d]` (1 <= n <= 16), p `[N, d]`, norm_weight `[d]`,
+    proj_weight `[1, d]` or `[d]` -> out `[N, d]` contiguous, in p.dtype; fp32 inside.
+
+    bank and p may be row-strided views (the model passes `bank[:, :n]` of its `[N, blocks, d]` bank): only the d
+    axis must have unit stride, else that tensor is copied. block_d (a power of two) overrides the chunk width."""
+    check(bank.dim() == 3, f"attn_res: bank must be [N, n, d], got shape {tuple(bank.shape)}")
+    N, n, D = bank.shape
+    check(1 <= n <= MAX_SOURCES, f"attn_res: bank has n={n} sealed rows; the kernel takes 1..{MAX_SOURCES}")
+    check(tuple(p.shape) == (N, D), f"attn_res: p {tuple(p.shape)} must be [N={N}, d={D}] like bank "
+          f"{tuple(bank.shape)}")
+    check(tuple(norm_weight.shape) == (D,), f"attn_res: norm_weight {tuple(norm_weight.shape)} must be [d={D}]")
+    check(tuple(proj_weight.shape) in ((1, D), (D,)), f"attn_res: proj_weight {tuple(proj_weight.shape)} must be "
+          f"[1, d={D}] or [d={D}]")
+    for name, t in (("bank", bank), ("p", p), ("norm_weight", norm_weight), ("proj_weight", proj_weight)):
+        check(t.dtype in DTYPES, f"attn_res: {name} is {t.dtype}; the kernel takes float32/float16/bfloat16 "
+              f"(float64 runs use the reference, attn_res_mix)")
+        check(t.device == p.device, f"attn_res: {name} is on {t.device}, p on {p.device}")
+    check(block_d is None or (block_d >= 16 and block_d & (block_d - 1) == 0),
+          f"attn_res: block_d={block_d} must be a power of two >= 16")
+    out = torch.empty((N, D), device=p.device, dtype=p.dtype)
+    if out.numel() == 0:
+        return out
+    bank = bank if bank.stride(-1) == 1 else bank.contiguous()
+    p = p if p.stride(-1) == 1 else p.contiguous()
+    nw = norm_weight.contiguous()
+    pw = proj_weight.reshape(-1).contiguous()
+    n_src = pow2(n, 2)
+    # ~4096 fp32 values of bank per chunk (8 x 512 for K3's n = 8): enough bytes in flight, few registers
+    bd = block_d or min(pow2(D), max(64, 4096 // n_src))
+    attn_res_fwd_kernel[(N,)](bank, p, nw, pw, out, n, D, bank.stride(0), bank.stride(1), p.stride(0), float(eps),
+                              N_SRC=n_src, BLOCK_D=bd, num_warps=4)
+    return out
+
+
+def _cuda(bank, p, norm_weight, proj_weight, eps):
+    if torch.float64 in (bank.dtype, p.dtype, norm_weight.dtype, proj_weight.dtype):  # validation stays fp64
+        return attn_res._init_fn(bank, p, norm_weight, proj_weight, eps)
+    return attn_res_fwd(bank, p, norm_weight, proj_weight, eps)
+
+
+if ENABLED:
+    attn_res.register_kernel("cuda")(_cuda)

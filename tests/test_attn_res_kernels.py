@@ -1,0 +1,161 @@
+"""Triton AttnRes kernel (`plugins/attn_res/kernels.py`) against the plain-torch twin (`attn_res_mix`).
+
+CPU: the kernel runs under TRITON_INTERPRET=1 at tiny shapes (N=5, d=200: not a multiple of the chunk width),
+n in {1, 3, 8}, fp32 and fp16, bank as the model passes it (a row-strided view) and contiguous, one source with a
+much larger norm. GPU (`cuda`): K3 shape (N=4096, n=8, d=7168) in bf16 through `attn_res_fwd` directly (the
+op's CUDA registration is off unless K3_ATTN_RES_TRITON=1, and this test sets nothing globally).
+
+Error = max |kernel - reference| / max |reference| on the same inputs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+if __name__ == "__main__":  # the interpreter run (see `interp`): the flag must be set before triton is imported
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest
+import torch
+
+from k3export.plugins.attn_res.naive import attn_res_mix
+
+# Named bounds. fp32 vs the fp64 reference: the same math in fp32, the d-long sums in another order (contract:
+# the fp32 reference vs fp64 1.9e-7; the kernel measured 2.1e-7).
+FP32_BOUND = 1e-6
+# fp32 vs the fp32 reference: both errors add up, and the reference's own error vs fp64 reaches 8.0e-7 here
+# (n=8, a 1e3-norm bank row, peaked softmax); the kernel measured 9.1e-7 against it.
+FP32_VS_REF32_BOUND = 2e-6
+# fp16 vs the fp64 reference on the same fp16 inputs: the output is rounded to fp16 once (2^-11 relative).
+FP16_BOUND = 2e-3
+# bf16 (GPU) vs attn_res_mix on the same bf16 inputs: both round their fp32 result to bf16 once; sums in another
+# order can land on the neighbouring bf16 value (2^-8 relative).
+BF16_BOUND = 1e-2
+# fp32 on the GPU at d = 7168: rsqrt.approx and 7168-long sums in another order (the contract's kernel bound).
+FP32_GPU_BOUND = 1e-5
+EPS = 1e-6
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+
+
+def _rel(out, ref):
+    return ((out.double() - ref.double()).abs().max() / ref.double().abs().max()).item()
+
+
+def _inputs(N, n, d, dtype, device="cpu", big=None, strided=True):
+    """Random bank `[N, n, d]` (a view of a wider `[N, n + 2, d]` bank unless strided=False), p, weights.
+    big: index of the source (n = p) scaled by 1e3, so its norm dwarfs the others'."""
+    full = torch.randn(N, n + 2 if strided else n, d, device=device)
+    p = torch.randn(N, d, device=device)
+    if big is not None:
+        (p if big == n else full[:, big]).mul_(1e3)
+    nw = 1 + 0.1 * torch.randn(d, device=device)
+    pw = torch.randn(1, d, device=device) * d ** -0.5 * 4          # scores of a few units: a peaked softmax
+    return [full.to(dtype)[:, :n]] + [t.to(dtype) for t in (p, nw, pw)]
+
+
+def _interpreter_cases() -> dict:
+    """Every CPU case, run in this process under TRITON_INTERPRET=1 -> {case: relative error or flag}."""
+    import importlib
+
+    from k3export.plugins.attn_res import kernels
+    from k3export.plugins.attn_res.op import attn_res
+    res = {}
+    N, d = 5, 200
+    for name, dt in DTYPES.items():
+        for n in (1, 3, 8):
+            for big in (None, n // 2, n):                         # none, a bank row, p
+                torch.manual_seed(100 * n + (big if big is not None else 99))
+                bank, p, nw, pw = _inputs(N, n, d, dt, big=big, strided=n != 3)
+                ref64 = attn_res_mix(bank.double(), p.double(), nw.double(), pw.double(), EPS)
+                for bd in (64, None):                             # 4 chunks (the last 8 wide); the default width
+                    out = kernels.attn_res_fwd(bank, p, nw, pw, EPS, block_d=bd)
+                    assert out.dtype == dt and out.shape == p.shape and out.is_contiguous()
+                    key = f"{name}-n{n}-big{big}-bd{bd}"
+                    res[f"{key}-vs64"] = _rel(out, ref64)
+                    if dt == torch.float32:
+                        res[f"{key}-vs32"] = _rel(out, attn_res_mix(bank, p, nw, pw, EPS))
+    # A zero query gives the plain mean of the sources (contract); proj_weight as [d].
+    torch.manual_seed(3)
+    bank, p, nw, _ = _inputs(N, 3, d, torch.float32)
+    out = kernels.attn_res_fwd(bank, p, nw, torch.zeros(d), EPS)
+    res["zero-query-mean"] = _rel(out, torch.cat([bank, p[:, None]], 1).double().mean(1))
+    # The CUDA entry point: float64 keeps the reference (bit-identical), fp32 runs the kernel.
+    b64, p64, nw64, pw64 = (t.double() for t in _inputs(N, 3, d, torch.float32))
+    res["fp64-uses-reference"] = float(torch.equal(kernels._cuda(b64, p64, nw64, pw64, EPS),
+                                                   attn_res_mix(b64, p64, nw64, pw64, EPS)))
+    res["cuda-entry-fp32"] = _rel(kernels._cuda(b64.float(), p64.float(), nw64.float(), pw64.float(), EPS),
+                                  attn_res_mix(b64, p64, nw64, pw64, EPS))
+    # Bad input: a ValueError naming the culprit.
+    bad = {"p": ((bank, p[:, :-1], nw, pw), "p (5, 199)"), "n=17": ((torch.randn(N, 17, d), p, nw, pw), "n=17"),
+           "float64": ((bank.double(), p, nw, pw), "bank is torch.float64"),
+           "proj_weight": ((bank, p, nw, pw[:, :-1]), "proj_weight (1, 199)")}
+    for key, (args, words) in bad.items():
+        try:
+            kernels.attn_res_fwd(*args, EPS)
+            res[f"bad-{key}-named"] = 0.0
+        except ValueError as e:
+            res[f"bad-{key}-named"] = float(words in str(e))
+    # Registration: off by default (the parent removed K3_ATTN_RES_TRITON), on with K3_ATTN_RES_TRITON=1.
+    res["off-by-default"] = float(not kernels.ENABLED and "cuda" not in attn_res._backend_fns)
+    os.environ["K3_ATTN_RES_TRITON"] = "1"
+    importlib.reload(kernels)
+    res["on-with-env"] = float(kernels.ENABLED and "cuda" in attn_res._backend_fns)
+    return res
+
+
+@pytest.fixture(scope="module")
+def interp():
+    """`triton.jit` picks the interpreter when triton is first imported, so the CPU cases run in a fresh process
+    with TRITON_INTERPRET=1 set before that import (and K3_ATTN_RES_TRITON unset, to see the default)."""
+    env = {k: v for k, v in os.environ.items() if k != "K3_ATTN_RES_TRITON"}
+    run = subprocess.run([sys.executable, __file__], capture_output=True, text=True, timeout=600, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_interpreted_fp32(interp):
+    vs64 = {k: v for k, v in interp.items() if k.startswith("fp32-") and k.endswith("-vs64")}
+    vs32 = {k: v for k, v in interp.items() if k.startswith("fp32-") and k.endswith("-vs32")}
+    assert len(vs64) == len(vs32) == 18, interp
+    assert max(vs64.values()) < FP32_BOUND, vs64
+    assert max(vs32.values()) < FP32_VS_REF32_BOUND, vs32
+    assert interp["zero-query-mean"] < FP32_BOUND and interp["cuda-entry-fp32"] < FP32_BOUND, interp
+
+
+def test_interpreted_fp16(interp):
+    errs = {k: v for k, v in interp.items() if k.startswith("fp16-")}
+    assert len(errs) == 18 and max(errs.values()) < FP16_BOUND, errs
+
+
+@pytest.mark.parametrize("flag", ["fp64-uses-reference", "bad-p-named", "bad-n=17-named", "bad-float64-named",
+                                  "bad-proj_weight-named", "off-by-default", "on-with-env"])
+def test_interpreted_flags(interp, flag):
+    assert interp[flag] == 1.0, interp
+
+
+# ---------------------------------------------------------------------------------------------- GPU, K3 shape
+@pytest.mark.cuda
+@pytest.mark.parametrize("N", [1, 4096])
+def test_attn_res_k3_shape(N):
+    """K3: n = 8 sealed rows (embedding + 7 blocks) as a view of a wider bank (as the model passes it), d = 7168,
+    bf16; the embedding row with a much larger norm."""
+    from k3export.plugins.attn_res.kernels import attn_res_fwd
+    torch.manual_seed(N)
+    bank, p, nw, pw = _inputs(N, 8, 7168, torch.bfloat16, "cuda", big=0)
+    out = attn_res_fwd(bank, p, nw, pw, EPS)
+    err = _rel(out, attn_res_mix(bank, p, nw, pw, EPS))
+    print(f"attn_res N={N} n=8 d=7168 bf16: rel err {err:.2e}")
+    assert out.dtype == torch.bfloat16 and out.shape == p.shape and err < BF16_BOUND
+    wide = torch.empty(N, 9, 7168, device="cuda")                  # fp32, again as a view of a wider bank
+    wide[:, :8] = bank
+    args = [wide[:, :8]] + [t.float() for t in (p, nw, pw)]
+    err32 = _rel(attn_res_fwd(*args, EPS), attn_res_mix(*args, EPS))
+    print(f"attn_res N={N} n=8 d=7168 fp32: rel err {err32:.2e}")
+    assert err32 < FP32_GPU_BOUND
+
+
+if __name__ == "__main__":
+    print(json.dumps(_interpreter_cases()))
