@@ -86,52 +86,36 @@ def prefill_rows(w, rate, tokens=(4096, 8192, 16384)) -> list[dict]:
     return out
 
 
-def sweep_prefill(w, N=8192) -> list[dict]:
-    """A few grouped-GEMM tilings at N tokens; leaves the fastest in CONFIGS['prefill']."""
+# Tilings tried per regime: (BN, BK, warps, stages) for each GEMM.
+SWEEPS = {
+    "prefill": [{"block_m": 128, "gemm1": (64, 64, 8, 3), "gemm2": (128, 64, 8, 3)},
+                {"block_m": 128, "gemm1": (128, 64, 8, 3), "gemm2": (128, 64, 8, 4)},
+                {"block_m": 64, "gemm1": (64, 64, 4, 4), "gemm2": (128, 64, 4, 4)},
+                {"block_m": 128, "gemm1": (64, 64, 4, 4), "gemm2": (256, 64, 8, 3)}],
+    "decode": [{"block_m": 16, "gemm1": (64, 128, 4, 4), "gemm2": (64, 128, 4, 4)},
+               {"block_m": 16, "gemm1": (32, 256, 4, 4), "gemm2": (32, 256, 4, 4)},
+               {"block_m": 16, "gemm1": (64, 256, 8, 3), "gemm2": (64, 256, 8, 3)},
+               {"block_m": 16, "gemm1": (32, 128, 4, 6), "gemm2": (64, 128, 4, 6)}],
+}
+
+
+def sweep(w, regime: str, N: int, rep: int) -> list[dict]:
+    """Time each tiling of `regime` at N tokens; leaves the fastest in CONFIGS[regime]."""
     from k3export.plugins.moe import kernels as Km
     g, b, w1, w3, w2 = w
     x = torch.randn(N, D, device="cuda", dtype=torch.bfloat16)
     z = torch.randn(N, L, device="cuda", dtype=torch.bfloat16)
-    base = dict(Km.CONFIGS["prefill"])
-    variants = [{"block_m": 128, "gemm1": (64, 64, 8, 3), "gemm2": (128, 64, 8, 3)},
-                {"block_m": 128, "gemm1": (128, 64, 8, 3), "gemm2": (128, 64, 8, 4)},
-                {"block_m": 64, "gemm1": (64, 64, 4, 4), "gemm2": (128, 64, 4, 4)},
-                {"block_m": 128, "gemm1": (64, 64, 4, 4), "gemm2": (256, 64, 8, 3)}]
-    rows, best = [], (float("inf"), base)
-    for v in variants:
-        Km.CONFIGS["prefill"] = v
+    rows, best = [], (float("inf"), dict(Km.CONFIGS[regime]))
+    for v in SWEEPS[regime]:
+        Km.CONFIGS[regime] = v
         try:
-            ms = bench_ms(lambda: Km.moe_routed_fwd(x, z, g, b, w1, w3, w2, regime="prefill", **ARGS), rep=10)
+            ms = bench_ms(lambda: Km.moe_routed_fwd(x, z, g, b, w1, w3, w2, regime=regime, **ARGS), rep=rep)
         except Exception as e:
             rows.append({**v, "error": type(e).__name__})
             continue
         rows.append({**v, "ms": ms, "TFLOP/s": N * K * 6 * L * I / ms / 1e9})
         best = min(best, (ms, v), key=lambda t: t[0])
-    Km.CONFIGS["prefill"] = best[1]
-    return rows
-
-
-def sweep_decode(w, N=1) -> list[dict]:
-    from k3export.plugins.moe import kernels as Km
-    g, b, w1, w3, w2 = w
-    x = torch.randn(N, D, device="cuda", dtype=torch.bfloat16)
-    z = torch.randn(N, L, device="cuda", dtype=torch.bfloat16)
-    base = dict(Km.CONFIGS["decode"])
-    variants = [{"block_m": 16, "gemm1": (64, 128, 4, 4), "gemm2": (64, 128, 4, 4)},
-                {"block_m": 16, "gemm1": (32, 256, 4, 4), "gemm2": (32, 256, 4, 4)},
-                {"block_m": 16, "gemm1": (64, 256, 8, 3), "gemm2": (64, 256, 8, 3)},
-                {"block_m": 16, "gemm1": (32, 128, 4, 6), "gemm2": (64, 128, 4, 6)}]
-    rows, best = [], (float("inf"), base)
-    for v in variants:
-        Km.CONFIGS["decode"] = v
-        try:
-            ms = bench_ms(lambda: Km.moe_routed_fwd(x, z, g, b, w1, w3, w2, regime="decode", **ARGS), rep=50)
-        except Exception as e:
-            rows.append({**v, "error": type(e).__name__})
-            continue
-        rows.append({**v, "ms": ms})
-        best = min(best, (ms, v), key=lambda t: t[0])
-    Km.CONFIGS["decode"] = best[1]
+    Km.CONFIGS[regime] = best[1]
     return rows
 
 
@@ -148,11 +132,11 @@ def moe(out: Path, quick: bool) -> None:
     res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
            "copy_TBps": bw / 1e12, "matmul_TFLOPs": rate / 1e12}
     if not quick:
-        res["sweep_decode"] = sweep_decode(w)
+        res["sweep_decode"] = sweep(w, "decode", N=1, rep=50)
         print("decode sweep:", json.dumps(res["sweep_decode"]), flush=True)
     res["decode"] = decode_rows(w, bw, (1, 4, 16, 64) if not quick else (1, 64))
     if not quick:
-        res["sweep_prefill"] = sweep_prefill(w)
+        res["sweep_prefill"] = sweep(w, "prefill", N=8192, rep=10)
         print("prefill sweep:", json.dumps(res["sweep_prefill"]), flush=True)
     res["prefill"] = prefill_rows(w, rate, (4096, 8192, 16384) if not quick else (4096,))
     from k3export.plugins.moe.kernels import CONFIGS
