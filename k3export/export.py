@@ -227,6 +227,7 @@ def export_graphs(model: K3Model, out: str | Path, limits: ExportLimits = Export
         "state": state_layout(cfg, model.dtype),
         "versions": library_versions(),
         "meta": meta,
+        "device": model.device.type,
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
     }
     write_manifest(out, manifest)
@@ -257,6 +258,20 @@ def _check_limits(limits: ExportLimits) -> None:
                          f"{EXAMPLE['batch']}, max_tokens >= {EXAMPLE['tokens']}, max_cache >= {EXAMPLE['cache']}")
 
 
+def _check_device(device: str, meta: bool) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"--device {device!r}: {e}") from None
+    if meta and dev.type != "cpu":
+        raise ValueError("--meta builds graphs without weights; it takes no --device")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device here (torch.cuda.is_available() is False)")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {device!r}: use cpu or cuda")
+    return dev
+
+
 @click.command("export")
 @click.option("--checkpoint", type=click.Path(exists=True, file_okay=False), help="Checkpoint directory.")
 @click.option("--preset", type=click.Choice(sorted(PRESETS)), help="Random weights of a preset instead (k3: meta).")
@@ -267,7 +282,9 @@ def _check_limits(limits: ExportLimits) -> None:
 @click.option("--max-tokens", type=int, default=ExportLimits.max_tokens, show_default=True)
 @click.option("--max-cache", type=int, default=ExportLimits.max_cache, show_default=True)
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
-def export_cmd(checkpoint, preset, out, seed, meta, max_batch, max_tokens, max_cache, dtype):
+@click.option("--device", default="cpu", show_default=True,
+              help="Where the weights live and the graphs run (cuda: the k3 ops run their Triton kernels there).")
+def export_cmd(checkpoint, preset, out, seed, meta, max_batch, max_tokens, max_cache, dtype, device):
     """Export prefill.pt2 and decode.pt2 (torch.export around the k3 ops) and manifest.json."""
     from k3export.manifest import checkpoint_fingerprint, preset_fingerprint
     from k3export.model.weights import random_model
@@ -279,16 +296,17 @@ def export_cmd(checkpoint, preset, out, seed, meta, max_batch, max_tokens, max_c
     try:
         limits = ExportLimits(max_batch, max_tokens, max_cache)
         _check_limits(limits)
+        device = _check_device(device, meta)
         if meta:
             config = K3Config.from_hf(checkpoint) if checkpoint else K3Config.from_name(preset)
             with torch.device("meta"):
                 model = K3Model(config).to(dt)
             source = {"weights": f"meta:{checkpoint or preset}"}
         elif checkpoint:
-            model = K3Model.from_pretrained(checkpoint, dtype=dt)
+            model = K3Model.from_pretrained(checkpoint, dtype=dt).to(device)
             source = {"weights": checkpoint_fingerprint(checkpoint), "checkpoint": str(Path(checkpoint).resolve())}
         else:
-            model = random_model(K3Config.from_name(preset), seed=seed, dtype=dt)
+            model = random_model(K3Config.from_name(preset), seed=seed, dtype=dt, device=device)
             source = {"weights": preset_fingerprint(preset, seed, dt), "preset": preset, "seed": seed}
     except ValueError as e:
         raise click.ClickException(str(e))

@@ -80,6 +80,9 @@ class ExportedK3:
             raise ManifestError(f"{self.dir} was exported on the meta device: its graphs carry no weights and "
                                 "cannot run (export from a checkpoint or a materialised preset)")
         self.config = K3Config.from_dict(self.manifest["config"])
+        if self.device.type == "cuda":      # the graphs call the k3 ops: give them their Triton kernels
+            from k3export.runtime import load_kernels
+            self.kernels = load_kernels("cuda")
         self.dtype = getattr(torch, self.manifest["dtype"])
         self.programs = {g: torch.export.load(self.dir / self.manifest["graphs"][g]["file"])
                          for g in ("prefill", "decode")}
@@ -87,7 +90,8 @@ class ExportedK3:
 
     @property
     def device(self) -> torch.device:
-        return torch.device("cpu")
+        """Where the graphs' weights live (the export's device; graphs exported before it was recorded: cpu)."""
+        return torch.device(self.manifest.get("device", "cpu"))
 
     def new_state(self, batch: int, max_len: int) -> K3State:
         return K3State.empty(self.config, batch, max_len, dtype=self.dtype, device=self.device)

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # GPU machine entry point (device tool): `bash scripts/gpu.sh test|bench [extra pytest args | bench names]`.
 #   test           every `cuda`-marked test (`make test-gpu`)
+#   e2e            export k3-small (bf16) on the GPU, then verify the re-loaded graphs there: every k3 op on its
+#                  Triton kernel, == eager, vs the float32 naive twins (logs in $OUT/e2e.log)
 #   bench [names]  the benchmarks (default: kda mla moe layer model fp8), each under a time limit, results
 #                  tarred into $OUT/bench.tar.gz (the device tool brings back at most 8 files)
 # Uses the image's python3 (torch 2.11, triton 3.6); wheels in .whl/ (fla-core) are installed to /tmp/site.
@@ -19,6 +21,12 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 case "$mode" in
   test)  python3 -m pytest -q -m cuda "$@" 2>&1 | tee "$OUT/test-gpu.log" ;;
+  e2e)
+    d=/tmp/k3-small-cuda
+    { python3 -m k3export.cli export --preset k3-small --dtype bfloat16 --device cuda --out "$d" \
+        --max-batch 4 --max-tokens 512 --max-cache 2048 && t=$SECONDS \
+      && python3 -m k3export.cli verify --graphs "$d" --no-onnx; rc=$?; echo "verify: $((SECONDS - t)) s (exit $rc)"; } 2>&1 \
+      | tee "$OUT/e2e.log" ;;
   bench)
     names=${*:-kda mla moe layer model fp8}
     mkdir -p "$OUT/bench"
