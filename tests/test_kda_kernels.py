@@ -101,12 +101,13 @@ def test_interpreter_suite():
 
 
 @interpreted
+@pytest.mark.parametrize("intra", ["sub", "full"])
 @pytest.mark.parametrize("dtype,K,V,bound", [(torch.float32, 16, 32, FP32_BOUND),
                                              (torch.float16, 32, 32, FP16_PREFILL_BOUND)])
-def test_prefill_interpreter(dtype, K, V, bound):
+def test_prefill_interpreter(dtype, K, V, bound, intra):
     # 3 chunks (the last partial), lengths: full, mid-chunk, empty; strong decay so Gam spans > e^88 per chunk.
     args = prefill_inputs(3, 150, 2, K, V, dtype, "cpu", [150, 97, 0], decay_shift=3.0)
-    o, S = kernels.kda_prefill_fwd(*args, -5.0)
+    o, S = kernels.kda_prefill_fwd(*args, -5.0, config=dict(intra=intra))
     check_prefill(args, bound, bound, o, S)
     assert torch.equal(S[2], args[7][2]), "a length-0 sequence must leave its state untouched"
 
@@ -121,11 +122,15 @@ def test_prefill_interpreter_vs_recurrence():
     assert rel(o, o_ref) < FP32_BOUND and rel(S, S_ref) < FP32_BOUND
 
 
+DECODE_VARIANTS = [dict(kernel="fused"), dict(kernel="vblock", BV=16, stages=2, evict="evict_first")]
+
+
 @interpreted
+@pytest.mark.parametrize("cfg", DECODE_VARIANTS, ids=lambda c: c["kernel"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_decode_interpreter(dtype):
-    args = decode_inputs(3, 2, 16, dtype, "cpu")
-    out = kernels.kda_decode_fwd(*args, -5.0, 1e-5)
+def test_decode_interpreter(dtype, cfg):
+    args = decode_inputs(3, 2, 32, dtype, "cpu")                # K = 32: two column blocks of 16 for vblock
+    out = kernels.kda_decode_fwd(*args, -5.0, 1e-5, config=cfg)
     ref = kda_decode._init_fn(*args, -5.0, 1e-5)
     assert rel(out[0], ref[0]) < DECODE_O_BOUND[dtype]
     assert torch.equal(out[1], ref[1]), "the conv window shift is exact"
@@ -186,6 +191,17 @@ def test_prefill_k3_shapes(B, T, H, lengths):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("intra", ["sub", "full"])
+@pytest.mark.parametrize("B,T,H,lengths", [PREFILL_CASES[1], PREFILL_CASES[3]])
+def test_prefill_intra_variants_k3_shapes(B, T, H, lengths, intra):
+    """Both intra launches (the op runs the default one above), mixed lengths, at K3 shapes."""
+    args = prefill_inputs(B, T, H, 128, 128, torch.bfloat16, "cuda", lengths, seed=1)
+    err = check_prefill(args, BF16_PREFILL_BOUND, BF16_STATE_BOUND,
+                        *kernels.kda_prefill_fwd(*args, -5.0, config=dict(intra=intra)))
+    print(f"prefill intra={intra} B={B} T={T} H={H}: state rel {err:.2e}")
+
+
+@pytest.mark.cuda
 def test_prefill_strong_decay_gpu():
     args = prefill_inputs(2, 1000, 12, 128, 128, torch.bfloat16, "cuda", [1000, 333], decay_shift=4.0)
     check_prefill(args, BF16_PREFILL_BOUND, BF16_STATE_BOUND, *kda_prefill(*args, -5.0))
@@ -209,10 +225,14 @@ def test_prefill_vs_fla_naive_recurrent():
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("cfg", [None, dict(kernel="fused"), dict(kernel="vblock", BV=32, stages=2),
+                                 dict(kernel="vblock", BV=64, stages=1, evict="evict_first")],
+                         ids=["op", "fused", "vblock32", "vblock64"])
 @pytest.mark.parametrize("B,H", [(1, 96), (7, 96), (64, 12)])
-def test_decode_k3_shapes(B, H):
+def test_decode_k3_shapes(B, H, cfg):
     args = decode_inputs(B, H, 128, torch.bfloat16, "cuda")
-    out = kda_decode(*args, -5.0, 1e-5)                          # dispatches to the Triton kernel
+    out = (kda_decode(*args, -5.0, 1e-5) if cfg is None             # dispatches to the Triton kernel
+           else kernels.kda_decode_fwd(*args, -5.0, 1e-5, config=cfg))
     ref = kda_decode._init_fn(*args, -5.0, 1e-5)
     assert rel(out[0], ref[0]) < DECODE_O_BOUND[torch.bfloat16]
     assert torch.equal(out[1], ref[1])

@@ -175,6 +175,210 @@ def kda_prefill_fwd_kernel(
     tl.store(ht + p_s, b_s.to(ht.dtype.element_ty), mask=m_kv)
 
 
+# --- Prefill intra launch, sub-tiled variant (`intra="sub"`, the default for BT = 64) -------------------------------
+# The same outputs as `kda_prefill_intra_fwd_kernel`, computed on 16-row sub-blocks I = 0..3 of the chunk, each
+# loaded with its own pointers (no tl.reshape): A_qk / A_kk as 10 lower [BC, BC] blocks, the UT transform as
+# 16x16 block inverses merged by block forward substitution (X_IJ = -X_II sum_{J<=M<I} A_IM X_MJ), W_I, U_I as
+# sum_J X_IJ R_J. Decays: G_I = in-chunk cumulative gate of block I's rows, c_I = G at block I's last row.
+
+@triton.jit
+def _sub_gate(f, tok, m_t, m_valid, i_h, o_k, m_k, a, b_bias, c_prev, H: tl.constexpr, K: tl.constexpr,
+              LOWER: tl.constexpr, BC: tl.constexpr):
+    """Block rows' in-chunk cumulative gate G = c_prev + cumsum(g) [BC, BK] and its last row c [BK]."""
+    b_f = tl.load(f + tok[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
+                  other=0.).to(tl.float32)
+    b_g = LOWER * tl.sigmoid(a * (b_f + b_bias[None, :]))
+    b_g = tl.where(m_valid[:, None] & m_k[None, :], b_g, 0.)           # padding: alpha = 1
+    b_G = c_prev[None, :] + tl.cumsum(b_g, 0)
+    c = tl.sum(tl.where(tl.arange(0, BC)[:, None] == BC - 1, b_G, 0.), 0)
+    return b_G, c
+
+
+@triton.jit
+def _sub_block(q, k, v, f, b, lengths, T, i_b, i_h, i_n, I, a, b_bias, c_prev,
+               H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+               BT: tl.constexpr, BC: tl.constexpr, LOWER: tl.constexpr):
+    """Rows I*BC.. of chunk i_n: (qn, kn [BC, BK], v [BC, BV] fp32, G [BC, BK], c [BK], beta [BC])."""
+    length = tl.load(lengths + i_b).to(tl.int32)
+    o_t = i_n * BT + I * BC + tl.arange(0, BC)
+    o_k = tl.arange(0, BK)
+    o_v = tl.arange(0, BV)
+    m_t = o_t < T
+    m_valid = o_t < length
+    m_k = o_k < K
+    tok = (i_b * T + o_t).to(tl.int64)
+    p_k = tok[:, None] * (H * K) + i_h * K + o_k[None, :]
+    m_tk = m_t[:, None] & m_k[None, :]
+    b_q = tl.load(q + p_k, mask=m_tk, other=0.).to(tl.float32)
+    b_k = tl.load(k + p_k, mask=m_tk, other=0.).to(tl.float32)
+    b_v = tl.load(v + tok[:, None] * (H * V) + i_h * V + o_v[None, :], mask=m_t[:, None] & (o_v < V)[None, :],
+                  other=0.).to(tl.float32)
+    b_beta = tl.sigmoid(tl.load(b + tok * H + i_h, mask=m_t, other=0.).to(tl.float32))
+    b_beta = tl.where(m_valid, b_beta, 0.)                              # padding: no write
+    b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, 1) + 1e-6)[:, None] * (K ** -0.5)
+    b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, 1) + 1e-6)[:, None]
+    b_G, c = _sub_gate(f, tok, m_t, m_valid, i_h, o_k, m_k, a, b_bias, c_prev, H, K, LOWER, BC)
+    return b_q, b_k, b_v, b_G, c, b_beta
+
+
+@triton.jit
+def _sub_diag(b_q, b_k, b_G, c, b_beta, low_dtype, PREC: tl.constexpr, LOW: tl.constexpr, BC: tl.constexpr):
+    """Diagonal block: A_qk (i >= j), beta-scaled A_kk (i > j), referenced to c (factors <= e^80 and <= 1), and
+    the block's right operand kr = kn exp(c - G) for the blocks below it."""
+    o_i = tl.arange(0, BC)
+    kr = b_k * tl.exp(c[None, :] - b_G)
+    e = tl.exp(b_G - c[None, :])
+    krT = tl.trans(kr)
+    A_qk = tl.where(o_i[:, None] >= o_i[None, :], _mm(b_q * e, krT, low_dtype, PREC, LOW), 0.)
+    A_kk = tl.where(o_i[:, None] > o_i[None, :], _mm(b_k * e, krT, low_dtype, PREC, LOW) * b_beta[:, None], 0.)
+    return A_qk, A_kk, kr
+
+
+@triton.jit
+def _sub_inv(A, PREC: tl.constexpr, BC: tl.constexpr):
+    """(I + A)^-1 for a strictly lower [BC, BC] block (A^16 = 0): (I - A)(I + A^2)(I + A^4)(I + A^8)."""
+    o_i = tl.arange(0, BC)
+    eye = tl.where(o_i[:, None] == o_i[None, :], 1., 0.)
+    P2 = tl.dot(A, A, input_precision=PREC)
+    P4 = tl.dot(P2, P2, input_precision=PREC)
+    P8 = tl.dot(P4, P4, input_precision=PREC)
+    X = tl.dot(eye - A, eye + P2, input_precision=PREC)
+    X = tl.dot(X, eye + P4, input_precision=PREC)
+    return tl.dot(X, eye + P8, input_precision=PREC)
+
+
+@triton.jit
+def _sub_off(b_q, b_k, e, b_beta, kr, low_dtype, PREC: tl.constexpr, LOW: tl.constexpr):
+    """Off-diagonal block (I, J < I): rows scaled by e = exp(G_I - c_J) <= 1, columns by kr_J."""
+    krT = tl.trans(kr)
+    return (_mm(b_q * e, krT, low_dtype, PREC, LOW),
+            _mm(b_k * e, krT, low_dtype, PREC, LOW) * b_beta[:, None])
+
+
+@triton.jit
+def _sub_store(w, u, qg, kd, aqk, row0, b_q, b_k, b_G, c_last, b_w, b_u, A0, A1, A2, A3,
+               K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+               BC: tl.constexpr):
+    """Block rows of every intra output; A0..A3 are the A_qk blocks of columns 0..3 (zeros above the diagonal)."""
+    o_k = tl.arange(0, BK)
+    o_v = tl.arange(0, BV)
+    o_i = tl.arange(0, BC)
+    m_k = o_k < K
+    row = (row0 + o_i).to(tl.int64)
+    p_o = row[:, None] * K + o_k[None, :]
+    tl.store(w + p_o, b_w.to(w.dtype.element_ty), mask=m_k[None, :])
+    tl.store(qg + p_o, (tl.exp(b_G) * b_q).to(qg.dtype.element_ty), mask=m_k[None, :])
+    tl.store(kd + p_o, (tl.exp(c_last[None, :] - b_G) * b_k).to(kd.dtype.element_ty), mask=m_k[None, :])
+    tl.store(u + row[:, None] * V + o_v[None, :], b_u.to(u.dtype.element_ty), mask=(o_v < V)[None, :])
+    p_a = aqk + row[:, None] * BT + o_i[None, :]
+    dt = aqk.dtype.element_ty
+    tl.store(p_a, A0.to(dt))
+    tl.store(p_a + BC, A1.to(dt))
+    tl.store(p_a + 2 * BC, A2.to(dt))
+    tl.store(p_a + 3 * BC, A3.to(dt))
+
+
+@triton.jit
+def kda_prefill_intra_sub_fwd_kernel(
+    q, k, v, f, b, A_log, dt_bias, lengths,          # inputs
+    T,                                                # scalar: padded tokens per sequence
+    w, u, qg, kd, aqk, gl,                            # outputs
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, LOWER: tl.constexpr, PREC: tl.constexpr, LOW: tl.constexpr,
+):
+    tl.static_assert(BT == 4 * BC, "the sub-tiled intra kernel is written for 4 sub-blocks")
+    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    NT = tl.cdiv(T, BT)
+    length = tl.load(lengths + i_b).to(tl.int32)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+    b_bias = tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.).to(tl.float32)
+    ld = w.dtype.element_ty
+    Z = tl.zeros((BC, BC), dtype=tl.float32)
+
+    # Gate pass: c_I = G at the last row of block I (the chunk's G_C is c3), needed by every block's kd.
+    c_m = tl.zeros((BK,), dtype=tl.float32)
+    o_c = tl.arange(0, BC)
+    _, c0 = _sub_gate(f, (i_b * T + i_n * BT + o_c).to(tl.int64), i_n * BT + o_c < T,
+                      i_n * BT + o_c < length, i_h, o_k, m_k, a, b_bias, c_m, H, K, LOWER, BC)
+    _, c1 = _sub_gate(f, (i_b * T + i_n * BT + BC + o_c).to(tl.int64), i_n * BT + BC + o_c < T,
+                      i_n * BT + BC + o_c < length, i_h, o_k, m_k, a, b_bias, c0, H, K, LOWER, BC)
+    _, c2 = _sub_gate(f, (i_b * T + i_n * BT + 2 * BC + o_c).to(tl.int64), i_n * BT + 2 * BC + o_c < T,
+                      i_n * BT + 2 * BC + o_c < length, i_h, o_k, m_k, a, b_bias, c1, H, K, LOWER, BC)
+    _, c3 = _sub_gate(f, (i_b * T + i_n * BT + 3 * BC + o_c).to(tl.int64), i_n * BT + 3 * BC + o_c < T,
+                      i_n * BT + 3 * BC + o_c < length, i_h, o_k, m_k, a, b_bias, c2, H, K, LOWER, BC)
+    row0 = (i_bh * NT + i_n) * BT                                      # first row of the chunk in [B*H*NT*BT]
+
+    # Block 0.
+    q0, k0, v0, G0, _, be0 = _sub_block(q, k, v, f, b, lengths, T, i_b, i_h, i_n, 0, a, b_bias, c_m,
+                                        H, K, V, BK, BV, BT, BC, LOWER)
+    Aq00, Ak00, kr0 = _sub_diag(q0, k0, G0, c0, be0, ld, PREC, LOW, BC)
+    X00 = _sub_inv(Ak00, PREC, BC)
+    R0 = (be0[:, None] * tl.exp(G0) * k0)                              # [BC, BK] right sides of W
+    Rv0 = (be0[:, None] * v0)                                           # [BC, BV] right sides of U
+    w0 = _mm(X00, R0, ld, PREC, LOW)
+    u0 = _mm(X00, Rv0, ld, PREC, LOW)
+    _sub_store(w, u, qg, kd, aqk, row0, q0, k0, G0, c3, w0, u0, Aq00, Z, Z, Z, K, V, BK, BV, BT, BC)
+
+    # Block 1.
+    q1, k1, v1, G1, _, be1 = _sub_block(q, k, v, f, b, lengths, T, i_b, i_h, i_n, 1, a, b_bias, c0,
+                                        H, K, V, BK, BV, BT, BC, LOWER)
+    e1 = tl.exp(G1 - c0[None, :])                                      # exp(G_1 - c_0) <= 1
+    Aq10, Ak10 = _sub_off(q1, k1, e1, be1, kr0, ld, PREC, LOW)
+    Aq11, Ak11, kr1 = _sub_diag(q1, k1, G1, c1, be1, ld, PREC, LOW, BC)
+    X11 = _sub_inv(Ak11, PREC, BC)
+    X10 = -tl.dot(X11, tl.dot(Ak10, X00, input_precision=PREC), input_precision=PREC)
+    R1 = (be1[:, None] * tl.exp(G1) * k1)
+    Rv1 = (be1[:, None] * v1)
+    w1 = _mm(X10, R0, ld, PREC, LOW) + _mm(X11, R1, ld, PREC, LOW)
+    u1 = _mm(X10, Rv0, ld, PREC, LOW) + _mm(X11, Rv1, ld, PREC, LOW)
+    _sub_store(w, u, qg, kd, aqk, row0 + BC, q1, k1, G1, c3, w1, u1, Aq10, Aq11, Z, Z, K, V, BK, BV, BT, BC)
+
+    # Block 2.
+    q2, k2, v2, G2, _, be2 = _sub_block(q, k, v, f, b, lengths, T, i_b, i_h, i_n, 2, a, b_bias, c1,
+                                        H, K, V, BK, BV, BT, BC, LOWER)
+    e2 = tl.exp(G2 - c1[None, :])                                      # exp(G_2 - c_1) <= 1
+    Aq21, Ak21 = _sub_off(q2, k2, e2, be2, kr1, ld, PREC, LOW)
+    Aq20, Ak20 = _sub_off(q2, k2, e2 * tl.exp(c1 - c0)[None, :], be2, kr0, ld, PREC, LOW)
+    Aq22, Ak22, kr2 = _sub_diag(q2, k2, G2, c2, be2, ld, PREC, LOW, BC)
+    X22 = _sub_inv(Ak22, PREC, BC)
+    X21 = -tl.dot(X22, tl.dot(Ak21, X11, input_precision=PREC), input_precision=PREC)
+    X20 = -tl.dot(X22, tl.dot(Ak20, X00, input_precision=PREC) + tl.dot(Ak21, X10, input_precision=PREC),
+                  input_precision=PREC)
+    R2 = (be2[:, None] * tl.exp(G2) * k2)
+    Rv2 = (be2[:, None] * v2)
+    w2 = _mm(X20, R0, ld, PREC, LOW) + _mm(X21, R1, ld, PREC, LOW) + _mm(X22, R2, ld, PREC, LOW)
+    u2 = _mm(X20, Rv0, ld, PREC, LOW) + _mm(X21, Rv1, ld, PREC, LOW) + _mm(X22, Rv2, ld, PREC, LOW)
+    _sub_store(w, u, qg, kd, aqk, row0 + 2 * BC, q2, k2, G2, c3, w2, u2, Aq20, Aq21, Aq22, Z,
+               K, V, BK, BV, BT, BC)
+
+    # Block 3.
+    q3, k3, v3, G3, _, be3 = _sub_block(q, k, v, f, b, lengths, T, i_b, i_h, i_n, 3, a, b_bias, c2,
+                                        H, K, V, BK, BV, BT, BC, LOWER)
+    e3 = tl.exp(G3 - c2[None, :])                                      # exp(G_3 - c_2) <= 1
+    Aq32, Ak32 = _sub_off(q3, k3, e3, be3, kr2, ld, PREC, LOW)
+    Aq31, Ak31 = _sub_off(q3, k3, e3 * tl.exp(c2 - c1)[None, :], be3, kr1, ld, PREC, LOW)
+    Aq30, Ak30 = _sub_off(q3, k3, e3 * tl.exp(c2 - c0)[None, :], be3, kr0, ld, PREC, LOW)
+    Aq33, Ak33, _ = _sub_diag(q3, k3, G3, c3, be3, ld, PREC, LOW, BC)
+    X33 = _sub_inv(Ak33, PREC, BC)
+    X32 = -tl.dot(X33, tl.dot(Ak32, X22, input_precision=PREC), input_precision=PREC)
+    X31 = -tl.dot(X33, tl.dot(Ak31, X11, input_precision=PREC) + tl.dot(Ak32, X21, input_precision=PREC),
+                  input_precision=PREC)
+    X30 = -tl.dot(X33, tl.dot(Ak30, X00, input_precision=PREC) + tl.dot(Ak31, X10, input_precision=PREC)
+                  + tl.dot(Ak32, X20, input_precision=PREC), input_precision=PREC)
+    R3 = (be3[:, None] * tl.exp(G3) * k3)
+    Rv3 = (be3[:, None] * v3)
+    w3 = (_mm(X30, R0, ld, PREC, LOW) + _mm(X31, R1, ld, PREC, LOW) + _mm(X32, R2, ld, PREC, LOW)
+          + _mm(X33, R3, ld, PREC, LOW))
+    u3 = (_mm(X30, Rv0, ld, PREC, LOW) + _mm(X31, Rv1, ld, PREC, LOW) + _mm(X32, Rv2, ld, PREC, LOW)
+          + _mm(X33, Rv3, ld, PREC, LOW))
+    _sub_store(w, u, qg, kd, aqk, row0 + 3 * BC, q3, k3, G3, c3, w3, u3, Aq30, Aq31, Aq32, Aq33,
+               K, V, BK, BV, BT, BC)
+    tl.store(gl + (i_bh * NT + i_n).to(tl.int64) * K + o_k, c3, mask=m_k)
+
+
 @triton.jit
 def _conv_step(qkv, conv_state, conv_weight, conv_out, i_b, c0, C, K: tl.constexpr, W: tl.constexpr,
                BK: tl.constexpr, BW: tl.constexpr):
@@ -243,6 +447,58 @@ def kda_decode_fwd_kernel(
     tl.store(o + i_b.to(tl.int64) * H * K + i_h * K + o_v, y.to(o.dtype.element_ty), mask=m_k)
 
 
+@triton.jit
+def kda_decode_vblock_fwd_kernel(
+    qkv, conv_state, conv_weight, f, b, g, A_log, dt_bias, o_norm_weight, state,   # inputs
+    o, conv_out, state_out,                                                          # outputs
+    H: tl.constexpr, K: tl.constexpr, W: tl.constexpr, BK: tl.constexpr, BW: tl.constexpr,
+    LOWER: tl.constexpr, EPS: tl.constexpr, BV: tl.constexpr, STAGES: tl.constexpr, EVICT: tl.constexpr,
+):
+    """`kda_decode_fwd_kernel` with the state walked in [K, BV] column blocks (the delta rule is independent per
+    value column): smaller live tiles, a pipelined loop over blocks, optional eviction hint on the state stream.
+    The head RMSNorm needs all V: each block's o (rounded as the op does) goes to `o`, is re-read after a
+    barrier, normalised and gated."""
+    i_bh = tl.program_id(0)
+    i_b, i_h = i_bh // H, i_bh % H
+    C: tl.constexpr = 3 * H * K
+    NV: tl.constexpr = BK // BV
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    b_q = _conv_step(qkv, conv_state, conv_weight, conv_out, i_b, 0 * H * K + i_h * K, C, K, W, BK, BW)
+    b_k = _conv_step(qkv, conv_state, conv_weight, conv_out, i_b, 1 * H * K + i_h * K, C, K, W, BK, BW)
+    b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6) * (K ** -0.5)
+    b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
+    a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+    b_f = tl.load(f + i_b.to(tl.int64) * H * K + i_h * K + o_k, mask=m_k, other=0.).to(tl.float32)
+    b_bias = tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.).to(tl.float32)
+    alpha = tl.exp(LOWER * tl.sigmoid(a * (b_f + b_bias)))
+    beta = tl.sigmoid(tl.load(b + i_bh).to(tl.float32))
+    p_o = o + i_b.to(tl.int64) * H * K + i_h * K
+    ss = tl.zeros((1,), dtype=tl.float32)
+    for i_v in tl.range(0, NV, num_stages=STAGES):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < K
+        b_v = _conv_step(qkv, conv_state, conv_weight, conv_out, i_b, 2 * H * K + i_h * K + i_v * BV, C, BV, W,
+                         BV, BW)
+        p_s = i_bh.to(tl.int64) * K * K + o_k[:, None] * K + o_v[None, :]
+        m_s = m_k[:, None] & m_v[None, :]
+        S = tl.load(state + p_s, mask=m_s, other=0., eviction_policy=EVICT).to(tl.float32) * alpha[:, None]
+        err = b_v - tl.sum(S * b_k[:, None], 0)                                     # [BV]
+        S += beta * b_k[:, None] * err[None, :]
+        b_o = tl.sum(S * b_q[:, None], 0).to(o.dtype.element_ty)                  # read after the write
+        tl.store(state_out + p_s, S.to(state_out.dtype.element_ty), mask=m_s, eviction_policy=EVICT)
+        tl.store(p_o + o_v, b_o, mask=m_v)
+        b_o = b_o.to(tl.float32)
+        ss += tl.sum(b_o * b_o)
+    tl.debug_barrier()                          # every block's o is written before it is re-read
+    b_o = tl.load(p_o + o_k, mask=m_k, other=0.).to(tl.float32)
+    on = (b_o * tl.rsqrt(tl.sum(ss) / K + EPS)).to(o.dtype.element_ty)
+    wn = tl.load(o_norm_weight + o_k, mask=m_k, other=0.) * on
+    b_g = tl.load(g + i_b.to(tl.int64) * H * K + i_h * K + o_k, mask=m_k, other=0.).to(tl.float32)
+    tl.debug_barrier()                          # every read of o precedes the gated write
+    tl.store(p_o + o_k, (wn.to(tl.float32) * tl.sigmoid(b_g)).to(o.dtype.element_ty), mask=m_k)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Launch configuration (shared with the AOT contract in trt.py) and host wrappers.
 
@@ -252,18 +508,25 @@ def _pow2(n: int) -> int:
 
 def prefill_config(K: int, V: int) -> dict:
     """Block sizes and warps of both prefill launches for head dims K, V (K = V = 128 is the tuned case).
+    `intra`: "sub" (`kda_prefill_intra_sub_fwd_kernel`, 16-row sub-blocks, `sub_warps`) or "full" (64-wide
+    tiles, `intra_warps`; the kernel of the AOT contract in trt.py). Env `K3_KDA_INTRA` overrides the default.
     `low_ab` (bf16 inputs only): bf16 operands for the A_kk/A_qk and W/U products, as fla does. H200, T=8192,
     H=96 (2026-11-29 21:10): 3.25 ms vs 4.90 ms with fp32/tf32 operands, o rel. RMS 4.4e-3 vs 3.5e-3: on.
     Verified on the H200 for K = V = 128: BV 64 / 4 warps / 2 stages and BV 128 / 8 warps / 1 stage. BV = 32 with
     1 stage gave wrong outputs there (exact under the interpreter; cause not found): do not use BV < 64."""
     big = max(K, V) >= 64
     return dict(BT=CHUNK, BK=_pow2(K), BV_intra=_pow2(V), BV=min(_pow2(V), 64),
+                intra=os.environ.get("K3_KDA_INTRA", "sub"), sub_warps=4,
                 intra_warps=8 if big else 4, low_ab=True, state_warps=4, state_stages=2 if big else 1)
 
 
 def decode_config(K: int, W: int) -> dict:
+    """`kernel`: "fused" (`kda_decode_fwd_kernel`, the whole [K, V] state per program; the AOT contract's kernel)
+    or "vblock" (`kda_decode_vblock_fwd_kernel`: [K, BV] column blocks in a loop of `stages` pipeline stages,
+    `evict` = "" or "evict_first" on the state stream). Env `K3_KDA_DECODE` overrides the kernel."""
     # 4 warps: H200, H=96, B=1..256 (2026-11-29 21:10) 1.5-1.9x faster than 8 warps (B=256: 0.97 vs 1.81 ms).
-    return dict(BK=_pow2(K), BW=triton.next_power_of_2(W), num_warps=4)
+    return dict(BK=_pow2(K), BW=triton.next_power_of_2(W), num_warps=4,
+                kernel=os.environ.get("K3_KDA_DECODE", "fused"), BV=min(_pow2(K), 32), stages=2, evict="")
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -309,10 +572,14 @@ def kda_prefill_fwd(q, k, v, f, b, A_log, dt_bias, initial_state, lengths, lower
     aqk = q.new_empty(rows, BT, dtype=dt)
     gl = q.new_empty(B * H * NT, K, dtype=torch.float32)
     lengths = lengths.to(torch.int64).contiguous()
-    kda_prefill_intra_fwd_kernel[(NT, B * H)](
+    if cfg["intra"] not in ("sub", "full"):
+        raise ValueError(f"kda_prefill_fwd: intra must be 'sub' or 'full', got {cfg['intra']!r}")
+    sub = cfg["intra"] == "sub" and BT == 4 * BC
+    intra = kda_prefill_intra_sub_fwd_kernel if sub else kda_prefill_intra_fwd_kernel
+    intra[(NT, B * H)](
         q, k, v, f, b, A_log.contiguous(), dt_bias.contiguous(), lengths, T, w, u, qg, kd, aqk, gl,
         H=H, K=K, V=V, BK=cfg["BK"], BV=cfg["BV_intra"], BT=BT, BC=BC, LOWER=float(lower_bound), PREC=prec,
-        LOW=bool(cfg["low_ab"]) and dt == torch.bfloat16, num_warps=cfg["intra_warps"])
+        LOW=bool(cfg["low_ab"]) and dt == torch.bfloat16, num_warps=cfg["sub_warps" if sub else "intra_warps"])
     o = q.new_empty(B, T, H, V)
     ht = torch.empty(initial_state.shape, device=q.device, dtype=torch.float32)      # contiguous, as written
     kda_prefill_fwd_kernel[(triton.cdiv(V, cfg["BV"]), B * H)](
@@ -354,9 +621,17 @@ def kda_decode_fwd(qkv, conv_state, conv_weight, f, b, g, A_log, dt_bias, o_norm
     o = qkv.new_empty(B, H * K)
     conv_out = torch.empty(args[1].shape, device=qkv.device, dtype=args[1].dtype)   # contiguous, as written
     state_out = torch.empty(state.shape, device=qkv.device, dtype=torch.float32)
-    kda_decode_fwd_kernel[(B * H,)](*args, state.to(torch.float32).contiguous(), o, conv_out, state_out,
-                                    H=H, K=K, W=W, BK=cfg["BK"], BW=cfg["BW"], LOWER=float(lower_bound),
-                                    EPS=float(eps), num_warps=cfg["num_warps"])
+    common = dict(H=H, K=K, W=W, BK=cfg["BK"], BW=cfg["BW"], LOWER=float(lower_bound), EPS=float(eps),
+                  num_warps=cfg["num_warps"])
+    if cfg["kernel"] not in ("fused", "vblock"):
+        raise ValueError(f"kda_decode_fwd: kernel must be 'fused' or 'vblock', got {cfg['kernel']!r}")
+    BV = min(cfg["BV"], cfg["BK"])
+    if cfg["kernel"] == "vblock" and K % BV == 0:
+        kda_decode_vblock_fwd_kernel[(B * H,)](*args, state.to(torch.float32).contiguous(), o, conv_out, state_out,
+                                               BV=BV, STAGES=cfg["stages"], EVICT=cfg["evict"], **common)
+    else:
+        kda_decode_fwd_kernel[(B * H,)](*args, state.to(torch.float32).contiguous(), o, conv_out, state_out,
+                                        **common)
     return o, conv_out, state_out.to(state.dtype)
 
 
