@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import json
 import platform
+import time
 from pathlib import Path
 
 import click
@@ -169,12 +170,203 @@ def _markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+# --- `--sweep`: every kernel variant, checked and timed in one run ------------------------------------------------
+
+# Bounds of tests/test_kda_kernels.py (named and explained there): a variant counts only if within them.
+PREFILL_BOUND = {"o": 2e-2, "state": 2e-2}                # BF16_PREFILL_BOUND, BF16_STATE_BOUND
+DECODE_BOUND = {"o": 1e-3, "state": 1e-5}                 # DECODE_O_BOUND[bf16], DECODE_STATE_BOUND
+
+PREFILL_VARIANTS = {                                      # name -> overrides of kernels.prefill_config
+    "sub": dict(intra="sub"),
+    "full": dict(intra="full"),
+    "sub 8w": dict(intra="sub", sub_warps=8),
+    "sub, state 1 stage": dict(intra="sub", state_stages=1),
+    "sub, state 3 stages": dict(intra="sub", state_stages=3),
+    "sub, state BV128 8w": dict(intra="sub", BV=128, state_warps=8, state_stages=1),
+}
+DECODE_VARIANTS = {                                       # name -> overrides of kernels.decode_config
+    "fused 4w": dict(kernel="fused", num_warps=4),
+    "fused 2w": dict(kernel="fused", num_warps=2),
+    "fused 8w": dict(kernel="fused", num_warps=8),
+    "vblock128 evict 4w": dict(kernel="vblock", BV=128, stages=1, evict="evict_first", num_warps=4),
+    "vblock64 s2 4w": dict(kernel="vblock", BV=64, stages=2, num_warps=4),
+    "vblock64 s1 evict 4w": dict(kernel="vblock", BV=64, stages=1, evict="evict_first", num_warps=4),
+    "vblock32 s2 4w": dict(kernel="vblock", BV=32, stages=2, num_warps=4),
+    "vblock32 s3 4w": dict(kernel="vblock", BV=32, stages=3, num_warps=4),
+    "vblock32 s2 2w": dict(kernel="vblock", BV=32, stages=2, num_warps=2),
+    "vblock32 s2 evict 4w": dict(kernel="vblock", BV=32, stages=2, evict="evict_first", num_warps=4),
+}
+
+
+def _graph_ms(fn) -> float:
+    """Median ms of fn replayed as a CUDA graph (no host overhead: how the runtime's decode runs)."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return bench_ms(g.replay)
+
+
+def sweep_prefill(T: int, H: int, deadline: float, K: int = 128) -> dict:
+    from k3export.plugins.kda import kernels
+    from k3export.plugins.kda.op import kda_prefill
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=g)
+    q, k, v, f = (r(1, T, H, K).bfloat16() for _ in range(4))
+    b = r(1, T, H).bfloat16()
+    A_log, dt_bias, S0 = r(H) * 0.5, r(H * K), r(1, H, K, K)
+    args = (q, k, v, f, b, A_log, dt_bias, S0, torch.tensor([T], device="cuda"), -5.0)
+    flop = _flops(1, T, H, K, K)
+    o_ref, S_ref = kda_prefill._init_fn(*args)
+    res = {"shape": dict(B=1, T=T, H=H, K=K, V=K, dtype="bf16"), "gflop": flop / 1e9,
+           "default": {k_: v_ for k_, v_ in kernels.prefill_config(K, K).items()}, "variants": {}}
+
+    def one(cfg):
+        o, S = kernels.kda_prefill_fwd(*args, config=cfg)
+        err = {"o": _rel(o, o_ref), "state": _rel(S, S_ref)}
+        ok = all(err[n] < PREFILL_BOUND[n] for n in err)
+        ms = bench_ms(lambda: kernels.kda_prefill_fwd(*args, config=cfg), rep=50)
+        return {**err, "ok": ok, "ms": ms, "tflops": flop / ms / 1e9}
+
+    def fla():
+        from fla.ops.kda import chunk_kda
+        call = lambda: chunk_kda(q, k, v, f, b, scale=K ** -0.5, initial_state=S0, output_final_state=True,
+                                 use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                 use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=-5.0,
+                                 A_log=A_log, dt_bias=dt_bias)
+        with torch.inference_mode():
+            o_f, S_f = call()
+            ms_f = bench_ms(call, rep=50)
+        return {"o": _rel(o_f, o_ref), "state": _rel(S_f, S_ref), "ms": ms_f, "tflops": flop / ms_f / 1e9}
+
+    for i, (name, cfg) in enumerate(PREFILL_VARIANTS.items()):
+        if i == 2:                             # fla after the two intra kernels, before the finer variants
+            res["fla_chunk_kda"] = "skipped (time)" if time.monotonic() > deadline else _try(fla)
+            print("fla chunk_kda", res["fla_chunk_kda"], flush=True)
+        res["variants"][name] = ("skipped (time)" if time.monotonic() > deadline else _try(lambda: one(cfg)))
+        print("prefill", name, res["variants"][name], flush=True)
+    real = kernels.kda_prefill_fwd_kernel
+
+    class _Skip:  # the intra launch alone (the chunk pass replaced by a no-op)
+        def __getitem__(self, grid):
+            return lambda *a, **kw: None
+    kernels.kda_prefill_fwd_kernel = _Skip()
+    try:
+        res["intra_only_ms"] = {i: bench_ms(lambda: kernels.kda_prefill_fwd(*args, config=dict(intra=i)), rep=50)
+                                for i in ("sub", "full")}
+    finally:
+        kernels.kda_prefill_fwd_kernel = real
+    print("intra only", res["intra_only_ms"], flush=True)
+    return res
+
+
+def sweep_decode(batches, H: int, copy_gbs: float, deadline: float, K: int = 128) -> list[dict]:
+    from k3export.plugins.kda import kernels
+    from k3export.plugins.kda.op import kda_decode
+
+    rows = []
+    for B in batches:
+        if time.monotonic() > deadline:
+            rows.append({"B": B, "skipped": "time"})
+            continue
+        g = torch.Generator(device="cuda").manual_seed(B)
+        r = lambda *s: torch.randn(*s, device="cuda", generator=g)
+        C = 3 * H * K
+        args = (r(B, C).bfloat16(), r(B, C, 3).bfloat16(), (r(C, 4) * 0.5).bfloat16(), r(B, H * K).bfloat16(),
+                r(B, H).bfloat16(), r(B, H * K).bfloat16(), r(H) * 0.5, r(H * K), (r(K).abs() + 0.5).bfloat16(),
+                r(B, H, K, K), -5.0, 1e-5)
+        nbytes = 2 * B * H * K * K * 4                              # fp32 state read + written
+        ref = kda_decode._init_fn(*args)
+        row = {"B": B, "state_MB": nbytes / 2 / 1e6, "variants": {}}
+
+        def one(cfg):
+            out = kernels.kda_decode_fwd(*args, config=cfg)
+            err = {"o": _rel(out[0], ref[0]), "state": _rel(out[2], ref[2]), "conv_exact": torch.equal(out[1], ref[1])}
+            ok = err["conv_exact"] and err["o"] < DECODE_BOUND["o"] and err["state"] < DECODE_BOUND["state"]
+            ms = _graph_ms(lambda: kernels.kda_decode_fwd(*args, config=cfg))
+            return {**err, "ok": ok, "graph_ms": ms, "GBs": nbytes / ms / 1e6, "frac_copy": nbytes / ms / 1e6 / copy_gbs}
+
+        for name, cfg in DECODE_VARIANTS.items():
+            row["variants"][name] = "skipped (time)" if time.monotonic() > deadline else _try(lambda: one(cfg))
+        row["ours_op_ms"] = bench_ms(lambda: kda_decode(*args))
+
+        def fla():
+            from fla.ops.kda import fused_recurrent_kda
+            qkv = args[0].view(B, 1, 3, H, K)
+            q, k, v = (qkv[:, :, i].contiguous() for i in range(3))
+            call = lambda: fused_recurrent_kda(q, k, v, args[3].view(B, 1, H, K), args[4].view(B, 1, H),
+                                               A_log=args[6], dt_bias=args[7], scale=K ** -0.5,
+                                               initial_state=args[9], output_final_state=True,
+                                               use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                               use_beta_sigmoid_in_kernel=True, lower_bound=-5.0)
+            with torch.inference_mode():
+                ms = bench_ms(call)
+            return {"ms": ms, "GBs": nbytes / ms / 1e6, "frac_copy": nbytes / ms / 1e6 / copy_gbs}
+        row["fla_fused_recurrent_kda"] = "skipped (time)" if time.monotonic() > deadline else _try(fla)
+        rows.append(row)
+        print("decode", row, flush=True)
+    return rows
+
+
+def _sweep_markdown(res: dict) -> str:
+    p = res["prefill"]
+    num = lambda x, f: format(x, f) if isinstance(x, float) else str(x)
+    lines = [f"KDA variant sweep, {res['date']}, {res['device']}, torch {res['torch']}, triton {res['triton']}",
+             f"command: `{res['command']}`; copy bandwidth {res['copy_GBs']:.0f} GB/s", "",
+             f"Prefill B=1 T={p['shape']['T']} H={p['shape']['H']} K=V=128 bf16 ({p['gflop']:.1f} GFLOP), "
+             f"rel. RMS vs eager, bounds o/state {PREFILL_BOUND['o']}/{PREFILL_BOUND['state']}:", "",
+             "| variant | ms | TFLOP/s | o rel | state rel | within bounds |", "|---|---|---|---|---|---|"]
+    for name, v in list(p["variants"].items()) + [("fla chunk_kda", p["fla_chunk_kda"])]:
+        if isinstance(v, dict):
+            lines.append(f"| {name} | {v['ms']:.3f} | {v['tflops']:.1f} | {v['o']:.2e} | {v['state']:.2e} | "
+                         f"{v.get('ok', '-')} |")
+        else:
+            lines.append(f"| {name} | {v} | | | | |")
+    lines += ["", f"intra launch alone (ms): {p.get('intra_only_ms')}", "",
+              "Decode H=%d, fp32 state read + write, CUDA-graph replay times (ms, GB/s, fraction of copy):" % res["decode_H"],
+              ""]
+    names = list(DECODE_VARIANTS)
+    lines += ["| B | " + " | ".join(names) + " | ours op (eager launch) | fla fused_recurrent (eager launch) |",
+              "|---" * (len(names) + 3) + "|"]
+    for r in res["decode"]:
+        if "skipped" in r:
+            lines.append(f"| {r['B']} | skipped (time) |")
+            continue
+        cells = []
+        for n in names:
+            v = r["variants"][n]
+            cells.append(f"{v['graph_ms']:.3f} {v['GBs']:.0f} ({v['frac_copy']:.0%}){'' if v['ok'] else ' WRONG'}"
+                         if isinstance(v, dict) else str(v)[:40])
+        fl = r["fla_fused_recurrent_kda"]
+        fl_s = f"{fl['ms']:.3f} {fl['GBs']:.0f} ({fl['frac_copy']:.0%})" if isinstance(fl, dict) else str(fl)[:40]
+        lines.append(f"| {r['B']} | " + " | ".join(cells) + f" | {num(r['ours_op_ms'], '.3f')} | {fl_s} |")
+    return "\n".join(lines) + "\n"
+
+
+def run_sweep(out: Path, T: int, H: int, batches, budget_s: float, res: dict) -> None:
+    deadline = time.monotonic() + budget_s
+    out.mkdir(parents=True, exist_ok=True)
+    res["prefill"] = sweep_prefill(T, H, deadline - 0.45 * budget_s)     # decode keeps ~45% of the budget
+    (out / "kda_sweep.json").write_text(json.dumps(res, indent=1, default=str))
+    res["decode_H"] = H
+    res["decode"] = sweep_decode(batches, H, res["copy_GBs"], deadline)
+    (out / "kda_sweep.json").write_text(json.dumps(res, indent=1, default=str))
+    md = _sweep_markdown(res)
+    (out / "kda_sweep.md").write_text(md)
+    click.echo(md)
+
+
 @bench.command("kda")
 @click.option("--out", "out_dir", default="out/bench/kda", show_default=True, help="Directory for JSON + markdown.")
 @click.option("--tokens", "T", default=8192, show_default=True, help="Prefill tokens (B=1).")
 @click.option("--heads", "H", default=96, show_default=True, help="KDA heads (96 full width, 12 per TP-8 rank).")
 @click.option("--batches", default="1,4,16,64,256", show_default=True, help="Decode batch sizes.")
-def kda_bench(out_dir: str, T: int, H: int, batches: str) -> None:
+@click.option("--sweep", is_flag=True, help="Check and time every kernel variant (PREFILL_/DECODE_VARIANTS) "
+              "against the eager reference and fla-core instead of the default report.")
+@click.option("--budget-s", default=100.0, show_default=True, help="--sweep: seconds before variants are skipped.")
+def kda_bench(out_dir: str, T: int, H: int, batches: str, sweep: bool, budget_s: float) -> None:
     """Prefill and decode KDA kernels vs fla-core and eager PyTorch (needs a CUDA GPU)."""
     if not torch.cuda.is_available():
         raise click.ClickException("bench kda needs a CUDA GPU (run it on the GPU machine)")
@@ -186,6 +378,9 @@ def kda_bench(out_dir: str, T: int, H: int, batches: str) -> None:
            "triton": triton.__version__, "command": "k3export bench kda " + " ".join(sys.argv[3:])}
     res["copy_GBs"] = copy_bandwidth() / 1e9
     click.echo(f"copy bandwidth {res['copy_GBs']:.0f} GB/s")
+    if sweep:
+        run_sweep(Path(out_dir), T, H, [int(x) for x in batches.split(",")], budget_s, res)
+        return
     res["prefill"] = bench_prefill(T, H)
     click.echo(json.dumps(res["prefill"], indent=1))
     res["decode_H"] = H

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# One device call for the KDA kernels (issue 4): the kda `cuda` tests, then `k3export bench kda --sweep` (every
+# prefill/decode variant checked against the eager reference and timed beside fla-core's chunk_kda and
+# fused_recurrent_kda). Set-up as scripts/gpu.sh (fla-core wheel from .whl/ to /tmp/site, editable install).
+# Device tool: run `bash scripts/gpu_kda.sh` with carry [".whl"], timeout_s ~240. Logs and results under $OUT.
+set -uo pipefail
+OUT=${OUT:-out/gpu}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null || exit 1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
+timeout "${TEST_TIMEOUT:-80}" python3 -m pytest -q -m cuda tests/test_kda_kernels.py -rs 2>&1 | tee "$OUT/test-kda.log"
+timeout "${SWEEP_TIMEOUT:-130}" python3 -m k3export.cli bench kda --sweep --budget-s "${SWEEP_BUDGET:-105}" \
+  --batches 256,64,16,1 --out "$OUT/kda" 2>&1 | tee "$OUT/sweep-kda.log"
