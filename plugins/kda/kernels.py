@@ -8,7 +8,11 @@ Prefill is two launches over right-padded `[B, T, H, K]` inputs, chunk BT = 64:
      exp(Gam_C - Gam) K, A_qk (compute dtype) and Gam_C (fp32).
   2. `kda_prefill_fwd_kernel`, one program per (V block, sequence*head), chunks in order: the inter-chunk state
      pass Vn = U - W S, O = exp(Gam) Q S + A_qk Vn, S <- exp(Gam_C) S + (exp(Gam_C - Gam) K)^T Vn, fp32 state.
-Decode is one launch, `kda_decode_fwd_kernel`, one program per (sequence, head) holding its [K, V] state.
+  Launch 1 has two variants (`prefill_config()["intra"]`): `kda_prefill_intra_sub_fwd_kernel` ("sub": 16-row
+  sub-blocks loaded by their own pointers, 16x16 block inverses) and `kda_prefill_intra_fwd_kernel` ("full":
+  64-wide tiles, the kernel of the AOT contract in trt.py); same outputs.
+Decode is one launch, `kda_decode_fwd_kernel`, one program per (sequence, head) holding its [K, V] state
+(variant "vblock", `kda_decode_vblock_fwd_kernel`: the same in [K, BV] column blocks).
 
 Each op's launch configuration lives in `*_config` functions shared with the AOT contract in `trt.py`.
 """
