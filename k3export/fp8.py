@@ -2,19 +2,28 @@
 
 The model code never branches on precision: `quantize_model(model, scales)` replaces each `nn.Linear` named in a
 scales file (written by `k3export calibrate`) with an `FP8Linear`, and each routed expert bank with FP8 storage
-(`k3export.fp8_moe`). An FP8 GEMM is one op, `k3::fp8_linear`:
+(`k3export.fp8_moe`). An FP8 GEMM is one op, `k3::fp8_linear`, whose contract (and the ONNX Q/DQ translation,
+`k3export.fp8_onnx`) is the static-scale W8A8 GEMM
 
     y = (q(x / s_x) * s_x) @ (W_q * s_w)^T        q = round-to-nearest E4M3, saturating at +-448
 
-Its default implementation (every device) is the dequantizing reference below. On CUDA it runs real FP8 matmuls:
-a one-launch Triton quantization of x, then `torch._scaled_mm` (tensor-wise scales, or row-wise when the weight
-scales are per output channel; K and N must be multiples of 16, else the reference runs). A fused small-M Triton
-kernel exists (`SMALL_M`), off because it measured slower. Weights are stored as float8_e4m3fn, never fake-quant.
-Output rounding on CUDA: tensor-wise GEMMs write x.dtype directly. Row-wise GEMMs write bf16 and cast to x.dtype,
-because the row-wise `_scaled_mm` output dtypes depend on the torch build and GPU (CUTLASS path: bf16 only in older
-torch, bf16/fp16 in newer; fp32 only through cuBLAS >= 12.9 on SM90) and this was not re-measured on the H200:
-for an fp16 or fp32 model with per-channel weight scales the result carries one extra bf16 rounding (<= 2^-9
-relative per element) versus the reference.
+Its default implementation (every device) is that dequantizing reference, `fp8_linear_ref`. Weights are stored
+as float8_e4m3fn, never fake-quant. On CUDA the implementation depends on M (rows):
+
+- M <= WEIGHT_ONLY_M (decode): WEIGHT-ONLY FP8 (W8A16), `fp8_kernels.fp8_linear_wo_fwd`: x is not quantized,
+  the activation scale s_x is unused, and y = x @ (W_q * s_w)^T with fp32 accumulation (`fp8_linear_wo_ref`).
+  Decode is bound by weight bytes, which this reads once at half the bf16 bytes, in one launch (two when K is
+  split), without the activation-quantize launch; its error is the weight rounding alone, smaller than W8A8's.
+- larger M (prefill): the contract above, run as a one-launch Triton quantization of x then `torch._scaled_mm`
+  (tensor-wise scales, or row-wise when the weight scales are per output channel; K and N must be multiples of
+  16, else the reference runs). Output rounding: tensor-wise GEMMs write x.dtype directly; row-wise GEMMs write
+  bf16 and cast to x.dtype, because the row-wise `_scaled_mm` output dtypes depend on the torch build and GPU
+  (CUTLASS path: bf16 only in older torch, bf16/fp16 in newer; fp32 only through cuBLAS >= 12.9 on SM90) and
+  this was not re-measured on the H200: for an fp16 or fp32 model with per-channel weight scales the result
+  carries one extra bf16 rounding (<= 2^-9 relative per element) versus the reference.
+
+So on CUDA a decode step and a prefill of the same tokens differ by the activation rounding (E4M3: up to 2^-4
+relative per element of x), and an exported engine (TensorRT, Q/DQ) quantizes activations at every M.
 """
 
 from __future__ import annotations
@@ -46,7 +55,7 @@ def weight_amax(w: Tensor, per_channel: bool) -> Tensor:
     return a if per_channel else a.amax(-1)
 
 
-def _dequant_weight(w: Tensor, w_scale: Tensor, dt: torch.dtype) -> Tensor:
+def dequant_weight(w: Tensor, w_scale: Tensor, dt: torch.dtype) -> Tensor:
     """w `[N, K]` fp8, w_scale `[N]` or `[]` -> `[N, K]` in dt."""
     s = w_scale.to(dt)
     return w.to(dt) * (s[:, None] if s.dim() else s)
@@ -56,7 +65,13 @@ def fp8_linear_ref(x: Tensor, x_scale: Tensor, w: Tensor, w_scale: Tensor) -> Te
     """The reference FP8 GEMM: quantize x, dequantize both, multiply in at least fp32. -> `[M, N]` in x.dtype."""
     dt = acc_dtype(x)
     xd = quantize(x, x_scale).to(dt) * x_scale.to(dt)
-    return (xd @ _dequant_weight(w, w_scale, dt).T).to(x.dtype)
+    return (xd @ dequant_weight(w, w_scale, dt).T).to(x.dtype)
+
+
+def fp8_linear_wo_ref(x: Tensor, w: Tensor, w_scale: Tensor) -> Tensor:
+    """The weight-only reference (CUDA at small M): x @ (W_q s_w)^T in at least fp32 -> `[M, N]` in x.dtype."""
+    dt = acc_dtype(x)
+    return (x.to(dt) @ dequant_weight(w, w_scale, dt).T).to(x.dtype)
 
 
 @torch.library.custom_op("k3::fp8_linear", mutates_args=())
@@ -65,6 +80,7 @@ def fp8_linear(x: Tensor, x_scale: Tensor, w: Tensor, w_scale: Tensor) -> Tensor
 
     x `[M, K]` (any float dtype, quantized inside), x_scale `[]` fp32, w `[N, K]` float8_e4m3fn, w_scale `[N]`
     (per output channel) or `[]` fp32. Returns `[M, N]` in x.dtype; accumulation in fp32 (or wider).
+    On CUDA with M <= WEIGHT_ONLY_M, x is not quantized (weight-only; x_scale unused): see the module docstring.
     """
     return fp8_linear_ref(x, x_scale, w, w_scale)
 
@@ -79,34 +95,47 @@ def scaled_mm_ok(x: Tensor, w: Tensor) -> bool:
     return x.shape[1] % 16 == 0 and w.shape[0] % 16 == 0
 
 
-# Up to SMALL_M rows the fused Triton kernel (`fp8_kernels.fp8_linear_fwd`) would run instead of quantize +
-# cuBLASLt. Off (0): on the H200 it measured slower, its K loop being latency-bound with few CTAs (k3-small decode
-# step at B = 1: 8.48 ms with it vs 5.75 ms with _scaled_mm; full-width KDA+MoE pair 2.17 ms vs 0.89 ms bf16).
-SMALL_M = 0
-_fused = {"ok": True}  # set False (once, with a message) if the fused kernel cannot compile on this GPU
+# Rows up to which CUDA runs the weight-only kernel instead of quantize + `torch._scaled_mm`. Decode batches
+# (B <= 16 tokens per step) are weight-byte bound; beyond, the FP8 tensor cores of `_scaled_mm` pay. Not yet
+# measured as a crossover on the H200 (`k3export bench fp8` prints the sweep that would set it).
+WEIGHT_ONLY_M = 16
+# Set False (once, with a message) when a weight-only kernel fails to compile or launch on this GPU: the op then
+# runs W8A8 at every M rather than stop a model (the kernels' own tests call them directly and do fail).
+WEIGHT_ONLY_OK = {"linear": True, "experts": True}
 
 
-@fp8_linear.register_kernel("cuda")
-def _(x, x_scale, w, w_scale):
-    from k3export import fp8_kernels
-    M, N = x.shape[0], w.shape[0]
-    if M <= SMALL_M and _fused["ok"]:
-        try:
-            return fp8_kernels.fp8_linear_fwd(x, x_scale, w, w_scale)       # quantize + E4M3 MMA, one launch
-        except Exception as e:                                                  # noqa: BLE001 (reported)
-            _fused["ok"] = False
-            print(f"k3::fp8_linear: fused Triton kernel unavailable ({type(e).__name__}: {str(e)[:160]}); "
-                  "using torch._scaled_mm")
+def weight_only_unavailable(kind: str, e: Exception) -> None:
+    WEIGHT_ONLY_OK[kind] = False
+    print(f"k3export.fp8: weight-only {kind} kernel unavailable ({type(e).__name__}: {str(e)[:300]}); "
+          "running W8A8 instead", flush=True)
+
+
+def fp8_linear_scaled_mm(x: Tensor, x_scale: Tensor, w: Tensor, w_scale: Tensor) -> Tensor:
+    """The W8A8 CUDA path: Triton quantization of x, then `torch._scaled_mm` (the reference if K or N % 16)."""
+    from k3export.fp8_kernels import fp8_quant_fwd
     if not scaled_mm_ok(x, w):
         return fp8_linear_ref(x, x_scale, w, w_scale)
-    xq, rows = fp8_kernels.fp8_quant_fwd(x, x_scale)
+    xq, rows = fp8_quant_fwd(x, x_scale)
     if w_scale.dim() == 0:                                  # tensor-wise: any output dtype
         out_dt = x.dtype if x.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
         return torch._scaled_mm(xq, w.t(), scale_a=x_scale.float().reshape(()), scale_b=w_scale.float(),
                                 out_dtype=out_dt).to(x.dtype)
     # row-wise (per output channel): [M, 1] and [1, N] fp32 scales, bf16 output (see the module docstring)
-    y = torch._scaled_mm(xq, w.t(), scale_a=rows, scale_b=w_scale.float().view(1, N), out_dtype=torch.bfloat16)
+    y = torch._scaled_mm(xq, w.t(), scale_a=rows, scale_b=w_scale.float().view(1, w.shape[0]),
+                         out_dtype=torch.bfloat16)
     return y.to(x.dtype)
+
+
+@fp8_linear.register_kernel("cuda")
+def _(x, x_scale, w, w_scale):
+    if 0 < x.shape[0] <= WEIGHT_ONLY_M and x.dtype in (torch.bfloat16, torch.float16, torch.float32) \
+            and WEIGHT_ONLY_OK["linear"]:
+        from k3export.fp8_kernels import fp8_linear_wo_fwd
+        try:
+            return fp8_linear_wo_fwd(x, w, w_scale)                          # weight-only: x_scale unused
+        except Exception as e:                                                  # noqa: BLE001 (reported)
+            weight_only_unavailable("linear", e)
+    return fp8_linear_scaled_mm(x, x_scale, w, w_scale)
 
 
 class FP8Linear(nn.Module):
@@ -138,7 +167,7 @@ class FP8Linear(nn.Module):
     @property
     def weight(self) -> Tensor:
         """The dequantized weight `[out, in]` in the original dtype, for code that reads a weight as a matrix."""
-        return _dequant_weight(self.qweight, self.weight_scale, acc_dtype(self.input_scale)).to(self.out_dtype)
+        return dequant_weight(self.qweight, self.weight_scale, acc_dtype(self.input_scale)).to(self.out_dtype)
 
     def forward(self, x: Tensor) -> Tensor:
         """x `[..., in]` -> `[..., out]` in x.dtype."""

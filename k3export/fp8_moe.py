@@ -5,14 +5,20 @@
 `FP8LatentMoE`, whose forward calls `k3::moe_routed_fp8` instead of `k3::moe_routed`. Same routing (fp32
 router, unchanged), same latent norm and up projection around it.
 
-`k3::moe_routed_fp8` per hit expert e and its tokens t:
+`k3::moe_routed_fp8` per hit expert e and its tokens t (the contract, as the Q/DQ ONNX export carries it):
 
-    y13 = fp8_linear(z[t], s_z, w13[e], s13[e]);  h = SiTU_GLU(y13[:, :I], y13[:, I:])
-    u[t] += w_te * fp8_linear(h, s_h, w2[e], s2[e])
+    y13 = fp8_linear_ref(z[t], s_z, w13[e], s13[e]);  h = SiTU_GLU(y13[:, :I], y13[:, I:])
+    u[t] += w_te * fp8_linear_ref(h, s_h, w2[e], s2[e])
 
-Default implementation (every device): sort tokens by expert and run each hit expert's two FP8 GEMMs through
-`k3::fp8_linear`. CUDA: a Triton grouped GEMM over expert-sorted blocks of pairs with E4M3 weight tiles
-(`k3export.fp8_moe_kernels`), without host sync, so decode CUDA graphs capture it.
+Default implementation (every device): `moe_fp8_sorted`, sorting tokens by expert and running each hit expert's
+two FP8 GEMMs through the dequantizing reference. CUDA (`k3export.fp8_moe_kernels`, Triton, no host sync, so
+decode CUDA graphs capture it) depends on the number of (token, expert) pairs P = N * top_k:
+
+- P <= WEIGHT_ONLY_PAIRS_PER_EXPERT * E (decode): WEIGHT-ONLY (W8A16), `moe_fp8_wo_ref`: z and h are not
+  quantized (z_scale and h_scale unused); each hit expert's E4M3 w1|w3 and w2 stream once, widened in registers
+  and scaled per output channel, SiTU-GLU fused into the first GEMM, i.e. `k3::moe_routed` on the dequantized
+  experts (h rounded to z.dtype, everything else fp32).
+- larger P (prefill): the contract above, on E4M3 tensor cores (z and h quantized with their static scales).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from k3export.fp8 import FP8, fp8_linear, quantize, scale_from_amax, weight_amax
+from k3export.fp8 import FP8, dequant_weight, fp8_linear_ref, quantize, scale_from_amax, weight_amax
 from k3export.model.moe import LatentMoE
 from k3export.plugins.kda.naive import acc_dtype
 from k3export.plugins.moe.naive import route, situ_glu
@@ -115,27 +121,49 @@ def _(x, z, gate_weight, bias, w13, w2, w13_scale, w2_scale, z_scale, h_scale, t
     return z.new_empty(z.shape)                      # contiguous, like the implementations
 
 
-def moe_fp8_sorted(x, z, gate_weight, bias, w13, w2, w13_scale, w2_scale, z_scale, h_scale, top_k, renormalize,
-                   scaling, beta, linear_beta):
-    """Sorted reference: each hit expert runs once on its tokens through two `k3::fp8_linear` GEMMs."""
+def _sorted(x, z, gate_weight, bias, top_k, renormalize, scaling, n_experts, expert):
+    """Route, run each hit expert e once on its tokens t (`expert(e, z[t])` -> `[n, L]`), scatter-add the
+    router-weighted outputs in at least fp32 -> u `[N, L]` in z.dtype."""
     top, w = route(x, gate_weight, bias, top_k, renormalize, scaling)
     dt = acc_dtype(z)
-    I = w2.shape[-1]
     u = torch.zeros(z.shape, dtype=dt, device=z.device)
     flat = top.reshape(-1)
     order = torch.argsort(flat, stable=True)
     tokens = order // top_k
     start = 0
-    for e, n in enumerate(torch.bincount(flat, minlength=w13.shape[0]).tolist()):
+    for e, n in enumerate(torch.bincount(flat, minlength=n_experts).tolist()):
         if n == 0:
             continue
         idx, t = order[start:start + n], tokens[start:start + n]
-        y13 = fp8_linear(z[t], z_scale, w13[e], w13_scale[e])                        # [n, 2I] in z.dtype
-        h = situ_glu(y13[:, :I], y13[:, I:], beta, linear_beta).to(z.dtype)
-        y = fp8_linear(h, h_scale, w2[e], w2_scale[e])                              # [n, L]
-        u.index_add_(0, t, y.to(dt) * w.reshape(-1)[idx].unsqueeze(-1).to(dt))
+        u.index_add_(0, t, expert(e, z[t]).to(dt) * w.reshape(-1)[idx].unsqueeze(-1).to(dt))
         start += n
     return u.to(z.dtype)
+
+
+def moe_fp8_sorted(x, z, gate_weight, bias, w13, w2, w13_scale, w2_scale, z_scale, h_scale, top_k, renormalize,
+                   scaling, beta, linear_beta):
+    """The contract's reference: each hit expert runs once on its tokens through two `fp8_linear_ref` GEMMs."""
+    I = w2.shape[-1]
+
+    def expert(e, zt):
+        y13 = fp8_linear_ref(zt, z_scale, w13[e], w13_scale[e])                      # [n, 2I] in z.dtype
+        h = situ_glu(y13[:, :I], y13[:, I:], beta, linear_beta).to(z.dtype)
+        return fp8_linear_ref(h, h_scale, w2[e], w2_scale[e])                       # [n, L]
+    return _sorted(x, z, gate_weight, bias, top_k, renormalize, scaling, w13.shape[0], expert)
+
+
+def moe_fp8_wo_ref(x, z, gate_weight, bias, w13, w2, w13_scale, w2_scale, top_k, renormalize, scaling, beta,
+                   linear_beta):
+    """The weight-only reference (CUDA at few pairs): `k3::moe_routed` on the hit experts' dequantized weights,
+    rounded as its kernels round (GEMMs and SiTU-GLU in at least fp32, h rounded to z.dtype)."""
+    I = w2.shape[-1]
+    dt = acc_dtype(z)
+
+    def expert(e, zt):
+        y13 = zt.to(dt) @ dequant_weight(w13[e], w13_scale[e], dt).T                 # [n, 2I]
+        h = situ_glu(y13[:, :I], y13[:, I:], beta, linear_beta).to(z.dtype)
+        return h.to(dt) @ dequant_weight(w2[e], w2_scale[e], dt).T                  # [n, L]
+    return _sorted(x, z, gate_weight, bias, top_k, renormalize, scaling, w13.shape[0], expert)
 
 
 @moe_routed_fp8.register_kernel("cuda")

@@ -1,17 +1,25 @@
 """Triton grouped GEMMs for E4M3 routed experts: the CUDA path of `k3::moe_routed_fp8` (no host sync, so decode
-CUDA graphs capture it).
+CUDA graphs capture it). Two regimes, picked by the number of (token, expert) pairs P (`use_weight_only`):
 
-    route:  the bf16 MoE kernels' fp32 router + top-k (`route_fwd`)            ids, w `[N, k]`
+    route:  the bf16 MoE kernels' fp32 router + top-k (`route_fwd`)             ids, w `[N, k]`
     align:  pairs sorted by expert, blocks of BLOCK_M rows of one expert (`align_blocks`)
+  weight-only (few pairs, decode; z and h stay in z.dtype, z_scale and h_scale unused):
+    gemm1:  h = SiTU_GLU(z (W1_e s_1)^T, z (W3_e s_3)^T) -> z.dtype           moe_fp8_wo_gemm1_fwd_kernel [blocks*BM, I]
+    gemm2:  y = h (W2_e s_2)^T in fp32, rows back in pair order                moe_fp8_wo_gemm2_fwd_kernel [P, L]
+  W8A8 (many pairs, prefill):
     gemm1:  h = q(SiTU_GLU(z W1_e^T, z W3_e^T) / s_h)   E4M3 x E4M3 -> E4M3   moe_fp8_gemm1_fwd_kernel [P, I]
     gemm2:  y = (h s_h) (W2_e s_2)^T, rows back in pair order                 moe_fp8_gemm2_fwd_kernel [P, L]
-    combine u[n] = sum_j w[n, j] y[n*k + j] in fp32 (torch)
+    combine u[n] = sum_j w[n, j] y[n*k + j] in fp32 (the bf16 kernels' `moe_combine_fwd_kernel`)
 
-Each hit expert's E4M3 weight tiles stream once per block, at half the bytes of bf16. Rounding follows
-`k3export.fp8_moe.moe_fp8_sorted` step by step (z quantized with s_z; the GEMM output rounded to z.dtype before
-SiTU-GLU; h rounded to z.dtype, then quantized with s_h; y rounded to z.dtype). Under the CPU interpreter the
-E4M3 tiles are widened to fp32 before `tl.dot` (same exact products) and gemm1 writes h / s_h in fp32 for torch
-to round to E4M3 (the interpreter's own E4M3 conversion is wrong at binade carries; see `fp8_kernels`).
+Each hit expert's E4M3 weight tiles stream once per block, at half the bytes of bf16. The weight-only kernels are
+the bf16 decode kernels (same 16-row blocks and tiles) with E4M3 weight tiles widened in registers (exact) and
+the per-channel scales applied to the fp32 accumulators; they compute `k3export.fp8_moe.moe_fp8_wo_ref` (under
+the interpreter, whose 16-bit `tl.dot` is wrong, with both operands widened to fp32: the same exact products). The
+W8A8 kernels follow `k3export.fp8_moe.moe_fp8_sorted` step by step (z quantized with s_z; the GEMM output
+rounded to z.dtype before SiTU-GLU; h rounded to z.dtype, then quantized with s_h; y rounded to z.dtype). Under
+the CPU interpreter their E4M3 tiles are widened to fp32 before `tl.dot` (same exact products) and gemm1 writes
+h / s_h in fp32 for torch to round to E4M3 (the interpreter's own E4M3 conversion is wrong at binade carries; see
+`fp8_kernels`).
 """
 
 from __future__ import annotations
@@ -20,10 +28,11 @@ import torch
 import triton
 import triton.language as tl
 
+from k3export.fp8 import WEIGHT_ONLY_OK, weight_only_unavailable
 from k3export.fp8_kernels import INTERPRET, fp8_quant_fwd
-from k3export.plugins.kda.naive import acc_dtype
-from k3export.plugins.moe.kernels import _block_rows, _tanh, align_blocks
+from k3export.plugins.moe.kernels import _block_rows, _sigmoid, _tanh, align_blocks, moe_combine_fwd_kernel
 from k3export.plugins.moe.naive import route
+from k3export.plugins.triton_common import dot_precision, pow2
 
 _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -105,20 +114,145 @@ def moe_fp8_gemm2_fwd_kernel(h, h_scale, w2, s2, y, order, block_expert, block_r
              mask=m_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def moe_fp8_wo_gemm1_fwd_kernel(z, w13, s13, h, order, block_expert, block_row, block_rows, I, L, stride_z,
+                                stride_we, stride_wn, stride_se, stride_h, beta, linear_beta,
+                                TOP_K: tl.constexpr, PER_CHANNEL: tl.constexpr, DOT_PREC: tl.constexpr,
+                                WIDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                BLOCK_K: tl.constexpr):
+    """Block pb of one expert e, columns [n0, n0 + BLOCK_N) of I: h = SiTU_GLU(z (W1_e s_1)^T, z (W3_e s_3)^T)."""
+    pb = tl.program_id(0)
+    e, pair, m_ok = _block_rows(order, block_expert, block_row, block_rows, BLOCK_M)
+    if e < 0:
+        return
+    token = pair // TOP_K
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < I
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptr = z + token[:, None].to(tl.int64) * stride_z + offs_k[None, :]
+    w_off = e.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]   # [BK, BN]
+    acc1 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc3 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, L, BLOCK_K):
+        k_ok = (k0 + offs_k) < L
+        a = tl.load(a_ptr + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b1 = tl.load(w13 + w_off + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        b3 = tl.load(w13 + w_off + I * stride_wn + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if WIDEN:                       # interpreter: its 16-bit tl.dot is wrong (`fp8_kernels`); same products
+            a = a.to(tl.float32)
+        acc1 = tl.dot(a, b1.to(a.dtype), acc=acc1, input_precision=DOT_PREC)
+        acc3 = tl.dot(a, b3.to(a.dtype), acc=acc3, input_precision=DOT_PREC)
+    if PER_CHANNEL:
+        y1 = acc1 * tl.load(s13 + e * stride_se + offs_n, mask=n_ok, other=0.0)[None, :]
+        y3 = acc3 * tl.load(s13 + e * stride_se + I + offs_n, mask=n_ok, other=0.0)[None, :]
+    else:
+        y1 = acc1 * tl.load(s13 + e)
+        y3 = acc3 * tl.load(s13 + e)
+    act = beta * _tanh(y1 / beta) * _sigmoid(y1) * (linear_beta * _tanh(y3 / linear_beta))
+    h_ptr = h + (pb * BLOCK_M + offs_m)[:, None].to(tl.int64) * stride_h + offs_n[None, :]
+    tl.store(h_ptr, act.to(h.dtype.element_ty), mask=n_ok[None, :])
+
+
+@triton.jit
+def moe_fp8_wo_gemm2_fwd_kernel(h, w2, s2, y, order, block_expert, block_row, block_rows, L, I, stride_h,
+                                stride_we, stride_wn, stride_se, stride_y, PER_CHANNEL: tl.constexpr,
+                                DOT_PREC: tl.constexpr, WIDEN: tl.constexpr, BLOCK_M: tl.constexpr,
+                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Block pb of one expert e, columns [n0, n0 + BLOCK_N) of L: y[pair] = h_rows (W2_e s_2)^T in fp32."""
+    pb = tl.program_id(0)
+    e, pair, m_ok = _block_rows(order, block_expert, block_row, block_rows, BLOCK_M)
+    if e < 0:
+        return
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < L
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptr = h + (pb * BLOCK_M + offs_m)[:, None].to(tl.int64) * stride_h + offs_k[None, :]
+    b_ptr = w2 + e.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        k_ok = (k0 + offs_k) < I
+        a = tl.load(a_ptr + k0, mask=k_ok[None, :], other=0.0)
+        b = tl.load(b_ptr + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if WIDEN:
+            a = a.to(tl.float32)
+        acc = tl.dot(a, b.to(a.dtype), acc=acc, input_precision=DOT_PREC)
+    if PER_CHANNEL:
+        acc = acc * tl.load(s2 + e * stride_se + offs_n, mask=n_ok, other=0.0)[None, :]
+    else:
+        acc = acc * tl.load(s2 + e)
+    tl.store(y + pair[:, None].to(tl.int64) * stride_y + offs_n[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
+
+
 def _route_cuda(x, gate_weight, bias, top_k, renormalize, scaling):
     from k3export.plugins.moe.kernels import route_fwd
     ids, w, _ = route_fwd(x, gate_weight, bias, top_k, renormalize, scaling)
     return ids, w
 
 
+# Weight-only while the average expert gets at most this many pairs (the region where the W8A8 path used 16-row
+# blocks); beyond, E4M3 tensor cores. Not yet measured as a crossover on the H200 (`bench fp8` prints the sweep).
+WEIGHT_ONLY_PAIRS_PER_EXPERT = 4
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) of the weight-only kernels: the bf16 decode kernels' tiles
+WO_TILE = (32, 256, 4, 4)
+
+
+def use_weight_only(n_pairs: int, n_experts: int) -> bool:
+    return n_pairs <= WEIGHT_ONLY_PAIRS_PER_EXPERT * n_experts
+
+
+def _combine(y, w, N, L, top_k, dtype):
+    """u `[N, L]` in dtype = sum_j w[n, j] y[n*k + j] in fp32 (y `[P, L]` contiguous, w `[N, k]`)."""
+    u = torch.empty(N, L, dtype=dtype, device=y.device)
+    block_l = min(1024, pow2(L))
+    moe_combine_fwd_kernel[(N, triton.cdiv(L, block_l))](y, w.float().contiguous(), u, L, TOP_K=top_k,
+                                                         BLOCK_L=block_l, num_warps=4)
+    return u
+
+
+def moe_fp8_wo(top, w, z, w13, w2, w13_scale, w2_scale, top_k, beta, linear_beta):
+    """Weight-only experts for routed pairs (top, w `[N, k]`) -> u `[N, L]` in z.dtype (`moe_fp8_wo_ref`)."""
+    N, L = z.shape
+    E, I = w13.shape[0], w2.shape[-1]
+    bm = 16
+    order, block_expert, block_row, block_rows = align_blocks(top, E, bm)
+    MB = block_expert.shape[0]
+    z = z.contiguous()
+    h = torch.empty(MB * bm, I, dtype=z.dtype, device=z.device)                    # block-row order
+    y = torch.empty(N * top_k, L, dtype=torch.float32, device=z.device)            # pair order
+    pc = w13_scale.dim() == 2
+    s13, s2 = w13_scale.float().contiguous(), w2_scale.float().contiguous()
+    bn, bk, warps, stages = WO_TILE
+    prec = "ieee" if INTERPRET else dot_precision(z.dtype)
+    common = dict(PER_CHANNEL=pc, DOT_PREC=prec, WIDEN=INTERPRET, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                  num_warps=warps, num_stages=1 if INTERPRET else stages)
+    moe_fp8_wo_gemm1_fwd_kernel[(MB, triton.cdiv(I, bn))](
+        z, w13, s13, h, order, block_expert, block_row, block_rows, I, L, z.stride(0), w13.stride(0),
+        w13.stride(1), s13.stride(0) if pc else 1, h.stride(0), beta, linear_beta, TOP_K=top_k, **common)
+    moe_fp8_wo_gemm2_fwd_kernel[(MB, triton.cdiv(L, bn))](
+        h, w2, s2, y, order, block_expert, block_row, block_rows, L, I, h.stride(0), w2.stride(0), w2.stride(1),
+        s2.stride(0) if pc else 1, y.stride(0), **common)
+    return _combine(y, w, N, L, top_k, z.dtype)
+
+
 def moe_fp8_grouped(x, z, gate_weight, bias, w13, w2, w13_scale, w2_scale, z_scale, h_scale, top_k, renormalize,
-                    scaling, beta, linear_beta):
-    """Same math and signature as `moe_fp8_sorted` (static activation scales, fp32 accumulation)."""
+                    scaling, beta, linear_beta, weight_only: bool | None = None):
+    """`k3::moe_routed_fp8`'s signature; weight-only (`moe_fp8_wo_ref`) when `use_weight_only` (and its kernels
+    work here: `k3export.fp8.WEIGHT_ONLY_OK`), else W8A8 (`moe_fp8_sorted`, static activation scales); weight_only
+    True/False forces a path. fp32 accumulation either way."""
     router = route if INTERPRET or not z.is_cuda else _route_cuda
     top, w = router(x, gate_weight, bias, top_k, renormalize, scaling)                # [N, k]
     N, L = z.shape
     E, I = w13.shape[0], w2.shape[-1]
     P = N * top_k
+    if weight_only is None and use_weight_only(P, E) and WEIGHT_ONLY_OK["experts"]:
+        try:
+            return moe_fp8_wo(top, w, z, w13, w2, w13_scale, w2_scale, top_k, beta, linear_beta)
+        except Exception as e:                                                  # noqa: BLE001 (reported)
+            weight_only_unavailable("experts", e)
+    elif weight_only:
+        return moe_fp8_wo(top, w, z, w13, w2, w13_scale, w2_scale, top_k, beta, linear_beta)
     block_m = 16 if P <= 4 * E else 64
     order, block_expert, block_row, block_rows = align_blocks(top, E, block_m)
     MB = block_expert.shape[0]
@@ -138,6 +272,4 @@ def moe_fp8_grouped(x, z, gate_weight, bias, w13, w2, w13_scale, w2_scale, z_sca
     moe_fp8_gemm2_fwd_kernel[(MB, triton.cdiv(L, 64))](
         h, h_scale.float().reshape(1), w2, s2, y, order, block_expert, block_row, block_rows, L, I, h.stride(0),
         w2.stride(0), w2.stride(1), s2.stride(0) if pc else 1, y.stride(0), PER_CHANNEL=pc, BLOCK_N=64, **common)
-    dt = acc_dtype(z)
-    u = (y.to(dt).view(N, top_k, L) * w.to(dt).unsqueeze(-1)).sum(1)
-    return u.to(z.dtype)
+    return _combine(y, w, N, L, top_k, z.dtype)

@@ -1,7 +1,7 @@
 """FP8 inference: the E4M3 GEMM op against an fp64 recomputation, FP8 linears and expert banks swapped into the
 model, FP8 artifacts re-loaded from disk (eager state dict and Q/DQ ONNX run by onnxruntime), Q/DQ counts as the
-recipe says, and the Triton kernels (fused FP8 linear, grouped FP8 experts) against their references (CPU
-interpreter; real GPU under `cuda`).
+recipe says, the weight-only (decode) references against W8A8, and the Triton kernels (weight-only FP8 linear,
+weight-only and W8A8 grouped FP8 experts) against their references (CPU interpreter; real GPU under `cuda`).
 
 Errors are relative: ||out - ref|| / ||ref|| unless named otherwise.
 """
@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
-if __name__ == "__main__":  # the interpreter run (see `test_grouped_kernel_interpreter`): set before triton loads
+if __name__ == "__main__":  # the interpreter run (see `test_fp8_kernels_interpreter`): set before triton loads
     os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest
@@ -21,8 +19,9 @@ import torch
 
 from k3export.calibrate import DEFAULT_RECIPE, Recipe, calibrate, default_batches
 from k3export.config import K3Config
-from k3export.fp8 import FP8, FP8Linear, fp8_linear_ref, quantize, quantize_model, scale_from_amax, weight_amax
-from k3export.fp8_moe import FP8ExpertBank, FP8LatentMoE, expert_weight_scales, moe_fp8_sorted
+from k3export.fp8 import (FP8, FP8Linear, fp8_linear_ref, fp8_linear_wo_ref, quantize, quantize_model,
+                          scale_from_amax, weight_amax)
+from k3export.fp8_moe import FP8ExpertBank, FP8LatentMoE, expert_weight_scales, moe_fp8_sorted, moe_fp8_wo_ref
 from k3export.model.weights import random_model
 
 CFG = K3Config.from_name("k3-tiny")
@@ -87,6 +86,32 @@ def test_fp8_linear_module_error_is_fp8_sized(per_channel):
         errs.append(rel(f(x), lin(x)))
     assert max(errs) < FP8_GEMM_BOUND, errs
     assert min(errs) > 1e-3            # it really is quantized
+
+
+def test_weight_only_gemm_error_is_the_weight_rounding_alone():
+    # decode on CUDA runs weight-only: its only error is W's E4M3 rounding, so it sits below W8A8's (x rounded too)
+    g = torch.Generator().manual_seed(6)
+    wo, w8a8 = [], []
+    for _ in range(5):
+        x, w = torch.randn(16, 256, generator=g), torch.randn(128, 256, generator=g) / 16
+        ws, xs = scale_from_amax(weight_amax(w, True)), scale_from_amax(x.abs().max())
+        wq = quantize(w, ws[:, None])
+        wo.append(rel(fp8_linear_wo_ref(x, wq, ws), x @ w.T))
+        w8a8.append(rel(fp8_linear_ref(x, xs, wq, ws), x @ w.T))
+    assert max(wo) < FP8_GEMM_BOUND and all(a < b for a, b in zip(wo, w8a8)), (wo, w8a8)
+
+
+def test_weight_only_kernel_rejects_bad_inputs():
+    from k3export.fp8_kernels import fp8_linear_wo_fwd
+    w, s = torch.zeros(8, 32, dtype=FP8), torch.ones(8)
+    with pytest.raises(ValueError, match="K=16"):
+        fp8_linear_wo_fwd(torch.randn(2, 16), w, s)
+    with pytest.raises(ValueError, match="w_scale"):
+        fp8_linear_wo_fwd(torch.randn(2, 32), w, torch.ones(4))
+    with pytest.raises(ValueError, match="M=65"):
+        fp8_linear_wo_fwd(torch.randn(65, 32), w, s)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        fp8_linear_wo_fwd(torch.randn(2, 32), w.float(), s)
 
 
 # ------------------------------------------------------------------------------------------------ the model
@@ -221,7 +246,8 @@ def test_whole_fp8_decode_graph_pt2_reloads_and_onnx_has_qdq_where_the_recipe_sa
 
 
 # ------------------------------------------------------------------------------------------------ expert kernel
-def _expert_case(N, d, L, I, E, k, per_channel, seed=0, dtype=torch.float32, device="cpu"):
+def _expert_case(N, d, L, I, E, k, per_channel, seed=0, dtype=torch.float32, device="cpu", unquantized=False):
+    """The op's arguments (random routing inputs, E4M3 experts, scales); with unquantized, also (w1, w3, w2)."""
     g = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
     x, z, gw, b = r(N, d), r(N, L), r(E, d) / d ** 0.5, 0.3 * r(E)
@@ -232,37 +258,74 @@ def _expert_case(N, d, L, I, E, k, per_channel, seed=0, dtype=torch.float32, dev
     args = (x.to(dtype), z.to(dtype), gw, b, quantize(w13, ex(s["w13_scale"], w13)),
             quantize(w2, ex(s["w2_scale"], w2)), s["w13_scale"], s["w2_scale"], scale_from_amax(z.abs().max()),
             torch.tensor(0.05), k, True, 1.0, 4.0, 25.0)
-    return [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
+    args = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
+    return (args, (w1, w3, w2)) if unquantized else args
+
+
+def _wo_args(M, N, K, per_channel, g, dtype=torch.float32):
+    x, w = torch.randn(M, K, generator=g).to(dtype), torch.randn(N, K, generator=g) / K ** 0.5
+    ws = scale_from_amax(weight_amax(w, per_channel))
+    return x, quantize(w, ws[:, None] if per_channel else ws), ws
+
+
+def _expert_wo(args):
+    """`moe_fp8_wo_ref` takes the op's arguments without z_scale and h_scale (unused)."""
+    return moe_fp8_wo_ref(*args[:8], *args[10:])
+
+
+# The interpreter stores fp32 -> bf16 by truncation (measured: bit-identical to the truncated fp32 reference),
+# so a bf16 output is within 1 bf16 ulp (2^-7 relative per element) of the fp32 reference, not half an ulp.
+INTERP_BF16_BOUND = 2.0 ** -7
 
 
 def interp_errors() -> dict:
-    from k3export.fp8_kernels import fp8_linear_fwd
+    from k3export.fp8_kernels import fp8_linear_wo_fwd
     from k3export.fp8_moe_kernels import moe_fp8_grouped
     out = {}
     g = torch.Generator().manual_seed(4)
-    for M, pc in ((3, True), (20, False)):                              # 20 rows: two 16-row blocks
-        x, w = torch.randn(M, 200, generator=g), torch.randn(72, 200, generator=g) / 14
-        ws = scale_from_amax(weight_amax(w, pc))
-        wq, xs = quantize(w, ws[:, None] if pc else ws), scale_from_amax(x.abs().max())
-        out[f"linear_M{M}_{'pc' if pc else 'pt'}"] = rel(fp8_linear_fwd(x, xs, wq, ws), fp8_linear_ref(x, xs, wq, ws))
-    for N, k, pc in ((3, 2, True), (11, 3, False), (20, 2, True)):      # 20*2 pairs > 4E: 64-row blocks
+    # (M, N, K, per_channel, split, gemv): GEMV and tl.dot paths, one K slice and several (partials + reduce),
+    # ragged N and K tails, 20 rows (a 32-row block)
+    for M, N, K, pc, split, gemv in ((1, 72, 1100, True, None, None), (1, 40, 1024, False, 1, None),
+                                     (1, 40, 1024, True, 3, False), (5, 72, 600, True, 3, None),
+                                     (20, 72, 608, False, 1, None)):
+        x, wq, ws = _wo_args(M, N, K, pc, g)
+        y = fp8_linear_wo_fwd(x, wq, ws, split=split, gemv=gemv)
+        out[f"wo_M{M}_N{N}_K{K}_split{split}_{'gemv' if gemv or (gemv is None and M == 1) else 'dot'}"] = \
+            rel(y, fp8_linear_wo_ref(x, wq, ws))
+    x, wq, ws = _wo_args(3, 48, 512, True, g, torch.bfloat16)
+    out["bf16:wo_M3"] = rel(fp8_linear_wo_fwd(x, wq, ws, split=2), fp8_linear_wo_ref(x.float(), wq, ws))
+    for N, k, pc in ((3, 2, True), (11, 3, False), (20, 2, True)):      # 20*2 pairs > 4E: 64-row W8A8 blocks
         args = _expert_case(N, 32, 32, 48, 8, k, pc)
-        out[f"N{N}_k{k}_{'pc' if pc else 'pt'}"] = rel(moe_fp8_grouped(*args), moe_fp8_sorted(*args))
+        tag = f"N{N}_k{k}_{'pc' if pc else 'pt'}"
+        out[f"experts_w8a8_{tag}"] = rel(moe_fp8_grouped(*args, weight_only=False), moe_fp8_sorted(*args))
+        out[f"experts_wo_{tag}"] = rel(moe_fp8_grouped(*args, weight_only=True), _expert_wo(args))
     return out
 
 
-def test_grouped_kernel_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    p = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
-    errs = json.loads(p.stdout.strip().splitlines()[-1])
-    assert max(errs.values()) < FP32_BOUND, errs
+def test_fp8_kernels_interpreter(interp):
+    fp32 = {k: v for k, v in interp.items() if not k.startswith("bf16:")}
+    assert max(fp32.values()) < FP32_BOUND, interp
+    assert interp["bf16:wo_M3"] < INTERP_BF16_BOUND, interp
+
+
+def test_weight_only_experts_are_closer_to_unquantized_than_w8a8():
+    # decode on CUDA runs the experts weight-only (z and h unquantized): less error than W8A8 against the
+    # unquantized experts. Both chain two GEMMs, hence twice the one-GEMM bound.
+    from k3export.plugins.moe.naive import moe_sorted
+    errs = {}
+    for N, k, pc in ((4, 2, True), (9, 3, False)):
+        args, (w1, w3, w2) = _expert_case(N, 32, 32, 48, 8, k, pc, seed=N, unquantized=True)
+        exact = moe_sorted(*args[:4], w1, w3, w2, *args[10:])
+        errs[(N, k)] = (rel(_expert_wo(args), exact), rel(moe_fp8_sorted(*args), exact))
+    assert all(wo < w8a8 < 2 * FP8_GEMM_BOUND for wo, w8a8 in errs.values()), errs
 
 
 # ------------------------------------------------------------------------------------------------ GPU
 # bf16 output vs the fp32 reference: one bf16 rounding (2^-9) apart at most, plus the sums in another order
 # (Hopper's FP8 MMA accumulates with reduced precision). Measured on the H200 with k3-small's q_proj (`bench fp8`
-# selfcheck): 1.6e-3 (fused kernel, M = 1), 1.7e-3 (_scaled_mm, M = 128).
+# selfcheck): 1.6e-3 (the old fused W8A8 kernel, M = 1), 1.7e-3 (_scaled_mm, M = 128). The weight-only paths
+# (exact products, fp32 sums, one bf16 rounding of the output; for the experts also h rounded to bf16 as the
+# reference rounds it) are held to the same bound.
 BF16_OUT_BOUND = 4e-3
 # The grouped kernel rounds y13 and h to bf16 as the reference does, but sums in another order (and in the FP8
 # MMA's reduced-precision accumulator): elements of h near an E4M3 rounding boundary can land one E4M3 step
@@ -274,6 +337,7 @@ EXPERT_GPU_BOUND = 2e-2
 @pytest.mark.parametrize("M", [1, 7, 64, 200])
 @pytest.mark.parametrize("per_channel", [True, False])
 def test_fp8_linear_matches_reference_cuda(M, per_channel):
+    from k3export.fp8 import WEIGHT_ONLY_M
     g = torch.Generator().manual_seed(M)
     x = torch.randn(M, 2048, generator=g).bfloat16().cuda()
     w = (torch.randn(3072, 2048, generator=g) / 45).cuda()
@@ -282,28 +346,42 @@ def test_fp8_linear_matches_reference_cuda(M, per_channel):
     xs = scale_from_amax(x.float().abs().max())
     y = torch.ops.k3.fp8_linear(x, xs, wq, ws)
     assert y.dtype == torch.bfloat16
-    assert rel(y, fp8_linear_ref(x.float(), xs, wq, ws)) < BF16_OUT_BOUND
+    want = fp8_linear_wo_ref(x.float(), wq, ws) if M <= WEIGHT_ONLY_M else fp8_linear_ref(x.float(), xs, wq, ws)
+    assert rel(y, want) < BF16_OUT_BOUND
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("M", [1, 64])
-def test_fused_small_m_kernel_matches_reference_cuda(M):
-    from k3export.fp8_kernels import fp8_linear_fwd
-    g = torch.Generator().manual_seed(M)
-    x = torch.randn(M, 2048, generator=g).bfloat16().cuda()
-    w = (torch.randn(2048, 2048, generator=g) / 45).cuda()
+@pytest.mark.parametrize("M,N,K,split,gemv", [(1, 576, 7168, None, None), (1, 576, 7168, 1, None),
+                                              (1, 12288, 1536, None, False), (4, 1536, 7168, None, None),
+                                              (16, 7168, 8192, 2, None), (64, 3072, 2048, None, None)])
+def test_weight_only_kernel_matches_reference_cuda(M, N, K, split, gemv):
+    # full-width K3 shapes (kv_a 576x7168, q_b 12288x1536, q_a 1536x7168, o 7168x8192): GEMV and tl.dot paths,
+    # split K (partials + reduce) and one slice
+    from k3export.fp8_kernels import fp8_linear_wo_fwd
+    g = torch.Generator().manual_seed(N + M)
+    x = torch.randn(M, K, generator=g).bfloat16().cuda()
+    w = (torch.randn(N, K, generator=g) / K ** 0.5).cuda()
     ws = scale_from_amax(weight_amax(w, True))
-    wq, xs = quantize(w, ws[:, None]), scale_from_amax(x.float().abs().max())
-    assert rel(fp8_linear_fwd(x, xs, wq, ws), fp8_linear_ref(x.float(), xs, wq, ws)) < BF16_OUT_BOUND
+    wq = quantize(w, ws[:, None])
+    assert rel(fp8_linear_wo_fwd(x, wq, ws, split=split, gemv=gemv), fp8_linear_wo_ref(x.float(), wq, ws)) \
+        < BF16_OUT_BOUND
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("N", [1, 16, 256])
-def test_grouped_kernel_matches_sorted_cuda(N):
-    # k3-small expert shapes: d 2048, latent 1024, expert hidden 768, 64 experts, top-8
+@pytest.mark.parametrize("N,weight_only", [(1, None), (16, None), (16, False), (256, None)])
+def test_grouped_kernel_matches_sorted_cuda(N, weight_only):
+    # k3-small expert shapes: d 2048, latent 1024, expert hidden 768, 64 experts, top-8; N = 1, 16 run
+    # weight-only by default (8, 128 pairs <= 4 * 64), 256 tokens W8A8
+    from k3export.fp8_moe_kernels import moe_fp8_grouped, use_weight_only
     args = _expert_case(N, 2048, 1024, 768, 64, 8, True, dtype=torch.bfloat16, device="cuda")
-    out = torch.ops.k3.moe_routed_fp8(*args)
-    assert rel(out, moe_fp8_sorted(*args)) < EXPERT_GPU_BOUND
+    wo = use_weight_only(N * 8, 64) if weight_only is None else weight_only
+    out = moe_fp8_grouped(*args, weight_only=weight_only)
+    if weight_only is None:
+        assert torch.equal(out, torch.ops.k3.moe_routed_fp8(*args))              # the op runs this path
+    if wo:
+        assert rel(out, _expert_wo(args)) < BF16_OUT_BOUND
+    else:
+        assert rel(out, moe_fp8_sorted(*args)) < EXPERT_GPU_BOUND
 
 
 if __name__ == "__main__":

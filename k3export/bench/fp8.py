@@ -1,12 +1,16 @@
 """`k3export bench fp8`: a whole model (k3-small by default) in FP8 against the same weights in bf16.
 
 One run does: random bf16 weights on the GPU, calibration with the default recipe, the FP8 copy
-(`quantize_model`), the accuracy report (FP8 vs bf16, and bf16 vs fp32 as the noise floor, greedy over
---report-tokens tokens), then timings: one decode step at each batch size (CUDA graph of `forward_decode`,
-`--context` cache rows per sequence) and a prefill of --prefill tokens (eager). Each time sits beside the
-weight bytes the step reads (napkin: every non-expert weight once, the expected number of distinct routed
-experts for B random tokens, the KDA state read and written, the MLA cache rows) and the achieved GB/s against
-the copy bandwidth measured in the same run.
+(`quantize_model`), a selfcheck of the GPU paths against their references, then timings: one decode step at each
+batch size (CUDA graph of `forward_decode`, `--context` cache rows per sequence) and a prefill of --prefill
+tokens (eager). Each time sits beside the weight bytes the step reads (napkin: every non-expert weight once, the
+expected number of distinct routed experts for B random tokens, the KDA state read and written, the MLA cache
+rows) and the achieved GB/s against the copy bandwidth measured in the same run. The full-width K3 layer pair at
+B = 1 in bf16 and FP8 comes right after the decode steps (--layer-pair), then the sweeps that set the weight-only
+thresholds (--sweep): the k3-small expert op at N tokens (weight-only vs W8A8) and every FP8 linear shape of that
+pair at M rows (bf16 `F.linear`, weight-only, W8A8 = quantize + `_scaled_mm`), all CUDA-graph replays; last the
+prefill, the accuracy report (FP8 vs bf16, greedy over --report-tokens tokens) and its noise floor (bf16 vs
+--noise-dtype).
 """
 
 from __future__ import annotations
@@ -114,19 +118,18 @@ def prefill_ms(model, T: int) -> float:
 
 def selfcheck(ref, fp8) -> dict:
     """The GPU paths against their references on this model's own tensors (relative errors)."""
-    from k3export.fp8 import fp8_linear_ref
-    from k3export.fp8_kernels import fp8_linear_fwd
-    from k3export.fp8_moe import moe_fp8_sorted
+    from k3export.fp8 import WEIGHT_ONLY_M, fp8_linear_ref, fp8_linear_wo_ref
+    from k3export.fp8_moe import moe_fp8_sorted, moe_fp8_wo_ref
+    from k3export.fp8_moe_kernels import use_weight_only
     rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm())    # noqa: E731
     out = {}
     lin = fp8.model.layers[0].self_attn.q_proj
-    for M in (1, 128):                      # the op: Triton quantization + torch._scaled_mm at every M (SMALL_M = 0)
+    for M in (1, 8, 128):                   # weight-only (GEMV, tl.dot), then W8A8 (Triton quantize + _scaled_mm)
         x = torch.randn(M, lin.in_features, device=ref.device, dtype=ref.dtype)
         args = (x, lin.input_scale, lin.qweight, lin.weight_scale)
-        want = fp8_linear_ref(x.float(), *args[1:])
-        out[f"fp8_linear_M{M}"] = rel(torch.ops.k3.fp8_linear(*args), want)
-        if M == 1:                          # the fused small-M Triton kernel (off in the op), called directly
-            out["fp8_linear_fused_M1"] = rel(fp8_linear_fwd(*args), want)
+        wo = M <= WEIGHT_ONLY_M
+        want = fp8_linear_wo_ref(x.float(), *args[2:]) if wo else fp8_linear_ref(x.float(), *args[1:])
+        out[f"fp8_linear_M{M}_{'wo' if wo else 'w8a8'}"] = rel(torch.ops.k3.fp8_linear(*args), want)
     moe = fp8.model.layers[1].block_sparse_moe
     e = moe.experts
     for N in (1, 64):
@@ -134,8 +137,90 @@ def selfcheck(ref, fp8) -> dict:
         z = moe.routed_expert_down_proj(x)
         args = (x, z, moe.gate.weight, moe.gate.e_score_correction_bias, e.w13, e.w2, e.w13_scale, e.w2_scale,
                 e.w13_input_scale, e.w2_input_scale, *moe.routing.values())
-        out[f"moe_fp8_N{N}"] = rel(torch.ops.k3.moe_routed_fp8(*args), moe_fp8_sorted(*args))
+        wo = use_weight_only(N * moe.routing["top_k"], e.w13.shape[0])
+        want = moe_fp8_wo_ref(*args[:8], *args[10:]) if wo else moe_fp8_sorted(*args)
+        out[f"moe_fp8_N{N}_{'wo' if wo else 'w8a8'}"] = rel(torch.ops.k3.moe_routed_fp8(*args), want)
     return out
+
+
+def _graph_us(fn, rep: int = 20) -> float:
+    """Median microseconds of fn as a CUDA-graph replay (eager when capture fails), L2 flushed."""
+    from k3export.bench.ceilings import bench_ms
+    from k3export.bench.layer import _graphed
+    replay = _graphed(fn)
+    return bench_ms(replay or fn, rep=rep) * 1e3
+
+
+def expert_sweep(fp8, tokens=(1, 8, 32, 64)) -> list[dict]:
+    """k3-small layer 1's FP8 expert op at N tokens, weight-only vs W8A8 (routing and combine included)."""
+    from k3export.fp8_moe_kernels import moe_fp8_grouped, use_weight_only
+    moe = fp8.model.layers[1].block_sparse_moe
+    e = moe.experts
+    rows = []
+    for N in tokens:
+        x = torch.randn(N, fp8.config.hidden_size, device="cuda", dtype=torch.bfloat16)
+        args = (x, moe.routed_expert_down_proj(x), moe.gate.weight, moe.gate.e_score_correction_bias, e.w13, e.w2,
+                e.w13_scale, e.w2_scale, e.w13_input_scale, e.w2_input_scale, *moe.routing.values())
+        r = {"N": N, "default": "wo" if use_weight_only(N * moe.routing["top_k"], e.w13.shape[0]) else "w8a8"}
+        for tag, wo in (("wo", True), ("w8a8", False)):
+            r[f"{tag}_us"] = _graph_us(lambda: moe_fp8_grouped(*args, weight_only=wo))       # noqa: B023
+        rows.append(r)
+    return rows
+
+
+def pair_linear_shapes(recipe) -> list[tuple[int, int]]:
+    """(N, K) of every linear the recipe quantizes in the full-width layer pair (built on the meta device)."""
+    import fnmatch
+
+    from k3export.config import K3Config
+    from k3export.model.k3 import DecoderLayer
+    strip = lambda p: p.split("model.layers.*.", 1)[-1]                               # noqa: E731
+    pats, keep = [strip(p) for p in recipe.quantize], [strip(p) for p in recipe.keep]
+    shapes = []
+    with torch.device("meta"):
+        for i in (3, 1):                                                            # MLA, KDA
+            for n, m in DecoderLayer(K3Config(), i).named_modules():
+                if isinstance(m, torch.nn.Linear) and any(fnmatch.fnmatchcase(n, p) for p in pats) \
+                        and not any(fnmatch.fnmatchcase(n, k) for k in keep):
+                    shapes.append(tuple(m.weight.shape))
+    return sorted(set(shapes))
+
+
+def linear_sweep(shapes, rows_m=(1, 4, 16, 32, 64)) -> list[dict]:
+    """Each (N, K) at M rows: bf16 `F.linear`, weight-only (`fp8_linear_wo_fwd`; at M = 1 also its tl.dot path)
+    and W8A8 (`fp8_linear_scaled_mm`), microseconds of CUDA-graph replays, L2 flushed."""
+    from k3export.fp8 import fp8_linear_scaled_mm, quantize, scale_from_amax, weight_amax
+    from k3export.fp8_kernels import MAX_M, fp8_linear_wo_fwd
+    rows = []
+    for N, K in shapes:
+        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K ** 0.5
+        ws = scale_from_amax(weight_amax(w, True))
+        wq = quantize(w, ws[:, None])
+        for M in rows_m:
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            xs = scale_from_amax(x.float().abs().amax())
+            fns = {"bf16": lambda: torch.nn.functional.linear(x, w),                                # noqa: B023
+                   "w8a8": lambda: fp8_linear_scaled_mm(x, xs, wq, ws)}                             # noqa: B023
+            if M <= MAX_M:
+                fns["wo"] = lambda: fp8_linear_wo_fwd(x, wq, ws)                                    # noqa: B023
+            if M == 1:
+                fns["wo_dot"] = lambda: fp8_linear_wo_fwd(x, wq, ws, gemv=False)                    # noqa: B023
+            r = {"N": N, "K": K, "M": M, **{f"{k}_us": _graph_us(fn) for k, fn in fns.items()}}
+            r["wo_GBps"] = N * K / r["wo_us"] / 1e3 if "wo_us" in r else None
+            rows.append(r)
+    return rows
+
+
+def _print_linear_sweep(rows, bw):
+    for r in rows:
+        extra = f", wo tl.dot {r['wo_dot_us']:.1f}" if "wo_dot_us" in r else ""
+        click.echo(f"  {r['N']:5d} x {r['K']:5d} M={r['M']:2d}: bf16 {r['bf16_us']:7.1f} us, weight-only "
+                   f"{r.get('wo_us', float('nan')):7.1f} us ({r['wo_GBps'] or 0:5.0f} GB/s, "
+                   f"{(r['wo_GBps'] or 0) * 1e9 / bw:4.0%} of copy){extra}, W8A8 {r['w8a8_us']:7.1f} us")
+    for M in sorted({r["M"] for r in rows}):
+        tot = {k: sum(r.get(f"{k}_us", float("nan")) for r in rows if r["M"] == M) for k in ("bf16", "wo", "w8a8")}
+        click.echo(f"  sum over the pair's linear shapes, M={M:2d}: bf16 {tot['bf16']:.1f} us, weight-only "
+                   f"{tot['wo']:.1f} us, W8A8 {tot['w8a8']:.1f} us")
 
 
 def layer_pair_fn(recipe, cache_len: int = 4096) -> list[dict]:
@@ -213,8 +298,10 @@ def layer_pair_fn(recipe, cache_len: int = 4096) -> list[dict]:
               show_default=True, help="Precision of the noise-floor twin (bf16 vs it).")
 @click.option("--layer-pair/--no-layer-pair", default=True, show_default=True,
               help="Also time a full-width K3 layer pair in bf16 and FP8 (needs ~90 GB).")
+@click.option("--sweep/--no-sweep", default=True, show_default=True,
+              help="Also time the pair's linear shapes at M = 1..64 and the expert op at N = 1..64 (thresholds).")
 @click.option("--out", type=click.Path(file_okay=False), default="out/bench", show_default=True)
-def fp8_bench(preset, batches, context, prefill_tokens, report_tokens, noise_dtype, layer_pair, out):
+def fp8_bench(preset, batches, context, prefill_tokens, report_tokens, noise_dtype, layer_pair, sweep, out):
     """FP8 vs bf16: accuracy report, decode step at B = 1..64 (CUDA graphs) and prefill, on one GPU."""
     from k3export.bench.ceilings import copy_bandwidth, machine
     from k3export.calibrate import DEFAULT_RECIPE, HELDOUT_SEED, Recipe, calibrate, default_batches
@@ -237,9 +324,12 @@ def fp8_bench(preset, batches, context, prefill_tokens, report_tokens, noise_dty
     res["setup"] = {"seconds": time.perf_counter() - t0, "quantized": counts, "bf16_GB": gb(ref), "fp8_GB": gb(fp8)}
     click.echo(f"{machine()}; {preset}: bf16 {gb(ref):.2f} GB, fp8 {gb(fp8):.2f} GB ({counts}); "
                f"setup {res['setup']['seconds']:.1f}s")
+    from k3export.fp8 import WEIGHT_ONLY_OK
     res["selfcheck"] = selfcheck(ref, fp8)
+    res["weight_only_active"] = dict(WEIGHT_ONLY_OK)           # False: a kernel failed here and W8A8 ran instead
     click.echo("selfcheck (rel. error vs reference): " + ", ".join(f"{k} {v:.1e}" for k, v in
                                                                    res["selfcheck"].items()))
+    click.echo(f"weight-only kernels active: {res['weight_only_active']}")
     save()
     bw = copy_bandwidth()
     res["copy_GBps"] = bw / 1e9
@@ -257,6 +347,31 @@ def fp8_bench(preset, batches, context, prefill_tokens, report_tokens, noise_dty
         click.echo(f"decode B={B:3d} ctx={context}: bf16 {row['bf16']['ms']:.3f} ms ({row['bf16']['GBps']:.0f} GB/s)"
                    f", fp8 {row['fp8']['ms']:.3f} ms ({row['fp8']['GBps']:.0f} GB/s) [{row['fp8']['how']}]: "
                    f"{row['speedup']:.2f}x")
+    if layer_pair:                          # first: the target figure (k3-small's 7 GB stay alongside)
+        try:
+            res["layer_pair"] = layer_pair_fn(recipe)
+        except Exception as e:                                                    # noqa: BLE001 (reported)
+            res["layer_pair"] = []
+            click.echo(f"layer pair failed: {type(e).__name__}: {str(e)[:300]}")
+        save()
+        for r in res["layer_pair"]:
+            click.echo(f"full-width {r['pair']} decode B=1 {r['precision']}: {r['ms']:.3f} ms, {r['GB']:.2f} GB "
+                       f"({r['GBps']:.0f} GB/s, {r['GBps'] * 1e9 / bw:.0%} of copy)")
+        ms = {(r["pair"], r["precision"]): r["ms"] for r in res["layer_pair"]}
+        for pair in ("MLA+MoE", "KDA+MoE"):
+            if (pair, "fp8") in ms and (pair, "bf16") in ms:
+                click.echo(f"full-width {pair} B=1: FP8 {ms[pair, 'bf16'] / ms[pair, 'fp8']:.2f}x bf16")
+    if sweep:
+        res["expert_sweep"] = expert_sweep(fp8)
+        save()
+        for r in res["expert_sweep"]:
+            click.echo(f"expert op N={r['N']:3d}: weight-only {r['wo_us']:.1f} us, W8A8 {r['w8a8_us']:.1f} us "
+                       f"(default {r['default']})")
+        torch.cuda.empty_cache()
+        res["linear_sweep"] = linear_sweep(pair_linear_shapes(recipe))
+        save()
+        click.echo("full-width FP8 linear shapes (us per GEMM):")
+        _print_linear_sweep(res["linear_sweep"], bw)
     if prefill_tokens:
         p = {"T": prefill_tokens, "bf16_ms": prefill_ms(ref, prefill_tokens), "fp8_ms": prefill_ms(fp8, prefill_tokens)}
         p["speedup"] = p["bf16_ms"] / p["fp8_ms"]
@@ -292,16 +407,6 @@ def fp8_bench(preset, batches, context, prefill_tokens, report_tokens, noise_dty
             res["noise_floor"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             click.echo(f"noise floor failed: {res['noise_floor']['error']}")
         del hi
-    if layer_pair:
-        del ref
-        torch.cuda.empty_cache()
-        try:
-            res["layer_pair"] = layer_pair_fn(recipe)
-        except Exception as e:                                                    # noqa: BLE001 (reported)
-            res["layer_pair"] = []
-            click.echo(f"layer pair failed: {type(e).__name__}: {str(e)[:300]}")
-        save()
-        for r in res["layer_pair"]:
-            click.echo(f"full-width {r['pair']} decode B=1 {r['precision']}: {r['ms']:.3f} ms, {r['GB']:.2f} GB "
-                       f"({r['GBps']:.0f} GB/s, {r['GBps'] * 1e9 / bw:.0%} of copy)")
-    click.echo(f"wrote {outdir / 'fp8.json'}")
+    res["weight_only_active"] = dict(WEIGHT_ONLY_OK)
+    save()
+    click.echo(f"weight-only kernels active at the end: {res['weight_only_active']}; wrote {outdir / 'fp8.json'}")
