@@ -179,7 +179,7 @@ def kda_prefill_fwd_kernel(
     tl.store(ht + p_s, b_s.to(ht.dtype.element_ty), mask=m_kv)
 
 
-# --- Prefill intra launch, sub-tiled variant (`intra="sub"`, the default for BT = 64) -------------------------------
+# --- Prefill intra launch, sub-tiled variant (`intra="sub"`; correct on the H200 but slower, see prefill_config) ----
 # The same outputs as `kda_prefill_intra_fwd_kernel`, computed on 16-row sub-blocks I = 0..3 of the chunk, each
 # loaded with its own pointers (no tl.reshape): A_qk / A_kk as 10 lower [BC, BC] blocks, the UT transform as
 # 16x16 block inverses merged by block forward substitution (X_IJ = -X_II sum_{J<=M<I} A_IM X_MJ), W_I, U_I as
@@ -514,13 +514,15 @@ def prefill_config(K: int, V: int) -> dict:
     """Block sizes and warps of both prefill launches for head dims K, V (K = V = 128 is the tuned case).
     `intra`: "sub" (`kda_prefill_intra_sub_fwd_kernel`, 16-row sub-blocks, `sub_warps`) or "full" (64-wide
     tiles, `intra_warps`; the kernel of the AOT contract in trt.py). Env `K3_KDA_INTRA` overrides the default.
+    H200, T=8192, H=96, bf16 (2026-11-29 22:20, `bench kda --sweep`): "sub" 4.80 ms vs "full" 3.28 ms, o rel. RMS
+    4.38e-3 both (correct on the H200, slower): "full" stays the default.
     `low_ab` (bf16 inputs only): bf16 operands for the A_kk/A_qk and W/U products, as fla does. H200, T=8192,
     H=96 (2026-11-29 21:10): 3.25 ms vs 4.90 ms with fp32/tf32 operands, o rel. RMS 4.4e-3 vs 3.5e-3: on.
     Verified on the H200 for K = V = 128: BV 64 / 4 warps / 2 stages and BV 128 / 8 warps / 1 stage. BV = 32 with
     1 stage gave wrong outputs there (exact under the interpreter; cause not found): do not use BV < 64."""
     big = max(K, V) >= 64
     return dict(BT=CHUNK, BK=_pow2(K), BV_intra=_pow2(V), BV=min(_pow2(V), 64),
-                intra=os.environ.get("K3_KDA_INTRA", "sub"), sub_warps=4,
+                intra=os.environ.get("K3_KDA_INTRA", "full"), sub_warps=4,
                 intra_warps=8 if big else 4, low_ab=True, state_warps=4, state_stages=2 if big else 1)
 
 
