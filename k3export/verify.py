@@ -12,6 +12,7 @@ from pathlib import Path
 
 import click
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from k3export.export import OUTPUTS, example_inputs
 from k3export.manifest import ManifestError, checkpoint_fingerprint, file_sha256, load_manifest
@@ -28,11 +29,13 @@ TOL = {
 }
 GEN_TOKENS = 3
 GEN_TOKENS_CUDA = 16
-# CUDA graphs run the Triton kernels: the kernels accumulate in fp32 like the twins but in another order, and
-# round some intermediates (bf16 dot operands) the twins keep wider, so they may sit somewhat further from the
-# fp32 twins than the same-dtype twins do; 2x that rounding floor, + 1e-3 for outputs whose floor is ~0
-# (exact fp32 state rows), is the bound.
-KERNEL_MARGIN, KERNEL_ABS = 2.0, 1e-3
+# CUDA graphs run the Triton kernels; each call is checked against its naive twin on the same inputs (relative
+# RMS, worst output). bf16: the kernels round dot operands to bf16 where the twins keep fp32 (KDA's intra-chunk
+# products, MoE's SiTU-GLU output before w2); their own GPU tests measure 2e-3..7e-3 at K3 shapes, so 2e-2
+# leaves ~3x. float32 kernels use tf32/bf16 dots inside too (measured up to ~4e-3): same bound.
+OP_TOL = {"bfloat16": 2e-2, "float16": 2e-2, "float32": 2e-2}
+# Ops a graph never calls (no kernel call expected there).
+IDLE_OPS = {"prefill": {"k3::kda_decode", "k3::mla_decode"}, "decode": {"k3::kda_prefill", "k3::mla_prefill"}}
 # Inputs per graph: dim sizes and per-sequence lengths (mixed lengths, continued prefill, mixed cache lengths).
 CASES = {
     "prefill": ({"batch": 2, "tokens": 7, "past": 5}, {"lengths": [7, 3], "cache_len": [5, 2]}),
@@ -94,23 +97,61 @@ def errors(a: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
 def rel_rms(a: torch.Tensor, ref: torch.Tensor) -> float:
     """||a - ref|| / ||ref|| over the whole tensor (the kernels' own tests use this measure)."""
     a, ref = a.double(), ref.double()
+    if not torch.isfinite(a).all():
+        return float("inf")                  # a NaN would otherwise compare as "not worse" everywhere
     return ((a - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 @contextlib.contextmanager
-def reference_ops():
-    """Inside: every k3 op runs its plain-torch reference (the naive twin) on every device, not its kernel."""
-    from torch._library.custom_ops import OPDEFS
-    ops = [op for name, op in OPDEFS.items() if name.startswith("k3::") and "cuda" in getattr(op, "_backend_fns", {})]
+def reference_ops(device_type: str = "cuda"):
+    """Inside: every k3 op runs its plain-torch reference (the naive twin) on `device_type`, not its kernel."""
     with contextlib.ExitStack() as stack:
-        for op in ops:
-            stack.enter_context(op.set_kernel_enabled("cuda", False))
+        for op in _kernel_ops(device_type).values():
+            stack.enter_context(op.set_kernel_enabled(device_type, False))
         yield
 
 
-def _twin_rows(model, graph: str, inputs: dict, kernels: dict) -> dict[str, tuple[float, float]]:
-    """CUDA: how far the kernels' outputs and the naive twins' outputs (same dtype) each sit from the naive
-    twins in float32 on the same weights. Returns {output: (kernels rel RMS, twins rel RMS)}."""
+def _kernel_ops(device_type: str) -> dict:
+    """{qualified name: CustomOpDef} of the k3 ops with a kernel registered for `device_type`."""
+    from torch._library.custom_ops import OPDEFS
+    return {name: op for name, op in OPDEFS.items()
+            if name.startswith("k3::") and device_type in getattr(op, "_backend_fns", {})}
+
+
+class OpChecker(TorchDispatchMode):
+    """Runs each k3 op call twice: its kernel (the result the program goes on with) and its naive twin on the
+    same inputs, and keeps the worst relative RMS distance per op and output. The check sees every op on the
+    activations the model really produces there, without the model's own amplification of earlier rounding."""
+
+    def __init__(self, device_type: str = "cuda"):
+        super().__init__()
+        self.device_type = device_type
+        self.ops = _kernel_ops(device_type)
+        self.worst: dict[str, list[float]] = {}
+        self.calls: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func._schema.name                       # e.g. "k3::kda_decode"
+        op = self.ops.get(name)
+        if op is None:
+            return out
+        with op.set_kernel_enabled(self.device_type, False):
+            ref = func(*args, **kwargs)
+        outs, refs = (out, ref) if isinstance(out, (tuple, list)) else ((out,), (ref,))
+        errs = [rel_rms(o, r) for o, r in zip(outs, refs)]
+        w = self.worst.setdefault(name, [0.0] * len(errs))
+        self.worst[name] = [max(x, y) for x, y in zip(w, errs)]
+        self.calls[name] = self.calls.get(name, 0) + 1
+        return out
+
+
+def _model_distances(model, graph: str, inputs: dict, kernels: dict) -> dict[str, tuple[float, float]]:
+    """For information (no bound): how far the kernels' outputs and the naive twins' outputs (same dtype) each
+    sit from the naive twins in float32 on the same weights. A random-weight model amplifies any rounding
+    (top-k router flips on near-tied random scores): these distances vary with the draw, which is why the
+    kernels are judged per op (`OpChecker`). Returns {output: (kernels, twins)} relative RMS."""
     import copy
     fn = "forward_prefill" if graph == "prefill" else "forward_decode"
     f32 = copy.deepcopy(model).float()
@@ -126,10 +167,9 @@ def verify(graph_dir: str | Path, checkpoint: str | None = None, run_onnx: bool 
            versions: dict | None = None) -> tuple[bool, str]:
     """Returns (ok, table). run_onnx: None = when the directory holds ONNX graphs.
 
-    On graphs exported on cuda the k3 ops run their Triton kernels (eager and .pt2 alike), so two more columns
-    check the kernels themselves: their outputs' relative RMS distance to the naive twins run in float32 on the
-    same weights, next to the same distance for the naive twins in the model's dtype (the rounding floor of that
-    dtype). A kernel row fails when it is more than KERNEL_MARGIN times that floor (+ KERNEL_ABS)."""
+    On graphs exported on cuda the k3 ops run their Triton kernels (eager and .pt2 alike): every k3 op call in
+    the .pt2 run is also checked against its naive twin on the same inputs (`OpChecker`, bound OP_TOL), and two
+    information-only columns give the distance of the whole model's outputs to the float32 twins."""
     from k3export.exported import ExportedK3
     graph_dir = Path(graph_dir)
     manifest = load_manifest(graph_dir)
@@ -144,7 +184,7 @@ def verify(graph_dir: str | Path, checkpoint: str | None = None, run_onnx: bool 
         raise ManifestError(f"{graph_dir} has no ONNX graphs; run `k3export onnx --graphs {graph_dir}` first")
     dt = manifest["dtype"]
     paths = ["pt2", "onnx"] if run_onnx else ["pt2"]
-    rows, ok = [], True
+    rows, ok, op_rows = [], True, []
     for graph, g in manifest["graphs"].items():
         if file_sha256(graph_dir / g["file"]) != g["sha256"]:
             rows.append((graph, g["file"], "sha256 differs from the manifest", *[""] * (2 * len(paths) - 1 +
@@ -154,11 +194,16 @@ def verify(graph_dir: str | Path, checkpoint: str | None = None, run_onnx: bool 
         with torch.no_grad():
             fn = model.forward_prefill if graph == "prefill" else model.forward_decode
             eager = dict(zip(OUTPUTS, fn(**inputs)))
-        got = {"pt2": exported.run(graph, inputs)}
+        if cuda:                      # the exported program, every k3 op call checked against its twin
+            with OpChecker() as checker:
+                got = {"pt2": exported.run(graph, inputs)}
+            op_rows.append((graph, checker))
+        else:
+            got = {"pt2": exported.run(graph, inputs)}
         if run_onnx:
             from k3export.onnx_export import OrtGraph
             got["onnx"] = OrtGraph(graph_dir / manifest["onnx"]["graphs"][graph]["file"]).run(inputs)
-        twins = _twin_rows(model, graph, inputs, got["pt2"]) if cuda else {}
+        twins = _model_distances(model, graph, inputs, got["pt2"]) if cuda else {}
         for out, ref in eager.items():
             cells, status = [], "ok"
             for path in paths:
@@ -167,10 +212,7 @@ def verify(graph_dir: str | Path, checkpoint: str | None = None, run_onnx: bool 
                 if not r <= TOL.get((path, dt), 1e-2):
                     status = "FAIL"
             if cuda:
-                k, floor = twins[out]
-                cells += [f"{k:.2e}", f"{floor:.2e}"]
-                if not k <= KERNEL_MARGIN * floor + KERNEL_ABS:
-                    status = "FAIL"
+                cells += [f"{twins[out][0]:.2e}", f"{twins[out][1]:.2e}"]
             ok &= status == "ok"
             rows.append((graph, out, *cells, status))
     # prefill -> decode -> decode driven by the exported programs alone, against eager generation.
@@ -181,6 +223,19 @@ def verify(graph_dir: str | Path, checkpoint: str | None = None, run_onnx: bool 
     ok &= mine == theirs
     rows.append(("generate", f"{n_gen} greedy tokens", "same" if mine == theirs else f"{mine} != {theirs}",
                  *["-"] * (2 * len(paths) - 1 + 2 * cuda), "ok" if mine == theirs else "FAIL"))
+    for graph, checker in op_rows:           # one row per k3 op: worst output of its worst call
+        for name in sorted(checker.worst):
+            worst = max(checker.worst[name])
+            bound = OP_TOL.get(dt, 1e-5)
+            good = worst <= bound
+            ok &= good
+            rows.append((graph, f"{name} x{checker.calls[name]}", "kernel vs twin", f"{worst:.2e}",
+                         *["-"] * (2 * len(paths) - 2 + 2 * cuda), "ok" if good else "FAIL"))
+        missing = sorted(set(checker.ops) - set(checker.worst) - IDLE_OPS[graph])
+        if missing:
+            ok = False
+            rows.append((graph, f"no kernel call for {', '.join(missing)}", *["-"] * (2 * len(paths) + 2 * cuda),
+                         "FAIL"))
     head = ("graph", "output", *[f"{p} {m}" for p in paths for m in ("max-abs", "rel")],
             *(("kernels vs fp32 twins", f"{dt} twins vs fp32") if cuda else ()), "status")
     widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
@@ -190,9 +245,10 @@ def verify(graph_dir: str | Path, checkpoint: str | None = None, run_onnx: bool 
     lines.append(f"tolerance (relative, max-abs / max|eager|): {tol or '1e-2'}; inputs: " +
                  "; ".join(f"{g} {cases[g][0]} {cases[g][1]}" for g in cases))
     if cuda:
-        lines.append(f"device {exported.device}, Triton kernels for: {', '.join(exported.kernels) or 'none'}; "
-                     f"kernel rows: relative RMS vs the naive twins in float32, allowed {KERNEL_MARGIN:g} x the "
-                     f"{dt} twins' own distance + {KERNEL_ABS:g}")
+        lines.append(f"device {exported.device}, kernels registered for: {', '.join(sorted(_kernel_ops('cuda'))) or 'none'}; "
+                     f"'kernel vs twin' rows: every call of the op inside the .pt2 against its naive twin on the "
+                     f"same inputs, worst relative RMS over calls and outputs, bound {OP_TOL.get(dt, 1e-5):g}; "
+                     f"the two 'vs fp32' columns are for information only (see `_model_distances`)")
     return ok, "\n".join(lines)
 
 

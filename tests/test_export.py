@@ -232,3 +232,37 @@ def test_aoti_build_refuses_a_graph_file_that_differs_from_its_manifest(model, g
         f.write(b"\0")
     with pytest.raises(EngineError, match="prefill.pt2 differs from the manifest"):
         build("aoti", model, tmp_path / "engines", graphs=d, echo=lambda *_: None)
+
+
+def test_op_checker_catches_a_kernel_that_differs_from_its_twin():
+    """verify's per-op check on a GPU (`OpChecker`), exercised on the CPU with a throwaway k3 op whose 'kernel'
+    is 1% off its reference: the checker reports 1e-2 for it, the program still gets the kernel's result, and
+    `reference_ops` switches the kernel off."""
+    from k3export.verify import OpChecker, reference_ops
+
+    @torch.library.custom_op("k3::selftest_scale", mutates_args=())
+    def scale(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    scale.register_kernel("cpu")(lambda x: x * 2.02)
+    x = torch.randn(64, generator=torch.Generator().manual_seed(0))
+    with OpChecker("cpu") as checker:
+        y = torch.ops.k3.selftest_scale(x)
+    assert torch.equal(y, x * 2.02)
+    assert checker.calls["k3::selftest_scale"] == 1
+    assert checker.worst["k3::selftest_scale"][0] == pytest.approx(0.01, rel=1e-4)
+    with reference_ops("cpu"):
+        assert torch.equal(torch.ops.k3.selftest_scale(x), x * 2)
+
+
+def test_op_checker_reports_a_non_finite_kernel_output_as_infinite():
+    from k3export.verify import OpChecker
+
+    @torch.library.custom_op("k3::selftest_nan", mutates_args=())
+    def nan_op(x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+    nan_op.register_kernel("cpu")(lambda x: x + float("nan"))
+    with OpChecker("cpu") as checker:
+        torch.ops.k3.selftest_nan(torch.ones(4))
+    assert checker.worst["k3::selftest_nan"] == [float("inf")]
