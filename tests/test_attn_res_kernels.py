@@ -58,7 +58,6 @@ def _inputs(N, n, d, dtype, device="cpu", big=None, strided=True):
 
 def _interpreter_cases() -> dict:
     """Every CPU case, run in this process under TRITON_INTERPRET=1 -> {case: relative error or flag}."""
-    import importlib
 
     from k3export.plugins.attn_res import kernels
     from k3export.plugins.attn_res.op import attn_res
@@ -98,11 +97,9 @@ def _interpreter_cases() -> dict:
             res[f"bad-{key}-named"] = 0.0
         except ValueError as e:
             res[f"bad-{key}-named"] = float(words in str(e))
-    # Registration: off by default (the parent removed K3_ATTN_RES_TRITON), on with K3_ATTN_RES_TRITON=1.
-    res["off-by-default"] = float(not kernels.ENABLED and "cuda" not in attn_res._backend_fns)
-    os.environ["K3_ATTN_RES_TRITON"] = "1"
-    importlib.reload(kernels)
-    res["on-with-env"] = float(kernels.ENABLED and "cuda" in attn_res._backend_fns)
+    # Registration: on by default (the parent removed K3_ATTN_RES_TRITON); K3_ATTN_RES_TRITON=0 is checked in a
+    # second fresh process (a registration cannot be undone in this one).
+    res["on-by-default"] = float(kernels.ENABLED and "cuda" in attn_res._backend_fns)
     return res
 
 
@@ -113,7 +110,13 @@ def interp():
     env = {k: v for k, v in os.environ.items() if k != "K3_ATTN_RES_TRITON"}
     run = subprocess.run([sys.executable, __file__], capture_output=True, text=True, timeout=600, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    res = json.loads(run.stdout.strip().splitlines()[-1])
+    off = subprocess.run([sys.executable, "-c", "import json; from k3export.plugins.attn_res import kernels; "
+                          "print(json.dumps([kernels.ENABLED, 'cuda' in kernels.attn_res._backend_fns]))"],
+                         capture_output=True, text=True, timeout=300, env={**env, "K3_ATTN_RES_TRITON": "0"})
+    assert off.returncode == 0, off.stderr[-3000:]
+    res["off-with-env-0"] = float(json.loads(off.stdout.strip().splitlines()[-1]) == [False, False])
+    return res
 
 
 def test_interpreted_fp32(interp):
@@ -131,7 +134,7 @@ def test_interpreted_fp16(interp):
 
 
 @pytest.mark.parametrize("flag", ["fp64-uses-reference", "bad-p-named", "bad-n=17-named", "bad-float64-named",
-                                  "bad-proj_weight-named", "off-by-default", "on-with-env"])
+                                  "bad-proj_weight-named", "on-by-default", "off-with-env-0"])
 def test_interpreted_flags(interp, flag):
     assert interp[flag] == 1.0, interp
 

@@ -7,9 +7,8 @@
 
 One program per token row; the row's n + 1 sources are read twice (no fp32 copy of them is kept).
 
-Off by default: the kernel becomes the CUDA implementation of `k3::attn_res` only when the environment variable
-K3_ATTN_RES_TRITON=1 is set when this module is imported (it is interpreter-tested, not yet run on a GPU).
-float64 inputs always keep the plain-torch reference.
+The kernel is the CUDA implementation of `k3::attn_res` unless K3_ATTN_RES_TRITON=0 is set when this module is
+imported (the escape hatch, as K3_KDA_TRITON for KDA). float64 inputs always keep the plain-torch reference.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ from .op import attn_res
 
 MAX_SOURCES = 16                     # bank rows a launch takes (K3: n <= 8); N_SRC is a power of two >= n
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-ENABLED = os.environ.get("K3_ATTN_RES_TRITON") == "1"
+ENABLED = os.environ.get("K3_ATTN_RES_TRITON", "1") != "0"
 
 
 @triton.jit
