@@ -1,0 +1,63 @@
+"""Where a k3-small decode step's GPU time goes: one step (B sequences, `context` cached tokens) profiled with
+torch.profiler after warm-up; prints the kernel count, the sum of kernel times against the step's wall time
+(the rest is launch gaps), and the top kernels grouped by name. GPU only.
+
+    python3 scripts/profile_decode.py [--preset k3-small] [--batch 1] [--context 1024] [--top 25]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="k3-small")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--top", type=int, default=25)
+    a = ap.parse_args()
+    from k3export.config import K3Config
+    from k3export.model.weights import random_model
+    from k3export.runtime import EagerBackend, Engine
+    model = random_model(K3Config.from_name(a.preset), seed=0, dtype=torch.bfloat16, device="cuda")
+    eng = Engine(EagerBackend(model), max_batch=a.batch, max_len=a.context + 16, cuda_graphs=True)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, model.config.vocab_size, (a.context,), generator=g).tolist() for _ in range(a.batch)]
+    eng.prefill(list(range(a.batch)), prompts)
+    tok = torch.zeros(a.batch, dtype=torch.int64, device="cuda")
+    for _ in range(3):
+        eng.decode(tok)
+    torch.cuda.synchronize()
+    captured = eng._graph
+    for graphs in (False, True):
+        eng._graph = captured if graphs else None           # the uncaptured step, then the CUDA-graph replay
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        eng.decode(tok)
+        e.record()
+        torch.cuda.synchronize()
+        wall = s.elapsed_time(e)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            eng.decode(tok)
+            torch.cuda.synchronize()
+        kern = [ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
+        busy = sum(ev.device_time for ev in kern) / 1e3
+        print(f"\n== {a.preset} decode B={a.batch} context={a.context} {'CUDA graph' if graphs else 'no graph'}: "
+              f"step {wall:.3f} ms, {len(kern)} kernels, kernel time {busy:.3f} ms "
+              f"({100 * busy / wall:.0f}% of the step), mean {1e3 * busy / max(len(kern), 1):.1f} us/kernel")
+        by = collections.defaultdict(lambda: [0, 0.0])
+        for ev in kern:
+            by[ev.name[:90]][0] += 1
+            by[ev.name[:90]][1] += ev.device_time / 1e3
+        print(f"{'count':>6} {'ms':>8} {'%':>5}  kernel")
+        for name, (n, ms) in sorted(by.items(), key=lambda kv: -kv[1][1])[:a.top]:
+            print(f"{n:6d} {ms:8.3f} {100 * ms / busy:5.1f}  {name}")
+
+
+if __name__ == "__main__":
+    main()
