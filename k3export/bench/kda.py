@@ -177,24 +177,22 @@ PREFILL_BOUND = {"o": 2e-2, "state": 2e-2}                # BF16_PREFILL_BOUND, 
 DECODE_BOUND = {"o": 1e-3, "state": 1e-5}                 # DECODE_O_BOUND[bf16], DECODE_STATE_BOUND
 
 PREFILL_VARIANTS = {                                      # name -> overrides of kernels.prefill_config
-    "sub": dict(intra="sub"),
     "full": dict(intra="full"),
+    "sub": dict(intra="sub"),
     "sub 8w": dict(intra="sub", sub_warps=8),
-    "sub, state 1 stage": dict(intra="sub", state_stages=1),
-    "sub, state 3 stages": dict(intra="sub", state_stages=3),
-    "sub, state BV128 8w": dict(intra="sub", BV=128, state_warps=8, state_stages=1),
+    "full, state 1 stage": dict(intra="full", state_stages=1),
+    "full, state 3 stages": dict(intra="full", state_stages=3),
+    "full, state BV128 8w": dict(intra="full", BV=128, state_warps=8, state_stages=1),
 }
 DECODE_VARIANTS = {                                       # name -> overrides of kernels.decode_config
     "fused 4w": dict(kernel="fused", num_warps=4),
-    "fused 2w": dict(kernel="fused", num_warps=2),
     "fused 8w": dict(kernel="fused", num_warps=8),
     "vblock128 evict 4w": dict(kernel="vblock", BV=128, stages=1, evict="evict_first", num_warps=4),
     "vblock64 s2 4w": dict(kernel="vblock", BV=64, stages=2, num_warps=4),
-    "vblock64 s1 evict 4w": dict(kernel="vblock", BV=64, stages=1, evict="evict_first", num_warps=4),
     "vblock32 s2 4w": dict(kernel="vblock", BV=32, stages=2, num_warps=4),
     "vblock32 s3 4w": dict(kernel="vblock", BV=32, stages=3, num_warps=4),
-    "vblock32 s2 2w": dict(kernel="vblock", BV=32, stages=2, num_warps=2),
     "vblock32 s2 evict 4w": dict(kernel="vblock", BV=32, stages=2, evict="evict_first", num_warps=4),
+    "vblock16 s3 4w": dict(kernel="vblock", BV=16, stages=3, num_warps=4),
 }
 
 
@@ -208,20 +206,33 @@ def _graph_ms(fn) -> float:
     return bench_ms(g.replay)
 
 
-def sweep_prefill(T: int, H: int, deadline: float, K: int = 128) -> dict:
-    from k3export.plugins.kda import kernels
-    from k3export.plugins.kda.op import kda_prefill
-
+def _prefill_args(T: int, H: int, K: int = 128):
     g = torch.Generator(device="cuda").manual_seed(0)
     r = lambda *s: torch.randn(*s, device="cuda", generator=g)
     q, k, v, f = (r(1, T, H, K).bfloat16() for _ in range(4))
     b = r(1, T, H).bfloat16()
     A_log, dt_bias, S0 = r(H) * 0.5, r(H * K), r(1, H, K, K)
-    args = (q, k, v, f, b, A_log, dt_bias, S0, torch.tensor([T], device="cuda"), -5.0)
+    return (q, k, v, f, b, A_log, dt_bias, S0, torch.tensor([T], device="cuda"), -5.0)
+
+
+def _decode_args(B: int, H: int, K: int = 128):
+    g = torch.Generator(device="cuda").manual_seed(B)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=g)
+    C = 3 * H * K
+    return (r(B, C).bfloat16(), r(B, C, 3).bfloat16(), (r(C, 4) * 0.5).bfloat16(), r(B, H * K).bfloat16(),
+            r(B, H).bfloat16(), r(B, H * K).bfloat16(), r(H) * 0.5, r(H * K), (r(K).abs() + 0.5).bfloat16(),
+            r(B, H, K, K), -5.0, 1e-5)
+
+
+def sweep_prefill(T: int, H: int, deadline: float, K: int = 128) -> dict:
+    from k3export.plugins.kda import kernels
+    from k3export.plugins.kda.op import kda_prefill
+
+    args = _prefill_args(T, H, K)
     flop = _flops(1, T, H, K, K)
     o_ref, S_ref = kda_prefill._init_fn(*args)
     res = {"shape": dict(B=1, T=T, H=H, K=K, V=K, dtype="bf16"), "gflop": flop / 1e9,
-           "default": {k_: v_ for k_, v_ in kernels.prefill_config(K, K).items()}, "variants": {}}
+           "default": kernels.prefill_config(K, K), "variants": {}}
 
     def one(cfg):
         o, S = kernels.kda_prefill_fwd(*args, config=cfg)
@@ -230,21 +241,7 @@ def sweep_prefill(T: int, H: int, deadline: float, K: int = 128) -> dict:
         ms = bench_ms(lambda: kernels.kda_prefill_fwd(*args, config=cfg), rep=50)
         return {**err, "ok": ok, "ms": ms, "tflops": flop / ms / 1e9}
 
-    def fla():
-        from fla.ops.kda import chunk_kda
-        call = lambda: chunk_kda(q, k, v, f, b, scale=K ** -0.5, initial_state=S0, output_final_state=True,
-                                 use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                                 use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=-5.0,
-                                 A_log=A_log, dt_bias=dt_bias)
-        with torch.inference_mode():
-            o_f, S_f = call()
-            ms_f = bench_ms(call, rep=50)
-        return {"o": _rel(o_f, o_ref), "state": _rel(S_f, S_ref), "ms": ms_f, "tflops": flop / ms_f / 1e9}
-
-    for i, (name, cfg) in enumerate(PREFILL_VARIANTS.items()):
-        if i == 2:                             # fla after the two intra kernels, before the finer variants
-            res["fla_chunk_kda"] = "skipped (time)" if time.monotonic() > deadline else _try(fla)
-            print("fla chunk_kda", res["fla_chunk_kda"], flush=True)
+    for name, cfg in PREFILL_VARIANTS.items():
         res["variants"][name] = ("skipped (time)" if time.monotonic() > deadline else _try(lambda: one(cfg)))
         print("prefill", name, res["variants"][name], flush=True)
     real = kernels.kda_prefill_fwd_kernel
@@ -255,7 +252,7 @@ def sweep_prefill(T: int, H: int, deadline: float, K: int = 128) -> dict:
     kernels.kda_prefill_fwd_kernel = _Skip()
     try:
         res["intra_only_ms"] = {i: bench_ms(lambda: kernels.kda_prefill_fwd(*args, config=dict(intra=i)), rep=50)
-                                for i in ("sub", "full")}
+                                for i in ("full", "sub")}
     finally:
         kernels.kda_prefill_fwd_kernel = real
     print("intra only", res["intra_only_ms"], flush=True)
@@ -271,15 +268,10 @@ def sweep_decode(batches, H: int, copy_gbs: float, deadline: float, K: int = 128
         if time.monotonic() > deadline:
             rows.append({"B": B, "skipped": "time"})
             continue
-        g = torch.Generator(device="cuda").manual_seed(B)
-        r = lambda *s: torch.randn(*s, device="cuda", generator=g)
-        C = 3 * H * K
-        args = (r(B, C).bfloat16(), r(B, C, 3).bfloat16(), (r(C, 4) * 0.5).bfloat16(), r(B, H * K).bfloat16(),
-                r(B, H).bfloat16(), r(B, H * K).bfloat16(), r(H) * 0.5, r(H * K), (r(K).abs() + 0.5).bfloat16(),
-                r(B, H, K, K), -5.0, 1e-5)
+        args = _decode_args(B, H, K)
         nbytes = 2 * B * H * K * K * 4                              # fp32 state read + written
         ref = kda_decode._init_fn(*args)
-        row = {"B": B, "state_MB": nbytes / 2 / 1e6, "variants": {}}
+        row = {"B": B, "state_MB": nbytes / 2 / 1e6, "variants": {}, "fla_fused_recurrent_kda": "not run"}
 
         def one(cfg):
             out = kernels.kda_decode_fwd(*args, config=cfg)
@@ -291,23 +283,52 @@ def sweep_decode(batches, H: int, copy_gbs: float, deadline: float, K: int = 128
         for name, cfg in DECODE_VARIANTS.items():
             row["variants"][name] = "skipped (time)" if time.monotonic() > deadline else _try(lambda: one(cfg))
         row["ours_op_ms"] = bench_ms(lambda: kda_decode(*args))
-
-        def fla():
-            from fla.ops.kda import fused_recurrent_kda
-            qkv = args[0].view(B, 1, 3, H, K)
-            q, k, v = (qkv[:, :, i].contiguous() for i in range(3))
-            call = lambda: fused_recurrent_kda(q, k, v, args[3].view(B, 1, H, K), args[4].view(B, 1, H),
-                                               A_log=args[6], dt_bias=args[7], scale=K ** -0.5,
-                                               initial_state=args[9], output_final_state=True,
-                                               use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                                               use_beta_sigmoid_in_kernel=True, lower_bound=-5.0)
-            with torch.inference_mode():
-                ms = bench_ms(call)
-            return {"ms": ms, "GBs": nbytes / ms / 1e6, "frac_copy": nbytes / ms / 1e6 / copy_gbs}
-        row["fla_fused_recurrent_kda"] = "skipped (time)" if time.monotonic() > deadline else _try(fla)
         rows.append(row)
         print("decode", row, flush=True)
     return rows
+
+
+def sweep_fla(res: dict, T: int, H: int, K: int = 128) -> None:
+    """fla-core on the same inputs, last (its autotuning takes a minute or more on a fresh machine)."""
+    from k3export.plugins.kda.op import kda_prefill
+    p = res["prefill"]
+    args = _prefill_args(T, H, K)
+    q, k, v, f, b, A_log, dt_bias, S0 = args[:8]
+
+    def chunk():
+        from fla.ops.kda import chunk_kda
+        o_ref, S_ref = kda_prefill._init_fn(*args)
+        call = lambda: chunk_kda(q, k, v, f, b, scale=K ** -0.5, initial_state=S0, output_final_state=True,
+                                 use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                 use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=-5.0,
+                                 A_log=A_log, dt_bias=dt_bias)
+        with torch.inference_mode():
+            o_f, S_f = call()
+            ms = bench_ms(call, rep=50)
+        return {"o": _rel(o_f, o_ref), "state": _rel(S_f, S_ref), "ms": ms, "tflops": p["gflop"] / ms}
+    p["fla_chunk_kda"] = _try(chunk)
+    print("fla chunk_kda", p["fla_chunk_kda"], flush=True)
+    for row in res["decode"]:
+        if "skipped" in row:
+            continue
+        B = row["B"]
+        a = _decode_args(B, H, K)
+        nbytes = 2 * B * H * K * K * 4
+
+        def rec():
+            from fla.ops.kda import fused_recurrent_kda
+            qkv = a[0].view(B, 1, 3, H, K)
+            q_, k_, v_ = (qkv[:, :, i].contiguous() for i in range(3))
+            call = lambda: fused_recurrent_kda(q_, k_, v_, a[3].view(B, 1, H, K), a[4].view(B, 1, H), A_log=a[6],
+                                               dt_bias=a[7], scale=K ** -0.5, initial_state=a[9],
+                                               output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                               use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                                               lower_bound=-5.0)
+            with torch.inference_mode():
+                ms = bench_ms(call)
+            return {"ms": ms, "GBs": nbytes / ms / 1e6, "frac_copy": nbytes / ms / 1e6 / res["copy_GBs"]}
+        row["fla_fused_recurrent_kda"] = _try(rec)
+        print("fla fused_recurrent B", B, row["fla_fused_recurrent_kda"], flush=True)
 
 
 def _sweep_markdown(res: dict) -> str:
@@ -346,17 +367,24 @@ def _sweep_markdown(res: dict) -> str:
 
 
 def run_sweep(out: Path, T: int, H: int, batches, budget_s: float, res: dict) -> None:
+    """Ours (prefill variants, then decode variants; each phase stops at its share of budget_s), then fla-core.
+    JSON and markdown are rewritten after each phase, so a run cut short still leaves its results."""
     deadline = time.monotonic() + budget_s
     out.mkdir(parents=True, exist_ok=True)
-    res["prefill"] = sweep_prefill(T, H, deadline - 0.45 * budget_s)     # decode keeps ~45% of the budget
-    (out / "kda_sweep.json").write_text(json.dumps(res, indent=1, default=str))
-    res["decode_H"] = H
-    res["decode"] = sweep_decode(batches, H, res["copy_GBs"], deadline)
-    (out / "kda_sweep.json").write_text(json.dumps(res, indent=1, default=str))
-    md = _sweep_markdown(res)
-    (out / "kda_sweep.md").write_text(md)
-    click.echo(md)
 
+    def save():
+        (out / "kda_sweep.json").write_text(json.dumps(res, indent=1, default=str))
+        (out / "kda_sweep.md").write_text(_sweep_markdown(res))
+    res["decode_H"], res["decode"] = H, []
+    res["prefill"] = sweep_prefill(T, H, deadline - 0.5 * budget_s)
+    res["prefill"]["fla_chunk_kda"] = "not run"
+    save()
+    res["decode"] = sweep_decode(batches, H, res["copy_GBs"], deadline)
+    save()
+    click.echo(_sweep_markdown(res))
+    sweep_fla(res, T, H)
+    save()
+    click.echo(_sweep_markdown(res))
 
 @bench.command("kda")
 @click.option("--out", "out_dir", default="out/bench/kda", show_default=True, help="Directory for JSON + markdown.")
