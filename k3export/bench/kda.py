@@ -183,6 +183,7 @@ PREFILL_VARIANTS = {                                      # name -> overrides of
     "full, state 1 stage": dict(intra="full", state_stages=1),
     "full, state 3 stages": dict(intra="full", state_stages=3),
     "full, state BV128 8w": dict(intra="full", BV=128, state_warps=8, state_stages=1),
+    "full, state BV32 2 stages": dict(intra="full", BV=32, state_stages=2),   # BV32/1 stage was wrong (21:15)
 }
 DECODE_VARIANTS = {                                       # name -> overrides of kernels.decode_config
     "fused 4w": dict(kernel="fused", num_warps=4),
