@@ -48,7 +48,7 @@ def _weights(E, d, L, I, dtype, device="cpu", gen=None):
 
 def _interpreter_cases() -> dict:
     """Every CPU case, run in this process under TRITON_INTERPRET=1 -> {case: relative error or flag}."""
-    from k3export.plugins.moe.kernels import moe_routed_fwd, route_fwd
+    from k3export.plugins.moe.kernels import TILINGS, align_rows, moe_routed_fwd, route_fwd
     res = {}
     N, d, E, I, L, k = 7, 48, 12, 40, 24, 4          # 28 pairs over 12 experts: some get none
     for name, dt in DTYPES.items():
@@ -89,6 +89,26 @@ def _interpreter_cases() -> dict:
         u = moe_routed_fwd(x, z, g, b, w1, w3, w2, k, True, 1.0, regime=regime, **SITU)
         res[f"ties-{regime}"] = _rel(u, moe_sorted(x.double(), z.double(), g.double(), b, w1.double(), w3.double(),
                                                    w2.double(), k, True, 1.0, **SITU))
+    # Every named tiling (the GPU sweep's candidates, real block sizes) on the same fp16 draw; TMA descriptors
+    # included (a weight tile past I reads the next expert's rows, which must never reach h).
+    torch.manual_seed(3)
+    x, z = torch.randn(N, d, dtype=torch.float16), torch.randn(N, L, dtype=torch.float16)
+    w16 = _weights(E, d, L, I, torch.float16)
+    ref = moe_sorted(x.double(), z.double(), w16[0].double(), w16[1], *(t.double() for t in w16[2:]), k, True, 1.0,
+                     **SITU)
+    for regime, tilings in TILINGS.items():
+        for name, t in tilings.items():
+            u = moe_routed_fwd(x, z, *w16, k, True, 1.0, tiles=t, **SITU)
+            res[f"tiles-{regime}-{name}"] = _rel(u, ref)
+    # The one-program align kernel == the torch align (same row plan), incl. a hot expert with several blocks,
+    # top-1 and a pair count that is not a power of two.
+    same = []
+    for n, kk, ee, bm in [(1, 4, 12, 16), (7, 4, 12, 16), (50, 3, 12, 16), (40, 4, 12, 64), (9, 1, 5, 16)]:
+        ids = torch.stack([torch.randperm(ee)[:kk] for _ in range(n)]).int()
+        ids[: n // 2, 0] = 2                                            # expert 2 hot
+        a, b2 = align_rows(ids, ee, bm, fused=True), align_rows(ids, ee, bm, fused=False)
+        same.append(torch.equal(a[0], b2[0]) and torch.equal(a[1], b2[1]))
+    res["align-fused-equals-torch"] = float(all(same))
     try:
         moe_routed_fwd(x, z[:, :-1], g, b, w1, w3, w2, k, True, 1.0, **SITU)
         res["bad-shape-named"] = 0.0
@@ -106,7 +126,18 @@ def test_interpreted(interp, case, bound):
     assert interp[case] < bound, interp
 
 
-@pytest.mark.parametrize("flag", ["route-ids-fp32", "route-ids-fp16", "ties-lower-id-first", "bad-shape-named"])
+def _tiling_names():
+    from k3export.plugins.moe.kernels import TILINGS
+    return [f"{regime}-{name}" for regime, t in TILINGS.items() for name in t]
+
+
+@pytest.mark.parametrize("tiles", _tiling_names())
+def test_interpreted_tilings(interp, tiles):
+    assert interp[f"tiles-{tiles}"] < FP16_BOUND, interp
+
+
+@pytest.mark.parametrize("flag", ["route-ids-fp32", "route-ids-fp16", "ties-lower-id-first", "bad-shape-named",
+                                  "align-fused-equals-torch"])
 def test_interpreted_flags(interp, flag):
     assert interp[flag] == 1.0, interp
 
@@ -143,6 +174,52 @@ def test_moe_k3_shapes(k3_experts, N):
     err = _rel(u, ref)
     print(f"moe_routed N={N}: rel err {err:.2e}")
     assert u.dtype == torch.bfloat16 and u.shape == z.shape and err < BF16_BOUND
+
+
+@pytest.fixture(scope="module")
+def k3_case(k3_experts):
+    """N -> (x, z, moe_sorted reference, rows whose top-16 selection is clear), built once per N."""
+    g, b, w1, w3, w2 = k3_experts
+    cache = {}
+
+    def get(N):
+        if N not in cache:
+            gen = torch.Generator(device="cuda").manual_seed(100 + N)
+            x = torch.randn(N, 7168, device="cuda", dtype=torch.bfloat16, generator=gen)
+            z = torch.randn(N, 3584, device="cuda", dtype=torch.bfloat16, generator=gen)
+            s = torch.sigmoid(x.float() @ g.float().T) + b
+            top = torch.topk(s, 17, dim=-1).values
+            cache[N] = (x, z, moe_sorted(x, z, g, b, w1, w3, w2, 16, True, 1.0, **SITU), (top[:, 15] - top[:, 16]) > 1e-5)
+        return cache[N]
+    return get
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("tiles", _tiling_names())
+def test_moe_tilings_k3_shapes(k3_experts, k3_case, tiles):
+    """Every named tiling at K3 size vs moe_sorted, on the rows whose routing is clear (a near-tie may pick
+    another expert under other rounding): prefill tilings at 2048 tokens (32768 pairs, ~37 rows per expert),
+    decode tilings at 5."""
+    from k3export.plugins.moe.kernels import TILINGS, moe_routed_fwd
+    regime, name = tiles.split("-", 1)
+    x, z, ref, clear = k3_case(2048 if regime == "prefill" else 5)
+    u = moe_routed_fwd(x, z, *k3_experts, 16, True, 1.0, tiles=TILINGS[regime][name], **SITU)
+    err = ((u.double() - ref.double())[clear].abs().max() / ref.double().abs().max()).item()
+    print(f"moe_routed tiles {tiles}: rel err {err:.2e} on {int(clear.sum())}/{len(clear)} clear rows")
+    assert u.shape == z.shape and clear.float().mean() > 0.9 and err < BF16_BOUND
+
+
+@pytest.mark.cuda
+def test_align_fused_k3_shapes():
+    """The one-program align kernel gives the torch align's row plan at 896 experts (P = 16 .. 4096 pairs)."""
+    from k3export.plugins.moe.kernels import align_rows
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    for n in (1, 5, 64, 256):
+        ids = torch.argsort(torch.rand(n, 896, device="cuda", generator=gen), -1)[:, :16].int()
+        ids[: n // 2, 0] = 7                                            # a hot expert
+        for bm in (16, 64):
+            a, b = align_rows(ids, 896, bm, fused=True), align_rows(ids, 896, bm, fused=False)
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), (n, bm)
 
 
 @pytest.mark.cuda

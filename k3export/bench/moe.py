@@ -2,7 +2,13 @@
 
 Decode (1..64 tokens) is memory-bound: the floor is the bytes of the distinct experts hit (3 * 3072 * 3584 * 2
 each, 66 MB) plus the router weights, over the measured copy bandwidth. Prefill (4096..16384 tokens) is
-matmul-bound: useful FLOPs = tokens * 16 * 6 * 3584 * 3072, against the measured bf16 matmul rate.
+matmul-bound: useful FLOPs = tokens * 16 * 6 * 3584 * 3072, against the measured bf16 matmul rate; every expert
+is hit there, so all 59 GB of expert weights are read at least once (a second floor: 59 GB / copy bandwidth).
+
+Each tiling in kernels.TILINGS is timed per token count (do_bench median, L2 flushed), its output compared with the
+first (baseline) tiling on the same inputs (same routing kernel, so the same selection), and its stages timed
+alone (route, align, gemm1 incl. any gather, gemm2, combine). Decode is also timed as a CUDA-graph replay
+(what a deployed step pays; the plain call includes the host's launch overhead).
 """
 
 from __future__ import annotations
@@ -46,100 +52,112 @@ def _once_ms(fn, n=2):
     return (time.perf_counter() - t) / n * 1e3
 
 
-def decode_rows(w, bw, tokens=(1, 4, 16, 64)) -> list[dict]:
-    from k3export.plugins.moe.kernels import moe_routed_fwd, route_fwd
+def graph_ms(fn) -> float:
+    """Median ms of a CUDA-graph replay of fn (captured after a warm-up on a side stream; L2 flushed)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return bench_ms(g.replay)
+
+
+def _rel(out, ref):
+    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+def stage_ms(w, x, z, cfg) -> dict:
+    """Each stage of moe_routed_fwd timed alone on its real inputs."""
+    from k3export.plugins.moe import kernels as Km
+    g, b, w1, w3, w2 = w
+    ids, wt, _ = Km.route_fwd(x, g, b, K, True, 1.0)
+    plan = Km.align_rows(ids, E, cfg.block_m, cfg.fused_align)
+    h = Km.gemm1_fwd(z, w1, w3, plan, K, 4.0, 25.0, cfg)
+    y = Km.gemm2_fwd(h, w2, plan, ids.numel(), cfg)
+    r = {"route": bench_ms(lambda: Km.route_fwd(x, g, b, K, True, 1.0)),
+         "align": bench_ms(lambda: Km.align_rows(ids, E, cfg.block_m, cfg.fused_align)),
+         "gemm1": bench_ms(lambda: Km.gemm1_fwd(z, w1, w3, plan, K, 4.0, 25.0, cfg)),
+         "gemm2": bench_ms(lambda: Km.gemm2_fwd(h, w2, plan, ids.numel(), cfg)),
+         "combine": bench_ms(lambda: Km.combine_fwd(y, wt, z.dtype))}
+    if cfg.tma == "aw":
+        r["gather"] = bench_ms(lambda: z.index_select(0, plan[0].clamp(min=0) // K))
+    r["blocks_used"] = int((plan[1] >= 0).sum())
+    r["rows_useful"] = ids.numel() / (r["blocks_used"] * cfg.block_m)
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}
+
+
+def run_sweep(w, regime: str, tokens, ceiling: float, deadline: float, eager: bool) -> list[dict]:
+    """Every tiling of `regime` at every token count: ms, the physics figure, error vs the baseline tiling."""
+    from k3export.plugins.moe import kernels as Km
     from k3export.plugins.moe.naive import moe_sorted
     g, b, w1, w3, w2 = w
-    out = []
+    rows = []
     for N in tokens:
+        torch.manual_seed(N)
         x = torch.randn(N, D, device="cuda", dtype=torch.bfloat16)
         z = torch.randn(N, L, device="cuda", dtype=torch.bfloat16)
-        ids, _, _ = route_fwd(x, g, b, K, True, 1.0)
+        ids, _, _ = Km.route_fwd(x, g, b, K, True, 1.0)
         hit = int(torch.unique(ids).numel())
         nbytes = hit * 3 * I * L * 2 + g.numel() * 2
-        ms = bench_ms(lambda: moe_routed_fwd(x, z, g, b, w1, w3, w2, **ARGS))
-        r = {"tokens": N, "experts_hit": hit, "ms": ms, "GB/s": nbytes / ms / 1e6, "frac_copy": nbytes / (ms * 1e-3) / bw,
-             "router_ms": bench_ms(lambda: route_fwd(x, g, b, K, True, 1.0))}
-        r["eager_ms"] = _once_ms(lambda: moe_sorted(x, z, g, b, w1, w3, w2, **ARGS), n=3)
-        out.append(r)
-        print(_fmt(r), flush=True)
-    return out
-
-
-def prefill_rows(w, rate, tokens=(4096, 8192, 16384)) -> list[dict]:
-    from k3export.plugins.moe import kernels as Km
-    from k3export.plugins.moe.naive import moe_sorted
-    g, b, w1, w3, w2 = w
-    out = []
-    for N in tokens:
-        x = torch.randn(N, D, device="cuda", dtype=torch.bfloat16)
-        z = torch.randn(N, L, device="cuda", dtype=torch.bfloat16)
         flops = N * K * 6 * L * I
-        ms = bench_ms(lambda: Km.moe_routed_fwd(x, z, g, b, w1, w3, w2, **ARGS), rep=20)
-        r = {"tokens": N, "ms": ms, "TFLOP/s": flops / ms / 1e9, "frac_matmul": flops / (ms * 1e-3) / rate}
-        if N == tokens[0]:
-            r["eager_ms"] = _once_ms(lambda: moe_sorted(x, z, g, b, w1, w3, w2, **ARGS), n=1)
-        out.append(r)
-        print(_fmt(r), flush=True)
-        del x, z
+        base = None
+        for name, cfg in Km.TILINGS[regime].items():
+            if time.monotonic() > deadline:
+                rows.append({"regime": regime, "tokens": N, "tiles": name, "error": "skipped: time budget"})
+                print(_fmt(rows[-1]), flush=True)
+                continue
+            r = {"regime": regime, "tokens": N, "tiles": name}
+            try:
+                fn = lambda: Km.moe_routed_fwd(x, z, g, b, w1, w3, w2, tiles=cfg, **ARGS)  # noqa: E731
+                u = fn()
+                base = u if base is None else base
+                r["err_vs_old"] = _rel(u, base)
+                r["ms"] = bench_ms(fn, rep=100 if regime == "decode" else 20)
+                if regime == "decode":
+                    r.update({"experts_hit": hit, "GB/s": nbytes / r["ms"] / 1e6, "frac_copy": nbytes / r["ms"] / 1e-3
+                              / ceiling, "graph_ms": graph_ms(fn)})
+                    r["graph_frac_copy"] = nbytes / r["graph_ms"] / 1e-3 / ceiling
+                else:
+                    r.update({"TFLOP/s": flops / r["ms"] / 1e9, "frac_matmul": flops / r["ms"] / 1e-3 / ceiling,
+                              "weights_floor_ms": 3 * E * I * L * 2 / copy_bandwidth() * 1e3})
+                if name == "old" or regime == "prefill" and N == 8192:
+                    r["stages_ms"] = stage_ms(w, x, z, cfg)
+            except Exception as e:                                  # a tiling that does not compile / fit
+                r["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            rows.append(r)
+            print(_fmt(r), flush=True)
+        if eager:
+            rows.append({"regime": regime, "tokens": N, "tiles": "eager moe_sorted",
+                         "ms": _once_ms(lambda: moe_sorted(x, z, g, b, w1, w3, w2, **ARGS), n=1)})
+            print(_fmt(rows[-1]), flush=True)
+        del x, z, base
         torch.cuda.empty_cache()
-    return out
-
-
-# Tilings tried per regime: (BN, BK, warps, stages) for each GEMM.
-SWEEPS = {
-    "prefill": [{"block_m": 128, "gemm1": (64, 64, 8, 3), "gemm2": (128, 64, 8, 3)},
-                {"block_m": 128, "gemm1": (128, 64, 8, 3), "gemm2": (128, 64, 8, 4)},
-                {"block_m": 64, "gemm1": (64, 64, 4, 4), "gemm2": (128, 64, 4, 4)},
-                {"block_m": 128, "gemm1": (64, 64, 4, 4), "gemm2": (256, 64, 8, 3)}],
-    "decode": [{"block_m": 16, "gemm1": (64, 128, 4, 4), "gemm2": (64, 128, 4, 4)},
-               {"block_m": 16, "gemm1": (32, 256, 4, 4), "gemm2": (32, 256, 4, 4)},
-               {"block_m": 16, "gemm1": (64, 256, 8, 3), "gemm2": (64, 256, 8, 3)},
-               {"block_m": 16, "gemm1": (32, 128, 4, 6), "gemm2": (64, 128, 4, 6)}],
-}
-
-
-def sweep(w, regime: str, N: int, rep: int) -> list[dict]:
-    """Time each tiling of `regime` at N tokens; leaves the fastest in CONFIGS[regime]."""
-    from k3export.plugins.moe import kernels as Km
-    g, b, w1, w3, w2 = w
-    x = torch.randn(N, D, device="cuda", dtype=torch.bfloat16)
-    z = torch.randn(N, L, device="cuda", dtype=torch.bfloat16)
-    rows, best = [], (float("inf"), dict(Km.CONFIGS[regime]))
-    for v in SWEEPS[regime]:
-        Km.CONFIGS[regime] = v
-        try:
-            ms = bench_ms(lambda: Km.moe_routed_fwd(x, z, g, b, w1, w3, w2, regime=regime, **ARGS), rep=rep)
-        except Exception as e:
-            rows.append({**v, "error": type(e).__name__})
-            continue
-        rows.append({**v, "ms": ms, "TFLOP/s": N * K * 6 * L * I / ms / 1e9})
-        best = min(best, (ms, v), key=lambda t: t[0])
-    Km.CONFIGS[regime] = best[1]
     return rows
 
 
 @bench.command("moe")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("out/bench"), show_default=True)
-@click.option("--quick", is_flag=True, help="no tile sweeps, fewer shapes")
-def moe(out: Path, quick: bool) -> None:
-    """Routed MoE: decode 1..64 tokens (expert bytes vs copy bandwidth), prefill 4096..16384 tokens (TFLOP/s vs
-    the bf16 matmul rate), each vs the eager loop (`moe_sorted`)."""
+@click.option("--quick", is_flag=True, help="fewer token counts")
+@click.option("--budget-s", type=float, default=150.0, show_default=True,
+              help="tilings not started within this many seconds are skipped (reported as such)")
+def moe(out: Path, quick: bool, budget_s: float) -> None:
+    """Routed MoE: every tiling in the sweep at prefill 4096..16384 tokens (TFLOP/s vs the bf16 matmul rate)
+    and decode 1..64 tokens (expert bytes vs copy bandwidth, plain call and CUDA-graph replay), each vs the
+    previous default tiling and the eager loop (`moe_sorted`), with per-stage times."""
+    t0 = time.monotonic()
     out.mkdir(parents=True, exist_ok=True)
     bw, rate = copy_bandwidth(), matmul_rate()
     print(f"{machine()}; copy {bw / 1e12:.2f} TB/s; bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
     w = k3_weights()
     res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
            "copy_TBps": bw / 1e12, "matmul_TFLOPs": rate / 1e12}
-    if not quick:
-        res["sweep_decode"] = sweep(w, "decode", N=1, rep=50)
-        print("decode sweep:", json.dumps(res["sweep_decode"]), flush=True)
-    res["decode"] = decode_rows(w, bw, (1, 4, 16, 64) if not quick else (1, 64))
-    if not quick:
-        res["sweep_prefill"] = sweep(w, "prefill", N=8192, rep=10)
-        print("prefill sweep:", json.dumps(res["sweep_prefill"]), flush=True)
-    res["prefill"] = prefill_rows(w, rate, (4096, 8192, 16384) if not quick else (4096,))
+    res["prefill"] = run_sweep(w, "prefill", (8192,) if quick else (8192, 4096, 16384), rate, t0 + 0.7 * budget_s,
+                               True)
+    res["decode"] = run_sweep(w, "decode", (1, 64) if quick else (1, 4, 16, 64), bw, t0 + budget_s, True)
     from k3export.plugins.moe.kernels import CONFIGS
-    res["configs"] = CONFIGS
+    res["defaults"] = {k: repr(v) for k, v in CONFIGS.items()}
     (out / "moe.json").write_text(json.dumps(res, indent=1))
     print(f"wrote {out / 'moe.json'}")

@@ -15,6 +15,8 @@ each other in the grid so its weight tiles are shared through L2. Ties in s + bi
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -132,10 +134,73 @@ def align_blocks(ids: torch.Tensor, E: int, block_m: int):
             torch.where(valid, rows, 0).to(torch.int32))
 
 
+# ---------------------------------------------------------------------------------------------- row plan
+# The GEMMs below read a "row plan": row_pair `[MB * BM]` int32, the (token, slot) pair of each row of each
+# block (-1: a padding row), and block_expert `[MB]` (-1: an unused block). Same static bound MB as above.
+ALIGN_FUSED_MAX = 4096          # pairs up to which the one-program align kernel runs (one launch, not ~20)
+
+
+@triton.jit
+def moe_align_fwd_kernel(ids, row_pair, block_expert, off, P, E, MB,
+                         BLOCK_M: tl.constexpr, P_PAD: tl.constexpr, E_PAD: tl.constexpr,
+                         MB_PAD: tl.constexpr, FILL: tl.constexpr):
+    """One program: histogram of the P expert ids, prefix sums, block table, stable sort by (expert, pair).
+
+    Row of the i-th pair in expert order: i + off[e_i], off[e] = first_block[e] * BM - first_pair[e]."""
+    offs_p = tl.arange(0, P_PAD)
+    e_of = tl.load(ids + offs_p, mask=offs_p < P, other=E)             # padding pairs -> sentinel expert E
+    offs_e = tl.arange(0, E_PAD)
+    cnt = tl.where(offs_e < E, tl.histogram(e_of, E_PAD), 0)           # [E_PAD] pairs per expert
+    blk = (cnt + BLOCK_M - 1) // BLOCK_M
+    bend = tl.cumsum(blk, 0)                                           # blocks end (exclusive), <= MB < MB_PAD
+    pend = tl.cumsum(cnt, 0)
+    tl.store(off + offs_e, (bend - blk) * BLOCK_M - (pend - cnt), mask=offs_e < E)
+    offs_b = tl.arange(0, MB_PAD)
+    eb = tl.cumsum(tl.histogram(bend, MB_PAD), 0)                      # expert of block b = #{e: bend[e] <= b}
+    tl.store(block_expert + offs_b, tl.where(eb < E, eb, -1), mask=offs_b < MB)
+    offs_f = tl.arange(0, FILL)
+    for q0 in range(0, MB * BLOCK_M, FILL):
+        tl.store(row_pair + q0 + offs_f, tl.full([FILL], -1, tl.int32), mask=q0 + offs_f < MB * BLOCK_M)
+    key = tl.sort(e_of * P_PAD + offs_p)                               # expert-major, stable in the pair id
+    tl.debug_barrier()                                                 # off[] and the -1 fill are visible
+    e_s = key // P_PAD
+    ok = e_s < E
+    dst = offs_p + tl.load(off + e_s, mask=ok, other=0)
+    tl.store(row_pair + dst, key % P_PAD, mask=ok)
+
+
+def align_rows(ids: torch.Tensor, E: int, block_m: int, fused: bool = True):
+    """ids `[N, k]` -> (row_pair `[MB * block_m]` int32, block_expert `[MB]` int32), MB the static bound of
+    `align_blocks`. fused: one Triton program while N k <= ALIGN_FUSED_MAX; torch ops otherwise (no host sync
+    either way)."""
+    flat = ids.reshape(-1)
+    P = flat.numel()
+    MB = triton.cdiv(P, block_m) + min(E, P)
+    row_pair = torch.empty(MB * block_m, device=ids.device, dtype=torch.int32)
+    block_expert = torch.empty(MB, device=ids.device, dtype=torch.int32)
+    if fused and P <= ALIGN_FUSED_MAX:
+        off = torch.empty(E, device=ids.device, dtype=torch.int32)
+        moe_align_fwd_kernel[(1,)](flat, row_pair, block_expert, off, P, E, MB, BLOCK_M=block_m, P_PAD=pow2(P),
+                                   E_PAD=pow2(E + 1), MB_PAD=pow2(MB + 1), FILL=1024, num_warps=8)
+        return row_pair, block_expert
+    flat = flat.long()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(E, device=ids.device, dtype=torch.int64).scatter_add_(0, flat, torch.ones_like(flat))
+    blocks = (counts + block_m - 1) // block_m
+    bend = torch.cumsum(blocks, 0)
+    off = (bend - blocks) * block_m - (torch.cumsum(counts, 0) - counts)
+    row_pair.fill_(-1)
+    row_pair[torch.arange(P, device=ids.device) + off[flat[order]]] = order.to(torch.int32)
+    e = torch.searchsorted(bend, torch.arange(MB, device=ids.device), right=True)
+    block_expert.copy_(torch.where(e < E, e, -1))
+    return row_pair, block_expert
+
+
 # ---------------------------------------------------------------------------------------------- experts
 @triton.jit
 def _block_rows(order, block_expert, block_row, block_rows, BLOCK_M: tl.constexpr):
-    """This program's expert (-1: an unused block), its (token, slot) pair ids and their row mask."""
+    """(`align_blocks` layout, used by k3export/fp8_moe_kernels.py) This program's expert (-1: an unused block),
+    its (token, slot) pair ids and their row mask."""
     pb = tl.program_id(0)
     e = tl.load(block_expert + pb)
     offs_m = tl.arange(0, BLOCK_M)
@@ -145,59 +210,94 @@ def _block_rows(order, block_expert, block_row, block_rows, BLOCK_M: tl.constexp
 
 
 @triton.jit
-def moe_gemm1_fwd_kernel(z, w1, w3, h, order, block_expert, block_row, block_rows,
-                         L, I, stride_zn, stride_we, stride_wi, stride_hm, beta, linear_beta,
-                         TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Block pb, columns [n0, n0 + BLOCK_N) of I: h = SiTU_GLU(z_rows W1_e^T, z_rows W3_e^T) -> h.dtype."""
-    pb = tl.program_id(0)
-    e, pair, m_ok = _block_rows(order, block_expert, block_row, block_rows, BLOCK_M)
+def _tile(pid, MB, NT, group_m):
+    """Program -> (block, column tile): groups of group_m blocks, columns outer, blocks inner. group_m = 1:
+    all column tiles of one block run together (its A rows stay in L2); group_m >= MB: one column tile
+    across all blocks (each expert's weight tile is shared by its adjacent blocks through L2)."""
+    width = group_m * NT
+    first = (pid // width) * group_m
+    size = tl.minimum(MB - first, group_m)
+    return first + (pid % width) % size, (pid % width) // size
+
+
+@triton.jit
+def moe_gemm1_fwd_kernel(a, w1, w3, h, row_pair, block_expert, MB, L, I, stride_an, stride_we, stride_wi,
+                         stride_hm, group_m, beta, linear_beta, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A_DESC: tl.constexpr,
+                         W_DESC: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Block pb, columns [n0, n0 + BLOCK_N) of I: h = SiTU_GLU(z_rows W1_e^T, z_rows W3_e^T) -> h.dtype.
+
+    a: z `[N, L]` (rows gathered by token) or, A_DESC, a TMA descriptor over z already in row-plan order
+    `[MB * BM, L]`; W_DESC: w1/w3 are TMA descriptors over `[E * I, L]` (a tile past I reads the next expert's
+    rows: those columns are computed and not stored)."""
+    pb, pn = _tile(tl.program_id(0), MB, tl.cdiv(I, BLOCK_N), group_m)
+    e = tl.load(block_expert + pb)
     if e < 0:
         return
-    offs_m = tl.arange(0, BLOCK_M)
-    token = pair // TOP_K
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pb * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(row_pair + offs_m)
+    m_ok = pair >= 0
+    token = tl.maximum(pair, 0) // TOP_K
+    offs_n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < I
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptr = z + token[:, None].to(tl.int64) * stride_zn + offs_k[None, :]
+    if not A_DESC:
+        a_ptr = a + token[:, None].to(tl.int64) * stride_an + offs_k[None, :]
     w_off = e.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wi + offs_k[:, None]  # [BK, BN]
     acc1 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc3 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, L, BLOCK_K):
         k_ok = (k0 + offs_k) < L
-        a = tl.load(a_ptr + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        b1 = tl.load(w1 + w_off + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        b3 = tl.load(w3 + w_off + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc1 = tl.dot(a, b1, acc=acc1, input_precision=DOT_PREC)
-        acc3 = tl.dot(a, b3, acc=acc3, input_precision=DOT_PREC)
+        if A_DESC:
+            x = a.load([pb * BLOCK_M, k0])
+        else:
+            x = tl.load(a_ptr + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        if W_DESC:
+            b1 = w1.load([e * I + pn * BLOCK_N, k0]).T
+            b3 = w3.load([e * I + pn * BLOCK_N, k0]).T
+        else:
+            b1 = tl.load(w1 + w_off + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            b3 = tl.load(w3 + w_off + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc1 = tl.dot(x, b1, acc=acc1, input_precision=DOT_PREC)
+        acc3 = tl.dot(x, b3, acc=acc3, input_precision=DOT_PREC)
     act = beta * _tanh(acc1 / beta) * _sigmoid(acc1) * (linear_beta * _tanh(acc3 / linear_beta))
-    h_ptr = h + (pb * BLOCK_M + offs_m)[:, None].to(tl.int64) * stride_hm + offs_n[None, :]
+    h_ptr = h + offs_m[:, None].to(tl.int64) * stride_hm + offs_n[None, :]
     tl.store(h_ptr, act.to(h.dtype.element_ty), mask=n_ok[None, :])
 
 
 @triton.jit
-def moe_gemm2_fwd_kernel(h, w2, y, order, block_expert, block_row, block_rows,
-                         L, I, stride_hm, stride_we, stride_wl, stride_yp,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         DOT_PREC: tl.constexpr):
-    """Block pb, columns [n0, n0 + BLOCK_N) of L: y[pair] = h_rows W2_e^T in fp32, rows back in pair order."""
-    pb = tl.program_id(0)
-    e, pair, m_ok = _block_rows(order, block_expert, block_row, block_rows, BLOCK_M)
+def moe_gemm2_fwd_kernel(h, w2, y, row_pair, block_expert, MB, L, I, stride_hm, stride_we, stride_wl, stride_yp,
+                         group_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         A_DESC: tl.constexpr, W_DESC: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Block pb, columns [n0, n0 + BLOCK_N) of L: y[pair] = h_rows W2_e^T in fp32, rows back in pair order.
+    A_DESC / W_DESC: h `[MB * BM, I]` / w2 `[E * L, I]` are TMA descriptors."""
+    pb, pn = _tile(tl.program_id(0), MB, tl.cdiv(L, BLOCK_N), group_m)
+    e = tl.load(block_expert + pb)
     if e < 0:
         return
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pb * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(row_pair + offs_m)
+    offs_n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < L
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptr = h + (pb * BLOCK_M + offs_m)[:, None].to(tl.int64) * stride_hm + offs_k[None, :]
-    w_ptr = w2 + e.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wl + offs_k[:, None]
+    if not A_DESC:
+        a_ptr = h + offs_m[:, None].to(tl.int64) * stride_hm + offs_k[None, :]
+    if not W_DESC:
+        w_ptr = w2 + e.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wl + offs_k[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, I, BLOCK_K):
         k_ok = (k0 + offs_k) < I
-        a = tl.load(a_ptr + k0, mask=k_ok[None, :], other=0.0)
-        b = tl.load(w_ptr + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = tl.dot(a, b, acc=acc, input_precision=DOT_PREC)
-    tl.store(y + pair[:, None].to(tl.int64) * stride_yp + offs_n[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
+        if A_DESC:
+            x = h.load([pb * BLOCK_M, k0])
+        else:
+            x = tl.load(a_ptr + k0, mask=k_ok[None, :], other=0.0)
+        if W_DESC:
+            b = w2.load([e * L + pn * BLOCK_N, k0]).T
+        else:
+            b = tl.load(w_ptr + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(x, b, acc=acc, input_precision=DOT_PREC)
+    tl.store(y + pair[:, None].to(tl.int64) * stride_yp + offs_n[None, :], acc,
+             mask=(pair >= 0)[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -212,12 +312,39 @@ def moe_combine_fwd_kernel(y, w, u, L, TOP_K: tl.constexpr, BLOCK_L: tl.constexp
     tl.store(u + n.to(tl.int64) * L + offs, acc.to(u.dtype.element_ty), mask=ok)
 
 
-# Tile configs per regime: the fastest of `k3export bench moe`'s sweeps on the H200 (docs/perf.md).
-# "decode": few rows per expert, stream the weights; "prefill": many rows per expert, tensor-core bound.
-CONFIGS = {
-    "decode": {"block_m": 16, "gemm1": (32, 256, 4, 4), "gemm2": (32, 256, 4, 4)},       # (BN, BK, warps, stages)
-    "prefill": {"block_m": 64, "gemm1": (64, 64, 4, 4), "gemm2": (128, 64, 4, 4)},
+# ---------------------------------------------------------------------------------------------- launches
+@dataclass(frozen=True)
+class MoeTiles:
+    """One tiling of the expert GEMMs. gemm1 / gemm2: (BLOCK_N, BLOCK_K, num_warps, num_stages). group_m: see
+    `_tile` (a large value = one column tile across all blocks). tma: "" pointer loads; "w": expert weights
+    through TMA descriptors; "aw": the A operand too (z gathered into row-plan order first, one extra pass).
+    fused_align: the one-program align kernel for small N k."""
+    block_m: int
+    gemm1: tuple
+    gemm2: tuple
+    group_m: int = 1 << 30
+    tma: str = ""
+    fused_align: bool = True
+
+
+# Tilings per regime, selectable by name (`k3export bench moe` times them all; tests check them all on the GPU).
+# "old" is the tiling before the 2026-11-29 sweep; CONFIGS holds the defaults: the fastest measured on the
+# H200 (docs/perf.md).
+_ALL = 1 << 30
+TILINGS = {
+    "decode": {"old": MoeTiles(16, (32, 256, 4, 4), (32, 256, 4, 4), _ALL, "", False),
+               "fused-align": MoeTiles(16, (32, 256, 4, 4), (32, 256, 4, 4), _ALL, "", True),
+               "fused-tma": MoeTiles(16, (32, 64, 4, 6), (32, 64, 4, 6), _ALL, "w", True),
+               "fused-64x128": MoeTiles(16, (64, 128, 4, 3), (64, 128, 4, 3), _ALL, "", True)},
+    "prefill": {"old": MoeTiles(64, (64, 64, 4, 4), (128, 64, 4, 4), _ALL, "", False),
+                "m64-nfast": MoeTiles(64, (64, 64, 4, 4), (128, 64, 4, 4), 1, "", False),
+                "m128-tma-w": MoeTiles(128, (128, 64, 8, 3), (256, 64, 8, 3), 1, "w", False),
+                "m128-tma-aw": MoeTiles(128, (128, 64, 8, 3), (256, 64, 8, 3), 1, "aw", False),
+                "m64-tma-aw": MoeTiles(64, (128, 64, 4, 4), (256, 64, 4, 3), 1, "aw", False),
+                "m128-tma-aw-g4": MoeTiles(128, (128, 64, 8, 3), (128, 64, 8, 4), 4, "aw", False)},
 }
+CONFIGS = {"decode": TILINGS["decode"]["old"], "prefill": TILINGS["prefill"]["old"]}
+FP32_TILES = MoeTiles(16, (32, 32, 4, 1), (32, 32, 4, 1))      # exact fp32 dots: small tiles, no pipelining
 
 
 def pick_regime(n_pairs: int, E: int) -> str:
@@ -225,9 +352,64 @@ def pick_regime(n_pairs: int, E: int) -> str:
     return "decode" if n_pairs < 16 * E else "prefill"
 
 
+def _desc(t: torch.Tensor, block: list):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    return TensorDescriptor.from_tensor(t, block)
+
+
+def gemm1_fwd(z, w1, w3, plan, top_k: int, beta: float, linear_beta: float, cfg: MoeTiles):
+    """h `[MB * BM, I]` in z.dtype = SiTU_GLU(z W1_e^T, z W3_e^T) for every row of the plan."""
+    row_pair, block_expert = plan
+    E, I, L = w1.shape
+    MB, bm = block_expert.numel(), cfg.block_m
+    bn, bk, warps, stages = cfg.gemm1
+    h = torch.empty(MB * bm, I, device=z.device, dtype=z.dtype)
+    a = z
+    if cfg.tma == "aw":          # z rows in plan order (padding rows: token 0, computed and never stored)
+        a = _desc(z.index_select(0, row_pair.clamp(min=0) // top_k), [bm, bk])
+    if cfg.tma:
+        w1, w3 = _desc(w1.view(E * I, L), [bn, bk]), _desc(w3.view(E * I, L), [bn, bk])
+    moe_gemm1_fwd_kernel[(MB * triton.cdiv(I, bn),)](
+        a, w1, w3, h, row_pair, block_expert, MB, L, I, z.stride(0), I * L, L, h.stride(0), min(cfg.group_m, MB),
+        beta, linear_beta, TOP_K=top_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, A_DESC=cfg.tma == "aw",
+        W_DESC=bool(cfg.tma), DOT_PREC=dot_precision(z.dtype), num_warps=warps, num_stages=stages)
+    return h
+
+
+def gemm2_fwd(h, w2, plan, n_pairs: int, cfg: MoeTiles):
+    """y `[N k, L]` fp32 = h W2_e^T, each row stored at its (token, slot) pair."""
+    row_pair, block_expert = plan
+    E, L, I = w2.shape
+    MB, bm = block_expert.numel(), cfg.block_m
+    bn, bk, warps, stages = cfg.gemm2
+    y = torch.empty(n_pairs, L, device=h.device, dtype=torch.float32)
+    a = _desc(h, [bm, bk]) if cfg.tma == "aw" else h
+    w = _desc(w2.view(E * L, I), [bn, bk]) if cfg.tma else w2
+    moe_gemm2_fwd_kernel[(MB * triton.cdiv(L, bn),)](
+        a, w, y, row_pair, block_expert, MB, L, I, h.stride(0), L * I, I, y.stride(0), min(cfg.group_m, MB),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, A_DESC=cfg.tma == "aw", W_DESC=bool(cfg.tma),
+        DOT_PREC=dot_precision(h.dtype), num_warps=warps, num_stages=stages)
+    return y
+
+
+def combine_fwd(y, w, dtype):
+    """u `[N, L]` = sum_j w[:, j] y[n k + j] in fp32 -> dtype."""
+    N, top_k = w.shape
+    L = y.shape[1]
+    u = torch.empty(N, L, device=y.device, dtype=dtype)
+    block_l = min(1024, pow2(L))
+    moe_combine_fwd_kernel[(N, triton.cdiv(L, block_l))](y, w, u, L, TOP_K=top_k, BLOCK_L=block_l, num_warps=4)
+    return u
+
+
+def tiles_for(z, n_pairs: int, E: int, regime: str | None = None) -> MoeTiles:
+    return FP32_TILES if z.dtype == torch.float32 else CONFIGS[regime or pick_regime(n_pairs, E)]
+
+
 def moe_routed_fwd(x, z, gate_weight, bias, w1, w3, w2, top_k: int, renormalize: bool, scaling: float,
-                   beta: float, linear_beta: float, regime: str | None = None):
-    """The op's contract (see op.py): u `[N, L]` in z.dtype, combine in fp32."""
+                   beta: float, linear_beta: float, regime: str | None = None, tiles: MoeTiles | None = None):
+    """The op's contract (see op.py): u `[N, L]` in z.dtype, combine in fp32. regime / tiles override the
+    tiling (sweeps, tests)."""
     N, Lz = z.shape
     E, I, L = w1.shape
     check(x.shape[0] == N, f"moe_routed: x has {x.shape[0]} tokens, z has {N}")
@@ -238,35 +420,15 @@ def moe_routed_fwd(x, z, gate_weight, bias, w1, w3, w2, top_k: int, renormalize:
     check(0 < top_k <= E, f"moe_routed: top_k {top_k} must be in 1..{E}")
     check(z.dtype == w1.dtype == w3.dtype == w2.dtype, f"moe_routed: z/w1/w3/w2 dtypes differ: {z.dtype}, "
           f"{w1.dtype}, {w3.dtype}, {w2.dtype}")
-    u = torch.empty(z.shape, device=z.device, dtype=z.dtype)     # contiguous, as the combine kernel writes it
     if N == 0:
-        return u
-    z = z.contiguous()
-    w1, w3, w2 = (w if w.stride(-1) == 1 else w.contiguous() for w in (w1, w3, w2))
-    if w3.stride() != w1.stride():                                   # gemm1 walks both with w1's strides
-        w1, w3 = w1.contiguous(), w3.contiguous()
+        return torch.empty(z.shape, device=z.device, dtype=z.dtype)
+    z, w1, w3, w2 = (t.contiguous() for t in (z, w1, w3, w2))        # no-ops for the usual stacked weights
+    cfg = tiles or tiles_for(z, N * top_k, E, regime)
     ids, w, _ = route_fwd(x, gate_weight, bias, top_k, renormalize, scaling)
-    P = N * top_k
-    cfg = CONFIGS[regime or pick_regime(P, E)]
-    bm = cfg["block_m"] if z.dtype != torch.float32 else 16
-    order, block_expert, block_row, block_rows = align_blocks(ids, E, bm)
-    MB = block_expert.numel()
-    h = torch.empty(MB * bm, I, device=z.device, dtype=z.dtype)
-    y = torch.empty(P, L, device=z.device, dtype=torch.float32)
-    prec = dot_precision(z.dtype)
-    fp32 = z.dtype == torch.float32
-    bn, bk, warps, stages = cfg["gemm1"] if not fp32 else (32, 32, 4, 1)
-    moe_gemm1_fwd_kernel[(MB, triton.cdiv(I, bn))](
-        z, w1, w3, h, order, block_expert, block_row, block_rows, L, I, z.stride(0), w1.stride(0), w1.stride(1),
-        h.stride(0), beta, linear_beta, TOP_K=top_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_PREC=prec,
-        num_warps=warps, num_stages=stages)
-    bn, bk, warps, stages = cfg["gemm2"] if not fp32 else (32, 32, 4, 1)
-    moe_gemm2_fwd_kernel[(MB, triton.cdiv(L, bn))](
-        h, w2, y, order, block_expert, block_row, block_rows, L, I, h.stride(0), w2.stride(0), w2.stride(1),
-        y.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_PREC=prec, num_warps=warps, num_stages=stages)
-    block_l = min(1024, pow2(L))
-    moe_combine_fwd_kernel[(N, triton.cdiv(L, block_l))](y, w, u, L, TOP_K=top_k, BLOCK_L=block_l, num_warps=4)
-    return u
+    plan = align_rows(ids, E, cfg.block_m, cfg.fused_align)
+    h = gemm1_fwd(z, w1, w3, plan, top_k, beta, linear_beta, cfg)
+    y = gemm2_fwd(h, w2, plan, N * top_k, cfg)
+    return combine_fwd(y, w, z.dtype)
 
 
 @moe_routed.register_kernel("cuda")

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# One device call for the MoE kernels (run from the repo root, device tool `run`, carry .whl, timeout ~180 s):
+#   the moe `cuda` tests (every named tiling vs moe_sorted at K3 size), then `k3export bench moe` (copy and
+#   matmul ceilings, every tiling at prefill 4096/8192/16384 and decode 1/4/16/64 tokens, stage times) under
+#   what is left of MOE_BUDGET_S seconds. Logs and moe.json under $OUT.
+set -uo pipefail
+start=$SECONDS
+OUT=${OUT:-out/gpu}; mkdir -p "$OUT"
+bash scripts/gpu.sh test tests/test_moe_kernels.py -s -rs --durations=5
+left=$(( ${MOE_BUDGET_S:-165} - (SECONDS - start) - 15 ))
+echo "== k3export bench moe (budget ${left} s, tests took $((SECONDS - start)) s)" | tee "$OUT/bench-moe.log"
+python3 -m k3export.cli bench moe --out "$OUT/bench" --budget-s "$(( left > 20 ? left : 20 ))" 2>&1 | tee -a "$OUT/bench-moe.log"
+echo "== total $((SECONDS - start)) s" | tee -a "$OUT/bench-moe.log"
