@@ -367,9 +367,11 @@ def _sweep_markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_sweep(out: Path, T: int, H: int, batches, budget_s: float, res: dict) -> None:
+def run_sweep(out: Path, T: int, H: int, batches, budget_s: float, res: dict,
+              phases: tuple[str, ...] = ("prefill", "decode", "fla")) -> None:
     """Ours (prefill variants, then decode variants; each phase stops at its share of budget_s), then fla-core.
-    JSON and markdown are rewritten after each phase, so a run cut short still leaves its results."""
+    JSON and markdown are rewritten after each phase, so a run cut short still leaves its results. `phases`
+    picks a subset (e.g. decode alone: its kernels compile in seconds, fla's autotuning takes a minute)."""
     deadline = time.monotonic() + budget_s
     out.mkdir(parents=True, exist_ok=True)
 
@@ -377,12 +379,19 @@ def run_sweep(out: Path, T: int, H: int, batches, budget_s: float, res: dict) ->
         (out / "kda_sweep.json").write_text(json.dumps(res, indent=1, default=str))
         (out / "kda_sweep.md").write_text(_sweep_markdown(res))
     res["decode_H"], res["decode"] = H, []
-    res["prefill"] = sweep_prefill(T, H, deadline - 0.5 * budget_s)
+    if "prefill" in phases:
+        res["prefill"] = sweep_prefill(T, H, deadline - 0.5 * budget_s)
+    else:
+        res["prefill"] = {"shape": dict(B=1, T=T, H=H), "gflop": _flops(1, T, H, 128, 128) / 1e9,
+                          "variants": {}, "intra_only_ms": "not run"}
     res["prefill"]["fla_chunk_kda"] = "not run"
     save()
-    res["decode"] = sweep_decode(batches, H, res["copy_GBs"], deadline)
-    save()
+    if "decode" in phases:
+        res["decode"] = sweep_decode(batches, H, res["copy_GBs"], deadline)
+        save()
     click.echo(_sweep_markdown(res))
+    if "fla" not in phases:
+        return
     sweep_fla(res, T, H)
     save()
     click.echo(_sweep_markdown(res))
@@ -395,7 +404,9 @@ def run_sweep(out: Path, T: int, H: int, batches, budget_s: float, res: dict) ->
 @click.option("--sweep", is_flag=True, help="Check and time every kernel variant (PREFILL_/DECODE_VARIANTS) "
               "against the eager reference and fla-core instead of the default report.")
 @click.option("--budget-s", default=100.0, show_default=True, help="--sweep: seconds before variants are skipped.")
-def kda_bench(out_dir: str, T: int, H: int, batches: str, sweep: bool, budget_s: float) -> None:
+@click.option("--phases", default="prefill,decode,fla", show_default=True,
+              help="--sweep: which parts to run (any of prefill, decode, fla).")
+def kda_bench(out_dir: str, T: int, H: int, batches: str, sweep: bool, budget_s: float, phases: str) -> None:
     """Prefill and decode KDA kernels vs fla-core and eager PyTorch (needs a CUDA GPU)."""
     if not torch.cuda.is_available():
         raise click.ClickException("bench kda needs a CUDA GPU (run it on the GPU machine)")
@@ -408,7 +419,10 @@ def kda_bench(out_dir: str, T: int, H: int, batches: str, sweep: bool, budget_s:
     res["copy_GBs"] = copy_bandwidth() / 1e9
     click.echo(f"copy bandwidth {res['copy_GBs']:.0f} GB/s")
     if sweep:
-        run_sweep(Path(out_dir), T, H, [int(x) for x in batches.split(",")], budget_s, res)
+        bad = set(phases.split(",")) - {"prefill", "decode", "fla"}
+        if bad:
+            raise click.BadParameter(f"unknown phases {sorted(bad)}; use prefill, decode, fla", param_hint="--phases")
+        run_sweep(Path(out_dir), T, H, [int(x) for x in batches.split(",")], budget_s, res, tuple(phases.split(",")))
         return
     res["prefill"] = bench_prefill(T, H)
     click.echo(json.dumps(res["prefill"], indent=1))
