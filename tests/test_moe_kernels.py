@@ -67,6 +67,17 @@ def _interpreter_cases() -> dict:
         rids, rw = route(*args64[:1], args64[2], b, k, True, 1.0)
         res[f"route-ids-{name}"] = float(torch.equal(ids.long(), rids))
         res[f"route-w-{name}"] = (w.double() - rw).abs().max().item()
+        for n in (N, 70):                        # lean: router split over d (N <= 64), packed top-k (both N)
+            xx = torch.randn(n, d, dtype=dt)
+            ids, w, s = route_fwd(xx, g, b, k, True, 1.0, lean=True)
+            rids, rw = route(xx.double(), g.double(), b, k, True, 1.0)
+            res[f"route-lean-ids-{name}-{n}"] = float(torch.equal(ids.long(), rids))
+            res[f"route-lean-w-{name}-{n}"] = (w.double() - rw).abs().max().item()
+            res[f"route-lean-s-{name}-{n}"] = (s.double() - torch.sigmoid(xx.double() @ g.double().T)).abs().max().item()
+        # Negative keys (bias - 3): the packed top-k's float -> ordered-int map must keep their order.
+        ids = route_fwd(x, g, b - 3.0, k, True, 1.0, lean=True)[0]
+        res[f"route-lean-ids-negative-{name}"] = float(torch.equal(ids.long(), route(*args64[:1], args64[2], b - 3.0, k,
+                                                                                     True, 1.0)[0]))
     # Small |z| (z * 1e-3, tanh arguments ~1e-4): the activation's tanh must keep its relative accuracy near 0,
     # where 2 sigmoid(2x) - 1 cancels (measured: 9.6e-4 with it, 1.6e-7 with the series); u ~ |z|^2.
     torch.manual_seed(2)
@@ -85,6 +96,8 @@ def _interpreter_cases() -> dict:
     b[4] = b[5] = 100.0
     ids, _, _ = route_fwd(x, g, b, k, True, 1.0)
     res["ties-lower-id-first"] = float((ids[:, 0] == 4).all().item() and (ids[:, 1] == 5).all().item())
+    lean = route_fwd(x, g, b, k, True, 1.0, lean=True)[0]
+    res["ties-lower-id-first-lean"] = float(torch.equal(lean, ids))
     for regime in ("decode",):
         u = moe_routed_fwd(x, z, g, b, w1, w3, w2, k, True, 1.0, regime=regime, **SITU)
         res[f"ties-{regime}"] = _rel(u, moe_sorted(x.double(), z.double(), g.double(), b, w1.double(), w3.double(),
@@ -121,7 +134,10 @@ def _interpreter_cases() -> dict:
                           FP32_BOUND), ("moe-fp32-decode-k1-True", FP32_BOUND), ("moe-fp16-decode-k4-True",
                           FP16_BOUND), ("moe-fp16-prefill-k4-True", FP16_BOUND), ("ties-decode", FP32_BOUND),
                           ("moe-fp32-small-z", FP32_BOUND), ("route-w-fp32", WEIGHT_BOUND),
-                          ("route-w-fp16", WEIGHT_BOUND)])
+                          ("route-w-fp16", WEIGHT_BOUND), ("route-lean-w-fp32-7", WEIGHT_BOUND),
+                          ("route-lean-w-fp32-70", WEIGHT_BOUND), ("route-lean-w-fp16-7", WEIGHT_BOUND),
+                          ("route-lean-w-fp16-70", WEIGHT_BOUND), ("route-lean-s-fp32-7", WEIGHT_BOUND),
+                          ("route-lean-s-fp16-7", WEIGHT_BOUND)])
 def test_interpreted(interp, case, bound):
     assert interp[case] < bound, interp
 
@@ -137,7 +153,9 @@ def test_interpreted_tilings(interp, tiles):
 
 
 @pytest.mark.parametrize("flag", ["route-ids-fp32", "route-ids-fp16", "ties-lower-id-first", "bad-shape-named",
-                                  "align-fused-equals-torch"])
+                                  "align-fused-equals-torch", "ties-lower-id-first-lean", "route-lean-ids-negative-fp32",
+                                  "route-lean-ids-negative-fp16", "route-lean-ids-fp32-7",
+                                  "route-lean-ids-fp32-70", "route-lean-ids-fp16-7", "route-lean-ids-fp16-70"])
 def test_interpreted_flags(interp, flag):
     assert interp[flag] == 1.0, interp
 
@@ -223,11 +241,12 @@ def test_align_fused_k3_shapes():
 
 
 @pytest.mark.cuda
-def test_route_k3_shapes(k3_experts):
+@pytest.mark.parametrize("lean,N", [(False, 256), (True, 256), (True, 48)])
+def test_route_k3_shapes(k3_experts, lean, N):
     from k3export.plugins.moe.kernels import route_fwd
     g, b = k3_experts[:2]
-    x = torch.randn(256, 7168, device="cuda", dtype=torch.bfloat16)
-    ids, w, _ = route_fwd(x, g, b, 16, True, 1.0)
+    x = torch.randn(N, 7168, device="cuda", dtype=torch.bfloat16)
+    ids, w, _ = route_fwd(x, g, b, 16, True, 1.0, lean)
     rids, rw = route(x, g, b, 16, True, 1.0)
     same = (ids.long().sort(-1).values == rids.sort(-1).values).all(-1)
     s = torch.sigmoid(x.float() @ g.float().T) + b

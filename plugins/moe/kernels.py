@@ -45,51 +45,83 @@ def _tanh(x):
 
 # ---------------------------------------------------------------------------------------------- routing
 @triton.jit
-def moe_router_fwd_kernel(x, g, s, N, E, D, stride_xn, stride_ge,
+def moe_router_fwd_kernel(x, g, s, N, E, D, stride_xn, stride_ge, D_SPLIT,
                           BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
-                          DOT_PREC: tl.constexpr):
-    """s `[N, E]` fp32 = sigmoid(x `[N, D]` @ g `[E, D]`^T); 16-bit products are exact in the fp32 sum."""
+                          SIGMOID: tl.constexpr, DOT_PREC: tl.constexpr):
+    """s `[N, E]` fp32 = sigmoid(x `[N, D]` @ g `[E, D]`^T); 16-bit products are exact in the fp32 sum.
+    Split over D (grid axis 2, D_SPLIT columns each, few tokens: more programs): the raw partial sums go to
+    s `[splits, N, E]` and the top-k kernel adds them in split order."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     offs_d = tl.arange(0, BLOCK_D)
+    d_lo = tl.program_id(2) * D_SPLIT
+    d_hi = tl.minimum(D, d_lo + D_SPLIT)
     acc = tl.zeros([BLOCK_M, BLOCK_E], tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        d_ok = (d0 + offs_d) < D
+    for d0 in range(d_lo, d_hi, BLOCK_D):
+        d_ok = (d0 + offs_d) < d_hi
         a = tl.load(x + offs_m[:, None].to(tl.int64) * stride_xn + d0 + offs_d[None, :],
                     mask=(offs_m[:, None] < N) & d_ok[None, :], other=0.0)
         b = tl.load(g + offs_e[:, None].to(tl.int64) * stride_ge + d0 + offs_d[None, :],
                     mask=(offs_e[:, None] < E) & d_ok[None, :], other=0.0)
         acc = tl.dot(a, tl.trans(b), acc=acc, input_precision=DOT_PREC)
-    tl.store(s + offs_m[:, None].to(tl.int64) * E + offs_e[None, :], _sigmoid(acc),
+    if SIGMOID:
+        acc = _sigmoid(acc)
+    tl.store(s + tl.program_id(2).to(tl.int64) * N * E + offs_m[:, None].to(tl.int64) * E + offs_e[None, :], acc,
              mask=(offs_m[:, None] < N) & (offs_e[None, :] < E))
 
 
 @triton.jit
-def moe_topk_fwd_kernel(s, bias, ids, w, E, scaling, K: tl.constexpr, BLOCK_K: tl.constexpr,
-                        BLOCK_E: tl.constexpr, RENORM: tl.constexpr):
-    """One token: the K largest s + bias (ties -> lowest id), weights from the unbiased s."""
+def moe_topk_fwd_kernel(s, part, bias, ids, w, N, E, scaling, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                        BLOCK_E: tl.constexpr, RENORM: tl.constexpr, SPLITS: tl.constexpr,
+                        PACKED: tl.constexpr):
+    """One token: the K largest s + bias (ties -> lowest id), weights from the unbiased s.
+
+    SPLITS > 1: s = sigmoid(sum of the router's partial sums `part[SPLITS, N, E]`), stored to s. PACKED: one
+    max per round over (order-preserving int of the key) << 32 | (BLOCK_E - 1 - id), weights gathered after
+    the K rounds (else three reductions per round)."""
     n = tl.program_id(0)
     offs = tl.arange(0, BLOCK_E)
     ok = offs < E
-    sc = tl.load(s + n.to(tl.int64) * E + offs, mask=ok, other=0.0)
+    if SPLITS == 1:
+        sc = tl.load(s + n.to(tl.int64) * E + offs, mask=ok, other=0.0)
+    else:
+        acc = tl.zeros([BLOCK_E], tl.float32)
+        for sp in tl.static_range(SPLITS):
+            acc += tl.load(part + (sp * N + n).to(tl.int64) * E + offs, mask=ok, other=0.0)
+        sc = _sigmoid(acc)
+        tl.store(s + n.to(tl.int64) * E + offs, sc, mask=ok)
     key = tl.where(ok, sc + tl.load(bias + offs, mask=ok, other=0.0).to(tl.float32), float("-inf"))
     slots = tl.arange(0, BLOCK_K)
     top = tl.zeros([BLOCK_K], tl.int32)
     wt = tl.zeros([BLOCK_K], tl.float32)
-    for j in tl.static_range(K):
-        best = tl.max(key, 0)
-        idx = tl.min(tl.where(key == best, offs, BLOCK_E), 0)
-        top = tl.where(slots == j, idx, top)
-        wt = tl.where(slots == j, tl.sum(tl.where(offs == idx, sc, 0.0), 0), wt)
-        key = tl.where(offs == idx, float("-inf"), key)
+    if PACKED:
+        bits = key.to(tl.int32, bitcast=True)
+        packed = (tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64) << 32) | (BLOCK_E - 1 - offs)
+        for j in tl.static_range(K):
+            idx = BLOCK_E - 1 - (tl.max(packed, 0) & 0xFFFFFFFF).to(tl.int32)
+            top = tl.where(slots == j, idx, top)
+            packed = tl.where(offs == idx, tl.full([BLOCK_E], -(2 ** 63), tl.int64), packed)
+        hit = (offs[None, :] == top[:, None]) & (slots < K)[:, None]                 # [BLOCK_K, BLOCK_E]
+        wt = tl.sum(tl.where(hit, sc[None, :], 0.0), 1)
+    else:
+        for j in tl.static_range(K):
+            best = tl.max(key, 0)
+            idx = tl.min(tl.where(key == best, offs, BLOCK_E), 0)
+            top = tl.where(slots == j, idx, top)
+            wt = tl.where(slots == j, tl.sum(tl.where(offs == idx, sc, 0.0), 0), wt)
+            key = tl.where(offs == idx, float("-inf"), key)
     if RENORM:
         wt = wt / (tl.sum(wt, 0) + 1e-20)
     tl.store(ids + n * K + slots, top, mask=slots < K)
     tl.store(w + n * K + slots, wt * scaling, mask=slots < K)
 
 
-def route_fwd(x, gate_weight, bias, top_k: int, renormalize: bool, scaling: float):
-    """x `[N, d]` -> (ids `[N, k]` int32, w `[N, k]` fp32, s `[N, E]` fp32)."""
+ROUTE_SPLIT_MAX_N = 64          # lean routing splits the router over D up to this many tokens
+
+
+def route_fwd(x, gate_weight, bias, top_k: int, renormalize: bool, scaling: float, lean: bool = False):
+    """x `[N, d]` -> (ids `[N, k]` int32, w `[N, k]` fp32, s `[N, E]` fp32). lean: the router split over d into
+    8 parts for N <= ROUTE_SPLIT_MAX_N (few tokens: 8x the programs) and the packed top-k."""
     N, D = x.shape
     E = gate_weight.shape[0]
     if x.dtype != gate_weight.dtype:
@@ -98,14 +130,18 @@ def route_fwd(x, gate_weight, bias, top_k: int, renormalize: bool, scaling: floa
     s = torch.empty(N, E, device=x.device, dtype=torch.float32)
     block_m = 16 if N <= 16 else 64
     block_e = 16 if N <= 16 else 64
-    moe_router_fwd_kernel[(triton.cdiv(N, block_m), triton.cdiv(E, block_e))](
-        x, gate_weight, s, N, E, D, x.stride(0), gate_weight.stride(0), BLOCK_M=block_m, BLOCK_E=block_e,
-        BLOCK_D=128 if x.dtype != torch.float32 else 32, DOT_PREC=dot_precision(x.dtype), num_warps=4,
-        num_stages=3 if x.dtype != torch.float32 else 1)
+    block_d = 128 if x.dtype != torch.float32 else 32
+    splits = 8 if lean and N <= ROUTE_SPLIT_MAX_N else 1
+    part = torch.empty(splits, N, E, device=x.device, dtype=torch.float32) if splits > 1 else s
+    moe_router_fwd_kernel[(triton.cdiv(N, block_m), triton.cdiv(E, block_e), splits)](
+        x, gate_weight, part, N, E, D, x.stride(0), gate_weight.stride(0), triton.cdiv(D, splits * block_d) * block_d,
+        BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_D=block_d, SIGMOID=splits == 1, DOT_PREC=dot_precision(x.dtype),
+        num_warps=4, num_stages=3 if x.dtype != torch.float32 else 1)
     ids = torch.empty(N, top_k, device=x.device, dtype=torch.int32)
     w = torch.empty(N, top_k, device=x.device, dtype=torch.float32)
-    moe_topk_fwd_kernel[(N,)](s, bias.contiguous(), ids, w, E, scaling, K=top_k, BLOCK_K=pow2(top_k, 2),
-                              BLOCK_E=pow2(E), RENORM=bool(renormalize and top_k > 1), num_warps=4)
+    moe_topk_fwd_kernel[(N,)](s, part, bias.contiguous(), ids, w, N, E, scaling, K=top_k, BLOCK_K=pow2(top_k, 2),
+                              BLOCK_E=pow2(E), RENORM=bool(renormalize and top_k > 1), SPLITS=splits,
+                              PACKED=lean, num_warps=4)
     return ids, w, s
 
 
@@ -318,13 +354,14 @@ class MoeTiles:
     """One tiling of the expert GEMMs. gemm1 / gemm2: (BLOCK_N, BLOCK_K, num_warps, num_stages). group_m: see
     `_tile` (a large value = one column tile across all blocks). tma: "" pointer loads; "w": expert weights
     through TMA descriptors; "aw": the A operand too (z gathered into row-plan order first, one extra pass).
-    fused_align: the one-program align kernel for small N k."""
+    fused_align: the one-program align kernel for small N k. lean_route: `route_fwd(lean=True)`."""
     block_m: int
     gemm1: tuple
     gemm2: tuple
     group_m: int = 1 << 30
     tma: str = ""
     fused_align: bool = True
+    lean_route: bool = False
 
 
 # Tilings per regime, selectable by name (`k3export bench moe` times them all; tests check them all on the GPU).
@@ -334,14 +371,14 @@ _ALL = 1 << 30
 TILINGS = {
     "decode": {"old": MoeTiles(16, (32, 256, 4, 4), (32, 256, 4, 4), _ALL, "", False),
                "fused-align": MoeTiles(16, (32, 256, 4, 4), (32, 256, 4, 4), _ALL, "", True),
-               "fused-tma": MoeTiles(16, (32, 64, 4, 6), (32, 64, 4, 6), _ALL, "w", True),
-               "fused-64x128": MoeTiles(16, (64, 128, 4, 3), (64, 128, 4, 3), _ALL, "", True)},
+               "fused-lean": MoeTiles(16, (32, 256, 4, 4), (32, 256, 4, 4), _ALL, "", True, True),
+               "fused-lean-tma": MoeTiles(16, (32, 64, 4, 6), (32, 64, 4, 6), _ALL, "w", True, True)},
     "prefill": {"old": MoeTiles(64, (64, 64, 4, 4), (128, 64, 4, 4), _ALL, "", False),
                 "m64-nfast": MoeTiles(64, (64, 64, 4, 4), (128, 64, 4, 4), 1, "", False),
-                "m128-tma-w": MoeTiles(128, (128, 64, 8, 3), (256, 64, 8, 3), 1, "w", False),
-                "m128-tma-aw": MoeTiles(128, (128, 64, 8, 3), (256, 64, 8, 3), 1, "aw", False),
-                "m64-tma-aw": MoeTiles(64, (128, 64, 4, 4), (256, 64, 4, 3), 1, "aw", False),
-                "m128-tma-aw-g4": MoeTiles(128, (128, 64, 8, 3), (128, 64, 8, 4), 4, "aw", False)},
+                "m128-tma-w": MoeTiles(128, (128, 64, 8, 3), (256, 64, 8, 3), 1, "w", False, True),
+                "m128-tma-aw": MoeTiles(128, (128, 64, 8, 3), (256, 64, 8, 3), 1, "aw", False, True),
+                "m64-tma-aw": MoeTiles(64, (128, 64, 4, 4), (256, 64, 4, 3), 1, "aw", False, True),
+                "m128-tma-aw-g4": MoeTiles(128, (128, 64, 8, 3), (128, 64, 8, 4), 4, "aw", False, True)},
 }
 CONFIGS = {"decode": TILINGS["decode"]["old"], "prefill": TILINGS["prefill"]["old"]}
 FP32_TILES = MoeTiles(16, (32, 32, 4, 1), (32, 32, 4, 1))      # exact fp32 dots: small tiles, no pipelining
@@ -424,7 +461,7 @@ def moe_routed_fwd(x, z, gate_weight, bias, w1, w3, w2, top_k: int, renormalize:
         return torch.empty(z.shape, device=z.device, dtype=z.dtype)
     z, w1, w3, w2 = (t.contiguous() for t in (z, w1, w3, w2))        # no-ops for the usual stacked weights
     cfg = tiles or tiles_for(z, N * top_k, E, regime)
-    ids, w, _ = route_fwd(x, gate_weight, bias, top_k, renormalize, scaling)
+    ids, w, _ = route_fwd(x, gate_weight, bias, top_k, renormalize, scaling, cfg.lean_route)
     plan = align_rows(ids, E, cfg.block_m, cfg.fused_align)
     h = gemm1_fwd(z, w1, w3, plan, top_k, beta, linear_beta, cfg)
     y = gemm2_fwd(h, w2, plan, N * top_k, cfg)
