@@ -7,7 +7,7 @@ set -uo pipefail
 start=$SECONDS
 OUT=${OUT:-out/gpu}; mkdir -p "$OUT"
 bash scripts/gpu.sh test tests/test_moe_kernels.py -s -rs --durations=5
-left=$(( ${MOE_BUDGET_S:-165} - (SECONDS - start) - 15 ))
+left=$(( ${MOE_BUDGET_S:-170} - (SECONDS - start) - 20 ))
 echo "== k3export bench moe (budget ${left} s, tests took $((SECONDS - start)) s)" | tee "$OUT/bench-moe.log"
 python3 -m k3export.cli bench moe --out "$OUT/bench" --budget-s "$(( left > 20 ? left : 20 ))" 2>&1 | tee -a "$OUT/bench-moe.log"
 echo "== total $((SECONDS - start)) s" | tee -a "$OUT/bench-moe.log"

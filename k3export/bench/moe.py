@@ -123,7 +123,7 @@ def run_sweep(w, regime: str, tokens, ceiling: float, deadline: float, eager: bo
                 else:
                     r.update({"TFLOP/s": flops / r["ms"] / 1e9, "frac_matmul": flops / r["ms"] / 1e-3 / ceiling,
                               "weights_floor_ms": 3 * E * I * L * 2 / copy_bandwidth() * 1e3})
-                if name == "old" or regime == "prefill" and N == 8192:
+                if name == "old" or N == (8192 if regime == "prefill" else 1):
                     r["stages_ms"] = stage_ms(w, x, z, cfg)
             except Exception as e:                                  # a tiling that does not compile / fit
                 r["error"] = f"{type(e).__name__}: {str(e)[:200]}"
@@ -154,10 +154,11 @@ def moe(out: Path, quick: bool, budget_s: float) -> None:
     w = k3_weights()
     res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
            "copy_TBps": bw / 1e12, "matmul_TFLOPs": rate / 1e12}
-    res["prefill"] = run_sweep(w, "prefill", (8192,) if quick else (8192, 4096, 16384), rate, t0 + 0.7 * budget_s,
-                               True)
-    res["decode"] = run_sweep(w, "decode", (1, 64) if quick else (1, 4, 16, 64), bw, t0 + budget_s, True)
     from k3export.plugins.moe.kernels import CONFIGS
     res["defaults"] = {k: repr(v) for k, v in CONFIGS.items()}
+    res["prefill"] = run_sweep(w, "prefill", (8192,) if quick else (8192, 4096, 16384), rate, t0 + 0.7 * budget_s,
+                               True)
+    (out / "moe.json").write_text(json.dumps(res, indent=1))         # written per section: a cut run keeps some
+    res["decode"] = run_sweep(w, "decode", (1, 64) if quick else (1, 4, 16, 64), bw, t0 + budget_s, True)
     (out / "moe.json").write_text(json.dumps(res, indent=1))
     print(f"wrote {out / 'moe.json'}")

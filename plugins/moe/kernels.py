@@ -374,11 +374,12 @@ TILINGS = {
                "fused-lean": MoeTiles(16, (32, 256, 4, 4), (32, 256, 4, 4), _ALL, "", True, True),
                "fused-lean-tma": MoeTiles(16, (32, 64, 4, 6), (32, 64, 4, 6), _ALL, "w", True, True)},
     "prefill": {"old": MoeTiles(64, (64, 64, 4, 4), (128, 64, 4, 4), _ALL, "", False),
-                "m64-nfast": MoeTiles(64, (64, 64, 4, 4), (128, 64, 4, 4), 1, "", False),
-                "m128-tma-w": MoeTiles(128, (128, 64, 8, 3), (256, 64, 8, 3), 1, "w", False, True),
                 "m128-tma-aw": MoeTiles(128, (128, 64, 8, 3), (256, 64, 8, 3), 1, "aw", False, True),
                 "m64-tma-aw": MoeTiles(64, (128, 64, 4, 4), (256, 64, 4, 3), 1, "aw", False, True),
-                "m128-tma-aw-g4": MoeTiles(128, (128, 64, 8, 3), (128, 64, 8, 4), 4, "aw", False, True)},
+                "m64-n256-tma-aw": MoeTiles(64, (256, 32, 8, 4), (256, 64, 8, 3), 1, "aw", False, True),
+                "m128-tma-aw-g4": MoeTiles(128, (128, 64, 8, 3), (128, 64, 8, 4), 4, "aw", False, True),
+                "m64-nfast": MoeTiles(64, (64, 64, 4, 4), (128, 64, 4, 4), 1, "", False),
+                "m128-tma-w": MoeTiles(128, (128, 64, 8, 3), (256, 64, 8, 3), 1, "w", False, True)},
 }
 CONFIGS = {"decode": TILINGS["decode"]["old"], "prefill": TILINGS["prefill"]["old"]}
 FP32_TILES = MoeTiles(16, (32, 32, 4, 1), (32, 32, 4, 1))      # exact fp32 dots: small tiles, no pipelining
