@@ -1,16 +1,20 @@
 """Triton LatentMoE kernels: the CUDA implementation of `k3::moe_routed` (see CONTRACT.md).
 
-    router:  s = sigmoid(x @ gate^T) in fp32                         moe_router_fwd_kernel   [N, E]
+    router:  s = sigmoid(x @ gate^T) in fp32 (split over d for few   moe_router_fwd_kernel   [N, E]
+             tokens, the partial sums added by the top-k kernel)
     top-k:   ids = topk(s + bias), w = s[ids] (renormalised)         moe_topk_fwd_kernel     [N, k] x2
-    align:   (token, slot) pairs sorted by expert, cut into blocks of BLOCK_M rows of one expert (torch ops,
-             no host sync; the block count is a static bound, so no shape depends on routing)
-    gemm1:   h = SiTU_GLU(z W1_e^T, z W3_e^T) per block              moe_gemm1_fwd_kernel    [blocks*BM, I]
+    align:   row plan: (token, slot) pairs sorted by expert, cut     moe_align_fwd_kernel    [MB*BM], [MB]
+             into blocks of BLOCK_M rows of one expert (one program for N k <= 4096, else torch ops; no host
+             sync; the block count MB is a static bound, so no shape depends on routing)
+    gemm1:   h = SiTU_GLU(z W1_e^T, z W3_e^T) per block              moe_gemm1_fwd_kernel    [MB*BM, I]
     gemm2:   y = h W2_e^T, scattered back to pair order in fp32      moe_gemm2_fwd_kernel    [N*k, L]
     combine: u[n] = sum_j w[n, j] y[n*k + j] in fp32 -> z.dtype      moe_combine_fwd_kernel  [N, L]
 
-One grouped GEMM serves both regimes: with few tokens (decode) BLOCK_M = 16 and every selected expert's weights
-stream once from memory; with many tokens (prefill) BLOCK_M = 64 and the blocks of one expert sit next to
-each other in the grid so its weight tiles are shared through L2. Ties in s + bias go to the lowest expert id.
+One grouped GEMM pair serves every regime; `MoeTiles` picks its tiling (block rows, tiles, tile order, TMA
+descriptors or pointer loads) and `pick_regime` the default by rows per expert: decode (BLOCK_M = 16, each
+selected expert's weights stream once), prefill (BLOCK_M = 128, weights through TMA, all column tiles of a
+block next to each other so the A rows and each expert's weight tiles are shared through L2). Ties in s + bias
+go to the lowest expert id.
 """
 
 from __future__ import annotations
@@ -381,13 +385,21 @@ TILINGS = {
                 "m64-nfast": MoeTiles(64, (64, 64, 4, 4), (128, 64, 4, 4), 1, "", False),
                 "m128-tma-w": MoeTiles(128, (128, 64, 8, 3), (256, 64, 8, 3), 1, "w", False, True)},
 }
-CONFIGS = {"decode": TILINGS["decode"]["old"], "prefill": TILINGS["prefill"]["old"]}
+# Measured 2026-11-29 (docs/perf.md): decode 1..64 tokens "fused-lean" (CUDA-graph replay 0.30 ms at 1 token,
+# was 0.36; the plain call 0.37, was 0.64); prefill "m128-tma-w" at 4096 / 8192 tokens (19.3 / 31.3 ms, were
+# 25.3 / 36.9) and "m128-tma-aw" at 16384 (48.0 ms, was 60.0; m128-tma-w 50.6). Between 16 and 64 rows per
+# expert (~900..3600 tokens) nothing new was measured, so the previous prefill tiling stays there.
+CONFIGS = {"decode": TILINGS["decode"]["fused-lean"], "grouped": TILINGS["prefill"]["old"],
+           "prefill": TILINGS["prefill"]["m128-tma-w"], "prefill-large": TILINGS["prefill"]["m128-tma-aw"]}
 FP32_TILES = MoeTiles(16, (32, 32, 4, 1), (32, 32, 4, 1))      # exact fp32 dots: small tiles, no pipelining
 
 
 def pick_regime(n_pairs: int, E: int) -> str:
-    """Decode tiles while the average expert gets fewer than 16 rows; grouped-GEMM tiles beyond."""
-    return "decode" if n_pairs < 16 * E else "prefill"
+    """By the average rows per expert r = n_pairs / E: decode below 16, grouped 16..64, prefill 64..256,
+    prefill-large from 256 (measured: 73 and 146 rows -> m128-tma-w faster, 292 -> m128-tma-aw faster; the
+    crossover between 146 and 292 was not measured)."""
+    r = n_pairs / E
+    return "decode" if r < 16 else "grouped" if r < 64 else "prefill" if r < 256 else "prefill-large"
 
 
 def _desc(t: torch.Tensor, block: list):
