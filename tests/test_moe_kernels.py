@@ -73,7 +73,8 @@ def _interpreter_cases() -> dict:
             rids, rw = route(xx.double(), g.double(), b, k, True, 1.0)
             res[f"route-lean-ids-{name}-{n}"] = float(torch.equal(ids.long(), rids))
             res[f"route-lean-w-{name}-{n}"] = (w.double() - rw).abs().max().item()
-            res[f"route-lean-s-{name}-{n}"] = (s.double() - torch.sigmoid(xx.double() @ g.double().T)).abs().max().item()
+            s64 = torch.sigmoid(xx.double() @ g.double().T)
+            res[f"route-lean-s-{name}-{n}"] = (s.double() - s64).abs().max().item()
         # Negative keys (bias - 3): the packed top-k's float -> ordered-int map must keep their order.
         ids = route_fwd(x, g, b - 3.0, k, True, 1.0, lean=True)[0]
         res[f"route-lean-ids-negative-{name}"] = float(torch.equal(ids.long(), route(*args64[:1], args64[2], b - 3.0, k,
@@ -113,6 +114,13 @@ def _interpreter_cases() -> dict:
         for name, t in tilings.items():
             u = moe_routed_fwd(x, z, *w16, k, True, 1.0, tiles=t, **SITU)
             res[f"tiles-{regime}-{name}"] = _rel(u, ref)
+    # Rows of 20 fp16 (40 bytes) cannot be TMA rows: the TMA tilings fall back to pointer loads.
+    torch.manual_seed(4)
+    x20, z20 = torch.randn(N, d, dtype=torch.float16), torch.randn(N, 20, dtype=torch.float16)
+    w20 = _weights(E, d, 20, 36, torch.float16)
+    u = moe_routed_fwd(x20, z20, *w20, k, True, 1.0, tiles=TILINGS["prefill"]["m128-tma-aw"], **SITU)
+    res["tiles-tma-unaligned-rows"] = _rel(u, moe_sorted(x20.double(), z20.double(), w20[0].double(), w20[1],
+                                                          *(t.double() for t in w20[2:]), k, True, 1.0, **SITU))
     # The one-program align kernel == the torch align (same row plan), incl. a hot expert with several blocks,
     # top-1 and a pair count that is not a power of two.
     same = []
@@ -147,13 +155,14 @@ def _tiling_names():
     return [f"{regime}-{name}" for regime, t in TILINGS.items() for name in t]
 
 
-@pytest.mark.parametrize("tiles", _tiling_names())
+@pytest.mark.parametrize("tiles", _tiling_names() + ["tma-unaligned-rows"])
 def test_interpreted_tilings(interp, tiles):
     assert interp[f"tiles-{tiles}"] < FP16_BOUND, interp
 
 
 @pytest.mark.parametrize("flag", ["route-ids-fp32", "route-ids-fp16", "ties-lower-id-first", "bad-shape-named",
-                                  "align-fused-equals-torch", "ties-lower-id-first-lean", "route-lean-ids-negative-fp32",
+                                  "align-fused-equals-torch", "ties-lower-id-first-lean",
+                                  "route-lean-ids-negative-fp32",
                                   "route-lean-ids-negative-fp16", "route-lean-ids-fp32-7",
                                   "route-lean-ids-fp32-70", "route-lean-ids-fp16-7", "route-lean-ids-fp16-70"])
 def test_interpreted_flags(interp, flag):
@@ -207,7 +216,8 @@ def k3_case(k3_experts):
             z = torch.randn(N, 3584, device="cuda", dtype=torch.bfloat16, generator=gen)
             s = torch.sigmoid(x.float() @ g.float().T) + b
             top = torch.topk(s, 17, dim=-1).values
-            cache[N] = (x, z, moe_sorted(x, z, g, b, w1, w3, w2, 16, True, 1.0, **SITU), (top[:, 15] - top[:, 16]) > 1e-5)
+            ref = moe_sorted(x, z, g, b, w1, w3, w2, 16, True, 1.0, **SITU)
+            cache[N] = (x, z, ref, (top[:, 15] - top[:, 16]) > 1e-5)
         return cache[N]
     return get
 

@@ -133,7 +133,7 @@ def run_sweep(w, regime: str, tokens, ceiling: float, deadline: float, eager: bo
             rows.append({"regime": regime, "tokens": N, "tiles": "eager moe_sorted",
                          "ms": _once_ms(lambda: moe_sorted(x, z, g, b, w1, w3, w2, **ARGS), n=1)})
             print(_fmt(rows[-1]), flush=True)
-        del x, z, base
+        x = z = base = None                                          # free before the next size
         torch.cuda.empty_cache()
     return rows
 

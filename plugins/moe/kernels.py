@@ -19,7 +19,7 @@ go to the lowest expert id.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -407,6 +407,11 @@ def _desc(t: torch.Tensor, block: list):
     return TensorDescriptor.from_tensor(t, block)
 
 
+def _tma_rows_ok(*ts) -> bool:
+    """TMA needs a 16-byte aligned base and 16-byte aligned row strides (2-D views below); else pointer loads."""
+    return all(t.data_ptr() % 16 == 0 and (t.stride(-2) * t.element_size()) % 16 == 0 for t in ts)
+
+
 def gemm1_fwd(z, w1, w3, plan, top_k: int, beta: float, linear_beta: float, cfg: MoeTiles):
     """h `[MB * BM, I]` in z.dtype = SiTU_GLU(z W1_e^T, z W3_e^T) for every row of the plan."""
     row_pair, block_expert = plan
@@ -414,6 +419,8 @@ def gemm1_fwd(z, w1, w3, plan, top_k: int, beta: float, linear_beta: float, cfg:
     MB, bm = block_expert.numel(), cfg.block_m
     bn, bk, warps, stages = cfg.gemm1
     h = torch.empty(MB * bm, I, device=z.device, dtype=z.dtype)
+    if cfg.tma and not _tma_rows_ok(z, w1, w3, h):
+        cfg = replace(cfg, tma="")
     a = z
     if cfg.tma == "aw":          # z rows in plan order (padding rows: token 0, computed and never stored)
         a = _desc(z.index_select(0, row_pair.clamp(min=0) // top_k), [bm, bk])
@@ -433,6 +440,8 @@ def gemm2_fwd(h, w2, plan, n_pairs: int, cfg: MoeTiles):
     MB, bm = block_expert.numel(), cfg.block_m
     bn, bk, warps, stages = cfg.gemm2
     y = torch.empty(n_pairs, L, device=h.device, dtype=torch.float32)
+    if cfg.tma and not _tma_rows_ok(h, w2):
+        cfg = replace(cfg, tma="")
     a = _desc(h, [bm, bk]) if cfg.tma == "aw" else h
     w = _desc(w2.view(E * L, I), [bn, bk]) if cfg.tma else w2
     moe_gemm2_fwd_kernel[(MB * triton.cdiv(L, bn),)](
