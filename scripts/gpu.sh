@@ -9,16 +9,7 @@
 # Logs go to $OUT (or ./out/gpu when run elsewhere).
 set -uo pipefail
 mode=${1:-test}; shift || true
-OUT=${OUT:-out/gpu}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-fi
-# Editable install (offline: no index, no build isolation) so k3export.plugins maps onto plugins/.
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null || exit 1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
+source "$(dirname "$0")/gpu_setup.sh"
 case "$mode" in
   test)  python3 -m pytest -q -m cuda "$@" 2>&1 | tee "$OUT/test-gpu.log" ;;
   e2e)

@@ -5,16 +5,8 @@
 #   bash scripts/gpu_fp8.sh [extra bench args]        logs, gpu.txt and fp8.json under $OUT (or ./out/gpu)
 # Set-up as scripts/gpu.sh: the image's python3 (torch 2.11, triton 3.6), fla-core from .whl/ into /tmp/site.
 set -uo pipefail
-OUT=${OUT:-out/gpu}; mkdir -p "$OUT"
 BUDGET=${BUDGET:-175}
-export PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-fi
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null || exit 1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
+source "$(dirname "$0")/gpu_setup.sh"
 timeout "${TEST_TIMEOUT:-60}" python3 -m pytest -q -m cuda tests/test_fp8.py 2>&1 | tee "$OUT/test-fp8.log"
 left=$((BUDGET - SECONDS - 3))
 echo "== bench fp8 with ${left}s left" | tee "$OUT/bench-fp8.log"

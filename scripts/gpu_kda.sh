@@ -6,15 +6,7 @@
 # first-call autotuning takes the rest), tests <= 100 s (the defaults' kernels are the ones verified before; the
 # tests mostly add the new variants at more shapes). Logs and kda/kda_sweep.{md,json} under $OUT, saved as they go.
 set -uo pipefail
-OUT=${OUT:-out/gpu}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-fi
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null || exit 1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
+source "$(dirname "$0")/gpu_setup.sh"
 timeout "${SWEEP_TIMEOUT:-140}" python3 -m k3export.cli bench kda --sweep --budget-s "${SWEEP_BUDGET:-80}" \
   --batches 256,64,16,1 --out "$OUT/kda" 2>&1 | tee "$OUT/sweep-kda.log"
 timeout "${TEST_TIMEOUT:-100}" python3 -m pytest -q -m cuda tests/test_kda_kernels.py -rs 2>&1 | tee "$OUT/test-kda.log"
