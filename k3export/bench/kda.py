@@ -41,17 +41,21 @@ def _try(fn):
         return f"{type(e).__name__}: {str(e)[:200]}"
 
 
+def _fla_chunk(args):
+    """fla-core 0.6.0's `chunk_kda` on our prefill inputs (same gate with its lower bound, q/k L2 norm, beta
+    sigmoid, all inside its kernels) as a call without arguments."""
+    from fla.ops.kda import chunk_kda
+    q, k, v, f, b, A_log, dt_bias, S0 = args[:8]
+    return lambda: chunk_kda(q, k, v, f, b, scale=q.shape[-1] ** -0.5, initial_state=S0, output_final_state=True,
+                             use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                             safe_gate=True, lower_bound=args[9], A_log=A_log, dt_bias=dt_bias)
+
+
 def bench_prefill(T: int, H: int, K: int = 128) -> dict:
     from k3export.plugins.kda import kernels
     from k3export.plugins.kda.op import kda_prefill
 
-    g = torch.Generator(device="cuda").manual_seed(0)
-    r = lambda *s: torch.randn(*s, device="cuda", generator=g)
-    q, k, v, f = (r(1, T, H, K).bfloat16() for _ in range(4))
-    b = r(1, T, H).bfloat16()
-    A_log, dt_bias, S0 = r(H) * 0.5, r(H * K), r(1, H, K, K)
-    lengths = torch.tensor([T], device="cuda")
-    args = (q, k, v, f, b, A_log, dt_bias, S0, lengths, -5.0)
+    args = _prefill_args(T, H, K)
     flop = _flops(1, T, H, K, K)
     res = {"shape": dict(B=1, T=T, H=H, K=K, V=K, dtype="bf16"), "gflop": flop / 1e9}
 
@@ -82,11 +86,7 @@ def bench_prefill(T: int, H: int, K: int = 128) -> dict:
     res["config_sweep"] = sweep
 
     def fla():
-        from fla.ops.kda import chunk_kda
-        call = lambda: chunk_kda(q, k, v, f, b, scale=K ** -0.5, initial_state=S0, output_final_state=True,
-                                 use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                                 use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=-5.0,
-                                 A_log=A_log, dt_bias=dt_bias)
+        call = _fla_chunk(args)
         with torch.inference_mode():
             o_f, S_f = call()
             ms_f = bench_ms(call)
@@ -294,15 +294,10 @@ def sweep_fla(res: dict, T: int, H: int, K: int = 128) -> None:
     from k3export.plugins.kda.op import kda_prefill
     p = res["prefill"]
     args = _prefill_args(T, H, K)
-    q, k, v, f, b, A_log, dt_bias, S0 = args[:8]
 
     def chunk():
-        from fla.ops.kda import chunk_kda
         o_ref, S_ref = kda_prefill._init_fn(*args)
-        call = lambda: chunk_kda(q, k, v, f, b, scale=K ** -0.5, initial_state=S0, output_final_state=True,
-                                 use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                                 use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=-5.0,
-                                 A_log=A_log, dt_bias=dt_bias)
+        call = _fla_chunk(args)
         with torch.inference_mode():
             o_f, S_f = call()
             ms = bench_ms(call, rep=50)
