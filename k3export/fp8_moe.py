@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from k3export.fp8 import FP8, dequant_weight, fp8_linear_ref, quantize, scale_from_amax, weight_amax
 from k3export.model.moe import LatentMoE
 from k3export.plugins.kda.naive import acc_dtype
-from k3export.plugins.moe.naive import route, situ_glu
+from k3export.plugins.moe.naive import situ_glu, sorted_experts
 
 
 class FP8ExpertBank(nn.Module):
@@ -121,25 +121,6 @@ def _(x, z, gate_weight, bias, w13, w2, w13_scale, w2_scale, z_scale, h_scale, t
     return z.new_empty(z.shape)                      # contiguous, like the implementations
 
 
-def _sorted(x, z, gate_weight, bias, top_k, renormalize, scaling, n_experts, expert):
-    """Route, run each hit expert e once on its tokens t (`expert(e, z[t])` -> `[n, L]`), scatter-add the
-    router-weighted outputs in at least fp32 -> u `[N, L]` in z.dtype."""
-    top, w = route(x, gate_weight, bias, top_k, renormalize, scaling)
-    dt = acc_dtype(z)
-    u = torch.zeros(z.shape, dtype=dt, device=z.device)
-    flat = top.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    tokens = order // top_k
-    start = 0
-    for e, n in enumerate(torch.bincount(flat, minlength=n_experts).tolist()):
-        if n == 0:
-            continue
-        idx, t = order[start:start + n], tokens[start:start + n]
-        u.index_add_(0, t, expert(e, z[t]).to(dt) * w.reshape(-1)[idx].unsqueeze(-1).to(dt))
-        start += n
-    return u.to(z.dtype)
-
-
 def moe_fp8_sorted(x, z, gate_weight, bias, w13, w2, w13_scale, w2_scale, z_scale, h_scale, top_k, renormalize,
                    scaling, beta, linear_beta):
     """The contract's reference: each hit expert runs once on its tokens through two `fp8_linear_ref` GEMMs."""
@@ -149,7 +130,7 @@ def moe_fp8_sorted(x, z, gate_weight, bias, w13, w2, w13_scale, w2_scale, z_scal
         y13 = fp8_linear_ref(zt, z_scale, w13[e], w13_scale[e])                      # [n, 2I] in z.dtype
         h = situ_glu(y13[:, :I], y13[:, I:], beta, linear_beta).to(z.dtype)
         return fp8_linear_ref(h, h_scale, w2[e], w2_scale[e])                       # [n, L]
-    return _sorted(x, z, gate_weight, bias, top_k, renormalize, scaling, w13.shape[0], expert)
+    return sorted_experts(x, z, gate_weight, bias, top_k, renormalize, scaling, w13.shape[0], expert)
 
 
 def moe_fp8_wo_ref(x, z, gate_weight, bias, w13, w2, w13_scale, w2_scale, top_k, renormalize, scaling, beta,
@@ -163,7 +144,7 @@ def moe_fp8_wo_ref(x, z, gate_weight, bias, w13, w2, w13_scale, w2_scale, top_k,
         y13 = zt.to(dt) @ dequant_weight(w13[e], w13_scale[e], dt).T                 # [n, 2I]
         h = situ_glu(y13[:, :I], y13[:, I:], beta, linear_beta).to(z.dtype)
         return h.to(dt) @ dequant_weight(w2[e], w2_scale[e], dt).T                  # [n, L]
-    return _sorted(x, z, gate_weight, bias, top_k, renormalize, scaling, w13.shape[0], expert)
+    return sorted_experts(x, z, gate_weight, bias, top_k, renormalize, scaling, w13.shape[0], expert)
 
 
 @moe_routed_fp8.register_kernel("cuda")

@@ -37,26 +37,30 @@ def expert_mlp(z, w1, w3, w2, beta: float, linear_beta: float):
     return h @ w2.T
 
 
-def moe_sorted(x, z, gate_weight, bias, w1, w3, w2, top_k, renormalize, scaling, beta, linear_beta):
-    """Touches only the experts that received tokens: sort (token, slot) pairs by expert, run each hit expert
-    once on its tokens, scatter-add the weighted outputs in fp32. -> u `[N, L]` in z.dtype."""
+def sorted_experts(x, z, gate_weight, bias, top_k: int, renormalize: bool, scaling: float, n_experts: int, expert):
+    """Route, then run each hit expert e once on its tokens t (`expert(e, z[t])` -> `[n, L]`) and scatter-add the
+    router-weighted outputs in at least fp32 -> u `[N, L]` in z.dtype. Shared by the bf16 and FP8 references."""
     top, w = route(x, gate_weight, bias, top_k, renormalize, scaling)
     dt = acc_dtype(z)
     u = torch.zeros(z.shape, dtype=dt, device=z.device)
     flat = top.reshape(-1)
     order = torch.argsort(flat, stable=True)
     tokens = order // top_k
-    counts = torch.bincount(flat, minlength=w1.shape[0]).tolist()
     start = 0
-    for e, n in enumerate(counts):
+    for e, n in enumerate(torch.bincount(flat, minlength=n_experts).tolist()):
         if n == 0:
             continue
-        idx = order[start:start + n]
-        t = tokens[start:start + n]
-        y = expert_mlp(z[t], w1[e], w3[e], w2[e], beta, linear_beta)
-        u.index_add_(0, t, y.to(dt) * w.reshape(-1)[idx].unsqueeze(-1).to(dt))
+        idx, t = order[start:start + n], tokens[start:start + n]
+        u.index_add_(0, t, expert(e, z[t]).to(dt) * w.reshape(-1)[idx].unsqueeze(-1).to(dt))
         start += n
     return u.to(z.dtype)
+
+
+def moe_sorted(x, z, gate_weight, bias, w1, w3, w2, top_k, renormalize, scaling, beta, linear_beta):
+    """Touches only the experts that received tokens: sort (token, slot) pairs by expert, run each hit expert
+    once on its tokens, scatter-add the weighted outputs in fp32. -> u `[N, L]` in z.dtype."""
+    return sorted_experts(x, z, gate_weight, bias, top_k, renormalize, scaling, w1.shape[0],
+                          lambda e, zt: expert_mlp(zt, w1[e], w3[e], w2[e], beta, linear_beta))
 
 
 def naive_moe(x, z, gate_weight, bias, w1, w3, w2, top_k, renormalize, scaling, beta, linear_beta):
