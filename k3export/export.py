@@ -261,8 +261,8 @@ def _check_limits(limits: ExportLimits) -> None:
 def _check_device(device: str, meta: bool) -> torch.device:
     try:
         dev = torch.device(device)
-    except RuntimeError as e:
-        raise ValueError(f"--device {device!r}: {e}") from None
+    except RuntimeError:
+        raise ValueError(f"--device {device!r} is not a device torch knows: use cpu or cuda (cuda:N)") from None
     if meta and dev.type != "cpu":
         raise ValueError("--meta builds graphs without weights; it takes no --device")
     if dev.type == "cuda" and not torch.cuda.is_available():

@@ -266,3 +266,25 @@ def test_op_checker_reports_a_non_finite_kernel_output_as_infinite():
     with OpChecker("cpu") as checker:
         torch.ops.k3.selftest_nan(torch.ones(4))
     assert checker.worst["k3::selftest_nan"] == [float("inf")]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusals of a machine without a GPU")
+def test_export_device_refusals_and_cuda_graphs_on_a_cpu_machine(graph_dir, tmp_path):
+    """`export --device cuda` without a GPU, a bad device and `--meta --device cuda` are refused by name; graphs
+    whose manifest says cuda are refused by verify on a machine without one (before any model is built)."""
+    import json
+
+    from click.testing import CliRunner
+    from k3export.cli import main
+    for extra, words in ((["--device", "cuda"], "no CUDA device here"), (["--device", "tpu"], "use cpu or cuda"),
+                         (["--device", "cuda", "--meta"], "takes no --device")):
+        r = CliRunner().invoke(main, ["export", "--preset", "k3-tiny", "--out", str(tmp_path / "g"), *extra])
+        assert r.exit_code != 0 and words in r.output, (extra, r.output)
+        assert not (tmp_path / "g" / "manifest.json").exists()
+    d = _copy_graphs(graph_dir, tmp_path)
+    m = json.loads((d / "manifest.json").read_text())
+    assert m["device"] == "cpu"
+    m["device"] = "cuda"
+    (d / "manifest.json").write_text(json.dumps(m))
+    r = CliRunner().invoke(main, ["verify", "--graphs", str(d), "--no-onnx"])
+    assert r.exit_code != 0 and "exported on cuda" in r.output, r.output
