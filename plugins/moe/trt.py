@@ -1,0 +1,361 @@
+"""TensorRT side of the MoE kernels: the AOT launch contracts of `k3::moe_routed`'s decode path
+(TensorRT-independent plain data, tested on CPU and through cupy on the GPU) and the `tensorrt.plugin` definitions
+built on them (registered only when `import tensorrt` works; it cannot be installed on our machines, see
+docs/deployment-notes, so `register_plugins` has never run).
+
+An AOT plugin is exactly one kernel launch with no workspace, so `k3::moe_routed` becomes a chain of six plugins
+joined by explicit intermediate tensors (an ONNX translation emits them in this order):
+
+    k3::moe_router  (x, gate_weight)                    -> part [S, N, E] fp32   S = 8 partial sums over d, or
+                                                                             S = 1: the sigmoid scores
+    k3::moe_topk    (part, bias)                        -> ids [N, k] i32, w [N, k] fp32, s [N, E] fp32
+    k3::moe_align   (ids)                               -> row_pair [MB*BM] i32, block_expert [MB] i32, off [E] i32
+    k3::moe_gemm1   (z, w1, w3, row_pair, block_expert) -> h [MB*BM, I] z.dtype
+    k3::moe_gemm2   (h, w2, row_pair, block_expert, ids) -> y [N*k, L] fp32   (ids: shape only, not read)
+    k3::moe_combine (y, w, z)                           -> u [N, L] z.dtype      (z: shape/dtype only, not read)
+
+MB = ceil(N k / BM) + min(E, N k) is the static block bound the kernels already use, so no shape or grid depends
+on routing (`s` is written by the top-k launch only when the router is split over d, S > 1; with S = 1 the
+scores are `part` itself; `off` is the align kernel's scratch; nothing downstream reads either).
+
+Scope: the decode path only, N k <= ALIGN_FUSED_MAX (4096) pairs, where the row plan is one Triton program. At
+K3's 896 experts and top-16 that is N <= 256 tokens, all inside the decode regime (< 16 rows per expert), so the
+tiling is `kernels.CONFIGS["decode"]` (`FP32_TILES` for fp32) exactly as `moe_routed_fwd` picks it (a model
+with few experts may have >= 16 rows per expert under 4096 pairs: the chain keeps the decode tiling where the
+torch op switches to the grouped one; same result, other speed). Prefill
+(> 4096 pairs) sorts and aligns with torch ops and passes TMA descriptors built on the host: it stays outside
+these plugins; a TensorRT engine needs an IPluginV3 (C++, with a workspace) for it, or those steps moved into
+kernels.
+
+Each launch is a small `@triton.jit` wrapper (`moe_*_trt_kernel`) that calls the kernel of `kernels.py` unchanged
+with its parameters reordered to inputs..., scalars..., outputs... (TensorRT's order) and the float attributes
+(scaling, beta, linear_beta) made compile-time constants (TensorRT's extra arguments are integers only). Grids
+are written with + - * // and `minimum` (python `min`, or `tensorrt.plugin.min` on shape expressions).
+
+Compile-time choices that depend on the token count (router block sizes, router split over d, the align
+kernel's sort width) are taken from `max_tokens` (default N): the PTX is then valid for every N <= max_tokens
+(everything is masked by the runtime N), which is what a dynamic-shape engine needs. With max_tokens = N every
+launch matches the torch launcher exactly (grid, constants, warps, scalars; tested).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from k3export.plugins.aot import Launch, compile_ptx, pointer_type
+from k3export.plugins.triton_common import cdiv, check, dot_precision, pow2
+
+from .kernels import (ALIGN_FUSED_MAX, CONFIGS, FP32_TILES, ROUTE_SPLIT_MAX_N, moe_align_fwd_kernel,
+                      moe_combine_fwd_kernel, moe_gemm1_fwd_kernel, moe_gemm2_fwd_kernel, moe_router_fwd_kernel,
+                      moe_topk_fwd_kernel)
+
+
+# ---------------------------------------------------------------------------------------------- wrappers
+@triton.jit
+def moe_router_trt_kernel(x, g, N, E, D, stride_xn, stride_ge, D_SPLIT, s, BLOCK_M: tl.constexpr,
+                          BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, SIGMOID: tl.constexpr,
+                          DOT_PREC: tl.constexpr):
+    moe_router_fwd_kernel(x, g, s, N, E, D, stride_xn, stride_ge, D_SPLIT, BLOCK_M=BLOCK_M, BLOCK_E=BLOCK_E,
+                          BLOCK_D=BLOCK_D, SIGMOID=SIGMOID, DOT_PREC=DOT_PREC)
+
+
+@triton.jit
+def moe_topk_trt_kernel(part, bias, N, E, ids, w, s, scaling: tl.constexpr, K: tl.constexpr,
+                        BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr, SPLITS: tl.constexpr,
+                        PACKED: tl.constexpr):
+    if SPLITS == 1:      # the router wrote sigmoid scores: read them from part, s stays unwritten
+        moe_topk_fwd_kernel(part, part, bias, ids, w, N, E, scaling, K=K, BLOCK_K=BLOCK_K, BLOCK_E=BLOCK_E,
+                            RENORM=RENORM, SPLITS=SPLITS, PACKED=PACKED)
+    else:
+        moe_topk_fwd_kernel(s, part, bias, ids, w, N, E, scaling, K=K, BLOCK_K=BLOCK_K, BLOCK_E=BLOCK_E,
+                            RENORM=RENORM, SPLITS=SPLITS, PACKED=PACKED)
+
+
+@triton.jit
+def moe_align_trt_kernel(ids, P, E, MB, row_pair, block_expert, off, BLOCK_M: tl.constexpr, P_PAD: tl.constexpr,
+                         E_PAD: tl.constexpr, MB_PAD: tl.constexpr, FILL: tl.constexpr):
+    moe_align_fwd_kernel(ids, row_pair, block_expert, off, P, E, MB, BLOCK_M=BLOCK_M, P_PAD=P_PAD, E_PAD=E_PAD,
+                         MB_PAD=MB_PAD, FILL=FILL)
+
+
+@triton.jit
+def moe_gemm1_trt_kernel(a, w1, w3, row_pair, block_expert, MB, L, I, stride_an, stride_we, stride_wi, stride_hm,
+                         group_m, h, beta: tl.constexpr, linear_beta: tl.constexpr, TOP_K: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         A_DESC: tl.constexpr, W_DESC: tl.constexpr, DOT_PREC: tl.constexpr):
+    moe_gemm1_fwd_kernel(a, w1, w3, h, row_pair, block_expert, MB, L, I, stride_an, stride_we, stride_wi, stride_hm,
+                         group_m, beta, linear_beta, TOP_K=TOP_K, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+                         A_DESC=A_DESC, W_DESC=W_DESC, DOT_PREC=DOT_PREC)
+
+
+@triton.jit
+def moe_gemm2_trt_kernel(h, w2, row_pair, block_expert, ids, MB, L, I, stride_hm, stride_we, stride_wl, stride_yp,
+                         group_m, y, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         A_DESC: tl.constexpr, W_DESC: tl.constexpr, DOT_PREC: tl.constexpr):
+    moe_gemm2_fwd_kernel(h, w2, y, row_pair, block_expert, MB, L, I, stride_hm, stride_we, stride_wl, stride_yp,
+                         group_m, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, A_DESC=A_DESC, W_DESC=W_DESC,
+                         DOT_PREC=DOT_PREC)          # ids: for y's shape only (N k rows), not read
+
+
+@triton.jit
+def moe_combine_trt_kernel(y, w, z, L, u, TOP_K: tl.constexpr, BLOCK_L: tl.constexpr):
+    # z: for u's shape and dtype only, not read
+    moe_combine_fwd_kernel(y, w, u, L, TOP_K=TOP_K, BLOCK_L=BLOCK_L)
+
+
+# ---------------------------------------------------------------------------------------------- contracts
+TRITON_DEFAULT_STAGES = 3       # what a launch that names no num_stages gets (router top-k, align, combine)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One plugin of the chain, TensorRT-independent. `params` is the wrapper kernel's parameter order
+    (inputs..., scalars..., outputs...) as (name, triton type); `scalars` (i32) and `grid` are ints for int N,
+    shape expressions for a TensorRT shape expression N. `constexprs` are compiled into the PTX."""
+
+    plugin: str
+    fn: object
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    params: tuple[tuple[str, str], ...]
+    scalars: dict
+    constexprs: dict
+    grid: tuple
+    num_warps: int
+    num_stages: int
+
+    def launch(self, arch: int = 90) -> Launch:
+        """The compiled contract (PTX for sm_`arch`; compiles without a GPU, cached per signature)."""
+        types = dict(self.params)
+        sig = {n: "constexpr" if n in self.constexprs else types[n] for n in self.fn.arg_names}
+        kernel = compile_ptx(self.fn, sig, self.constexprs, self.num_warps, self.num_stages, arch)
+        return Launch(kernel, tuple(self.grid), self.params, dict(self.scalars))
+
+
+def decode_tiles(dtype: torch.dtype):
+    """The tiling `moe_routed_fwd` uses in the decode regime (`kernels.tiles_for`)."""
+    return FP32_TILES if dtype == torch.float32 else CONFIGS["decode"]
+
+
+def router_config(max_tokens: int, dtype: torch.dtype, lean: bool) -> dict:
+    """`kernels.route_fwd`'s compile-time choices for up to max_tokens tokens."""
+    small = max_tokens <= 16
+    return dict(block_m=16 if small else 64, block_e=16 if small else 64,
+                block_d=128 if dtype != torch.float32 else 32,
+                splits=8 if lean and max_tokens <= ROUTE_SPLIT_MAX_N else 1)
+
+
+def plan_blocks(P, E: int, block_m: int, minimum=min):
+    """MB, the static bound on row-plan blocks for P (token, slot) pairs: each hit expert wastes at most one
+    partial block (`kernels.align_rows`)."""
+    return cdiv(P, block_m) + minimum(E, P)
+
+
+def decode_intermediates(N, E: int, top_k: int, L: int, I: int, dtype: torch.dtype, max_tokens: int | None = None,
+                         minimum=min) -> dict:
+    """name -> (shape, dtype) of every tensor between the plugins (contiguous). Shapes depend on N and the
+    weights' shapes only, never on routing."""
+    cfg = decode_tiles(dtype)
+    S = router_config(N if max_tokens is None else max_tokens, dtype, cfg.lean_route)["splits"]
+    MB = plan_blocks(N * top_k, E, cfg.block_m, minimum)
+    return {"part": ((S, N, E), torch.float32), "ids": ((N, top_k), torch.int32), "w": ((N, top_k), torch.float32),
+            "s": ((N, E), torch.float32), "row_pair": ((MB * cfg.block_m,), torch.int32),
+            "block_expert": ((MB,), torch.int32), "off": ((E,), torch.int32), "h": ((MB * cfg.block_m, I), dtype),
+            "y": ((N * top_k, L), torch.float32)}
+
+
+def decode_steps(N, d: int, E: int, top_k: int, L: int, I: int, dtype: torch.dtype, renormalize: bool = True,
+                 scaling: float = 1.0, beta: float = 4.0, linear_beta: float = 25.0, max_tokens: int | None = None,
+                 minimum=min) -> list[Step]:
+    """The six launches of `k3::moe_routed` for x `[N, d]`, z `[N, L]`, gate_weight `[E, d]`, w1/w3 `[E, I, L]`,
+    w2 `[E, L, I]`, u `[N, L]`, all in `dtype` (the model dtype) and contiguous, bias `[E]` fp32.
+
+    max_tokens (default N): the largest N the PTX must serve (N k <= 4096); token-count-dependent constants are
+    chosen for it. N may be a TensorRT shape expression (then max_tokens is required, minimum =
+    tensorrt.plugin.min)."""
+    max_tokens = N if max_tokens is None else max_tokens
+    check(isinstance(max_tokens, int) and max_tokens >= 1, f"moe trt: max_tokens must be a positive int, got "
+          f"{max_tokens!r} (N is a shape expression: pass the profile's largest N)")
+    check(0 < top_k <= E, f"moe trt: top_k {top_k} must be in 1..{E}")
+    check(max_tokens * top_k <= ALIGN_FUSED_MAX, f"moe trt: {max_tokens} tokens x top-{top_k} = "
+          f"{max_tokens * top_k} pairs > {ALIGN_FUSED_MAX}: only the decode path (one-program align) is an AOT "
+          f"chain; prefill needs an IPluginV3 (plugins/moe/CONTRACT.md)")
+    check(not isinstance(N, int) or N <= max_tokens, f"moe trt: N {N} > max_tokens {max_tokens}")
+    cfg = decode_tiles(dtype)
+    bm = cfg.block_m
+    P = N * top_k
+    MB = plan_blocks(P, E, bm, minimum)
+    MB_max = plan_blocks(max_tokens * top_k, E, bm)
+    inter = decode_intermediates(N, E, top_k, L, I, dtype, max_tokens, minimum)
+    types = {n: pointer_type(dt) for n, (_, dt) in inter.items()}
+    types.update(x=pointer_type(dtype), g=pointer_type(dtype), bias="*fp32", z=pointer_type(dtype),
+                 w1=pointer_type(dtype), w3=pointer_type(dtype), w2=pointer_type(dtype), u=pointer_type(dtype))
+    types["a"] = types["z"]
+
+    def step(plugin, fn, inputs, scalars, outputs, constexprs, grid, warps, stages):
+        params = tuple((n, types[n]) for n in inputs) + tuple((n, "i32") for n in scalars) + \
+            tuple((n, types[n]) for n in outputs)
+        return Step(plugin, fn, tuple(inputs), tuple(outputs), params, scalars, constexprs, tuple(grid), warps,
+                    stages)
+
+    r = router_config(max_tokens, dtype, cfg.lean_route)
+    S = r["splits"]
+    router = step("k3::moe_router", moe_router_trt_kernel, ("x", "g"),
+                  dict(N=N, E=E, D=d, stride_xn=d, stride_ge=d, D_SPLIT=cdiv(d, S * r["block_d"]) * r["block_d"]),
+                  ("s",), dict(BLOCK_M=r["block_m"], BLOCK_E=r["block_e"], BLOCK_D=r["block_d"], SIGMOID=S == 1,
+                               DOT_PREC=dot_precision(dtype)),
+                  (cdiv(N, r["block_m"]), cdiv(E, r["block_e"]), S), 4, 3 if dtype != torch.float32 else 1)
+    topk = step("k3::moe_topk", moe_topk_trt_kernel, ("part", "bias"), dict(N=N, E=E), ("ids", "w", "s"),
+                dict(scaling=float(scaling), K=top_k, BLOCK_K=pow2(top_k, 2), BLOCK_E=pow2(E),
+                     RENORM=bool(renormalize and top_k > 1), SPLITS=S, PACKED=cfg.lean_route),
+                (N, 1, 1), 4, TRITON_DEFAULT_STAGES)
+    align = step("k3::moe_align", moe_align_trt_kernel, ("ids",), dict(P=P, E=E, MB=MB),
+                 ("row_pair", "block_expert", "off"),
+                 dict(BLOCK_M=bm, P_PAD=pow2(max_tokens * top_k), E_PAD=pow2(E + 1), MB_PAD=pow2(MB_max + 1),
+                      FILL=1024), (1, 1, 1), 8, TRITON_DEFAULT_STAGES)
+    bn1, bk1, warps1, stages1 = cfg.gemm1
+    gemm1 = step("k3::moe_gemm1", moe_gemm1_trt_kernel, ("a", "w1", "w3", "row_pair", "block_expert"),
+                 dict(MB=MB, L=L, I=I, stride_an=L, stride_we=I * L, stride_wi=L, stride_hm=I,
+                      group_m=minimum(cfg.group_m, MB)), ("h",),
+                 dict(beta=float(beta), linear_beta=float(linear_beta), TOP_K=top_k, BLOCK_M=bm, BLOCK_N=bn1,
+                      BLOCK_K=bk1, A_DESC=False, W_DESC=False, DOT_PREC=dot_precision(dtype)),
+                 (MB * cdiv(I, bn1), 1, 1), warps1, stages1)
+    bn2, bk2, warps2, stages2 = cfg.gemm2
+    gemm2 = step("k3::moe_gemm2", moe_gemm2_trt_kernel, ("h", "w2", "row_pair", "block_expert", "ids"),
+                 dict(MB=MB, L=L, I=I, stride_hm=I, stride_we=L * I, stride_wl=I, stride_yp=L,
+                      group_m=minimum(cfg.group_m, MB)), ("y",),
+                 dict(BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=bk2, A_DESC=False, W_DESC=False,
+                      DOT_PREC=dot_precision(dtype)),
+                 (MB * cdiv(L, bn2), 1, 1), warps2, stages2)
+    block_l = min(1024, pow2(L))
+    combine = step("k3::moe_combine", moe_combine_trt_kernel, ("y", "w", "z"), dict(L=L), ("u",),
+                   dict(TOP_K=top_k, BLOCK_L=block_l), (N, cdiv(L, block_l), 1), 4, TRITON_DEFAULT_STAGES)
+    return [router, topk, align, gemm1, gemm2, combine]
+
+
+# Which chain tensor each kernel pointer binds to (the router writes `part`, its kernel calls it s; gemm1's A is z).
+BINDINGS = {"k3::moe_router": {"s": "part"}, "k3::moe_gemm1": {"a": "z"}}
+
+
+def bind(step: Step, tensors: dict) -> dict:
+    """Kernel pointer name -> tensor, from the chain's tensor names (x, g, bias, z, w1, w3, w2, intermediates, u)."""
+    alias = BINDINGS.get(step.plugin, {})
+    return {n: tensors[alias.get(n, n)] for n, t in step.params if t.startswith("*")}
+
+
+# ---------------------------------------------------------------------------------------------- TensorRT
+def register_plugins() -> bool:
+    """Register the six MoE plugins with `tensorrt.plugin`. Returns False when TensorRT is not importable.
+
+    Attributes: every plugin takes max_tokens (the optimisation profile's largest N: the PTX is compiled for it)
+    and top_k; k3::moe_topk also renormalize and scaling, k3::moe_gemm1 beta and linear_beta, k3::moe_align
+    num_experts (ids do not carry E). Registered for 16-bit models (bf16/fp16: the tiling of every non-GEMM step
+    is the same for both; an fp32 engine would need the fp32 tiling passed as an attribute). k3::moe_gemm2 also
+    takes ids as an input for its shape only (y has N k rows, and N is not visible in h's shape).
+    Never run: TensorRT is not installable on our machines (docs/deployment-notes)."""
+    try:
+        import tensorrt as trt
+        import tensorrt.plugin as trtp
+    except ImportError:
+        return False
+    from typing import Tuple
+
+    to_torch = {trt.bfloat16: torch.bfloat16, trt.float16: torch.float16}
+
+    def result(plugin, N, d, E, top_k, L, I, dtype, max_tokens, **attrs):
+        """dtype: the model dtype where the plugin sees it, None where it does not (top-k, align: their
+        constants are the same for bf16 and fp16)."""
+        check(dtype is None or dtype in to_torch, f"{plugin}: the TensorRT MoE plugins are registered for bf16 / "
+              f"fp16 models, got {dtype}")
+        chain = decode_steps(N, d, E, top_k, L, I, to_torch.get(dtype, torch.bfloat16), max_tokens=max_tokens,
+                             minimum=trtp.min, **attrs)
+        step = next(s for s in chain if s.plugin == plugin)
+        launch = step.launch()
+        params = trtp.KernelLaunchParams()
+        params.grid_x, params.grid_y, params.grid_z = step.grid
+        params.block_x = launch.block[0]
+        params.shared_mem = launch.kernel.shared_mem
+        extra = trtp.SymIntExprs(len(step.scalars))
+        for i, value in enumerate(step.scalars.values()):
+            extra[i] = trtp.SymInt32(value)
+        return launch.kernel.name, launch.kernel.ptx, params, extra
+
+    def desc(like, shape, dtype):
+        out = like.like()
+        out.shape_expr = trtp.ShapeExprs.from_tuple(shape)
+        out.dtype = dtype
+        return out
+
+    # N is a shape expression (x, part, ids or z's first dim); E, d, L, I are the weights' static shapes. Dims a
+    # step does not use are passed as 16.
+    @trtp.register("k3::moe_router")
+    def _router_desc(x: trtp.TensorDesc, gate_weight: trtp.TensorDesc, max_tokens: int, top_k: int
+                     ) -> Tuple[trtp.TensorDesc]:
+        S = router_config(max_tokens, torch.bfloat16, True)["splits"]
+        return (desc(x, (S, x.shape_expr[0], gate_weight.shape[0]), trt.float32),)
+
+    @trtp.aot_impl("k3::moe_router")
+    def _router_aot(x, gate_weight, max_tokens: int, top_k: int, outputs, tactic):
+        E, d = gate_weight.shape
+        return result("k3::moe_router", x.shape_expr[0], d, E, top_k, 16, 16, x.dtype, max_tokens)
+
+    @trtp.register("k3::moe_topk")
+    def _topk_desc(part: trtp.TensorDesc, bias: trtp.TensorDesc, max_tokens: int, top_k: int, renormalize: bool,
+                   scaling: float) -> Tuple[trtp.TensorDesc, trtp.TensorDesc, trtp.TensorDesc]:
+        N, E = part.shape_expr[1], part.shape_expr[2]
+        return desc(part, (N, top_k), trt.int32), desc(part, (N, top_k), trt.float32), desc(part, (N, E), trt.float32)
+
+    @trtp.aot_impl("k3::moe_topk")
+    def _topk_aot(part, bias, max_tokens: int, top_k: int, renormalize: bool, scaling: float, outputs, tactic):
+        return result("k3::moe_topk", part.shape_expr[1], 16, part.shape[2], top_k, 16, 16, None, max_tokens,
+                      renormalize=renormalize, scaling=scaling)
+
+    @trtp.register("k3::moe_align")
+    def _align_desc(ids: trtp.TensorDesc, max_tokens: int, top_k: int, num_experts: int
+                    ) -> Tuple[trtp.TensorDesc, trtp.TensorDesc, trtp.TensorDesc]:
+        inter = decode_intermediates(ids.shape_expr[0], num_experts, top_k, 16, 16, torch.bfloat16, max_tokens,
+                                     trtp.min)
+        return tuple(desc(ids, inter[n][0], trt.int32) for n in ("row_pair", "block_expert", "off"))
+
+    @trtp.aot_impl("k3::moe_align")
+    def _align_aot(ids, max_tokens: int, top_k: int, num_experts: int, outputs, tactic):
+        return result("k3::moe_align", ids.shape_expr[0], 16, num_experts, top_k, 16, 16, None, max_tokens)
+
+    @trtp.register("k3::moe_gemm1")
+    def _gemm1_desc(z: trtp.TensorDesc, w1: trtp.TensorDesc, w3: trtp.TensorDesc, row_pair: trtp.TensorDesc,
+                    block_expert: trtp.TensorDesc, max_tokens: int, top_k: int, beta: float, linear_beta: float
+                    ) -> Tuple[trtp.TensorDesc]:
+        return (desc(z, (row_pair.shape_expr[0], w1.shape[1]), z.dtype),)
+
+    @trtp.aot_impl("k3::moe_gemm1")
+    def _gemm1_aot(z, w1, w3, row_pair, block_expert, max_tokens: int, top_k: int, beta: float, linear_beta: float,
+                   outputs, tactic):
+        E, I, L = w1.shape
+        return result("k3::moe_gemm1", z.shape_expr[0], 16, E, top_k, L, I, z.dtype, max_tokens, beta=beta,
+                      linear_beta=linear_beta)
+
+    @trtp.register("k3::moe_gemm2")
+    def _gemm2_desc(h: trtp.TensorDesc, w2: trtp.TensorDesc, row_pair: trtp.TensorDesc,
+                    block_expert: trtp.TensorDesc, ids: trtp.TensorDesc, max_tokens: int, top_k: int
+                    ) -> Tuple[trtp.TensorDesc]:
+        return (desc(h, (ids.shape_expr[0] * top_k, w2.shape[1]), trt.float32),)
+
+    @trtp.aot_impl("k3::moe_gemm2")
+    def _gemm2_aot(h, w2, row_pair, block_expert, ids, max_tokens: int, top_k: int, outputs, tactic):
+        E, L, I = w2.shape
+        return result("k3::moe_gemm2", ids.shape_expr[0], 16, E, top_k, L, I, h.dtype, max_tokens)
+
+    @trtp.register("k3::moe_combine")
+    def _combine_desc(y: trtp.TensorDesc, w: trtp.TensorDesc, z: trtp.TensorDesc, max_tokens: int, top_k: int
+                      ) -> Tuple[trtp.TensorDesc]:
+        return (z.like(),)
+
+    @trtp.aot_impl("k3::moe_combine")
+    def _combine_aot(y, w, z, max_tokens: int, top_k: int, outputs, tactic):
+        return result("k3::moe_combine", w.shape_expr[0], 16, top_k, top_k, y.shape[1], 16, z.dtype, max_tokens)
+
+    return True
