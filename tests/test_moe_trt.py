@@ -8,7 +8,8 @@ shapes (its launches recorded on meta tensors, nothing runs); grids and intermed
 the shapes alone (evaluated on a symbolic N). Interpreter (TRITON_INTERPRET=1, subprocess): the chain's own
 wrapper kernels, launched with the contracts' grids/scalars/constants, against `moe_routed_fwd` and the fp64
 reference. GPU (`cuda`, never run yet): the PTX through the CUDA driver (cupy) at K3 size against
-`torch.ops.k3.moe_routed`. TensorRT itself: skipped, not installable here.
+`torch.ops.k3.moe_routed`. TensorRT itself: skipped, not installable here; `register_plugins` runs against a
+stand-in of `tensorrt.plugin` (its registration checks, shape expressions on a symbolic N) instead.
 
 Error = max |chain - reference| / max |reference| on the same inputs.
 """
@@ -114,7 +115,7 @@ class _Recorder:
 
 
 # kernel param name -> chain tensor name, per kernel (where they differ)
-_TENSOR_NAMES = {"moe_router_fwd_kernel": {"s": "part", "x": "x", "g": "g"},
+_TENSOR_NAMES = {"moe_router_fwd_kernel": {"s": "part", "g": "gate_weight"},
                  "moe_gemm1_fwd_kernel": {"a": "z"}}
 
 
@@ -146,7 +147,7 @@ def test_contract_equals_torch_launcher(N, shape, dtype, monkeypatch):
     assert len(log) == len(steps) == 6
     d, E, k, L, I = (shape[n] for n in ("d", "E", "top_k", "L", "I"))
     chain = {n: (s, dt) for n, (s, dt) in trt.decode_intermediates(N, E, k, L, I, dtype).items()}
-    chain.update(x=((N, d), dtype), g=((E, d), dtype), bias=((E,), torch.float32), z=((N, L), dtype),
+    chain.update(x=((N, d), dtype), gate_weight=((E, d), dtype), bias=((E,), torch.float32), z=((N, L), dtype),
                  w1=((E, I, L), dtype), w3=((E, I, L), dtype), w2=((E, L, I), dtype), u=((N, L), dtype))
     for (kname, grid, args, opts), step in zip(log, steps):
         assert step.grid == grid + (1,) * (3 - len(grid)), (kname, step.grid, grid)
@@ -164,8 +165,9 @@ def test_contract_equals_torch_launcher(N, shape, dtype, monkeypatch):
 
 
 class _Sym:
-    """A symbolic N: supports + - * // with ints (as TensorRT shape expressions do) and nothing else, so any
-    comparison, int() or bool() on it, i.e. any data- or value-dependent shape, raises."""
+    """A symbolic N: supports `N + i`, `N - i`, `N * i`, `N // i` (as tensorrt.plugin.ShapeExpr does: no reflected
+    operators) and nothing else, so `i * N`, any comparison, int() or bool(), i.e. any value-dependent shape,
+    raises."""
 
     def __init__(self, f):
         self.f = f
@@ -175,11 +177,8 @@ class _Sym:
         return _Sym(lambda n: fn(self.f(n), g(n)))
 
     def __add__(self, o): return self._op(o, lambda a, b: a + b)
-    def __radd__(self, o): return self._op(o, lambda a, b: b + a)
     def __sub__(self, o): return self._op(o, lambda a, b: a - b)
-    def __rsub__(self, o): return self._op(o, lambda a, b: b - a)
     def __mul__(self, o): return self._op(o, lambda a, b: a * b)
-    def __rmul__(self, o): return self._op(o, lambda a, b: b * a)
     def __floordiv__(self, o): return self._op(o, lambda a, b: a // b)
 
     def __bool__(self):
@@ -232,6 +231,134 @@ def test_tensorrt_plugins():
     assert trt.register_plugins()
 
 
+def _fake_tensorrt():
+    """(tensorrt, tensorrt.plugin) stand-ins with what `register_plugins` touches and the checks tensorrt.plugin
+    makes when a function is registered (read from tensorrt-cu13-bindings 11.4 `plugin/_validate.py`, `_tensor.py`,
+    `_top_level.py`): annotations are classes, TensorDescs first, attributes int/float/bool/str/bytes, the result a
+    tuple of TensorDescs; aot_impl takes (inputs, registered attributes in order, outputs, tactic) and annotates a
+    4-tuple (name, PTX, KernelLaunchParams, SymIntExprs); shape expressions have + - * // and tensorrt.plugin.min
+    (which refuses two ints). Not TensorRT: it cannot say whether an engine builds."""
+    import inspect
+    import types
+    import typing
+
+    trt = types.ModuleType("tensorrt")
+    for name in ("bfloat16", "float16", "float32", "int32"):
+        setattr(trt, name, f"trt.{name}")
+
+    class TensorDesc:
+        def __init__(self, shape_expr, dtype):
+            self.shape_expr, self.dtype = tuple(shape_expr), dtype
+
+        @property
+        def shape(self):                # aot_impl's concrete shape: -1 where the dimension is dynamic
+            return tuple(-1 if isinstance(d, _Sym) else d for d in self.shape_expr)
+
+        def like(self):
+            return TensorDesc(self.shape_expr, self.dtype)
+
+    class KernelLaunchParams:
+        grid_x = grid_y = grid_z = block_x = 1
+        shared_mem = 0
+
+    class SymIntExprs(list):
+        def __init__(self, n):
+            super().__init__([None] * n)
+
+    def tmin(a, b):
+        if isinstance(a, int) and isinstance(b, int):
+            raise ValueError("Both arguments cannot be 'int's")
+        return _sym_min(a, b)
+
+    registered, aot = {}, {}
+
+    def register(name):
+        def deco(fn):
+            sig = inspect.signature(fn)
+            tensors, attrs = [], {}
+            for p in sig.parameters.values():
+                assert inspect.isclass(p.annotation), f"{name}: {p.name} annotated {p.annotation!r}"
+                if issubclass(p.annotation, TensorDesc):
+                    assert not attrs, f"{name}: tensor {p.name} after an attribute"
+                    tensors.append(p.name)
+                else:
+                    assert p.annotation in (int, float, bool, str, bytes) and p.name not in ("outputs", "tactic")
+                    attrs[p.name] = p.annotation
+            ret = sig.return_annotation
+            assert typing.get_origin(ret) is tuple and all(issubclass(a, TensorDesc) for a in typing.get_args(ret))
+            registered[name] = (fn, tensors, attrs, len(typing.get_args(ret)))
+            return fn
+        return deco
+
+    def aot_impl(name):
+        def deco(fn):
+            _, tensors, attrs, _ = registered[name]
+            sig = inspect.signature(fn)
+            used = [n for n in attrs if n in sig.parameters]
+            assert list(sig.parameters) == tensors + used + ["outputs", "tactic"], (name, list(sig.parameters))
+            for n in used:
+                ann = sig.parameters[n].annotation
+                assert ann is inspect.Parameter.empty or ann is attrs[n], (name, n, ann)
+            args = typing.get_args(sig.return_annotation)
+            assert len(args) == 4 and args[2] is KernelLaunchParams and args[3] is SymIntExprs, name
+            aot[name] = fn
+            return fn
+        return deco
+
+    trtp = types.ModuleType("tensorrt.plugin")
+    trtp.__dict__.update(TensorDesc=TensorDesc, KernelLaunchParams=KernelLaunchParams, SymIntExprs=SymIntExprs,
+                         SymInt32=lambda v: v, min=tmin, register=register, aot_impl=aot_impl,
+                         ShapeExprs=types.SimpleNamespace(from_tuple=tuple), registered=registered, aot=aot)
+    trt.plugin = trtp
+    return trt, trtp
+
+
+def test_plugin_registration_against_a_stand_in(monkeypatch):
+    """`register_plugins` on the stand-in above, then a build of the chain on a symbolic N: each plugin's output
+    descriptors feed the next; evaluated at N = 1 and max_tokens, every output shape/dtype, grid, block, shared
+    memory, kernel name/PTX and extra argument equals the int contract (`decode_steps` for that N)."""
+    import sys
+
+    from k3export.plugins.moe import trt as moe_trt
+    fake_trt, trtp = _fake_tensorrt()
+    monkeypatch.setitem(sys.modules, "tensorrt", fake_trt)
+    monkeypatch.setitem(sys.modules, "tensorrt.plugin", trtp)
+    assert moe_trt.register_plugins()
+    assert set(trtp.aot) == set(trtp.registered) == {s.plugin for s in _steps(1, TINY, torch.float16)}
+
+    d, E, k, L, I = (TINY[n] for n in ("d", "E", "top_k", "L", "I"))
+    max_tokens, N = 20, _Sym(lambda n: n)
+    attrs = dict(max_tokens=max_tokens, top_k=k, renormalize=True, scaling=2.5, num_experts=E, **SITU)
+    T = trtp.TensorDesc
+    f16, f32 = fake_trt.float16, fake_trt.float32
+    descs = dict(x=T((N, d), f16), gate_weight=T((E, d), f16), bias=T((E,), f32), z=T((N, L), f16),
+                 w1=T((E, I, L), f16), w3=T((E, I, L), f16), w2=T((E, L, I), f16))
+    built = {}
+    for step in _steps(1, TINY, torch.float16):
+        fn, tensors, attr_names, n_out = trtp.registered[step.plugin]
+        ins = [descs[t] for t in tensors]
+        outs = fn(*ins, **{a: attrs[a] for a in attr_names})
+        assert len(outs) == n_out == len(step.outputs), step.plugin
+        descs.update(zip(step.outputs, outs))
+        aot_fn = trtp.aot[step.plugin]
+        used = [a for a in attr_names if a in aot_fn.__code__.co_varnames]
+        built[step.plugin] = (aot_fn(*ins, **{a: attrs[a] for a in used}, outputs=outs, tactic=0), outs)
+    dtypes = {torch.float16: f16, torch.float32: f32, torch.int32: fake_trt.int32}
+    for n in (1, max_tokens):
+        inter = moe_trt.decode_intermediates(n, E, k, L, I, torch.float16, max_tokens)
+        inter["u"] = ((n, L), torch.float16)
+        for step in _steps(n, TINY, torch.float16, max_tokens=max_tokens, scaling=2.5, **SITU):
+            (name, ptx, params, extra), outs = built[step.plugin]
+            launch = step.launch()
+            assert (name, ptx) == (launch.kernel.name, launch.kernel.ptx), step.plugin
+            assert tuple(_ev(g, n) for g in (params.grid_x, params.grid_y, params.grid_z)) == step.grid
+            assert (params.block_x, params.shared_mem) == (launch.block[0], launch.kernel.shared_mem)
+            assert [_ev(v, n) for v in extra] == list(step.scalars.values()), step.plugin
+            for o, out in zip(step.outputs, outs):
+                shape, dt = inter[o]
+                assert tuple(_ev(x, n) for x in out.shape_expr) == tuple(shape) and out.dtype == dtypes[dt], o
+
+
 # ---------------------------------------------------------------------------------------------- interpreter
 def _run_chain(steps, tensors: dict, max_tokens, launch) -> torch.Tensor:
     """Allocate the intermediates (as the contract declares them) and u, run the six steps with
@@ -267,7 +394,8 @@ def _interpreter_cases() -> dict:
             w3 = torch.randn(s["E"], s["I"], s["L"], dtype=dt) * s["L"] ** -0.5
             w2 = torch.randn(s["E"], s["L"], s["I"], dtype=dt) * s["I"] ** -0.5
             steps = _steps(N, s, dt, scaling=2.5, max_tokens=max_tokens, **SITU)
-            u = _run_chain(steps, dict(x=x, g=g, bias=b, z=z, w1=w1, w3=w3, w2=w2), max_tokens, _interpret)
+            u = _run_chain(steps, dict(x=x, gate_weight=g, bias=b, z=z, w1=w1, w3=w3, w2=w2), max_tokens,
+                           _interpret)
             op = moe_routed_fwd(x, z, g, b, w1, w3, w2, s["top_k"], True, 2.5, **SITU)
             ref = moe_sorted(x.double(), z.double(), g.double(), b, w1.double(), w3.double(), w2.double(),
                              s["top_k"], True, 2.5, **SITU)
@@ -300,7 +428,7 @@ def k3_weights():
     gen = torch.Generator(device="cuda").manual_seed(17)
     c = dict(device="cuda", dtype=torch.bfloat16, generator=gen)
     d, E, L, I = (K3[n] for n in ("d", "E", "L", "I"))
-    w = dict(g=torch.randn(E, d, **c) * d ** -0.5, bias=torch.randn(E, device="cuda", generator=gen) * 0.1,
+    w = dict(gate_weight=torch.randn(E, d, **c) * d ** -0.5, bias=torch.randn(E, device="cuda", generator=gen) * 0.1,
              w1=torch.randn(E, I, L, **c) * L ** -0.5, w3=torch.randn(E, I, L, **c) * L ** -0.5,
              w2=torch.randn(E, L, I, **c) * I ** -0.5)
     yield w
@@ -323,9 +451,9 @@ def test_chain_through_cupy_k3(k3_weights, N, max_tokens):
     k = K3["top_k"]
     steps = _steps(N, K3, torch.bfloat16, max_tokens=max_tokens, **SITU)
     u = _run_chain(steps, dict(x=x, z=z, **wt), max_tokens, lambda step, t: launch_cupy(step.launch(), t))
-    args = (x, z, wt["g"], wt["bias"], wt["w1"], wt["w3"], wt["w2"], k, True, 1.0, 4.0, 25.0)
+    args = (x, z, wt["gate_weight"], wt["bias"], wt["w1"], wt["w3"], wt["w2"], k, True, 1.0, 4.0, 25.0)
     op, ref = torch.ops.k3.moe_routed(*args), moe_sorted(*args)
-    top = torch.topk(torch.sigmoid(x.float() @ wt["g"].float().T) + wt["bias"], k + 1, dim=-1).values
+    top = torch.topk(torch.sigmoid(x.float() @ wt["gate_weight"].float().T) + wt["bias"], k + 1, dim=-1).values
     clear = (top[:, k - 1] - top[:, k]) > 1e-5
     assert clear.any(), "every token has a near-tie on this draw"
     err_op = ((u.double() - op.double())[clear].abs().max() / op.double().abs().max()).item()

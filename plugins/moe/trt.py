@@ -1,7 +1,8 @@
 """TensorRT side of the MoE kernels: the AOT launch contracts of `k3::moe_routed`'s decode path
 (TensorRT-independent plain data, tested on CPU and through cupy on the GPU) and the `tensorrt.plugin` definitions
 built on them (registered only when `import tensorrt` works; it cannot be installed on our machines, see
-docs/deployment-notes, so `register_plugins` has never run).
+docs/deployment-notes, so `register_plugins` has never run against TensorRT: the tests run it against a stand-in
+with tensorrt.plugin 11.4's registration checks, on a symbolic N).
 
 An AOT plugin is exactly one kernel launch with no workspace, so `k3::moe_routed` becomes a chain of six plugins
 joined by explicit intermediate tensors (an ONNX translation emits them in this order):
@@ -38,8 +39,8 @@ kernel's sort width) are taken from `max_tokens` (default N): the PTX is then va
 launch matches the torch launcher exactly (grid, constants, warps, scalars; tested).
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations` here: tensorrt.plugin validates the registered functions' annotations
+# with inspect.signature, which would see strings instead of TensorDesc / int (TensorRT 11.4 `_validate.py`).
 from dataclasses import dataclass
 
 import torch
@@ -56,11 +57,11 @@ from .kernels import (ALIGN_FUSED_MAX, CONFIGS, FP32_TILES, ROUTE_SPLIT_MAX_N, m
 
 # ---------------------------------------------------------------------------------------------- wrappers
 @triton.jit
-def moe_router_trt_kernel(x, g, N, E, D, stride_xn, stride_ge, D_SPLIT, s, BLOCK_M: tl.constexpr,
+def moe_router_trt_kernel(x, gate_weight, N, E, D, stride_xn, stride_ge, D_SPLIT, part, BLOCK_M: tl.constexpr,
                           BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, SIGMOID: tl.constexpr,
                           DOT_PREC: tl.constexpr):
-    moe_router_fwd_kernel(x, g, s, N, E, D, stride_xn, stride_ge, D_SPLIT, BLOCK_M=BLOCK_M, BLOCK_E=BLOCK_E,
-                          BLOCK_D=BLOCK_D, SIGMOID=SIGMOID, DOT_PREC=DOT_PREC)
+    moe_router_fwd_kernel(x, gate_weight, part, N, E, D, stride_xn, stride_ge, D_SPLIT, BLOCK_M=BLOCK_M,
+                          BLOCK_E=BLOCK_E, BLOCK_D=BLOCK_D, SIGMOID=SIGMOID, DOT_PREC=DOT_PREC)
 
 
 @triton.jit
@@ -83,11 +84,11 @@ def moe_align_trt_kernel(ids, P, E, MB, row_pair, block_expert, off, BLOCK_M: tl
 
 
 @triton.jit
-def moe_gemm1_trt_kernel(a, w1, w3, row_pair, block_expert, MB, L, I, stride_an, stride_we, stride_wi, stride_hm,
+def moe_gemm1_trt_kernel(z, w1, w3, row_pair, block_expert, MB, L, I, stride_an, stride_we, stride_wi, stride_hm,
                          group_m, h, beta: tl.constexpr, linear_beta: tl.constexpr, TOP_K: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          A_DESC: tl.constexpr, W_DESC: tl.constexpr, DOT_PREC: tl.constexpr):
-    moe_gemm1_fwd_kernel(a, w1, w3, h, row_pair, block_expert, MB, L, I, stride_an, stride_we, stride_wi, stride_hm,
+    moe_gemm1_fwd_kernel(z, w1, w3, h, row_pair, block_expert, MB, L, I, stride_an, stride_we, stride_wi, stride_hm,
                          group_m, beta, linear_beta, TOP_K=TOP_K, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
                          A_DESC=A_DESC, W_DESC=W_DESC, DOT_PREC=DOT_PREC)
 
@@ -192,9 +193,8 @@ def decode_steps(N, d: int, E: int, top_k: int, L: int, I: int, dtype: torch.dty
     MB_max = plan_blocks(max_tokens * top_k, E, bm)
     inter = decode_intermediates(N, E, top_k, L, I, dtype, max_tokens, minimum)
     types = {n: pointer_type(dt) for n, (_, dt) in inter.items()}
-    types.update(x=pointer_type(dtype), g=pointer_type(dtype), bias="*fp32", z=pointer_type(dtype),
+    types.update(x=pointer_type(dtype), gate_weight=pointer_type(dtype), bias="*fp32", z=pointer_type(dtype),
                  w1=pointer_type(dtype), w3=pointer_type(dtype), w2=pointer_type(dtype), u=pointer_type(dtype))
-    types["a"] = types["z"]
 
     def step(plugin, fn, inputs, scalars, outputs, constexprs, grid, warps, stages):
         params = tuple((n, types[n]) for n in inputs) + tuple((n, "i32") for n in scalars) + \
@@ -204,9 +204,9 @@ def decode_steps(N, d: int, E: int, top_k: int, L: int, I: int, dtype: torch.dty
 
     r = router_config(max_tokens, dtype, cfg.lean_route)
     S = r["splits"]
-    router = step("k3::moe_router", moe_router_trt_kernel, ("x", "g"),
+    router = step("k3::moe_router", moe_router_trt_kernel, ("x", "gate_weight"),
                   dict(N=N, E=E, D=d, stride_xn=d, stride_ge=d, D_SPLIT=cdiv(d, S * r["block_d"]) * r["block_d"]),
-                  ("s",), dict(BLOCK_M=r["block_m"], BLOCK_E=r["block_e"], BLOCK_D=r["block_d"], SIGMOID=S == 1,
+                  ("part",), dict(BLOCK_M=r["block_m"], BLOCK_E=r["block_e"], BLOCK_D=r["block_d"], SIGMOID=S == 1,
                                DOT_PREC=dot_precision(dtype)),
                   (cdiv(N, r["block_m"]), cdiv(E, r["block_e"]), S), 4, 3 if dtype != torch.float32 else 1)
     topk = step("k3::moe_topk", moe_topk_trt_kernel, ("part", "bias"), dict(N=N, E=E), ("ids", "w", "s"),
@@ -218,7 +218,7 @@ def decode_steps(N, d: int, E: int, top_k: int, L: int, I: int, dtype: torch.dty
                  dict(BLOCK_M=bm, P_PAD=pow2(max_tokens * top_k), E_PAD=pow2(E + 1), MB_PAD=pow2(MB_max + 1),
                       FILL=1024), (1, 1, 1), 8, TRITON_DEFAULT_STAGES)
     bn1, bk1, warps1, stages1 = cfg.gemm1
-    gemm1 = step("k3::moe_gemm1", moe_gemm1_trt_kernel, ("a", "w1", "w3", "row_pair", "block_expert"),
+    gemm1 = step("k3::moe_gemm1", moe_gemm1_trt_kernel, ("z", "w1", "w3", "row_pair", "block_expert"),
                  dict(MB=MB, L=L, I=I, stride_an=L, stride_we=I * L, stride_wi=L, stride_hm=I,
                       group_m=minimum(cfg.group_m, MB)), ("h",),
                  dict(beta=float(beta), linear_beta=float(linear_beta), TOP_K=top_k, BLOCK_M=bm, BLOCK_N=bn1,
@@ -237,14 +237,10 @@ def decode_steps(N, d: int, E: int, top_k: int, L: int, I: int, dtype: torch.dty
     return [router, topk, align, gemm1, gemm2, combine]
 
 
-# Which chain tensor each kernel pointer binds to (the router writes `part`, its kernel calls it s; gemm1's A is z).
-BINDINGS = {"k3::moe_router": {"s": "part"}, "k3::moe_gemm1": {"a": "z"}}
-
-
 def bind(step: Step, tensors: dict) -> dict:
-    """Kernel pointer name -> tensor, from the chain's tensor names (x, g, bias, z, w1, w3, w2, intermediates, u)."""
-    alias = BINDINGS.get(step.plugin, {})
-    return {n: tensors[alias.get(n, n)] for n, t in step.params if t.startswith("*")}
+    """Pointer param -> tensor, from a dict of the chain's tensors by name (parameter names are the chain's names:
+    x, gate_weight, bias, z, w1, w3, w2, the intermediates, u)."""
+    return {n: tensors[n] for n, t in step.params if t.startswith("*")}
 
 
 # ---------------------------------------------------------------------------------------------- TensorRT
@@ -256,13 +252,16 @@ def register_plugins() -> bool:
     num_experts (ids do not carry E). Registered for 16-bit models (bf16/fp16: the tiling of every non-GEMM step
     is the same for both; an fp32 engine would need the fp32 tiling passed as an attribute). k3::moe_gemm2 also
     takes ids as an input for its shape only (y has N k rows, and N is not visible in h's shape).
-    Never run: TensorRT is not installable on our machines (docs/deployment-notes)."""
+    Never run against TensorRT (not installable on our machines, docs/deployment-notes); tests/test_moe_trt.py
+    runs it against a stand-in."""
     try:
         import tensorrt as trt
         import tensorrt.plugin as trtp
     except ImportError:
         return False
     from typing import Tuple
+
+    AOT = Tuple[str, str, trtp.KernelLaunchParams, trtp.SymIntExprs]     # aot_impl must annotate its result
 
     to_torch = {trt.bfloat16: torch.bfloat16, trt.float16: torch.float16}
 
@@ -299,7 +298,7 @@ def register_plugins() -> bool:
         return (desc(x, (S, x.shape_expr[0], gate_weight.shape[0]), trt.float32),)
 
     @trtp.aot_impl("k3::moe_router")
-    def _router_aot(x, gate_weight, max_tokens: int, top_k: int, outputs, tactic):
+    def _router_aot(x, gate_weight, max_tokens: int, top_k: int, outputs, tactic) -> AOT:
         E, d = gate_weight.shape
         return result("k3::moe_router", x.shape_expr[0], d, E, top_k, 16, 16, x.dtype, max_tokens)
 
@@ -310,7 +309,7 @@ def register_plugins() -> bool:
         return desc(part, (N, top_k), trt.int32), desc(part, (N, top_k), trt.float32), desc(part, (N, E), trt.float32)
 
     @trtp.aot_impl("k3::moe_topk")
-    def _topk_aot(part, bias, max_tokens: int, top_k: int, renormalize: bool, scaling: float, outputs, tactic):
+    def _topk_aot(part, bias, max_tokens: int, top_k: int, renormalize: bool, scaling: float, outputs, tactic) -> AOT:
         return result("k3::moe_topk", part.shape_expr[1], 16, part.shape[2], top_k, 16, 16, None, max_tokens,
                       renormalize=renormalize, scaling=scaling)
 
@@ -322,7 +321,7 @@ def register_plugins() -> bool:
         return tuple(desc(ids, inter[n][0], trt.int32) for n in ("row_pair", "block_expert", "off"))
 
     @trtp.aot_impl("k3::moe_align")
-    def _align_aot(ids, max_tokens: int, top_k: int, num_experts: int, outputs, tactic):
+    def _align_aot(ids, max_tokens: int, top_k: int, num_experts: int, outputs, tactic) -> AOT:
         return result("k3::moe_align", ids.shape_expr[0], 16, num_experts, top_k, 16, 16, None, max_tokens)
 
     @trtp.register("k3::moe_gemm1")
@@ -333,7 +332,7 @@ def register_plugins() -> bool:
 
     @trtp.aot_impl("k3::moe_gemm1")
     def _gemm1_aot(z, w1, w3, row_pair, block_expert, max_tokens: int, top_k: int, beta: float, linear_beta: float,
-                   outputs, tactic):
+                   outputs, tactic) -> AOT:
         E, I, L = w1.shape
         return result("k3::moe_gemm1", z.shape_expr[0], 16, E, top_k, L, I, z.dtype, max_tokens, beta=beta,
                       linear_beta=linear_beta)
@@ -345,7 +344,7 @@ def register_plugins() -> bool:
         return (desc(h, (ids.shape_expr[0] * top_k, w2.shape[1]), trt.float32),)
 
     @trtp.aot_impl("k3::moe_gemm2")
-    def _gemm2_aot(h, w2, row_pair, block_expert, ids, max_tokens: int, top_k: int, outputs, tactic):
+    def _gemm2_aot(h, w2, row_pair, block_expert, ids, max_tokens: int, top_k: int, outputs, tactic) -> AOT:
         E, L, I = w2.shape
         return result("k3::moe_gemm2", ids.shape_expr[0], 16, E, top_k, L, I, h.dtype, max_tokens)
 
@@ -355,7 +354,7 @@ def register_plugins() -> bool:
         return (z.like(),)
 
     @trtp.aot_impl("k3::moe_combine")
-    def _combine_aot(y, w, z, max_tokens: int, top_k: int, outputs, tactic):
+    def _combine_aot(y, w, z, max_tokens: int, top_k: int, outputs, tactic) -> AOT:
         return result("k3::moe_combine", w.shape_expr[0], 16, top_k, top_k, y.shape[1], 16, z.dtype, max_tokens)
 
     return True
