@@ -171,6 +171,62 @@ def test_tensorrt_plugins():
     assert trt.register_plugins()
 
 
+def test_plugin_registration_against_a_stand_in(monkeypatch):
+    """`register_plugins` on a stand-in of `tensorrt.plugin` that makes its registration checks (tests/
+    trt_standin.py), then each plugin's descriptor and aot_impl on symbolic B and T: output shapes, grid, block,
+    shared memory, PTX and the T scalar evaluate to the int contracts (`decode_launch`, `prefill_launches`)."""
+    from trt_standin import Sym, ev, fake_tensorrt
+
+    from k3export.plugins.kda import trt
+    fake, trtp = fake_tensorrt()
+    monkeypatch.setitem(sys.modules, "tensorrt", fake)
+    monkeypatch.setitem(sys.modules, "tensorrt.plugin", trtp)
+    assert trt.register_plugins()
+    assert set(trtp.registered) == set(trtp.aot) == {"k3::kda_decode", "k3::kda_prefill_intra",
+                                                     "k3::kda_prefill_chunks"}
+    H, K, W = 2, 128, 4
+    B, T = Sym(lambda n: n[0]), Sym(lambda n: n[1])
+    TD, bf, f32 = trtp.TensorDesc, fake.bfloat16, fake.float32
+
+    def run(name, ins, **attrs):
+        fn, tensors, attr_names, n_out = trtp.registered[name]
+        outs = fn(*(ins[t] for t in tensors), **{a: attrs[a] for a in attr_names})
+        assert len(outs) == n_out
+        res = trtp.aot[name](*(ins[t] for t in tensors), **{a: attrs[a] for a in attr_names}, outputs=outs, tactic=0)
+        return outs, res
+
+    def check(res, launch, grid_at, scalars, n):
+        name, ptx, params, extra = res
+        assert (name, ptx) == (launch.kernel.name, launch.kernel.ptx)
+        assert tuple(ev(g, n) for g in (params.grid_x, params.grid_y, params.grid_z)) == grid_at
+        assert (params.block_x, params.shared_mem) == (launch.block[0], launch.kernel.shared_mem)
+        assert [ev(v, n) for v in extra] == scalars
+
+    dec = dict(qkv=TD((B, 3 * H * K), bf), conv_state=TD((B, 3 * H * K, W - 1), bf), conv_weight=TD((3 * H * K, W), bf),
+               f=TD((B, H * K), bf), b=TD((B, H), bf), g=TD((B, H * K), bf), A_log=TD((H,), f32),
+               dt_bias=TD((H * K,), f32), o_norm_weight=TD((K,), bf), state=TD((B, H, K, K), f32))
+    outs, res = run("k3::kda_decode", dec, lower_bound=-5.0, eps=1e-5)
+    for n in ((1, 0), (7, 0)):
+        launch = trt.decode_launch(n[0], H, K, W, torch.bfloat16, -5.0, 1e-5)
+        check(res, launch, launch.grid, [], n)
+        assert [tuple(ev(x, n) for x in o.shape_expr) for o in outs] == [(n[0], H * K), (n[0], 3 * H * K, W - 1),
+                                                                         (n[0], H, K, K)]
+    pre = dict(q=TD((B, T, H, K), bf), k=TD((B, T, H, K), bf), v=TD((B, T, H, K), bf), f=TD((B, T, H, K), bf),
+               b=TD((B, T, H), bf), A_log=TD((H,), f32), dt_bias=TD((H * K,), f32), lengths=TD((B,), fake.int32))
+    inter, res_intra = run("k3::kda_prefill_intra", pre, lower_bound=-5.0)
+    pre.update(zip(("w", "u", "qg", "kd", "aqk", "gl"), inter), initial_state=TD((B, H, K, K), f32))
+    (o, ht), res_chunks = run("k3::kda_prefill_chunks", pre)
+    for n in ((1, 64), (3, 200)):
+        intra, chunk = trt.prefill_launches(n[0], n[1], H, K, K, torch.bfloat16, -5.0)
+        g_intra, g_chunk = trt.prefill_grids(n[0], n[1], H, K, K)
+        NT64 = -(-n[1] // 64) * 64
+        check(res_intra, intra, g_intra, [n[1]], n)
+        check(res_chunks, chunk, g_chunk, [NT64], n)          # the chunk plugin runs on the padded length
+        want = {k_: s_ for k_, (s_, _) in trt.prefill_intermediates(n[0], n[1], H, K, K, torch.bfloat16).items()}
+        assert [tuple(ev(x, n) for x in d.shape_expr) for d in inter] == list(want.values())
+        assert tuple(ev(x, n) for x in o.shape_expr) == (n[0], NT64, H, K)
+
+
 # --- GPU: K3 shapes ---------------------------------------------------------------------------------------------
 
 PREFILL_CASES = [  # (B, T, H, lengths)

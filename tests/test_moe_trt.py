@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from k3export.plugins.moe.naive import moe_sorted
+from trt_standin import Sym as _Sym, ev as _ev, fake_tensorrt as _fake_tensorrt, sym_min as _sym_min
 
 # Named bounds. fp32 / fp16 vs fp64: the bounds of tests/test_moe_kernels.py (same kernels, same tiles).
 FP32_BOUND = 1e-5
@@ -164,40 +165,6 @@ def test_contract_equals_torch_launcher(N, shape, dtype, monkeypatch):
         assert set(mine) >= {n for n, v in args.items() if not isinstance(v, torch.Tensor)}
 
 
-class _Sym:
-    """A symbolic N: supports `N + i`, `N - i`, `N * i`, `N // i` (as tensorrt.plugin.ShapeExpr does: no reflected
-    operators) and nothing else, so `i * N`, any comparison, int() or bool(), i.e. any value-dependent shape,
-    raises."""
-
-    def __init__(self, f):
-        self.f = f
-
-    def _op(self, o, fn):
-        g = o.f if isinstance(o, _Sym) else (lambda n, o=o: o)
-        return _Sym(lambda n: fn(self.f(n), g(n)))
-
-    def __add__(self, o): return self._op(o, lambda a, b: a + b)
-    def __sub__(self, o): return self._op(o, lambda a, b: a - b)
-    def __mul__(self, o): return self._op(o, lambda a, b: a * b)
-    def __floordiv__(self, o): return self._op(o, lambda a, b: a // b)
-
-    def __bool__(self):
-        raise TypeError("a shape expression has no truth value")
-
-    __int__ = __index__ = __bool__
-
-
-def _sym_min(a, b):
-    """tensorrt.plugin.min's stand-in."""
-    fa = a.f if isinstance(a, _Sym) else (lambda n: a)
-    fb = b.f if isinstance(b, _Sym) else (lambda n: b)
-    return _Sym(lambda n: min(fa(n), fb(n)))
-
-
-def _ev(v, n):
-    return v.f(n) if isinstance(v, _Sym) else v
-
-
 @pytest.mark.parametrize("shape,dtype,max_tokens", [(K3, torch.bfloat16, 64), (K3, torch.bfloat16, 256),
                                                    (TINY, torch.float16, 20)])
 def test_grids_and_intermediates_are_shape_expressions(shape, dtype, max_tokens):
@@ -229,88 +196,6 @@ def test_tensorrt_plugins():
     pytest.importorskip("tensorrt", reason=TRT_SKIP)
     from k3export.plugins.moe import trt
     assert trt.register_plugins()
-
-
-def _fake_tensorrt():
-    """(tensorrt, tensorrt.plugin) stand-ins with what `register_plugins` touches and the checks tensorrt.plugin
-    makes when a function is registered (read from tensorrt-cu13-bindings 11.4 `plugin/_validate.py`, `_tensor.py`,
-    `_top_level.py`): annotations are classes, TensorDescs first, attributes int/float/bool/str/bytes, the result a
-    tuple of TensorDescs; aot_impl takes (inputs, registered attributes in order, outputs, tactic) and annotates a
-    4-tuple (name, PTX, KernelLaunchParams, SymIntExprs); shape expressions have + - * // and tensorrt.plugin.min
-    (which refuses two ints). Not TensorRT: it cannot say whether an engine builds."""
-    import inspect
-    import types
-    import typing
-
-    trt = types.ModuleType("tensorrt")
-    for name in ("bfloat16", "float16", "float32", "int32"):
-        setattr(trt, name, f"trt.{name}")
-
-    class TensorDesc:
-        def __init__(self, shape_expr, dtype):
-            self.shape_expr, self.dtype = tuple(shape_expr), dtype
-
-        @property
-        def shape(self):                # aot_impl's concrete shape: -1 where the dimension is dynamic
-            return tuple(-1 if isinstance(d, _Sym) else d for d in self.shape_expr)
-
-        def like(self):
-            return TensorDesc(self.shape_expr, self.dtype)
-
-    class KernelLaunchParams:
-        grid_x = grid_y = grid_z = block_x = 1
-        shared_mem = 0
-
-    class SymIntExprs(list):
-        def __init__(self, n):
-            super().__init__([None] * n)
-
-    def tmin(a, b):
-        if isinstance(a, int) and isinstance(b, int):
-            raise ValueError("Both arguments cannot be 'int's")
-        return _sym_min(a, b)
-
-    registered, aot = {}, {}
-
-    def register(name):
-        def deco(fn):
-            sig = inspect.signature(fn)
-            tensors, attrs = [], {}
-            for p in sig.parameters.values():
-                assert inspect.isclass(p.annotation), f"{name}: {p.name} annotated {p.annotation!r}"
-                if issubclass(p.annotation, TensorDesc):
-                    assert not attrs, f"{name}: tensor {p.name} after an attribute"
-                    tensors.append(p.name)
-                else:
-                    assert p.annotation in (int, float, bool, str, bytes) and p.name not in ("outputs", "tactic")
-                    attrs[p.name] = p.annotation
-            ret = sig.return_annotation
-            assert typing.get_origin(ret) is tuple and all(issubclass(a, TensorDesc) for a in typing.get_args(ret))
-            registered[name] = (fn, tensors, attrs, len(typing.get_args(ret)))
-            return fn
-        return deco
-
-    def aot_impl(name):
-        def deco(fn):
-            _, tensors, attrs, _ = registered[name]
-            sig = inspect.signature(fn)
-            used = [n for n in attrs if n in sig.parameters]
-            assert list(sig.parameters) == tensors + used + ["outputs", "tactic"], (name, list(sig.parameters))
-            for n in used:
-                ann = sig.parameters[n].annotation
-                assert ann is inspect.Parameter.empty or ann is attrs[n], (name, n, ann)
-            args = typing.get_args(sig.return_annotation)
-            assert len(args) == 4 and args[2] is KernelLaunchParams and args[3] is SymIntExprs, name
-            aot[name] = fn
-            return fn
-        return deco
-
-    trtp = types.ModuleType("tensorrt.plugin")
-    trtp.__dict__.update(TensorDesc=TensorDesc, KernelLaunchParams=KernelLaunchParams, SymIntExprs=SymIntExprs,
-                         SymInt32=lambda v: v, min=tmin, register=register, aot_impl=aot_impl,
-                         ShapeExprs=types.SimpleNamespace(from_tuple=tuple), registered=registered, aot=aot)
-    trt.plugin = trtp
-    return trt, trtp
 
 
 def test_plugin_registration_against_a_stand_in(monkeypatch):

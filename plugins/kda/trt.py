@@ -10,9 +10,11 @@ An AOT plugin is exactly one kernel launch with no workspace, so:
   An ONNX translation of `k3::kda_prefill` emits the two nodes in that order.
 Kernel parameters are ordered inputs..., scalars..., outputs...; the only scalar is T (padded tokens, i32).
 Grids are written with `+ // *` only, so they evaluate on ints and on TensorRT shape expressions alike.
-"""
 
-from __future__ import annotations
+No `from __future__ import annotations` here: `tensorrt.plugin` reads the registered functions' annotations as
+classes (`inspect.signature`), so they must not be strings; every output is named in the result annotation and
+every `aot_impl` annotates its (name, PTX, launch params, extra args) result, as its validator requires.
+"""
 
 import torch
 
@@ -107,7 +109,10 @@ def register_plugins() -> bool:
         import tensorrt.plugin as trtp
     except ImportError:
         return False
-    from typing import Tuple
+    from typing import Tuple, Union
+
+    TD = trtp.TensorDesc
+    AOT = Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams, trtp.SymIntExprs]
 
     def kernel_result(launch: Launch, grid, scalars: dict):
         params = trtp.KernelLaunchParams()
@@ -130,7 +135,7 @@ def register_plugins() -> bool:
 
     @trtp.aot_impl("k3::kda_decode")
     def _decode_aot(qkv, conv_state, conv_weight, f, b, g, A_log, dt_bias, o_norm_weight, state,
-                    lower_bound: float, eps: float, outputs, tactic):
+                    lower_bound: float, eps: float, outputs, tactic) -> AOT:
         H, K, W = b.shape[1], o_norm_weight.shape[0], conv_weight.shape[1]   # build-time constants
         launch = decode_launch(1, H, K, W, _trt_dtype_to_torch(qkv.dtype), lower_bound, eps)
         return kernel_result(launch, decode_grid(qkv.shape_expr[0], H), {})
@@ -138,7 +143,7 @@ def register_plugins() -> bool:
     @trtp.register("k3::kda_prefill_intra")
     def _intra_desc(q: trtp.TensorDesc, k: trtp.TensorDesc, v: trtp.TensorDesc, f: trtp.TensorDesc,
                     b: trtp.TensorDesc, A_log: trtp.TensorDesc, dt_bias: trtp.TensorDesc, lengths: trtp.TensorDesc,
-                    lower_bound: float) -> Tuple[trtp.TensorDesc, ...]:
+                    lower_bound: float) -> Tuple[TD, TD, TD, TD, TD, TD]:     # w, u, qg, kd, aqk, gl
         B, T, H, K = q.shape_expr
         outs = []
         for name, (shape, _) in prefill_intermediates(B, T, H, q.shape[3], v.shape[3], torch.bfloat16).items():
@@ -149,7 +154,7 @@ def register_plugins() -> bool:
         return tuple(outs)
 
     @trtp.aot_impl("k3::kda_prefill_intra")
-    def _intra_aot(q, k, v, f, b, A_log, dt_bias, lengths, lower_bound: float, outputs, tactic):
+    def _intra_aot(q, k, v, f, b, A_log, dt_bias, lengths, lower_bound: float, outputs, tactic) -> AOT:
         _, _, H, K = q.shape
         V = v.shape[3]
         launch, _ = prefill_launches(1, 64, H, K, V, _trt_dtype_to_torch(q.dtype), lower_bound)
@@ -167,7 +172,7 @@ def register_plugins() -> bool:
         return o, initial_state.like()
 
     @trtp.aot_impl("k3::kda_prefill_chunks")
-    def _chunks_aot(w, u, qg, kd, aqk, gl, initial_state, lengths, outputs, tactic):
+    def _chunks_aot(w, u, qg, kd, aqk, gl, initial_state, lengths, outputs, tactic) -> AOT:
         _, H, K, V = initial_state.shape
         launch = prefill_launches(1, 64, H, K, V, _trt_dtype_to_torch(u.dtype))[1]
         B, Tp = u.shape_expr[0], u.shape_expr[2]
