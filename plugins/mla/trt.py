@@ -197,7 +197,8 @@ def register_plugins() -> bool:
     Returns False when TensorRT is not importable.
 
     Attributes: scale (float; compiled into the PTX), v_dim (int, decode), num_splits (int, the split plugin; the
-    combine reads S from o_part's static shape). Dtypes bf16 / fp16 / fp32 (the model dtype; cache_len and
+    combine reads S from o_part's static shape). An ONNX float attribute is float32, so scale may differ from the
+    torch op's python float by an fp32 rounding (before the compiled-in scale * log2(e) is rounded again). Dtypes bf16 / fp16 / fp32 (the model dtype; cache_len and
     past_len int64). Never run against TensorRT (not installable on our machines, docs/deployment-notes);
     tests/test_mla_trt.py runs it against a stand-in."""
     try:
