@@ -63,6 +63,32 @@ def compile_ptx(fn, signature: dict[str, str], constexprs: dict, num_warps: int,
     return _compile(fn, tuple(signature.items()), tuple(constexprs.items()), num_warps, num_stages, arch)
 
 
+def compile_launch(fn, params, scalars: dict, constexprs: dict, grid, num_warps: int, num_stages: int,
+                   arch: int = 90) -> Launch:
+    """The `Launch` of kernel `fn` whose non-constexpr parameters are `params` ((name, triton type), in the
+    kernel's order) with `constexprs` compiled in; grid and scalars are kept as given (ints, or TensorRT shape
+    expressions in a plugin's aot_impl)."""
+    types = dict(params)
+    sig = {n: "constexpr" if n in constexprs else types[n] for n in fn.arg_names}
+    kernel = compile_ptx(fn, sig, constexprs, num_warps, num_stages, arch)
+    return Launch(kernel, tuple(grid), tuple(params), dict(scalars))
+
+
+def trt_kernel_result(trtp, launch: Launch, grid, scalars) -> tuple:
+    """What a `tensorrt.plugin` aot_impl returns for `launch`: (entry name, PTX, KernelLaunchParams with `grid`,
+    block and dynamic shared memory, SymIntExprs of the integer `scalars` in parameter order). `trtp` is the
+    `tensorrt.plugin` module (passed in: this module never imports TensorRT)."""
+    params = trtp.KernelLaunchParams()
+    params.grid_x, params.grid_y, params.grid_z = grid
+    params.block_x = launch.block[0]
+    params.shared_mem = launch.kernel.shared_mem
+    scalars = list(scalars)
+    extra = trtp.SymIntExprs(len(scalars))
+    for i, value in enumerate(scalars):
+        extra[i] = trtp.SymInt32(value)
+    return launch.kernel.name, launch.kernel.ptx, params, extra
+
+
 @functools.lru_cache(maxsize=64)
 def _compile(fn, sig_items, constexpr_items, num_warps, num_stages, arch) -> CompiledKernel:
     import triton

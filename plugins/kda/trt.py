@@ -18,7 +18,7 @@ every `aot_impl` annotates its (name, PTX, launch params, extra args) result, as
 
 import torch
 
-from k3export.plugins.aot import Launch, compile_ptx, pointer_type
+from k3export.plugins.aot import Launch, compile_ptx, pointer_type, trt_kernel_result
 from k3export.plugins.triton_common import cdiv
 
 from .kernels import (BC, compute_dtype, decode_config, kda_decode_fwd_kernel, kda_prefill_fwd_kernel,
@@ -115,14 +115,7 @@ def register_plugins() -> bool:
     AOT = Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams, trtp.SymIntExprs]
 
     def kernel_result(launch: Launch, grid, scalars: dict):
-        params = trtp.KernelLaunchParams()
-        params.grid_x, params.grid_y, params.grid_z = grid
-        params.block_x = launch.block[0]
-        params.shared_mem = launch.kernel.shared_mem
-        extra = trtp.SymIntExprs(len(scalars))
-        for i, value in enumerate(scalars.values()):
-            extra[i] = trtp.SymInt32(value)
-        return launch.kernel.name, launch.kernel.ptx, params, extra
+        return trt_kernel_result(trtp, launch, grid, scalars.values())
 
     @trtp.register("k3::kda_decode")
     def _decode_desc(qkv: trtp.TensorDesc, conv_state: trtp.TensorDesc, conv_weight: trtp.TensorDesc,

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3export.plugins.aot import Launch, compile_ptx, pointer_type
+from k3export.plugins.aot import Launch, compile_launch, pointer_type, trt_kernel_result
 from k3export.plugins.triton_common import cdiv, check, dot_precision, pow2
 
 from .kernels import (LOG2E, PREFILL_CONFIG, decode_block_h, decode_tiles, mla_decode_combine_kernel,
@@ -93,10 +93,8 @@ class Plan:
 
     def launch(self, arch: int = 90) -> Launch:
         """The compiled contract (PTX for sm_`arch`; compiles without a GPU, cached per signature)."""
-        types = dict(self.params)
-        sig = {n: "constexpr" if n in self.constexprs else types[n] for n in self.fn.arg_names}
-        kernel = compile_ptx(self.fn, sig, self.constexprs, self.num_warps, self.num_stages, arch)
-        return Launch(kernel, tuple(self.grid), self.params, dict(self.scalars))
+        return compile_launch(self.fn, self.params, self.scalars, self.constexprs, self.grid, self.num_warps,
+                              self.num_stages, arch)
 
 
 def _plan(fn, types: dict, scalars: dict, constexprs: dict, grid, num_warps: int, num_stages: int) -> Plan:
@@ -217,16 +215,8 @@ def register_plugins() -> bool:
         return to_torch[dt]
 
     def result(plan: Plan):
-        launch = plan.launch()
-        params = trtp.KernelLaunchParams()
-        params.grid_x, params.grid_y, params.grid_z = plan.grid
-        params.block_x = launch.block[0]
-        params.shared_mem = launch.kernel.shared_mem
         scalars = [plan.scalars[n] for n, t in plan.params if not t.startswith("*")]     # in parameter order
-        extra = trtp.SymIntExprs(len(scalars))
-        for i, value in enumerate(scalars):
-            extra[i] = trtp.SymInt32(value)
-        return launch.kernel.name, launch.kernel.ptx, params, extra
+        return trt_kernel_result(trtp, plan.launch(), plan.grid, scalars)
 
     def desc(like, shape, dtype):
         out = like.like()

@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3export.plugins.aot import Launch, compile_ptx, pointer_type
+from k3export.plugins.aot import Launch, compile_launch, pointer_type, trt_kernel_result
 from k3export.plugins.triton_common import cdiv, check, dot_precision, pow2
 
 from .kernels import (ALIGN_FUSED_MAX, CONFIGS, FP32_TILES, ROUTE_SPLIT_MAX_N, moe_align_fwd_kernel,
@@ -131,10 +131,8 @@ class Step:
 
     def launch(self, arch: int = 90) -> Launch:
         """The compiled contract (PTX for sm_`arch`; compiles without a GPU, cached per signature)."""
-        types = dict(self.params)
-        sig = {n: "constexpr" if n in self.constexprs else types[n] for n in self.fn.arg_names}
-        kernel = compile_ptx(self.fn, sig, self.constexprs, self.num_warps, self.num_stages, arch)
-        return Launch(kernel, tuple(self.grid), self.params, dict(self.scalars))
+        return compile_launch(self.fn, self.params, self.scalars, self.constexprs, self.grid, self.num_warps,
+                              self.num_stages, arch)
 
 
 def decode_tiles(dtype: torch.dtype):
@@ -273,15 +271,7 @@ def register_plugins() -> bool:
         chain = decode_steps(N, d, E, top_k, L, I, to_torch.get(dtype, torch.bfloat16), max_tokens=max_tokens,
                              minimum=trtp.min, **attrs)
         step = next(s for s in chain if s.plugin == plugin)
-        launch = step.launch()
-        params = trtp.KernelLaunchParams()
-        params.grid_x, params.grid_y, params.grid_z = step.grid
-        params.block_x = launch.block[0]
-        params.shared_mem = launch.kernel.shared_mem
-        extra = trtp.SymIntExprs(len(step.scalars))
-        for i, value in enumerate(step.scalars.values()):
-            extra[i] = trtp.SymInt32(value)
-        return launch.kernel.name, launch.kernel.ptx, params, extra
+        return trt_kernel_result(trtp, step.launch(), step.grid, step.scalars.values())
 
     def desc(like, shape, dtype):
         out = like.like()
