@@ -175,12 +175,10 @@ def test_plugin_registration_against_a_stand_in(monkeypatch):
     """`register_plugins` on a stand-in of `tensorrt.plugin` that makes its registration checks (tests/
     trt_standin.py), then each plugin's descriptor and aot_impl on symbolic B and T: output shapes, grid, block,
     shared memory, PTX and the T scalar evaluate to the int contracts (`decode_launch`, `prefill_launches`)."""
-    from trt_standin import Sym, ev, fake_tensorrt
+    from trt_standin import Sym, ev, install
 
     from k3export.plugins.kda import trt
-    fake, trtp = fake_tensorrt()
-    monkeypatch.setitem(sys.modules, "tensorrt", fake)
-    monkeypatch.setitem(sys.modules, "tensorrt.plugin", trtp)
+    fake, trtp = install(monkeypatch)
     assert trt.register_plugins()
     assert set(trtp.registered) == set(trtp.aot) == {"k3::kda_decode", "k3::kda_prefill_intra",
                                                      "k3::kda_prefill_chunks"}

@@ -17,7 +17,6 @@ Error = max |a - b| / max |b|.
 import json
 import math
 import os
-import sys
 
 if __name__ == "__main__":  # the interpreter run (see `interp` in conftest.py): set before triton is imported
     os.environ["TRITON_INTERPRET"] = "1"
@@ -85,12 +84,10 @@ def test_tensorrt_registration_on_tensorrt():
 def test_plugin_registration_against_a_stand_in(monkeypatch):
     """`register_plugins` on the stand-in; descriptors and aot_impl on symbolic B, L (decode) and B, T, S (prefill)
     evaluate at two sizes each to `decode_launches(..., num_splits)` and `prefill_launch(..., full block)`."""
-    from trt_standin import Sym, ev, fake_tensorrt
+    from trt_standin import Sym, ev, install
 
     from k3export.plugins.mla import trt
-    fake, trtp = fake_tensorrt()
-    monkeypatch.setitem(sys.modules, "tensorrt", fake)
-    monkeypatch.setitem(sys.modules, "tensorrt.plugin", trtp)
+    fake, trtp = install(monkeypatch)
     assert trt.register_plugins()
     assert set(trtp.registered) == set(trtp.aot) == {"k3::mla_decode_split", "k3::mla_decode_combine",
                                                      "k3::mla_prefill"}

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from k3export.plugins.moe.naive import moe_sorted
-from trt_standin import Sym as _Sym, ev as _ev, fake_tensorrt as _fake_tensorrt, sym_min as _sym_min
+from trt_standin import Sym as _Sym, ev as _ev, install, sym_min as _sym_min
 
 # Named bounds. fp32 / fp16 vs fp64: the bounds of tests/test_moe_kernels.py (same kernels, same tiles).
 FP32_BOUND = 1e-5
@@ -202,12 +202,8 @@ def test_plugin_registration_against_a_stand_in(monkeypatch):
     """`register_plugins` on the stand-in above, then a build of the chain on a symbolic N: each plugin's output
     descriptors feed the next; evaluated at N = 1 and max_tokens, every output shape/dtype, grid, block, shared
     memory, kernel name/PTX and extra argument equals the int contract (`decode_steps` for that N)."""
-    import sys
-
     from k3export.plugins.moe import trt as moe_trt
-    fake_trt, trtp = _fake_tensorrt()
-    monkeypatch.setitem(sys.modules, "tensorrt", fake_trt)
-    monkeypatch.setitem(sys.modules, "tensorrt.plugin", trtp)
+    fake_trt, trtp = install(monkeypatch)
     assert moe_trt.register_plugins()
     assert set(trtp.aot) == set(trtp.registered) == {s.plugin for s in _steps(1, TINY, torch.float16)}
 

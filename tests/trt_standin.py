@@ -121,3 +121,12 @@ def fake_tensorrt():
                          ShapeExprs=types.SimpleNamespace(from_tuple=tuple), registered=registered, aot=aot)
     trt.plugin = trtp
     return trt, trtp
+
+
+def install(monkeypatch):
+    """Put the stand-ins in sys.modules as `tensorrt` / `tensorrt.plugin` for one test; returns them."""
+    import sys
+    trt, trtp = fake_tensorrt()
+    monkeypatch.setitem(sys.modules, "tensorrt", trt)
+    monkeypatch.setitem(sys.modules, "tensorrt.plugin", trtp)
+    return trt, trtp
