@@ -89,6 +89,14 @@ def trt_kernel_result(trtp, launch: Launch, grid, scalars) -> tuple:
     return launch.kernel.name, launch.kernel.ptx, params, extra
 
 
+def trt_desc(trtp, like, shape, dtype):
+    """A `tensorrt.plugin` output descriptor: `like`'s, with shape expression `shape` and `dtype`."""
+    out = like.like()
+    out.shape_expr = trtp.ShapeExprs.from_tuple(shape)
+    out.dtype = dtype
+    return out
+
+
 @functools.lru_cache(maxsize=64)
 def _compile(fn, sig_items, constexpr_items, num_warps, num_stages, arch) -> CompiledKernel:
     import triton

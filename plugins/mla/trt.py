@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3export.plugins.aot import Launch, compile_launch, pointer_type, trt_kernel_result
+from k3export.plugins.aot import Launch, compile_launch, pointer_type, trt_desc, trt_kernel_result
 from k3export.plugins.triton_common import cdiv, check, dot_precision, pow2
 
 from .kernels import (LOG2E, PREFILL_CONFIG, decode_block_h, decode_tiles, mla_decode_combine_kernel,
@@ -219,10 +219,7 @@ def register_plugins() -> bool:
         return trt_kernel_result(trtp, plan.launch(), plan.grid, scalars)
 
     def desc(like, shape, dtype):
-        out = like.like()
-        out.shape_expr = trtp.ShapeExprs.from_tuple(shape)
-        out.dtype = dtype
-        return out
+        return trt_desc(trtp, like, shape, dtype)
 
     # B, L (decode) and B, T, S (prefill) are shape expressions; H, R, Dqk, Dv are static.
     @trtp.register("k3::mla_decode_split")

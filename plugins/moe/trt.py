@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3export.plugins.aot import Launch, compile_launch, pointer_type, trt_kernel_result
+from k3export.plugins.aot import Launch, compile_launch, pointer_type, trt_desc, trt_kernel_result
 from k3export.plugins.triton_common import cdiv, check, dot_precision, pow2
 
 from .kernels import (ALIGN_FUSED_MAX, CONFIGS, FP32_TILES, ROUTE_SPLIT_MAX_N, moe_align_fwd_kernel,
@@ -274,10 +274,7 @@ def register_plugins() -> bool:
         return trt_kernel_result(trtp, step.launch(), step.grid, step.scalars.values())
 
     def desc(like, shape, dtype):
-        out = like.like()
-        out.shape_expr = trtp.ShapeExprs.from_tuple(shape)
-        out.dtype = dtype
-        return out
+        return trt_desc(trtp, like, shape, dtype)
 
     # N is a shape expression (x, part, ids or z's first dim); E, d, L, I are the weights' static shapes. Dims a
     # step does not use are passed as 16.
