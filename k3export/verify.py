@@ -80,15 +80,15 @@ def graph_device(manifest: dict) -> torch.device:
 
 
 def case_inputs(manifest: dict, graph: str) -> dict[str, torch.Tensor]:
-    cases = CASES_CUDA if graph_device(manifest).type == "cuda" else CASES
-    sizes, lens = cases[graph]
+    device = graph_device(manifest)
+    sizes, lens = (CASES_CUDA if device.type == "cuda" else CASES)[graph]
     lim = manifest["dims"]
     sizes = {k: min(v, lim[k]["max"]) for k, v in sizes.items()}
     inputs = example_inputs(manifest["graphs"][graph]["inputs"], sizes, vocab=manifest["config"]["vocab_size"],
-                            seed=1, device=graph_device(manifest))
+                            seed=1, device=device)
     for name, vals in lens.items():
         cap = sizes["tokens"] if name == "lengths" else sizes.get("past", sizes.get("cache"))
-        inputs[name] = torch.tensor([min(v, cap) for v in vals][:sizes["batch"]], device=graph_device(manifest))
+        inputs[name] = torch.tensor([min(v, cap) for v in vals][:sizes["batch"]], device=device)
     return inputs
 
 
