@@ -63,6 +63,26 @@ def compile_ptx(fn, signature: dict[str, str], constexprs: dict, num_warps: int,
     return _compile(fn, tuple(signature.items()), tuple(constexprs.items()), num_warps, num_stages, arch)
 
 
+@dataclass(frozen=True)
+class Plan:
+    """One launch before compilation: the wrapper kernel, its parameters (inputs..., i32 scalars..., outputs...,
+    as (name, triton type)), the scalars' values and the grid (ints for int shapes, shape expressions for
+    TensorRT shape expressions), and the compile-time constants."""
+
+    fn: object
+    params: tuple
+    scalars: dict
+    constexprs: dict
+    grid: tuple
+    num_warps: int
+    num_stages: int
+
+    def launch(self, arch: int = 90) -> Launch:
+        """The compiled contract (PTX for sm_`arch`; compiles without a GPU, cached per signature)."""
+        return compile_launch(self.fn, self.params, self.scalars, self.constexprs, self.grid, self.num_warps,
+                              self.num_stages, arch)
+
+
 def compile_launch(fn, params, scalars: dict, constexprs: dict, grid, num_warps: int, num_stages: int,
                    arch: int = 90) -> Launch:
     """The `Launch` of kernel `fn` whose non-constexpr parameters are `params` ((name, triton type), in the

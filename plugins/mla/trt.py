@@ -29,13 +29,12 @@ are int64 and read as given: values must lie in 0..L (the torch op clamps them, 
 
 # No `from __future__ import annotations` here: tensorrt.plugin validates the registered functions' annotations
 # with inspect.signature, which would see strings instead of TensorDesc / int (TensorRT 11.4 `_validate.py`).
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from k3export.plugins.aot import Launch, compile_launch, pointer_type, trt_desc, trt_kernel_result
+from k3export.plugins.aot import Launch, Plan, pointer_type, trt_desc, trt_kernel_result
 from k3export.plugins.triton_common import cdiv, check, dot_precision, pow2
 
 from .kernels import (LOG2E, PREFILL_CONFIG, decode_block_h, decode_tiles, mla_decode_combine_kernel,
@@ -77,26 +76,6 @@ def mla_prefill_trt_kernel(q, k, v, past_len, stride_qb, stride_qt, stride_qh, s
 
 
 # ---------------------------------------------------------------------------------------------- contracts
-@dataclass(frozen=True)
-class Plan:
-    """One launch before compilation: the wrapper kernel, its parameters (inputs..., i32 scalars..., outputs...,
-    as (name, triton type)), the scalars' values and the grid (ints for int shapes, shape expressions for
-    TensorRT shape expressions), and the compile-time constants."""
-
-    fn: object
-    params: tuple
-    scalars: dict
-    constexprs: dict
-    grid: tuple
-    num_warps: int
-    num_stages: int
-
-    def launch(self, arch: int = 90) -> Launch:
-        """The compiled contract (PTX for sm_`arch`; compiles without a GPU, cached per signature)."""
-        return compile_launch(self.fn, self.params, self.scalars, self.constexprs, self.grid, self.num_warps,
-                              self.num_stages, arch)
-
-
 def _plan(fn, types: dict, scalars: dict, constexprs: dict, grid, num_warps: int, num_stages: int) -> Plan:
     """params in the wrapper's order: pointers from `types`, every other non-constexpr param an i32 scalar."""
     params = tuple((n, types.get(n, "i32")) for n in fn.arg_names if n not in constexprs)

@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3export.plugins.aot import Launch, compile_launch, pointer_type, trt_desc, trt_kernel_result
+from k3export.plugins.aot import Plan, pointer_type, trt_desc, trt_kernel_result
 from k3export.plugins.triton_common import cdiv, check, dot_precision, pow2
 
 from .kernels import (ALIGN_FUSED_MAX, CONFIGS, FP32_TILES, ROUTE_SPLIT_MAX_N, moe_align_fwd_kernel,
@@ -113,26 +113,15 @@ TRITON_DEFAULT_STAGES = 3       # what a launch that names no num_stages gets (r
 
 
 @dataclass(frozen=True)
-class Step:
-    """One plugin of the chain, TensorRT-independent. `params` is the wrapper kernel's parameter order
-    (inputs..., scalars..., outputs...) as (name, triton type); `scalars` (i32) and `grid` are ints for int N,
-    shape expressions for a TensorRT shape expression N. `constexprs` are compiled into the PTX."""
+class Step(Plan):
+    """One plugin of the chain, TensorRT-independent: a `Plan` (the wrapper kernel's parameters inputs...,
+    scalars..., outputs... as (name, triton type); `scalars` (i32) and `grid` are ints for int N, shape
+    expressions for a TensorRT shape expression N; `constexprs` compiled into the PTX) plus the plugin's name and
+    its input/output tensor names."""
 
-    plugin: str
-    fn: object
-    inputs: tuple[str, ...]
-    outputs: tuple[str, ...]
-    params: tuple[tuple[str, str], ...]
-    scalars: dict
-    constexprs: dict
-    grid: tuple
-    num_warps: int
-    num_stages: int
-
-    def launch(self, arch: int = 90) -> Launch:
-        """The compiled contract (PTX for sm_`arch`; compiles without a GPU, cached per signature)."""
-        return compile_launch(self.fn, self.params, self.scalars, self.constexprs, self.grid, self.num_warps,
-                              self.num_stages, arch)
+    plugin: str = ""
+    inputs: tuple[str, ...] = ()
+    outputs: tuple[str, ...] = ()
 
 
 def decode_tiles(dtype: torch.dtype):
@@ -197,8 +186,8 @@ def decode_steps(N, d: int, E: int, top_k: int, L: int, I: int, dtype: torch.dty
     def step(plugin, fn, inputs, scalars, outputs, constexprs, grid, warps, stages):
         params = tuple((n, types[n]) for n in inputs) + tuple((n, "i32") for n in scalars) + \
             tuple((n, types[n]) for n in outputs)
-        return Step(plugin, fn, tuple(inputs), tuple(outputs), params, scalars, constexprs, tuple(grid), warps,
-                    stages)
+        return Step(fn, params, scalars, constexprs, tuple(grid), warps, stages, plugin=plugin, inputs=tuple(inputs),
+                    outputs=tuple(outputs))
 
     r = router_config(max_tokens, dtype, cfg.lean_route)
     S = r["splits"]
