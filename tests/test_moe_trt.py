@@ -26,19 +26,15 @@ import pytest
 import torch
 
 from k3export.plugins.moe.naive import moe_sorted
+# Named bounds. fp32 / fp16 vs fp64 and bf16 vs moe_sorted (GPU): those of tests/test_moe_kernels.py, with their
+# reasons there (same kernels, same tiles).
+from test_moe_kernels import BF16_BOUND, FP16_BOUND, FP32_BOUND, SITU
 from trt_standin import Sym as _Sym, ev as _ev, install, sym_min as _sym_min
 
-# Named bounds. fp32 / fp16 vs fp64: the bounds of tests/test_moe_kernels.py (same kernels, same tiles).
-FP32_BOUND = 1e-5
-FP16_BOUND = 2e-3
-# bf16 vs moe_sorted (GPU): as tests/test_moe_kernels.py (the reference rounds z W1^T, z W3^T and each expert's
-# output to bf16; the kernels keep them fp32).
-BF16_BOUND = 2e-2
 # bf16 chain vs torch.ops.k3.moe_routed (GPU): the same kernels, tiles and summation orders; the wrappers make
 # scaling/beta/linear_beta compile-time constants (an ulp of fp32 in the activation may flip one bf16 rounding of
 # h, 2^-8 of one of I*k terms), and with max_tokens > N the router is not split over d (fp32 reordering).
 CHAIN_BOUND = 2e-3
-SITU = dict(beta=4.0, linear_beta=25.0)
 K3 = dict(d=7168, E=896, top_k=16, L=3584, I=3072)
 TINY = dict(d=64, E=16, top_k=4, L=32, I=48)
 TRT_SKIP = "TensorRT is not installable here (docs/deployment-notes)"
