@@ -12,6 +12,7 @@ on the same inputs (`OpChecker`). Larger inputs are used there (CASES_CUDA) so t
 from __future__ import annotations
 
 import contextlib
+import copy
 from pathlib import Path
 
 import click
@@ -162,19 +163,17 @@ def _defined(name: str, args, outs):
     return (o * valid[:, :, None, None].to(o.dtype), *rest)
 
 
-def _model_distances(model, graph: str, inputs: dict, kernels: dict) -> dict[str, tuple[float, float]]:
+def _model_distances(model, f32, graph: str, inputs: dict, kernels: dict) -> dict[str, tuple[float, float]]:
     """For information (no bound): how far the kernels' outputs and the naive twins' outputs (same dtype) each
-    sit from the naive twins in float32 on the same weights. A random-weight model amplifies any rounding
-    (top-k router flips on near-tied random scores): these distances vary with the draw, which is why the
-    kernels are judged per op (`OpChecker`). Returns {output: (kernels, twins)} relative RMS."""
-    import copy
+    sit from the naive twins in float32 on the same weights (`f32`: the model's float32 copy). A random-weight
+    model amplifies any rounding (top-k router flips on near-tied random scores): these distances vary with the
+    draw, which is why the kernels are judged per op (`OpChecker`). Returns {output: (kernels, twins)} relative
+    RMS."""
     fn = "forward_prefill" if graph == "prefill" else "forward_decode"
-    f32 = copy.deepcopy(model).float()
     args32 = {k: v.float() if v.is_floating_point() else v for k, v in inputs.items()}
     with torch.no_grad(), reference_ops():
         twins = dict(zip(OUTPUTS, getattr(model, fn)(**inputs)))
         ref = dict(zip(OUTPUTS, getattr(f32, fn)(**args32)))
-    del f32
     return {o: (rel_rms(kernels[o], ref[o]), rel_rms(twins[o], ref[o])) for o in OUTPUTS}
 
 
@@ -200,6 +199,7 @@ def verify(graph_dir: str | Path, checkpoint: str | None = None, run_onnx: bool 
     dt = manifest["dtype"]
     paths = ["pt2", "onnx"] if run_onnx else ["pt2"]
     rows, ok, op_rows = [], True, []
+    f32 = copy.deepcopy(model).float() if cuda else None       # the float32 twin, built once for both graphs
     for graph, g in manifest["graphs"].items():
         if file_sha256(graph_dir / g["file"]) != g["sha256"]:
             rows.append((graph, g["file"], "sha256 differs from the manifest", *[""] * (2 * len(paths) - 1 +
@@ -218,7 +218,7 @@ def verify(graph_dir: str | Path, checkpoint: str | None = None, run_onnx: bool 
         if run_onnx:
             from k3export.onnx_export import OrtGraph
             got["onnx"] = OrtGraph(graph_dir / manifest["onnx"]["graphs"][graph]["file"]).run(inputs)
-        twins = _model_distances(model, graph, inputs, got["pt2"]) if cuda else {}
+        twins = _model_distances(model, f32, graph, inputs, got["pt2"]) if cuda else {}
         for out, ref in eager.items():
             cells, status = [], "ok"
             for path in paths:
@@ -230,6 +230,7 @@ def verify(graph_dir: str | Path, checkpoint: str | None = None, run_onnx: bool 
                 cells += [f"{twins[out][0]:.2e}", f"{twins[out][1]:.2e}"]
             ok &= status == "ok"
             rows.append((graph, out, *cells, status))
+    del f32
     # prefill -> decode -> decode driven by the exported programs alone, against eager generation.
     from k3export.generate import generate
     n_gen = GEN_TOKENS_CUDA if cuda else GEN_TOKENS
