@@ -29,8 +29,9 @@ TRT_SKIP = "TensorRT is not installable here (docs/deployment-notes)"
 # bf16 plugin launch vs torch.ops.k3.* (GPU): the same fp32 math, but reordered where the launch differs from the
 # op's (another num_splits: another split merge; the full prefill block: other tiles), and even with the op's launch
 # the scale is a compiled-in constant (ptxas may contract the fp32 multiply differently); then one bf16 rounding of
-# o, which may flip by one bf16 ulp: <= 2^-8 of max |o|.
-BF16_ULP_BOUND = 2.0 ** -8
+# o, which may flip by one bf16 ulp. An element in max |o|'s binade [2^e, 2^(e+1)) has an ulp of 2^(e-7), up to
+# 2^-7 of max |o| (the H200 showed 1/254 at H=12, B=5, L=1000, 40 splits: one ulp at max |o| ~ 1.98 * 2^e).
+BF16_ULP_BOUND = 2.0 ** -7
 
 
 def _rel(out, ref):
