@@ -148,7 +148,7 @@ class AOTIBackend:
         self.max_prefill_tokens = manifest["profiles"]["prefill"]["tokens"][2]
         weights = load_file(str(path / WEIGHTS), device=str(device))
         prefix = manifest["aoti"]["constant_prefix"]
-        if device.type == "cuda":
+        if device.type == "cuda" and device.index is not None:    # a bare "cuda" means the current device
             torch.cuda.set_device(device)
         self._run = {}
         for g in GRAPHS:
