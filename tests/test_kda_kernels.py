@@ -122,7 +122,8 @@ def test_prefill_interpreter_vs_recurrence():
     assert rel(o, o_ref) < FP32_BOUND and rel(S, S_ref) < FP32_BOUND
 
 
-DECODE_VARIANTS = [dict(kernel="fused"), dict(kernel="vblock", BV=16, stages=2, evict="evict_first")]
+DECODE_VARIANTS = [dict(kernel="fused"), dict(kernel="vblock", BV=16, stages=2, evict="evict_first"),
+                   dict(kernel="onepass")]
 
 
 @interpreted
@@ -283,8 +284,11 @@ def test_prefill_vs_fla_naive_recurrent():
 @pytest.mark.parametrize("B,H,cfg", [(1, 96, None), (7, 96, None), (64, 12, None),      # the op, its default
                                      (7, 96, dict(kernel="fused")),
                                      (7, 96, dict(kernel="vblock", BV=32, stages=2)),
-                                     (7, 96, dict(kernel="vblock", BV=64, stages=1, evict="evict_first"))],
-                         ids=["op-1-96", "op-7-96", "op-64-12", "fused", "vblock32", "vblock64"])
+                                     (7, 96, dict(kernel="vblock", BV=64, stages=1, evict="evict_first")),
+                                     (7, 96, dict(kernel="onepass")), (64, 12, dict(kernel="onepass", maxnreg=168)),
+                                     (7, 96, dict(kernel="fused", maxnreg=168))],
+                         ids=["op-1-96", "op-7-96", "op-64-12", "fused", "vblock32", "vblock64", "onepass",
+                              "onepass-168", "fused-168"])
 def test_decode_k3_shapes(B, H, cfg):
     args = decode_inputs(B, H, 128, torch.bfloat16, "cuda")
     out = (kda_decode(*args, -5.0, 1e-5) if cfg is None             # dispatches to the Triton kernel

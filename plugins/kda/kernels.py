@@ -527,9 +527,11 @@ def prefill_config(K: int, V: int) -> dict:
 
 
 def decode_config(K: int, W: int) -> dict:
-    """`kernel`: "fused" (`kda_decode_fwd_kernel`, the whole [K, V] state per program; the AOT contract's kernel)
-    or "vblock" (`kda_decode_vblock_fwd_kernel`: [K, BV] column blocks in a loop of `stages` pipeline stages,
-    `evict` = "" or "evict_first" on the state stream). Env `K3_KDA_DECODE` overrides the kernel."""
+    """`kernel`: "fused" (`kda_decode_fwd_kernel`, the whole [K, V] state per program; the AOT contract's kernel),
+    "onepass" (decode_onepass.py: both state reductions in one pass) or "vblock" (`kda_decode_vblock_fwd_kernel`:
+    [K, BV] column blocks in a loop of `stages` pipeline stages, `evict` = "" or "evict_first" on the state
+    stream). `maxnreg`: optional register cap per thread (occupancy: 202 registers at 4 warps allow 2 programs per
+    SM, <= 168 allow 3). Env `K3_KDA_DECODE` overrides the kernel."""
     # 4 warps: H200, H=96, B=1..256 (2026-11-29 21:10) 1.5-1.9x faster than 8 warps (B=256: 0.97 vs 1.81 ms).
     return dict(BK=_pow2(K), BW=triton.next_power_of_2(W), num_warps=4,
                 kernel=os.environ.get("K3_KDA_DECODE", "fused"), BV=min(_pow2(K), 32), stages=2, evict="")
@@ -629,10 +631,16 @@ def kda_decode_fwd(qkv, conv_state, conv_weight, f, b, g, A_log, dt_bias, o_norm
     state_out = torch.empty(state.shape, device=qkv.device, dtype=torch.float32)
     common = dict(H=H, K=K, W=W, BK=cfg["BK"], BW=cfg["BW"], LOWER=float(lower_bound), EPS=float(eps),
                   num_warps=cfg["num_warps"])
-    if cfg["kernel"] not in ("fused", "vblock"):
-        raise ValueError(f"kda_decode_fwd: kernel must be 'fused' or 'vblock', got {cfg['kernel']!r}")
+    if cfg.get("maxnreg"):
+        common["maxnreg"] = cfg["maxnreg"]
+    if cfg["kernel"] not in ("fused", "vblock", "onepass"):
+        raise ValueError(f"kda_decode_fwd: kernel must be 'fused', 'vblock' or 'onepass', got {cfg['kernel']!r}")
     BV = min(cfg["BV"], cfg["BK"])
-    if cfg["kernel"] == "vblock" and K % BV == 0:
+    if cfg["kernel"] == "onepass":
+        from .decode_onepass import kda_decode_onepass_fwd_kernel
+        kda_decode_onepass_fwd_kernel[(B * H,)](*args, state.to(torch.float32).contiguous(), o, conv_out,
+                                                state_out, **common)
+    elif cfg["kernel"] == "vblock" and K % BV == 0:
         kda_decode_vblock_fwd_kernel[(B * H,)](*args, state.to(torch.float32).contiguous(), o, conv_out, state_out,
                                                BV=BV, STAGES=cfg["stages"], EVICT=cfg["evict"], **common)
     else:
