@@ -2,7 +2,10 @@
 torch.profiler after warm-up; prints the kernel count, the sum of kernel times against the step's wall time
 (the rest is launch gaps), and the top kernels grouped by name. GPU only.
 
-    python3 scripts/profile_decode.py [--preset k3-small] [--batch 1] [--context 1024] [--top 25]
+    python3 scripts/profile_decode.py [--preset k3-small] [--batch 1] [--context 1024] [--top 25] [--backend graph]
+
+`--backend graph` (default): the model's programs as they are (one kernel per aten/k3 op); `compile`: the same
+programs through torch.compile (Inductor), as the `compile` backend of `k3export bench model` runs them.
 """
 
 from __future__ import annotations
@@ -20,12 +23,14 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--backend", choices=("graph", "compile"), default="graph")
     a = ap.parse_args()
     from k3export.config import K3Config
     from k3export.model.weights import random_model
-    from k3export.runtime import EagerBackend, Engine
+    from k3export.runtime import CompileBackend, EagerBackend, Engine
     model = random_model(K3Config.from_name(a.preset), seed=0, dtype=torch.bfloat16, device="cuda")
-    eng = Engine(EagerBackend(model), max_batch=a.batch, max_len=a.context + 16, cuda_graphs=True)
+    backend = CompileBackend(model) if a.backend == "compile" else EagerBackend(model)
+    eng = Engine(backend, max_batch=a.batch, max_len=a.context + 16, cuda_graphs=True)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, model.config.vocab_size, (a.context,), generator=g).tolist() for _ in range(a.batch)]
     eng.prefill(list(range(a.batch)), prompts)
@@ -47,7 +52,8 @@ def main() -> None:
             torch.cuda.synchronize()
         kern = [ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
         busy = sum(ev.device_time for ev in kern) / 1e3
-        print(f"\n== {a.preset} decode B={a.batch} context={a.context} {'CUDA graph' if graphs else 'no graph'}: "
+        print(f"\n== {a.preset} decode ({a.backend}) B={a.batch} context={a.context} "
+              f"{'CUDA graph' if graphs else 'no graph'}: "
               f"step {wall:.3f} ms, {len(kern)} kernels, kernel time {busy:.3f} ms "
               f"({100 * busy / wall:.0f}% of the step), mean {1e3 * busy / max(len(kern), 1):.1f} us/kernel")
         by = collections.defaultdict(lambda: [0, 0.0])
