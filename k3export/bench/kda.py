@@ -192,6 +192,8 @@ DECODE_VARIANTS = {                                       # name -> overrides of
     "onepass 4w maxnreg168": dict(kernel="onepass", num_warps=4, maxnreg=168),   # 3 per SM, 72 B spilled
     "onepass 4w maxnreg128": dict(kernel="onepass", num_warps=4, maxnreg=128),   # 4 per SM, 264 B spilled
     "fused 4w maxnreg168": dict(kernel="fused", num_warps=4, maxnreg=168),       # 3 per SM, 112 B spilled
+    "onepass 4w evict": dict(kernel="onepass", num_warps=4, evict="evict_first"),
+    "onepass 4w maxnreg168 evict": dict(kernel="onepass", num_warps=4, maxnreg=168, evict="evict_first"),
     "vblock128 evict 4w": dict(kernel="vblock", BV=128, stages=1, evict="evict_first", num_warps=4),
     "vblock64 s2 4w": dict(kernel="vblock", BV=64, stages=2, num_warps=4),
     "vblock32 s2 4w": dict(kernel="vblock", BV=32, stages=2, num_warps=4),

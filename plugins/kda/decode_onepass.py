@@ -27,7 +27,7 @@ def kda_decode_onepass_fwd_kernel(
     qkv, conv_state, conv_weight, f, b, g, A_log, dt_bias, o_norm_weight, state,   # inputs
     o, conv_out, state_out,                                                          # outputs
     H: tl.constexpr, K: tl.constexpr, W: tl.constexpr, BK: tl.constexpr, BW: tl.constexpr,
-    LOWER: tl.constexpr, EPS: tl.constexpr,
+    LOWER: tl.constexpr, EPS: tl.constexpr, EVICT: tl.constexpr = "",
 ):
     i_bh = tl.program_id(0)
     i_b, i_h = i_bh // H, i_bh % H
@@ -49,12 +49,13 @@ def kda_decode_onepass_fwd_kernel(
     alpha = tl.exp(LOWER * tl.sigmoid(a * (b_f + b_bias)))
     beta = tl.sigmoid(tl.load(b + i_bh).to(tl.float32))
     kq = tl.sum(b_k * b_q)
-    S = tl.load(state + p_s, mask=m_s, other=0.)                                    # [BK(k), BK(v)] fp32
+    S = tl.load(state + p_s, mask=m_s, other=0., eviction_policy=EVICT)             # [BK(k), BK(v)] fp32
 
     r_k = tl.sum(S * (alpha * b_k)[:, None], 0)                                    # [BK(v)], independent of
     r_q = tl.sum(S * (alpha * b_q)[:, None], 0)                                    # each other
     err = b_v - r_k
-    tl.store(state_out + p_s, S * alpha[:, None] + (beta * b_k)[:, None] * err[None, :], mask=m_s)
+    tl.store(state_out + p_s, S * alpha[:, None] + (beta * b_k)[:, None] * err[None, :], mask=m_s,
+             eviction_policy=EVICT)
     b_o = r_q + beta * kq * err
 
     # Head RMSNorm over V (shared weight) and output gate, with the op's roundings.

@@ -639,7 +639,7 @@ def kda_decode_fwd(qkv, conv_state, conv_weight, f, b, g, A_log, dt_bias, o_norm
     if cfg["kernel"] == "onepass":
         from .decode_onepass import kda_decode_onepass_fwd_kernel
         kda_decode_onepass_fwd_kernel[(B * H,)](*args, state.to(torch.float32).contiguous(), o, conv_out,
-                                                state_out, **common)
+                                                state_out, EVICT=cfg["evict"], **common)
     elif cfg["kernel"] == "vblock" and K % BV == 0:
         kda_decode_vblock_fwd_kernel[(B * H,)](*args, state.to(torch.float32).contiguous(), o, conv_out, state_out,
                                                BV=BV, STAGES=cfg["stages"], EVICT=cfg["evict"], **common)
