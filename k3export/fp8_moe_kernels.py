@@ -2,7 +2,7 @@
 CUDA graphs capture it). Two regimes, picked by the number of (token, expert) pairs P (`use_weight_only`):
 
     route:  the bf16 MoE kernels' fp32 router + top-k (`route_fwd`)             ids, w `[N, k]`
-    align:  pairs sorted by expert, blocks of BLOCK_M rows of one expert (`align_blocks`)
+    align:  pairs sorted by expert, blocks of BLOCK_M rows of one expert (`align_rows`: one launch for <= 4096 pairs)
   weight-only (few pairs, decode; z and h stay in z.dtype, z_scale and h_scale unused):
     gemm1:  h = SiTU_GLU(z (W1_e s_1)^T, z (W3_e s_3)^T) -> z.dtype           moe_fp8_wo_gemm1_fwd_kernel [blocks*BM, I]
     gemm2:  y = h (W2_e s_2)^T in fp32, rows back in pair order                moe_fp8_wo_gemm2_fwd_kernel [P, L]
@@ -30,7 +30,7 @@ import triton.language as tl
 
 from k3export.fp8 import WEIGHT_ONLY_OK, weight_only_unavailable
 from k3export.fp8_kernels import INTERPRET, fp8_quant_fwd
-from k3export.plugins.moe.kernels import _block_rows, _sigmoid, _tanh, align_blocks, moe_combine_fwd_kernel
+from k3export.plugins.moe.kernels import _plan_rows, _sigmoid, _tanh, align_rows, moe_combine_fwd_kernel
 from k3export.plugins.moe.naive import route
 from k3export.plugins.triton_common import dot_precision, pow2
 
@@ -38,13 +38,13 @@ _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl
 
 
 @triton.jit
-def moe_fp8_gemm1_fwd_kernel(z, z_scale, w13, s13, h, h_scale, order, block_expert, block_row, block_rows, I, L,
+def moe_fp8_gemm1_fwd_kernel(z, z_scale, w13, s13, h, h_scale, row_pair, block_expert, I, L,
                              stride_z, stride_we, stride_wn, stride_se, stride_h, beta, linear_beta,
                              TOP_K: tl.constexpr, PER_CHANNEL: tl.constexpr, FP8_DOT: tl.constexpr,
                              ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_K: tl.constexpr):
     """Block of one expert e, columns [n0, n0 + BLOCK_N) of I: h[pair] = E4M3 of SiTU_GLU(y1, y3) / s_h."""
-    e, pair, m_ok = _block_rows(order, block_expert, block_row, block_rows, BLOCK_M)
+    e, pair, m_ok = _plan_rows(row_pair, block_expert, BLOCK_M)
     if e < 0:
         return
     token = pair // TOP_K
@@ -83,12 +83,12 @@ def moe_fp8_gemm1_fwd_kernel(z, z_scale, w13, s13, h, h_scale, order, block_expe
 
 
 @triton.jit
-def moe_fp8_gemm2_fwd_kernel(h, h_scale, w2, s2, y, order, block_expert, block_row, block_rows, L, I,
+def moe_fp8_gemm2_fwd_kernel(h, h_scale, w2, s2, y, row_pair, block_expert, L, I,
                              stride_h, stride_we, stride_wn, stride_se, stride_y,
                              PER_CHANNEL: tl.constexpr, FP8_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Block of one expert e, columns [n0, n0 + BLOCK_N) of L: y[pair] = (h[pair] s_h) (W2_e s_2)^T -> y.dtype."""
-    e, pair, m_ok = _block_rows(order, block_expert, block_row, block_rows, BLOCK_M)
+    e, pair, m_ok = _plan_rows(row_pair, block_expert, BLOCK_M)
     if e < 0:
         return
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -115,14 +115,14 @@ def moe_fp8_gemm2_fwd_kernel(h, h_scale, w2, s2, y, order, block_expert, block_r
 
 
 @triton.jit
-def moe_fp8_wo_gemm1_fwd_kernel(z, w13, s13, h, order, block_expert, block_row, block_rows, I, L, stride_z,
+def moe_fp8_wo_gemm1_fwd_kernel(z, w13, s13, h, row_pair, block_expert, I, L, stride_z,
                                 stride_we, stride_wn, stride_se, stride_h, beta, linear_beta,
                                 TOP_K: tl.constexpr, PER_CHANNEL: tl.constexpr, DOT_PREC: tl.constexpr,
                                 WIDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                 BLOCK_K: tl.constexpr):
     """Block pb of one expert e, columns [n0, n0 + BLOCK_N) of I: h = SiTU_GLU(z (W1_e s_1)^T, z (W3_e s_3)^T)."""
     pb = tl.program_id(0)
-    e, pair, m_ok = _block_rows(order, block_expert, block_row, block_rows, BLOCK_M)
+    e, pair, m_ok = _plan_rows(row_pair, block_expert, BLOCK_M)
     if e < 0:
         return
     token = pair // TOP_K
@@ -155,13 +155,13 @@ def moe_fp8_wo_gemm1_fwd_kernel(z, w13, s13, h, order, block_expert, block_row, 
 
 
 @triton.jit
-def moe_fp8_wo_gemm2_fwd_kernel(h, w2, s2, y, order, block_expert, block_row, block_rows, L, I, stride_h,
+def moe_fp8_wo_gemm2_fwd_kernel(h, w2, s2, y, row_pair, block_expert, L, I, stride_h,
                                 stride_we, stride_wn, stride_se, stride_y, PER_CHANNEL: tl.constexpr,
                                 DOT_PREC: tl.constexpr, WIDEN: tl.constexpr, BLOCK_M: tl.constexpr,
                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Block pb of one expert e, columns [n0, n0 + BLOCK_N) of L: y[pair] = h_rows (W2_e s_2)^T in fp32."""
     pb = tl.program_id(0)
-    e, pair, m_ok = _block_rows(order, block_expert, block_row, block_rows, BLOCK_M)
+    e, pair, m_ok = _plan_rows(row_pair, block_expert, BLOCK_M)
     if e < 0:
         return
     offs_m = tl.arange(0, BLOCK_M)
@@ -219,7 +219,7 @@ def moe_fp8_wo(top, w, z, w13, w2, w13_scale, w2_scale, top_k, beta, linear_beta
     N, L = z.shape
     E, I = w13.shape[0], w2.shape[-1]
     bm = 16
-    order, block_expert, block_row, block_rows = align_blocks(top, E, bm)
+    row_pair, block_expert = align_rows(top.int(), E, bm)
     MB = block_expert.shape[0]
     z = z.contiguous()
     h = torch.empty(MB * bm, I, dtype=z.dtype, device=z.device)                    # block-row order
@@ -231,10 +231,10 @@ def moe_fp8_wo(top, w, z, w13, w2, w13_scale, w2_scale, top_k, beta, linear_beta
     common = dict(PER_CHANNEL=pc, DOT_PREC=prec, WIDEN=INTERPRET, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                   num_warps=warps, num_stages=1 if INTERPRET else stages)
     moe_fp8_wo_gemm1_fwd_kernel[(MB, triton.cdiv(I, bn))](
-        z, w13, s13, h, order, block_expert, block_row, block_rows, I, L, z.stride(0), w13.stride(0),
+        z, w13, s13, h, row_pair, block_expert, I, L, z.stride(0), w13.stride(0),
         w13.stride(1), s13.stride(0) if pc else 1, h.stride(0), beta, linear_beta, TOP_K=top_k, **common)
     moe_fp8_wo_gemm2_fwd_kernel[(MB, triton.cdiv(L, bn))](
-        h, w2, s2, y, order, block_expert, block_row, block_rows, L, I, h.stride(0), w2.stride(0), w2.stride(1),
+        h, w2, s2, y, row_pair, block_expert, L, I, h.stride(0), w2.stride(0), w2.stride(1),
         s2.stride(0) if pc else 1, y.stride(0), **common)
     return _combine(y, w, N, L, top_k, z.dtype)
 
@@ -257,7 +257,7 @@ def moe_fp8_grouped(x, z, gate_weight, bias, w13, w2, w13_scale, w2_scale, z_sca
     elif weight_only:
         return moe_fp8_wo(top, w, z, w13, w2, w13_scale, w2_scale, top_k, beta, linear_beta)
     block_m = 16 if P <= 4 * E else 64
-    order, block_expert, block_row, block_rows = align_blocks(top, E, block_m)
+    row_pair, block_expert = align_rows(top.int(), E, block_m)
     MB = block_expert.shape[0]
     zq, _ = fp8_quant_fwd(z, z_scale)
     h = torch.empty(P, I, dtype=torch.float32 if INTERPRET else w13.dtype, device=z.device)   # pair order
@@ -267,12 +267,12 @@ def moe_fp8_grouped(x, z, gate_weight, bias, w13, w2, w13_scale, w2_scale, z_sca
     common = dict(FP8_DOT=not INTERPRET, BLOCK_M=block_m, BLOCK_K=128, num_warps=4,
                   num_stages=1 if INTERPRET else 3)
     moe_fp8_gemm1_fwd_kernel[(MB, triton.cdiv(I, 64))](
-        zq, z_scale.float().reshape(1), w13, s13, h, h_scale.float().reshape(1), order, block_expert, block_row,
-        block_rows, I, L, zq.stride(0), w13.stride(0), w13.stride(1), s13.stride(0) if pc else 1, h.stride(0),
+        zq, z_scale.float().reshape(1), w13, s13, h, h_scale.float().reshape(1), row_pair, block_expert, I,
+        L, zq.stride(0), w13.stride(0), w13.stride(1), s13.stride(0) if pc else 1, h.stride(0),
         beta, linear_beta, TOP_K=top_k, PER_CHANNEL=pc, ROUND=_TL[z.dtype], BLOCK_N=64, **common)
     if INTERPRET:
         h = h.to(w13.dtype)
     moe_fp8_gemm2_fwd_kernel[(MB, triton.cdiv(L, 64))](
-        h, h_scale.float().reshape(1), w2, s2, y, order, block_expert, block_row, block_rows, L, I, h.stride(0),
+        h, h_scale.float().reshape(1), w2, s2, y, row_pair, block_expert, L, I, h.stride(0),
         w2.stride(0), w2.stride(1), s2.stride(0) if pc else 1, y.stride(0), PER_CHANNEL=pc, BLOCK_N=64, **common)
     return _combine(y, w, N, L, top_k, z.dtype)

@@ -48,7 +48,7 @@ def _weights(E, d, L, I, dtype, device="cpu", gen=None):
 
 def _interpreter_cases() -> dict:
     """Every CPU case, run in this process under TRITON_INTERPRET=1 -> {case: relative error or flag}."""
-    from k3export.plugins.moe.kernels import TILINGS, align_rows, moe_routed_fwd, route_fwd
+    from k3export.plugins.moe.kernels import TILINGS, MoeTiles, align_rows, moe_routed_fwd, route_fwd
     res = {}
     N, d, E, I, L, k = 7, 48, 12, 40, 24, 4          # 28 pairs over 12 experts: some get none
     for name, dt in DTYPES.items():
@@ -114,6 +114,21 @@ def _interpreter_cases() -> dict:
         for name, t in tilings.items():
             u = moe_routed_fwd(x, z, *w16, k, True, 1.0, tiles=t, **SITU)
             res[f"tiles-{regime}-{name}"] = _rel(u, ref)
+    # Tail rows (MoeTiles.tail): 140 tokens top-2 over 3 experts, expert 0 hot (every token: 140 rows, past a
+    # 128-row BLOCK_M into the tail), the others ~70 rows; every prefill tiling with a tail, and small tail
+    # tilings (16 + 16 rows: several blocks per expert, blocks ending inside the tail or before it).
+    torch.manual_seed(5)
+    xt, zt = torch.randn(140, d, dtype=torch.float16), torch.randn(140, 16, dtype=torch.float16)
+    wt = list(_weights(3, d, 16, 32, torch.float16))
+    wt[1][0] = 50.0
+    ref = moe_sorted(xt.double(), zt.double(), wt[0].double(), wt[1], *(t.double() for t in wt[2:]), 2, True, 1.0,
+                     **SITU)
+    tail_tilings = {f"prefill-{n}": t for n, t in TILINGS["prefill"].items() if t.tail}
+    tail_tilings.update({f"small-{tma or 'ptr'}": MoeTiles(16, (32, 32, 4, 1), (32, 32, 4, 1), 1, tma, True, False, 16)
+                         for tma in ("", "w", "aw")})
+    for name, t in tail_tilings.items():
+        u = moe_routed_fwd(xt, zt, *wt, 2, True, 1.0, tiles=t, **SITU)
+        res[f"tail-{name}"] = _rel(u, ref)
     # Rows of 20 fp16 (40 bytes) cannot be TMA rows: the TMA tilings fall back to pointer loads.
     torch.manual_seed(4)
     x20, z20 = torch.randn(N, d, dtype=torch.float16), torch.randn(N, 20, dtype=torch.float16)
@@ -158,6 +173,17 @@ def _tiling_names():
 @pytest.mark.parametrize("tiles", _tiling_names() + ["tma-unaligned-rows"])
 def test_interpreted_tilings(interp, tiles):
     assert interp[f"tiles-{tiles}"] < FP16_BOUND, interp
+
+
+def _tail_names():
+    from k3export.plugins.moe.kernels import TILINGS
+    return [f"prefill-{n}" for n, t in TILINGS["prefill"].items() if t.tail] + ["small-ptr", "small-w", "small-aw"]
+
+
+@pytest.mark.parametrize("tiles", _tail_names())
+def test_interpreted_tail_rows(interp, tiles):
+    """Experts with more rows than a block's BLOCK_M (the tail dot used), a hot expert over several blocks."""
+    assert interp[f"tail-{tiles}"] < FP16_BOUND, interp
 
 
 @pytest.mark.parametrize("flag", ["route-ids-fp32", "route-ids-fp16", "ties-lower-id-first", "bad-shape-named",
@@ -227,10 +253,10 @@ def k3_case(k3_experts):
 def test_moe_tilings_k3_shapes(k3_experts, k3_case, tiles):
     """Every named tiling at K3 size vs moe_sorted, on the rows whose routing is clear (a near-tie may pick
     another expert under other rounding): prefill tilings at 2048 tokens (32768 pairs, ~37 rows per expert),
-    decode tilings at 5."""
+    decode tilings at 5, tilings with tail rows at 8192 (~146 rows per expert: the tail dot in use)."""
     from k3export.plugins.moe.kernels import TILINGS, moe_routed_fwd
     regime, name = tiles.split("-", 1)
-    x, z, ref, clear = k3_case(2048 if regime == "prefill" else 5)
+    x, z, ref, clear = k3_case(5 if regime == "decode" else 8192 if TILINGS[regime][name].tail else 2048)
     u = moe_routed_fwd(x, z, *k3_experts, 16, True, 1.0, tiles=TILINGS[regime][name], **SITU)
     err = ((u.double() - ref.double())[clear].abs().max() / ref.double().abs().max()).item()
     print(f"moe_routed tiles {tiles}: rel err {err:.2e} on {int(clear.sum())}/{len(clear)} clear rows")

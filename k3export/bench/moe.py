@@ -74,18 +74,18 @@ def stage_ms(w, x, z, cfg) -> dict:
     from k3export.plugins.moe import kernels as Km
     g, b, w1, w3, w2 = w
     ids, wt, _ = Km.route_fwd(x, g, b, K, True, 1.0, cfg.lean_route)
-    plan = Km.align_rows(ids, E, cfg.block_m, cfg.fused_align)
+    plan = Km.align_rows(ids, E, cfg.rows, cfg.fused_align)
     h = Km.gemm1_fwd(z, w1, w3, plan, K, 4.0, 25.0, cfg)
     y = Km.gemm2_fwd(h, w2, plan, ids.numel(), cfg)
     r = {"route": bench_ms(lambda: Km.route_fwd(x, g, b, K, True, 1.0, cfg.lean_route)),
-         "align": bench_ms(lambda: Km.align_rows(ids, E, cfg.block_m, cfg.fused_align)),
+         "align": bench_ms(lambda: Km.align_rows(ids, E, cfg.rows, cfg.fused_align)),
          "gemm1": bench_ms(lambda: Km.gemm1_fwd(z, w1, w3, plan, K, 4.0, 25.0, cfg)),
          "gemm2": bench_ms(lambda: Km.gemm2_fwd(h, w2, plan, ids.numel(), cfg)),
          "combine": bench_ms(lambda: Km.combine_fwd(y, wt, z.dtype))}
     if cfg.tma == "aw":
         r["gather"] = bench_ms(lambda: z.index_select(0, plan[0].clamp(min=0) // K))
     r["blocks_used"] = int((plan[1] >= 0).sum())
-    r["rows_useful"] = ids.numel() / (r["blocks_used"] * cfg.block_m)
+    r["rows_useful"] = ids.numel() / (r["blocks_used"] * cfg.rows)   # rows issued to the MMA: all of each block
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}
 
 
@@ -103,6 +103,12 @@ def run_sweep(w, regime: str, tokens, ceiling: float, deadline: float, eager: bo
         hit = int(torch.unique(ids).numel())
         nbytes = hit * 3 * I * L * 2 + g.numel() * 2
         flops = N * K * 6 * L * I
+        floors = {}
+        if regime == "prefill":      # the two floors: useful FLOPs at the matmul rate, expert weights once at copy bw
+            floors = {"flop_floor_ms": flops / ceiling * 1e3,
+                      "weights_floor_ms": 3 * E * I * L * 2 / copy_bandwidth() * 1e3}
+            floors["cap_frac_matmul"] = floors["flop_floor_ms"] / max(floors.values())
+            print(_fmt({"regime": regime, "tokens": N, **floors}), flush=True)
         base = None
         for name, cfg in Km.TILINGS[regime].items():
             if time.monotonic() > deadline:
@@ -122,8 +128,8 @@ def run_sweep(w, regime: str, tokens, ceiling: float, deadline: float, eager: bo
                     r["graph_frac_copy"] = nbytes / r["graph_ms"] / 1e-3 / ceiling
                 else:
                     r.update({"TFLOP/s": flops / r["ms"] / 1e9, "frac_matmul": flops / r["ms"] / 1e-3 / ceiling,
-                              "weights_floor_ms": 3 * E * I * L * 2 / copy_bandwidth() * 1e3})
-                if name == "old" or N == (8192 if regime == "prefill" else 1):
+                              **floors})
+                if name == "old" or N == (8192 if regime == "prefill" else 1) or cfg.tail:
                     r["stages_ms"] = stage_ms(w, x, z, cfg)
             except Exception as e:                                  # a tiling that does not compile / fit
                 r["error"] = f"{type(e).__name__}: {str(e)[:200]}"
@@ -162,3 +168,16 @@ def moe(out: Path, quick: bool, budget_s: float) -> None:
     res["decode"] = run_sweep(w, "decode", (1, 64) if quick else (1, 4, 16, 64), bw, t0 + budget_s, True)
     (out / "moe.json").write_text(json.dumps(res, indent=1))
     print(f"wrote {out / 'moe.json'}")
+    summary(res)
+
+
+def summary(res: dict) -> None:
+    """The short table last: ms (and % of the ceiling) per tiling and token count, stage ms where timed."""
+    for sec, key, fig in (("prefill", "ms", "frac_matmul"), ("decode", "graph_ms", "graph_frac_copy")):
+        for r in res.get(sec, []):
+            if key in r:
+                st = r.get("stages_ms", {})
+                extra = "  ".join(f"{k} {v}" for k, v in st.items())
+                print(f"{sec:7s} {r['tokens']:6d} {r['tiles']:18s} {r[key]:9.3f} ms {100 * r.get(fig, 0):5.1f}%  {extra}")
+            elif "error" in r:
+                print(f"{sec:7s} {r['tokens']:6d} {r['tiles']:18s} {r['error'][:90]}")

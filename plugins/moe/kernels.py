@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..launch import launch, size_bound
 from ..triton_common import check, dot_precision, pow2
 from .op import moe_routed
 
@@ -132,51 +133,28 @@ def route_fwd(x, gate_weight, bias, top_k: int, renormalize: bool, scaling: floa
         x, gate_weight = x.float(), gate_weight.float()
     x, gate_weight = x.contiguous(), gate_weight.contiguous()
     s = torch.empty(N, E, device=x.device, dtype=torch.float32)
-    block_m = 16 if N <= 16 else 64
-    block_e = 16 if N <= 16 else 64
+    block_m = 16 if size_bound(N) <= 16 else 64          # size_bound: a traced N takes its largest value
+    block_e = 16 if size_bound(N) <= 16 else 64
     block_d = 128 if x.dtype != torch.float32 else 32
-    splits = 8 if lean and N <= ROUTE_SPLIT_MAX_N else 1
+    splits = 8 if lean and size_bound(N) <= ROUTE_SPLIT_MAX_N else 1
     part = torch.empty(splits, N, E, device=x.device, dtype=torch.float32) if splits > 1 else s
-    moe_router_fwd_kernel[(triton.cdiv(N, block_m), triton.cdiv(E, block_e), splits)](
+    launch(moe_router_fwd_kernel)[(triton.cdiv(N, block_m), triton.cdiv(E, block_e), splits)](
         x, gate_weight, part, N, E, D, x.stride(0), gate_weight.stride(0), triton.cdiv(D, splits * block_d) * block_d,
         BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_D=block_d, SIGMOID=splits == 1, DOT_PREC=dot_precision(x.dtype),
         num_warps=4, num_stages=3 if x.dtype != torch.float32 else 1)
     ids = torch.empty(N, top_k, device=x.device, dtype=torch.int32)
     w = torch.empty(N, top_k, device=x.device, dtype=torch.float32)
-    moe_topk_fwd_kernel[(N,)](s, part, bias.contiguous(), ids, w, N, E, scaling, K=top_k, BLOCK_K=pow2(top_k, 2),
-                              BLOCK_E=pow2(E), RENORM=bool(renormalize and top_k > 1), SPLITS=splits,
-                              PACKED=lean, num_warps=4)
+    launch(moe_topk_fwd_kernel)[(N,)](s, part, bias.contiguous(), ids, w, N, E, scaling, K=top_k,
+                                      BLOCK_K=pow2(top_k, 2), BLOCK_E=pow2(E), RENORM=bool(renormalize and top_k > 1),
+                                      SPLITS=splits, PACKED=lean, num_warps=4)
     return ids, w, s
 
 
-# ---------------------------------------------------------------------------------------------- alignment
-def align_blocks(ids: torch.Tensor, E: int, block_m: int):
-    """Sort the N*k (token, slot) pairs by expert and cut each expert's run into blocks of block_m rows.
-
-    Returns order `[P]` (pair ids sorted by expert, stable), block_expert `[MB]` (-1 past the last block),
-    block_row `[MB]` (first row of the block in `order`), block_rows `[MB]` (valid rows, <= block_m), with the
-    static bound MB = ceil(P / block_m) + min(E, P): each hit expert wastes at most one partial block."""
-    flat = ids.reshape(-1).long()
-    P = flat.numel()
-    order = torch.argsort(flat, stable=True).to(torch.int32)
-    counts = torch.zeros(E, device=ids.device, dtype=torch.int64).scatter_add_(0, flat, torch.ones_like(flat))
-    blocks = (counts + block_m - 1) // block_m
-    block_end = torch.cumsum(blocks, 0)
-    pair_end = torch.cumsum(counts, 0)
-    MB = triton.cdiv(P, block_m) + min(E, P)
-    b = torch.arange(MB, device=ids.device)
-    e = torch.searchsorted(block_end, b, right=True)
-    valid = e < E
-    ec = e.clamp(max=E - 1)
-    row = pair_end[ec] - counts[ec] + (b - (block_end[ec] - blocks[ec])) * block_m
-    rows = (pair_end[ec] - row).clamp(0, block_m)
-    return (order, torch.where(valid, e, -1).to(torch.int32), row.to(torch.int32),
-            torch.where(valid, rows, 0).to(torch.int32))
-
-
 # ---------------------------------------------------------------------------------------------- row plan
-# The GEMMs below read a "row plan": row_pair `[MB * BM]` int32, the (token, slot) pair of each row of each
-# block (-1: a padding row), and block_expert `[MB]` (-1: an unused block). Same static bound MB as above.
+# The GEMMs below read a "row plan": the N*k (token, slot) pairs sorted by expert (stable) and cut into blocks of
+# BM rows of one expert: row_pair `[MB * BM]` int32, the pair of each row of each block (-1: a padding row; the
+# valid rows are a prefix of each block), and block_expert `[MB]` (-1: an unused block), with the static bound
+# MB = ceil(N k / BM) + min(E, N k): each hit expert wastes at most one partial block.
 ALIGN_FUSED_MAX = 4096          # pairs up to which the one-program align kernel runs (one launch, not ~20)
 
 
@@ -210,18 +188,19 @@ def moe_align_fwd_kernel(ids, row_pair, block_expert, off, P, E, MB,
 
 
 def align_rows(ids: torch.Tensor, E: int, block_m: int, fused: bool = True):
-    """ids `[N, k]` -> (row_pair `[MB * block_m]` int32, block_expert `[MB]` int32), MB the static bound of
-    `align_blocks`. fused: one Triton program while N k <= ALIGN_FUSED_MAX; torch ops otherwise (no host sync
+    """ids `[N, k]` -> (row_pair `[MB * block_m]` int32, block_expert `[MB]` int32), MB the static bound above
+    (block_m need not be a power of two). fused: one Triton program while N k <= ALIGN_FUSED_MAX; torch ops otherwise (no host sync
     either way)."""
     flat = ids.reshape(-1)
     P = flat.numel()
-    MB = triton.cdiv(P, block_m) + min(E, P)
+    MB = triton.cdiv(P, block_m) + torch.sym_min(E, P)
     row_pair = torch.empty(MB * block_m, device=ids.device, dtype=torch.int32)
     block_expert = torch.empty(MB, device=ids.device, dtype=torch.int32)
-    if fused and P <= ALIGN_FUSED_MAX:
+    if fused and size_bound(P) <= ALIGN_FUSED_MAX:
         off = torch.empty(E, device=ids.device, dtype=torch.int32)
-        moe_align_fwd_kernel[(1,)](flat, row_pair, block_expert, off, P, E, MB, BLOCK_M=block_m, P_PAD=pow2(P),
-                                   E_PAD=pow2(E + 1), MB_PAD=pow2(MB + 1), FILL=1024, num_warps=8)
+        launch(moe_align_fwd_kernel)[(1,)](flat, row_pair, block_expert, off, P, E, MB, BLOCK_M=block_m,
+                                           P_PAD=pow2(size_bound(P)), E_PAD=pow2(E + 1),
+                                           MB_PAD=pow2(size_bound(MB) + 1), FILL=1024, num_warps=8)
         return row_pair, block_expert
     flat = flat.long()
     order = torch.argsort(flat, stable=True)
@@ -238,15 +217,12 @@ def align_rows(ids: torch.Tensor, E: int, block_m: int, fused: bool = True):
 
 # ---------------------------------------------------------------------------------------------- experts
 @triton.jit
-def _block_rows(order, block_expert, block_row, block_rows, BLOCK_M: tl.constexpr):
-    """(`align_blocks` layout, used by k3export/fp8_moe_kernels.py) This program's expert (-1: an unused block),
-    its (token, slot) pair ids and their row mask."""
+def _plan_rows(row_pair, block_expert, BLOCK_M: tl.constexpr):
+    """(used by k3export/fp8_moe_kernels.py) Program pb's expert (-1: an unused block), the pair ids of its
+    BLOCK_M rows (0 on padding rows) and their row mask."""
     pb = tl.program_id(0)
-    e = tl.load(block_expert + pb)
-    offs_m = tl.arange(0, BLOCK_M)
-    m_ok = offs_m < tl.load(block_rows + pb)
-    pair = tl.load(order + tl.load(block_row + pb) + offs_m, mask=m_ok, other=0)    # invalid blocks: 0 rows
-    return e, pair, m_ok
+    pair = tl.load(row_pair + pb * BLOCK_M + tl.arange(0, BLOCK_M))
+    return tl.load(block_expert + pb), tl.maximum(pair, 0), pair >= 0
 
 
 @triton.jit
@@ -264,17 +240,21 @@ def _tile(pid, MB, NT, group_m):
 def moe_gemm1_fwd_kernel(a, w1, w3, h, row_pair, block_expert, MB, L, I, stride_an, stride_we, stride_wi,
                          stride_hm, group_m, beta, linear_beta, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A_DESC: tl.constexpr,
-                         W_DESC: tl.constexpr, DOT_PREC: tl.constexpr):
+                         W_DESC: tl.constexpr, DOT_PREC: tl.constexpr, TAIL: tl.constexpr = 0, a_tail=None):
     """Block pb, columns [n0, n0 + BLOCK_N) of I: h = SiTU_GLU(z_rows W1_e^T, z_rows W3_e^T) -> h.dtype.
 
     a: z `[N, L]` (rows gathered by token) or, A_DESC, a TMA descriptor over z already in row-plan order
     `[MB * BM, L]`; W_DESC: w1/w3 are TMA descriptors over `[E * I, L]` (a tile past I reads the next expert's
-    rows: those columns are computed and not stored)."""
+    rows: those columns are computed and not stored). TAIL > 0: a block is BLOCK_M + TAIL rows, the last TAIL in
+    a second, smaller dot on the same weight tiles (each weight tile is loaded once for all BLOCK_M + TAIL rows,
+    and a block that needs a few rows past BLOCK_M issues TAIL more, not BLOCK_M); with A_DESC their A tiles come
+    through a_tail, a descriptor over the same rows with [TAIL, BLOCK_K] boxes."""
     pb, pn = _tile(tl.program_id(0), MB, tl.cdiv(I, BLOCK_N), group_m)
     e = tl.load(block_expert + pb)
     if e < 0:
         return
-    offs_m = pb * BLOCK_M + tl.arange(0, BLOCK_M)
+    row0 = pb * (BLOCK_M + TAIL)
+    offs_m = row0 + tl.arange(0, BLOCK_M)
     pair = tl.load(row_pair + offs_m)
     m_ok = pair >= 0
     token = tl.maximum(pair, 0) // TOP_K
@@ -283,13 +263,21 @@ def moe_gemm1_fwd_kernel(a, w1, w3, h, row_pair, block_expert, MB, L, I, stride_
     offs_k = tl.arange(0, BLOCK_K)
     if not A_DESC:
         a_ptr = a + token[:, None].to(tl.int64) * stride_an + offs_k[None, :]
+    if TAIL > 0:
+        offs_t = row0 + BLOCK_M + tl.arange(0, TAIL)
+        pair_t = tl.load(row_pair + offs_t)
+        t_ok = pair_t >= 0
+        if not A_DESC:
+            at_ptr = a + (tl.maximum(pair_t, 0) // TOP_K)[:, None].to(tl.int64) * stride_an + offs_k[None, :]
+        acc1t = tl.zeros([TAIL, BLOCK_N], tl.float32)
+        acc3t = tl.zeros([TAIL, BLOCK_N], tl.float32)
     w_off = e.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wi + offs_k[:, None]  # [BK, BN]
     acc1 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc3 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, L, BLOCK_K):
         k_ok = (k0 + offs_k) < L
         if A_DESC:
-            x = a.load([pb * BLOCK_M, k0])
+            x = a.load([row0, k0])
         else:
             x = tl.load(a_ptr + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         if W_DESC:
@@ -300,22 +288,35 @@ def moe_gemm1_fwd_kernel(a, w1, w3, h, row_pair, block_expert, MB, L, I, stride_
             b3 = tl.load(w3 + w_off + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         acc1 = tl.dot(x, b1, acc=acc1, input_precision=DOT_PREC)
         acc3 = tl.dot(x, b3, acc=acc3, input_precision=DOT_PREC)
+        if TAIL > 0:
+            if A_DESC:
+                xt = a_tail.load([row0 + BLOCK_M, k0])
+            else:
+                xt = tl.load(at_ptr + k0, mask=t_ok[:, None] & k_ok[None, :], other=0.0)
+            acc1t = tl.dot(xt, b1, acc=acc1t, input_precision=DOT_PREC)
+            acc3t = tl.dot(xt, b3, acc=acc3t, input_precision=DOT_PREC)
     act = beta * _tanh(acc1 / beta) * _sigmoid(acc1) * (linear_beta * _tanh(acc3 / linear_beta))
     h_ptr = h + offs_m[:, None].to(tl.int64) * stride_hm + offs_n[None, :]
     tl.store(h_ptr, act.to(h.dtype.element_ty), mask=n_ok[None, :])
+    if TAIL > 0:
+        act_t = beta * _tanh(acc1t / beta) * _sigmoid(acc1t) * (linear_beta * _tanh(acc3t / linear_beta))
+        tl.store(h + offs_t[:, None].to(tl.int64) * stride_hm + offs_n[None, :], act_t.to(h.dtype.element_ty),
+                 mask=n_ok[None, :])
 
 
 @triton.jit
 def moe_gemm2_fwd_kernel(h, w2, y, row_pair, block_expert, MB, L, I, stride_hm, stride_we, stride_wl, stride_yp,
                          group_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         A_DESC: tl.constexpr, W_DESC: tl.constexpr, DOT_PREC: tl.constexpr):
+                         A_DESC: tl.constexpr, W_DESC: tl.constexpr, DOT_PREC: tl.constexpr,
+                         TAIL: tl.constexpr = 0, a_tail=None):
     """Block pb, columns [n0, n0 + BLOCK_N) of L: y[pair] = h_rows W2_e^T in fp32, rows back in pair order.
-    A_DESC / W_DESC: h `[MB * BM, I]` / w2 `[E * L, I]` are TMA descriptors."""
+    A_DESC / W_DESC: h `[MB * BM, I]` / w2 `[E * L, I]` are TMA descriptors. TAIL, a_tail: as in gemm1."""
     pb, pn = _tile(tl.program_id(0), MB, tl.cdiv(L, BLOCK_N), group_m)
     e = tl.load(block_expert + pb)
     if e < 0:
         return
-    offs_m = pb * BLOCK_M + tl.arange(0, BLOCK_M)
+    row0 = pb * (BLOCK_M + TAIL)
+    offs_m = row0 + tl.arange(0, BLOCK_M)
     pair = tl.load(row_pair + offs_m)
     offs_n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < L
@@ -324,11 +325,17 @@ def moe_gemm2_fwd_kernel(h, w2, y, row_pair, block_expert, MB, L, I, stride_hm, 
         a_ptr = h + offs_m[:, None].to(tl.int64) * stride_hm + offs_k[None, :]
     if not W_DESC:
         w_ptr = w2 + e.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wl + offs_k[:, None]
+    if TAIL > 0:
+        offs_t = row0 + BLOCK_M + tl.arange(0, TAIL)
+        pair_t = tl.load(row_pair + offs_t)
+        if not A_DESC:
+            at_ptr = h + offs_t[:, None].to(tl.int64) * stride_hm + offs_k[None, :]
+        acc_t = tl.zeros([TAIL, BLOCK_N], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, I, BLOCK_K):
         k_ok = (k0 + offs_k) < I
         if A_DESC:
-            x = h.load([pb * BLOCK_M, k0])
+            x = h.load([row0, k0])
         else:
             x = tl.load(a_ptr + k0, mask=k_ok[None, :], other=0.0)
         if W_DESC:
@@ -336,8 +343,17 @@ def moe_gemm2_fwd_kernel(h, w2, y, row_pair, block_expert, MB, L, I, stride_hm, 
         else:
             b = tl.load(w_ptr + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(x, b, acc=acc, input_precision=DOT_PREC)
+        if TAIL > 0:
+            if A_DESC:
+                xt = a_tail.load([row0 + BLOCK_M, k0])
+            else:
+                xt = tl.load(at_ptr + k0, mask=k_ok[None, :], other=0.0)
+            acc_t = tl.dot(xt, b, acc=acc_t, input_precision=DOT_PREC)
     tl.store(y + pair[:, None].to(tl.int64) * stride_yp + offs_n[None, :], acc,
              mask=(pair >= 0)[:, None] & n_ok[None, :])
+    if TAIL > 0:
+        tl.store(y + pair_t[:, None].to(tl.int64) * stride_yp + offs_n[None, :], acc_t,
+                 mask=(pair_t >= 0)[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -358,7 +374,8 @@ class MoeTiles:
     """One tiling of the expert GEMMs. gemm1 / gemm2: (BLOCK_N, BLOCK_K, num_warps, num_stages). group_m: see
     `_tile` (a large value = one column tile across all blocks). tma: "" pointer loads; "w": expert weights
     through TMA descriptors; "aw": the A operand too (z gathered into row-plan order first, one extra pass).
-    fused_align: the one-program align kernel for small N k. lean_route: `route_fwd(lean=True)`."""
+    fused_align: the one-program align kernel for small N k. lean_route: `route_fwd(lean=True)`. tail: rows of
+    each block past block_m, in a second dot on the same weight tiles (kernel docstring)."""
     block_m: int
     gemm1: tuple
     gemm2: tuple
@@ -366,6 +383,12 @@ class MoeTiles:
     tma: str = ""
     fused_align: bool = True
     lean_route: bool = False
+    tail: int = 0
+
+    @property
+    def rows(self) -> int:
+        """Rows per block of the row plan."""
+        return self.block_m + self.tail
 
 
 # Tilings per regime, selectable by name (`k3export bench moe` times them all; tests check them all on the GPU).
@@ -379,11 +402,11 @@ TILINGS = {
                "fused-lean-tma": MoeTiles(16, (32, 64, 4, 6), (32, 64, 4, 6), _ALL, "w", True, True)},
     "prefill": {"old": MoeTiles(64, (64, 64, 4, 4), (128, 64, 4, 4), _ALL, "", False),
                 "m128-tma-aw": MoeTiles(128, (128, 64, 8, 3), (256, 64, 8, 3), 1, "aw", False, True),
-                "m64-tma-aw": MoeTiles(64, (128, 64, 4, 4), (256, 64, 4, 3), 1, "aw", False, True),
-                "m64-n256-tma-aw": MoeTiles(64, (256, 32, 8, 4), (256, 64, 8, 3), 1, "aw", False, True),
-                "m128-tma-aw-g4": MoeTiles(128, (128, 64, 8, 3), (128, 64, 8, 4), 4, "aw", False, True),
-                "m64-nfast": MoeTiles(64, (64, 64, 4, 4), (128, 64, 4, 4), 1, "", False),
-                "m128-tma-w": MoeTiles(128, (128, 64, 8, 3), (256, 64, 8, 3), 1, "w", False, True)},
+                "m128-tma-w": MoeTiles(128, (128, 64, 8, 3), (256, 64, 8, 3), 1, "w", False, True),
+                "m128t64-aw": MoeTiles(128, (64, 64, 8, 4), (128, 64, 8, 4), 1, "aw", False, True, 64),
+                "m128t64-aw-s3": MoeTiles(128, (64, 64, 8, 3), (128, 64, 8, 3), 1, "aw", False, True, 64),
+                "m128t64-aw-k128": MoeTiles(128, (64, 128, 8, 2), (128, 128, 8, 2), 1, "aw", False, True, 64),
+                "m64t32-aw8": MoeTiles(64, (64, 64, 8, 4), (128, 64, 8, 4), 1, "aw", False, True, 32)},
 }
 # Measured 2026-11-29 (docs/perf.md): decode 1..64 tokens "fused-lean" (CUDA-graph replay 0.30 ms at 1 token,
 # was 0.36; the plain call 0.37, was 0.64); prefill "m128-tma-w" at 4096 / 8192 tokens (19.3 / 31.3 ms, were
@@ -418,18 +441,23 @@ def gemm1_fwd(z, w1, w3, plan, top_k: int, beta: float, linear_beta: float, cfg:
     E, I, L = w1.shape
     MB, bm = block_expert.numel(), cfg.block_m
     bn, bk, warps, stages = cfg.gemm1
-    h = torch.empty(MB * bm, I, device=z.device, dtype=z.dtype)
+    h = torch.empty(MB * cfg.rows, I, device=z.device, dtype=z.dtype)
     if cfg.tma and not _tma_rows_ok(z, w1, w3, h):
         cfg = replace(cfg, tma="")
     a = z
+    tail = dict(TAIL=cfg.tail, a_tail=z) if cfg.tail else {}      # no tail: the launch the AOT chain mirrors
     if cfg.tma == "aw":          # z rows in plan order (padding rows: token 0, computed and never stored)
-        a = _desc(z.index_select(0, row_pair.clamp(min=0) // top_k), [bm, bk])
+        zp = z.index_select(0, row_pair.clamp(min=0) // top_k)
+        a = _desc(zp, [bm, bk])
+        if cfg.tail:
+            tail["a_tail"] = _desc(zp, [cfg.tail, bk])
     if cfg.tma:
         w1, w3 = _desc(w1.view(E * I, L), [bn, bk]), _desc(w3.view(E * I, L), [bn, bk])
-    moe_gemm1_fwd_kernel[(MB * triton.cdiv(I, bn),)](
-        a, w1, w3, h, row_pair, block_expert, MB, L, I, z.stride(0), I * L, L, h.stride(0), min(cfg.group_m, MB),
-        beta, linear_beta, TOP_K=top_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, A_DESC=cfg.tma == "aw",
-        W_DESC=bool(cfg.tma), DOT_PREC=dot_precision(z.dtype), num_warps=warps, num_stages=stages)
+    launch(moe_gemm1_fwd_kernel)[(MB * triton.cdiv(I, bn),)](
+        a, w1, w3, h, row_pair, block_expert, MB, L, I, z.stride(0), I * L, L, h.stride(0),
+        torch.sym_min(cfg.group_m, MB), beta, linear_beta, TOP_K=top_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        A_DESC=cfg.tma == "aw", W_DESC=bool(cfg.tma), DOT_PREC=dot_precision(z.dtype), num_warps=warps,
+        num_stages=stages, **tail)
     return h
 
 
@@ -443,11 +471,12 @@ def gemm2_fwd(h, w2, plan, n_pairs: int, cfg: MoeTiles):
     if cfg.tma and not _tma_rows_ok(h, w2):
         cfg = replace(cfg, tma="")
     a = _desc(h, [bm, bk]) if cfg.tma == "aw" else h
+    tail = dict(TAIL=cfg.tail, a_tail=_desc(h, [cfg.tail, bk]) if cfg.tma == "aw" else h) if cfg.tail else {}
     w = _desc(w2.view(E * L, I), [bn, bk]) if cfg.tma else w2
-    moe_gemm2_fwd_kernel[(MB * triton.cdiv(L, bn),)](
-        a, w, y, row_pair, block_expert, MB, L, I, h.stride(0), L * I, I, y.stride(0), min(cfg.group_m, MB),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, A_DESC=cfg.tma == "aw", W_DESC=bool(cfg.tma),
-        DOT_PREC=dot_precision(h.dtype), num_warps=warps, num_stages=stages)
+    launch(moe_gemm2_fwd_kernel)[(MB * triton.cdiv(L, bn),)](
+        a, w, y, row_pair, block_expert, MB, L, I, h.stride(0), L * I, I, y.stride(0),
+        torch.sym_min(cfg.group_m, MB), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, A_DESC=cfg.tma == "aw",
+        W_DESC=bool(cfg.tma), DOT_PREC=dot_precision(h.dtype), num_warps=warps, num_stages=stages, **tail)
     return y
 
 
@@ -457,7 +486,7 @@ def combine_fwd(y, w, dtype):
     L = y.shape[1]
     u = torch.empty(N, L, device=y.device, dtype=dtype)
     block_l = min(1024, pow2(L))
-    moe_combine_fwd_kernel[(N, triton.cdiv(L, block_l))](y, w, u, L, TOP_K=top_k, BLOCK_L=block_l, num_warps=4)
+    launch(moe_combine_fwd_kernel)[(N, triton.cdiv(L, block_l))](y, w, u, L, TOP_K=top_k, BLOCK_L=block_l, num_warps=4)
     return u
 
 
@@ -484,7 +513,7 @@ def moe_routed_fwd(x, z, gate_weight, bias, w1, w3, w2, top_k: int, renormalize:
     z, w1, w3, w2 = (t.contiguous() for t in (z, w1, w3, w2))        # no-ops for the usual stacked weights
     cfg = tiles or tiles_for(z, N * top_k, E, regime)
     ids, w, _ = route_fwd(x, gate_weight, bias, top_k, renormalize, scaling, cfg.lean_route)
-    plan = align_rows(ids, E, cfg.block_m, cfg.fused_align)
+    plan = align_rows(ids, E, cfg.rows, cfg.fused_align)
     h = gemm1_fwd(z, w1, w3, plan, top_k, beta, linear_beta, cfg)
     y = gemm2_fwd(h, w2, plan, N * top_k, cfg)
     return combine_fwd(y, w, z.dtype)

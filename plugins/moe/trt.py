@@ -174,6 +174,7 @@ def decode_steps(N, d: int, E: int, top_k: int, L: int, I: int, dtype: torch.dty
           f"chain; prefill needs an IPluginV3 (plugins/moe/CONTRACT.md)")
     check(not isinstance(N, int) or N <= max_tokens, f"moe trt: N {N} > max_tokens {max_tokens}")
     cfg = decode_tiles(dtype)
+    check(cfg.tail == 0, "moe trt: the AOT chain sizes its row plan by block_m: a decode tiling has no tail")
     bm = cfg.block_m
     P = N * top_k
     MB = plan_blocks(P, E, bm, minimum)
