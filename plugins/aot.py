@@ -53,14 +53,15 @@ class Launch:
 
 
 def compile_ptx(fn, signature: dict[str, str], constexprs: dict, num_warps: int, num_stages: int = 1,
-                arch: int = 90) -> CompiledKernel:
+                arch: int = 90, maxnreg: int | None = None) -> CompiledKernel:
     """Compile a `@triton.jit` kernel to PTX for sm_`arch` (no GPU needed: Triton ships ptxas).
 
     signature: every parameter of `fn` in order, `"*bf16"`-style for pointers, `"i32"`/`"fp32"` for scalars,
     `"constexpr"` for compile-time constants, whose values come in `constexprs`. Pointers are assumed 16-byte
-    aligned (TensorRT and torch allocations are).
+    aligned (TensorRT and torch allocations are). `maxnreg` caps registers per thread (a `.maxnreg` directive in
+    the PTX, so whoever JIT-compiles it keeps the cap), as the torch launcher's `maxnreg` launch option does.
     """
-    return _compile(fn, tuple(signature.items()), tuple(constexprs.items()), num_warps, num_stages, arch)
+    return _compile(fn, tuple(signature.items()), tuple(constexprs.items()), num_warps, num_stages, arch, maxnreg)
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,7 @@ def trt_desc(trtp, like, shape, dtype):
 
 
 @functools.lru_cache(maxsize=64)
-def _compile(fn, sig_items, constexpr_items, num_warps, num_stages, arch) -> CompiledKernel:
+def _compile(fn, sig_items, constexpr_items, num_warps, num_stages, arch, maxnreg) -> CompiledKernel:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -127,8 +128,8 @@ def _compile(fn, sig_items, constexpr_items, num_warps, num_stages, arch) -> Com
     names = list(signature)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in signature.items() if t.startswith("*")}
     src = ASTSource(fn, signature, constexprs, attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                              options=dict(num_warps=num_warps, num_stages=num_stages))
+    options = dict(num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}))
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
     md = compiled.metadata
     if getattr(md, "global_scratch_size", 0) or getattr(md, "profile_scratch_size", 0):
         raise ValueError(f"{md.name} needs Triton scratch memory; an AOT plugin has no workspace")

@@ -122,8 +122,7 @@ def test_prefill_interpreter_vs_recurrence():
     assert rel(o, o_ref) < FP32_BOUND and rel(S, S_ref) < FP32_BOUND
 
 
-DECODE_VARIANTS = [dict(kernel="fused"), dict(kernel="vblock", BV=16, stages=2, evict="evict_first"),
-                   dict(kernel="onepass")]
+DECODE_VARIANTS = [dict(kernel="fused"), dict(kernel="vblock", BV=16, stages=2, evict="evict_first")]
 
 
 @interpreted
@@ -163,6 +162,8 @@ def test_aot_decode_contract_compiles_on_cpu():
                           "state"] and names[10:] == ["o", "conv_out", "state_out"]
     assert launch.grid == (10, 1, 1) and launch.block[0] == 32 * kernels.decode_config(16, 4)["num_warps"]
     assert f".entry {launch.kernel.name}(" in launch.kernel.ptx and ".target sm_90" in launch.kernel.ptx
+    k3 = trt.decode_launch(B=1, H=96, K=128, W=4, dtype=torch.bfloat16)      # K3: the register cap travels in the PTX
+    assert ".maxnreg 168" in k3.kernel.ptx and ".maxnreg" not in launch.kernel.ptx
 
 
 def test_tensorrt_plugins():
@@ -285,10 +286,8 @@ def test_prefill_vs_fla_naive_recurrent():
                                      (7, 96, dict(kernel="fused")),
                                      (7, 96, dict(kernel="vblock", BV=32, stages=2)),
                                      (7, 96, dict(kernel="vblock", BV=64, stages=1, evict="evict_first")),
-                                     (7, 96, dict(kernel="onepass")), (64, 12, dict(kernel="onepass", maxnreg=168)),
-                                     (7, 96, dict(kernel="fused", maxnreg=168))],
-                         ids=["op-1-96", "op-7-96", "op-64-12", "fused", "vblock32", "vblock64", "onepass",
-                              "onepass-168", "fused-168"])
+                                     (7, 96, dict(kernel="fused", maxnreg=None))],
+                         ids=["op-1-96", "op-7-96", "op-64-12", "fused", "vblock32", "vblock64", "fused-uncapped"])
 def test_decode_k3_shapes(B, H, cfg):
     args = decode_inputs(B, H, 128, torch.bfloat16, "cuda")
     out = (kda_decode(*args, -5.0, 1e-5) if cfg is None             # dispatches to the Triton kernel

@@ -186,14 +186,9 @@ PREFILL_VARIANTS = {                                      # name -> overrides of
     "full, state BV32 2 stages": dict(intra="full", BV=32, state_stages=2),   # BV32/1 stage was wrong (21:15)
 }
 DECODE_VARIANTS = {                                       # name -> overrides of kernels.decode_config
-    "fused 4w": dict(kernel="fused", num_warps=4),
+    "fused 4w": dict(kernel="fused", num_warps=4),                              # maxnreg 168: 3 per SM
     "fused 8w": dict(kernel="fused", num_warps=8),
-    "onepass 4w": dict(kernel="onepass", num_warps=4),               # 189 registers: 2 programs per SM
-    "onepass 4w maxnreg168": dict(kernel="onepass", num_warps=4, maxnreg=168),   # 3 per SM, 72 B spilled
-    "onepass 4w maxnreg128": dict(kernel="onepass", num_warps=4, maxnreg=128),   # 4 per SM, 264 B spilled
-    "fused 4w maxnreg168": dict(kernel="fused", num_warps=4, maxnreg=168),       # 3 per SM, 112 B spilled
-    "onepass 4w evict": dict(kernel="onepass", num_warps=4, evict="evict_first"),
-    "onepass 4w maxnreg168 evict": dict(kernel="onepass", num_warps=4, maxnreg=168, evict="evict_first"),
+    "fused 4w uncapped": dict(kernel="fused", num_warps=4, maxnreg=None),       # 202 registers: 2 programs per SM
     "vblock128 evict 4w": dict(kernel="vblock", BV=128, stages=1, evict="evict_first", num_warps=4),
     "vblock64 s2 4w": dict(kernel="vblock", BV=64, stages=2, num_warps=4),
     "vblock32 s2 4w": dict(kernel="vblock", BV=32, stages=2, num_warps=4),

@@ -527,13 +527,16 @@ def prefill_config(K: int, V: int) -> dict:
 
 
 def decode_config(K: int, W: int) -> dict:
-    """`kernel`: "fused" (`kda_decode_fwd_kernel`, the whole [K, V] state per program; the AOT contract's kernel),
-    "onepass" (decode_onepass.py: both state reductions in one pass) or "vblock" (`kda_decode_vblock_fwd_kernel`:
-    [K, BV] column blocks in a loop of `stages` pipeline stages, `evict` = "" or "evict_first" on the state
-    stream). `maxnreg`: optional register cap per thread (occupancy: 202 registers at 4 warps allow 2 programs per
-    SM, <= 168 allow 3). Env `K3_KDA_DECODE` overrides the kernel."""
+    """`kernel`: "fused" (`kda_decode_fwd_kernel`, the whole [K, V] state per program; the AOT contract's kernel)
+    or "vblock" (`kda_decode_vblock_fwd_kernel`: [K, BV] column blocks in a loop of `stages` pipeline stages,
+    `evict` = "" or "evict_first" on the state stream). Env `K3_KDA_DECODE` overrides the kernel.
+    `maxnreg`: register cap per thread. At K = 128 the fused kernel needs 202 registers at 4 warps (ptxas,
+    sm_90a), so 2 programs fit on an SM; capped at 168, 3 fit (112 B spilled). H200, H=96 (2026-11-30 00:24,
+    `bench kda --sweep`): B=256 0.889 vs 0.968 ms (85% vs 78% of copy), B=64 0.231 vs 0.250 ms (81% vs 75%),
+    errors unchanged. (A cap of 128, 4 programs per SM, spills 600 B and is slower: 58%. A variant with both
+    state reductions on the loaded state, 189 registers, was no faster: 84% / 80% with the same cap.)"""
     # 4 warps: H200, H=96, B=1..256 (2026-11-29 21:10) 1.5-1.9x faster than 8 warps (B=256: 0.97 vs 1.81 ms).
-    return dict(BK=_pow2(K), BW=triton.next_power_of_2(W), num_warps=4,
+    return dict(BK=_pow2(K), BW=triton.next_power_of_2(W), num_warps=4, maxnreg=168 if _pow2(K) == 128 else None,
                 kernel=os.environ.get("K3_KDA_DECODE", "fused"), BV=min(_pow2(K), 32), stages=2, evict="")
 
 
@@ -633,14 +636,10 @@ def kda_decode_fwd(qkv, conv_state, conv_weight, f, b, g, A_log, dt_bias, o_norm
                   num_warps=cfg["num_warps"])
     if cfg.get("maxnreg"):
         common["maxnreg"] = cfg["maxnreg"]
-    if cfg["kernel"] not in ("fused", "vblock", "onepass"):
-        raise ValueError(f"kda_decode_fwd: kernel must be 'fused', 'vblock' or 'onepass', got {cfg['kernel']!r}")
+    if cfg["kernel"] not in ("fused", "vblock"):
+        raise ValueError(f"kda_decode_fwd: kernel must be 'fused' or 'vblock', got {cfg['kernel']!r}")
     BV = min(cfg["BV"], cfg["BK"])
-    if cfg["kernel"] == "onepass":
-        from .decode_onepass import kda_decode_onepass_fwd_kernel
-        kda_decode_onepass_fwd_kernel[(B * H,)](*args, state.to(torch.float32).contiguous(), o, conv_out,
-                                                state_out, EVICT=cfg["evict"], **common)
-    elif cfg["kernel"] == "vblock" and K % BV == 0:
+    if cfg["kernel"] == "vblock" and K % BV == 0:
         kda_decode_vblock_fwd_kernel[(B * H,)](*args, state.to(torch.float32).contiguous(), o, conv_out, state_out,
                                                BV=BV, STAGES=cfg["stages"], EVICT=cfg["evict"], **common)
     else:

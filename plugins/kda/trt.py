@@ -79,11 +79,12 @@ def decode_launch(B: int, H: int, K: int, W: int, dtype: torch.dtype, lower_boun
                                            "o", "conv_out")}
     ptr.update(A_log="*fp32", dt_bias="*fp32", state="*fp32", state_out="*fp32")
     cx = dict(H=H, K=K, W=W, BK=cfg["BK"], BW=cfg["BW"], LOWER=float(lower_bound), EPS=float(eps))
-    return _launch(kda_decode_fwd_kernel, ptr, cx, decode_grid(B, H), {}, cfg["num_warps"], 1, arch)
+    return _launch(kda_decode_fwd_kernel, ptr, cx, decode_grid(B, H), {}, cfg["num_warps"], 1, arch,
+                   cfg["maxnreg"])
 
 
 def _launch(fn, ptr_types: dict, constexprs: dict, grid, scalars: dict, num_warps: int, num_stages: int,
-            arch: int) -> Launch:
+            arch: int, maxnreg: int | None = None) -> Launch:
     signature, params = {}, []
     for name in fn.arg_names:
         if name in constexprs:
@@ -91,7 +92,7 @@ def _launch(fn, ptr_types: dict, constexprs: dict, grid, scalars: dict, num_warp
         else:
             signature[name] = ptr_types.get(name, "i32")
             params.append((name, signature[name]))
-    kernel = compile_ptx(fn, signature, constexprs, num_warps, num_stages, arch)
+    kernel = compile_ptx(fn, signature, constexprs, num_warps, num_stages, arch, maxnreg)
     return Launch(kernel, tuple(grid), tuple(params), dict(scalars))
 
 
