@@ -37,7 +37,7 @@ def _rel(out, ref):
 
 def _interpreter_cases() -> dict:
     """Every CPU case, run in this process under TRITON_INTERPRET=1 -> {case: relative error}."""
-    from k3export.plugins.mla.kernels import DECODE_CONFIG, mla_decode_fwd, mla_prefill_fwd
+    from k3export.plugins.mla.kernels import mla_decode_fwd, mla_prefill_fwd
     res = {}
     for name, dt in DTYPES.items():
         torch.manual_seed(0)
@@ -49,11 +49,6 @@ def _interpreter_cases() -> dict:
             out = mla_decode_fwd(q, cache, row, cache_len, SCALE, 512, num_splits=splits)
             assert out.dtype == dt and out.shape == (B, H, 512)
             res[f"decode-{name}-splits{splits}"] = _rel(out, ref)
-        DECODE_CONFIG["kernel"] = "t"                           # the transposed split kernel (decode_t.py)
-        try:
-            res[f"decode-t-{name}"] = _rel(mla_decode_fwd(q, cache, row, cache_len, SCALE, 512, num_splits=3), ref)
-        finally:
-            del DECODE_CONFIG["kernel"]
         torch.manual_seed(1)
         B, T, H, D, Dv, Lc = 2, 40, 3, 24, 16, 13              # D = 16 + 8: the split head dim, as 192 = 128 + 64
         q, k, v = (torch.randn(*s).to(dt) for s in ((B, T, H, D), (B, Lc + T, H, D), (B, Lc + T, H, Dv)))
@@ -75,8 +70,7 @@ def _interpreter_cases() -> dict:
 
 @pytest.mark.parametrize("case,bound", [(f"decode-{n}-splits{s}", b) for n, b in (("fp32", FP32_BOUND),
                                         ("fp16", FP16_BOUND)) for s in (1, 3, 8)]
-                         + [("decode-t-fp32", FP32_BOUND), ("decode-t-fp16", FP16_BOUND),
-                            ("prefill-fp32", FP32_BOUND), ("prefill-fp16", FP16_BOUND),
+                         + [("prefill-fp32", FP32_BOUND), ("prefill-fp16", FP16_BOUND),
                             ("prefill-fp32-no-old", FP32_BOUND)])
 def test_interpreted(interp, case, bound):
     assert interp[case] < bound, interp
@@ -90,11 +84,7 @@ def test_bad_shapes_are_named(interp):
 @pytest.mark.cuda
 @pytest.mark.parametrize("H", [96, 12])
 @pytest.mark.parametrize("B,L", [(2, 1), (3, 1000), (2, 4097), (1, 65536), (2, 65536), (64, 2048)])
-@pytest.mark.parametrize("kernel", ["base", "t"])
-def test_decode_k3_shapes(H, B, L, kernel, monkeypatch):
-    if kernel == "t":                                           # the transposed split kernel (decode_t.py)
-        from k3export.plugins.mla import kernels
-        monkeypatch.setitem(kernels.DECODE_CONFIG, "kernel", "t")
+def test_decode_k3_shapes(H, B, L):
     torch.manual_seed(3)
     dev, dt = "cuda", torch.bfloat16
     q = torch.randn(B, H, 576, device=dev, dtype=dt)

@@ -34,12 +34,9 @@ def sweep_decode(H: int, B: int, L: int) -> list[dict]:
     from k3export.plugins.mla import kernels as K
     q, cache, row, cl = _decode_inputs(B, H, L)
     base = dict(K.DECODE_CONFIG)
-    variants = [dict(kernel=k, block_h=bh, block_n=bn, num_warps=w, num_stages=s)
-                for k, bh, bn, w, s in (("base", 16, 32, 4, 2), ("base", 32, 32, 8, 2), ("base", 32, 64, 8, 2),
-                                        ("base", 64, 32, 8, 2), ("base", 16, 64, 4, 3), ("base", 32, 32, 4, 3),
-                                        # transposed split kernel (decode_t.py): cache rows as the MMA's M
-                                        ("t", 16, 64, 4, 3), ("t", 32, 64, 4, 3), ("t", 32, 64, 8, 2),
-                                        ("t", 64, 64, 8, 2), ("t", 64, 32, 8, 3), ("t", 32, 128, 8, 2))
+    variants = [dict(block_h=bh, block_n=bn, num_warps=w, num_stages=s)
+                for bh, bn, w, s in ((16, 32, 4, 2), (32, 32, 8, 2), (32, 64, 8, 2), (64, 32, 8, 2),
+                                     (16, 64, 4, 3), (32, 32, 4, 3))
                 if not (H <= 16 and bh > 16)]
     from k3export.plugins.mla.naive import mla_decode_attention
     ref = mla_decode_attention(q.float(), cache.float(), row.float(), cl, SCALE, 512)
@@ -135,7 +132,7 @@ def mla(out: Path, quick: bool) -> None:
     for H in (96, 12):
         if sweep.get(H):   # the best config for this head count
             best = min((r for r in sweep[H] if r.get("ok")), key=lambda r: r["ms"])
-            DECODE_CONFIG.update({k: best[k] for k in ("kernel", "block_h", "block_n", "num_warps", "num_stages")})
+            DECODE_CONFIG.update({k: best[k] for k in ("block_h", "block_n", "num_warps", "num_stages")})
         rows += decode_rows((H,), batches, lengths, bw, baselines_up_to=256 * 1024)
     res["decode"] = rows
     res["prefill"] = prefill_rows()

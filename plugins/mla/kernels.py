@@ -180,10 +180,7 @@ def mla_decode_fwd(q, cache, new_row, cache_len, scale: float, v_dim: int, num_s
     fp32 = q.dtype == torch.float32
     cfg = decode_tiles(H)
     qk_scale = scale * LOG2E
-    split_kernel = mla_decode_fwd_kernel
-    if DECODE_CONFIG.get("kernel") == "t":           # the transposed variant (decode_t.py), benchmark-selected
-        from .decode_t import mla_decode_t_fwd_kernel as split_kernel
-    split_kernel[(triton.cdiv(H, block_h), S, B)](
+    mla_decode_fwd_kernel[(triton.cdiv(H, block_h), S, B)](
         q, cache, cache_len, q.stride(0), q.stride(1), cache.stride(0), cache.stride(1),
         H, S, qk_scale, v_dim, R, o_part, lse_part, BLOCK_H=block_h, BLOCK_N=16 if fp32 else cfg["block_n"], BLOCK_V=BV,
         BLOCK_PE=BPE, DOT_PREC=dot_precision(q.dtype), num_warps=cfg["num_warps"],
