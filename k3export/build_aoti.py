@@ -7,10 +7,16 @@ processes, and each package is cached under `$K3EXPORT_CACHE` (default `~/.cache
 graph file's sha256, the library versions, the device and the Inductor options: an unchanged input is reused
 without compiling.
 
+Kernels: for a CUDA engine each k3 op is first lowered into its Triton launches (`k3export.aoti_lower`), so
+Inductor compiles the k3 Triton kernels into the package. An op that cannot be lowered (its kernel does not
+serve the graph's dtype/dims, or its kernel is switched off) stays an extern call through the op dispatcher.
+The manifest's `aoti.kernels` says per graph which ops were compiled in and why the others were not, and
+`aoti.extern_ops` lists the ops a package still calls. A CPU engine keeps every k3 op as an extern call (their
+torch references).
+
 Load: `aoti_load_package` + `load_constants` (user managed: both programs point at the same weight tensors).
-Nothing of the model's Python code is imported; the k3 ops stay opaque calls that AOTInductor makes through
-the op dispatcher, so the op library (`k3export.plugins`, whose CUDA implementations are the Triton kernels) is
-imported first.
+Nothing of the model's Python code is imported when `extern_ops` is empty; otherwise the op library
+(`k3export.plugins`) is imported first, and a missing op is refused with its name.
 """
 
 from __future__ import annotations
@@ -41,9 +47,29 @@ def cache_root() -> Path:
     return Path(os.environ.get("K3EXPORT_CACHE", Path.home() / ".cache" / "k3export")) / "aoti"
 
 
+def report_name(graph: str) -> str:
+    return f"{graph}.aoti.json"
+
+
 def cache_key(graph_sha: str, device) -> str:
-    blob = json.dumps([graph_sha, _versions(), device_slug(device), INDUCTOR_CONFIGS], sort_keys=True)
+    blob = json.dumps([graph_sha, _versions(), device_slug(device), INDUCTOR_CONFIGS, kernels_fingerprint(device)],
+                      sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+def kernels_fingerprint(device) -> str | None:
+    """For a CUDA engine the package holds the k3 kernels: a change to their source (plugins/**.py, the lowering
+    pass) or to the K3_* environment switches that pick kernels and tiles makes a new cache key. None on CPU."""
+    if torch.device(device).type != "cuda":
+        return None
+    import k3export.plugins
+    h = hashlib.sha256()
+    roots = [Path(k3export.plugins.__file__).parent, Path(__file__).with_name("aoti_lower.py")]
+    for f in sorted(p for r in roots for p in ([r] if r.is_file() else r.rglob("*.py"))):
+        h.update(f.name.encode() + f.read_bytes())
+    h.update(json.dumps(sorted((k, v) for k, v in os.environ.items()
+                               if k.startswith("K3_") or k == "K3EXPORT_AOTI_EXTERN")).encode())
+    return h.hexdigest()[:16]
 
 
 def build_aoti(model, out: Path, graphs, manifest: dict, log, echo) -> dict[str, str]:
@@ -75,7 +101,7 @@ def build_aoti(model, out: Path, graphs, manifest: dict, log, echo) -> dict[str,
     for g in GRAPHS:
         key = cache_key(gm["graphs"][g]["sha256"], device)
         cached = cache_root() / key / package_name(g)
-        if not cached.exists():
+        if not (cached.exists() and cached.with_name(report_name(g)).exists()):
             todo[g] = (str(graphs / gm["graphs"][g]["file"]), str(cached), device.type)
         else:
             log.note(f"{g}: reused cached package {cached} (key {key})")
@@ -85,8 +111,16 @@ def build_aoti(model, out: Path, graphs, manifest: dict, log, echo) -> dict[str,
         echo(f"AOTInductor: compiling {', '.join(todo)} ({'in parallel' if len(todo) > 1 else 'one graph'}; "
              "cached for the next build)")
         log.step(f"aoti compile ({' + '.join(todo)}, parallel)", _compile_parallel, todo)
+    kernels = {g: json.loads((files[g].parent / report_name(g)).read_text()) for g in GRAPHS}
+    extern = sorted({op for r in kernels.values() for op in r["extern"]})
+    for g, r in kernels.items():
+        log.note(f"{g}: k3 ops compiled in: {r['compiled_in'] or 'none'}; extern calls: {r['extern'] or 'none'}")
+    if extern:
+        echo(f"AOTI packages call {', '.join(extern)} through the op dispatcher: loading them imports "
+             "k3export.plugins (see the manifest's aoti.kernels for why)")
     manifest["aoti"] = {"constant_prefix": CONSTANT_PREFIX, "inductor_configs": INDUCTOR_CONFIGS,
-                        "cache_keys": {g: files[g].parent.name for g in GRAPHS}}
+                        "cache_keys": {g: files[g].parent.name for g in GRAPHS}, "kernels": kernels,
+                        "extern_ops": extern}
     names = {}
     for g in GRAPHS:
         dst = out / package_name(g)
@@ -122,15 +156,51 @@ def _compile_parallel(todo: dict) -> None:
 
 
 def _compile_one(pt2: str, package: str, device_type: str) -> None:
-    """Worker: load one exported graph and compile it into `package` (written atomically)."""
+    """Worker: load one exported graph, lower its k3 ops into Triton launches (CUDA), compile it into `package`
+    (written atomically) and write the lowering report beside it (`report_name`)."""
+    import time
     import k3export.plugins  # noqa: F401  (registers the k3 ops the graph calls)
+    from k3export.aoti_lower import k3_nodes, lower_k3_ops, op_name
+    from k3export.manifest import atomic_write, replacing
     from k3export.runtime import load_kernels
     load_kernels(device_type)
-    from k3export.manifest import replacing
     ep = torch.export.load(pt2)
+    t0 = time.perf_counter()
+    if device_type == "cuda":
+        ep, report = lower_k3_ops(ep)
+    else:
+        report = {"compiled_in": {}, "launches": {},
+                  "extern": {op_name(op): "cpu engine: the op's torch reference runs as an extern call"
+                             for op in k3_nodes(ep.graph_module)}}
+    report["lower_s"] = round(time.perf_counter() - t0, 2)
     Path(package).parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
     with replacing(package) as tmp:
         torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp), inductor_configs=INDUCTOR_CONFIGS)
+    report["compile_s"] = round(time.perf_counter() - t0, 2)
+    graph = Path(package).name.split(".")[0]
+    atomic_write(Path(package).with_name(report_name(graph)), json.dumps(report, indent=2) + "\n")
+
+
+def load_extern_ops(aoti: dict, path: Path, device: torch.device) -> list[str]:
+    """Register the k3 ops the packages still call (none when every op was compiled in); returns their names.
+    Manifests from before the lowering pass have no `extern_ops`: every k3 op is then an extern call."""
+    extern = aoti.get("extern_ops", ["attn_res", "kda_decode", "kda_prefill", "mla_decode", "mla_prefill",
+                                     "moe_routed"])
+    if not extern:
+        return extern
+    try:
+        import k3export.plugins  # noqa: F401
+        from k3export.runtime import load_kernels
+    except ImportError as e:
+        raise EngineError(f"the AOTI packages in {path} call the k3 ops {extern} through the op dispatcher and "
+                          f"k3export.plugins cannot be imported ({e}); install k3export or rebuild on a GPU "
+                          "where the ops compile in") from None
+    load_kernels(device.type)
+    missing = [op for op in extern if not hasattr(torch.ops.k3, op)]
+    if missing:
+        raise EngineError(f"the AOTI packages in {path} call k3 ops that are not registered: {missing}")
+    return extern
 
 
 class AOTIBackend:
@@ -139,10 +209,8 @@ class AOTIBackend:
     name = "aoti"
 
     def __init__(self, path: Path, manifest: dict, device: torch.device):
-        import k3export.plugins  # noqa: F401
         from safetensors.torch import load_file
-        from k3export.runtime import load_kernels
-        load_kernels(device.type)
+        load_extern_ops(manifest["aoti"], path, device)
         self.config = K3Config.from_dict(manifest["config"])
         self.dtype, self.device = PRECISIONS[manifest["precision"]], device
         self.max_prefill_tokens = manifest["profiles"]["prefill"]["tokens"][2]

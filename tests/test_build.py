@@ -66,6 +66,8 @@ def test_aoti_engine_matches_eager_and_is_reused(model, reference, tmp_path, mon
     m = json.loads((path / "manifest.json").read_text())
     assert {"prefill.aoti.pt2", "decode.aoti.pt2", "weights.safetensors"} <= set(m["files"])
     assert any(k.startswith("aoti compile") for k in m["build"]["seconds"])
+    assert m["aoti"]["extern_ops"] == ["attn_res", "kda_decode", "kda_prefill", "mla_decode", "mla_prefill",
+                                       "moe_routed"]           # CPU: every k3 op stays a call to its reference
     assert tokens(path) == reference
     again = build("aoti", model, tmp_path / "engines", graphs=path / "graphs", profiles=PROFILES,
                   echo=lambda *_: None)

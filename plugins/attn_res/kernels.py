@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..launch import launch
 from ..triton_common import check, pow2
 from .op import attn_res
 
@@ -98,8 +99,8 @@ def attn_res_fwd(bank, p, norm_weight, proj_weight, eps: float, block_d: int | N
     n_src = pow2(n, 2)
     # ~4096 fp32 values of bank per chunk (8 x 512 for K3's n = 8): enough bytes in flight, few registers
     bd = block_d or min(pow2(D), max(64, 4096 // n_src))
-    attn_res_fwd_kernel[(N,)](bank, p, nw, pw, out, n, D, bank.stride(0), bank.stride(1), p.stride(0), float(eps),
-                              N_SRC=n_src, BLOCK_D=bd, num_warps=4)
+    launch(attn_res_fwd_kernel)[(N,)](bank, p, nw, pw, out, n, D, bank.stride(0), bank.stride(1), p.stride(0),
+                                      float(eps), N_SRC=n_src, BLOCK_D=bd, num_warps=4)
     return out
 
 

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..launch import launch, size_bound
 from ..triton_common import check, dot_precision, pow2
 from .op import mla_decode, mla_prefill
 
@@ -180,12 +181,12 @@ def mla_decode_fwd(q, cache, new_row, cache_len, scale: float, v_dim: int, num_s
     fp32 = q.dtype == torch.float32
     cfg = decode_tiles(H)
     qk_scale = scale * LOG2E
-    mla_decode_fwd_kernel[(triton.cdiv(H, block_h), S, B)](
+    launch(mla_decode_fwd_kernel)[(triton.cdiv(H, block_h), S, B)](
         q, cache, cache_len, q.stride(0), q.stride(1), cache.stride(0), cache.stride(1),
         H, S, qk_scale, v_dim, R, o_part, lse_part, BLOCK_H=block_h, BLOCK_N=16 if fp32 else cfg["block_n"], BLOCK_V=BV,
         BLOCK_PE=BPE, DOT_PREC=dot_precision(q.dtype), num_warps=cfg["num_warps"],
         num_stages=1 if fp32 else cfg["num_stages"])
-    mla_decode_combine_kernel[(H, B)](
+    launch(mla_decode_combine_kernel)[(H, B)](
         q, new_row, o_part, lse_part, q.stride(0), q.stride(1), new_row.stride(0), o.stride(0), o.stride(1),
         H, S, qk_scale, v_dim, R, o, BLOCK_V=BV, BLOCK_PE=BPE, BLOCK_S=pow2(S, 2), num_warps=4)
     return o
@@ -290,9 +291,9 @@ def mla_prefill_fwd(q, k, v, past_len, scale: float):
         return o
     cfg = PREFILL_CONFIG
     fp32 = q.dtype == torch.float32
-    block_m = min(cfg["block_m"], pow2(T)) if not fp32 else 32
+    block_m = min(cfg["block_m"], pow2(size_bound(T))) if not fp32 else 32
     block_n = cfg["block_n"] if not fp32 else 32
-    mla_prefill_fwd_kernel[(triton.cdiv(T, block_m), B * H)](
+    launch(mla_prefill_fwd_kernel)[(triton.cdiv(T, block_m), B * H)](
         q, k, v, past_len.to(torch.int32), *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
         T, S, H, scale * LOG2E, D, Dv, o, BLOCK_M=block_m, BLOCK_N=block_n, **prefill_head_blocks(D),
         BLOCK_V=pow2(Dv), DOT_PREC=dot_precision(q.dtype),

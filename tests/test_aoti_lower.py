@@ -1,0 +1,128 @@
+"""The AOTI lowering pass (`k3export.aoti_lower`), checked on graph structure without a GPU: graphs exported on
+the meta device (no weights; the lowering traces the launchers on fake tensors), each k3 op replaced by its
+Triton launches as `triton_kernel_wrapper_functional` nodes, the dynamic dims kept. The config is k3-tiny cut
+to 4 layers (3 KDA + 1 MLA) with KDA heads of 128 so the KDA prefill kernel applies, as it does for K3.
+
+Runtime numerics of the compiled packages are the GPU test's job (tests/test_aoti_cuda.py); without a driver
+Triton cannot produce the kernels' TTIR, so the functionalization here assumes every kernel argument is written
+(a warning per launch), which changes no count checked below."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from k3export.aoti_lower import Lowering, LOWERINGS, k3_nodes, lower_k3_ops, op_name, plan
+from k3export.config import K3Config
+from k3export.export import (EXAMPLE, DecodeGraph, ExportLimits, PrefillGraph, dynamic_shapes, example_inputs,
+                             io_specs, k3_op_counts)
+from k3export.model.k3 import K3Model
+from k3export.model.weights import param_dtype
+from k3export.plugins.launch import size_bound, traced_launches
+
+LIMITS = ExportLimits(max_batch=4, max_tokens=64, max_cache=128)
+# Launch nodes per op node of each k3 op (the eager launchers' kernels at these dims).
+LAUNCHES = {
+    "attn_res": {"attn_res_fwd_kernel": 1},
+    "kda_decode": {"kda_decode_fwd_kernel": 1},
+    "kda_prefill": {"kda_prefill_intra_fwd_kernel": 1, "kda_prefill_fwd_kernel": 1},
+    "mla_decode": {"mla_decode_fwd_kernel": 1, "mla_decode_combine_kernel": 1},
+    "mla_prefill": {"mla_prefill_fwd_kernel": 1},
+    "moe_routed": {"moe_router_fwd_kernel": 1, "moe_topk_fwd_kernel": 1, "moe_gemm1_fwd_kernel": 1,
+                   "moe_gemm2_fwd_kernel": 1, "moe_combine_fwd_kernel": 1},
+}
+
+
+def cut_config() -> K3Config:
+    c = K3Config.from_name("k3-tiny")
+    lac = dataclasses.replace(c.linear_attn_config, num_heads=1, head_dim=128, kda_layers=(), full_attn_layers=())
+    return dataclasses.replace(c, num_hidden_layers=4, linear_attn_config=lac)
+
+
+@pytest.fixture(scope="module")
+def graphs():
+    """{graph: ExportedProgram} of the cut config in bf16 on the meta device."""
+    cfg, dtype = cut_config(), torch.bfloat16
+    with torch.device("meta"):
+        model = K3Model(cfg)
+    for name, p in model.named_parameters():
+        p.data = p.data.to(param_dtype(name, dtype))
+    model.eval()
+    out = {}
+    for name, wrapper in (("prefill", PrefillGraph), ("decode", DecodeGraph)):
+        spec = io_specs(cfg, dtype)[name]
+        args = example_inputs(spec["inputs"], EXAMPLE, vocab=cfg.vocab_size)
+        with torch.no_grad():
+            out[name] = torch.export.export(wrapper(model).eval(), tuple(a.to("meta") for a in args.values()),
+                                            dynamic_shapes=dynamic_shapes(spec["inputs"], LIMITS))
+    return out
+
+
+def expected_launches(ops: dict[str, int], skip=()) -> dict[str, int]:
+    want: dict[str, int] = {}
+    for op, n in ops.items():
+        for kernel, k in ([] if op in skip else LAUNCHES[op].items()):
+            want[kernel] = want.get(kernel, 0) + n * k
+    return want
+
+
+def test_decode_graph_lowers_every_k3_op_into_triton_launches(graphs):
+    ep = graphs["decode"]
+    ops = k3_op_counts(ep)
+    assert set(ops) == {"attn_res", "kda_decode", "mla_decode", "moe_routed"}
+    lowered, report = lower_k3_ops(ep)
+    assert k3_op_counts(lowered) == {} and report["extern"] == {}
+    assert report["compiled_in"] == ops
+    want = expected_launches(ops)
+    want["moe_align_fwd_kernel"] = ops["moe_routed"]     # decode tiling: the one-program align kernel
+    assert report["launches"] == dict(sorted(want.items()))
+    wrappers = [n for n in lowered.graph.nodes if n.op == "call_function"
+                and n.target is torch.ops.higher_order.triton_kernel_wrapper_functional]
+    assert len(wrappers) == sum(want.values())
+    assert lowered.range_constraints == ep.range_constraints            # batch and cache stay dynamic
+
+
+def test_prefill_graph_lowering_keeps_the_ops_it_is_told_to_keep(graphs, monkeypatch):
+    ep = graphs["prefill"]
+    ops = k3_op_counts(ep)
+    assert set(ops) == {"attn_res", "kda_prefill", "mla_prefill", "moe_routed"}
+    monkeypatch.setenv("K3EXPORT_AOTI_EXTERN", "mla_prefill")
+    lowered, report = lower_k3_ops(ep)
+    assert k3_op_counts(lowered) == {"mla_prefill": ops["mla_prefill"]}
+    assert report["extern"] == {"mla_prefill": "kept extern by K3EXPORT_AOTI_EXTERN"}
+    assert report["compiled_in"] == {k: v for k, v in ops.items() if k != "mla_prefill"}
+    assert report["launches"] == expected_launches(ops, skip=("mla_prefill",))
+    assert lowered.range_constraints == ep.range_constraints            # batch, tokens and past stay dynamic
+
+
+def test_ops_the_kernels_do_not_serve_stay_extern(graphs):
+    """The plan follows the CUDA implementations' own branches: fp32 KDA prefill and float64 calls keep the
+    reference, so those nodes are never lowered."""
+    q = torch.empty(2, 64, 1, 128, device="meta", dtype=torch.float32)
+    kda = LOWERINGS["kda_prefill"]()
+    assert "bf16/fp16 with K = V = 128" in kda.why_not(q, q, q, q, None, None, None, q, None, -5.0)
+    assert kda.why_not(q.bfloat16(), q, q.bfloat16(), q, None, None, None, q, None, -5.0) is None
+    wide = torch.empty(2, 4, 40, device="meta", dtype=torch.float64)
+    assert "float64" in LOWERINGS["mla_decode"]().why_not(wide, wide, None, None, 1.0, 16)
+    lower, extern = plan(graphs["decode"])
+    assert {op_name(op) for op in lower} == {"attn_res", "kda_decode", "mla_decode", "moe_routed"} and not extern
+    assert all(isinstance(r, Lowering) for r in lower.values())
+
+
+def test_size_bound_is_the_export_max_of_a_symbolic_size(graphs):
+    assert size_bound(7) == 7
+    node = next(n for n in graphs["decode"].graph.nodes if n.op == "placeholder" and n.name == "mla_cache")
+    batch, cache = node.meta["val"].shape[1:3]
+    assert isinstance(cache, torch.SymInt)
+    assert size_bound(cache) == LIMITS.max_cache and size_bound(batch) == LIMITS.max_batch
+    assert size_bound(batch * cache + 1) == LIMITS.max_batch * LIMITS.max_cache + 1
+
+
+def test_launch_is_the_plain_kernel_outside_tracing():
+    from k3export.plugins.attn_res.kernels import attn_res_fwd_kernel
+    from k3export.plugins.launch import launch
+    assert launch(attn_res_fwd_kernel) is attn_res_fwd_kernel
+    with traced_launches():
+        assert launch(attn_res_fwd_kernel) is not attn_res_fwd_kernel
+    assert launch(attn_res_fwd_kernel) is attn_res_fwd_kernel
+    assert not k3_nodes(torch.fx.symbolic_trace(torch.nn.Identity()))
