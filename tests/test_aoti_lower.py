@@ -5,9 +5,18 @@ to 4 layers (3 KDA + 1 MLA) with KDA heads of 128 so the KDA prefill kernel appl
 
 Runtime numerics of the compiled packages are the GPU test's job (tests/test_aoti_cuda.py); without a driver
 Triton cannot produce the kernels' TTIR, so the functionalization here assumes every kernel argument is written
-(a warning per launch), which changes no count checked below."""
+(a warning per launch), which changes no count checked below.
+
+A traced launcher sizes its tiles from the largest value of a dynamic dim (`plugins/launch.size_bound`), then runs
+at smaller sizes: the interpreter cases run the MoE and MLA prefill launchers with every bound 16x the real size,
+in fp16 under TRITON_INTERPRET=1, against the fp64 twins (bounds from the ops' own kernel tests)."""
 
 import dataclasses
+import json
+import os
+
+if __name__ == "__main__":  # the interpreter run (see `interp` in conftest.py): the flag must be set before triton is imported
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest
 import torch
@@ -126,3 +135,51 @@ def test_launch_is_the_plain_kernel_outside_tracing():
         assert launch(attn_res_fwd_kernel) is not attn_res_fwd_kernel
     assert launch(attn_res_fwd_kernel) is attn_res_fwd_kernel
     assert not k3_nodes(torch.fx.symbolic_trace(torch.nn.Identity()))
+
+
+# ---------------------------------------------------------------------------------------------- bound-sized launches
+INFLATE = 16            # size_bound(n) = 16 n: the tiles a traced launch picks for a dim whose max is 16x the call
+
+
+def _interpreter_cases() -> dict:
+    """Run in this process under TRITON_INTERPRET=1 -> {case: relative error vs the fp64 twin}."""
+    from k3export.plugins.mla import kernels as mla
+    from k3export.plugins.mla.naive import mla_prefill_attention
+    from k3export.plugins.moe import kernels as moe
+    from k3export.plugins.moe.naive import moe_sorted
+    from test_moe_kernels import SITU, _rel, _weights
+    res = {}
+    mla.size_bound = moe.size_bound = lambda n: INFLATE * n
+    torch.manual_seed(0)
+    d, E, I, L, k = 48, 12, 40, 24, 4
+    g, b, w1, w3, w2 = _weights(E, d, L, I, torch.float16)
+    for N in (3, 5):                                  # bounds 48 / 80 tokens: router split over d or not
+        x, z = torch.randn(N, d, dtype=torch.float16), torch.randn(N, L, dtype=torch.float16)
+        ref = moe_sorted(*(t.double() for t in (x, z, g)), b, *(t.double() for t in (w1, w3, w2)), k, True, 2.5,
+                         **SITU)
+        for name, cfg in moe.CONFIGS.items():         # every regime the lowering can pick, as it runs it (no TMA)
+            u = moe.moe_routed_fwd(x, z, g, b, w1, w3, w2, k, True, 2.5, tiles=dataclasses.replace(cfg, tma=""),
+                                   **SITU)
+            res[f"moe-{name}-N{N}"] = _rel(u, ref)
+    B, T, H, D, Dv, Lc = 2, 5, 2, 24, 16, 4          # block_m from 16 x 5 tokens: 128 rows for 5
+    q, kk, v = (torch.randn(*s).half() for s in ((B, T, H, D), (B, Lc + T, H, D), (B, Lc + T, H, Dv)))
+    past = torch.tensor([4, 1])
+    o = mla.mla_prefill_fwd(q, kk, v, past, 0.2)
+    res["mla-prefill"] = _rel(o, mla_prefill_attention(q.double(), kk.double(), v.double(), past, 0.2))
+    return res
+
+
+def _bound_cases():
+    from test_mla_kernels import FP16_BOUND as MLA_FP16
+    from test_moe_kernels import FP16_BOUND as MOE_FP16
+    from k3export.plugins.moe.kernels import CONFIGS
+    return [(f"moe-{name}-N{n}", MOE_FP16) for name in CONFIGS for n in (3, 5)] + [("mla-prefill", MLA_FP16)]
+
+
+@pytest.mark.parametrize("case,bound", _bound_cases())
+def test_launchers_sized_by_a_larger_bound_stay_exact(interp, case, bound):
+    assert interp[case] < bound, interp
+
+
+if __name__ == "__main__":
+    print(json.dumps(_interpreter_cases()))
