@@ -35,6 +35,8 @@ LOADER = textwrap.dedent("""
     import sys, torch
     from safetensors.torch import load_file
     engine, work, prefix = sys.argv[1], sys.argv[2], sys.argv[3]
+    if sys.argv[5] == "plugins":             # a package with extern k3 calls (the build fell back): measure anyway
+        import k3export.plugins
     weights = load_file(f"{engine}/weights.safetensors", device="cuda")
     inputs = torch.load(f"{work}/inputs.pt")
     out = {}
@@ -70,12 +72,11 @@ def test_aoti_cuda_packages_hold_the_kernels_load_without_k3export_and_match_eag
                  echo=print)
     m = json.loads((path / "manifest.json").read_text())
     print("build seconds:", m["build"]["seconds"])
+    reports = m["aoti"]["kernels"]
     for g in GRAPHS:
-        r = m["aoti"]["kernels"][g]
-        print(f"{g}: lower {r['lower_s']} s, compile {r['compile_s']} s, launches {r['launches']}")
-        assert r["compiled_in"] == expected_k3_ops(cfg, g) and r["extern"] == {}, r
+        print(f"{g}: {json.dumps(reports[g])}")
         assert (path / package_name(g)).stat().st_size > 0
-    assert m["aoti"]["extern_ops"] == []
+    extern = m["aoti"]["extern_ops"]
 
     inputs = {"prefill": case(cfg, dtype, "prefill", *PREFILL), "decode": case(cfg, dtype, "decode", *DECODE)}
     with torch.no_grad():
@@ -83,10 +84,10 @@ def test_aoti_cuda_packages_hold_the_kernels_load_without_k3export_and_match_eag
                  "decode": model.forward_decode(*inputs["decode"])}
     torch.save({g: [x.cpu() for x in v] for g, v in inputs.items()}, tmp_path / "inputs.pt")
     run = subprocess.run([sys.executable, "-c", LOADER, str(path), str(tmp_path), m["aoti"]["constant_prefix"],
-                          ",".join(K3_OPS)], capture_output=True, text=True, timeout=300)
+                          ",".join(K3_OPS), "plugins" if extern else "none"], capture_output=True, text=True,
+                         timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     got = torch.load(tmp_path / "out.pt")
-    assert got["k3_ops"] == [] and got["k3export"] == [], got                   # loaded without the model's code
 
     lengths = PREFILL[1]["lengths"]
     valid = torch.arange(PREFILL[0]["tokens"])[None, :] < torch.tensor(lengths)[:, None]     # [B, T]
@@ -107,3 +108,6 @@ def test_aoti_cuda_packages_hold_the_kernels_load_without_k3export_and_match_eag
         print(f"{g}: greedy token agreement with eager {agree:.3f}")
     print("aoti vs eager, max-abs / max|eager|:", {k: f"{v:.2e}" for k, v in worst.items()})
     assert max(worst.values()) <= AOTI_TOL, worst
+    for g in GRAPHS:                                                            # every k3 op compiled in
+        assert reports[g]["compiled_in"] == expected_k3_ops(cfg, g) and reports[g]["extern"] == {}, reports[g]
+    assert extern == [] and got["k3_ops"] == [] and got["k3export"] == [], got  # loaded without the model's code
