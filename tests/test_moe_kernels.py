@@ -46,6 +46,18 @@ def _weights(E, d, L, I, dtype, device="cpu", gen=None):
     return g, b, w1, w3, w2
 
 
+def _plan_matches_up_to_order(ids, E, bm) -> bool:
+    """align_rows(fused=True) vs the torch plan: the same block table and padding rows, every pair once, each in a
+    block of its expert."""
+    from k3export.plugins.moe.kernels import align_rows
+    (rp, be), (rp_ref, be_ref) = align_rows(ids, E, bm, fused=True), align_rows(ids, E, bm, fused=False)
+    flat, ok = ids.reshape(-1).long(), rp >= 0
+    block = torch.arange(rp.numel(), device=rp.device) // bm
+    return (torch.equal(be, be_ref) and torch.equal(ok, rp_ref >= 0)
+            and bool((flat[rp[ok].long()] == be[block[ok]].long()).all())
+            and torch.equal(rp[ok].sort().values.long(), torch.arange(flat.numel(), device=rp.device)))
+
+
 def _interpreter_cases() -> dict:
     """Every CPU case, run in this process under TRITON_INTERPRET=1 -> {case: relative error or flag}."""
     from k3export.plugins.moe.kernels import TILINGS, MoeTiles, align_rows, moe_routed_fwd, route_fwd
@@ -145,6 +157,14 @@ def _interpreter_cases() -> dict:
         a, b2 = align_rows(ids, ee, bm, fused=True), align_rows(ids, ee, bm, fused=False)
         same.append(torch.equal(a[0], b2[0]) and torch.equal(a[1], b2[1]))
     res["align-fused-equals-torch"] = float(all(same))
+    # Beyond ALIGN_FUSED_MAX pairs the Triton align is count (atomics) / scan / scatter: the rows of an expert come
+    # in arrival order, so the plan equals the torch one up to the order inside each expert's rows.
+    ok = []
+    for n, kk, ee, bm in [(1030, 4, 12, 192), (1100, 4, 12, 128), (2000, 3, 7, 96)]:
+        ids = torch.stack([torch.randperm(ee)[:kk] for _ in range(n)]).int()
+        ids[: n // 2, 0] = 2
+        ok.append(_plan_matches_up_to_order(ids, ee, bm))
+    res["align-atomic-valid"] = float(all(ok))
     try:
         moe_routed_fwd(x, z[:, :-1], g, b, w1, w3, w2, k, True, 1.0, **SITU)
         res["bad-shape-named"] = 0.0
@@ -187,7 +207,7 @@ def test_interpreted_tail_rows(interp, tiles):
 
 
 @pytest.mark.parametrize("flag", ["route-ids-fp32", "route-ids-fp16", "ties-lower-id-first", "bad-shape-named",
-                                  "align-fused-equals-torch", "ties-lower-id-first-lean",
+                                  "align-fused-equals-torch", "align-atomic-valid", "ties-lower-id-first-lean",
                                   "route-lean-ids-negative-fp32",
                                   "route-lean-ids-negative-fp16", "route-lean-ids-fp32-7",
                                   "route-lean-ids-fp32-70", "route-lean-ids-fp16-7", "route-lean-ids-fp16-70"])
@@ -273,6 +293,17 @@ def test_align_fused_k3_shapes():
         ids[: n // 2, 0] = 7                                            # a hot expert
         a, b = align_rows(ids, 896, bm, fused=True), align_rows(ids, 896, bm, fused=False)
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), (n, bm)
+
+
+@pytest.mark.cuda
+def test_align_atomic_k3_shapes():
+    """The count / scatter align at 896 experts, 4096 and 8192 tokens top-16 (65536 / 131072 pairs), 128- and
+    192-row blocks: the torch plan up to the order inside each expert's rows."""
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    for n, bm in ((4096, 128), (8192, 192)):
+        ids = torch.argsort(torch.rand(n, 896, device="cuda", generator=gen), -1)[:, :16].int()
+        ids[: n // 4, 0] = 7                                            # a hot expert
+        assert _plan_matches_up_to_order(ids, 896, bm), (n, bm)
 
 
 @pytest.mark.cuda

@@ -26,6 +26,9 @@ from k3export.bench.ceilings import bench_ms, copy_bandwidth, machine, matmul_ra
 
 E, D, L, I, K = 896, 7168, 3584, 3072, 16
 ARGS = dict(top_k=K, renormalize=True, scaling=1.0, beta=4.0, linear_beta=25.0)
+# Two tilings' outputs on the same inputs and selection: each rounds h to bf16 once after fp32 sums in another
+# order, ~1 bf16 ulp (measured <= 1.5e-3); the tests' bf16 bound vs moe_sorted is 2e-2.
+ERR_VS_OLD_BOUND = 2e-2
 
 
 def k3_weights():
@@ -83,7 +86,7 @@ def stage_ms(w, x, z, cfg) -> dict:
          "gemm2": bench_ms(lambda: Km.gemm2_fwd(h, w2, plan, ids.numel(), cfg)),
          "combine": bench_ms(lambda: Km.combine_fwd(y, wt, z.dtype))}
     if cfg.tma == "aw":
-        r["gather"] = bench_ms(lambda: z.index_select(0, plan[0].clamp(min=0) // K))
+        r["gather"] = bench_ms(lambda: Km.gather_fwd(z, plan, K, cfg.rows))
     r["blocks_used"] = int((plan[1] >= 0).sum())
     r["rows_useful"] = ids.numel() / (r["blocks_used"] * cfg.rows)   # rows issued to the MMA: all of each block
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}
@@ -121,7 +124,7 @@ def run_sweep(w, regime: str, tokens, ceiling: float, deadline: float, eager: bo
                 u = fn()
                 base = u if base is None else base
                 r["err_vs_old"] = _rel(u, base)
-                r["ms"] = bench_ms(fn, rep=100 if regime == "decode" else 20)
+                r["ms"] = bench_ms(fn, rep=100)             # prefill: 2..5 timed calls (25..60 ms each)
                 if regime == "decode":
                     r.update({"experts_hit": hit, "GB/s": nbytes / r["ms"] / 1e6, "frac_copy": nbytes / r["ms"] / 1e-3
                               / ceiling, "graph_ms": graph_ms(fn)})
@@ -178,6 +181,13 @@ def summary(res: dict) -> None:
             if key in r:
                 st = r.get("stages_ms", {})
                 extra = "  ".join(f"{k} {v}" for k, v in st.items())
-                print(f"{sec:7s} {r['tokens']:6d} {r['tiles']:18s} {r[key]:9.3f} ms {100 * r.get(fig, 0):5.1f}%  {extra}")
+                print(f"{sec:7s} {r['tokens']:6d} {r['tiles']:18s} {r[key]:9.3f} ms {100 * r.get(fig, 0):5.1f}%"
+                      f"  {extra}")
             elif "error" in r:
                 print(f"{sec:7s} {r['tokens']:6d} {r['tiles']:18s} {r['error'][:90]}")
+    best = {}                # fastest tiling per token count whose output agrees with the baseline tiling's
+    for r in res.get("prefill", []):
+        if "ms" in r and r.get("err_vs_old", 1.0) < ERR_VS_OLD_BOUND and r["ms"] < best.get(r["tokens"], (0, 1e9))[1]:
+            best[r["tokens"]] = (r["tiles"], r["ms"])
+    for n, (name, ms) in sorted(best.items()):
+        print(f"fastest prefill tiling at {n} tokens: {name} ({ms:.2f} ms; err vs baseline < {ERR_VS_OLD_BOUND})")

@@ -187,10 +187,45 @@ def moe_align_fwd_kernel(ids, row_pair, block_expert, off, P, E, MB,
     tl.store(row_pair + dst, key % P_PAD, mask=ok)
 
 
+@triton.jit
+def moe_count_fwd_kernel(ids, cnt, rank, P, BLOCK: tl.constexpr):
+    """Pairs [p0, p0 + BLOCK): cnt[e] += 1 for each (atomics); rank[p] = the count before, the pair's place among
+    its expert's pairs (in arrival order, not pair order: rows of one expert are independent, so the GEMMs' results
+    do not depend on it)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < P
+    e = tl.load(ids + offs, mask=ok, other=0)
+    tl.store(rank + offs, tl.atomic_add(cnt + e, tl.full([BLOCK], 1, tl.int32), mask=ok), mask=ok)
+
+
+@triton.jit
+def moe_scan_fwd_kernel(cnt, start, block_expert, E, MB, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr,
+                        MB_PAD: tl.constexpr):
+    """One program: start[e] = first row of expert e's first block; the block table (as `moe_align_fwd_kernel`)."""
+    offs_e = tl.arange(0, E_PAD)
+    blk = (tl.load(cnt + offs_e, mask=offs_e < E, other=0) + BLOCK_M - 1) // BLOCK_M
+    bend = tl.cumsum(blk, 0)                                           # blocks end (exclusive), <= MB < MB_PAD
+    tl.store(start + offs_e, (bend - blk) * BLOCK_M, mask=offs_e < E)
+    offs_b = tl.arange(0, MB_PAD)
+    eb = tl.cumsum(tl.histogram(bend, MB_PAD), 0)                      # expert of block b = #{e: bend[e] <= b}
+    tl.store(block_expert + offs_b, tl.where(eb < E, eb, -1), mask=offs_b < MB)
+
+
+@triton.jit
+def moe_scatter_fwd_kernel(ids, rank, start, row_pair, P, BLOCK: tl.constexpr):
+    """row_pair[start[e_p] + rank[p]] = p for the pairs [p0, p0 + BLOCK)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < P
+    e = tl.load(ids + offs, mask=ok, other=0)
+    dst = tl.load(start + e, mask=ok, other=0) + tl.load(rank + offs, mask=ok, other=0)
+    tl.store(row_pair + dst, offs, mask=ok)
+
+
 def align_rows(ids: torch.Tensor, E: int, block_m: int, fused: bool = True):
     """ids `[N, k]` -> (row_pair `[MB * block_m]` int32, block_expert `[MB]` int32), MB the static bound above
-    (block_m need not be a power of two). fused: one Triton program while N k <= ALIGN_FUSED_MAX; torch ops otherwise (no host sync
-    either way)."""
+    (block_m need not be a power of two). fused: Triton kernels, one program (stable: rows of an expert in pair
+    order) while N k <= ALIGN_FUSED_MAX, else count (atomics) / scan / scatter, rows of an expert in atomic
+    arrival order; not fused: torch ops (~20 launches, stable). No host sync either way."""
     flat = ids.reshape(-1)
     P = flat.numel()
     MB = triton.cdiv(P, block_m) + torch.sym_min(E, P)
@@ -201,6 +236,17 @@ def align_rows(ids: torch.Tensor, E: int, block_m: int, fused: bool = True):
         launch(moe_align_fwd_kernel)[(1,)](flat, row_pair, block_expert, off, P, E, MB, BLOCK_M=block_m,
                                            P_PAD=pow2(size_bound(P)), E_PAD=pow2(E + 1),
                                            MB_PAD=pow2(size_bound(MB) + 1), FILL=1024, num_warps=8)
+        return row_pair, block_expert
+    if fused:
+        cnt = torch.zeros(E, device=ids.device, dtype=torch.int32)
+        rank = torch.empty(P, device=ids.device, dtype=torch.int32)
+        start = torch.empty(E, device=ids.device, dtype=torch.int32)
+        launch(moe_count_fwd_kernel)[(triton.cdiv(P, 1024),)](flat, cnt, rank, P, BLOCK=1024, num_warps=4)
+        launch(moe_scan_fwd_kernel)[(1,)](cnt, start, block_expert, E, MB, BLOCK_M=block_m, E_PAD=pow2(E + 1),
+                                          MB_PAD=pow2(size_bound(MB) + 1), num_warps=8)
+        row_pair.fill_(-1)
+        launch(moe_scatter_fwd_kernel)[(triton.cdiv(P, 1024),)](flat, rank, start, row_pair, P, BLOCK=1024,
+                                                                num_warps=4)
         return row_pair, block_expert
     flat = flat.long()
     order = torch.argsort(flat, stable=True)
@@ -237,43 +283,19 @@ def _tile(pid, MB, NT, group_m):
 
 
 @triton.jit
-def moe_gemm1_fwd_kernel(a, w1, w3, h, row_pair, block_expert, MB, L, I, stride_an, stride_we, stride_wi,
-                         stride_hm, group_m, beta, linear_beta, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A_DESC: tl.constexpr,
-                         W_DESC: tl.constexpr, DOT_PREC: tl.constexpr, TAIL: tl.constexpr = 0, a_tail=None):
-    """Block pb, columns [n0, n0 + BLOCK_N) of I: h = SiTU_GLU(z_rows W1_e^T, z_rows W3_e^T) -> h.dtype.
-
-    a: z `[N, L]` (rows gathered by token) or, A_DESC, a TMA descriptor over z already in row-plan order
-    `[MB * BM, L]`; W_DESC: w1/w3 are TMA descriptors over `[E * I, L]` (a tile past I reads the next expert's
-    rows: those columns are computed and not stored). TAIL > 0: a block is BLOCK_M + TAIL rows, the last TAIL in
-    a second, smaller dot on the same weight tiles (each weight tile is loaded once for all BLOCK_M + TAIL rows,
-    and a block that needs a few rows past BLOCK_M issues TAIL more, not BLOCK_M); with A_DESC their A tiles come
-    through a_tail, a descriptor over the same rows with [TAIL, BLOCK_K] boxes."""
-    pb, pn = _tile(tl.program_id(0), MB, tl.cdiv(I, BLOCK_N), group_m)
-    e = tl.load(block_expert + pb)
-    if e < 0:
-        return
-    row0 = pb * (BLOCK_M + TAIL)
-    offs_m = row0 + tl.arange(0, BLOCK_M)
-    pair = tl.load(row_pair + offs_m)
-    m_ok = pair >= 0
-    token = tl.maximum(pair, 0) // TOP_K
-    offs_n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < I
-    offs_k = tl.arange(0, BLOCK_K)
-    if not A_DESC:
-        a_ptr = a + token[:, None].to(tl.int64) * stride_an + offs_k[None, :]
-    if TAIL > 0:
-        offs_t = row0 + BLOCK_M + tl.arange(0, TAIL)
-        pair_t = tl.load(row_pair + offs_t)
-        t_ok = pair_t >= 0
-        if not A_DESC:
-            at_ptr = a + (tl.maximum(pair_t, 0) // TOP_K)[:, None].to(tl.int64) * stride_an + offs_k[None, :]
-        acc1t = tl.zeros([TAIL, BLOCK_N], tl.float32)
-        acc3t = tl.zeros([TAIL, BLOCK_N], tl.float32)
-    w_off = e.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wi + offs_k[:, None]  # [BK, BN]
+def _gemm1_loop(a, a_tail, w1, w3, a_ptr, at_ptr, m_ok, t_ok, e, pn, row0, L, I, w_off, offs_k, n_ok,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TAIL: tl.constexpr,
+                USE_TAIL: tl.constexpr, A_DESC: tl.constexpr, W_DESC: tl.constexpr, DOT_PREC: tl.constexpr):
+    """gemm1's loop over L: (z W1_e^T, z W3_e^T) in fp32 for the BLOCK_M rows and, USE_TAIL, the TAIL rows on the
+    same weight tiles (else their accumulators stay 0; TAIL = 0: they alias the main ones, unused)."""
     acc1 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc3 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if TAIL > 0:
+        acc1t = tl.zeros([TAIL, BLOCK_N], tl.float32)
+        acc3t = tl.zeros([TAIL, BLOCK_N], tl.float32)
+    else:
+        acc1t = acc1
+        acc3t = acc3
     for k0 in range(0, L, BLOCK_K):
         k_ok = (k0 + offs_k) < L
         if A_DESC:
@@ -288,20 +310,102 @@ def moe_gemm1_fwd_kernel(a, w1, w3, h, row_pair, block_expert, MB, L, I, stride_
             b3 = tl.load(w3 + w_off + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         acc1 = tl.dot(x, b1, acc=acc1, input_precision=DOT_PREC)
         acc3 = tl.dot(x, b3, acc=acc3, input_precision=DOT_PREC)
-        if TAIL > 0:
+        if USE_TAIL:
             if A_DESC:
                 xt = a_tail.load([row0 + BLOCK_M, k0])
             else:
                 xt = tl.load(at_ptr + k0, mask=t_ok[:, None] & k_ok[None, :], other=0.0)
             acc1t = tl.dot(xt, b1, acc=acc1t, input_precision=DOT_PREC)
             acc3t = tl.dot(xt, b3, acc=acc3t, input_precision=DOT_PREC)
+    return acc1, acc3, acc1t, acc3t
+
+
+@triton.jit
+def moe_gemm1_fwd_kernel(a, w1, w3, h, row_pair, block_expert, MB, L, I, stride_an, stride_we, stride_wi,
+                         stride_hm, group_m, beta, linear_beta, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A_DESC: tl.constexpr,
+                         W_DESC: tl.constexpr, DOT_PREC: tl.constexpr, TAIL: tl.constexpr = 0, a_tail=None):
+    """Block pb, columns [n0, n0 + BLOCK_N) of I: h = SiTU_GLU(z_rows W1_e^T, z_rows W3_e^T) -> h.dtype.
+
+    a: z `[N, L]` (rows gathered by token) or, A_DESC, a TMA descriptor over z already in row-plan order
+    `[MB * BM, L]`; W_DESC: w1/w3 are TMA descriptors over `[E * I, L]` (a tile past I reads the next expert's
+    rows: those columns are computed and not stored). TAIL > 0: a block is BLOCK_M + TAIL rows, the last TAIL in
+    a second, smaller dot on the same weight tiles (each weight tile is loaded once for all BLOCK_M + TAIL rows,
+    and a block that needs a few rows past BLOCK_M issues TAIL more, not BLOCK_M; a block without tail rows
+    skips that dot); with A_DESC their A tiles come through a_tail, a descriptor over the same rows with
+    [TAIL, BLOCK_K] boxes."""
+    pb, pn = _tile(tl.program_id(0), MB, tl.cdiv(I, BLOCK_N), group_m)
+    e = tl.load(block_expert + pb)
+    if e < 0:
+        return
+    row0 = pb * (BLOCK_M + TAIL)
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    pair = tl.load(row_pair + offs_m)
+    m_ok = pair >= 0
+    offs_n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < I
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptr = a
+    if not A_DESC:
+        a_ptr = a + (tl.maximum(pair, 0) // TOP_K)[:, None].to(tl.int64) * stride_an + offs_k[None, :]
+    at_ptr, t_ok = a_ptr, m_ok                                          # TAIL = 0: unused
+    if TAIL > 0:
+        offs_t = row0 + BLOCK_M + tl.arange(0, TAIL)
+        pair_t = tl.load(row_pair + offs_t)
+        t_ok = pair_t >= 0
+        if not A_DESC:
+            at_ptr = a + (tl.maximum(pair_t, 0) // TOP_K)[:, None].to(tl.int64) * stride_an + offs_k[None, :]
+    w_off = e.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wi + offs_k[:, None]  # [BK, BN]
+    if TAIL > 0:
+        if tl.load(row_pair + row0 + BLOCK_M) >= 0:                    # tail rows (valid rows are a prefix)
+            acc1, acc3, acc1t, acc3t = _gemm1_loop(a, a_tail, w1, w3, a_ptr, at_ptr, m_ok, t_ok, e, pn, row0, L, I,
+                                                   w_off, offs_k, n_ok, BLOCK_M, BLOCK_N, BLOCK_K, TAIL, True,
+                                                   A_DESC, W_DESC, DOT_PREC)
+        else:
+            acc1, acc3, acc1t, acc3t = _gemm1_loop(a, a_tail, w1, w3, a_ptr, at_ptr, m_ok, t_ok, e, pn, row0, L, I,
+                                                   w_off, offs_k, n_ok, BLOCK_M, BLOCK_N, BLOCK_K, TAIL, False,
+                                                   A_DESC, W_DESC, DOT_PREC)
+    else:
+        acc1, acc3, acc1t, acc3t = _gemm1_loop(a, a_tail, w1, w3, a_ptr, at_ptr, m_ok, t_ok, e, pn, row0, L, I,
+                                               w_off, offs_k, n_ok, BLOCK_M, BLOCK_N, BLOCK_K, TAIL, False,
+                                               A_DESC, W_DESC, DOT_PREC)
     act = beta * _tanh(acc1 / beta) * _sigmoid(acc1) * (linear_beta * _tanh(acc3 / linear_beta))
     h_ptr = h + offs_m[:, None].to(tl.int64) * stride_hm + offs_n[None, :]
     tl.store(h_ptr, act.to(h.dtype.element_ty), mask=n_ok[None, :])
-    if TAIL > 0:
+    if TAIL > 0:                                                        # no tail rows: act(0) = 0 on padding
         act_t = beta * _tanh(acc1t / beta) * _sigmoid(acc1t) * (linear_beta * _tanh(acc3t / linear_beta))
         tl.store(h + offs_t[:, None].to(tl.int64) * stride_hm + offs_n[None, :], act_t.to(h.dtype.element_ty),
                  mask=n_ok[None, :])
+
+
+@triton.jit
+def _gemm2_loop(h, a_tail, w2, a_ptr, at_ptr, w_ptr, e, pn, row0, L, I, offs_k, n_ok, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TAIL: tl.constexpr, USE_TAIL: tl.constexpr,
+                A_DESC: tl.constexpr, W_DESC: tl.constexpr, DOT_PREC: tl.constexpr):
+    """gemm2's loop over I: h W2_e^T in fp32 for the BLOCK_M rows and, USE_TAIL, the TAIL rows (as `_gemm1_loop`)."""
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if TAIL > 0:
+        acc_t = tl.zeros([TAIL, BLOCK_N], tl.float32)
+    else:
+        acc_t = acc
+    for k0 in range(0, I, BLOCK_K):
+        k_ok = (k0 + offs_k) < I
+        if A_DESC:
+            x = h.load([row0, k0])
+        else:
+            x = tl.load(a_ptr + k0, mask=k_ok[None, :], other=0.0)
+        if W_DESC:
+            b = w2.load([e * L + pn * BLOCK_N, k0]).T
+        else:
+            b = tl.load(w_ptr + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(x, b, acc=acc, input_precision=DOT_PREC)
+        if USE_TAIL:
+            if A_DESC:
+                xt = a_tail.load([row0 + BLOCK_M, k0])
+            else:
+                xt = tl.load(at_ptr + k0, mask=k_ok[None, :], other=0.0)
+            acc_t = tl.dot(xt, b, acc=acc_t, input_precision=DOT_PREC)
+    return acc, acc_t
 
 
 @triton.jit
@@ -321,39 +425,50 @@ def moe_gemm2_fwd_kernel(h, w2, y, row_pair, block_expert, MB, L, I, stride_hm, 
     offs_n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < L
     offs_k = tl.arange(0, BLOCK_K)
+    a_ptr = h
     if not A_DESC:
         a_ptr = h + offs_m[:, None].to(tl.int64) * stride_hm + offs_k[None, :]
+    w_ptr = w2
     if not W_DESC:
         w_ptr = w2 + e.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wl + offs_k[:, None]
+    at_ptr = a_ptr                                                      # TAIL = 0: unused
     if TAIL > 0:
         offs_t = row0 + BLOCK_M + tl.arange(0, TAIL)
         pair_t = tl.load(row_pair + offs_t)
         if not A_DESC:
             at_ptr = h + offs_t[:, None].to(tl.int64) * stride_hm + offs_k[None, :]
-        acc_t = tl.zeros([TAIL, BLOCK_N], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, I, BLOCK_K):
-        k_ok = (k0 + offs_k) < I
-        if A_DESC:
-            x = h.load([row0, k0])
+    if TAIL > 0:
+        if tl.load(row_pair + row0 + BLOCK_M) >= 0:                    # tail rows (valid rows are a prefix)
+            acc, acc_t = _gemm2_loop(h, a_tail, w2, a_ptr, at_ptr, w_ptr, e, pn, row0, L, I, offs_k, n_ok, BLOCK_M,
+                                     BLOCK_N, BLOCK_K, TAIL, True, A_DESC, W_DESC, DOT_PREC)
         else:
-            x = tl.load(a_ptr + k0, mask=k_ok[None, :], other=0.0)
-        if W_DESC:
-            b = w2.load([e * L + pn * BLOCK_N, k0]).T
-        else:
-            b = tl.load(w_ptr + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = tl.dot(x, b, acc=acc, input_precision=DOT_PREC)
-        if TAIL > 0:
-            if A_DESC:
-                xt = a_tail.load([row0 + BLOCK_M, k0])
-            else:
-                xt = tl.load(at_ptr + k0, mask=k_ok[None, :], other=0.0)
-            acc_t = tl.dot(xt, b, acc=acc_t, input_precision=DOT_PREC)
+            acc, acc_t = _gemm2_loop(h, a_tail, w2, a_ptr, at_ptr, w_ptr, e, pn, row0, L, I, offs_k, n_ok, BLOCK_M,
+                                     BLOCK_N, BLOCK_K, TAIL, False, A_DESC, W_DESC, DOT_PREC)
+    else:
+        acc, acc_t = _gemm2_loop(h, a_tail, w2, a_ptr, at_ptr, w_ptr, e, pn, row0, L, I, offs_k, n_ok, BLOCK_M,
+                                 BLOCK_N, BLOCK_K, TAIL, False, A_DESC, W_DESC, DOT_PREC)
     tl.store(y + pair[:, None].to(tl.int64) * stride_yp + offs_n[None, :], acc,
              mask=(pair >= 0)[:, None] & n_ok[None, :])
     if TAIL > 0:
         tl.store(y + pair_t[:, None].to(tl.int64) * stride_yp + offs_n[None, :], acc_t,
                  mask=(pair_t >= 0)[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def moe_gather_fwd_kernel(z, row_pair, block_expert, zp, L, stride_zn, ROWS: tl.constexpr, TOP_K: tl.constexpr,
+                          BLOCK_R: tl.constexpr, BLOCK_L: tl.constexpr):
+    """zp[r] = z[token of row r] for BLOCK_R rows (of one block: BLOCK_R divides ROWS) x BLOCK_L columns; padding
+    rows get 0, rows of unused blocks are not written (the GEMMs never read them)."""
+    r0 = tl.program_id(0) * BLOCK_R
+    if tl.load(block_expert + r0 // ROWS) < 0:
+        return
+    offs_r = r0 + tl.arange(0, BLOCK_R)
+    pair = tl.load(row_pair + offs_r)
+    offs_l = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
+    l_ok = offs_l < L
+    x = tl.load(z + (tl.maximum(pair, 0) // TOP_K)[:, None].to(tl.int64) * stride_zn + offs_l[None, :],
+                mask=(pair >= 0)[:, None] & l_ok[None, :], other=0.0)
+    tl.store(zp + offs_r[:, None].to(tl.int64) * L + offs_l[None, :], x, mask=l_ok[None, :])
 
 
 @triton.jit
@@ -374,8 +489,8 @@ class MoeTiles:
     """One tiling of the expert GEMMs. gemm1 / gemm2: (BLOCK_N, BLOCK_K, num_warps, num_stages). group_m: see
     `_tile` (a large value = one column tile across all blocks). tma: "" pointer loads; "w": expert weights
     through TMA descriptors; "aw": the A operand too (z gathered into row-plan order first, one extra pass).
-    fused_align: the one-program align kernel for small N k. lean_route: `route_fwd(lean=True)`. tail: rows of
-    each block past block_m, in a second dot on the same weight tiles (kernel docstring)."""
+    fused_align: `align_rows(fused=True)` (Triton kernels, not torch ops). lean_route: `route_fwd(lean=True)`.
+    tail: rows of each block past block_m, in a second dot on the same weight tiles (kernel docstring)."""
     block_m: int
     gemm1: tuple
     gemm2: tuple
@@ -403,10 +518,11 @@ TILINGS = {
     "prefill": {"old": MoeTiles(64, (64, 64, 4, 4), (128, 64, 4, 4), _ALL, "", False),
                 "m128-tma-aw": MoeTiles(128, (128, 64, 8, 3), (256, 64, 8, 3), 1, "aw", False, True),
                 "m128-tma-w": MoeTiles(128, (128, 64, 8, 3), (256, 64, 8, 3), 1, "w", False, True),
-                "m128t64-aw": MoeTiles(128, (64, 64, 8, 4), (128, 64, 8, 4), 1, "aw", False, True, 64),
-                "m128t64-aw-s3": MoeTiles(128, (64, 64, 8, 3), (128, 64, 8, 3), 1, "aw", False, True, 64),
-                "m128t64-aw-k128": MoeTiles(128, (64, 128, 8, 2), (128, 128, 8, 2), 1, "aw", False, True, 64),
-                "m64t32-aw8": MoeTiles(64, (64, 64, 8, 4), (128, 64, 8, 4), 1, "aw", False, True, 32)},
+                "m128-n64-aw": MoeTiles(128, (64, 64, 8, 4), (128, 64, 8, 4), 1, "aw", True, True),
+                "m128t64-aw": MoeTiles(128, (64, 64, 8, 4), (128, 64, 8, 4), 1, "aw", True, True, 64),
+                "m128t64-aw-k128": MoeTiles(128, (64, 128, 8, 2), (128, 128, 8, 2), 1, "aw", True, True, 64),
+                "m64t32-aw8": MoeTiles(64, (64, 64, 8, 4), (128, 64, 8, 4), 1, "aw", True, True, 32),
+                "m64t32-n128-aw8": MoeTiles(64, (128, 64, 8, 3), (256, 64, 8, 3), 1, "aw", True, True, 32)},
 }
 # Measured 2026-11-29 (docs/perf.md): decode 1..64 tokens "fused-lean" (CUDA-graph replay 0.30 ms at 1 token,
 # was 0.36; the plain call 0.37, was 0.64); prefill "m128-tma-w" at 4096 / 8192 tokens (19.3 / 31.3 ms, were
@@ -435,6 +551,18 @@ def _tma_rows_ok(*ts) -> bool:
     return all(t.data_ptr() % 16 == 0 and (t.stride(-2) * t.element_size()) % 16 == 0 for t in ts)
 
 
+def gather_fwd(z, plan, top_k: int, rows: int):
+    """zp `[MB * rows, L]` = z's rows in row-plan order (padding rows 0; rows of unused blocks unwritten)."""
+    row_pair, block_expert = plan
+    L = z.shape[1]
+    zp = torch.empty(row_pair.numel(), L, device=z.device, dtype=z.dtype)
+    block_r, block_l = min(32, rows & -rows), min(1024, pow2(L))
+    launch(moe_gather_fwd_kernel)[(row_pair.numel() // block_r, triton.cdiv(L, block_l))](
+        z, row_pair, block_expert, zp, L, z.stride(0), ROWS=rows, TOP_K=top_k, BLOCK_R=block_r, BLOCK_L=block_l,
+        num_warps=8)
+    return zp
+
+
 def gemm1_fwd(z, w1, w3, plan, top_k: int, beta: float, linear_beta: float, cfg: MoeTiles):
     """h `[MB * BM, I]` in z.dtype = SiTU_GLU(z W1_e^T, z W3_e^T) for every row of the plan."""
     row_pair, block_expert = plan
@@ -446,8 +574,8 @@ def gemm1_fwd(z, w1, w3, plan, top_k: int, beta: float, linear_beta: float, cfg:
         cfg = replace(cfg, tma="")
     a = z
     tail = dict(TAIL=cfg.tail, a_tail=z) if cfg.tail else {}      # no tail: the launch the AOT chain mirrors
-    if cfg.tma == "aw":          # z rows in plan order (padding rows: token 0, computed and never stored)
-        zp = z.index_select(0, row_pair.clamp(min=0) // top_k)
+    if cfg.tma == "aw":
+        zp = gather_fwd(z, plan, top_k, cfg.rows)
         a = _desc(zp, [bm, bk])
         if cfg.tail:
             tail["a_tail"] = _desc(zp, [cfg.tail, bk])
