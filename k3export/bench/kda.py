@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import json
 import platform
+import re
 import time
 from pathlib import Path
 
@@ -66,16 +67,9 @@ def bench_prefill(T: int, H: int, K: int = 128) -> dict:
     res["ours"] = {"ms": ms, "tflops": flop / ms / 1e9}
     print("prefill ours", res["ours"], res["ours_vs_eager_rel_rms"], flush=True)
 
-    real = kernels.kda_prefill_fwd_kernel
-
-    class _Skip:  # time the intra launch alone (the chunk pass replaced by a no-op)
-        def __getitem__(self, grid):
-            return lambda *a, **kw: None
-    kernels.kda_prefill_fwd_kernel = _Skip()
-    try:
-        res["ours_intra_only_ms"] = bench_ms(lambda: kernels.kda_prefill_fwd(*args))
-    finally:
-        kernels.kda_prefill_fwd_kernel = real
+    cfg = kernels.prefill_config(args[0].shape[-1], args[2].shape[-1])    # the intra launch alone
+    res["ours_intra_only_ms"] = bench_ms(lambda: kernels.prefill_intra_fwd(*args[:5], args[5], args[6], args[8],
+                                                                           args[9], cfg))
 
     sweep = []
     for cfg in (dict(BV=64, state_stages=1), dict(low_ab=False)):
@@ -176,15 +170,30 @@ def _markdown(res: dict) -> str:
 PREFILL_BOUND = {"o": 2e-2, "state": 2e-2}                # BF16_PREFILL_BOUND, BF16_STATE_BOUND
 DECODE_BOUND = {"o": 1e-3, "state": 1e-5}                 # DECODE_O_BOUND[bf16], DECODE_STATE_BOUND
 
-PREFILL_VARIANTS = {                                      # name -> overrides of kernels.prefill_config
-    "full": dict(intra="full"),
-    "sub": dict(intra="sub"),
-    "sub 8w": dict(intra="sub", sub_warps=8),
-    "full, state 1 stage": dict(intra="full", state_stages=1),
-    "full, state 3 stages": dict(intra="full", state_stages=3),
-    "full, state BV128 8w": dict(intra="full", BV=128, state_warps=8, state_stages=1),
-    "full, state BV32 2 stages": dict(intra="full", BV=32, state_stages=2),   # BV32/1 stage was wrong (21:15)
+# Prefill sweep (kernels.prefill_config overrides): each intra launch timed alone and each state pass timed alone
+# (on the default intra launch's intermediates), both checked end to end (with the default of the other launch);
+# then the fastest of each that is within bounds, combined, end to end. ("sub": 4.80 ms on 2026-11-29, not rerun.)
+INTRA_VARIANTS = {
+    "full 8w": dict(intra="full"),
+    "col 8w low_ut": dict(intra="col", col_warps=8, low_ut=True),
+    "colk32 8w low_ut": dict(intra="colk", colk_warps=8, BKB=32, low_ut=True),
+    "colk32 4w low_ut": dict(intra="colk", colk_warps=4, BKB=32, low_ut=True),
+    "colk32 8w low_ut maxnreg128": dict(intra="colk", colk_warps=8, BKB=32, low_ut=True, intra_maxnreg=128),
+    "colk64 8w low_ut": dict(intra="colk", colk_warps=8, BKB=64, low_ut=True),
+    "colk32 4w": dict(intra="colk", colk_warps=4, BKB=32, low_ut=False),
 }
+STATE_VARIANTS = {
+    "fused BV64 s2": dict(state="fused", BV=64, state_stages=2),
+    "fused BV64 s1": dict(state="fused", BV=64, state_stages=1),
+    "fused BV32 s2": dict(state="fused", BV=32, state_stages=2),
+    "fused BV32 s1": dict(state="fused", BV=32, state_stages=1),   # wrong outputs on 2026-11-29 21:15: rechecked
+    "split h64 s2, o64": dict(state="split", BV_h=64, h_stages=2, BV_o=64),
+    "split h32 s1, o64": dict(state="split", BV_h=32, h_stages=1, BV_o=64),
+    "split h32 s2, o128": dict(state="split", BV_h=32, h_stages=2, BV_o=128),
+}
+PREFILL_VARIANTS = {**INTRA_VARIANTS, **STATE_VARIANTS}   # names are distinct
+
+
 DECODE_VARIANTS = {                                       # name -> overrides of kernels.decode_config
     "fused 4w": dict(kernel="fused", num_warps=4),                              # maxnreg 168: 3 per SM
     "fused 8w": dict(kernel="fused", num_warps=8),
@@ -226,38 +235,71 @@ def _decode_args(B: int, H: int, K: int = 128):
             r(B, H, K, K), -5.0, 1e-5)
 
 
-def sweep_prefill(T: int, H: int, deadline: float, K: int = 128) -> dict:
+def _isolated_check(checked: Path | None, name: str):
+    """None when `name` may run here: no check directory, or scripts/kda_warm.py's isolated check of it passed;
+    else why not (an illegal memory access in one variant would end this process's CUDA context for all)."""
+    if checked is None:
+        return None
+    f = checked / (re.sub(r"[^A-Za-z0-9]+", "_", name) + ".json")
+    if not f.exists():
+        return "not run: no isolated check result (faulted or timed out in scripts/kda_warm.py)"
+    r = json.loads(f.read_text())
+    return None if r.get("ok") else f"not run: isolated check out of bounds {r}"
+
+
+def sweep_prefill(T: int, H: int, deadline: float, K: int = 128, checked: Path | None = None) -> dict:
     from k3export.plugins.kda import kernels
     from k3export.plugins.kda.op import kda_prefill
 
     args = _prefill_args(T, H, K)
     flop = _flops(1, T, H, K, K)
     o_ref, S_ref = kda_prefill._init_fn(*args)
-    res = {"shape": dict(B=1, T=T, H=H, K=K, V=K, dtype="bf16"), "gflop": flop / 1e9,
-           "default": kernels.prefill_config(K, K), "variants": {}}
+    default = kernels.prefill_config(K, K)
+    res = {"shape": dict(B=1, T=T, H=H, K=K, V=K, dtype="bf16"), "gflop": flop / 1e9, "default": default,
+           "variants": {}, "intra_ms": {}, "state_ms": {}}
+    q, k, v, f, b, A_log, dt_bias, S0, lengths, lb = args
+    shape = (1, T, H, K, K)
 
-    def one(cfg):
+    def check(cfg):
         o, S = kernels.kda_prefill_fwd(*args, config=cfg)
         err = {"o": _rel(o, o_ref), "state": _rel(S, S_ref)}
-        ok = all(err[n] < PREFILL_BOUND[n] for n in err)
+        return {**err, "ok": all(err[n] < PREFILL_BOUND[n] for n in err)}
+
+    def whole(cfg):
         ms = bench_ms(lambda: kernels.kda_prefill_fwd(*args, config=cfg), rep=50)
-        return {**err, "ok": ok, "ms": ms, "tflops": flop / ms / 1e9}
+        return {**check(cfg), "ms": ms, "tflops": flop / ms / 1e9}
 
-    for name, cfg in PREFILL_VARIANTS.items():
-        res["variants"][name] = ("skipped (time)" if time.monotonic() > deadline else _try(lambda: one(cfg)))
-        print("prefill", name, res["variants"][name], flush=True)
-    real = kernels.kda_prefill_fwd_kernel
+    res["variants"]["default"] = _try(lambda: whole({}))
+    print("prefill default", res["variants"]["default"], flush=True)
+    for name, over in INTRA_VARIANTS.items():               # the intra launch alone, then checked end to end
+        why = None if {**default, **over} == default else _isolated_check(checked, name)   # default: ran above
+        if time.monotonic() > deadline or why:
+            res["intra_ms"][name] = why or "skipped (time)"
+            continue
+        cfg = {**default, **over}
+        res["intra_ms"][name] = _try(lambda: {"ms": bench_ms(lambda: kernels.prefill_intra_fwd(
+            q, k, v, f, b, A_log, dt_bias, lengths, lb, cfg), rep=50), **check(cfg)})
+        print("intra", name, res["intra_ms"][name], flush=True)
+    inter = kernels.prefill_intra_fwd(q, k, v, f, b, A_log, dt_bias, lengths, lb, default)
+    for name, over in STATE_VARIANTS.items():               # the state pass alone on the default intermediates
+        why = None if {**default, **over} == default else _isolated_check(checked, name)   # default: ran above
+        if time.monotonic() > deadline or why:
+            res["state_ms"][name] = why or "skipped (time)"
+            continue
+        cfg = {**default, **over}
+        res["state_ms"][name] = _try(lambda: {"ms": bench_ms(lambda: kernels.prefill_state_fwd(
+            inter, S0, lengths, shape, q.dtype, cfg), rep=50), **check(cfg)})
+        print("state", name, res["state_ms"][name], flush=True)
 
-    class _Skip:  # the intra launch alone (the chunk pass replaced by a no-op)
-        def __getitem__(self, grid):
-            return lambda *a, **kw: None
-    kernels.kda_prefill_fwd_kernel = _Skip()
-    try:
-        res["intra_only_ms"] = {i: bench_ms(lambda: kernels.kda_prefill_fwd(*args, config=dict(intra=i)), rep=50)
-                                for i in ("full", "sub")}
-    finally:
-        kernels.kda_prefill_fwd_kernel = real
-    print("intra only", res["intra_only_ms"], flush=True)
+    def best(table):
+        good = {n: r for n, r in table.items() if isinstance(r, dict) and r["ok"]}
+        return min(good, key=lambda n: good[n]["ms"]) if good else None
+    bi, bs = best(res["intra_ms"]), best(res["state_ms"])
+    res["best"] = {"intra": bi, "state": bs}
+    if bi and bs and time.monotonic() < deadline + 30:
+        cfg = {**INTRA_VARIANTS[bi], **STATE_VARIANTS[bs]}
+        res["variants"][f"{bi} + {bs}"] = _try(lambda: whole(cfg))
+        print("prefill best", bi, "+", bs, res["variants"][f"{bi} + {bs}"], flush=True)
     return res
 
 
@@ -342,7 +384,14 @@ def _sweep_markdown(res: dict) -> str:
                          f"{v.get('ok', '-')} |")
         else:
             lines.append(f"| {name} | {v} | | | | |")
-    lines += ["", f"intra launch alone (ms): {p.get('intra_only_ms')}", "",
+    for title, key in (("intra launch alone", "intra_ms"), ("state pass alone (default intra's intermediates)",
+                                                              "state_ms")):
+        lines += ["", f"{title}; errors end to end with the other launch's default:", "",
+                  "| variant | ms | o rel | state rel | within bounds |", "|---|---|---|---|---|"]
+        for name, v in p.get(key, {}).items():
+            lines.append(f"| {name} | {v['ms']:.3f} | {v['o']:.2e} | {v['state']:.2e} | {v['ok']} |"
+                         if isinstance(v, dict) else f"| {name} | {v} | | | |")
+    lines += ["", f"fastest within bounds: {p.get('best')}", "",
               "Decode H=%d, fp32 state read + write, CUDA-graph replay times (ms, GB/s, fraction of copy):" % res["decode_H"],
               ""]
     names = list(DECODE_VARIANTS)
@@ -364,7 +413,7 @@ def _sweep_markdown(res: dict) -> str:
 
 
 def run_sweep(out: Path, T: int, H: int, batches, budget_s: float, res: dict,
-              phases: tuple[str, ...] = ("prefill", "decode", "fla")) -> None:
+              phases: tuple[str, ...] = ("prefill", "decode", "fla"), checked: Path | None = None) -> None:
     """Ours (prefill variants, then decode variants; each phase stops at its share of budget_s), then fla-core.
     JSON and markdown are rewritten after each phase, so a run cut short still leaves its results. `phases`
     picks a subset (e.g. decode alone: its kernels compile in seconds, fla's autotuning takes a minute)."""
@@ -376,7 +425,8 @@ def run_sweep(out: Path, T: int, H: int, batches, budget_s: float, res: dict,
         (out / "kda_sweep.md").write_text(_sweep_markdown(res))
     res["decode_H"], res["decode"] = H, []
     if "prefill" in phases:
-        res["prefill"] = sweep_prefill(T, H, deadline - 0.5 * budget_s)
+        res["prefill"] = sweep_prefill(T, H, deadline - (0.5 * budget_s if "decode" in phases else 0.),
+                                       checked=checked)
     else:
         res["prefill"] = {"shape": dict(B=1, T=T, H=H), "gflop": _flops(1, T, H, 128, 128) / 1e9,
                           "variants": {}, "intra_only_ms": "not run"}
@@ -402,7 +452,10 @@ def run_sweep(out: Path, T: int, H: int, batches, budget_s: float, res: dict,
 @click.option("--budget-s", default=100.0, show_default=True, help="--sweep: seconds before variants are skipped.")
 @click.option("--phases", default="prefill,decode,fla", show_default=True,
               help="--sweep: which parts to run (any of prefill, decode, fla).")
-def kda_bench(out_dir: str, T: int, H: int, batches: str, sweep: bool, budget_s: float, phases: str) -> None:
+@click.option("--checked", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="--sweep: time only the prefill variants whose isolated check (scripts/kda_warm.py) passed.")
+def kda_bench(out_dir: str, T: int, H: int, batches: str, sweep: bool, budget_s: float, phases: str,
+              checked: Path | None) -> None:
     """Prefill and decode KDA kernels vs fla-core and eager PyTorch (needs a CUDA GPU)."""
     if not torch.cuda.is_available():
         raise click.ClickException("bench kda needs a CUDA GPU (run it on the GPU machine)")
@@ -418,7 +471,8 @@ def kda_bench(out_dir: str, T: int, H: int, batches: str, sweep: bool, budget_s:
         bad = set(phases.split(",")) - {"prefill", "decode", "fla"}
         if bad:
             raise click.BadParameter(f"unknown phases {sorted(bad)}; use prefill, decode, fla", param_hint="--phases")
-        run_sweep(Path(out_dir), T, H, [int(x) for x in batches.split(",")], budget_s, res, tuple(phases.split(",")))
+        run_sweep(Path(out_dir), T, H, [int(x) for x in batches.split(",")], budget_s, res, tuple(phases.split(",")),
+                  checked)
         return
     res["prefill"] = bench_prefill(T, H)
     click.echo(json.dumps(res["prefill"], indent=1))

@@ -8,9 +8,13 @@ Prefill is two launches over right-padded `[B, T, H, K]` inputs, chunk BT = 64:
      exp(Gam_C - Gam) K, A_qk (compute dtype) and Gam_C (fp32).
   2. `kda_prefill_fwd_kernel`, one program per (V block, sequence*head), chunks in order: the inter-chunk state
      pass Vn = U - W S, O = exp(Gam) Q S + A_qk Vn, S <- exp(Gam_C) S + (exp(Gam_C - Gam) K)^T Vn, fp32 state.
-  Launch 1 has two variants (`prefill_config()["intra"]`): `kda_prefill_intra_sub_fwd_kernel` ("sub": 16-row
-  sub-blocks loaded by their own pointers, 16x16 block inverses) and `kda_prefill_intra_fwd_kernel` ("full":
-  64-wide tiles, the kernel of the AOT contract in trt.py); same outputs.
+  Launch 1 has variants (`prefill_config()["intra"]`): `kda_prefill_intra_fwd_kernel` ("full": 64-wide tiles,
+  the kernel of the AOT contract in trt.py), `kda_prefill_intra_sub_fwd_kernel` ("sub": 16-row sub-blocks loaded
+  by their own pointers, 16x16 block inverses), `kda_prefill_intra_col_fwd_kernel` / `..._colk_fwd_kernel`
+  ("col"/"colk": A_kk, A_qk by 16-column blocks with their own [16, K] right operands; colk also cuts K into
+  slices); same outputs. Launch 2 has a split variant (`["state"] = "split"`, fla's): a sequential h-pass
+  (`kda_prefill_h_fwd_kernel`: Vn and each chunk's entering state) and a parallel o-pass
+  (`kda_prefill_o_fwd_kernel`). See `prefill_config` for what the H200 showed.
 Decode is one launch, `kda_decode_fwd_kernel`, one program per (sequence, head) holding its [K, V] state
 (variant "vblock", `kda_decode_vblock_fwd_kernel`: the same in [K, BV] column blocks).
 
@@ -25,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..launch import launch
 from .op import CHUNK, kda_decode, kda_prefill
 
 BC = 16  # sub-tile rows: 16 steps of a gate > -5 decay by less than e^80, finite in fp32
@@ -383,6 +388,376 @@ def kda_prefill_intra_sub_fwd_kernel(
     tl.store(gl + (i_bh * NT + i_n).to(tl.int64) * K + o_k, c3, mask=m_k)
 
 
+# --- Prefill intra launch, column-block variant (`intra="col"`) ---------------------------------------------------
+# `kda_prefill_intra_fwd_kernel` with A_kk / A_qk formed from [BT, BC] column blocks: the right operand of column
+# block J is its own BC rows (loaded by their own pointers, no tl.reshape), [BC, BK], so the products are
+# [BT, BK] x [BK, BC] (4x fewer MACs than the zero-padded [BK, BT] tiles). A_qk's blocks are stored straight into
+# `aqk`; A_kk's are placed into the [BT, BT] tile for the UT transform by one-hot products [BT, BC] x [BC, BT]
+# (exact in fp32, one tf32 rounding of A_kk under tf32). The UT transform, W and U are those of the full kernel
+# (`LOW_UT`: its products with bf16 operands, a sweep option). Exact under the interpreter; on the H200 (Triton
+# 3.6, 2026-11-30 00:28) an illegal memory access at T = 3072 and 8192 (not at T = 64): not usable there yet.
+
+@triton.jit
+def _col_block(k, f, T, length, i_b, i_h, i_n, J, a, b_bias, c_prev, c_J,
+               H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+               LOWER: tl.constexpr):
+    """Column block J's right operand kn_j exp(c_J - G_j) [BC, BK] (factors <= 1): its rows' kn and in-chunk
+    G = c_prev + cumsum(g) (c_prev = G at the row before the block, 0 for J = 0)."""
+    o_t = i_n * BT + J * BC + tl.arange(0, BC)
+    o_k = tl.arange(0, BK)
+    m_t = o_t < T
+    m_k = o_k < K
+    tok = (i_b * T + o_t).to(tl.int64)
+    b_k = tl.load(k + tok[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
+                  other=0.).to(tl.float32)
+    b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, 1) + 1e-6)[:, None]
+    b_G, _ = _sub_gate(f, tok, m_t, o_t < length, i_h, o_k, m_k, a, b_bias, c_prev, H, K, LOWER, BC)
+    return b_k * tl.exp(c_J[None, :] - b_G)
+
+
+@triton.jit
+def kda_prefill_intra_col_fwd_kernel(
+    q, k, v, f, b, A_log, dt_bias, lengths,          # inputs
+    T,                                                # scalar: padded tokens per sequence
+    w, u, qg, kd, aqk, gl,                            # outputs
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, LOWER: tl.constexpr, PREC: tl.constexpr, LOW: tl.constexpr,
+    LOW_UT: tl.constexpr,
+):
+    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    NT = tl.cdiv(T, BT)
+    NC: tl.constexpr = BT // BC
+    length = tl.load(lengths + i_b).to(tl.int32)
+    o_t = i_n * BT + tl.arange(0, BT)                                   # [BT] token index
+    o_k = tl.arange(0, BK)
+    o_v = tl.arange(0, BV)
+    m_t = o_t < T
+    m_valid = o_t < length
+    m_k = o_k < K
+    m_v = o_v < V
+    tok = (i_b * T + o_t).to(tl.int64)                                  # [BT] row in [B*T]
+    ld = w.dtype.element_ty
+    r_t = tl.arange(0, BT)
+    o_c = tl.arange(0, BC)
+    row = (i_bh * NT * BT + i_n * BT + r_t).to(tl.int64)                               # [BT] in [B*H*NT*BT]
+
+    # Ordered for short live ranges (the full kernel spills at 255 registers): q, k stay in the input dtype with
+    # fp32 row scales, qg and kd are stored as soon as Gam exists, v is loaded after the UT transform.
+    p_k = tok[:, None] * (H * K) + i_h * K + o_k[None, :]
+    m_tk = m_t[:, None] & m_k[None, :]
+    b_f = tl.load(f + p_k, mask=m_tk, other=0.).to(tl.float32)
+    a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+    b_bias = tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.).to(tl.float32)
+    b_g = LOWER * tl.sigmoid(a * (b_f + b_bias[None, :]))
+    b_g = tl.where(m_valid[:, None] & m_k[None, :], b_g, 0.)           # padding: alpha = 1
+    b_G = tl.cumsum(b_g, 0)                                             # [BT, BK] in-chunk Gam
+    G_last = tl.sum(tl.where(r_t[:, None] == BT - 1, b_G, 0.), 0)                     # [BK]
+    b_q = tl.load(q + p_k, mask=m_tk, other=0.)                                        # input dtype
+    b_k = tl.load(k + p_k, mask=m_tk, other=0.)
+    s_q = (K ** -0.5) / tl.sqrt(tl.sum(b_q.to(tl.float32) * b_q.to(tl.float32), 1) + 1e-6)     # [BT]
+    s_k = 1. / tl.sqrt(tl.sum(b_k.to(tl.float32) * b_k.to(tl.float32), 1) + 1e-6)
+    tl.store(qg + row[:, None] * K + o_k[None, :], (tl.exp(b_G) * (b_q.to(tl.float32) * s_q[:, None])).to(qg.dtype.element_ty),
+             mask=m_k[None, :])
+    tl.store(kd + row[:, None] * K + o_k[None, :], (tl.exp(G_last[None, :] - b_G) * (b_k.to(tl.float32) * s_k[:, None])).to(kd.dtype.element_ty),
+             mask=m_k[None, :])
+    b_beta = tl.sigmoid(tl.load(b + tok * H + i_h, mask=m_t, other=0.).to(tl.float32))
+    b_beta = tl.where(m_valid, b_beta, 0.)                              # padding: no write
+
+    # Column blocks J, referenced to c_J = Gam at J's last row (factors as in the full kernel: <= e^80 on the
+    # diagonal block, <= 1 below it; rows above block J masked out).
+    b_A = tl.zeros((BT, BT), dtype=tl.float32)
+    c_prev = tl.zeros((BK,), dtype=tl.float32)
+    for J in tl.static_range(NC):
+        c_J = tl.sum(tl.where(r_t[:, None] == J * BC + BC - 1, b_G, 0.), 0)           # [BK]
+        e_J = tl.exp(tl.where(r_t[:, None] >= J * BC, b_G - c_J[None, :], float("-inf")))
+        r_J = tl.trans(_col_block(k, f, T, length, i_b, i_h, i_n, J, a, b_bias, c_prev, c_J,
+                                  H, K, BK, BT, BC, LOWER))                             # [BK, BC]
+        col = J * BC + o_c                                                              # [BC] chunk column
+        a_qk = _mm(b_q.to(tl.float32) * (s_q[:, None] * e_J), r_J, ld, PREC, LOW)      # [BT, BC]
+        tl.store(aqk + row[:, None] * BT + col[None, :],
+                 tl.where(r_t[:, None] >= col[None, :], a_qk, 0.).to(aqk.dtype.element_ty))
+        a_kk = _mm(b_k.to(tl.float32) * (s_k[:, None] * e_J), r_J, ld, PREC, LOW)      # [BT, BC]
+        place = tl.where(o_c[:, None] + J * BC == r_t[None, :], 1., 0.)                # [BC, BT] one-hot
+        b_A += tl.dot(a_kk, place, input_precision=PREC)
+        c_prev = c_J
+    b_A = tl.where(r_t[:, None] > r_t[None, :], b_A * b_beta[:, None], 0.)
+    # W = X R_w; R_w held in the compute dtype across the UT transform (the operand LOW rounds it to anyway;
+    # fp16 callers: one extra fp16 rounding; fp32: none).
+    R_w = (b_beta[:, None] * tl.exp(b_G) * (b_k.to(tl.float32) * s_k[:, None])).to(ld)   # [BT, BK]
+
+    # UT transform X = (I + A)^-1, as the full kernel (block Neumann series).
+    eye = tl.where(r_t[:, None] == r_t[None, :], 1., 0.)
+    same = (r_t[:, None] // BC) == (r_t[None, :] // BC)
+    A_bd = tl.where(same, b_A, 0.)
+    A_lo = b_A - A_bd
+    P2 = _mm(A_bd, A_bd, ld, PREC, LOW_UT)
+    P4 = _mm(P2, P2, ld, PREC, LOW_UT)
+    P8 = _mm(P4, P4, ld, PREC, LOW_UT)
+    D_inv = _mm(eye - A_bd, eye + P2, ld, PREC, LOW_UT)
+    D_inv = _mm(D_inv, eye + P4, ld, PREC, LOW_UT)
+    D_inv = _mm(D_inv, eye + P8, ld, PREC, LOW_UT)
+    N1 = _mm(D_inv, A_lo, ld, PREC, LOW_UT)
+    N2 = _mm(N1, N1, ld, PREC, LOW_UT)
+    X = _mm(_mm(eye - N1, eye + N2, ld, PREC, LOW_UT), D_inv, ld, PREC, LOW_UT)
+
+    b_w = _mm(X, R_w.to(tl.float32), ld, PREC, LOW)                                    # [BT, BK]
+    tl.store(w + row[:, None] * K + o_k[None, :], b_w.to(ld), mask=m_k[None, :])
+    b_v = tl.load(v + tok[:, None] * (H * V) + i_h * V + o_v[None, :],
+                  mask=m_t[:, None] & m_v[None, :], other=0.).to(tl.float32)
+    b_u = _mm(X, b_beta[:, None] * b_v, ld, PREC, LOW)                                # [BT, BV]
+    tl.store(u + row[:, None] * V + o_v[None, :], b_u.to(u.dtype.element_ty), mask=m_v[None, :])
+    tl.store(gl + (i_bh * NT + i_n).to(tl.int64) * K + o_k, G_last, mask=m_k)
+
+
+# --- Prefill intra launch, column-block variant blocked over K (`intra="colk"`) ----------------------------------
+# The "col" kernel with every [BT, K] tile cut into [BT, BKB] column slices (the gate cumsum is per column, so the
+# in-chunk Gam of a slice needs only that slice): the full-width tiles held the 64 x 128 kernels at 255 registers
+# with spills, one program per SM. Pass 1 accumulates the row norms; pass 2, per slice, stores qg, kd, Gam_C and
+# adds the slice's share of the [BT, BC] column blocks of A_qk / A_kk; the UT transform follows on [BT, BT] tiles;
+# pass 3 recomputes each slice's Gam for W = X beta exp(Gam) K, and U = X beta V by value slices. ptxas (offline):
+# 223 registers at 8 warps, no spills (BKB = 32). Exact under the interpreter; not yet run to completion on the
+# H200 (its only run was cut short by the "col" fault).
+
+@triton.jit
+def _colk_rows(x, J, BT: tl.constexpr, BC: tl.constexpr):
+    """Entries J*BC.. J*BC+BC-1 of the [BT] vector x as a [BC] vector (exact: a masked sum of one term)."""
+    r_t = tl.arange(0, BT)
+    o_c = tl.arange(0, BC)
+    return tl.sum(tl.where((J * BC + o_c)[:, None] == r_t[None, :], x[None, :], 0.), 1)
+
+
+@triton.jit
+def _colk_pair(k, f, s_kJ, T, length, i_b, i_h, i_n, J, a, b_bias, o_k, m_k, c_prev, b_q, b_k, b_G, low_dtype,
+               H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, LOWER: tl.constexpr,
+               PREC: tl.constexpr, LOW: tl.constexpr):
+    """Column block J over the K columns o_k: (c_J, (q e_J) r_J^T, (k e_J) r_J^T), the products [BT, BC], with
+    e_J = exp(Gam - c_J) on rows >= J*BC (<= e^80) and r_J = kn_J exp(c_J - Gam_J) (<= 1) from J's own rows."""
+    r_t = tl.arange(0, BT)
+    c_J = tl.sum(tl.where(r_t[:, None] == J * BC + BC - 1, b_G, 0.), 0)                # [BKB]
+    e_J = tl.exp(tl.where(r_t[:, None] >= J * BC, b_G - c_J[None, :], float("-inf")))
+    o_t = i_n * BT + J * BC + tl.arange(0, BC)
+    m_t = o_t < T
+    tok = (i_b * T + o_t).to(tl.int64)
+    b_kJ = tl.load(k + tok[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
+                   other=0.).to(tl.float32) * s_kJ[:, None]
+    G_J, _ = _sub_gate(f, tok, m_t, o_t < length, i_h, o_k, m_k, a, b_bias, c_prev, H, K, LOWER, BC)
+    r_J = tl.trans(b_kJ * tl.exp(c_J[None, :] - G_J))                                 # [BKB, BC]
+    return c_J, _mm(b_q * e_J, r_J, low_dtype, PREC, LOW), _mm(b_k * e_J, r_J, low_dtype, PREC, LOW)
+
+
+@triton.jit
+def _colk_gate(f, dt_bias, tok, m_t, m_valid, i_h, a, o_k, m_k, H: tl.constexpr, K: tl.constexpr,
+               LOWER: tl.constexpr):
+    """Columns o_k of the chunk: in-chunk Gam [BT, BKB] (padding rows: alpha = 1) and the slice's dt_bias."""
+    b_bias = tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.).to(tl.float32)
+    b_f = tl.load(f + tok[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
+                  other=0.).to(tl.float32)
+    b_g = LOWER * tl.sigmoid(a * (b_f + b_bias[None, :]))
+    return tl.cumsum(tl.where(m_valid[:, None] & m_k[None, :], b_g, 0.), 0), b_bias
+
+
+@triton.jit
+def kda_prefill_intra_colk_fwd_kernel(
+    q, k, v, f, b, A_log, dt_bias, lengths,          # inputs
+    T,                                                # scalar: padded tokens per sequence
+    w, u, qg, kd, aqk, gl,                            # outputs
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, LOWER: tl.constexpr, PREC: tl.constexpr, LOW: tl.constexpr,
+    LOW_UT: tl.constexpr, BKB: tl.constexpr,
+):
+    tl.static_assert(BT == 4 * BC, "the column-block kernel is written for 4 blocks")
+    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    NT = tl.cdiv(T, BT)
+    length = tl.load(lengths + i_b).to(tl.int32)
+    r_t = tl.arange(0, BT)
+    o_c = tl.arange(0, BC)
+    o_t = i_n * BT + r_t                                                # [BT] token index
+    m_t = o_t < T
+    m_valid = o_t < length
+    tok = (i_b * T + o_t).to(tl.int64)                                  # [BT] row in [B*T]
+    row = (i_bh * NT * BT + i_n * BT + r_t).to(tl.int64)               # [BT] in [B*H*NT*BT]
+    ld = w.dtype.element_ty
+    a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+
+    # Pass 1: row norms.
+    ss_q = tl.zeros((BT,), dtype=tl.float32)
+    ss_k = tl.zeros((BT,), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BKB)):
+        o_k = kb * BKB + tl.arange(0, BKB)
+        p = tok[:, None] * (H * K) + i_h * K + o_k[None, :]
+        m = m_t[:, None] & (o_k < K)[None, :]
+        x = tl.load(q + p, mask=m, other=0.).to(tl.float32)
+        ss_q += tl.sum(x * x, 1)
+        x = tl.load(k + p, mask=m, other=0.).to(tl.float32)
+        ss_k += tl.sum(x * x, 1)
+    s_q = (K ** -0.5) / tl.sqrt(ss_q + 1e-6)                           # qn = q s_q, kn = k s_k
+    s_k = 1. / tl.sqrt(ss_k + 1e-6)
+    s_k0 = _colk_rows(s_k, 0, BT, BC)
+    s_k1 = _colk_rows(s_k, 1, BT, BC)
+    s_k2 = _colk_rows(s_k, 2, BT, BC)
+    s_k3 = _colk_rows(s_k, 3, BT, BC)
+    b_beta = tl.sigmoid(tl.load(b + tok * H + i_h, mask=m_t, other=0.).to(tl.float32))
+    b_beta = tl.where(m_valid, b_beta, 0.)                              # padding: no write
+
+    # Pass 2, per column slice: qg, kd, Gam_C stored; the column blocks of A_qk / A_kk accumulated.
+    aq0 = tl.zeros((BT, BC), dtype=tl.float32)
+    aq1 = tl.zeros((BT, BC), dtype=tl.float32)
+    aq2 = tl.zeros((BT, BC), dtype=tl.float32)
+    aq3 = tl.zeros((BT, BC), dtype=tl.float32)
+    ak0 = tl.zeros((BT, BC), dtype=tl.float32)
+    ak1 = tl.zeros((BT, BC), dtype=tl.float32)
+    ak2 = tl.zeros((BT, BC), dtype=tl.float32)
+    ak3 = tl.zeros((BT, BC), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BKB)):
+        o_k = kb * BKB + tl.arange(0, BKB)
+        m_k = o_k < K
+        b_G, b_bias = _colk_gate(f, dt_bias, tok, m_t, m_valid, i_h, a, o_k, m_k, H, K, LOWER)
+        G_last = tl.sum(tl.where(r_t[:, None] == BT - 1, b_G, 0.), 0)                 # [BKB]
+        p = tok[:, None] * (H * K) + i_h * K + o_k[None, :]
+        m = m_t[:, None] & m_k[None, :]
+        b_q = tl.load(q + p, mask=m, other=0.).to(tl.float32) * s_q[:, None]
+        b_k = tl.load(k + p, mask=m, other=0.).to(tl.float32) * s_k[:, None]
+        p_o = row[:, None] * K + o_k[None, :]
+        tl.store(qg + p_o, (tl.exp(b_G) * b_q).to(qg.dtype.element_ty), mask=m_k[None, :])
+        tl.store(kd + p_o, (tl.exp(G_last[None, :] - b_G) * b_k).to(kd.dtype.element_ty), mask=m_k[None, :])
+        tl.store(gl + (i_bh * NT + i_n).to(tl.int64) * K + o_k, G_last, mask=m_k)
+        c0, dq, dk = _colk_pair(k, f, s_k0, T, length, i_b, i_h, i_n, 0, a, b_bias, o_k, m_k,
+                                tl.zeros((BKB,), dtype=tl.float32), b_q, b_k, b_G, ld, H, K, BT, BC, LOWER, PREC, LOW)
+        aq0 += dq
+        ak0 += dk
+        c1, dq, dk = _colk_pair(k, f, s_k1, T, length, i_b, i_h, i_n, 1, a, b_bias, o_k, m_k, c0, b_q, b_k, b_G,
+                                ld, H, K, BT, BC, LOWER, PREC, LOW)
+        aq1 += dq
+        ak1 += dk
+        c2, dq, dk = _colk_pair(k, f, s_k2, T, length, i_b, i_h, i_n, 2, a, b_bias, o_k, m_k, c1, b_q, b_k, b_G,
+                                ld, H, K, BT, BC, LOWER, PREC, LOW)
+        aq2 += dq
+        ak2 += dk
+        _, dq, dk = _colk_pair(k, f, s_k3, T, length, i_b, i_h, i_n, 3, a, b_bias, o_k, m_k, c2, b_q, b_k, b_G,
+                               ld, H, K, BT, BC, LOWER, PREC, LOW)
+        aq3 += dq
+        ak3 += dk
+    p_a = aqk + row[:, None] * BT + o_c[None, :]
+    da = aqk.dtype.element_ty
+    tl.store(p_a, tl.where(r_t[:, None] >= o_c[None, :], aq0, 0.).to(da))
+    tl.store(p_a + BC, tl.where(r_t[:, None] >= BC + o_c[None, :], aq1, 0.).to(da))
+    tl.store(p_a + 2 * BC, tl.where(r_t[:, None] >= 2 * BC + o_c[None, :], aq2, 0.).to(da))
+    tl.store(p_a + 3 * BC, tl.where(r_t[:, None] >= 3 * BC + o_c[None, :], aq3, 0.).to(da))
+    # A_kk's blocks placed into [BT, BT] by one-hot products (exact in fp32; one tf32 rounding under tf32).
+    b_A = tl.dot(ak0, tl.where(o_c[:, None] == r_t[None, :], 1., 0.), input_precision=PREC)
+    b_A += tl.dot(ak1, tl.where(o_c[:, None] + BC == r_t[None, :], 1., 0.), input_precision=PREC)
+    b_A += tl.dot(ak2, tl.where(o_c[:, None] + 2 * BC == r_t[None, :], 1., 0.), input_precision=PREC)
+    b_A += tl.dot(ak3, tl.where(o_c[:, None] + 3 * BC == r_t[None, :], 1., 0.), input_precision=PREC)
+    b_A = tl.where(r_t[:, None] > r_t[None, :], b_A * b_beta[:, None], 0.)
+
+    # UT transform X = (I + A)^-1, as the full kernel (block Neumann series).
+    eye = tl.where(r_t[:, None] == r_t[None, :], 1., 0.)
+    same = (r_t[:, None] // BC) == (r_t[None, :] // BC)
+    A_bd = tl.where(same, b_A, 0.)
+    A_lo = b_A - A_bd
+    P2 = _mm(A_bd, A_bd, ld, PREC, LOW_UT)
+    P4 = _mm(P2, P2, ld, PREC, LOW_UT)
+    P8 = _mm(P4, P4, ld, PREC, LOW_UT)
+    D_inv = _mm(eye - A_bd, eye + P2, ld, PREC, LOW_UT)
+    D_inv = _mm(D_inv, eye + P4, ld, PREC, LOW_UT)
+    D_inv = _mm(D_inv, eye + P8, ld, PREC, LOW_UT)
+    N1 = _mm(D_inv, A_lo, ld, PREC, LOW_UT)
+    N2 = _mm(N1, N1, ld, PREC, LOW_UT)
+    X = _mm(_mm(eye - N1, eye + N2, ld, PREC, LOW_UT), D_inv, ld, PREC, LOW_UT)
+
+    # Pass 3: W = X beta exp(Gam) kn per column slice (Gam recomputed), U = X beta v per value slice.
+    for kb in range(0, tl.cdiv(K, BKB)):
+        o_k = kb * BKB + tl.arange(0, BKB)
+        m_k = o_k < K
+        b_G, _ = _colk_gate(f, dt_bias, tok, m_t, m_valid, i_h, a, o_k, m_k, H, K, LOWER)
+        b_k = tl.load(k + tok[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
+                      other=0.).to(tl.float32) * s_k[:, None]
+        b_w = _mm(X, b_beta[:, None] * tl.exp(b_G) * b_k, ld, PREC, LOW)
+        tl.store(w + row[:, None] * K + o_k[None, :], b_w.to(ld), mask=m_k[None, :])
+    for vb in range(0, tl.cdiv(V, BKB)):
+        o_v = vb * BKB + tl.arange(0, BKB)
+        m_v = o_v < V
+        b_v = tl.load(v + tok[:, None] * (H * V) + i_h * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
+                      other=0.).to(tl.float32)
+        b_u = _mm(X, b_beta[:, None] * b_v, ld, PREC, LOW)
+        tl.store(u + row[:, None] * V + o_v[None, :], b_u.to(u.dtype.element_ty), mask=m_v[None, :])
+
+
+# --- Prefill state pass, split variant (`state="split"`, fla's split) ---------------------------------------------
+# `kda_prefill_fwd_kernel` as two launches: the sequential h-pass keeps only the recurrence (Vn = U - W S,
+# S <- exp(Gam_C) S + (exp(Gam_C - Gam) K)^T Vn: two dots per chunk on the critical path) and stores each chunk's
+# entering state S_n (compute dtype, as the fused kernel's dot operand) and Vn; the o-pass, one program per
+# (V block, chunk, sequence*head), all in parallel, computes O = exp(Gam) Q S_n + A_qk Vn.
+
+@triton.jit
+def kda_prefill_h_fwd_kernel(
+    w, u, kd, gl, h0, lengths,                        # inputs
+    T,                                                # scalar: padded tokens per sequence
+    h, vn, ht,                                        # outputs: h [B*H*NT, K, V], vn [B*H*NT*BT, V], ht
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr, PREC: tl.constexpr,
+):
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b = i_bh // H
+    NT = tl.cdiv(T, BT)
+    length = tl.load(lengths + i_b).to(tl.int32)
+    NV = tl.minimum(tl.cdiv(length, BT), NT)                # chunks past the length: the o-pass writes zeros
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    r_t = tl.arange(0, BT)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    p_s = i_bh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
+    b_s = tl.load(h0 + p_s, mask=m_kv, other=0.).to(tl.float32)                       # [BK, BV] fp32
+    dt = w.dtype.element_ty
+    for i_n in range(0, NV):
+        row = (i_bh * NT * BT + i_n * BT + r_t).to(tl.int64)                           # [BT]
+        b_w = tl.load(w + row[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.)
+        b_kdT = tl.load(kd + row[None, :] * K + o_k[:, None], mask=m_k[:, None], other=0.)     # [BK, BT]
+        b_u = tl.load(u + row[:, None] * V + o_v[None, :], mask=m_v[None, :], other=0.).to(tl.float32)
+        b_decay = tl.exp(tl.load(gl + (i_bh * NT + i_n).to(tl.int64) * K + o_k, mask=m_k, other=0.))
+        b_sd = b_s.to(dt)
+        tl.store(h + (i_bh * NT + i_n).to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :], b_sd, mask=m_kv)
+        b_vnd = (b_u - tl.dot(b_w, b_sd, input_precision=PREC)).to(dt)               # [BT, BV]
+        tl.store(vn + row[:, None] * V + o_v[None, :], b_vnd, mask=m_v[None, :])
+        b_s = b_s * b_decay[:, None] + tl.dot(b_kdT, b_vnd, input_precision=PREC)
+    tl.store(ht + p_s, b_s.to(ht.dtype.element_ty), mask=m_kv)
+
+
+@triton.jit
+def kda_prefill_o_fwd_kernel(
+    qg, aqk, h, vn, lengths,                          # inputs
+    T,                                                # scalar: padded tokens per sequence
+    o,                                                # output [B, T, H, V]
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr, PREC: tl.constexpr,
+):
+    i_v, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    NT = tl.cdiv(T, BT)
+    length = tl.load(lengths + i_b).to(tl.int32)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    r_t = tl.arange(0, BT)
+    live = (i_n * BT + 0 * r_t) < length                    # [BT]; a chunk wholly past the length: zero rows
+    m_k = (o_k < K) & ((i_n * BT + 0 * o_k) < length)
+    m_v = o_v < V
+    row = (i_bh * NT * BT + i_n * BT + r_t).to(tl.int64)                               # [BT]
+    b_qg = tl.load(qg + row[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.)
+    b_h = tl.load(h + (i_bh * NT + i_n).to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :],
+                  mask=m_k[:, None] & m_v[None, :], other=0.)                          # [BK, BV]
+    b_a = tl.load(aqk + row[:, None] * BT + r_t[None, :], mask=(r_t[:, None] >= r_t[None, :]) & live[:, None],
+                  other=0.)
+    b_vn = tl.load(vn + row[:, None] * V + o_v[None, :], mask=live[:, None] & m_v[None, :], other=0.)
+    b_o = tl.dot(b_qg, b_h, input_precision=PREC) + tl.dot(b_a, b_vn, input_precision=PREC)
+    t = i_n * BT + r_t
+    p_o = (i_b * T + t).to(tl.int64)[:, None] * (H * V) + i_h * V + o_v[None, :]
+    tl.store(o + p_o, b_o.to(o.dtype.element_ty), mask=(t < T)[:, None] & (o_v < V)[None, :])
+
+
 @triton.jit
 def _conv_step(qkv, conv_state, conv_weight, conv_out, i_b, c0, C, K: tl.constexpr, W: tl.constexpr,
                BK: tl.constexpr, BW: tl.constexpr):
@@ -511,19 +886,36 @@ def _pow2(n: int) -> int:
 
 
 def prefill_config(K: int, V: int) -> dict:
-    """Block sizes and warps of both prefill launches for head dims K, V (K = V = 128 is the tuned case).
-    `intra`: "sub" (`kda_prefill_intra_sub_fwd_kernel`, 16-row sub-blocks, `sub_warps`) or "full" (64-wide
-    tiles, `intra_warps`; the kernel of the AOT contract in trt.py). Env `K3_KDA_INTRA` overrides the default.
-    H200, T=8192, H=96, bf16 (2026-11-29 22:20, `bench kda --sweep`): "sub" 4.80 ms vs "full" 3.28 ms, o rel. RMS
-    4.38e-3 both (correct on the H200, slower): "full" stays the default.
+    """Block sizes and warps of the prefill launches for head dims K, V (K = V = 128 is the tuned case).
+    `intra`: "full" (`kda_prefill_intra_fwd_kernel`, 64-wide tiles, `intra_warps`; the kernel of the AOT contract
+    in trt.py), "sub" (`kda_prefill_intra_sub_fwd_kernel`, 16-row sub-blocks, `sub_warps`), "col"
+    (`kda_prefill_intra_col_fwd_kernel`: A_kk/A_qk by [BT, BC] column blocks with [BC, BK] right operands,
+    `col_warps`) or "colk" (`kda_prefill_intra_colk_fwd_kernel`: "col" on [BT, BKB] column slices, `colk_warps`);
+    `low_ut`: bf16 operands in the col kernels' UT transform; `intra_maxnreg`: register cap for the col kernels.
+    `state`: "fused" (`kda_prefill_fwd_kernel`, one launch: BV / state_warps / state_stages; the AOT contract's
+    kernel) or "split" (`kda_prefill_h_fwd_kernel` then `kda_prefill_o_fwd_kernel`, fla's split: BV_h / h_warps /
+    h_stages, BV_o / o_warps). Env `K3_KDA_INTRA` / `K3_KDA_STATE` override the defaults.
+    H200, B=1, T=8192, H=96, bf16 (`bench kda --sweep`):
+    - 2026-11-29 22:20: "sub" 4.80 ms vs "full" 3.28 ms, o rel. RMS 4.38e-3 both: "full" stays the default.
+    - 2026-11-30 00:28: default 3.24 ms end to end, of which the intra launch alone 2.41 ms (so the state pass
+      ~0.83 ms): the intra launch is the part to cut. ptxas (offline, sm_90a): "full" at 8 warps holds 255
+      registers with spills, so one program per SM. "col" hit an illegal memory access on the H200 (Triton 3.6)
+      at T = 8192 and 3072 but not at T = 64; the interpreter finds no out-of-bounds access (a codegen fault is
+      suspected, as in upstream reports of multi-dot kernels on sm_90). The "colk" and "split" variants were not
+      measured (the fault ended the process). Defaults unchanged; `scripts/gpu_kda.sh` now checks each variant
+      in its own process first.
     `low_ab` (bf16 inputs only): bf16 operands for the A_kk/A_qk and W/U products, as fla does. H200, T=8192,
     H=96 (2026-11-29 21:10): 3.25 ms vs 4.90 ms with fp32/tf32 operands, o rel. RMS 4.4e-3 vs 3.5e-3: on.
     Verified on the H200 for K = V = 128: BV 64 / 4 warps / 2 stages and BV 128 / 8 warps / 1 stage. BV = 32 with
-    1 stage gave wrong outputs there (exact under the interpreter; cause not found): do not use BV < 64."""
+    1 stage gave wrong outputs there (exact under the interpreter; cause not found): do not use BV < 64 in the
+    fused kernel."""
     big = max(K, V) >= 64
     return dict(BT=CHUNK, BK=_pow2(K), BV_intra=_pow2(V), BV=min(_pow2(V), 64),
-                intra=os.environ.get("K3_KDA_INTRA", "full"), sub_warps=4,
-                intra_warps=8 if big else 4, low_ab=True, state_warps=4, state_stages=2 if big else 1)
+                intra=os.environ.get("K3_KDA_INTRA", "full"), sub_warps=4, col_warps=8 if big else 4, low_ut=False,
+                colk_warps=4, BKB=32, intra_maxnreg=None,
+                intra_warps=8 if big else 4, low_ab=True, state_warps=4, state_stages=2 if big else 1,
+                state=os.environ.get("K3_KDA_STATE", "fused"), BV_h=min(_pow2(V), 64), h_warps=4,
+                h_stages=2 if big else 1, BV_o=min(_pow2(V), 64), o_warps=4)
 
 
 def decode_config(K: int, W: int) -> dict:
@@ -564,39 +956,91 @@ def _check_prefill(q, k, v, f, b, A_log, dt_bias, initial_state, lengths, lower_
                          f"stay below e^88), got {lower_bound}; use the reference op for other gates")
 
 
+INTRA_KERNELS = ("full", "sub", "col", "colk")
+STATE_PASSES = ("fused", "split")
+
+
+def prefill_intra_fwd(q, k, v, f, b, A_log, dt_bias, lengths, lower_bound: float, cfg: dict) -> dict:
+    """The intra launch (`cfg["intra"]` picks the kernel). Inputs contiguous `[B, T, H, K]`, lengths int64.
+    Returns the intermediates w, u, qg, kd, aqk (`[B*H*NT*BT, K|V|BT]`, compute dtype) and gl (`[B*H*NT, K]` fp32)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    BT = cfg["BT"]
+    NT = triton.cdiv(T, BT)
+    dt = compute_dtype(q.dtype)
+    rows = B * H * NT * BT
+    out = {n: q.new_empty(rows, K, dtype=dt) for n in ("w", "qg", "kd")}
+    out.update(u=q.new_empty(rows, V, dtype=dt), aqk=q.new_empty(rows, BT, dtype=dt),
+               gl=q.new_empty(B * H * NT, K, dtype=torch.float32))
+    if cfg["intra"] not in INTRA_KERNELS:
+        raise ValueError(f"kda_prefill_fwd: intra must be one of {INTRA_KERNELS}, got {cfg['intra']!r}")
+    kind = cfg["intra"] if BT == 4 * BC else "full"          # the sub-block kernels are written for 4 blocks
+    common = dict(H=H, K=K, V=V, BK=cfg["BK"], BV=cfg["BV_intra"], BT=BT, BC=BC, LOWER=float(lower_bound),
+                  PREC=_prec(dt), LOW=bool(cfg["low_ab"]) and dt == torch.bfloat16)
+    args = (q, k, v, f, b, A_log.contiguous(), dt_bias.contiguous(), lengths, T,
+            out["w"], out["u"], out["qg"], out["kd"], out["aqk"], out["gl"])
+    if cfg.get("intra_maxnreg") and kind in ("col", "colk"):
+        common["maxnreg"] = cfg["intra_maxnreg"]            # register cap: more programs per SM, some spills
+    if kind == "colk":
+        launch(kda_prefill_intra_colk_fwd_kernel)[(NT, B * H)](
+            *args, LOW_UT=bool(cfg["low_ut"]) and dt == torch.bfloat16, BKB=min(cfg["BKB"], cfg["BK"]),
+            num_warps=cfg["colk_warps"], **common)
+    elif kind == "col":
+        launch(kda_prefill_intra_col_fwd_kernel)[(NT, B * H)](
+            *args, LOW_UT=bool(cfg["low_ut"]) and dt == torch.bfloat16, num_warps=cfg["col_warps"], **common)
+    elif kind == "sub":
+        launch(kda_prefill_intra_sub_fwd_kernel)[(NT, B * H)](*args, num_warps=cfg["sub_warps"], **common)
+    else:
+        launch(kda_prefill_intra_fwd_kernel)[(NT, B * H)](*args, num_warps=cfg["intra_warps"], **common)
+    return out
+
+
+def prefill_state_fwd(inter: dict, initial_state, lengths, shape: tuple, out_dtype: torch.dtype, cfg: dict):
+    """The inter-chunk pass (`cfg["state"]`: one fused launch or the h-pass + o-pass) on the intra launch's
+    intermediates. shape = (B, T, H, K, V); initial_state fp32 `[B, H, K, V]`. Returns (o `[B, T, H, V]`, ht fp32)."""
+    B, T, H, K, V = shape
+    BT = cfg["BT"]
+    NT = triton.cdiv(T, BT)
+    prec = _prec(inter["w"].dtype)
+    o = inter["w"].new_empty(B, T, H, V, dtype=out_dtype)
+    ht = torch.empty(initial_state.shape, device=o.device, dtype=torch.float32)    # contiguous, as written
+    if cfg["state"] not in STATE_PASSES:
+        raise ValueError(f"kda_prefill_fwd: state must be one of {STATE_PASSES}, got {cfg['state']!r}")
+    if cfg["state"] == "fused":
+        launch(kda_prefill_fwd_kernel)[(triton.cdiv(V, cfg["BV"]), B * H)](
+            inter["w"], inter["u"], inter["qg"], inter["kd"], inter["aqk"], inter["gl"], initial_state, lengths,
+            T, o, ht, H=H, K=K, V=V, BK=cfg["BK"], BV=cfg["BV"], BT=BT, PREC=prec,
+            num_warps=cfg["state_warps"], num_stages=cfg["state_stages"])
+        return o, ht
+    h = inter["w"].new_empty(B * H * NT, K, V)               # each chunk's entering state, compute dtype
+    vn = torch.empty_like(inter["u"])
+    launch(kda_prefill_h_fwd_kernel)[(triton.cdiv(V, cfg["BV_h"]), B * H)](
+        inter["w"], inter["u"], inter["kd"], inter["gl"], initial_state, lengths, T, h, vn, ht,
+        H=H, K=K, V=V, BK=cfg["BK"], BV=cfg["BV_h"], BT=BT, PREC=prec,
+        num_warps=cfg["h_warps"], num_stages=cfg["h_stages"])
+    launch(kda_prefill_o_fwd_kernel)[(triton.cdiv(V, cfg["BV_o"]), NT, B * H)](
+        inter["qg"], inter["aqk"], h, vn, lengths, T, o, H=H, K=K, V=V, BK=cfg["BK"], BV=cfg["BV_o"], BT=BT,
+        PREC=prec, num_warps=cfg["o_warps"])
+    return o, ht
+
+
+def _prec(dt: torch.dtype) -> str:
+    return "ieee" if dt == torch.float32 else "tf32"       # fp32 callers get fp32 products
+
+
 def kda_prefill_fwd(q, k, v, f, b, A_log, dt_bias, initial_state, lengths, lower_bound: float,
                     config: dict | None = None):
-    """Launch both prefill kernels. Shapes as `k3::kda_prefill`; initial_state fp32. Returns (o, final_state).
-    `config` overrides entries of `prefill_config` (benchmark sweeps)."""
+    """Launch the prefill kernels (intra, then the state pass). Shapes as `k3::kda_prefill`; initial_state fp32.
+    Returns (o, final_state). `config` overrides entries of `prefill_config` (benchmark sweeps)."""
     _check_prefill(q, k, v, f, b, A_log, dt_bias, initial_state, lengths, lower_bound)
     B, T, H, K = q.shape
     V = v.shape[-1]
     cfg = {**prefill_config(K, V), **(config or {})}
-    BT = cfg["BT"]
-    NT = triton.cdiv(T, BT)
     q, k, v, f, b = (x.contiguous() for x in (q, k, v, f, b))
-    dt = compute_dtype(q.dtype)
-    prec = "ieee" if dt == torch.float32 else "tf32"    # fp32 callers get fp32 products
-    rows = B * H * NT * BT
-    w, qg, kd = (q.new_empty(rows, K, dtype=dt) for _ in range(3))
-    u = q.new_empty(rows, V, dtype=dt)
-    aqk = q.new_empty(rows, BT, dtype=dt)
-    gl = q.new_empty(B * H * NT, K, dtype=torch.float32)
     lengths = lengths.to(torch.int64).contiguous()
-    if cfg["intra"] not in ("sub", "full"):
-        raise ValueError(f"kda_prefill_fwd: intra must be 'sub' or 'full', got {cfg['intra']!r}")
-    sub = cfg["intra"] == "sub" and BT == 4 * BC
-    intra = kda_prefill_intra_sub_fwd_kernel if sub else kda_prefill_intra_fwd_kernel
-    intra[(NT, B * H)](
-        q, k, v, f, b, A_log.contiguous(), dt_bias.contiguous(), lengths, T, w, u, qg, kd, aqk, gl,
-        H=H, K=K, V=V, BK=cfg["BK"], BV=cfg["BV_intra"], BT=BT, BC=BC, LOWER=float(lower_bound), PREC=prec,
-        LOW=bool(cfg["low_ab"]) and dt == torch.bfloat16, num_warps=cfg["sub_warps" if sub else "intra_warps"])
-    o = q.new_empty(B, T, H, V)
-    ht = torch.empty(initial_state.shape, device=q.device, dtype=torch.float32)      # contiguous, as written
-    kda_prefill_fwd_kernel[(triton.cdiv(V, cfg["BV"]), B * H)](
-        w, u, qg, kd, aqk, gl, initial_state.to(torch.float32).contiguous(), lengths, T, o, ht,
-        H=H, K=K, V=V, BK=cfg["BK"], BV=cfg["BV"], BT=BT, PREC=prec,
-        num_warps=cfg["state_warps"], num_stages=cfg["state_stages"])
+    inter = prefill_intra_fwd(q, k, v, f, b, A_log, dt_bias, lengths, lower_bound, cfg)
+    o, ht = prefill_state_fwd(inter, initial_state.to(torch.float32).contiguous(), lengths, (B, T, H, K, V),
+                              q.dtype, cfg)
     return o, ht.to(initial_state.dtype)
 
 
@@ -640,10 +1084,11 @@ def kda_decode_fwd(qkv, conv_state, conv_weight, f, b, g, A_log, dt_bias, o_norm
         raise ValueError(f"kda_decode_fwd: kernel must be 'fused' or 'vblock', got {cfg['kernel']!r}")
     BV = min(cfg["BV"], cfg["BK"])
     if cfg["kernel"] == "vblock" and K % BV == 0:
-        kda_decode_vblock_fwd_kernel[(B * H,)](*args, state.to(torch.float32).contiguous(), o, conv_out, state_out,
-                                               BV=BV, STAGES=cfg["stages"], EVICT=cfg["evict"], **common)
+        launch(kda_decode_vblock_fwd_kernel)[(B * H,)](
+            *args, state.to(torch.float32).contiguous(), o, conv_out, state_out, BV=BV, STAGES=cfg["stages"],
+            EVICT=cfg["evict"], **common)
     else:
-        kda_decode_fwd_kernel[(B * H,)](*args, state.to(torch.float32).contiguous(), o, conv_out, state_out,
+        launch(kda_decode_fwd_kernel)[(B * H,)](*args, state.to(torch.float32).contiguous(), o, conv_out, state_out,
                                         **common)
     return o, conv_out, state_out.to(state.dtype)
 
