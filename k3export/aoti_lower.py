@@ -14,6 +14,8 @@ otherwise it stays an extern call and `lower_k3_ops` says why. The lowered progr
 Numerics equal the eager CUDA path except where eager picks a launch setting from a dynamic size: MLA decode
 uses one split count for every batch and cache length (`mla_decode_splits`), the MLA prefill query block comes
 from the largest token count, and the MoE tiling from the largest token count (`plugins/launch.size_bound`).
+Speed differs where a launch option is host-side: the MoE GEMMs use pointer loads instead of TMA descriptors
+(`moe_tiles`) and the KDA decode kernel's register cap (maxnreg) is not carried (`plugins/launch.py`).
 """
 
 from __future__ import annotations
