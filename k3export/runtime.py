@@ -85,17 +85,22 @@ class EagerBackend:
 class CompileBackend(EagerBackend):
     """torch.compile of the two forwards (Inductor). The k3 ops stay opaque calls into their registered kernels.
     Compilation happens on first use per shape; `cache_dir` (the engine directory) keeps Inductor's on-disk
-    caches, so a later process reuses the generated code."""
+    caches, so a later process reuses the generated code.
+
+    `freezing`: Inductor treats the weights as constants: it folds what depends on weights alone (e.g. the KDA
+    conv kernels concatenated per step) and merges matmuls that share an input into one (its concat-linear
+    patterns), at the cost of a second copy of the merged weights."""
 
     name = "compile"
 
-    def __init__(self, model, mode: str | None = None, cache_dir=None):
+    def __init__(self, model, mode: str | None = None, cache_dir=None, freezing: bool = False):
         super().__init__(model)
         if cache_dir is not None:
             import os
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(cache_dir).resolve() / "inductor-cache")
-        self._prefill = torch.compile(model.forward_prefill, dynamic=None, mode=mode)   # static first, dynamic on a new shape
-        self._decode = torch.compile(model.forward_decode, dynamic=False, mode=mode)
+        opts = {"options": {"freezing": True}} if freezing else {"mode": mode}    # torch.compile takes one of them
+        self._prefill = torch.compile(model.forward_prefill, dynamic=None, **opts)   # static first, dynamic on a new shape
+        self._decode = torch.compile(model.forward_decode, dynamic=False, **opts)
 
     @torch.no_grad()
     def prefill(self, *args):

@@ -6,6 +6,7 @@ each hold `context` tokens (`Engine.decode`, state commit included). Backends:
     eager     the model's Python forward, no CUDA graphs: the baseline ("eager PyTorch")
     graph     the same programs, decode (and repeated prefill shapes) captured as CUDA graphs
     compile   torch.compile (Inductor) programs, CUDA graphs on top
+    compile-frozen  the same with Inductor's freezing (weights as constants: folded, shared-input matmuls merged)
     aoti      an AOTInductor engine from `k3export build` (built or reused under --engines), CUDA graphs on top
 
 Napkin math beside every time. Decode floor = bytes a step must move / measured copy bandwidth: every weight
@@ -30,7 +31,7 @@ import torch
 
 from k3export.bench import bench
 
-BACKENDS = ("eager", "graph", "compile", "aoti")
+BACKENDS = ("eager", "graph", "compile", "compile-frozen", "aoti")
 
 
 # ---------------------------------------------------------------------------------------------- napkin math
@@ -110,8 +111,8 @@ def make_backend(name: str, model, engines: Path, profiles: dict, log) -> tuple[
         return EagerBackend(model), False, {}
     if name == "graph":
         return EagerBackend(model), True, {}
-    if name == "compile":
-        return CompileBackend(model), cuda, {}
+    if name in ("compile", "compile-frozen"):
+        return CompileBackend(model, freezing=name == "compile-frozen"), cuda, {}
     if name == "aoti":
         from k3export.build import build, open_backend
         t0 = time.perf_counter()
