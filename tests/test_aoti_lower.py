@@ -137,6 +137,25 @@ def test_launch_is_the_plain_kernel_outside_tracing():
     assert not k3_nodes(torch.fx.symbolic_trace(torch.nn.Identity()))
 
 
+def test_load_registers_the_extern_ops_and_refuses_missing_ones(tmp_path):
+    from k3export.build import EngineError
+    from k3export.build_aoti import load_extern_ops
+    cpu = torch.device("cpu")
+    assert load_extern_ops({"extern_ops": []}, tmp_path, cpu) == []                  # nothing to import
+    assert load_extern_ops({"extern_ops": ["mla_decode"]}, tmp_path, cpu) == ["mla_decode"]
+    assert len(load_extern_ops({}, tmp_path, cpu)) == 6                # a manifest from before the lowering pass
+    with pytest.raises(EngineError, match=r"not registered: \['mla_decode_v9'\]"):
+        load_extern_ops({"extern_ops": ["mla_decode", "mla_decode_v9"]}, tmp_path, cpu)
+
+
+def test_cuda_cache_key_follows_the_kernel_switches(monkeypatch):
+    from k3export.build_aoti import kernels_fingerprint
+    assert kernels_fingerprint("cpu") is None                           # CPU packages hold no k3 kernel
+    before = kernels_fingerprint("cuda")
+    monkeypatch.setenv("K3_KDA_INTRA", "sub")
+    assert kernels_fingerprint("cuda") != before
+
+
 # ---------------------------------------------------------------------------------------------- bound-sized launches
 INFLATE = 16            # size_bound(n) = 16 n: the tiles a traced launch picks for a dim whose max is 16x the call
 
