@@ -50,7 +50,7 @@ def _plan_matches_up_to_order(ids, E, bm) -> bool:
     """align_rows(fused=True) vs the torch plan: the same block table and padding rows, every pair once, each in a
     block of its expert."""
     from k3export.plugins.moe.kernels import align_rows
-    (rp, be), (rp_ref, be_ref) = align_rows(ids, E, bm, fused=True), align_rows(ids, E, bm, fused=False)
+    (rp, be), (rp_ref, be_ref) = align_rows(ids, E, bm, many=True), align_rows(ids, E, bm, fused=False)
     flat, ok = ids.reshape(-1).long(), rp >= 0
     block = torch.arange(rp.numel(), device=rp.device) // bm
     return (torch.equal(be, be_ref) and torch.equal(ok, rp_ref >= 0)

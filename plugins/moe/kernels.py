@@ -221,11 +221,11 @@ def moe_scatter_fwd_kernel(ids, rank, start, row_pair, P, BLOCK: tl.constexpr):
     tl.store(row_pair + dst, offs, mask=ok)
 
 
-def align_rows(ids: torch.Tensor, E: int, block_m: int, fused: bool = True):
+def align_rows(ids: torch.Tensor, E: int, block_m: int, fused: bool = True, many: bool = False):
     """ids `[N, k]` -> (row_pair `[MB * block_m]` int32, block_expert `[MB]` int32), MB the static bound above
-    (block_m need not be a power of two). fused: Triton kernels, one program (stable: rows of an expert in pair
-    order) while N k <= ALIGN_FUSED_MAX, else count (atomics) / scan / scatter, rows of an expert in atomic
-    arrival order; not fused: torch ops (~20 launches, stable). No host sync either way."""
+    (block_m need not be a power of two). fused: one Triton program while N k <= ALIGN_FUSED_MAX (stable: rows of
+    an expert in pair order); many: beyond that, Triton count (atomics) / scan / scatter, 5 launches, rows of an
+    expert in atomic arrival order; otherwise torch ops (~20 launches, stable). No host sync either way."""
     flat = ids.reshape(-1)
     P = flat.numel()
     MB = triton.cdiv(P, block_m) + torch.sym_min(E, P)
@@ -237,7 +237,7 @@ def align_rows(ids: torch.Tensor, E: int, block_m: int, fused: bool = True):
                                            P_PAD=pow2(size_bound(P)), E_PAD=pow2(E + 1),
                                            MB_PAD=pow2(size_bound(MB) + 1), FILL=1024, num_warps=8)
         return row_pair, block_expert
-    if fused:
+    if many:
         cnt = torch.zeros(E, device=ids.device, dtype=torch.int32)
         rank = torch.empty(P, device=ids.device, dtype=torch.int32)
         start = torch.empty(E, device=ids.device, dtype=torch.int32)
@@ -489,7 +489,8 @@ class MoeTiles:
     """One tiling of the expert GEMMs. gemm1 / gemm2: (BLOCK_N, BLOCK_K, num_warps, num_stages). group_m: see
     `_tile` (a large value = one column tile across all blocks). tma: "" pointer loads; "w": expert weights
     through TMA descriptors; "aw": the A operand too (z gathered into row-plan order first, one extra pass).
-    fused_align: `align_rows(fused=True)` (Triton kernels, not torch ops). lean_route: `route_fwd(lean=True)`.
+    fused_align, many_align: `align_rows(fused=, many=)` (Triton kernels, not torch ops, for <= / > 4096 pairs).
+    lean_route: `route_fwd(lean=True)`.
     tail: rows of each block past block_m, in a second dot on the same weight tiles (kernel docstring)."""
     block_m: int
     gemm1: tuple
@@ -499,6 +500,7 @@ class MoeTiles:
     fused_align: bool = True
     lean_route: bool = False
     tail: int = 0
+    many_align: bool = False
 
     @property
     def rows(self) -> int:
@@ -510,6 +512,7 @@ class MoeTiles:
 # "old" is the tiling before the 2026-11-29 sweep; CONFIGS holds the defaults: the fastest measured on the
 # H200 (docs/perf.md).
 _ALL = 1 << 30
+_AW = dict(tma="aw", lean_route=True, many_align=True)       # the 2026-11-30 prefill candidates' common part
 TILINGS = {
     "decode": {"old": MoeTiles(16, (32, 256, 4, 4), (32, 256, 4, 4), _ALL, "", False),
                "fused-align": MoeTiles(16, (32, 256, 4, 4), (32, 256, 4, 4), _ALL, "", True),
@@ -518,11 +521,11 @@ TILINGS = {
     "prefill": {"old": MoeTiles(64, (64, 64, 4, 4), (128, 64, 4, 4), _ALL, "", False),
                 "m128-tma-aw": MoeTiles(128, (128, 64, 8, 3), (256, 64, 8, 3), 1, "aw", False, True),
                 "m128-tma-w": MoeTiles(128, (128, 64, 8, 3), (256, 64, 8, 3), 1, "w", False, True),
-                "m128-n64-aw": MoeTiles(128, (64, 64, 8, 4), (128, 64, 8, 4), 1, "aw", True, True),
-                "m128t64-aw": MoeTiles(128, (64, 64, 8, 4), (128, 64, 8, 4), 1, "aw", True, True, 64),
-                "m128t64-aw-k128": MoeTiles(128, (64, 128, 8, 2), (128, 128, 8, 2), 1, "aw", True, True, 64),
-                "m64t32-aw8": MoeTiles(64, (64, 64, 8, 4), (128, 64, 8, 4), 1, "aw", True, True, 32),
-                "m64t32-n128-aw8": MoeTiles(64, (128, 64, 8, 3), (256, 64, 8, 3), 1, "aw", True, True, 32)},
+                "m128-n64-aw": MoeTiles(128, (64, 64, 8, 4), (128, 64, 8, 4), 1, **_AW),
+                "m128t64-aw": MoeTiles(128, (64, 64, 8, 4), (128, 64, 8, 4), 1, **_AW, tail=64),
+                "m128t64-aw-k128": MoeTiles(128, (64, 128, 8, 2), (128, 128, 8, 2), 1, **_AW, tail=64),
+                "m64t32-aw8": MoeTiles(64, (64, 64, 8, 4), (128, 64, 8, 4), 1, **_AW, tail=32),
+                "m64t32-n128-aw8": MoeTiles(64, (128, 64, 8, 3), (256, 64, 8, 3), 1, **_AW, tail=32)},
 }
 # Measured 2026-11-29 (docs/perf.md): decode 1..64 tokens "fused-lean" (CUDA-graph replay 0.30 ms at 1 token,
 # was 0.36; the plain call 0.37, was 0.64); prefill "m128-tma-w" at 4096 / 8192 tokens (19.3 / 31.3 ms, were
@@ -641,7 +644,7 @@ def moe_routed_fwd(x, z, gate_weight, bias, w1, w3, w2, top_k: int, renormalize:
     z, w1, w3, w2 = (t.contiguous() for t in (z, w1, w3, w2))        # no-ops for the usual stacked weights
     cfg = tiles or tiles_for(z, N * top_k, E, regime)
     ids, w, _ = route_fwd(x, gate_weight, bias, top_k, renormalize, scaling, cfg.lean_route)
-    plan = align_rows(ids, E, cfg.rows, cfg.fused_align)
+    plan = align_rows(ids, E, cfg.rows, cfg.fused_align, cfg.many_align)
     h = gemm1_fwd(z, w1, w3, plan, top_k, beta, linear_beta, cfg)
     y = gemm2_fwd(h, w2, plan, N * top_k, cfg)
     return combine_fwd(y, w, z.dtype)
