@@ -567,7 +567,7 @@ def gather_fwd(z, plan, top_k: int, rows: int):
 
 
 def gemm1_fwd(z, w1, w3, plan, top_k: int, beta: float, linear_beta: float, cfg: MoeTiles):
-    """h `[MB * BM, I]` in z.dtype = SiTU_GLU(z W1_e^T, z W3_e^T) for every row of the plan."""
+    """h `[MB * rows, I]` in z.dtype = SiTU_GLU(z W1_e^T, z W3_e^T) for every row of the plan."""
     row_pair, block_expert = plan
     E, I, L = w1.shape
     MB, bm = block_expert.numel(), cfg.block_m
