@@ -3,10 +3,12 @@
     router:  s = sigmoid(x @ gate^T) in fp32 (split over d for few   moe_router_fwd_kernel   [N, E]
              tokens, the partial sums added by the top-k kernel)
     top-k:   ids = topk(s + bias), w = s[ids] (renormalised)         moe_topk_fwd_kernel     [N, k] x2
-    align:   row plan: (token, slot) pairs sorted by expert, cut     moe_align_fwd_kernel    [MB*BM], [MB]
-             into blocks of BLOCK_M rows of one expert (one program for N k <= 4096, else torch ops; no host
-             sync; the block count MB is a static bound, so no shape depends on routing)
-    gemm1:   h = SiTU_GLU(z W1_e^T, z W3_e^T) per block              moe_gemm1_fwd_kernel    [MB*BM, I]
+    align:   row plan: (token, slot) pairs sorted by expert, cut     moe_align_fwd_kernel    [MB*R], [MB]
+             into blocks of R = BLOCK_M + TAIL rows of one expert (one program for N k <= 4096; beyond,
+             torch ops or count / scan / scatter kernels; no host sync; the block count MB is a static
+             bound, so no shape depends on routing)
+    gather:  ("aw" tilings) z rows in plan order                     moe_gather_fwd_kernel   [MB*R, L]
+    gemm1:   h = SiTU_GLU(z W1_e^T, z W3_e^T) per block              moe_gemm1_fwd_kernel    [MB*R, I]
     gemm2:   y = h W2_e^T, scattered back to pair order in fp32      moe_gemm2_fwd_kernel    [N*k, L]
     combine: u[n] = sum_j w[n, j] y[n*k + j] in fp32 -> z.dtype      moe_combine_fwd_kernel  [N, L]
 
