@@ -108,6 +108,8 @@ def test_interpreter_suite():
 # Prefill launch variants (kernels.prefill_config): intra kernel x state pass; split with V in two blocks of 16.
 PREFILL_VARIANTS = {"full": dict(intra="full"), "sub": dict(intra="sub"), "col": dict(intra="col"),
                     "colk": dict(intra="colk", BKB=16),
+                    "col-tl-split": dict(intra="col", col_trans_load=True, col_place_split=True),
+                    "colk-tl-split": dict(intra="colk", BKB=16, col_trans_load=True, col_place_split=True),
                     "split": dict(state="split"), "col-split16": dict(intra="col", state="split", BV_h=16, BV_o=16)}
 
 
@@ -254,13 +256,18 @@ GPU_PREFILL_VARIANTS = {
     "colk32-8w-low_ut-maxnreg128": dict(intra="colk", colk_warps=8, BKB=32, low_ut=True, intra_maxnreg=128),
     "colk64-8w-low_ut": dict(intra="colk", colk_warps=8, BKB=64, low_ut=True),
     "colk32-4w": dict(intra="colk", colk_warps=4, BKB=32, low_ut=False),
+    "col-low_ut-tl": dict(intra="col", low_ut=True, col_trans_load=True),
+    "col-low_ut-tl-split": dict(intra="col", low_ut=True, col_trans_load=True, col_place_split=True),
+    "colk32-8w-low_ut-tl-split": dict(intra="colk", colk_warps=8, BKB=32, low_ut=True, col_trans_load=True,
+                                      col_place_split=True),
     "fused-BV64-s1": dict(BV=64, state_stages=1), "fused-BV32-s2": dict(BV=32, state_stages=2),
     "fused-BV32-s1": dict(BV=32, state_stages=1),
     "split-h64-s2": dict(state="split", BV_h=64, h_stages=2, BV_o=64),
     "split-h32-s1": dict(state="split", BV_h=32, h_stages=1, BV_o=64),
     "split-h32-s2-o128": dict(state="split", BV_h=32, h_stages=2, BV_o=128),
 }
-IMA_ON_H200 = pytest.mark.xfail(reason="illegal memory access on the H200 with Triton 3.6 (2026-11-30 00:28)",
+IMA_ON_H200 = pytest.mark.xfail(reason="the col/colk kernels: 'col' hit an illegal memory access on the H200 with "
+                                       "Triton 3.6 (2026-11-30 00:28); the rest of the family not yet run there",
                                 strict=False)
 
 

@@ -181,6 +181,13 @@ INTRA_VARIANTS = {
     "colk32 8w low_ut maxnreg128": dict(intra="colk", colk_warps=8, BKB=32, low_ut=True, intra_maxnreg=128),
     "colk64 8w low_ut": dict(intra="colk", colk_warps=8, BKB=64, low_ut=True),
     "colk32 4w": dict(intra="colk", colk_warps=4, BKB=32, low_ut=False),
+    # "col" faulted on the H200 (2026-11-30 00:28); these avoid its tl.trans of [16, K] tiles and its tf32 one-hot
+    # products (suspects, not proven), to tell which one triggers it.
+    "col 8w low_ut trans_load": dict(intra="col", col_warps=8, low_ut=True, col_trans_load=True),
+    "col 8w low_ut trans_load place_split": dict(intra="col", col_warps=8, low_ut=True, col_trans_load=True,
+                                                 col_place_split=True),
+    "colk32 8w low_ut trans_load place_split": dict(intra="colk", colk_warps=8, BKB=32, low_ut=True,
+                                                    col_trans_load=True, col_place_split=True),
 }
 STATE_VARIANTS = {
     "fused BV64 s2": dict(state="fused", BV=64, state_stages=2),

@@ -416,13 +416,53 @@ def _col_block(k, f, T, length, i_b, i_h, i_n, J, a, b_bias, c_prev, c_J,
 
 
 @triton.jit
+def _col_block_t(k, f, T, length, i_b, i_h, i_n, J, a, b_bias, c_prev, c_J, s_J, o_k,
+                 H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, LOWER: tl.constexpr):
+    """`_col_block` transposed at the load ([BK, BC] by pointers, no tl.trans: the `trans_load` option), over the
+    K columns o_k; s_J: the block rows' k norm scales [BC], or None to compute them here (o_k must then be all K)."""
+    o_t = i_n * BT + J * BC + tl.arange(0, BC)
+    m_t = o_t < T
+    m_k = o_k < K
+    tok = (i_b * T + o_t).to(tl.int64)
+    p = tok[None, :] * (H * K) + i_h * K + o_k[:, None]                                  # [BK, BC]
+    m = m_k[:, None] & m_t[None, :]
+    b_k = tl.load(k + p, mask=m, other=0.).to(tl.float32)
+    if s_J is None:
+        b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, 0) + 1e-6)[None, :]
+    else:
+        b_k = b_k * s_J[None, :]
+    b_f = tl.load(f + p, mask=m, other=0.).to(tl.float32)
+    b_g = LOWER * tl.sigmoid(a * (b_f + b_bias[:, None]))
+    b_g = tl.where(m_k[:, None] & (o_t < length)[None, :], b_g, 0.)                    # padding: alpha = 1
+    b_G = c_prev[:, None] + tl.cumsum(b_g, 1)
+    return b_k * tl.exp(c_J[:, None] - b_G)
+
+
+@triton.jit
+def _col_place(a_kk, J, low_dtype, PREC: tl.constexpr, SPLIT: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """Column block J of A_kk ([BT, BC] fp32) placed into [BT, BT] by a one-hot product: at PREC, or (SPLIT) as two
+    products in low_dtype of its high and low parts (no tf32; ~2^-16 relative in bf16). Only the strictly lower
+    entries are kept (those on and above the diagonal can reach e^80, past fp16's range)."""
+    r_t = tl.arange(0, BT)
+    o_c = tl.arange(0, BC)
+    a_kk = tl.where(r_t[:, None] > (J * BC + o_c)[None, :], a_kk, 0.)
+    place = tl.where(o_c[:, None] + J * BC == r_t[None, :], 1., 0.)                     # [BC, BT]
+    if SPLIT:
+        hi = a_kk.to(low_dtype)
+        lo = (a_kk - hi.to(tl.float32)).to(low_dtype)
+        pl = place.to(low_dtype)
+        return tl.dot(hi, pl) + tl.dot(lo, pl)
+    return tl.dot(a_kk, place, input_precision=PREC)
+
+
+@triton.jit
 def kda_prefill_intra_col_fwd_kernel(
     q, k, v, f, b, A_log, dt_bias, lengths,          # inputs
     T,                                                # scalar: padded tokens per sequence
     w, u, qg, kd, aqk, gl,                            # outputs
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, LOWER: tl.constexpr, PREC: tl.constexpr, LOW: tl.constexpr,
-    LOW_UT: tl.constexpr,
+    LOW_UT: tl.constexpr, TRANS_LOAD: tl.constexpr = False, PLACE_SPLIT: tl.constexpr = False,
 ):
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
@@ -471,15 +511,18 @@ def kda_prefill_intra_col_fwd_kernel(
     for J in tl.static_range(NC):
         c_J = tl.sum(tl.where(r_t[:, None] == J * BC + BC - 1, b_G, 0.), 0)           # [BK]
         e_J = tl.exp(tl.where(r_t[:, None] >= J * BC, b_G - c_J[None, :], float("-inf")))
-        r_J = tl.trans(_col_block(k, f, T, length, i_b, i_h, i_n, J, a, b_bias, c_prev, c_J,
-                                  H, K, BK, BT, BC, LOWER))                             # [BK, BC]
+        if TRANS_LOAD:
+            r_J = _col_block_t(k, f, T, length, i_b, i_h, i_n, J, a, b_bias, c_prev, c_J, None, o_k,
+                               H, K, BT, BC, LOWER)                                     # [BK, BC]
+        else:
+            r_J = tl.trans(_col_block(k, f, T, length, i_b, i_h, i_n, J, a, b_bias, c_prev, c_J,
+                                      H, K, BK, BT, BC, LOWER))                         # [BK, BC]
         col = J * BC + o_c                                                              # [BC] chunk column
         a_qk = _mm(b_q.to(tl.float32) * (s_q[:, None] * e_J), r_J, ld, PREC, LOW)      # [BT, BC]
         tl.store(aqk + row[:, None] * BT + col[None, :],
                  tl.where(r_t[:, None] >= col[None, :], a_qk, 0.).to(aqk.dtype.element_ty))
         a_kk = _mm(b_k.to(tl.float32) * (s_k[:, None] * e_J), r_J, ld, PREC, LOW)      # [BT, BC]
-        place = tl.where(o_c[:, None] + J * BC == r_t[None, :], 1., 0.)                # [BC, BT] one-hot
-        b_A += tl.dot(a_kk, place, input_precision=PREC)
+        b_A += _col_place(a_kk, J, ld, PREC, PLACE_SPLIT, BT, BC)
         c_prev = c_J
     b_A = tl.where(r_t[:, None] > r_t[None, :], b_A * b_beta[:, None], 0.)
     # W = X R_w; R_w held in the compute dtype across the UT transform (the operand LOW rounds it to anyway;
@@ -530,19 +573,23 @@ def _colk_rows(x, J, BT: tl.constexpr, BC: tl.constexpr):
 @triton.jit
 def _colk_pair(k, f, s_kJ, T, length, i_b, i_h, i_n, J, a, b_bias, o_k, m_k, c_prev, b_q, b_k, b_G, low_dtype,
                H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, LOWER: tl.constexpr,
-               PREC: tl.constexpr, LOW: tl.constexpr):
+               PREC: tl.constexpr, LOW: tl.constexpr, TRANS_LOAD: tl.constexpr):
     """Column block J over the K columns o_k: (c_J, (q e_J) r_J^T, (k e_J) r_J^T), the products [BT, BC], with
     e_J = exp(Gam - c_J) on rows >= J*BC (<= e^80) and r_J = kn_J exp(c_J - Gam_J) (<= 1) from J's own rows."""
     r_t = tl.arange(0, BT)
     c_J = tl.sum(tl.where(r_t[:, None] == J * BC + BC - 1, b_G, 0.), 0)                # [BKB]
     e_J = tl.exp(tl.where(r_t[:, None] >= J * BC, b_G - c_J[None, :], float("-inf")))
-    o_t = i_n * BT + J * BC + tl.arange(0, BC)
-    m_t = o_t < T
-    tok = (i_b * T + o_t).to(tl.int64)
-    b_kJ = tl.load(k + tok[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
-                   other=0.).to(tl.float32) * s_kJ[:, None]
-    G_J, _ = _sub_gate(f, tok, m_t, o_t < length, i_h, o_k, m_k, a, b_bias, c_prev, H, K, LOWER, BC)
-    r_J = tl.trans(b_kJ * tl.exp(c_J[None, :] - G_J))                                 # [BKB, BC]
+    if TRANS_LOAD:
+        r_J = _col_block_t(k, f, T, length, i_b, i_h, i_n, J, a, b_bias, c_prev, c_J, s_kJ, o_k,
+                           H, K, BT, BC, LOWER)                                         # [BKB, BC]
+    else:
+        o_t = i_n * BT + J * BC + tl.arange(0, BC)
+        m_t = o_t < T
+        tok = (i_b * T + o_t).to(tl.int64)
+        b_kJ = tl.load(k + tok[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
+                       other=0.).to(tl.float32) * s_kJ[:, None]
+        G_J, _ = _sub_gate(f, tok, m_t, o_t < length, i_h, o_k, m_k, a, b_bias, c_prev, H, K, LOWER, BC)
+        r_J = tl.trans(b_kJ * tl.exp(c_J[None, :] - G_J))                             # [BKB, BC]
     return c_J, _mm(b_q * e_J, r_J, low_dtype, PREC, LOW), _mm(b_k * e_J, r_J, low_dtype, PREC, LOW)
 
 
@@ -564,7 +611,7 @@ def kda_prefill_intra_colk_fwd_kernel(
     w, u, qg, kd, aqk, gl,                            # outputs
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, LOWER: tl.constexpr, PREC: tl.constexpr, LOW: tl.constexpr,
-    LOW_UT: tl.constexpr, BKB: tl.constexpr,
+    LOW_UT: tl.constexpr, BKB: tl.constexpr, TRANS_LOAD: tl.constexpr = False, PLACE_SPLIT: tl.constexpr = False,
 ):
     tl.static_assert(BT == 4 * BC, "the column-block kernel is written for 4 blocks")
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
@@ -624,19 +671,20 @@ def kda_prefill_intra_colk_fwd_kernel(
         tl.store(kd + p_o, (tl.exp(G_last[None, :] - b_G) * b_k).to(kd.dtype.element_ty), mask=m_k[None, :])
         tl.store(gl + (i_bh * NT + i_n).to(tl.int64) * K + o_k, G_last, mask=m_k)
         c0, dq, dk = _colk_pair(k, f, s_k0, T, length, i_b, i_h, i_n, 0, a, b_bias, o_k, m_k,
-                                tl.zeros((BKB,), dtype=tl.float32), b_q, b_k, b_G, ld, H, K, BT, BC, LOWER, PREC, LOW)
+                                tl.zeros((BKB,), dtype=tl.float32), b_q, b_k, b_G, ld, H, K, BT, BC, LOWER, PREC,
+                                LOW, TRANS_LOAD)
         aq0 += dq
         ak0 += dk
         c1, dq, dk = _colk_pair(k, f, s_k1, T, length, i_b, i_h, i_n, 1, a, b_bias, o_k, m_k, c0, b_q, b_k, b_G,
-                                ld, H, K, BT, BC, LOWER, PREC, LOW)
+                                ld, H, K, BT, BC, LOWER, PREC, LOW, TRANS_LOAD)
         aq1 += dq
         ak1 += dk
         c2, dq, dk = _colk_pair(k, f, s_k2, T, length, i_b, i_h, i_n, 2, a, b_bias, o_k, m_k, c1, b_q, b_k, b_G,
-                                ld, H, K, BT, BC, LOWER, PREC, LOW)
+                                ld, H, K, BT, BC, LOWER, PREC, LOW, TRANS_LOAD)
         aq2 += dq
         ak2 += dk
         _, dq, dk = _colk_pair(k, f, s_k3, T, length, i_b, i_h, i_n, 3, a, b_bias, o_k, m_k, c2, b_q, b_k, b_G,
-                               ld, H, K, BT, BC, LOWER, PREC, LOW)
+                               ld, H, K, BT, BC, LOWER, PREC, LOW, TRANS_LOAD)
         aq3 += dq
         ak3 += dk
     p_a = aqk + row[:, None] * BT + o_c[None, :]
@@ -646,10 +694,8 @@ def kda_prefill_intra_colk_fwd_kernel(
     tl.store(p_a + 2 * BC, tl.where(r_t[:, None] >= 2 * BC + o_c[None, :], aq2, 0.).to(da))
     tl.store(p_a + 3 * BC, tl.where(r_t[:, None] >= 3 * BC + o_c[None, :], aq3, 0.).to(da))
     # A_kk's blocks placed into [BT, BT] by one-hot products (exact in fp32; one tf32 rounding under tf32).
-    b_A = tl.dot(ak0, tl.where(o_c[:, None] == r_t[None, :], 1., 0.), input_precision=PREC)
-    b_A += tl.dot(ak1, tl.where(o_c[:, None] + BC == r_t[None, :], 1., 0.), input_precision=PREC)
-    b_A += tl.dot(ak2, tl.where(o_c[:, None] + 2 * BC == r_t[None, :], 1., 0.), input_precision=PREC)
-    b_A += tl.dot(ak3, tl.where(o_c[:, None] + 3 * BC == r_t[None, :], 1., 0.), input_precision=PREC)
+    b_A = _col_place(ak0, 0, ld, PREC, PLACE_SPLIT, BT, BC) + _col_place(ak1, 1, ld, PREC, PLACE_SPLIT, BT, BC)
+    b_A += _col_place(ak2, 2, ld, PREC, PLACE_SPLIT, BT, BC) + _col_place(ak3, 3, ld, PREC, PLACE_SPLIT, BT, BC)
     b_A = tl.where(r_t[:, None] > r_t[None, :], b_A * b_beta[:, None], 0.)
 
     # UT transform X = (I + A)^-1, as the full kernel (block Neumann series).
@@ -891,7 +937,9 @@ def prefill_config(K: int, V: int) -> dict:
     in trt.py), "sub" (`kda_prefill_intra_sub_fwd_kernel`, 16-row sub-blocks, `sub_warps`), "col"
     (`kda_prefill_intra_col_fwd_kernel`: A_kk/A_qk by [BT, BC] column blocks with [BC, BK] right operands,
     `col_warps`) or "colk" (`kda_prefill_intra_colk_fwd_kernel`: "col" on [BT, BKB] column slices, `colk_warps`);
-    `low_ut`: bf16 operands in the col kernels' UT transform; `intra_maxnreg`: register cap for the col kernels.
+    `low_ut`: bf16 operands in the col kernels' UT transform; `intra_maxnreg`: register cap for the col kernels;
+    `col_trans_load` / `col_place_split`: their right operands loaded transposed (no tl.trans) / A_kk placed by
+    two bf16 products instead of one tf32 (both to avoid the suspected triggers of the fault below).
     `state`: "fused" (`kda_prefill_fwd_kernel`, one launch: BV / state_warps / state_stages; the AOT contract's
     kernel) or "split" (`kda_prefill_h_fwd_kernel` then `kda_prefill_o_fwd_kernel`, fla's split: BV_h / h_warps /
     h_stages, BV_o / o_warps). Env `K3_KDA_INTRA` / `K3_KDA_STATE` override the defaults.
@@ -912,7 +960,7 @@ def prefill_config(K: int, V: int) -> dict:
     big = max(K, V) >= 64
     return dict(BT=CHUNK, BK=_pow2(K), BV_intra=_pow2(V), BV=min(_pow2(V), 64),
                 intra=os.environ.get("K3_KDA_INTRA", "full"), sub_warps=4, col_warps=8 if big else 4, low_ut=False,
-                colk_warps=4, BKB=32, intra_maxnreg=None,
+                colk_warps=4, BKB=32, intra_maxnreg=None, col_trans_load=False, col_place_split=False,
                 intra_warps=8 if big else 4, low_ab=True, state_warps=4, state_stages=2 if big else 1,
                 state=os.environ.get("K3_KDA_STATE", "fused"), BV_h=min(_pow2(V), 64), h_warps=4,
                 h_stages=2 if big else 1, BV_o=min(_pow2(V), 64), o_warps=4)
@@ -981,13 +1029,13 @@ def prefill_intra_fwd(q, k, v, f, b, A_log, dt_bias, lengths, lower_bound: float
             out["w"], out["u"], out["qg"], out["kd"], out["aqk"], out["gl"])
     if cfg.get("intra_maxnreg") and kind in ("col", "colk"):
         common["maxnreg"] = cfg["intra_maxnreg"]            # register cap: more programs per SM, some spills
+    col = dict(LOW_UT=bool(cfg["low_ut"]) and dt == torch.bfloat16, TRANS_LOAD=bool(cfg["col_trans_load"]),
+               PLACE_SPLIT=bool(cfg["col_place_split"]))
     if kind == "colk":
         launch(kda_prefill_intra_colk_fwd_kernel)[(NT, B * H)](
-            *args, LOW_UT=bool(cfg["low_ut"]) and dt == torch.bfloat16, BKB=min(cfg["BKB"], cfg["BK"]),
-            num_warps=cfg["colk_warps"], **common)
+            *args, BKB=min(cfg["BKB"], cfg["BK"]), num_warps=cfg["colk_warps"], **col, **common)
     elif kind == "col":
-        launch(kda_prefill_intra_col_fwd_kernel)[(NT, B * H)](
-            *args, LOW_UT=bool(cfg["low_ut"]) and dt == torch.bfloat16, num_warps=cfg["col_warps"], **common)
+        launch(kda_prefill_intra_col_fwd_kernel)[(NT, B * H)](*args, num_warps=cfg["col_warps"], **col, **common)
     elif kind == "sub":
         launch(kda_prefill_intra_sub_fwd_kernel)[(NT, B * H)](*args, num_warps=cfg["sub_warps"], **common)
     else:
