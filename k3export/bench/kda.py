@@ -72,7 +72,7 @@ def bench_prefill(T: int, H: int, K: int = 128) -> dict:
                                                                            args[9], cfg))
 
     sweep = []
-    for cfg in (dict(BV=64, state_stages=1), dict(low_ab=False)):
+    for cfg in (dict(BV=64, state_stages=2), dict(low_ab=False)):
         t = _try(lambda: bench_ms(lambda: kernels.kda_prefill_fwd(*args, config=cfg), rep=50))
         err = _try(lambda: _rel(kernels.kda_prefill_fwd(*args, config=cfg)[0], o_ref))
         sweep.append({**cfg, "ms": t, "o_rel_rms": err})     # a config is only usable if its error is too
@@ -172,45 +172,24 @@ DECODE_BOUND = {"o": 1e-3, "state": 1e-5}                 # DECODE_O_BOUND[bf16]
 
 # Prefill sweep (kernels.prefill_config overrides): each intra launch timed alone and each state pass timed alone
 # (on the default intra launch's intermediates), both checked end to end (with the default of the other launch);
-# then the fastest of each that is within bounds, combined, end to end. ("sub": 4.80 ms on 2026-11-29, not rerun.)
+# then the fastest of each that is within bounds, combined, end to end. Kernel variants tried on the H200 and
+# dropped (sub-tiled / column-block intra kernels, fla's split state pass) are in docs/perf.md.
 INTRA_VARIANTS = {
-    "full 8w": dict(intra="full"),
-    "col 8w low_ut": dict(intra="col", col_warps=8, low_ut=True),
-    "colk32 8w low_ut": dict(intra="colk", colk_warps=8, BKB=32, low_ut=True),
-    "colk32 4w low_ut": dict(intra="colk", colk_warps=4, BKB=32, low_ut=True),
-    "colk32 8w low_ut maxnreg128": dict(intra="colk", colk_warps=8, BKB=32, low_ut=True, intra_maxnreg=128),
-    "colk64 8w low_ut": dict(intra="colk", colk_warps=8, BKB=64, low_ut=True),
-    "colk32 4w": dict(intra="colk", colk_warps=4, BKB=32, low_ut=False),
-    # "col" faulted on the H200 (2026-11-30 00:28); these avoid its tl.trans of [16, K] tiles and its tf32 one-hot
-    # products (suspects, not proven), to tell which one triggers it.
-    "col 8w low_ut trans_load": dict(intra="col", col_warps=8, low_ut=True, col_trans_load=True),
-    "col 8w low_ut trans_load place_split": dict(intra="col", col_warps=8, low_ut=True, col_trans_load=True,
-                                                 col_place_split=True),
-    "colk32 8w low_ut trans_load place_split": dict(intra="colk", colk_warps=8, BKB=32, low_ut=True,
-                                                    col_trans_load=True, col_place_split=True),
+    "8w": {},                                             # the default
+    "4w": dict(intra_warps=4),
 }
-STATE_VARIANTS = {
-    "fused BV64 s2": dict(state="fused", BV=64, state_stages=2),
-    "fused BV64 s1": dict(state="fused", BV=64, state_stages=1),
-    "fused BV32 s2": dict(state="fused", BV=32, state_stages=2),
-    "fused BV32 s1": dict(state="fused", BV=32, state_stages=1),   # wrong outputs on 2026-11-29 21:15: rechecked
-    "split h64 s2, o64": dict(state="split", BV_h=64, h_stages=2, BV_o=64),
-    "split h32 s1, o64": dict(state="split", BV_h=32, h_stages=1, BV_o=64),
-    "split h32 s2, o128": dict(state="split", BV_h=32, h_stages=2, BV_o=128),
+STATE_VARIANTS = {                                        # BV 32 in one stage gives wrong outputs on the H200
+    "BV64 s1": {},                                        # the default
+    "BV64 s2": dict(BV=64, state_stages=2),
+    "BV128 8w s1": dict(BV=128, state_warps=8, state_stages=1),
 }
 PREFILL_VARIANTS = {**INTRA_VARIANTS, **STATE_VARIANTS}   # names are distinct
 
 
 DECODE_VARIANTS = {                                       # name -> overrides of kernels.decode_config
-    "fused 4w": dict(kernel="fused", num_warps=4),                              # maxnreg 168: 3 per SM
-    "fused 8w": dict(kernel="fused", num_warps=8),
-    "fused 4w uncapped": dict(kernel="fused", num_warps=4, maxnreg=None),       # 202 registers: 2 programs per SM
-    "vblock128 evict 4w": dict(kernel="vblock", BV=128, stages=1, evict="evict_first", num_warps=4),
-    "vblock64 s2 4w": dict(kernel="vblock", BV=64, stages=2, num_warps=4),
-    "vblock32 s2 4w": dict(kernel="vblock", BV=32, stages=2, num_warps=4),
-    "vblock32 s3 4w": dict(kernel="vblock", BV=32, stages=3, num_warps=4),
-    "vblock32 s2 evict 4w": dict(kernel="vblock", BV=32, stages=2, evict="evict_first", num_warps=4),
-    "vblock16 s3 4w": dict(kernel="vblock", BV=16, stages=3, num_warps=4),
+    "4w": {},                                             # the default: maxnreg 168, 3 programs per SM
+    "8w": dict(num_warps=8),
+    "4w uncapped": dict(maxnreg=None),                    # 202 registers: 2 programs per SM
 }
 
 
