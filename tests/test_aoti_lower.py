@@ -152,8 +152,11 @@ def test_cuda_cache_key_follows_the_kernel_switches(monkeypatch):
     from k3export.build_aoti import kernels_fingerprint
     assert kernels_fingerprint("cpu") is None                           # CPU packages hold no k3 kernel
     before = kernels_fingerprint("cuda")
-    monkeypatch.setenv("K3_KDA_INTRA", "sub")
-    assert kernels_fingerprint("cuda") != before
+    monkeypatch.setenv("K3_ATTN_RES_TRITON", "0")                      # a kernel switch
+    after = kernels_fingerprint("cuda")
+    assert after != before
+    monkeypatch.setenv("K3EXPORT_AOTI_KERNELS", "1")                  # compiling the kernels in (opt-in)
+    assert kernels_fingerprint("cuda") != after
 
 
 # ---------------------------------------------------------------------------------------------- bound-sized launches
