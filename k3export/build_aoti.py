@@ -10,8 +10,10 @@ without compiling.
 Kernels: with `K3EXPORT_AOTI_KERNELS=1`, a CUDA engine's k3 ops are first lowered into their Triton launches
 (`k3export.aoti_lower`), so Inductor compiles the k3 Triton kernels into the package. This is opt-in: on the H200
 (2026-11-30, torch 2.11, Triton 3.6) Inductor's compile of the lowered MLA kernels failed (a `tl.dot` accumulator
-assertion in its autotuning subprocess), the build fell back to extern calls after ~110 s of trying, and the cause
-is not found yet. By default every k3 op stays an extern call through the op dispatcher (their registered
+assertion in its autotuning subprocess) and the build fell back to extern calls after ~110 s of trying. Cause,
+found afterwards on CPU: Inductor types Python float kernel arguments as fp64, which turned the MLA softmax and
+accumulator fp64; the kernels now cast their float arguments to fp32 (tests/test_aoti_lower.py compiles each with
+fp64 arguments), but the compile-in path has not run on a GPU since, so it stays opt-in. By default every k3 op stays an extern call through the op dispatcher (their registered
 Triton kernels on CUDA). With the switch on, an op that cannot be lowered (its kernel does not serve the graph's
 dtype/dims, or its kernel is switched off) stays extern, and a failed compile falls back to extern calls.
 The manifest's `aoti.kernels` says per graph which ops were compiled in and why the others were not, and

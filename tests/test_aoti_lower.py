@@ -205,3 +205,52 @@ def test_launchers_sized_by_a_larger_bound_stay_exact(interp, case, bound):
 
 if __name__ == "__main__":
     print(json.dumps(_interpreter_cases()))
+
+
+# ---------------------------------------------------------------------------------------------- fp64 float arguments
+def _float_args_kernels():
+    from k3export.plugins.attn_res.kernels import attn_res_fwd_kernel
+    from k3export.plugins.mla.kernels import mla_decode_combine_kernel, mla_decode_fwd_kernel, mla_prefill_fwd_kernel
+    from k3export.plugins.moe.kernels import moe_gemm1_fwd_kernel, moe_topk_fwd_kernel
+    bf16_dot = dict(DOT_PREC="tf32")
+    return {
+        "mla_decode": (mla_decode_fwd_kernel, ("qk_scale",),
+                       dict(BLOCK_H=32, BLOCK_N=32, BLOCK_V=512, BLOCK_PE=64, **bf16_dot)),
+        "mla_combine": (mla_decode_combine_kernel, ("qk_scale",), dict(BLOCK_V=512, BLOCK_PE=64, BLOCK_S=8)),
+        "mla_prefill": (mla_prefill_fwd_kernel, ("qk_scale",),
+                        dict(BLOCK_M=128, BLOCK_N=64, BLOCK_A=128, BLOCK_B=64, HAS_B=True, BLOCK_V=128, **bf16_dot)),
+        "attn_res": (attn_res_fwd_kernel, ("eps",), dict(N_SRC=8, BLOCK_D=256)),
+        "moe_topk": (moe_topk_fwd_kernel, ("scaling",),
+                     dict(K=16, BLOCK_K=16, BLOCK_E=1024, RENORM=True, SPLITS=1, PACKED=True)),
+        "moe_gemm1": (moe_gemm1_fwd_kernel, ("beta", "linear_beta"),
+                      dict(TOP_K=16, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, A_DESC=False, W_DESC=False, TAIL=0,
+                           **bf16_dot)),
+    }
+
+
+@pytest.mark.parametrize("name", list(_float_args_kernels()))
+def test_kernels_compile_with_fp64_float_arguments(name):
+    """Inductor types a Python float kernel argument as fp64 (torch._inductor.codegen.triton_utils.signature_of,
+    `_use_fp64_for_unbacked_floats`), so inside an AOTI package the MLA kernels' qk_scale turned their softmax and
+    accumulator fp64, and `tl.dot(..., acc=)` asserted (the H200 build of 2026-11-30). Each kernel with a float
+    argument casts it to fp32 first: it must compile for sm_90 with fp64 there (no GPU needed)."""
+    from k3export.plugins.aot import compile_ptx
+    fn, floats, cx = _float_args_kernels()[name]
+    sig = {}
+    for n in fn.arg_names:
+        if n in cx:
+            sig[n] = "constexpr"
+        elif n in floats:
+            sig[n] = "fp64"
+        elif n in ("cache_len", "past_len", "ids", "row_pair", "block_expert"):
+            sig[n] = "*i32"
+        elif n in ("o_part", "lse_part", "s", "part", "bias", "w", "nw", "pw"):
+            sig[n] = "*fp32"
+        elif n in ("a_tail",):
+            sig[n] = "constexpr"
+            cx = {**cx, n: None}
+        else:
+            sig[n] = "*bf16" if n in ("q", "cache", "new_row", "o", "k", "v", "bank", "p", "out", "a", "w1", "w3", "h",
+                                      "x") else "i32"
+    kernel = compile_ptx(fn, sig, cx, num_warps=4)
+    assert f".entry {kernel.name}(" in kernel.ptx

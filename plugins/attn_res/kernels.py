@@ -32,6 +32,7 @@ ENABLED = os.environ.get("K3_ATTN_RES_TRITON", "1") != "0"
 def attn_res_fwd_kernel(bank, p, nw, pw, out, n, D, stride_bn, stride_bj, stride_pn, eps,
                         N_SRC: tl.constexpr, BLOCK_D: tl.constexpr):
     """Row r: out[r] = sum_j softmax(s)_j V_j over V = (bank[r, 0..n-1], p[r]); the d axis has unit stride."""
+    eps = tl.cast(eps, tl.float32)  # Inductor passes Python float arguments as fp64 (AOTI packages)
     r = tl.program_id(0).to(tl.int64)
     offs_j = tl.arange(0, N_SRC)
     j_ok = offs_j < n

@@ -52,6 +52,7 @@ def mla_decode_fwd_kernel(q, cache, cache_len,
 
     o_part `[B, H, S, BLOCK_V]` fp32 (normalised partial output), lse_part `[B, H, S]` fp32 (log2 domain;
     -inf for an empty split)."""
+    qk_scale = tl.cast(qk_scale, tl.float32)  # Inductor passes Python float arguments as fp64 (AOTI packages)
     pid_h = tl.program_id(0)
     pid_s = tl.program_id(1)
     b = tl.program_id(2)
@@ -106,6 +107,7 @@ def mla_decode_combine_kernel(q, new_row, o_part, lse_part,
                               o,
                               BLOCK_V: tl.constexpr, BLOCK_PE: tl.constexpr, BLOCK_S: tl.constexpr):
     """One (head, sequence): merge the split partials and the always-attended new row."""
+    qk_scale = tl.cast(qk_scale, tl.float32)  # Inductor passes Python float arguments as fp64 (AOTI packages)
     h = tl.program_id(0)
     b = tl.program_id(1)
     offs_v = tl.arange(0, BLOCK_V)
@@ -229,6 +231,7 @@ def mla_prefill_fwd_kernel(q, k, v, past_len,
                            DOT_PREC: tl.constexpr):
     """One (query block, sequence x head): old rows j < min(past_len[b], S - T) unmasked, then new rows
     causally (new row j' visible to query i when j' <= i). Head dim split as BLOCK_A (pow2) + BLOCK_B."""
+    qk_scale = tl.cast(qk_scale, tl.float32)  # Inductor passes Python float arguments as fp64 (AOTI packages)
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H

@@ -86,6 +86,7 @@ def moe_topk_fwd_kernel(s, part, bias, ids, w, N, E, scaling, K: tl.constexpr, B
     SPLITS > 1: s = sigmoid(sum of the router's partial sums `part[SPLITS, N, E]`), stored to s. PACKED: one
     max per round over (order-preserving int of the key) << 32 | (BLOCK_E - 1 - id), weights gathered after
     the K rounds (else three reductions per round)."""
+    scaling = tl.cast(scaling, tl.float32)  # Inductor passes Python float arguments as fp64 (AOTI packages)
     n = tl.program_id(0)
     offs = tl.arange(0, BLOCK_E)
     ok = offs < E
@@ -336,6 +337,8 @@ def moe_gemm1_fwd_kernel(a, w1, w3, h, row_pair, block_expert, MB, L, I, stride_
     and a block that needs a few rows past BLOCK_M issues TAIL more, not BLOCK_M; a block without tail rows
     skips that dot); with A_DESC their A tiles come through a_tail, a descriptor over the same rows with
     [TAIL, BLOCK_K] boxes."""
+    beta = tl.cast(beta, tl.float32)  # Inductor passes Python float arguments as fp64 (AOTI packages)
+    linear_beta = tl.cast(linear_beta, tl.float32)
     pb, pn = _tile(tl.program_id(0), MB, tl.cdiv(I, BLOCK_N), group_m)
     e = tl.load(block_expert + pb)
     if e < 0:
