@@ -6,8 +6,8 @@
 #      faults ends only its own process (an illegal memory access ends a process's CUDA context for good);
 #   2. our prefill variants that passed 1 (`k3export bench kda --sweep --phases prefill --checked`): each intra
 #      launch and state pass timed alone and checked end to end, then the fastest within bounds combined;
-#   3. the prefill `cuda` tests (every variant at H = 96, mixed lengths, each in a child process; the defaults at
-#      K3 shapes; the AOT contracts via cupy);
+#   3. the prefill `cuda` tests (the defaults at K3 shapes, mixed lengths, strong decay, vs fla's naive
+#      recurrence; the AOT contracts via cupy);
 #   4. fla-core's chunk_kda on the same inputs, last (its first-call autotuning takes about a minute), in $OUT/fla.
 # Device tool: `bash scripts/gpu_kda.sh`, carry [".whl"], timeout_s 270. (Decode sweep: `--phases decode`.)
 set -uo pipefail
