@@ -257,25 +257,22 @@ def sweep_prefill(T: int, H: int, deadline: float, K: int = 128, checked: Path |
 
     res["variants"]["default"] = _try(lambda: whole({}))
     print("prefill default", res["variants"]["default"], flush=True)
-    for name, over in INTRA_VARIANTS.items():               # the intra launch alone, then checked end to end
-        why = None if {**default, **over} == default else _isolated_check(checked, name)   # default: ran above
-        if time.monotonic() > deadline or why:
-            res["intra_ms"][name] = why or "skipped (time)"
-            continue
-        cfg = {**default, **over}
-        res["intra_ms"][name] = _try(lambda: {"ms": bench_ms(lambda: kernels.prefill_intra_fwd(
-            q, k, v, f, b, A_log, dt_bias, lengths, lb, cfg), rep=50), **check(cfg)})
-        print("intra", name, res["intra_ms"][name], flush=True)
+    def launch_alone(kind: str, variants: dict, run) -> None:
+        """Time `run(cfg)` (one launch) per variant, each checked end to end; into res[f"{kind}_ms"]."""
+        for name, over in variants.items():
+            cfg = {**default, **over}
+            why = None if cfg == default else _isolated_check(checked, name)   # the default ran above
+            if time.monotonic() > deadline or why:
+                res[f"{kind}_ms"][name] = why or "skipped (time)"
+                continue
+            res[f"{kind}_ms"][name] = _try(lambda: {"ms": bench_ms(lambda: run(cfg), rep=50), **check(cfg)})
+            print(kind, name, res[f"{kind}_ms"][name], flush=True)
+
+    launch_alone("intra", INTRA_VARIANTS,
+                 lambda cfg: kernels.prefill_intra_fwd(q, k, v, f, b, A_log, dt_bias, lengths, lb, cfg))
     inter = kernels.prefill_intra_fwd(q, k, v, f, b, A_log, dt_bias, lengths, lb, default)
-    for name, over in STATE_VARIANTS.items():               # the state pass alone on the default intermediates
-        why = None if {**default, **over} == default else _isolated_check(checked, name)   # default: ran above
-        if time.monotonic() > deadline or why:
-            res["state_ms"][name] = why or "skipped (time)"
-            continue
-        cfg = {**default, **over}
-        res["state_ms"][name] = _try(lambda: {"ms": bench_ms(lambda: kernels.prefill_state_fwd(
-            inter, S0, lengths, shape, q.dtype, cfg), rep=50), **check(cfg)})
-        print("state", name, res["state_ms"][name], flush=True)
+    launch_alone("state", STATE_VARIANTS,            # the state pass alone on the default intermediates
+                 lambda cfg: kernels.prefill_state_fwd(inter, S0, lengths, shape, q.dtype, cfg))
 
     def best(table):
         good = {n: r for n, r in table.items() if isinstance(r, dict) and r["ok"]}
