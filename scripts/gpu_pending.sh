@@ -9,21 +9,23 @@
 #   mla    the MLA contract's cupy test with its corrected bound (2^-7)
 #   moe    the MoE prefill tilings added on 2026-11-30 (bench moe; tests passed on the H200 that day)
 #   model  bench model: compile vs compile-frozen (Inductor freezing) at B = 1 and 64, prefill 2048
+#   profile  scripts/profile_decode.py --backend compile-frozen: kernels per decode step with merged matmuls
 set -uo pipefail
 parts=${*:-demo aoti mla moe model}
 source "$(dirname "$0")/gpu_setup.sh"
 for part in $parts; do
   t=$SECONDS
   case "$part" in
-    demo)  timeout 200 python3 -m k3export.cli demo --device cuda --out /tmp/demo > "$OUT/demo.log" 2>&1 ;;
-    aoti)  timeout 360 python3 -m pytest -q -m cuda tests/test_aoti_cuda.py -s -rxX -p no:cacheprovider \
+    demo)  timeout 240 python3 -m k3export.cli demo --device cuda --out /tmp/demo > "$OUT/demo.log" 2>&1 ;;
+    aoti)  timeout ${AOTI_TIMEOUT:-280} python3 -m pytest -q -m cuda tests/test_aoti_cuda.py -s -rxX -p no:cacheprovider \
              > "$OUT/aoti.log" 2>&1 ;;
     mla)   timeout 60 python3 -m pytest -q -m cuda tests/test_mla_trt.py -rs -p no:cacheprovider > "$OUT/mla.log" 2>&1 ;;
     moe)   timeout 200 python3 -m k3export.cli bench moe --out "$OUT/moe" --budget-s 180 > "$OUT/moe.log" 2>&1 ;;
     model) timeout 240 python3 -m k3export.cli bench model --preset k3-small --dtype bf16 \
              --backends graph,compile,compile-frozen --prefill-lengths 2048 --batches 1,64 --contexts 1024 \
              --warmup 2 --iters 5 --out "$OUT/model" > "$OUT/model.log" 2>&1 ;;
-    *)     echo "unknown part $part (demo aoti mla moe model)"; continue ;;
+    profile) timeout 150 python3 scripts/profile_decode.py --backend compile-frozen > "$OUT/profile.log" 2>&1 ;;
+    *)     echo "unknown part $part (demo aoti mla moe model profile)"; continue ;;
   esac
   echo "$part: exit $? in $((SECONDS - t)) s" | tee -a "$OUT/pending.log"
   tail -4 "$OUT/$part.log" 2>/dev/null

@@ -5,7 +5,8 @@ torch.profiler after warm-up; prints the kernel count, the sum of kernel times a
     python3 scripts/profile_decode.py [--preset k3-small] [--batch 1] [--context 1024] [--top 25] [--backend graph]
 
 `--backend graph` (default): the model's programs as they are (one kernel per aten/k3 op); `compile`: the same
-programs through torch.compile (Inductor), as the `compile` backend of `k3export bench model` runs them.
+programs through torch.compile (Inductor), as the `compile` backend of `k3export bench model` runs them;
+`compile-frozen`: the same with Inductor freezing (weights as constants, matmuls sharing an input merged).
 """
 
 from __future__ import annotations
@@ -23,13 +24,14 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--top", type=int, default=25)
-    ap.add_argument("--backend", choices=("graph", "compile"), default="graph")
+    ap.add_argument("--backend", choices=("graph", "compile", "compile-frozen"), default="graph")
     a = ap.parse_args()
     from k3export.config import K3Config
     from k3export.model.weights import random_model
     from k3export.runtime import CompileBackend, EagerBackend, Engine
     model = random_model(K3Config.from_name(a.preset), seed=0, dtype=torch.bfloat16, device="cuda")
-    backend = CompileBackend(model) if a.backend == "compile" else EagerBackend(model)
+    backend = (EagerBackend(model) if a.backend == "graph"
+               else CompileBackend(model, freezing=a.backend == "compile-frozen"))
     eng = Engine(backend, max_batch=a.batch, max_len=a.context + 16, cuda_graphs=True)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, model.config.vocab_size, (a.context,), generator=g).tolist() for _ in range(a.batch)]
