@@ -25,7 +25,8 @@ from k3export.bench.kda import INTRA_VARIANTS, STATE_VARIANTS
 from k3export.plugins.kda import kernels
 
 # (H, T): the sweep's H with T % 16 == 0 for every variant; the defaults also at the cuda tests' other H and
-# T % 16 != 0 (test_prefill_k3_shapes, strong decay, the fla naive comparison).
+# T % 16 != 0 (test_prefill_k3_shapes, strong decay, the fla naive comparison). The K-blocked intra variants
+# ("kb*") at the tests' shapes too: scripts/gpu_kda.sh runs the prefill cuda tests with the fastest of them.
 VARIANT_SHAPES = [(96, 64)]
 DEFAULT_SHAPES = [(96, 64), (96, 40), (12, 64), (12, 40)]
 
@@ -34,8 +35,8 @@ def jobs() -> dict:
     """name -> (config overrides, [(H, T)]); variants equal to the default are compiled by the default's jobs."""
     default = kernels.prefill_config(128, 128)
     out = {f"default H{H} T{T}": ({}, [(H, T)]) for H, T in DEFAULT_SHAPES}
-    out.update({n: (c, VARIANT_SHAPES) for n, c in {**INTRA_VARIANTS, **STATE_VARIANTS}.items()
-                if {**default, **c} != default})
+    out.update({n: (c, DEFAULT_SHAPES if c.get("intra") == "kblock" else VARIANT_SHAPES)
+                for n, c in {**INTRA_VARIANTS, **STATE_VARIANTS}.items() if {**default, **c} != default})
     return out
 
 
@@ -44,29 +45,35 @@ def check_name(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "_", name)
 
 
-def run(name: str) -> None:
-    cfg, shapes = jobs()[name]
-    for H, T in shapes:
-        r = lambda *s: torch.randn(*s, device="cuda")
-        q, k, v, f = (r(1, T, H, 128).bfloat16() for _ in range(4))
-        args = (q, k, v, f, r(1, T, H).bfloat16(), r(H), r(H * 128), r(1, H, 128, 128),
-                torch.tensor([T], device="cuda"), -5.0)
-        kernels.kda_prefill_fwd(*args, config=cfg)
+def _compile(cfg: dict, H: int, T: int) -> None:
+    r = lambda *s: torch.randn(*s, device="cuda")
+    q, k, v, f = (r(1, T, H, 128).bfloat16() for _ in range(4))
+    args = (q, k, v, f, r(1, T, H).bfloat16(), r(H), r(H * 128), r(1, H, 128, 128),
+            torch.tensor([T], device="cuda"), -5.0)
+    kernels.kda_prefill_fwd(*args, config=cfg)
     torch.cuda.synchronize()
-    print("compiled", name, flush=True)
-    if name.startswith("default"):
-        return
-    from k3export.bench.kda import PREFILL_BOUND, _prefill_args, _rel
-    from k3export.plugins.kda.op import kda_prefill
-    args = _prefill_args(8192, 96)
-    o, S = kernels.kda_prefill_fwd(*args, config=cfg)
-    o_ref, S_ref = kda_prefill._init_fn(*args)
-    err = {"o": _rel(o, o_ref), "state": _rel(S, S_ref)}
-    err["ok"] = all(err[n] < PREFILL_BOUND[n] for n in ("o", "state"))
-    out = Path(os.environ.get("KDA_CHECK_DIR", "/tmp/kda_checks"))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{check_name(name)}.json").write_text(json.dumps(err))
-    print("checked", name, err, flush=True)
+
+
+def run(name: str) -> None:
+    """Compile `name` at its first shape, check it at the sweep's shape (variants), then compile the others."""
+    cfg, shapes = jobs()[name]
+    _compile(cfg, *shapes[0])
+    print("compiled", name, shapes[0], flush=True)
+    if not name.startswith("default"):
+        from k3export.bench.kda import PREFILL_BOUND, _prefill_args, _rel
+        from k3export.plugins.kda.op import kda_prefill
+        args = _prefill_args(8192, 96)
+        o, S = kernels.kda_prefill_fwd(*args, config=cfg)
+        o_ref, S_ref = kda_prefill._init_fn(*args)
+        err = {"o": _rel(o, o_ref), "state": _rel(S, S_ref)}
+        err["ok"] = all(err[n] < PREFILL_BOUND[n] for n in ("o", "state"))
+        out = Path(os.environ.get("KDA_CHECK_DIR", "/tmp/kda_checks"))
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{check_name(name)}.json").write_text(json.dumps(err))
+        print("checked", name, err, flush=True)
+    for H, T in shapes[1:]:
+        _compile(cfg, H, T)
+        print("compiled", name, (H, T), flush=True)
 
 
 if __name__ == "__main__":

@@ -102,7 +102,10 @@ def test_interpreter_suite():
 
 # Prefill launch configurations (kernels.prefill_config overrides): the default, and the state pass with V in two
 # blocks of 16 (at K3's V = 128 the default BV 64 is two blocks too).
-PREFILL_VARIANTS = {"default": {}, "two-V-blocks": dict(BV=16)}
+# "kblock": the K-blocked intra kernel with K and V cut into 16-channel blocks (two or more blocks here, as the
+# 32-channel blocks at K3's K = V = 128).
+PREFILL_VARIANTS = {"default": {}, "two-V-blocks": dict(BV=16),
+                    "kblock": dict(intra="kblock", BKC=16, BVC=16)}
 
 
 @interpreted
@@ -165,6 +168,24 @@ def test_aot_decode_contract_compiles_on_cpu():
     assert f".entry {launch.kernel.name}(" in launch.kernel.ptx and ".target sm_90" in launch.kernel.ptx
     k3 = trt.decode_launch(B=1, H=96, K=128, W=4, dtype=torch.bfloat16)      # K3: the register cap travels in the PTX
     assert ".maxnreg 168" in k3.kernel.ptx and ".maxnreg" not in launch.kernel.ptx
+
+
+def test_intra_variant_by_env(monkeypatch):
+    """K3_KDA_INTRA=<name of kernels.INTRA_CONFIGS> selects the intra launch for the op and the AOT contract alike
+    (scripts/gpu_kda.sh runs the cuda tests that way); an unknown name is an error naming the known ones."""
+    from k3export.plugins.kda import trt
+
+    monkeypatch.setenv("K3_KDA_INTRA", "kb32r128")
+    cfg = kernels.prefill_config(128, 128)
+    assert (cfg["intra"], cfg["BKC"], cfg["intra_maxnreg"]) == ("kblock", 32, 128)
+    intra, _ = trt.prefill_launches(1, 64, 2, 128, 128, torch.bfloat16)
+    assert intra.kernel.name.startswith("kda_prefill_intra_kblock_fwd_kernel") and ".maxnreg 128" in intra.kernel.ptx
+    assert intra.block[0] == 32 * 8
+    monkeypatch.setenv("K3_KDA_INTRA", "nope")
+    with pytest.raises(ValueError, match="unknown intra variant.*kb32"):
+        kernels.prefill_config(128, 128)
+    monkeypatch.delenv("K3_KDA_INTRA")
+    assert kernels.prefill_config(128, 128)["intra"] == "full"
 
 
 def test_tensorrt_plugins():

@@ -23,6 +23,7 @@ import torch
 
 from k3export.bench import bench
 from k3export.bench.ceilings import bench_ms, copy_bandwidth   # median ms, as every bench
+from k3export.plugins.kda.kernels import INTRA_CONFIGS
 
 
 def _flops(B, T, H, K, V, C=64):
@@ -174,14 +175,14 @@ DECODE_BOUND = {"o": 1e-3, "state": 1e-5}                 # DECODE_O_BOUND[bf16]
 # (on the default intra launch's intermediates), both checked end to end (with the default of the other launch);
 # then the fastest of each that is within bounds, combined, end to end. Kernel variants tried on the H200 and
 # dropped (sub-tiled / column-block intra kernels, fla's split state pass) are in docs/perf.md.
-INTRA_VARIANTS = {
-    "8w": {},                                             # the default
-    "4w": dict(intra_warps=4),
-}
-STATE_VARIANTS = {                                        # BV 32 in one stage gives wrong outputs on the H200
+# Intra launches: kernels.INTRA_CONFIGS ("full": the 64-wide-tile kernel, the default; "kb*": the K-blocked kernel
+# at BKC channels per block, warps "w", register cap "r", pipeline stages "s"). The same names select a variant
+# for the op through env K3_KDA_INTRA (scripts/gpu_kda.sh runs the cuda tests with the fastest one).
+INTRA_VARIANTS = dict(INTRA_CONFIGS)
+# State pass: BV 32 in one stage gives wrong outputs on the H200; BV 64 in 2 stages (0.84 ms) and BV 128 / 8 warps
+# (0.85 ms) lost to the default (0.70 ms) on 2026-11-30 00:42 and 01:00, and are no longer swept.
+STATE_VARIANTS = {
     "BV64 s1": {},                                        # the default
-    "BV64 s2": dict(BV=64, state_stages=2),
-    "BV128 8w s1": dict(BV=128, state_warps=8, state_stages=1),
 }
 PREFILL_VARIANTS = {**INTRA_VARIANTS, **STATE_VARIANTS}   # names are distinct
 

@@ -21,8 +21,8 @@ import torch
 from k3export.plugins.aot import Launch, compile_ptx, pointer_type, trt_kernel_result
 from k3export.plugins.triton_common import cdiv
 
-from .kernels import (BC, compute_dtype, decode_config, kda_decode_fwd_kernel, kda_prefill_fwd_kernel,
-                      kda_prefill_intra_fwd_kernel, prefill_config)
+from .kernels import (compute_dtype, decode_config, intra_kernel, kda_decode_fwd_kernel, kda_prefill_fwd_kernel,
+                      prefill_config)
 
 
 # --- prefill ---------------------------------------------------------------------------------------------------
@@ -54,10 +54,9 @@ def prefill_launches(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype,
     g_intra, g_chunk = prefill_grids(B, T, H, K, V)
     prec = "ieee" if compute_dtype(dtype) == torch.float32 else "tf32"      # as kda_prefill_fwd
 
-    intra_cx = dict(H=H, K=K, V=V, BK=cfg["BK"], BV=cfg["BV_intra"], BT=cfg["BT"], BC=BC,
-                    LOWER=float(lower_bound), PREC=prec,
-                    LOW=bool(cfg["low_ab"]) and dtype == torch.bfloat16)
-    intra = _launch(kda_prefill_intra_fwd_kernel, ptr, intra_cx, g_intra, {"T": T}, cfg["intra_warps"], 1, arch)
+    intra_fn, intra_cx = intra_kernel(cfg, K, V, dtype, lower_bound)     # the config's intra kernel
+    intra = _launch(intra_fn, ptr, dict(intra_cx, H=H), g_intra, {"T": T}, cfg["intra_warps"], cfg["intra_stages"],
+                    arch, cfg["intra_maxnreg"])
     chunk_cx = dict(H=H, K=K, V=V, BK=cfg["BK"], BV=cfg["BV"], BT=cfg["BT"], PREC=prec)
     chunk = _launch(kda_prefill_fwd_kernel, ptr, chunk_cx, g_chunk, {"T": T}, cfg["state_warps"],
                     cfg["state_stages"], arch)
