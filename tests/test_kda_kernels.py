@@ -102,10 +102,8 @@ def test_interpreter_suite():
 
 # Prefill launch configurations (kernels.prefill_config overrides): the default, and the state pass with V in two
 # blocks of 16 (at K3's V = 128 the default BV 64 is two blocks too).
-# "kblock": the K-blocked intra kernel with K and V cut into 16-channel blocks (two or more blocks here, as the
-# 32-channel blocks at K3's K = V = 128).
-PREFILL_VARIANTS = {"default": {}, "two-V-blocks": dict(BV=16),
-                    "kblock": dict(intra="kblock", BKC=16, BVC=16)}
+# "split": the intra work in two launches (kernels.INTRA_CONFIGS["split"]: gate and A_kk/A_qk, then UT and W/U).
+PREFILL_VARIANTS = {"default": {}, "two-V-blocks": dict(BV=16), "split": dict(intra="split")}
 
 
 @interpreted
@@ -171,18 +169,18 @@ def test_aot_decode_contract_compiles_on_cpu():
 
 
 def test_intra_variant_by_env(monkeypatch):
-    """K3_KDA_INTRA=<name of kernels.INTRA_CONFIGS> selects the intra launch for the op and the AOT contract alike
-    (scripts/gpu_kda.sh runs the cuda tests that way); an unknown name is an error naming the known ones."""
+    """K3_KDA_INTRA=<name of kernels.INTRA_CONFIGS> selects the intra launch(es) of the op (scripts/gpu_kda.sh runs
+    the cuda tests that way); the AOT contract keeps the one-launch kernel (a plugin is one launch, no workspace);
+    an unknown name is an error naming the known ones."""
     from k3export.plugins.kda import trt
 
-    monkeypatch.setenv("K3_KDA_INTRA", "kb32r128")
+    monkeypatch.setenv("K3_KDA_INTRA", "split-wu4")
     cfg = kernels.prefill_config(128, 128)
-    assert (cfg["intra"], cfg["BKC"], cfg["intra_maxnreg"]) == ("kblock", 32, 128)
+    assert (cfg["intra"], cfg["intra_warps"], cfg["wu_warps"]) == ("split", 8, 4)
     intra, _ = trt.prefill_launches(1, 64, 2, 128, 128, torch.bfloat16)
-    assert intra.kernel.name.startswith("kda_prefill_intra_kblock_fwd_kernel") and ".maxnreg 128" in intra.kernel.ptx
-    assert intra.block[0] == 32 * 8
+    assert intra.kernel.name.startswith("kda_prefill_intra_fwd_kernel") and intra.block[0] == 32 * 8
     monkeypatch.setenv("K3_KDA_INTRA", "nope")
-    with pytest.raises(ValueError, match="unknown intra variant.*kb32"):
+    with pytest.raises(ValueError, match="unknown intra variant.*split"):
         kernels.prefill_config(128, 128)
     monkeypatch.delenv("K3_KDA_INTRA")
     assert kernels.prefill_config(128, 128)["intra"] == "full"
@@ -321,7 +319,10 @@ def test_aot_contracts_through_cupy():
     ht = torch.empty_like(S0)
     launch_cupy(intra, dict(q=q, k=k, v=v, f=f, b=b, A_log=A_log, dt_bias=dt_bias, lengths=lengths, **bufs))
     launch_cupy(chunk, dict(h0=S0, lengths=lengths, o=o, ht=ht, **bufs))
-    o_op, S_op = kda_prefill(q, k, v, f, b, A_log, dt_bias, S0, lengths, -5.0)
+    # The contract's intra launch is the one-launch kernel whatever K3_KDA_INTRA selects for the op (the split
+    # variant is two launches with a scratch buffer): compare with that kernel launched by torch.
+    o_op, S_op = kernels.kda_prefill_fwd(q, k, v, f, b, A_log, dt_bias, S0, lengths, -5.0,
+                                         config=kernels.INTRA_CONFIGS["full"])
     for i, n in enumerate(lengths.tolist()):
         assert rel(o[i, :n], o_op[i, :n]) < 1e-6, "same kernel source: only the specialisation differs"
     assert rel(ht, S_op) < 1e-6

@@ -175,9 +175,10 @@ DECODE_BOUND = {"o": 1e-3, "state": 1e-5}                 # DECODE_O_BOUND[bf16]
 # (on the default intra launch's intermediates), both checked end to end (with the default of the other launch);
 # then the fastest of each that is within bounds, combined, end to end. Kernel variants tried on the H200 and
 # dropped (sub-tiled / column-block intra kernels, fla's split state pass) are in docs/perf.md.
-# Intra launches: kernels.INTRA_CONFIGS ("full": the 64-wide-tile kernel, the default; "kb*": the K-blocked kernel
-# at BKC channels per block, warps "w", register cap "r", pipeline stages "s"). The same names select a variant
-# for the op through env K3_KDA_INTRA (scripts/gpu_kda.sh runs the cuda tests with the fastest one).
+# Intra launches: kernels.INTRA_CONFIGS ("full": one launch, the default; "split*": two launches, the second's
+# warps "wu4"/"wu8" and register cap "r"). The same names select a variant for the op through env K3_KDA_INTRA
+# (scripts/gpu_kda.sh runs the cuda tests with the fastest non-default one). The K-blocked kernel and "full" at 4
+# or 16 warps lost on the H200 (docs/perf.md) and are no longer swept.
 INTRA_VARIANTS = dict(INTRA_CONFIGS)
 # State pass: BV 32 in one stage gives wrong outputs on the H200; BV 64 in 2 stages (0.84 ms) and BV 128 / 8 warps
 # (0.85 ms) lost to the default (0.70 ms) on 2026-11-30 00:42 and 01:00, and are no longer swept.

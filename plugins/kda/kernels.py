@@ -132,118 +132,123 @@ def kda_prefill_intra_fwd_kernel(
 
 
 @triton.jit
-def kda_prefill_intra_kblock_fwd_kernel(
-    q, k, v, f, b, A_log, dt_bias, lengths,          # inputs
+def kda_prefill_akk_fwd_kernel(
+    q, k, f, b, A_log, dt_bias, lengths,             # inputs
     T,                                                # scalar: padded tokens per sequence
-    w, u, qg, kd, aqk, gl,                            # outputs
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BKC: tl.constexpr, BVC: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, LOWER: tl.constexpr, PREC: tl.constexpr, LOW: tl.constexpr,
+    w, qg, kd, aqk, gl, akk,                          # outputs (w: beta exp(Gam) K, for kda_prefill_wu_fwd_kernel)
+    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    LOWER: tl.constexpr, PREC: tl.constexpr, LOW: tl.constexpr,
 ):
-    """The intra launch of `kda_prefill_intra_fwd_kernel` (same parameters and outputs, same arithmetic) with K
-    and V cut into blocks of BKC / BVC channels: the gate, its cumsum and every exponent are per channel, so
-    A_kk / A_qk are sums of per-block products, and no [BT, K] fp32 tile is ever held. Four passes over the
-    blocks: q/k row norms; gate, Gam, A_kk / A_qk accumulation and the qg / kd / gl stores; (UT transform on the
-    [BT, BT] matrices) W = X beta exp(Gam) K with Gam recomputed from f; U = X beta V. The register footprint
-    (~[BT, BT] x 2 + a few [BT, BKC]) lets two or more programs share an SM (the full-tile kernel: one)."""
+    """First of the two launches of the split intra variant (`prefill_config(...)["intra"] == "split"`): the
+    gate, Gam and A_kk / A_qk of `kda_prefill_intra_fwd_kernel`, same arithmetic, with every per-token store
+    made before the column-block loop (so q, k, Gam are dead after it). Writes qg, kd, gl, aqk as the full
+    kernel, beta exp(Gam) K into w (compute dtype: the full kernel's bf16 operand of W) and the strictly lower,
+    beta-scaled A_kk into the fp32 scratch akk `[B*H*NT*BT, BT]`. The UT transform and W, U are the second
+    launch, `kda_prefill_wu_fwd_kernel`."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     NT = tl.cdiv(T, BT)
     NC: tl.constexpr = BT // BC
     length = tl.load(lengths + i_b).to(tl.int32)
     o_t = i_n * BT + tl.arange(0, BT)                                   # [BT] token index
-    o_c = tl.arange(0, BKC)
+    o_k = tl.arange(0, BK)
     r_t = tl.arange(0, BT)
     m_t = o_t < T
     m_valid = o_t < length
+    m_k = o_k < K
     tok = (i_b * T + o_t).to(tl.int64)                                  # [BT] row in [B*T]
     row = (i_bh * NT * BT + i_n * BT + r_t).to(tl.int64)                 # [BT] in [B*H*NT*BT]
+
+    p_k = tok[:, None] * (H * K) + i_h * K + o_k[None, :]
+    m_tk = m_t[:, None] & m_k[None, :]
+    b_q = tl.load(q + p_k, mask=m_tk, other=0.).to(tl.float32)
+    b_k = tl.load(k + p_k, mask=m_tk, other=0.).to(tl.float32)
+    b_f = tl.load(f + p_k, mask=m_tk, other=0.).to(tl.float32)
     b_beta = tl.sigmoid(tl.load(b + tok * H + i_h, mask=m_t, other=0.).to(tl.float32))
     b_beta = tl.where(m_valid, b_beta, 0.)                              # padding: no write
+    b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, 1) + 1e-6)[:, None] * (K ** -0.5)
+    b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, 1) + 1e-6)[:, None]
     a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+    b_bias = tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.).to(tl.float32)
+    b_g = LOWER * tl.sigmoid(a * (b_f + b_bias[None, :]))
+    b_g = tl.where(m_valid[:, None] & m_k[None, :], b_g, 0.)           # padding: alpha = 1
+    b_G = tl.cumsum(b_g, 0)                                             # [BT, BK] in-chunk Gam
 
-    # Pass 1: row norms of q and k over all K channels.
-    ss_q = tl.zeros((BT,), dtype=tl.float32)
-    ss_k = tl.zeros((BT,), dtype=tl.float32)
-    for i_k in range(0, tl.cdiv(K, BKC)):
-        o_k = i_k * BKC + o_c
-        p_k = tok[:, None] * (H * K) + i_h * K + o_k[None, :]
-        m_tk = m_t[:, None] & (o_k < K)[None, :]
-        b_q = tl.load(q + p_k, mask=m_tk, other=0.).to(tl.float32)
-        b_k = tl.load(k + p_k, mask=m_tk, other=0.).to(tl.float32)
-        ss_q += tl.sum(b_q * b_q, 1)
-        ss_k += tl.sum(b_k * b_k, 1)
-    rn_q = (K ** -0.5) / tl.sqrt(ss_q + 1e-6)
-    rn_k = 1. / tl.sqrt(ss_k + 1e-6)
+    b_eG = tl.exp(b_G)
+    G_last = tl.sum(tl.where(r_t[:, None] == BT - 1, b_G, 0.), 0)                     # [BK]
+    p_o = row[:, None] * K + o_k[None, :]
+    tl.store(qg + p_o, (b_eG * b_q).to(qg.dtype.element_ty), mask=m_k[None, :])
+    tl.store(kd + p_o, (tl.exp(G_last[None, :] - b_G) * b_k).to(kd.dtype.element_ty), mask=m_k[None, :])
+    tl.store(w + p_o, (b_beta[:, None] * b_eG * b_k).to(w.dtype.element_ty), mask=m_k[None, :])
+    tl.store(gl + (i_bh * NT + i_n).to(tl.int64) * K + o_k, G_last, mask=m_k)
 
-    # Pass 2: per channel block, gate and Gam; A_kk / A_qk by column blocks J as in the full-tile kernel.
+    # A_kk, A_qk by column blocks J, as kda_prefill_intra_fwd_kernel.
     b_Aqk = tl.zeros((BT, BT), dtype=tl.float32)
     b_A = tl.zeros((BT, BT), dtype=tl.float32)
-    for i_k in range(0, tl.cdiv(K, BKC)):
-        o_k = i_k * BKC + o_c
-        m_k = o_k < K
-        p_k = tok[:, None] * (H * K) + i_h * K + o_k[None, :]
-        m_tk = m_t[:, None] & m_k[None, :]
-        b_q = tl.load(q + p_k, mask=m_tk, other=0.).to(tl.float32) * rn_q[:, None]
-        b_k = tl.load(k + p_k, mask=m_tk, other=0.).to(tl.float32) * rn_k[:, None]
-        b_f = tl.load(f + p_k, mask=m_tk, other=0.).to(tl.float32)
-        b_bias = tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.).to(tl.float32)
-        b_g = LOWER * tl.sigmoid(a * (b_f + b_bias[None, :]))
-        b_G = tl.cumsum(tl.where(m_valid[:, None] & m_k[None, :], b_g, 0.), 0)   # [BT, BKC]; padding: alpha 1
-        for J in range(NC):
-            c_J = tl.sum(tl.where(r_t[:, None] == J * BC + BC - 1, b_G, 0.), 0)           # [BKC]
-            e_J = tl.exp(tl.where(r_t[:, None] >= J * BC, b_G - c_J[None, :], float("-inf")))
-            in_J = (r_t[:, None] >= J * BC) & (r_t[:, None] < J * BC + BC)
-            r_J = tl.trans(b_k * tl.exp(tl.where(in_J, c_J[None, :] - b_G, float("-inf"))))   # [BKC, BT]
-            b_Aqk += _mm(b_q * e_J, r_J, w.dtype.element_ty, PREC, LOW)
-            b_A += _mm(b_k * e_J, r_J, w.dtype.element_ty, PREC, LOW)
-        G_last = tl.sum(tl.where(r_t[:, None] == BT - 1, b_G, 0.), 0)                 # [BKC]
-        p_o = row[:, None] * K + o_k[None, :]
-        tl.store(qg + p_o, (tl.exp(b_G) * b_q).to(qg.dtype.element_ty), mask=m_k[None, :])
-        tl.store(kd + p_o, (tl.exp(G_last[None, :] - b_G) * b_k).to(kd.dtype.element_ty), mask=m_k[None, :])
-        tl.store(gl + (i_bh * NT + i_n).to(tl.int64) * K + o_k, G_last, mask=m_k)
+    for J in tl.static_range(NC):
+        c_J = tl.sum(tl.where(r_t[:, None] == J * BC + BC - 1, b_G, 0.), 0)           # [BK]
+        e_J = tl.exp(tl.where(r_t[:, None] >= J * BC, b_G - c_J[None, :], float("-inf")))
+        in_J = (r_t[:, None] >= J * BC) & (r_t[:, None] < J * BC + BC)
+        r_J = tl.trans(b_k * tl.exp(tl.where(in_J, c_J[None, :] - b_G, float("-inf"))))   # [BK, BT]
+        b_Aqk += _mm(b_q * e_J, r_J, w.dtype.element_ty, PREC, LOW)
+        b_A += _mm(b_k * e_J, r_J, w.dtype.element_ty, PREC, LOW)
     b_Aqk = tl.where(r_t[:, None] >= r_t[None, :], b_Aqk, 0.)
     tl.store(aqk + row[:, None] * BT + r_t[None, :], b_Aqk.to(aqk.dtype.element_ty))
     b_A = tl.where(r_t[:, None] > r_t[None, :], b_A * b_beta[:, None], 0.)
+    tl.store(akk + row[:, None] * BT + r_t[None, :], b_A)
 
-    # UT transform as in the full-tile kernel, written so that at most four [BT, BT] matrices are live:
-    # D^-1 = (I - A_bd)(I + P)(I + P^2)(I + P^4) with P = A_bd^2; N = D^-1 A_lo; X = (I - N)(I + N^2) D^-1.
+
+@triton.jit
+def kda_prefill_wu_fwd_kernel(
+    v, b, lengths,                                    # inputs
+    T,                                                # scalar: padded tokens per sequence
+    akk, w, u,                                        # in: A_kk, beta exp(Gam) K (w); out: W (w, in place), U
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr, LOW: tl.constexpr,
+):
+    """Second launch of the split intra variant: the UT transform X = (I + A_kk)^-1 of the full kernel (same
+    products) on akk, then W = X (beta exp(Gam) K), written over its operand in w (each program reads and writes
+    only its own chunk's rows; the product's operand staging orders every read before any write), and
+    U = X beta V. Holds only [BT, BT] matrices and one [BT, BK|BV] operand at a time."""
+    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    NT = tl.cdiv(T, BT)
+    length = tl.load(lengths + i_b).to(tl.int32)
+    o_t = i_n * BT + tl.arange(0, BT)
+    r_t = tl.arange(0, BT)
+    m_t = o_t < T
+    tok = (i_b * T + o_t).to(tl.int64)
+    row = (i_bh * NT * BT + i_n * BT + r_t).to(tl.int64)
+    b_A = tl.load(akk + row[:, None] * BT + r_t[None, :])
+
+    # UT transform, as kda_prefill_intra_fwd_kernel (same products, in the same order).
     eye = tl.where(r_t[:, None] == r_t[None, :], 1., 0.)
     same = (r_t[:, None] // BC) == (r_t[None, :] // BC)
     A_bd = tl.where(same, b_A, 0.)
-    A_lo = tl.where(same, 0., b_A)
-    P = tl.dot(A_bd, A_bd, input_precision=PREC)
-    D_inv = tl.dot(eye - A_bd, eye + P, input_precision=PREC)
-    P = tl.dot(P, P, input_precision=PREC)
-    D_inv = tl.dot(D_inv, eye + P, input_precision=PREC)
-    P = tl.dot(P, P, input_precision=PREC)
-    D_inv = tl.dot(D_inv, eye + P, input_precision=PREC)
-    N = tl.dot(D_inv, A_lo, input_precision=PREC)
-    X = tl.dot(eye - N, eye + tl.dot(N, N, input_precision=PREC), input_precision=PREC)
-    X = tl.dot(X, D_inv, input_precision=PREC)
+    A_lo = b_A - A_bd
+    P2 = tl.dot(A_bd, A_bd, input_precision=PREC)
+    P4 = tl.dot(P2, P2, input_precision=PREC)
+    P8 = tl.dot(P4, P4, input_precision=PREC)
+    D_inv = tl.dot(eye - A_bd, eye + P2, input_precision=PREC)
+    D_inv = tl.dot(D_inv, eye + P4, input_precision=PREC)
+    D_inv = tl.dot(D_inv, eye + P8, input_precision=PREC)
+    N1 = tl.dot(D_inv, A_lo, input_precision=PREC)
+    N2 = tl.dot(N1, N1, input_precision=PREC)
+    X = tl.dot(tl.dot(eye - N1, eye + N2, input_precision=PREC), D_inv, input_precision=PREC)
 
-    # Pass 3: W = X beta exp(Gam) K, per channel block (k, f reloaded, Gam recomputed as in pass 2).
-    for i_k in range(0, tl.cdiv(K, BKC)):
-        o_k = i_k * BKC + o_c
-        m_k = o_k < K
-        p_k = tok[:, None] * (H * K) + i_h * K + o_k[None, :]
-        m_tk = m_t[:, None] & m_k[None, :]
-        b_k = tl.load(k + p_k, mask=m_tk, other=0.).to(tl.float32) * rn_k[:, None]
-        b_f = tl.load(f + p_k, mask=m_tk, other=0.).to(tl.float32)
-        b_bias = tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.).to(tl.float32)
-        b_g = LOWER * tl.sigmoid(a * (b_f + b_bias[None, :]))
-        b_G = tl.cumsum(tl.where(m_valid[:, None] & m_k[None, :], b_g, 0.), 0)
-        b_w = _mm(X, b_beta[:, None] * tl.exp(b_G) * b_k, w.dtype.element_ty, PREC, LOW)     # [BT, BKC]
-        tl.store(w + row[:, None] * K + o_k[None, :], b_w.to(w.dtype.element_ty), mask=m_k[None, :])
-
-    # Pass 4: U = X beta V, per value block.
-    o_cv = tl.arange(0, BVC)
-    for i_v in range(0, tl.cdiv(V, BVC)):
-        o_v = i_v * BVC + o_cv
-        m_v = o_v < V
-        b_v = tl.load(v + tok[:, None] * (H * V) + i_h * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
-                      other=0.).to(tl.float32)
-        b_u = _mm(X, b_beta[:, None] * b_v, w.dtype.element_ty, PREC, LOW)                  # [BT, BVC]
-        tl.store(u + row[:, None] * V + o_v[None, :], b_u.to(u.dtype.element_ty), mask=m_v[None, :])
+    o_k = tl.arange(0, BK)
+    p_w = row[:, None] * K + o_k[None, :]
+    b_kg = tl.load(w + p_w, mask=(o_k < K)[None, :], other=0.).to(tl.float32)
+    b_w = _mm(X, b_kg, w.dtype.element_ty, PREC, LOW)                                 # [BT, BK]
+    tl.store(w + p_w, b_w.to(w.dtype.element_ty), mask=(o_k < K)[None, :])
+    o_v = tl.arange(0, BV)
+    m_v = o_v < V
+    b_beta = tl.sigmoid(tl.load(b + tok * H + i_h, mask=m_t, other=0.).to(tl.float32))
+    b_beta = tl.where(o_t < length, b_beta, 0.)
+    b_v = tl.load(v + tok[:, None] * (H * V) + i_h * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
+                  other=0.).to(tl.float32)
+    b_u = _mm(X, b_beta[:, None] * b_v, w.dtype.element_ty, PREC, LOW)                # [BT, BV]
+    tl.store(u + row[:, None] * V + o_v[None, :], b_u.to(u.dtype.element_ty), mask=m_v[None, :])
 
 
 @triton.jit
@@ -379,11 +384,18 @@ def prefill_config(K: int, V: int) -> dict:
     mixed-length `cuda` test (H = 96, lengths 3000/1717/1) passes: 1 stage at K = V = 128. BV = 32 with 1 stage
     gives wrong outputs there (o rel. RMS 1.2 at T = 8192; exact under the interpreter; cause not found, seen on
     2026-11-29 and 2026-11-30): do not use BV < 64. The intra launch is 2.41 of the 3.14 ms; ptxas (sm_90a) gives
-    it 255 registers with spills at 8 warps (one program per SM)."""
+    it 255 registers with spills at 8 warps (one program per SM).
+    Intra variants (`intra`, INTRA_CONFIGS, env K3_KDA_INTRA). H200, same shape (2026-11-30 01:41, `bash
+    scripts/gpu_kda.sh`, intra launch alone): `full` 8 warps 2.40 ms (end to end 3.10 ms), 16 warps 7.02 ms; a
+    K-blocked kernel (K, V in 32/64-channel blocks, 184-230 registers without spills offline) was slower at every
+    setting: 8 warps 4.62 ms, 128-register cap (two programs per SM) 3.28 ms, 64-channel blocks 3.80 ms, and at 4
+    warps gave NaN (32-channel) or an illegal memory access (16-channel) there; removed (git history, perf.md).
+    `split` (two launches, `wu_warps` / `wu_maxnreg` for the second) is interpreter-tested, not yet run on a GPU:
+    `full` stays the default."""
     big = max(K, V) >= 64
     cfg = dict(BT=CHUNK, BK=_pow2(K), BV_intra=_pow2(V), BV=min(_pow2(V), 64), intra_warps=8 if big else 4,
                low_ab=True, state_warps=4, state_stages=1, intra="full", intra_stages=1, intra_maxnreg=None,
-               BKC=min(_pow2(K), 32), BVC=min(_pow2(V), 32))
+               wu_warps=8, wu_maxnreg=None)
     name = os.environ.get("K3_KDA_INTRA")
     if name:
         if name not in INTRA_CONFIGS:
@@ -392,35 +404,28 @@ def prefill_config(K: int, V: int) -> dict:
     return cfg
 
 
-# Named intra-launch variants (prefill_config overrides; env K3_KDA_INTRA=<name> selects one for the op, the AOT
-# contract and the tests). "kblock*": `kda_prefill_intra_kblock_fwd_kernel` with K / V in blocks of BKC / BVC.
+# Named intra-launch variants (prefill_config overrides; env K3_KDA_INTRA=<name> selects one for the op and the
+# tests). "full": `kda_prefill_intra_fwd_kernel`, one launch; "split": `kda_prefill_akk_fwd_kernel` (gate, A_kk,
+# A_qk) then `kda_prefill_wu_fwd_kernel` (UT transform, W, U), `wu_warps` warps.
 INTRA_CONFIGS = {
     "full": dict(intra="full", intra_warps=8),
-    "full16w": dict(intra="full", intra_warps=16),
-    "kb32": dict(intra="kblock", BKC=32, BVC=32, intra_warps=8),
-    "kb32s2": dict(intra="kblock", BKC=32, BVC=32, intra_warps=8, intra_stages=2),
-    "kb32r128": dict(intra="kblock", BKC=32, BVC=32, intra_warps=8, intra_maxnreg=128),
-    "kb32w4": dict(intra="kblock", BKC=32, BVC=32, intra_warps=4),
-    "kb32w4r168": dict(intra="kblock", BKC=32, BVC=32, intra_warps=4, intra_maxnreg=168),
-    "kb16w4": dict(intra="kblock", BKC=16, BVC=32, intra_warps=4),
-    "kb16w4r128": dict(intra="kblock", BKC=16, BVC=32, intra_warps=4, intra_maxnreg=128),
-    "kb64": dict(intra="kblock", BKC=64, BVC=64, intra_warps=8),
+    "split": dict(intra="split", intra_warps=8, wu_warps=8),
+    "split-wu4": dict(intra="split", intra_warps=8, wu_warps=4),
+    "split-wu4r168": dict(intra="split", intra_warps=8, wu_warps=4, wu_maxnreg=168),
+    "split-wu8r128": dict(intra="split", intra_warps=8, wu_warps=8, wu_maxnreg=128),
 }
 
 
 def intra_kernel(cfg: dict, K: int, V: int, dtype: torch.dtype, lower_bound: float):
-    """(kernel, constexprs) of the intra launch for this config (both kernels take the same runtime parameters
-    in the same order, so the launch contract differs only in kernel name, PTX and warps)."""
+    """(kernel, constexprs but H) of the one-launch intra kernel for this config: the AOT contract's intra
+    launch (trt.py) and `prefill_intra_fwd` alike. The split variant is two launches with an fp32 scratch, which
+    an AOT plugin (one launch, no workspace) cannot express: its contract keeps the full kernel."""
     dt = compute_dtype(dtype)
-    common = dict(K=K, V=V, BT=cfg["BT"], BC=BC, LOWER=float(lower_bound), PREC=_prec(dt),   # + H (caller)
-                  LOW=bool(cfg["low_ab"]) and dt == torch.bfloat16)
-    if cfg["intra"] == "full":
-        return kda_prefill_intra_fwd_kernel, dict(common, BK=cfg["BK"], BV=cfg["BV_intra"])
-    if cfg["intra"] == "kblock":
-        return kda_prefill_intra_kblock_fwd_kernel, dict(common, BKC=cfg["BKC"], BVC=cfg["BVC"])
-    raise ValueError(f"prefill config: unknown intra kernel {cfg['intra']!r} (full, kblock)")
-
-
+    if cfg["intra"] not in ("full", "split"):
+        raise ValueError(f"prefill config: unknown intra kernel {cfg['intra']!r} (full, split)")
+    return kda_prefill_intra_fwd_kernel, dict(K=K, V=V, BK=cfg["BK"], BV=cfg["BV_intra"], BT=cfg["BT"], BC=BC,
+                                              LOWER=float(lower_bound), PREC=_prec(dt),
+                                              LOW=bool(cfg["low_ab"]) and dt == torch.bfloat16)
 
 
 def decode_config(K: int, W: int) -> dict:
@@ -472,10 +477,21 @@ def prefill_intra_fwd(q, k, v, f, b, A_log, dt_bias, lengths, lower_bound: float
     out.update(u=q.new_empty(rows, V, dtype=dt), aqk=q.new_empty(rows, BT, dtype=dt),
                gl=q.new_empty(B * H * NT, K, dtype=torch.float32))
     kernel, cx = intra_kernel(cfg, K, V, q.dtype, lower_bound)
-    launch(kernel)[(NT, B * H)](
-        q, k, v, f, b, A_log.contiguous(), dt_bias.contiguous(), lengths, T,
-        out["w"], out["u"], out["qg"], out["kd"], out["aqk"], out["gl"],
-        H=H, **cx, num_warps=cfg["intra_warps"], num_stages=cfg["intra_stages"], **_maxnreg(cfg["intra_maxnreg"]))
+    opts = dict(num_warps=cfg["intra_warps"], num_stages=cfg["intra_stages"], **_maxnreg(cfg["intra_maxnreg"]))
+    if cfg["intra"] == "full":
+        launch(kernel)[(NT, B * H)](
+            q, k, v, f, b, A_log.contiguous(), dt_bias.contiguous(), lengths, T,
+            out["w"], out["u"], out["qg"], out["kd"], out["aqk"], out["gl"], H=H, **cx, **opts)
+        return out
+    akk = q.new_empty(rows, BT, dtype=torch.float32)                   # scratch between the two launches
+    launch(kda_prefill_akk_fwd_kernel)[(NT, B * H)](
+        q, k, f, b, A_log.contiguous(), dt_bias.contiguous(), lengths, T,
+        out["w"], out["qg"], out["kd"], out["aqk"], out["gl"], akk,
+        H=H, K=K, BK=cx["BK"], BT=BT, BC=BC, LOWER=cx["LOWER"], PREC=cx["PREC"], LOW=cx["LOW"], **opts)
+    launch(kda_prefill_wu_fwd_kernel)[(NT, B * H)](
+        v, b, lengths, T, akk, out["w"], out["u"],
+        H=H, K=K, V=V, BK=cx["BK"], BV=cx["BV"], BT=BT, BC=BC, PREC=cx["PREC"], LOW=cx["LOW"],
+        num_warps=cfg["wu_warps"], num_stages=1, **_maxnreg(cfg["wu_maxnreg"]))
     return out
 
 
