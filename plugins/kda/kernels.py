@@ -8,6 +8,9 @@ Prefill is two launches over right-padded `[B, T, H, K]` inputs, chunk BT = 64:
      exp(Gam_C - Gam) K, A_qk (compute dtype) and Gam_C (fp32).
   2. `kda_prefill_fwd_kernel`, one program per (V block, sequence*head), chunks in order: the inter-chunk state
      pass Vn = U - W S, O = exp(Gam) Q S + A_qk Vn, S <- exp(Gam_C) S + (exp(Gam_C - Gam) K)^T Vn, fp32 state.
+Variant `split` (prefill_config "intra", env K3_KDA_INTRA; not the default) does launch 1 in two:
+`kda_prefill_akk_fwd_kernel` (gate, Gam, A_kk / A_qk, the per-token stores) and `kda_prefill_wu_fwd_kernel`
+(UT transform, W, U), joined by an fp32 A_kk scratch.
 Decode is one launch, `kda_decode_fwd_kernel`, one program per (sequence, head) holding its [K, V] state.
 Variants measured on the H200 and dropped for being slower or wrong there (sub-tiled and column-block intra
 kernels, fla's split state pass, column-block decode) are in docs/perf.md ("KDA kernels") and the git history.
@@ -387,7 +390,7 @@ def prefill_config(K: int, V: int) -> dict:
     it 255 registers with spills at 8 warps (one program per SM).
     Intra variants (`intra`, INTRA_CONFIGS, env K3_KDA_INTRA). H200, same shape (2026-11-30 01:41, `bash
     scripts/gpu_kda.sh`, intra launch alone): `full` 8 warps 2.40 ms (end to end 3.10 ms), 16 warps 7.02 ms; a
-    K-blocked kernel (K, V in 32/64-channel blocks, 184-230 registers without spills offline) was slower at every
+    K-blocked kernel (K, V in 32/64-channel blocks, 184-205 registers without spills offline) was slower at every
     setting: 8 warps 4.62 ms, 128-register cap (two programs per SM) 3.28 ms, 64-channel blocks 3.80 ms, and at 4
     warps gave NaN (32-channel) or an illegal memory access (16-channel) there; removed (git history, perf.md).
     `split` (two launches, `wu_warps` / `wu_maxnreg` for the second) is interpreter-tested, not yet run on a GPU:
