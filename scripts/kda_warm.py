@@ -25,8 +25,8 @@ from k3export.bench.kda import INTRA_VARIANTS, STATE_VARIANTS
 from k3export.plugins.kda import kernels
 
 # (H, T): the sweep's H with T % 16 == 0 for every variant; the defaults also at the cuda tests' other H and
-# T % 16 != 0 (test_prefill_k3_shapes, strong decay, the fla naive comparison). The split intra variants at the
-# tests' shapes too: scripts/gpu_kda.sh runs the prefill cuda tests with the fastest non-default variant.
+# T % 16 != 0 (test_prefill_k3_shapes, strong decay, the fla naive comparison). The intra variants at the tests'
+# shapes too: scripts/gpu_kda.sh runs the prefill cuda tests with the fastest non-default one.
 VARIANT_SHAPES = [(96, 64)]
 DEFAULT_SHAPES = [(96, 64), (96, 40), (12, 64), (12, 40)]
 
@@ -35,8 +35,8 @@ def jobs() -> dict:
     """name -> (config overrides, [(H, T)]); variants equal to the default are compiled by the default's jobs."""
     default = kernels.prefill_config(128, 128)
     out = {f"default H{H} T{T}": ({}, [(H, T)]) for H, T in DEFAULT_SHAPES}
-    out.update({n: (c, DEFAULT_SHAPES if c.get("intra") == "split" else VARIANT_SHAPES)
-                for n, c in {**INTRA_VARIANTS, **STATE_VARIANTS}.items() if {**default, **c} != default})
+    out.update({n: (c, DEFAULT_SHAPES) for n, c in INTRA_VARIANTS.items() if {**default, **c} != default})
+    out.update({n: (c, VARIANT_SHAPES) for n, c in STATE_VARIANTS.items() if {**default, **c} != default})
     return out
 
 

@@ -42,17 +42,50 @@ def _mm(a, b, low_dtype, PREC: tl.constexpr, LOW: tl.constexpr):
 
 
 @triton.jit
+def _a_column_block(b_q, b_k, b_G, J, b_Aqk, b_A, low_dtype, BT: tl.constexpr, BC: tl.constexpr,
+                    PREC: tl.constexpr, LOW: tl.constexpr):
+    """Add column block J (rows J*BC .. J*BC+BC-1 of K) of A_qk and A_kk, referenced to c_J = Gam at the block's
+    last row: exp(Gam_i - Gam_j) = exp(Gam_i - c_J) * exp(c_J - Gam_j), the first factor <= e^80 on the diagonal
+    block and <= 1 below it, the second <= 1; rows above block J get a -inf exponent."""
+    r_t = tl.arange(0, BT)
+    c_J = tl.sum(tl.where(r_t[:, None] == J * BC + BC - 1, b_G, 0.), 0)               # [BK]
+    e_J = tl.exp(tl.where(r_t[:, None] >= J * BC, b_G - c_J[None, :], float("-inf")))
+    in_J = (r_t[:, None] >= J * BC) & (r_t[:, None] < J * BC + BC)
+    r_J = tl.trans(b_k * tl.exp(tl.where(in_J, c_J[None, :] - b_G, float("-inf"))))       # [BK, BT]
+    b_Aqk += _mm(b_q * e_J, r_J, low_dtype, PREC, LOW)
+    b_A += _mm(b_k * e_J, r_J, low_dtype, PREC, LOW)
+    return b_Aqk, b_A
+
+
+@triton.jit
+def _a_products(b_q, b_k, b_G, low_dtype, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr,
+                LOW: tl.constexpr, J_LOOP: tl.constexpr):
+    """A_qk and A_kk ([BT, BT] fp32, before masking) from q, k, Gam [BT, BK] by column blocks of BC rows;
+    J_LOOP: the blocks in a run-time loop (fewer registers: ptxas sm_90a, 8 warps, intra kernel: 76 B spilled
+    instead of 352) instead of unrolled."""
+    b_Aqk = tl.zeros((BT, BT), dtype=tl.float32)
+    b_A = tl.zeros((BT, BT), dtype=tl.float32)
+    if J_LOOP:
+        for J in range(0, BT // BC):
+            b_Aqk, b_A = _a_column_block(b_q, b_k, b_G, J, b_Aqk, b_A, low_dtype, BT, BC, PREC, LOW)
+    else:
+        for J in tl.static_range(BT // BC):
+            b_Aqk, b_A = _a_column_block(b_q, b_k, b_G, J, b_Aqk, b_A, low_dtype, BT, BC, PREC, LOW)
+    return b_Aqk, b_A
+
+
+@triton.jit
 def kda_prefill_intra_fwd_kernel(
     q, k, v, f, b, A_log, dt_bias, lengths,          # inputs
     T,                                                # scalar: padded tokens per sequence
     w, u, qg, kd, aqk, gl,                            # outputs
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, LOWER: tl.constexpr, PREC: tl.constexpr, LOW: tl.constexpr,
+    J_LOOP: tl.constexpr,
 ):
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     NT = tl.cdiv(T, BT)
-    NC: tl.constexpr = BT // BC
     length = tl.load(lengths + i_b).to(tl.int32)
     o_t = i_n * BT + tl.arange(0, BT)                                   # [BT] token index
     o_k = tl.arange(0, BK)
@@ -89,22 +122,14 @@ def kda_prefill_intra_fwd_kernel(
     # Right operands are full [BT, BK] tiles with the rows outside block J zeroed. (Cutting [BC, BK] sub-tiles
     # with tl.reshape is 4x fewer MACs and exact under the interpreter, but gave a wrong U on the H200 with
     # Triton 3.6; cause not found.)
-    b_Aqk = tl.zeros((BT, BT), dtype=tl.float32)
-    b_A = tl.zeros((BT, BT), dtype=tl.float32)
-    for J in tl.static_range(NC):
-        c_J = tl.sum(tl.where(r_t[:, None] == J * BC + BC - 1, b_G, 0.), 0)           # [BK]
-        e_J = tl.exp(tl.where(r_t[:, None] >= J * BC, b_G - c_J[None, :], float("-inf")))
-        in_J = (r_t[:, None] >= J * BC) & (r_t[:, None] < J * BC + BC)
-        r_J = tl.trans(b_k * tl.exp(tl.where(in_J, c_J[None, :] - b_G, float("-inf"))))   # [BK, BT]
-        b_Aqk += _mm(b_q * e_J, r_J, w.dtype.element_ty, PREC, LOW)
-        b_A += _mm(b_k * e_J, r_J, w.dtype.element_ty, PREC, LOW)
+    b_Aqk, b_A = _a_products(b_q, b_k, b_G, w.dtype.element_ty, BT, BC, PREC, LOW, J_LOOP)
     b_Aqk = tl.where(r_t[:, None] >= r_t[None, :], b_Aqk, 0.)
     tl.store(aqk + (i_bh * NT * BT + i_n * BT + r_t[:, None]).to(tl.int64) * BT + r_t[None, :],
              b_Aqk.to(aqk.dtype.element_ty))
     b_A = tl.where(r_t[:, None] > r_t[None, :], b_A * b_beta[:, None], 0.)
 
     # UT transform X = (I + A)^-1. D = I + A_bd (the diagonal BC-blocks) is nilpotent-shifted of order BC:
-    # D^-1 = (I - A_bd)(I + A_bd^2)(I + A_bd^4)(I + A_bd^8). N = D^-1 A_lo has N^NC = 0 (NC = 4 blocks):
+    # D^-1 = (I - A_bd)(I + A_bd^2)(I + A_bd^4)(I + A_bd^8). N = D^-1 A_lo has N^4 = 0 (BT / BC = 4 blocks):
     # X = (I - N)(I + N^2) D^-1.
     eye = tl.where(r_t[:, None] == r_t[None, :], 1., 0.)
     same = (r_t[:, None] // BC) == (r_t[None, :] // BC)
@@ -140,7 +165,7 @@ def kda_prefill_akk_fwd_kernel(
     T,                                                # scalar: padded tokens per sequence
     w, qg, kd, aqk, gl, akk,                          # outputs (w: beta exp(Gam) K, for kda_prefill_wu_fwd_kernel)
     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    LOWER: tl.constexpr, PREC: tl.constexpr, LOW: tl.constexpr,
+    LOWER: tl.constexpr, PREC: tl.constexpr, LOW: tl.constexpr, J_LOOP: tl.constexpr,
 ):
     """First of the two launches of the split intra variant (`prefill_config(...)["intra"] == "split"`): the
     gate, Gam and A_kk / A_qk of `kda_prefill_intra_fwd_kernel`, same arithmetic, with every per-token store
@@ -151,7 +176,6 @@ def kda_prefill_akk_fwd_kernel(
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     NT = tl.cdiv(T, BT)
-    NC: tl.constexpr = BT // BC
     length = tl.load(lengths + i_b).to(tl.int32)
     o_t = i_n * BT + tl.arange(0, BT)                                   # [BT] token index
     o_k = tl.arange(0, BK)
@@ -186,15 +210,7 @@ def kda_prefill_akk_fwd_kernel(
     tl.store(gl + (i_bh * NT + i_n).to(tl.int64) * K + o_k, G_last, mask=m_k)
 
     # A_kk, A_qk by column blocks J, as kda_prefill_intra_fwd_kernel.
-    b_Aqk = tl.zeros((BT, BT), dtype=tl.float32)
-    b_A = tl.zeros((BT, BT), dtype=tl.float32)
-    for J in tl.static_range(NC):
-        c_J = tl.sum(tl.where(r_t[:, None] == J * BC + BC - 1, b_G, 0.), 0)           # [BK]
-        e_J = tl.exp(tl.where(r_t[:, None] >= J * BC, b_G - c_J[None, :], float("-inf")))
-        in_J = (r_t[:, None] >= J * BC) & (r_t[:, None] < J * BC + BC)
-        r_J = tl.trans(b_k * tl.exp(tl.where(in_J, c_J[None, :] - b_G, float("-inf"))))   # [BK, BT]
-        b_Aqk += _mm(b_q * e_J, r_J, w.dtype.element_ty, PREC, LOW)
-        b_A += _mm(b_k * e_J, r_J, w.dtype.element_ty, PREC, LOW)
+    b_Aqk, b_A = _a_products(b_q, b_k, b_G, w.dtype.element_ty, BT, BC, PREC, LOW, J_LOOP)
     b_Aqk = tl.where(r_t[:, None] >= r_t[None, :], b_Aqk, 0.)
     tl.store(aqk + row[:, None] * BT + r_t[None, :], b_Aqk.to(aqk.dtype.element_ty))
     b_A = tl.where(r_t[:, None] > r_t[None, :], b_A * b_beta[:, None], 0.)
@@ -393,12 +409,13 @@ def prefill_config(K: int, V: int) -> dict:
     K-blocked kernel (K, V in 32/64-channel blocks, 184-205 registers without spills offline) was slower at every
     setting: 8 warps 4.62 ms, 128-register cap (two programs per SM) 3.28 ms, 64-channel blocks 3.80 ms, and at 4
     warps gave NaN (32-channel) or an illegal memory access (16-channel) there; removed (git history, perf.md).
-    `split` (two launches, `wu_warps` / `wu_maxnreg` for the second) is interpreter-tested, not yet run on a GPU:
-    `full` stays the default."""
+    `full-jloop` (`j_loop`: A's column blocks in a run-time loop) and the `split*` variants (two launches,
+    `wu_warps` / `wu_maxnreg` for the second) are interpreter-tested, not yet run on a GPU: `full` stays the
+    default. `intra_stages` / `intra_maxnreg`: the intra launch's pipeline stages and register cap."""
     big = max(K, V) >= 64
     cfg = dict(BT=CHUNK, BK=_pow2(K), BV_intra=_pow2(V), BV=min(_pow2(V), 64), intra_warps=8 if big else 4,
                low_ab=True, state_warps=4, state_stages=1, intra="full", intra_stages=1, intra_maxnreg=None,
-               wu_warps=8, wu_maxnreg=None)
+               j_loop=False, wu_warps=8, wu_maxnreg=None)
     name = os.environ.get("K3_KDA_INTRA")
     if name:
         if name not in INTRA_CONFIGS:
@@ -409,13 +426,19 @@ def prefill_config(K: int, V: int) -> dict:
 
 # Named intra-launch variants (prefill_config overrides; env K3_KDA_INTRA=<name> selects one for the op and the
 # tests). "full": `kda_prefill_intra_fwd_kernel`, one launch; "split": `kda_prefill_akk_fwd_kernel` (gate, A_kk,
-# A_qk) then `kda_prefill_wu_fwd_kernel` (UT transform, W, U), `wu_warps` warps.
+# A_qk; `intra_warps`) then `kda_prefill_wu_fwd_kernel` (UT transform, W, U; `wu_warps`, `wu_maxnreg`).
+# "jloop" / "a16": the A column blocks in a run-time loop (`j_loop`), which at 16 warps fits akk in 128 registers
+# without spills. ptxas sm_90a (offline, triton 3.9), registers / spill stores: full 8w 255 / 352 B, full jloop 8w
+# 255 / 76 B; akk 8w 255 / 0, akk jloop 16w 128 / 0; wu 8w 170 / 0, wu 8w cap 128 / 268 B, wu 4w cap 168 / 0
+# (three programs per SM).
 INTRA_CONFIGS = {
-    "full": dict(intra="full", intra_warps=8),
+    "full": dict(intra="full", intra_warps=8, j_loop=False),
+    "full-jloop": dict(intra="full", intra_warps=8, j_loop=True),
     "split": dict(intra="split", intra_warps=8, wu_warps=8),
-    "split-wu4": dict(intra="split", intra_warps=8, wu_warps=4),
     "split-wu4r168": dict(intra="split", intra_warps=8, wu_warps=4, wu_maxnreg=168),
     "split-wu8r128": dict(intra="split", intra_warps=8, wu_warps=8, wu_maxnreg=128),
+    "split-a16": dict(intra="split", intra_warps=16, j_loop=True, wu_warps=8),
+    "split-a16-wu4r168": dict(intra="split", intra_warps=16, j_loop=True, wu_warps=4, wu_maxnreg=168),
 }
 
 
@@ -428,7 +451,8 @@ def intra_kernel(cfg: dict, K: int, V: int, dtype: torch.dtype, lower_bound: flo
         raise ValueError(f"prefill config: unknown intra kernel {cfg['intra']!r} (full, split)")
     return kda_prefill_intra_fwd_kernel, dict(K=K, V=V, BK=cfg["BK"], BV=cfg["BV_intra"], BT=cfg["BT"], BC=BC,
                                               LOWER=float(lower_bound), PREC=_prec(dt),
-                                              LOW=bool(cfg["low_ab"]) and dt == torch.bfloat16)
+                                              LOW=bool(cfg["low_ab"]) and dt == torch.bfloat16,
+                                              J_LOOP=bool(cfg["j_loop"]))
 
 
 def decode_config(K: int, W: int) -> dict:
@@ -490,7 +514,8 @@ def prefill_intra_fwd(q, k, v, f, b, A_log, dt_bias, lengths, lower_bound: float
     launch(kda_prefill_akk_fwd_kernel)[(NT, B * H)](
         q, k, f, b, A_log.contiguous(), dt_bias.contiguous(), lengths, T,
         out["w"], out["qg"], out["kd"], out["aqk"], out["gl"], akk,
-        H=H, K=K, BK=cx["BK"], BT=BT, BC=BC, LOWER=cx["LOWER"], PREC=cx["PREC"], LOW=cx["LOW"], **opts)
+        H=H, K=K, BK=cx["BK"], BT=BT, BC=BC, LOWER=cx["LOWER"], PREC=cx["PREC"], LOW=cx["LOW"],
+        J_LOOP=cx["J_LOOP"], **opts)
     launch(kda_prefill_wu_fwd_kernel)[(NT, B * H)](
         v, b, lengths, T, akk, out["w"], out["u"],
         H=H, K=K, V=V, BK=cx["BK"], BV=cx["BV"], BT=BT, BC=BC, PREC=cx["PREC"], LOW=cx["LOW"],

@@ -21,8 +21,8 @@ import torch
 from k3export.plugins.aot import Launch, compile_ptx, pointer_type, trt_kernel_result
 from k3export.plugins.triton_common import cdiv
 
-from .kernels import (compute_dtype, decode_config, intra_kernel, kda_decode_fwd_kernel, kda_prefill_fwd_kernel,
-                      prefill_config)
+from .kernels import (INTRA_CONFIGS, compute_dtype, decode_config, intra_kernel, kda_decode_fwd_kernel,
+                      kda_prefill_fwd_kernel, prefill_config)
 
 
 # --- prefill ---------------------------------------------------------------------------------------------------
@@ -47,6 +47,8 @@ def prefill_launches(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype,
                      arch: int = 90) -> tuple[Launch, Launch]:
     """The two launches of `k3::kda_prefill` for these shapes (initial/final state fp32, lengths int64)."""
     cfg = prefill_config(K, V)
+    if cfg["intra"] != "full":      # the split intra is two launches with a scratch: a plugin keeps the one launch
+        cfg = {**cfg, **INTRA_CONFIGS["full"]}
     inter = prefill_intermediates(B, T, H, K, V, dtype)
     ptr = {n: pointer_type(dtype) for n in ("q", "k", "v", "f", "b")}
     ptr.update(A_log="*fp32", dt_bias="*fp32", lengths="*i64", h0="*fp32", o=pointer_type(dtype), ht="*fp32")
