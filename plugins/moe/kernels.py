@@ -14,8 +14,9 @@
 
 One grouped GEMM pair serves every regime; `MoeTiles` picks its tiling (block rows, tiles, tile order, TMA
 descriptors or pointer loads) and `pick_regime` the default by rows per expert: decode (BLOCK_M = 16, each
-selected expert's weights stream once), prefill (BLOCK_M = 128, weights through TMA, all column tiles of a
-block next to each other so the A rows and each expert's weight tiles are shared through L2). Ties in s + bias
+selected expert's weights stream once), prefill (BLOCK_M = 64 or 128 with a tail, A rows and weights through
+TMA, all column tiles of a block next to each other so the A rows and each expert's weight tiles are shared
+through L2). Ties in s + bias
 go to the lowest expert id.
 """
 
@@ -533,20 +534,25 @@ TILINGS = {
                 "m64t32-n128-aw8": MoeTiles(64, (128, 64, 8, 3), (256, 64, 8, 3), 1, **_AW, tail=32)},
 }
 # Measured 2026-11-29 (docs/perf.md): decode 1..64 tokens "fused-lean" (CUDA-graph replay 0.30 ms at 1 token,
-# was 0.36; the plain call 0.37, was 0.64); prefill "m128-tma-w" at 4096 / 8192 tokens (19.3 / 31.3 ms, were
-# 25.3 / 36.9) and "m128-tma-aw" at 16384 (48.0 ms, was 60.0; m128-tma-w 50.6). Between 16 and 64 rows per
-# expert (~900..3600 tokens) nothing new was measured, so the previous prefill tiling stays there.
+# was 0.36; the plain call 0.37, was 0.64). Prefill, H200 2026-11-30 01:50 (`k3export bench moe`, K3 shapes,
+# 896 experts top-16, every tiling's output equal to "old"'s): 4096 tokens (73 rows per expert) "m64t32-n128-aw8"
+# 18.45 ms (m128-tma-w, the previous default, 21.46); 8192 (146 rows) "m128t64-aw" 26.79 ms = 45% of the
+# matmul rate (m128-tma-w 30.46); 16384 (292 rows) "m128-tma-aw" 46.69 ms = 52% (m128t64-aw 46.86). The
+# prefill / prefill-mid boundary at 128 rows is where m128t64-aw's 128-row blocks start to fill; the crossover
+# between 73 and 146 rows was not measured. Between 16 and 64 rows per expert (~900..3600 tokens) nothing new
+# was measured, so the previous prefill tiling stays there.
 CONFIGS = {"decode": TILINGS["decode"]["fused-lean"], "grouped": TILINGS["prefill"]["old"],
-           "prefill": TILINGS["prefill"]["m128-tma-w"], "prefill-large": TILINGS["prefill"]["m128-tma-aw"]}
+           "prefill": TILINGS["prefill"]["m64t32-n128-aw8"], "prefill-mid": TILINGS["prefill"]["m128t64-aw"],
+           "prefill-large": TILINGS["prefill"]["m128-tma-aw"]}
 FP32_TILES = MoeTiles(16, (32, 32, 4, 1), (32, 32, 4, 1))      # exact fp32 dots: small tiles, no pipelining
 
 
 def pick_regime(n_pairs: int, E: int) -> str:
-    """By the average rows per expert r = n_pairs / E: decode below 16, grouped 16..64, prefill 64..256,
-    prefill-large from 256 (measured: 73 and 146 rows -> m128-tma-w faster, 292 -> m128-tma-aw faster; the
-    crossover between 146 and 292 was not measured)."""
+    """By the average rows per expert r = n_pairs / E: decode below 16, grouped 16..64, prefill 64..128,
+    prefill-mid 128..256, prefill-large from 256 (measurements at 73, 146 and 292 rows: see CONFIGS)."""
     r = n_pairs / E
-    return "decode" if r < 16 else "grouped" if r < 64 else "prefill" if r < 256 else "prefill-large"
+    return ("decode" if r < 16 else "grouped" if r < 64 else "prefill" if r < 128 else "prefill-mid" if r < 256
+            else "prefill-large")
 
 
 def _desc(t: torch.Tensor, block: list):
