@@ -185,7 +185,9 @@ def test_intra_variant_by_env(monkeypatch):
     with pytest.raises(ValueError, match="unknown intra variant.*split"):
         kernels.prefill_config(128, 128)
     monkeypatch.delenv("K3_KDA_INTRA")
-    assert kernels.prefill_config(128, 128)["intra"] == "full"
+    cfg = kernels.prefill_config(128, 128)                  # the default at K3's head dims: split, measured fastest
+    assert (cfg["intra"], cfg["intra_warps"], cfg["wu_warps"], cfg["wu_maxnreg"]) == ("split", 8, 4, 168)
+    assert kernels.prefill_config(16, 16)["intra"] == "full"
 
 
 def test_tensorrt_plugins():

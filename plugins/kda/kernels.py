@@ -1,16 +1,17 @@
 """Triton KDA kernels: the CUDA implementations of `k3::kda_prefill` and `k3::kda_decode` (see CONTRACT.md).
 
-Prefill is two launches over right-padded `[B, T, H, K]` inputs, chunk BT = 64:
-  1. `kda_prefill_intra_fwd_kernel`, one program per (chunk, sequence*head), all chunks in parallel: L2 norm,
-     lower-bound gate, in-chunk cumulative decay Gam, A_kk / A_qk from 16-row sub-tiles (every exponent <= 80,
-     so nothing overflows fp32), the UT transform X = (I + A_kk)^-1 (block Neumann series, exact for the
-     nilpotent strictly-lower A_kk), W = X beta exp(Gam) K, U = X beta V. Writes W, U, exp(Gam) Q,
-     exp(Gam_C - Gam) K, A_qk (compute dtype) and Gam_C (fp32).
+Prefill runs over right-padded `[B, T, H, K]` inputs, chunk BT = 64, in two stages:
+  1. intra, one program per (chunk, sequence*head), all chunks in parallel: L2 norm, lower-bound gate,
+     in-chunk cumulative decay Gam, A_kk / A_qk from 16-row sub-tiles (every exponent <= 80, so nothing
+     overflows fp32), the UT transform X = (I + A_kk)^-1 (block Neumann series, exact for the nilpotent
+     strictly-lower A_kk), W = X beta exp(Gam) K, U = X beta V. Writes W, U, exp(Gam) Q, exp(Gam_C - Gam) K,
+     A_qk (compute dtype) and Gam_C (fp32). At K = V = 128 (the default, "split"): two launches,
+     `kda_prefill_akk_fwd_kernel` (gate, Gam, A_kk / A_qk, the per-token stores) then
+     `kda_prefill_wu_fwd_kernel` (UT transform, W, U), joined by an fp32 A_kk scratch; 2.19 vs 2.41 ms on the
+     H200 (prefill_config). "full": one launch, `kda_prefill_intra_fwd_kernel` (the AOT contract's kernel: a
+     plugin is one launch without workspace).
   2. `kda_prefill_fwd_kernel`, one program per (V block, sequence*head), chunks in order: the inter-chunk state
      pass Vn = U - W S, O = exp(Gam) Q S + A_qk Vn, S <- exp(Gam_C) S + (exp(Gam_C - Gam) K)^T Vn, fp32 state.
-Variant `split` (prefill_config "intra", env K3_KDA_INTRA; not the default) does launch 1 in two:
-`kda_prefill_akk_fwd_kernel` (gate, Gam, A_kk / A_qk, the per-token stores) and `kda_prefill_wu_fwd_kernel`
-(UT transform, W, U), joined by an fp32 A_kk scratch.
 Decode is one launch, `kda_decode_fwd_kernel`, one program per (sequence, head) holding its [K, V] state.
 Variants measured on the H200 and dropped for being slower or wrong there (sub-tiled and column-block intra
 kernels, fla's split state pass, column-block decode) are in docs/perf.md ("KDA kernels") and the git history.
@@ -402,20 +403,26 @@ def prefill_config(K: int, V: int) -> dict:
     4 warps / 1 stage 0.698 ms vs 2 stages 0.842 ms (end to end 3.14 vs 3.26 ms), errors identical, and the
     mixed-length `cuda` test (H = 96, lengths 3000/1717/1) passes: 1 stage at K = V = 128. BV = 32 with 1 stage
     gives wrong outputs there (o rel. RMS 1.2 at T = 8192; exact under the interpreter; cause not found, seen on
-    2026-11-29 and 2026-11-30): do not use BV < 64. The intra launch is 2.41 of the 3.14 ms; ptxas (sm_90a) gives
+    2026-11-29 and 2026-11-30): do not use BV < 64. The `full` intra launch is 2.41 of the 3.14 ms; ptxas (sm_90a) gives
     it 255 registers with spills at 8 warps (one program per SM).
     Intra variants (`intra`, INTRA_CONFIGS, env K3_KDA_INTRA). H200, same shape (2026-11-30 01:41, `bash
     scripts/gpu_kda.sh`, intra launch alone): `full` 8 warps 2.40 ms (end to end 3.10 ms), 16 warps 7.02 ms; a
     K-blocked kernel (K, V in 32/64-channel blocks, 184-205 registers without spills offline) was slower at every
     setting: 8 warps 4.62 ms, 128-register cap (two programs per SM) 3.28 ms, 64-channel blocks 3.80 ms, and at 4
     warps gave NaN (32-channel) or an illegal memory access (16-channel) there; removed (git history, perf.md).
-    `full-jloop` (`j_loop`: A's column blocks in a run-time loop) and the `split*` variants (two launches,
-    `wu_warps` / `wu_maxnreg` for the second) are interpreter-tested, not yet run on a GPU: `full` stays the
-    default. `intra_stages` / `intra_maxnreg`: the intra launch's pipeline stages and register cap."""
+    H200, same shape (2026-11-30 02:01, `bash scripts/gpu_kda.sh`, each intra launch alone): `split-wu4r168`
+    (two launches: gate and A_kk/A_qk at 8 warps, then the UT transform and W/U at 4 warps capped at 168
+    registers, three programs per SM) 2.19 ms vs `full` 2.41 ms, end to end 2.89 vs 3.10 ms, errors identical
+    (o 4.38e-3, state 2.86e-3); fla's chunk_kda 2.62 ms in the same run. The prefill `cuda` tests passed with it
+    (7/7, K3_KDA_INTRA=split-wu4r168): the default at K = V = 128. Slower there: `split` (8-warp second launch)
+    2.67, `split-wu8r128` 2.64, `full-jloop` 2.90, `split-a16` 3.62, `split-a16-wu4r168` 3.12 ms.
+    `intra_stages` / `intra_maxnreg`: the intra launch's pipeline stages and register cap."""
     big = max(K, V) >= 64
     cfg = dict(BT=CHUNK, BK=_pow2(K), BV_intra=_pow2(V), BV=min(_pow2(V), 64), intra_warps=8 if big else 4,
                low_ab=True, state_warps=4, state_stages=1, intra="full", intra_stages=1, intra_maxnreg=None,
                j_loop=False, wu_warps=8, wu_maxnreg=None)
+    if big:
+        cfg.update(INTRA_CONFIGS["split-wu4r168"])
     name = os.environ.get("K3_KDA_INTRA")
     if name:
         if name not in INTRA_CONFIGS:
