@@ -14,6 +14,12 @@ A target is (preset or checkpoint, precision, device, backend); its directory is
 
 `open_engine` re-checks everything before anything runs: a missing/truncated/corrupt file, another config,
 other library versions or another GPU is refused with a message that says which and what to do.
+
+Load check (aoti on CUDA by default, `--load-check` anywhere): after writing the engine, a child process opens it
+and runs one decode step. On the H200 image (torch 2.11 + CUDA 13, 2026-11-30) every CUDA AOTInductor package,
+a toy Linear's included, crashed the loading process with SIGSEGV inside `aoti_load_package`
+(scripts/aoti_toy.py, docs/perf.md); the check keeps that crash out of the serving process: a failed check is
+recorded in the manifest (the engine is then refused with the reason) and raised as `EngineLoadError`.
 """
 
 from __future__ import annotations
@@ -47,6 +53,10 @@ class EngineError(RuntimeError):
 
 class TensorRTMissing(EngineError):
     pass
+
+
+class EngineLoadError(EngineError):
+    """The engine was written but a process that loads it fails or crashes on this machine (the load check)."""
 
 
 TENSORRT_INSTALL = ("TensorRT is not installed: install TensorRT 11 for CUDA 13 from NVIDIA's index, e.g. "
@@ -102,10 +112,13 @@ class BuildLog:
 
 
 def build(backend: str, model, out_root: str | Path = "engines", *, graphs: str | Path | None = None,
-          weights_id: str = "unknown", profiles: dict | None = None, echo=print) -> Path:
+          weights_id: str = "unknown", profiles: dict | None = None, echo=print,
+          load_check: bool | None = None) -> Path:
     """Build `backend` for `model` (its config, dtype and device define the target) under `out_root`.
     `graphs`: an export directory (prefill.pt2, decode.pt2, manifest.json) for aoti/tensorrt; exported into
-    the engine directory when not given. Returns the engine directory."""
+    the engine directory when not given. `load_check`: open the engine in a child process and run one decode
+    step (default: aoti engines on CUDA; see the module docstring); raises EngineLoadError when that fails.
+    Returns the engine directory."""
     if backend not in BACKENDS:
         raise EngineError(f"unknown backend '{backend}'; choose one of {', '.join(BACKENDS)}")
     if backend == "tensorrt":
@@ -146,9 +159,70 @@ def build(backend: str, model, out_root: str | Path = "engines", *, graphs: str 
                          for name, rel in files.items()}
     manifest["build"] = {"seconds": log.seconds, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     atomic_write(out / "manifest.json", json.dumps(manifest, indent=2) + "\n")
+    if load_check if load_check is not None else (backend == "aoti" and torch.device(device).type == "cuda"):
+        manifest["load_check"] = log.step("load check (child process: open, one decode step)", run_load_check,
+                                          out, device)
+        atomic_write(out / "manifest.json", json.dumps(manifest, indent=2) + "\n")
+        log.note(f"load check: {manifest['load_check']}")
     log.note(f"total: {sum(log.seconds.values()):.2f}s")
     atomic_write(out / "build.log", "\n".join(log.lines) + "\n")
+    if not manifest.get("load_check", {}).get("ok", True):
+        raise EngineLoadError(f"built {out}, but {load_check_failure(manifest['load_check'])}")
     return out
+
+
+LOAD_CHECK = """
+import faulthandler, sys, torch
+faulthandler.enable()
+from k3export.build import open_backend
+from k3export.export import example_inputs, io_specs
+path, device = sys.argv[1:3]
+backend = open_backend(path, device)
+cfg = backend.config
+args = example_inputs(io_specs(cfg, backend.dtype)["decode"]["inputs"], {"batch": 1, "cache": 2}, device=device,
+                      vocab=cfg.vocab_size)
+with torch.no_grad():
+    out = backend.decode(*args.values())
+bad = [i for i, t in enumerate(out) if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+print("load check: decode outputs", len(out), "non-finite", bad, flush=True)
+sys.exit(3 if bad else 0)
+"""
+LOAD_CHECK_TIMEOUT_S = 600
+
+
+def run_load_check(path: Path, device, command: list[str] | None = None) -> dict:
+    """Open the engine at `path` in a child process and run one decode step (batch 1, two cache rows) on
+    `device`; returns {"ok", "seconds", and on failure "error"}. `command` replaces the child (tests)."""
+    import signal
+    import subprocess
+    import sys
+    t0 = time.perf_counter()
+    cmd = command or [sys.executable, "-c", LOAD_CHECK, str(path), str(device)]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=LOAD_CHECK_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "seconds": round(time.perf_counter() - t0, 1),
+                "error": f"the child did not finish within {LOAD_CHECK_TIMEOUT_S} s"}
+    res = {"ok": r.returncode == 0, "seconds": round(time.perf_counter() - t0, 1)}
+    if r.returncode < 0:
+        name = signal.Signals(-r.returncode).name
+        where = next((ln.strip() for ln in r.stderr.splitlines() if "aoti_load_package" in ln or "File" in ln),
+                     "")
+        res["error"] = f"the child process was killed by {name}" + (f" (last frame: {where})" if where else "")
+    elif r.returncode == 3:
+        res["error"] = "one decode step gave non-finite outputs"
+    elif r.returncode:
+        tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
+        res["error"] = f"the child process exited with {r.returncode}: {tail[:300]}"
+    return res
+
+
+def load_check_failure(check: dict) -> str:
+    """Why an engine whose load check failed cannot be used, and what to do instead."""
+    return (f"a process that loads it fails on this machine: {check.get('error', 'unknown error')}. On the H200 "
+            "image with torch 2.11 + CUDA 13 every CUDA AOTInductor package crashes `aoti_load_package` "
+            "(scripts/aoti_toy.py shows it without k3export); serve this model with `--backend compile` there, or "
+            "rebuild with a torch whose CUDA AOTI packages load")
 
 
 def _gpu(device) -> dict | None:
@@ -227,6 +301,8 @@ def check_engine_dir(path: str | Path, device=None, config: K3Config | None = No
     if config is not None and config.hash() != m["config_hash"]:
         problems.append(f"config mismatch: engine built for config {m['config_hash']} ({m['preset']}), "
                         f"the model given has {config.hash()} ({preset_name(config)})")
+    if not m.get("load_check", {}).get("ok", True):
+        problems.append(load_check_failure(m["load_check"]))
     if m["backend"] in ("aoti", "tensorrt"):
         now = _versions()
         for lib in ("torch", "triton", "cuda"):
@@ -327,7 +403,11 @@ def profiles_for(max_batch: int, max_tokens: int, max_len: int) -> dict:
 @click.option("--max-batch", type=int, default=8, show_default=True)
 @click.option("--max-tokens", type=int, default=512, show_default=True, help="Longest prefill chunk.")
 @click.option("--max-len", type=int, default=4096, show_default=True, help="Cache rows per sequence.")
-def build_command(backend, checkpoint, preset, seed, dtype, device, graphs, out, max_batch, max_tokens, max_len):
+@click.option("--load-check/--no-load-check", default=None,
+              help="Open the engine in a child process and run one decode step before reporting success "
+                   "[default: on for aoti engines on CUDA].")
+def build_command(backend, checkpoint, preset, seed, dtype, device, graphs, out, max_batch, max_tokens, max_len,
+                  load_check):
     """Build an engine directory: engine files, manifest.json (versions, GPU, config hash, file hashes,
     profiles, state layout) and build.log with timings. Unchanged inputs are reused (weights, AOTI packages)."""
     if backend == "best":
@@ -338,7 +418,7 @@ def build_command(backend, checkpoint, preset, seed, dtype, device, graphs, out,
             preset_fingerprint(preset or "k3-tiny", seed, PRECISIONS[dtype])
         t0 = time.perf_counter()
         path = build(backend, model, out, graphs=graphs, weights_id=wid,
-                     profiles=profiles_for(max_batch, max_tokens, max_len), echo=click.echo)
+                     profiles=profiles_for(max_batch, max_tokens, max_len), echo=click.echo, load_check=load_check)
     except (EngineError, ValueError) as e:
         raise click.ClickException(str(e))
     m = json.loads((path / "manifest.json").read_text())
@@ -347,4 +427,6 @@ def build_command(backend, checkpoint, preset, seed, dtype, device, graphs, out,
         click.echo(f"  {name:24s} {rec['bytes'] / 2**20:9.1f} MiB  sha256 {rec['sha256'][:12]}")
     for step, s in m["build"]["seconds"].items():
         click.echo(f"  {step:40s} {s:8.2f}s")
+    if "load_check" in m:
+        click.echo(f"  load check: opened in a child process, one decode step ran ({m['load_check']['seconds']}s)")
     click.echo(f"  log: {path / 'build.log'}")

@@ -28,9 +28,23 @@ def run_pipeline(root: Path, ckpt: Path, device: str, echo, first_step: int = 3,
         torch.set_num_threads(threads)
 
 
+def build_engine(backend: str, model, out: Path, graphs: Path, weights: str, echo) -> tuple[str, Path]:
+    """Build `backend`; when its engine cannot be loaded on this machine (the build's load check: CUDA AOTI
+    packages crash the loading process on the H200 image), say so and build `compile` instead.
+    Returns (backend built, engine directory)."""
+    from k3export.build import EngineLoadError, build
+    indent = lambda s: echo("      " + s)                                  # noqa: E731
+    try:
+        return backend, build(backend, model, out, graphs=graphs, weights_id=weights, echo=indent)
+    except EngineLoadError as e:
+        echo(f"      WARNING: {e}")
+        echo("      falling back to the compile backend (torch.compile; code generated on first use per shape)")
+        return "compile", build("compile", model, out, weights_id=weights, echo=indent)
+
+
 def _pipeline(root: Path, ckpt: Path, device: str, echo, first_step: int, steps: int) -> dict:
     from k3export.bench.model import (add_speedups, ceilings, markdown, param_bytes, plot, run_backend)
-    from k3export.build import best_backend, build, load_engine, open_backend, preset_name
+    from k3export.build import best_backend, load_engine, open_backend, preset_name
     from k3export.export import ExportLimits, export_graphs
     from k3export.manifest import checkpoint_fingerprint
     from k3export.model import K3Model
@@ -52,8 +66,7 @@ def _pipeline(root: Path, ckpt: Path, device: str, echo, first_step: int, steps:
     echo(f"[{next(n)}/{steps}] build: {backend} engine (best backend on {device}; AOTI packages are cached by "
          "graph hash, so a rerun reuses them)")
     t0 = time.perf_counter()
-    engine_dir = build(backend, model, root / "engines", graphs=graphs, weights_id=weights,
-                       echo=lambda s: echo("      " + s))
+    backend, engine_dir = build_engine(backend, model, root / "engines", graphs, weights, echo)
     secs = json.loads((engine_dir / "manifest.json").read_text())["build"]["seconds"]
     echo(f"      {time.perf_counter() - t0:.1f}s ({', '.join(f'{k} {v:.1f}s' for k, v in secs.items())}); "
          f"wrote {engine_dir}/")

@@ -6,8 +6,8 @@ import shutil
 import pytest
 import torch
 
-from k3export.build import (EngineError, TensorRTMissing, build, check_engine_dir, engine_name, load_engine,
-                            profiles_for)
+from k3export.build import (EngineError, EngineLoadError, TensorRTMissing, build, check_engine_dir, engine_name,
+                            load_engine, open_backend, profiles_for)
 from k3export.build_trt import profile_shapes
 from k3export.config import K3Config
 from k3export.generate import generate
@@ -62,8 +62,9 @@ def test_aoti_engine_matches_eager_and_is_reused(model, reference, tmp_path, mon
     """AOTInductor packages built from the exported graphs, loaded without the model code; the second build of
     the same graphs reuses the cached packages instead of compiling."""
     monkeypatch.setenv("K3EXPORT_CACHE", str(tmp_path / "cache"))
-    path = build("aoti", model, tmp_path / "engines", profiles=PROFILES, echo=lambda *_: None)
+    path = build("aoti", model, tmp_path / "engines", profiles=PROFILES, echo=lambda *_: None, load_check=True)
     m = json.loads((path / "manifest.json").read_text())
+    assert m["load_check"]["ok"], m["load_check"]            # a child process opened it and ran a decode step
     assert {"prefill.aoti.pt2", "decode.aoti.pt2", "weights.safetensors"} <= set(m["files"])
     assert any(k.startswith("aoti compile") for k in m["build"]["seconds"])
     assert m["aoti"]["extern_ops"] == ["attn_res", "kda_decode", "kda_prefill", "mla_decode", "mla_prefill",
@@ -223,3 +224,46 @@ def test_engine_built_for_cuda_without_cuda_is_refused_clearly(eager_dir, tmp_pa
     (d / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(EngineError, match="CUDA is not available here"):
         load_engine(d, max_batch=1, max_len=8)
+
+
+def test_load_check_runs_a_decode_step_in_a_child(model, tmp_path):
+    path = build("eager", model, tmp_path / "engines", profiles=PROFILES, echo=lambda *_: None, load_check=True)
+    m = json.loads((path / "manifest.json").read_text())
+    assert m["load_check"]["ok"] and m["load_check"]["seconds"] > 0
+    assert "load check" in (path / "build.log").read_text()
+    assert "load_check" not in json.loads(build("eager", model, tmp_path / "e2", profiles=PROFILES,
+                                                echo=lambda *_: None).joinpath("manifest.json").read_text())
+
+
+def test_a_crashing_load_check_is_recorded_and_the_engine_refused(model, tmp_path, monkeypatch):
+    """What the H200 did with every CUDA AOTI package (SIGSEGV in aoti_load_package), simulated: the build says
+    so, the manifest keeps it, and opening the engine is refused with the reason instead of crashing."""
+    import k3export.build as B
+    monkeypatch.setattr(B, "LOAD_CHECK", "import faulthandler, os, signal; faulthandler.enable(); "
+                                         "os.kill(os.getpid(), signal.SIGSEGV)")
+    with pytest.raises(EngineLoadError, match="killed by SIGSEGV.*--backend compile"):
+        build("eager", model, tmp_path / "engines", profiles=PROFILES, echo=lambda *_: None, load_check=True)
+    path = tmp_path / "engines" / "k3-tiny-fp32-cpu-eager"
+    m = json.loads((path / "manifest.json").read_text())
+    assert m["load_check"]["ok"] is False and "SIGSEGV" in m["load_check"]["error"]
+    with pytest.raises(EngineError, match="refusing engine.*killed by SIGSEGV"):
+        open_backend(path)
+    monkeypatch.setattr(B, "LOAD_CHECK", "import sys; sys.exit('no package here')")
+    with pytest.raises(EngineLoadError, match="exited with 1: no package here"):
+        build("eager", model, tmp_path / "engines", profiles=PROFILES, echo=lambda *_: None, load_check=True)
+
+
+def test_main_job_falls_back_to_compile_when_the_engine_cannot_load(model, tmp_path, monkeypatch):
+    import k3export.build as B
+    from k3export.pipeline import build_engine
+    real = B.build
+
+    def fake(backend, *a, **kw):
+        if backend == "aoti":
+            raise EngineLoadError("built X, but a process that loads it fails on this machine: killed by SIGSEGV")
+        return real(backend, *a, profiles=PROFILES, **kw)
+    monkeypatch.setattr(B, "build", fake)
+    said = []
+    backend, path = build_engine("aoti", model, tmp_path / "engines", tmp_path / "graphs", "w", said.append)
+    assert backend == "compile" and path.name == "k3-tiny-fp32-cpu-compile"
+    assert any("WARNING" in s and "SIGSEGV" in s for s in said) and any("falling back" in s for s in said)
