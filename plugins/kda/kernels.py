@@ -76,6 +76,27 @@ def _a_products(b_q, b_k, b_G, low_dtype, BT: tl.constexpr, BC: tl.constexpr, PR
 
 
 @triton.jit
+def _ut_inverse(b_A, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
+    """X = (I + A)^-1 for the strictly lower [BT, BT] A (fp32 products at PREC). D = I + A_bd (the diagonal
+    BC-blocks) is nilpotent-shifted of order BC: D^-1 = (I - A_bd)(I + A_bd^2)(I + A_bd^4)(I + A_bd^8).
+    N = D^-1 A_lo has N^4 = 0 (BT / BC = 4 blocks): X = (I - N)(I + N^2) D^-1."""
+    r_t = tl.arange(0, BT)
+    eye = tl.where(r_t[:, None] == r_t[None, :], 1., 0.)
+    same = (r_t[:, None] // BC) == (r_t[None, :] // BC)
+    A_bd = tl.where(same, b_A, 0.)
+    A_lo = b_A - A_bd
+    P2 = tl.dot(A_bd, A_bd, input_precision=PREC)
+    P4 = tl.dot(P2, P2, input_precision=PREC)
+    P8 = tl.dot(P4, P4, input_precision=PREC)
+    D_inv = tl.dot(eye - A_bd, eye + P2, input_precision=PREC)
+    D_inv = tl.dot(D_inv, eye + P4, input_precision=PREC)
+    D_inv = tl.dot(D_inv, eye + P8, input_precision=PREC)
+    N1 = tl.dot(D_inv, A_lo, input_precision=PREC)
+    N2 = tl.dot(N1, N1, input_precision=PREC)
+    return tl.dot(tl.dot(eye - N1, eye + N2, input_precision=PREC), D_inv, input_precision=PREC)
+
+
+@triton.jit
 def kda_prefill_intra_fwd_kernel(
     q, k, v, f, b, A_log, dt_bias, lengths,          # inputs
     T,                                                # scalar: padded tokens per sequence
@@ -129,22 +150,7 @@ def kda_prefill_intra_fwd_kernel(
              b_Aqk.to(aqk.dtype.element_ty))
     b_A = tl.where(r_t[:, None] > r_t[None, :], b_A * b_beta[:, None], 0.)
 
-    # UT transform X = (I + A)^-1. D = I + A_bd (the diagonal BC-blocks) is nilpotent-shifted of order BC:
-    # D^-1 = (I - A_bd)(I + A_bd^2)(I + A_bd^4)(I + A_bd^8). N = D^-1 A_lo has N^4 = 0 (BT / BC = 4 blocks):
-    # X = (I - N)(I + N^2) D^-1.
-    eye = tl.where(r_t[:, None] == r_t[None, :], 1., 0.)
-    same = (r_t[:, None] // BC) == (r_t[None, :] // BC)
-    A_bd = tl.where(same, b_A, 0.)
-    A_lo = b_A - A_bd
-    P2 = tl.dot(A_bd, A_bd, input_precision=PREC)
-    P4 = tl.dot(P2, P2, input_precision=PREC)
-    P8 = tl.dot(P4, P4, input_precision=PREC)
-    D_inv = tl.dot(eye - A_bd, eye + P2, input_precision=PREC)
-    D_inv = tl.dot(D_inv, eye + P4, input_precision=PREC)
-    D_inv = tl.dot(D_inv, eye + P8, input_precision=PREC)
-    N1 = tl.dot(D_inv, A_lo, input_precision=PREC)
-    N2 = tl.dot(N1, N1, input_precision=PREC)
-    X = tl.dot(tl.dot(eye - N1, eye + N2, input_precision=PREC), D_inv, input_precision=PREC)
+    X = _ut_inverse(b_A, BT, BC, PREC)                                                 # (I + A_kk)^-1
 
     b_eG = tl.exp(b_G)
     b_w = _mm(X, b_beta[:, None] * b_eG * b_k, w.dtype.element_ty, PREC, LOW)         # [BT, BK]
@@ -241,20 +247,7 @@ def kda_prefill_wu_fwd_kernel(
     row = (i_bh * NT * BT + i_n * BT + r_t).to(tl.int64)
     b_A = tl.load(akk + row[:, None] * BT + r_t[None, :])
 
-    # UT transform, as kda_prefill_intra_fwd_kernel (same products, in the same order).
-    eye = tl.where(r_t[:, None] == r_t[None, :], 1., 0.)
-    same = (r_t[:, None] // BC) == (r_t[None, :] // BC)
-    A_bd = tl.where(same, b_A, 0.)
-    A_lo = b_A - A_bd
-    P2 = tl.dot(A_bd, A_bd, input_precision=PREC)
-    P4 = tl.dot(P2, P2, input_precision=PREC)
-    P8 = tl.dot(P4, P4, input_precision=PREC)
-    D_inv = tl.dot(eye - A_bd, eye + P2, input_precision=PREC)
-    D_inv = tl.dot(D_inv, eye + P4, input_precision=PREC)
-    D_inv = tl.dot(D_inv, eye + P8, input_precision=PREC)
-    N1 = tl.dot(D_inv, A_lo, input_precision=PREC)
-    N2 = tl.dot(N1, N1, input_precision=PREC)
-    X = tl.dot(tl.dot(eye - N1, eye + N2, input_precision=PREC), D_inv, input_precision=PREC)
+    X = _ut_inverse(b_A, BT, BC, PREC)                                                 # as the full kernel
 
     o_k = tl.arange(0, BK)
     p_w = row[:, None] * K + o_k[None, :]
