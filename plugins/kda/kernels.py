@@ -76,6 +76,35 @@ def _a_products(b_q, b_k, b_G, low_dtype, BT: tl.constexpr, BC: tl.constexpr, PR
 
 
 @triton.jit
+def _qk_gate(q, k, f, b, v, A_log, dt_bias, tok, i_h, m_t, m_valid, H: tl.constexpr, K: tl.constexpr,
+             BK: tl.constexpr, LOWER: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
+    """One chunk's per-token inputs, fp32 [BT, BK]: q L2-normed and scaled by K^-1/2, k L2-normed, Gam = the
+    in-chunk cumsum of the lower-bound gate (0 on padding rows: alpha = 1), beta [BT] (0 on padding rows), and
+    v [BT, BV] when V > 0 (else 0.), loaded after f as the full kernel always did (its instructions unchanged)."""
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    p_k = tok[:, None] * (H * K) + i_h * K + o_k[None, :]
+    m_tk = m_t[:, None] & m_k[None, :]
+    b_q = tl.load(q + p_k, mask=m_tk, other=0.).to(tl.float32)
+    b_k = tl.load(k + p_k, mask=m_tk, other=0.).to(tl.float32)
+    b_f = tl.load(f + p_k, mask=m_tk, other=0.).to(tl.float32)
+    b_v = 0.
+    if V > 0:
+        o_v = tl.arange(0, BV)
+        b_v = tl.load(v + tok[:, None] * (H * V) + i_h * V + o_v[None, :], mask=m_t[:, None] & (o_v < V)[None, :],
+                      other=0.).to(tl.float32)
+    b_beta = tl.sigmoid(tl.load(b + tok * H + i_h, mask=m_t, other=0.).to(tl.float32))
+    b_beta = tl.where(m_valid, b_beta, 0.)
+    b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, 1) + 1e-6)[:, None] * (K ** -0.5)
+    b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, 1) + 1e-6)[:, None]
+    a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+    b_bias = tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.).to(tl.float32)
+    b_g = LOWER * tl.sigmoid(a * (b_f + b_bias[None, :]))
+    b_g = tl.where(m_valid[:, None] & m_k[None, :], b_g, 0.)
+    return b_q, b_k, tl.cumsum(b_g, 0), b_beta, b_v
+
+
+@triton.jit
 def _ut_inverse(b_A, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
     """X = (I + A)^-1 for the strictly lower [BT, BT] A (fp32 products at PREC). D = I + A_bd (the diagonal
     BC-blocks) is nilpotent-shifted of order BC: D^-1 = (I - A_bd)(I + A_bd^2)(I + A_bd^4)(I + A_bd^8).
@@ -119,23 +148,8 @@ def kda_prefill_intra_fwd_kernel(
     tok = (i_b * T + o_t).to(tl.int64)                                  # [BT] row in [B*T]
 
     # Per-token inputs: [BT, BK] fp32.
-    p_k = tok[:, None] * (H * K) + i_h * K + o_k[None, :]
-    m_tk = m_t[:, None] & m_k[None, :]
-    b_q = tl.load(q + p_k, mask=m_tk, other=0.).to(tl.float32)
-    b_k = tl.load(k + p_k, mask=m_tk, other=0.).to(tl.float32)
-    b_f = tl.load(f + p_k, mask=m_tk, other=0.).to(tl.float32)
-    b_v = tl.load(v + tok[:, None] * (H * V) + i_h * V + o_v[None, :],
-                  mask=m_t[:, None] & m_v[None, :], other=0.).to(tl.float32)
-    b_beta = tl.sigmoid(tl.load(b + tok * H + i_h, mask=m_t, other=0.).to(tl.float32))
-    b_beta = tl.where(m_valid, b_beta, 0.)                              # padding: no write
-
-    b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, 1) + 1e-6)[:, None] * (K ** -0.5)
-    b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, 1) + 1e-6)[:, None]
-    a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
-    b_bias = tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.).to(tl.float32)
-    b_g = LOWER * tl.sigmoid(a * (b_f + b_bias[None, :]))
-    b_g = tl.where(m_valid[:, None] & m_k[None, :], b_g, 0.)           # padding: alpha = 1
-    b_G = tl.cumsum(b_g, 0)                                             # [BT, BK] in-chunk Gam
+    b_q, b_k, b_G, b_beta, b_v = _qk_gate(q, k, f, b, v, A_log, dt_bias, tok, i_h, m_t, m_valid, H, K, BK, LOWER,
+                                          V, BV)
 
     # A_kk, A_qk by column blocks J of BC rows, referenced to c_J = Gam at J's last row:
     # exp(Gam_i - Gam_j) = exp(Gam_i - c_J) * exp(c_J - Gam_j); the first factor is <= e^80 on the
@@ -193,20 +207,8 @@ def kda_prefill_akk_fwd_kernel(
     tok = (i_b * T + o_t).to(tl.int64)                                  # [BT] row in [B*T]
     row = (i_bh * NT * BT + i_n * BT + r_t).to(tl.int64)                 # [BT] in [B*H*NT*BT]
 
-    p_k = tok[:, None] * (H * K) + i_h * K + o_k[None, :]
-    m_tk = m_t[:, None] & m_k[None, :]
-    b_q = tl.load(q + p_k, mask=m_tk, other=0.).to(tl.float32)
-    b_k = tl.load(k + p_k, mask=m_tk, other=0.).to(tl.float32)
-    b_f = tl.load(f + p_k, mask=m_tk, other=0.).to(tl.float32)
-    b_beta = tl.sigmoid(tl.load(b + tok * H + i_h, mask=m_t, other=0.).to(tl.float32))
-    b_beta = tl.where(m_valid, b_beta, 0.)                              # padding: no write
-    b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, 1) + 1e-6)[:, None] * (K ** -0.5)
-    b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, 1) + 1e-6)[:, None]
-    a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
-    b_bias = tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.).to(tl.float32)
-    b_g = LOWER * tl.sigmoid(a * (b_f + b_bias[None, :]))
-    b_g = tl.where(m_valid[:, None] & m_k[None, :], b_g, 0.)           # padding: alpha = 1
-    b_G = tl.cumsum(b_g, 0)                                             # [BT, BK] in-chunk Gam
+    b_q, b_k, b_G, b_beta, _ = _qk_gate(q, k, f, b, None, A_log, dt_bias, tok, i_h, m_t, m_valid, H, K, BK, LOWER,
+                                        0, 16)
 
     b_eG = tl.exp(b_G)
     G_last = tl.sum(tl.where(r_t[:, None] == BT - 1, b_G, 0.), 0)                     # [BK]
