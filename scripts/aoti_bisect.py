@@ -1,6 +1,6 @@
 """Bisect the AOTI-on-CUDA segfault (GPU only). On the H200 (torch 2.11, 2026-11-30) every CUDA package our build
 wrote segfaulted inside `aoti_load_package` (the AOTIModelPackageLoader constructor), whatever the loader options
-(scripts/aoti_diag.py). The CPU packages load and run. This builds, in parallel, CUDA packages that differ in one
+(scripts/aoti_diag.py, since removed: git history). The CPU packages load and run. This builds, in parallel, CUDA packages that differ in one
 thing each, then loads and runs each in a child process; a child that crashes is re-run under cuda-gdb for the
 native backtrace:
 
