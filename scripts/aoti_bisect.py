@@ -1,8 +1,8 @@
 """Bisect the AOTI-on-CUDA segfault (GPU only). On the H200 (torch 2.11, 2026-11-30) every CUDA package our build
 wrote segfaulted inside `aoti_load_package` (the AOTIModelPackageLoader constructor), whatever the loader options
-(scripts/aoti_diag.py, since removed: git history). The CPU packages load and run. This builds, in parallel, CUDA packages that differ in one
-thing each, then loads and runs each in a child process; a child that crashes is re-run under cuda-gdb for the
-native backtrace:
+(scripts/aoti_diag.py, since removed: git history). The CPU packages load and run. This builds, in parallel, CUDA
+packages that differ in one thing each, then loads and runs each in a child process; a child that crashes is re-run
+under cuda-gdb for the native backtrace:
 
   toy-so / toy-noso          a Linear + ReLU, constants in the .so / loaded afterwards (our build's setting)
   toy-op-noso                the same plus an extern k3 op call (k3::attn_res) through the proxy executor
