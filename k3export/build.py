@@ -16,9 +16,9 @@ A target is (preset or checkpoint, precision, device, backend); its directory is
 other library versions or another GPU is refused with a message that says which and what to do.
 
 Load check (aoti on CUDA by default, `--load-check` anywhere): after writing the engine, a child process opens it
-and runs one decode step. On the H200 image (torch 2.11 + CUDA 13, 2026-11-30) every CUDA AOTInductor package,
-a toy Linear's included, crashed the loading process with SIGSEGV inside `aoti_load_package`
-(scripts/aoti_toy.py, docs/perf.md); the check keeps that crash out of the serving process: a failed check is
+and runs one decode step. On the H200 image (torch 2.11 + CUDA 13, 2026-11-30) every CUDA AOTInductor package we
+loaded, a toy Linear's included, crashed the loading process with SIGSEGV inside `aoti_load_package`
+(docs/perf.md; scripts/aoti_toy.py probes a machine); the check keeps that crash out of the serving process: a failed check is
 recorded in the manifest (the engine is then refused with the reason) and raised as `EngineLoadError`.
 """
 
