@@ -89,7 +89,9 @@ class CompileBackend(EagerBackend):
 
     `freezing`: Inductor treats the weights as constants: it folds what depends on weights alone (e.g. the KDA
     conv kernels concatenated per step) and merges matmuls that share an input into one (its concat-linear
-    patterns), at the cost of a second copy of the merged weights."""
+    patterns), at the cost of a second copy of the merged weights. Inductor reads its `freezing` switch when a
+    call compiles, outside the config patch that `torch.compile(options=...)` applies (torch 2.13: passing it
+    there froze nothing), so the calls run under `torch._inductor.config.patch(freezing=True)`."""
 
     name = "compile"
 
@@ -98,17 +100,24 @@ class CompileBackend(EagerBackend):
         if cache_dir is not None:
             import os
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(cache_dir).resolve() / "inductor-cache")
-        opts = {"options": {"freezing": True}} if freezing else {"mode": mode}    # torch.compile takes one of them
-        self._prefill = torch.compile(model.forward_prefill, dynamic=None, **opts)   # static first, dynamic on a new shape
-        self._decode = torch.compile(model.forward_decode, dynamic=False, **opts)
+        self._freezing = freezing
+        self._prefill = torch.compile(model.forward_prefill, dynamic=None, mode=mode)   # static first, dynamic later
+        self._decode = torch.compile(model.forward_decode, dynamic=False, mode=mode)
+
+    def _call(self, fn, args):
+        if not self._freezing:
+            return fn(*args)
+        from torch._inductor import config
+        with config.patch(freezing=True):
+            return fn(*args)
 
     @torch.no_grad()
     def prefill(self, *args):
-        return self._prefill(*args)
+        return self._call(self._prefill, args)
 
     @torch.no_grad()
     def decode(self, *args):
-        return self._decode(*args)
+        return self._call(self._decode, args)
 
 
 # ---------------------------------------------------------------------------------------------- the engine

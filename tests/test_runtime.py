@@ -33,9 +33,13 @@ def test_generator_equals_eager_generate(model):
 def test_frozen_compile_equals_eager_generate(model):
     """torch.compile with Inductor's freezing (weights folded as constants, shared-input matmuls merged) gives
     eager's greedy tokens; ~1 min on 2 CPU cores (one prefill and one decode shape)."""
+    from torch._inductor.utils import run_and_get_code
     ref = generate(model, PROMPTS[:2], 4)
-    engine = Engine(CompileBackend(model, freezing=True), max_batch=2, max_len=32, cuda_graphs=False)
-    assert Generator(engine).generate(PROMPTS[:2], 4) == ref
+    backend = CompileBackend(model, freezing=True)
+    engine = Engine(backend, max_batch=2, max_len=32, cuda_graphs=False)
+    tokens, code = run_and_get_code(lambda: Generator(engine).generate(PROMPTS[:2], 4))
+    assert tokens == ref
+    assert "_frozen_param" in "".join(code)               # the weights really became constants (see the backend)
 
 
 def test_continuous_batching_equals_one_by_one(model):
