@@ -207,8 +207,7 @@ def run_load_check(path: Path, device) -> dict:
     res = {"ok": r.returncode == 0, "seconds": round(time.perf_counter() - t0, 1)}
     if r.returncode < 0:
         name = signal.Signals(-r.returncode).name
-        where = next((ln.strip() for ln in r.stderr.splitlines() if "aoti_load_package" in ln or "File" in ln),
-                     "")
+        where = next((ln.strip() for ln in r.stderr.splitlines() if ln.strip().startswith("File")), "")  # innermost
         res["error"] = f"the child process was killed by {name}" + (f" (last frame: {where})" if where else "")
     elif r.returncode == 3:
         res["error"] = "one decode step gave non-finite outputs"

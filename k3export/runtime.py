@@ -100,15 +100,17 @@ class CompileBackend(EagerBackend):
         if cache_dir is not None:
             import os
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(cache_dir).resolve() / "inductor-cache")
-        self._freezing = freezing
+        self._freezing = None
+        if freezing:
+            from torch._inductor import config
+            self._freezing = config.patch(freezing=True)          # re-entered around every call
         self._prefill = torch.compile(model.forward_prefill, dynamic=None, mode=mode)   # static first, dynamic later
         self._decode = torch.compile(model.forward_decode, dynamic=False, mode=mode)
 
     def _call(self, fn, args):
-        if not self._freezing:
+        if self._freezing is None:
             return fn(*args)
-        from torch._inductor import config
-        with config.patch(freezing=True):
+        with self._freezing:
             return fn(*args)
 
     @torch.no_grad()
