@@ -3,6 +3,7 @@
     fp8_quant_fwd_kernel -> fp8_quant_fwd      large M (prefill): x `[M, K]` -> E4M3 `[M, K]` + row scales `[M, 1]`
                                                for `torch._scaled_mm` (one launch instead of four)
     fp8_wo_fwd_kernel    -> fp8_linear_wo_fwd  small M (decode): weight-only FP8 (W8A16), see below
+    fp8_wo_gemv4_fwd_kernel                    its one-row packed variant (a tiling's choice, see below)
     fp8_wo_reduce_kernel                       its split-K sum (only when the K range is split)
 
 Weight-only: x stays in its own dtype (no activation quantization, so the activation scale is unused); each E4M3
@@ -12,8 +13,15 @@ end: y = x (W_q s_w)^T = (x W_q^T) s_w, as `k3export.fp8.fp8_linear_wo_ref`. One
 `[BLOCK_N, BLOCK_K]` fp32 tile reduced over K once at the end (a GEMV); 2..64 rows a `tl.dot` of x against the
 widened tile (16-row blocks). Decode GEMMs are latency-bound when few CTAs stream long K loops (the old fused
 kernel: one CTA per 32 columns, ~25 us per k3-small GEMM), so the grid also splits K into SPLIT slices until it
-has about `CTAS_PER_SM` CTAs per SM; split slices write fp32 partials `[SPLIT, M, N]` and a second launch sums
-them in slice order (deterministic, no atomics), scales and rounds once.
+has about `WoTiles.ctas_per_sm` CTAs per SM; split slices write fp32 partials `[SPLIT, M, N]` and a second launch
+sums them in slice order (deterministic, no atomics), scales and rounds once.
+
+The packed GEMV (one bf16 row) reads the weights as int32 words of 4 E4M3 and x as int64 words of 4 bf16, so its
+fp32 tile has a quarter of the byte kernel's accumulator registers per weight byte, and unpacks each word into
+4 fp32 in registers (`_unpack4`: plain Triton shifts, or PTX: packed E4M3 -> f16 converts, or integer bit moves
+and one exact multiply); optionally the next weight tile is loaded before the current one is used. `WoTiles`
+names a launch; `GEMV_TILINGS` holds the one-row launches that `k3export bench fp8 --variants` times at the
+full-width shapes, `GEMV` the default.
 
 `fp8_quant_fwd` computes exactly `k3export.fp8.quantize` (IEEE division by the scale, saturation at +-448, round
 to nearest even). Under the CPU interpreter (triton 3.9) its fp32 -> E4M3 conversion is wrong when rounding
@@ -26,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -64,6 +73,83 @@ def fp8_quant_fwd(x: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
     fp8_quant_fwd_kernel[(M, triton.cdiv(K, BLOCK_K))](x, scale.float().reshape(1), xq, rows, K, x.stride(0),
                                                        xq.stride(0), BLOCK_K=BLOCK_K, num_warps=4)
     return xq, rows
+
+
+# PTX for `_unpack4`: an int32 holding 4 E4M3 bytes (byte j = element j, little-endian) -> 4 fp32 in $0..$3.
+# "cvt": two packed E4M3x2 -> f16x2 converts, then f16 -> fp32 (exact). "bits": byte j to the top byte (shl),
+# arithmetic shift right by 4 and mask 0x87F00000 (sign at bit 31, exponent+mantissa at bits 26..20: the E4M3 value
+# times 2^-120, an fp32 subnormal for E4M3 subnormals), then times 2^120 (0f7B800000; mul.rn.f32 has no
+# flush-to-zero): exact for every finite E4M3 value, +-0 included.
+_UNPACK_CVT_ASM = tl.constexpr(
+    "{ .reg .b16 lo, hi, f0, f1, f2, f3; .reg .b32 p, q; mov.b32 {lo, hi}, $4; "
+    "cvt.rn.f16x2.e4m3x2 p, lo; cvt.rn.f16x2.e4m3x2 q, hi; mov.b32 {f0, f1}, p; mov.b32 {f2, f3}, q; "
+    "cvt.f32.f16 $0, f0; cvt.f32.f16 $1, f1; cvt.f32.f16 $2, f2; cvt.f32.f16 $3, f3; }")
+_UNPACK_BITS_ASM = tl.constexpr("{ .reg .b32 t; " + " ".join(
+    (f"shl.b32 t, $4, {24 - 8 * j}; shr.s32 t, t, 4; " if j < 3 else "shr.s32 t, $4, 4; ")
+    + f"and.b32 t, t, 0x87F00000; mul.rn.f32 ${j}, t, 0f7B800000;" for j in range(4)) + " }")
+
+
+@triton.jit
+def _unpack4(v, UNPACK: tl.constexpr):
+    """int32 tile holding 4 E4M3 bytes per element -> 4 fp32 tiles (element j from byte j), exact. UNPACK "shift":
+    plain Triton (shift, mask, bitcast to E4M3, convert; also the interpreter's), "cvt" / "bits": the PTX above."""
+    if UNPACK == "cvt":
+        return tl.inline_asm_elementwise(_UNPACK_CVT_ASM, "=r,=r,=r,=r,r", [v], dtype=(tl.float32,) * 4,
+                                         is_pure=True, pack=1)
+    elif UNPACK == "bits":
+        return tl.inline_asm_elementwise(_UNPACK_BITS_ASM, "=r,=r,=r,=r,r", [v], dtype=(tl.float32,) * 4,
+                                         is_pure=True, pack=1)
+    else:
+        w0 = (v & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        w1 = ((v >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        w2 = ((v >> 16) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        w3 = ((v >> 24) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        return w0, w1, w2, w3
+
+
+@triton.jit
+def _bf16x4(xv):
+    """int64 holding 4 bf16 (element j in bits 16j..16j+15) -> 4 fp32 (exact: a bf16 is the top half of its fp32)."""
+    lo = xv.to(tl.int32)
+    hi = (xv >> 32).to(tl.int32)
+    return ((lo << 16).to(tl.float32, bitcast=True), (lo & -65536).to(tl.float32, bitcast=True),
+            (hi << 16).to(tl.float32, bitcast=True), (hi & -65536).to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _fma4(acc, v, xv, UNPACK: tl.constexpr):
+    w0, w1, w2, w3 = _unpack4(v, UNPACK)
+    x0, x1, x2, x3 = _bf16x4(xv)
+    acc += w0 * x0[None, :]
+    acc += w1 * x1[None, :]
+    acc += w2 * x2[None, :]
+    acc += w3 * x3[None, :]
+    return acc
+
+
+@triton.jit
+def _gemv4(x4, w4, n_ok, offs_c, c_lo, c_hi, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+           UNPACK: tl.constexpr, PREFETCH: tl.constexpr):
+    """[BLOCK_N] fp32: sum over the 4-byte columns c in [c_lo, c_hi) of W[n, 4c + j] x[4c + j], j < 4, with
+    w4 `[BN, BC]` int32 pointers (4 E4M3 weights each, K contiguous) and x4 an int64 pointer (4 bf16 each).
+    Accumulates `[BN, BC]` in fp32, reduced once at the end. PREFETCH: the next weight tile is loaded before this
+    one is used (two tiles in flight per CTA: the pipeliner stages no load that feeds no tl.dot)."""
+    acc = tl.zeros([BLOCK_N, BLOCK_C], tl.float32)
+    if PREFETCH:
+        v = tl.load(w4 + c_lo, mask=n_ok[:, None] & ((c_lo + offs_c) < c_hi)[None, :], other=0)
+        for c0 in range(c_lo, c_hi, BLOCK_C):
+            v_next = tl.load(w4 + c0 + BLOCK_C, mask=n_ok[:, None] & ((c0 + BLOCK_C + offs_c) < c_hi)[None, :],
+                             other=0)
+            xv = tl.load(x4 + c0 + offs_c, mask=(c0 + offs_c) < c_hi, other=0)
+            acc = _fma4(acc, v, xv, UNPACK)
+            v = v_next
+    else:
+        for c0 in range(c_lo, c_hi, BLOCK_C):
+            c_ok = (c0 + offs_c) < c_hi
+            v = tl.load(w4 + c0, mask=n_ok[:, None] & c_ok[None, :], other=0)
+            xv = tl.load(x4 + c0 + offs_c, mask=c_ok, other=0)
+            acc = _fma4(acc, v, xv, UNPACK)
+    return tl.sum(acc, 1)
 
 
 @triton.jit
@@ -118,6 +204,23 @@ def fp8_wo_fwd_kernel(x, w, w_scale, y, M, N, K, K_SLICE, stride_x, stride_w, st
 
 
 @triton.jit
+def fp8_wo_gemv4_fwd_kernel(x4, w4, w_scale, y, N, C, C_SLICE, stride_w4, stride_ys,
+                            PER_CHANNEL: tl.constexpr, SCALE: tl.constexpr, UNPACK: tl.constexpr,
+                            PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+    # one bf16 row, K = 4 C: y[s, n] = sum over 4-byte columns c in slice s of x W_q[n]^T (times s_w[n] when SCALE)
+    s = tl.program_id(1)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_c = tl.arange(0, BLOCK_C)
+    c_lo = s * C_SLICE
+    w_ptr = w4 + offs_n[:, None].to(tl.int64) * stride_w4 + offs_c[None, :]           # [BN, BC] int32
+    acc = _gemv4(x4, w_ptr, n_ok, offs_c, c_lo, tl.minimum(c_lo + C_SLICE, C), BLOCK_N, BLOCK_C, UNPACK, PREFETCH)
+    if SCALE:
+        acc = _scale_out(acc, w_scale, offs_n, n_ok, PER_CHANNEL)
+    tl.store(y + s.to(tl.int64) * stride_ys + offs_n, acc.to(y.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
 def fp8_wo_reduce_kernel(part, w_scale, y, N, SPLIT, stride_ps, stride_pm, stride_ym,
                          PER_CHANNEL: tl.constexpr, BLOCK_N: tl.constexpr):
     # y[m, n] = s_w[n] * sum_s part[s, m, n], slices summed in order
@@ -132,11 +235,43 @@ def fp8_wo_reduce_kernel(part, w_scale, y, N, SPLIT, stride_ps, stride_pm, strid
     tl.store(y + m.to(tl.int64) * stride_ym + offs_n, acc.to(y.dtype.element_ty), mask=n_ok)
 
 
-# (BLOCK_N, BLOCK_K, num_warps): an 8 KB E4M3 tile per CTA and K step, 16 bytes per thread and load
-GEMV_TILE = (16, 512, 4)
-DOT_TILE = (32, 256, 4)
-CTAS_PER_SM = 4      # split K until the grid has this many CTAs per SM (each with one tile in flight per step)
+@dataclass(frozen=True)
+class WoTiles:
+    """One launch of the weight-only kernel: an E4M3 tile `[block_n, block_k]` (block_k in weights = bytes) per CTA
+    and K step, num_warps, num_stages, the CTAs per SM that the K split aims for (`wo_split`); for one bf16 row also
+    the packed GEMV (`fp8_wo_gemv4_fwd_kernel`: weights read as int32 words of 4, x as int64 words of 4 bf16) with
+    its E4M3 unpacking ("shift", "cvt" or "bits": `_unpack4`; "cvt" and "bits" are PTX, the interpreter runs
+    "shift") and prefetch (the next weight tile loaded before the current one is used). unpack "" = the byte
+    kernel (`fp8_wo_fwd_kernel`)."""
+    block_n: int
+    block_k: int
+    warps: int = 4
+    stages: int = 4
+    ctas_per_sm: int = 4
+    unpack: str = ""
+    prefetch: bool = False
+
+
+# One-row (GEMV) launches by name: "n16k512" is the byte kernel measured 2026-11-29 (8 KB E4M3 tile per CTA and K
+# step, 16 bytes per thread and load); the "p*" names are the packed GEMV. `k3export bench fp8 --variants` times
+# them all at the full-width pair's shapes (error checked against `fp8_linear_wo_ref`).
+GEMV_TILINGS = {
+    "n16k512": WoTiles(16, 512, 4, 4, 4),
+    "n16k512-c16": WoTiles(16, 512, 4, 4, 16),
+    "p-n16k512-shift": WoTiles(16, 512, 4, 1, 8, "shift"),
+    "p-n16k512-cvt-pf": WoTiles(16, 512, 4, 1, 8, "cvt", True),
+    "p-n16k512-cvt-pf-c16": WoTiles(16, 512, 4, 1, 16, "cvt", True),
+    "p-n8k512-cvt-pf": WoTiles(8, 512, 4, 1, 8, "cvt", True),
+    "p-n16k512-bits-pf": WoTiles(16, 512, 4, 1, 8, "bits", True),
+    "p-n16k1024-cvt-pf": WoTiles(16, 1024, 4, 1, 8, "cvt", True),
+    "p-n16k1024-cvt-pf-c16": WoTiles(16, 1024, 4, 1, 16, "cvt", True),
+    "p-n32k1024-w8-cvt-pf": WoTiles(32, 1024, 8, 1, 8, "cvt", True),
+    "p-n16k2048-w8-cvt-pf": WoTiles(16, 2048, 8, 1, 8, "cvt", True),
+}
+GEMV = GEMV_TILINGS["n16k512"]                 # the default one-row launch
+DOT_TILE = WoTiles(32, 256, 4, 4, 4)           # 2..MAX_M rows (tl.dot of x against the widened tile)
 MAX_M = 64           # rows the weight-only kernel takes (tl.dot blocks of up to 64 rows)
+UNPACKS = ("shift", "cvt", "bits")
 
 
 @functools.lru_cache(maxsize=None)
@@ -144,17 +279,26 @@ def _sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def wo_split(N: int, K: int, gemv: bool, sms: int) -> int:
-    """K slices for an `[N, K]` weight: enough CTAs (CTAS_PER_SM per SM), each slice at least one BLOCK_K."""
-    bn, bk, _ = GEMV_TILE if gemv else DOT_TILE
-    return max(1, min(triton.cdiv(CTAS_PER_SM * sms, triton.cdiv(N, bn)), triton.cdiv(K, bk)))
+def wo_split(N: int, K: int, tiles: WoTiles, sms: int) -> int:
+    """K slices for an `[N, K]` weight: enough CTAs (tiles.ctas_per_sm per SM), each slice at least one block_k."""
+    return max(1, min(triton.cdiv(tiles.ctas_per_sm * sms, triton.cdiv(N, tiles.block_n)),
+                      triton.cdiv(K, tiles.block_k)))
+
+
+def packed_ok(x: Tensor, w: Tensor) -> bool:
+    """The packed GEMV reads x as int64 words (4 bf16) and w as int32 words (4 E4M3): one bf16 row, K % 4 == 0,
+    rows of w 4-byte aligned."""
+    K = w.shape[1]
+    return (x.dtype == torch.bfloat16 and x.shape[0] == 1 and K % 4 == 0 and x.stride(-1) == 1
+            and x.data_ptr() % 8 == 0 and w.stride(-1) == 1 and w.stride(0) % 4 == 0 and w.data_ptr() % 4 == 0)
 
 
 def fp8_linear_wo_fwd(x: Tensor, w: Tensor, w_scale: Tensor, split: int | None = None,
-                      gemv: bool | None = None) -> Tensor:
+                      gemv: bool | None = None, tiles: WoTiles | None = None) -> Tensor:
     """Weight-only FP8 GEMM for small M: x `[M, K]` (bf16, fp16 or fp32; M <= MAX_M), w `[N, K]` float8_e4m3fn,
     w_scale `[N]` or `[]` fp32 -> `[M, N]` in x.dtype, = `fp8_linear_wo_ref` up to fp32 summation order.
-    split (K slices) and gemv (the one-row FMA path; default: M == 1) override the launch heuristic (tests)."""
+    split (K slices), gemv (the one-row FMA path; default: M == 1) and tiles (default GEMV or DOT_TILE) override
+    the launch heuristic (tests, sweeps). A packed tiling falls back to the byte kernel where `packed_ok` fails."""
     M, K = x.shape
     N = w.shape[0]
     check(w.dtype == torch.float8_e4m3fn and w.dim() == 2 and w.shape[1] == K,
@@ -164,21 +308,30 @@ def fp8_linear_wo_fwd(x: Tensor, w: Tensor, w_scale: Tensor, split: int | None =
     check(0 < M <= MAX_M, f"fp8_linear_wo: M={M} rows; the weight-only kernel takes 1..{MAX_M}")
     gemv = M == 1 if gemv is None else gemv
     check(not gemv or M == 1, "fp8_linear_wo: the GEMV path takes one row")
-    bn, bk, warps = GEMV_TILE if gemv else DOT_TILE
-    if split is None:
-        split = wo_split(N, K, gemv, 8 if INTERPRET else _sms(x.device.index or 0))
-    k_slice = triton.cdiv(triton.cdiv(K, split), bk) * bk
-    split = triton.cdiv(K, k_slice)
+    t = tiles or (GEMV if gemv else DOT_TILE)
+    check(t.unpack in ("", *UNPACKS), f"fp8_linear_wo: unpack '{t.unpack}' is not one of {UNPACKS} or ''")
     x = x if x.stride(-1) == 1 else x.contiguous()
     w = w if w.stride(-1) == 1 else w.contiguous()
+    packed = gemv and bool(t.unpack) and packed_ok(x, w)
+    if split is None:
+        split = wo_split(N, K, t, 8 if INTERPRET else _sms(x.device.index or 0))
+    k_slice = triton.cdiv(triton.cdiv(K, split), t.block_k) * t.block_k
+    split = triton.cdiv(K, k_slice)
     s = w_scale.float().contiguous()
     pc = w_scale.dim() == 1
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     out = y if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
-    fp8_wo_fwd_kernel[(triton.cdiv(N, bn), split)](
-        x, w, s, out, M, N, K, k_slice, x.stride(0), w.stride(0), M * N, N, PER_CHANNEL=pc, SCALE=split == 1,
-        GEMV=gemv, DOT_PREC=dot_precision(x.dtype), WIDEN=INTERPRET, BLOCK_M=pow2(M), BLOCK_N=bn, BLOCK_K=bk,
-        num_warps=warps, num_stages=1 if INTERPRET else 4)
+    stages = 1 if INTERPRET else t.stages
+    if packed:
+        fp8_wo_gemv4_fwd_kernel[(triton.cdiv(N, t.block_n), split)](
+            x.view(torch.int64), w.view(torch.int32), s, out, N, K // 4, k_slice // 4, w.stride(0) // 4, N,
+            PER_CHANNEL=pc, SCALE=split == 1, UNPACK="shift" if INTERPRET else t.unpack, PREFETCH=t.prefetch,
+            BLOCK_N=t.block_n, BLOCK_C=t.block_k // 4, num_warps=t.warps, num_stages=stages)
+    else:
+        fp8_wo_fwd_kernel[(triton.cdiv(N, t.block_n), split)](
+            x, w, s, out, M, N, K, k_slice, x.stride(0), w.stride(0), M * N, N, PER_CHANNEL=pc, SCALE=split == 1,
+            GEMV=gemv, DOT_PREC=dot_precision(x.dtype), WIDEN=INTERPRET, BLOCK_M=pow2(M), BLOCK_N=t.block_n,
+            BLOCK_K=t.block_k, num_warps=t.warps, num_stages=stages)
     if split > 1:
         block_n = min(1024, pow2(N))
         fp8_wo_reduce_kernel[(M, triton.cdiv(N, block_n))](

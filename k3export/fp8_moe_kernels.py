@@ -3,9 +3,12 @@ CUDA graphs capture it). Two regimes, picked by the number of (token, expert) pa
 
     route:  the bf16 MoE kernels' fp32 router + top-k (`route_fwd`)             ids, w `[N, k]`
     align:  pairs sorted by expert, blocks of BLOCK_M rows of one expert (`align_rows`: one launch for <= 4096 pairs)
-  weight-only (few pairs, decode; z and h stay in z.dtype, z_scale and h_scale unused):
+  weight-only (few pairs, decode; z and h stay in z.dtype, z_scale and h_scale unused), scheme "blocks":
     gemm1:  h = SiTU_GLU(z (W1_e s_1)^T, z (W3_e s_3)^T) -> z.dtype           moe_fp8_wo_gemm1_fwd_kernel [blocks*BM, I]
     gemm2:  y = h (W2_e s_2)^T in fp32, rows back in pair order                moe_fp8_wo_gemm2_fwd_kernel [P, L]
+  or scheme "pairs" (one token, bf16: no row plan, one GEMV per pair and weight, `fp8_kernels._gemv4`):
+    gemm1:  as above, rows in pair order                                  moe_fp8_wo_pair_gemm1_fwd_kernel [P, I]
+    gemm2:  as above                                                      moe_fp8_wo_pair_gemm2_fwd_kernel [P, L]
   W8A8 (many pairs, prefill):
     gemm1:  h = q(SiTU_GLU(z W1_e^T, z W3_e^T) / s_h)   E4M3 x E4M3 -> E4M3   moe_fp8_gemm1_fwd_kernel [P, I]
     gemm2:  y = (h s_h) (W2_e s_2)^T, rows back in pair order                 moe_fp8_gemm2_fwd_kernel [P, L]
@@ -14,7 +17,10 @@ CUDA graphs capture it). Two regimes, picked by the number of (token, expert) pa
 Each hit expert's E4M3 weight tiles stream once per block, at half the bytes of bf16. The weight-only kernels are
 the bf16 decode kernels (same 16-row blocks and tiles) with E4M3 weight tiles widened in registers (exact) and
 the per-channel scales applied to the fp32 accumulators; they compute `k3export.fp8_moe.moe_fp8_wo_ref` (under
-the interpreter, whose 16-bit `tl.dot` is wrong, with both operands widened to fp32: the same exact products). The
+the interpreter, whose 16-bit `tl.dot` is wrong, with both operands widened to fp32: the same exact products). At
+one token every pair has its own expert, so the "pairs" kernels read each hit expert once without the row plan's
+launch or its 16-row blocks (15 of 16 rows padding at one token), as exact FMA GEMVs (`ExpertWo` names the
+schemes, `EXPERT_WO` is the default). The
 W8A8 kernels follow `k3export.fp8_moe.moe_fp8_sorted` step by step (z quantized with s_z; the GEMM output
 rounded to z.dtype before SiTU-GLU; h rounded to z.dtype, then quantized with s_h; y rounded to z.dtype). Under
 the CPU interpreter their E4M3 tiles are widened to fp32 before `tl.dot` (same exact products) and gemm1 writes
@@ -24,12 +30,14 @@ h / s_h in fp32 for torch to round to E4M3 (the interpreter's own E4M3 conversio
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from k3export.fp8 import WEIGHT_ONLY_OK, weight_only_unavailable
-from k3export.fp8_kernels import INTERPRET, fp8_quant_fwd
+from k3export.fp8_kernels import INTERPRET, WoTiles, _gemv4, fp8_quant_fwd
 from k3export.plugins.moe.kernels import _plan_rows, _sigmoid, _tanh, align_rows, moe_combine_fwd_kernel
 from k3export.plugins.moe.naive import route
 from k3export.plugins.triton_common import dot_precision, pow2
@@ -185,9 +193,54 @@ def moe_fp8_wo_gemm2_fwd_kernel(h, w2, s2, y, row_pair, block_expert, L, I, stri
     tl.store(y + pair[:, None].to(tl.int64) * stride_y + offs_n[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
 
 
-def _route_cuda(x, gate_weight, bias, top_k, renormalize, scaling):
+@triton.jit
+def moe_fp8_wo_pair_gemm1_fwd_kernel(z4, w13, s13, h, ids, I, C_L, stride_z4, stride_we4, stride_wn4, stride_se,
+                                     stride_h, beta, linear_beta, TOP_K: tl.constexpr, PER_CHANNEL: tl.constexpr,
+                                     UNPACK: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr,
+                                     BLOCK_C: tl.constexpr):
+    """Pair p (token p // TOP_K, expert ids[p]), columns [n0, n0 + BLOCK_N) of I: one GEMV per weight,
+    h[p] = SiTU_GLU(z (W1_e s_1)^T, z (W3_e s_3)^T) -> h.dtype. z4 / w13: int64 / int32 words (`_gemv4`)."""
+    p = tl.program_id(0)
+    e = tl.load(ids + p).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < I
+    offs_c = tl.arange(0, BLOCK_C)
+    x4 = z4 + (p // TOP_K).to(tl.int64) * stride_z4
+    w1 = w13 + e * stride_we4 + offs_n[:, None].to(tl.int64) * stride_wn4 + offs_c[None, :]        # [BN, BC]
+    y1 = _gemv4(x4, w1, n_ok, offs_c, 0, C_L, BLOCK_N, BLOCK_C, UNPACK, PREFETCH)
+    y3 = _gemv4(x4, w1 + I * stride_wn4, n_ok, offs_c, 0, C_L, BLOCK_N, BLOCK_C, UNPACK, PREFETCH)
+    if PER_CHANNEL:
+        y1 = y1 * tl.load(s13 + e * stride_se + offs_n, mask=n_ok, other=0.0)
+        y3 = y3 * tl.load(s13 + e * stride_se + I + offs_n, mask=n_ok, other=0.0)
+    else:
+        y1 = y1 * tl.load(s13 + e)
+        y3 = y3 * tl.load(s13 + e)
+    act = beta * _tanh(y1 / beta) * _sigmoid(y1) * (linear_beta * _tanh(y3 / linear_beta))
+    tl.store(h + p.to(tl.int64) * stride_h + offs_n, act.to(h.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def moe_fp8_wo_pair_gemm2_fwd_kernel(h4, w2, s2, y, ids, L, C_I, stride_h4, stride_we4, stride_wn4, stride_se,
+                                     stride_y, PER_CHANNEL: tl.constexpr, UNPACK: tl.constexpr,
+                                     PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Pair p, columns [n0, n0 + BLOCK_N) of L: y[p] = h[p] (W2_e s_2)^T in fp32 (one GEMV)."""
+    p = tl.program_id(0)
+    e = tl.load(ids + p).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < L
+    offs_c = tl.arange(0, BLOCK_C)
+    w = w2 + e * stride_we4 + offs_n[:, None].to(tl.int64) * stride_wn4 + offs_c[None, :]
+    acc = _gemv4(h4 + p.to(tl.int64) * stride_h4, w, n_ok, offs_c, 0, C_I, BLOCK_N, BLOCK_C, UNPACK, PREFETCH)
+    if PER_CHANNEL:
+        acc = acc * tl.load(s2 + e * stride_se + offs_n, mask=n_ok, other=0.0)
+    else:
+        acc = acc * tl.load(s2 + e)
+    tl.store(y + p.to(tl.int64) * stride_y + offs_n, acc, mask=n_ok)
+
+
+def _route_cuda(x, gate_weight, bias, top_k, renormalize, scaling, lean=False):
     from k3export.plugins.moe.kernels import route_fwd
-    ids, w, _ = route_fwd(x, gate_weight, bias, top_k, renormalize, scaling)
+    ids, w, _ = route_fwd(x, gate_weight, bias, top_k, renormalize, scaling, lean)
     return ids, w
 
 
@@ -197,8 +250,38 @@ def _route_cuda(x, gate_weight, bias, top_k, renormalize, scaling):
 # dominated by routing + alignment launches (~100 us for <= 19 MB of expert weights), so the bound stays where
 # accuracy favours weight-only (no activation rounding) and the bytes are fewest.
 WEIGHT_ONLY_PAIRS_PER_EXPERT = 4
-# (BLOCK_N, BLOCK_K, num_warps, num_stages) of the weight-only kernels: the bf16 decode kernels' tiles
-WO_TILE = (32, 256, 4, 4)
+@dataclass(frozen=True)
+class ExpertWo:
+    """One weight-only expert launch scheme. path "blocks": the row plan's 16-row blocks of one expert and a tl.dot
+    per weight tile (the bf16 decode kernels' scheme; gemm1 / gemm2 give (block_n, block_k, warps, stages));
+    "pairs": no row plan, one GEMV per (token, expert) pair and weight (`_gemv4`: int32 words of 4 E4M3, bf16 z),
+    taken up to pair_max_tokens tokens (each pair reads its expert's weights, so only one token's pairs are sure to
+    be distinct), else "blocks" with BLOCKS. lean_route: `route_fwd(lean=True)` (router split over d, packed top-k),
+    as the bf16 decode default."""
+    path: str
+    gemm1: WoTiles
+    gemm2: WoTiles
+    lean_route: bool = False
+    pair_max_tokens: int = 1
+
+
+BLOCKS = WoTiles(32, 256, 4, 4)             # the bf16 decode kernels' tiles
+_PF = dict(unpack="cvt", prefetch=True)
+# Named schemes (`k3export bench fp8 --variants` times them all on the full-width bank at one token, error checked
+# against `moe_fp8_wo_ref`); "blocks" is the scheme measured 2026-11-29.
+EXPERT_WO_TILINGS = {
+    "blocks": ExpertWo("blocks", BLOCKS, BLOCKS),
+    "blocks-lean": ExpertWo("blocks", BLOCKS, BLOCKS, True),
+    "blocks-k512-lean": ExpertWo("blocks", WoTiles(32, 512, 4, 3), WoTiles(32, 512, 4, 3), True),
+    "pairs-n16k512-shift": ExpertWo("pairs", WoTiles(16, 512, unpack="shift"), WoTiles(16, 512, unpack="shift"),
+                                    True),
+    "pairs-n16k512-cvt-pf": ExpertWo("pairs", WoTiles(16, 512, **_PF), WoTiles(16, 512, **_PF), True),
+    "pairs-n8k512-cvt-pf": ExpertWo("pairs", WoTiles(8, 512, **_PF), WoTiles(16, 512, **_PF), True),
+    "pairs-n16k1024-cvt-pf": ExpertWo("pairs", WoTiles(16, 1024, **_PF), WoTiles(16, 1024, **_PF), True),
+    "pairs-n16k512-bits-pf": ExpertWo("pairs", WoTiles(16, 512, unpack="bits", prefetch=True),
+                                      WoTiles(16, 512, unpack="bits", prefetch=True), True),
+}
+EXPERT_WO = EXPERT_WO_TILINGS["blocks"]     # the default scheme
 
 
 def use_weight_only(n_pairs: int, n_experts: int) -> bool:
@@ -214,9 +297,14 @@ def _combine(y, w, N, L, top_k, dtype):
     return u
 
 
-def moe_fp8_wo(top, w, z, w13, w2, w13_scale, w2_scale, top_k, beta, linear_beta):
-    """Weight-only experts for routed pairs (top, w `[N, k]`) -> u `[N, L]` in z.dtype (`moe_fp8_wo_ref`)."""
+def moe_fp8_wo(top, w, z, w13, w2, w13_scale, w2_scale, top_k, beta, linear_beta, cfg: ExpertWo | None = None):
+    """Weight-only experts for routed pairs (top, w `[N, k]`) -> u `[N, L]` in z.dtype (`moe_fp8_wo_ref`);
+    cfg (default EXPERT_WO) picks the scheme."""
+    cfg = cfg or EXPERT_WO
     N, L = z.shape
+    if cfg.path == "pairs" and N <= cfg.pair_max_tokens and _pairs_ok(z, w13, w2):
+        return _moe_fp8_wo_pairs(top, w, z, w13, w2, w13_scale, w2_scale, top_k, beta, linear_beta, cfg)
+    t1, t2 = (cfg.gemm1, cfg.gemm2) if cfg.path == "blocks" else (BLOCKS, BLOCKS)
     E, I = w13.shape[0], w2.shape[-1]
     bm = 16
     row_pair, block_expert = align_rows(top.int(), E, bm)
@@ -226,36 +314,72 @@ def moe_fp8_wo(top, w, z, w13, w2, w13_scale, w2_scale, top_k, beta, linear_beta
     y = torch.empty(N * top_k, L, dtype=torch.float32, device=z.device)            # pair order
     pc = w13_scale.dim() == 2
     s13, s2 = w13_scale.float().contiguous(), w2_scale.float().contiguous()
-    bn, bk, warps, stages = WO_TILE
     prec = "ieee" if INTERPRET else dot_precision(z.dtype)
-    common = dict(PER_CHANNEL=pc, DOT_PREC=prec, WIDEN=INTERPRET, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                  num_warps=warps, num_stages=1 if INTERPRET else stages)
-    moe_fp8_wo_gemm1_fwd_kernel[(MB, triton.cdiv(I, bn))](
+    common = dict(PER_CHANNEL=pc, DOT_PREC=prec, WIDEN=INTERPRET, BLOCK_M=bm)
+    moe_fp8_wo_gemm1_fwd_kernel[(MB, triton.cdiv(I, t1.block_n))](
         z, w13, s13, h, row_pair, block_expert, I, L, z.stride(0), w13.stride(0),
-        w13.stride(1), s13.stride(0) if pc else 1, h.stride(0), beta, linear_beta, TOP_K=top_k, **common)
-    moe_fp8_wo_gemm2_fwd_kernel[(MB, triton.cdiv(L, bn))](
+        w13.stride(1), s13.stride(0) if pc else 1, h.stride(0), beta, linear_beta, TOP_K=top_k, **common,
+        BLOCK_N=t1.block_n, BLOCK_K=t1.block_k, num_warps=t1.warps, num_stages=1 if INTERPRET else t1.stages)
+    moe_fp8_wo_gemm2_fwd_kernel[(MB, triton.cdiv(L, t2.block_n))](
         h, w2, s2, y, row_pair, block_expert, L, I, h.stride(0), w2.stride(0), w2.stride(1),
-        s2.stride(0) if pc else 1, y.stride(0), **common)
+        s2.stride(0) if pc else 1, y.stride(0), **common, BLOCK_N=t2.block_n, BLOCK_K=t2.block_k,
+        num_warps=t2.warps, num_stages=1 if INTERPRET else t2.stages)
+    return _combine(y, w, N, L, top_k, z.dtype)
+
+
+def _pairs_ok(z, w13, w2) -> bool:
+    """The "pairs" kernels read z and h as int64 words (4 bf16) and the weights as int32 words (4 E4M3)."""
+    return (z.dtype == torch.bfloat16 and z.shape[1] % 4 == 0 and w2.shape[-1] % 4 == 0 and z.is_contiguous()
+            and z.data_ptr() % 8 == 0 and w13.is_contiguous() and w2.is_contiguous() and w13.data_ptr() % 4 == 0
+            and w2.data_ptr() % 4 == 0)
+
+
+def _moe_fp8_wo_pairs(top, w, z, w13, w2, w13_scale, w2_scale, top_k, beta, linear_beta, cfg: ExpertWo):
+    """The "pairs" scheme: gemm1 `[P, I]` and gemm2 `[P, L]` over pairs p = token * k + slot, then the combine."""
+    N, L = z.shape
+    I = w2.shape[-1]
+    P = N * top_k
+    ids = top.reshape(-1).int()
+    h = torch.empty(P, I, dtype=z.dtype, device=z.device)                         # pair order
+    y = torch.empty(P, L, dtype=torch.float32, device=z.device)
+    pc = w13_scale.dim() == 2
+    s13, s2 = w13_scale.float().contiguous(), w2_scale.float().contiguous()
+    w13_4, w2_4 = w13.view(torch.int32), w2.view(torch.int32)                       # [E, 2I, L/4], [E, L, I/4]
+    t1, t2 = cfg.gemm1, cfg.gemm2
+    unpack = lambda t: "shift" if INTERPRET else t.unpack                          # noqa: E731
+    moe_fp8_wo_pair_gemm1_fwd_kernel[(P, triton.cdiv(I, t1.block_n))](
+        z.view(torch.int64), w13_4, s13, h, ids, I, L // 4, z.stride(0) // 4, w13_4.stride(0), w13_4.stride(1),
+        s13.stride(0) if pc else 1, h.stride(0), beta, linear_beta, TOP_K=top_k, PER_CHANNEL=pc,
+        UNPACK=unpack(t1), PREFETCH=t1.prefetch, BLOCK_N=t1.block_n, BLOCK_C=t1.block_k // 4,
+        num_warps=t1.warps, num_stages=1 if INTERPRET else t1.stages)
+    moe_fp8_wo_pair_gemm2_fwd_kernel[(P, triton.cdiv(L, t2.block_n))](
+        h.view(torch.int64), w2_4, s2, y, ids, L, I // 4, h.stride(0) // 4, w2_4.stride(0), w2_4.stride(1),
+        s2.stride(0) if pc else 1, y.stride(0), PER_CHANNEL=pc, UNPACK=unpack(t2), PREFETCH=t2.prefetch,
+        BLOCK_N=t2.block_n, BLOCK_C=t2.block_k // 4, num_warps=t2.warps, num_stages=1 if INTERPRET else t2.stages)
     return _combine(y, w, N, L, top_k, z.dtype)
 
 
 def moe_fp8_grouped(x, z, gate_weight, bias, w13, w2, w13_scale, w2_scale, z_scale, h_scale, top_k, renormalize,
-                    scaling, beta, linear_beta, weight_only: bool | None = None):
+                    scaling, beta, linear_beta, weight_only: bool | None = None, wo: ExpertWo | None = None):
     """`k3::moe_routed_fp8`'s signature; weight-only (`moe_fp8_wo_ref`) when `use_weight_only` (and its kernels
     work here: `k3export.fp8.WEIGHT_ONLY_OK`), else W8A8 (`moe_fp8_sorted`, static activation scales); weight_only
-    True/False forces a path. fp32 accumulation either way."""
-    router = route if INTERPRET or not z.is_cuda else _route_cuda
-    top, w = router(x, gate_weight, bias, top_k, renormalize, scaling)                # [N, k]
+    True/False forces a path, wo (default EXPERT_WO) picks the weight-only scheme. fp32 accumulation either way."""
     N, L = z.shape
     E, I = w13.shape[0], w2.shape[-1]
     P = N * top_k
-    if weight_only is None and use_weight_only(P, E) and WEIGHT_ONLY_OK["experts"]:
+    cfg = wo or EXPERT_WO
+    run_wo = weight_only if weight_only is not None else (use_weight_only(P, E) and WEIGHT_ONLY_OK["experts"])
+    if INTERPRET or not z.is_cuda:
+        top, w = route(x, gate_weight, bias, top_k, renormalize, scaling)             # [N, k]
+    else:
+        top, w = _route_cuda(x, gate_weight, bias, top_k, renormalize, scaling, run_wo and cfg.lean_route)
+    if run_wo and weight_only is None:
         try:
-            return moe_fp8_wo(top, w, z, w13, w2, w13_scale, w2_scale, top_k, beta, linear_beta)
+            return moe_fp8_wo(top, w, z, w13, w2, w13_scale, w2_scale, top_k, beta, linear_beta, cfg)
         except Exception as e:                                                  # noqa: BLE001 (reported)
             weight_only_unavailable("experts", e)
-    elif weight_only:
-        return moe_fp8_wo(top, w, z, w13, w2, w13_scale, w2_scale, top_k, beta, linear_beta)
+    elif run_wo:
+        return moe_fp8_wo(top, w, z, w13, w2, w13_scale, w2_scale, top_k, beta, linear_beta, cfg)
     block_m = 16 if P <= 4 * E else 64
     row_pair, block_expert = align_rows(top.int(), E, block_m)
     MB = block_expert.shape[0]

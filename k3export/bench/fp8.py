@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import functools
 import json
 import sys
 import time
@@ -223,9 +224,104 @@ def _print_linear_sweep(rows, bw):
                    f"{tot['wo']:.1f} us, W8A8 {tot['w8a8']:.1f} us")
 
 
-def layer_pair_fn(recipe, cache_len: int = 4096) -> list[dict]:
+# Error bound a variant must meet to be picked: the `cuda` tests' bound for a bf16 output against the fp32
+# reference (tests/test_fp8.py BF16_OUT_BOUND: one bf16 rounding plus fp32 summation order).
+VARIANT_BOUND = 4e-3
+
+
+def _graph_us_each(fns, rep: int = 20) -> float:
+    """Median microseconds per call of the calls fns, captured back to back in one CUDA graph (the graph launch
+    shared by all; each call reads its own tensors, so nothing repeats through L2), L2 flushed before each replay."""
+    from k3export.bench.ceilings import bench_ms
+    from k3export.bench.layer import _graphed
+    run = lambda: [f() for f in fns]                                                      # noqa: E731
+    replay = _graphed(run)
+    return bench_ms(replay or run, rep=rep) * 1e3 / len(fns)
+
+
+@functools.lru_cache(maxsize=None)
+def _stream_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def stream_kernel(w, out, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # out[n] = sum of the bytes of row n as integers: the byte kernel's tiles and K loop, nothing widened
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.int32)
+        for k0 in range(0, K, BLOCK_K):
+            ok = (offs_n[:, None] < N) & ((k0 + offs_k) < K)[None, :]
+            acc += tl.load(w + offs_n[:, None].to(tl.int64) * K + k0 + offs_k[None, :], mask=ok, other=0).to(tl.int32)
+        tl.store(out + offs_n, tl.sum(acc, 1), mask=offs_n < N)
+    return stream_kernel
+
+
+def _stream_us(copies, block_n: int, block_k: int, warps: int) -> float:
+    """The byte kernel's access pattern alone (`[block_n, block_k]` E4M3 tiles, one whole K loop per CTA, bytes
+    summed as integers, nothing widened): a load ceiling for that tiling, us per weight."""
+    import triton
+    kernel = _stream_kernel()
+    N, K = copies[0].shape
+    out = torch.empty(N, dtype=torch.int32, device=copies[0].device)
+    return _graph_us_each([lambda c=c: kernel[(triton.cdiv(N, block_n),)](c, out, N, K, BLOCK_N=block_n,
+                                                                           BLOCK_K=block_k, num_warps=warps)
+                           for c in [t.view(torch.uint8) for t in copies]])
+
+
+def gemv_variants(shapes, names=None, copies: int = 6) -> list[dict]:
+    """Every named one-row launch (`fp8_kernels.GEMV_TILINGS`) at each (N, K): relative error against
+    `fp8_linear_wo_ref` (fresh random x and weights per shape), then microseconds per GEMM over `copies` weight
+    copies back to back in one graph; beside it bf16 `F.linear` over bf16 copies and the byte load ceiling."""
+    from k3export.fp8 import fp8_linear_wo_ref, quantize, scale_from_amax, weight_amax
+    from k3export.fp8_kernels import GEMV_TILINGS, fp8_linear_wo_fwd
+    rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm())    # noqa: E731
+    names = names or list(GEMV_TILINGS)
+    rows = []
+    for N, K in shapes:
+        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K ** 0.5
+        ws = scale_from_amax(weight_amax(w, True))
+        wqs = [quantize(w, ws[:, None])] + [None] * (copies - 1)
+        wqs[1:] = [wqs[0].clone() for _ in range(copies - 1)]
+        wbs = [w] + [w.clone() for _ in range(copies - 1)]
+        x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
+        ref = fp8_linear_wo_ref(x.float(), wqs[0], ws)
+        r = {"N": N, "K": K, "MB_fp8": N * K / 1e6,
+             "bf16_us": _graph_us_each([lambda b=b: torch.nn.functional.linear(x, b) for b in wbs]),
+             "stream_n16k512_us": _stream_us(wqs, 16, 512, 4), "err": {}, "us": {}}
+        del wbs
+        for name in names:
+            t = GEMV_TILINGS[name]
+            try:
+                r["err"][name] = rel(fp8_linear_wo_fwd(x, wqs[0], ws, tiles=t), ref)
+                r["us"][name] = _graph_us_each([lambda q=q, t=t: fp8_linear_wo_fwd(x, q, ws, tiles=t) for q in wqs])
+            except Exception as e:                                                # noqa: BLE001 (reported)
+                r["err"][name] = f"{type(e).__name__}: {str(e)[:200]}"
+        rows.append(r)
+        best = min(r["us"], key=r["us"].get) if r["us"] else None
+        click.echo(f"  {N:5d} x {K:5d}: bf16 {r['bf16_us']:.1f} us, byte-load ceiling {r['stream_n16k512_us']:.1f}"
+                   f", " + ", ".join(f"{n} {u:.1f}" for n, u in r["us"].items()) + f"; best {best}")
+        del wqs, w
+        torch.cuda.empty_cache()
+    return rows
+
+
+def best_variant(rows, bound: float) -> tuple[str | None, dict]:
+    """The name with the least summed time over rows among those whose every error is a number below bound."""
+    names = set.intersection(*(set(r["us"]) for r in rows)) if rows else set()
+    ok = [n for n in names if all(isinstance(r["err"].get(n), float) and r["err"][n] < bound for r in rows)]
+    tot = {n: sum(r["us"][n] for r in rows) for n in ok}
+    return (min(tot, key=tot.get) if tot else None), tot
+
+
+def layer_pair_fn(recipe, cache_len: int = 4096, variants: dict | None = None, profile: bool = False,
+                  extra: dict | None = None, save=None) -> list[dict]:
     """Full-width K3 layer pair (`bench layer`'s MLA + MoE and KDA + MoE, one shared 896-expert bank), one decode
-    step at B = 1 in bf16, then the same layers quantized by `recipe` (scales from one observed step)."""
+    step at B = 1 in bf16, then the same layers quantized by `recipe` (scales from one observed step).
+    variants {"gemv": name or None}: also the expert schemes at one token on this bank (`expert_variants`) and the
+    FP8 pair under each combination of default / best linear launch and expert scheme; profile: per-kernel device
+    time of one step (torch profiler over graph replays). Those results go into extra (rows as "layer_pair" as
+    they come, then save() when given)."""
     import fnmatch
 
     from k3export.bench.ceilings import bench_ms
@@ -245,7 +341,7 @@ def layer_pair_fn(recipe, cache_len: int = 4096) -> list[dict]:
                                                  [*moe.experts.parameters(), *moe.experts.buffers()] if t.dim() > 1)
         return total
 
-    def timings(tag):
+    def timings(tag, prof=False):
         rows = []
         for name, layer in (("MLA+MoE", mla), ("KDA+MoE", kda)):
             replay = _graphed(lambda: decode_step(cfg, layer, inputs))
@@ -253,6 +349,8 @@ def layer_pair_fn(recipe, cache_len: int = 4096) -> list[dict]:
             nb = step_bytes_layer(layer)
             rows.append({"pair": name, "precision": tag, "ms": ms, "GB": nb / 1e9, "GBps": nb / ms / 1e6,
                          "graph": replay is not None})
+            if prof and replay is not None and extra is not None:
+                extra.setdefault("profile", {})[f"{name} {tag}"] = kernel_profile(replay)
         return rows
 
     def calibrate_pair():
@@ -279,13 +377,109 @@ def layer_pair_fn(recipe, cache_len: int = 4096) -> list[dict]:
             hk.remove()
         return _scales(holder, recipe, targets, obs)
 
+    def keep(new_rows):
+        rows.extend(new_rows)
+        if extra is not None:
+            extra["layer_pair"] = rows
+            if save:
+                save()
+
+    rows = []
     with torch.inference_mode():
-        rows = timings("bf16")
+        keep(timings("bf16", profile))
+        if variants is not None:
+            extra["bf16_experts_us"] = bf16_expert_us(mla.block_sparse_moe, cfg)
+            click.echo(f"  bf16 expert op, 1 token (k3::moe_routed default): {extra['bf16_experts_us']:.1f} us")
         scales = calibrate_pair()
         quantize_model(holder, scales)
         torch.cuda.empty_cache()
-        rows += timings("fp8")
+        keep(timings("fp8", profile))
+        for r in rows:
+            click.echo(f"  {r['pair']} {r['precision']}: {r['ms']:.3f} ms")
+        if variants is not None:
+            try:
+                pair_variants(variants.get("gemv"), extra, mla, cfg, timings, keep, profile)
+            except Exception as e:                                                # noqa: BLE001 (reported)
+                click.echo(f"pair variants failed: {type(e).__name__}: {str(e)[:300]}")
     return rows
+
+
+def pair_variants(best_g, extra, mla, cfg, timings, keep, profile):
+    """The expert schemes at one token on the FP8 bank, then the FP8 pair with the best linear launch (best_g),
+    the best expert scheme, and both (module defaults swapped for the timing, then restored)."""
+    import k3export.fp8_kernels as FK
+    import k3export.fp8_moe_kernels as FM
+    extra["expert_variants"] = expert_variants(mla.block_sparse_moe, cfg)
+    best_e, _ = best_variant(extra["expert_variants"], VARIANT_BOUND)
+    extra["best_experts"] = best_e
+    gemv0, experts0 = FK.GEMV, FM.EXPERT_WO
+    combos = {"linear": (best_g, None), "experts": (None, best_e), "both": (best_g, best_e)}
+    for tag, (g, e) in combos.items():
+        if (g is None and e is None) or (tag == "both" and (g is None or e is None)):
+            continue
+        FK.GEMV = FK.GEMV_TILINGS[g] if g else gemv0
+        FM.EXPERT_WO = FM.EXPERT_WO_TILINGS[e] if e else experts0
+        try:
+            new = timings(f"fp8 [{tag}: gemv {g or 'default'}, experts {e or 'default'}]", profile and tag == "both")
+        finally:
+            FK.GEMV, FM.EXPERT_WO = gemv0, experts0
+        keep(new)
+        for r in new:
+            click.echo(f"  {r['pair']} {r['precision']}: {r['ms']:.3f} ms")
+
+
+def bf16_expert_us(moe, cfg, copies: int = 4) -> float:
+    """`k3::moe_routed` (the bf16 default) at one token on this bank, us per call (copies tokens back to back)."""
+    xs = [torch.randn(1, cfg.hidden_size, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+    args = [moe._routed_args(x) for x in xs]
+    return _graph_us_each([lambda a=a: torch.ops.k3.moe_routed(*a, **moe.routing) for a in args])
+
+
+def expert_variants(moe, cfg, copies: int = 4) -> list[dict]:
+    """Every weight-only expert scheme (`fp8_moe_kernels.EXPERT_WO_TILINGS`) at one token on the FP8 bank: error
+    against `moe_fp8_wo_ref`, us per call (copies tokens with their own routing back to back; routing and combine
+    included)."""
+    from k3export.fp8_moe import moe_fp8_wo_ref
+    from k3export.fp8_moe_kernels import EXPERT_WO_TILINGS, moe_fp8_grouped
+    rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm())    # noqa: E731
+    e = moe.experts
+    argss = []
+    for _ in range(copies):
+        x = torch.randn(1, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+        argss.append((x, moe.routed_expert_down_proj(x), moe.gate.weight, moe.gate.e_score_correction_bias, e.w13,
+                      e.w2, e.w13_scale, e.w2_scale, e.w13_input_scale, e.w2_input_scale, *moe.routing.values()))
+    a0 = argss[0]
+    ref = moe_fp8_wo_ref(*a0[:8], *a0[10:])
+    r = {"N": 1, "err": {}, "us": {}}
+    for name, wo in EXPERT_WO_TILINGS.items():
+        try:
+            r["err"][name] = rel(moe_fp8_grouped(*a0, weight_only=True, wo=wo), ref)
+            r["us"][name] = _graph_us_each([lambda a=a, wo=wo: moe_fp8_grouped(*a, weight_only=True, wo=wo)
+                                            for a in argss])
+        except Exception as ex:                                                   # noqa: BLE001 (reported)
+            r["err"][name] = f"{type(ex).__name__}: {str(ex)[:200]}"
+        click.echo(f"  expert scheme {name}: {r['us'].get(name, float('nan')):.1f} us, rel. error "
+                   f"{r['err'][name] if isinstance(r['err'][name], str) else format(r['err'][name], '.2e')}")
+    return [r]
+
+
+def kernel_profile(replay, reps: int = 5) -> list[dict]:
+    """Device time per kernel name for one replay (torch profiler over reps replays, L2 not flushed), largest first."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                replay()
+            torch.cuda.synchronize()
+        rows = []
+        for ev in prof.key_averages():
+            us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+            if us:
+                rows.append({"kernel": ev.key[:120], "us": us / reps, "count": ev.count / reps})
+        return sorted(rows, key=lambda r: -r["us"])[:40]
+    except Exception as e:                                                        # noqa: BLE001 (reported)
+        return [{"error": f"{type(e).__name__}: {str(e)[:200]}"}]
 
 
 @bench.command("fp8")
@@ -300,58 +494,79 @@ def layer_pair_fn(recipe, cache_len: int = 4096) -> list[dict]:
               help="Also time a full-width K3 layer pair in bf16 and FP8 (needs ~90 GB).")
 @click.option("--sweep/--no-sweep", default=True, show_default=True,
               help="Also time the pair's linear shapes at M = 1..64 and the expert op at N = 1..64 (thresholds).")
+@click.option("--model/--no-model", default=True, show_default=True,
+              help="The --preset model's steps (decode, k3-small sweeps, prefill, report); --no-model: the full-width "
+                   "pair (and --variants) alone.")
+@click.option("--variants/--no-variants", default=False, show_default=True,
+              help="Time every named one-row linear launch at the pair's linear shapes and every expert scheme at one "
+                   "token (errors checked), then the FP8 pair with the fastest within bounds.")
+@click.option("--profile/--no-profile", default=False, show_default=True,
+              help="Per-kernel device time of one pair step (torch profiler over graph replays).")
 @click.option("--out", type=click.Path(file_okay=False), default="out/bench", show_default=True)
-def fp8_bench(preset, batches, context, prefill_tokens, report_tokens, noise_dtype, layer_pair, sweep, out):
-    """FP8 vs bf16: accuracy report, decode step at B = 1..64 (CUDA graphs) and prefill, on one GPU."""
+def fp8_bench(preset, batches, context, prefill_tokens, report_tokens, noise_dtype, layer_pair, sweep, model,
+              variants, profile, out):
+    """FP8 vs bf16: accuracy report, decode step at B = 1..64 (CUDA graphs) and prefill, on one GPU; the
+    full-width layer pair, its launch variants (--variants) and kernel profile (--profile)."""
     from k3export.bench.ceilings import copy_bandwidth, machine
     from k3export.calibrate import DEFAULT_RECIPE, HELDOUT_SEED, Recipe, calibrate, default_batches
     from k3export.config import K3Config
-    from k3export.fp8 import quantize_model
+    from k3export.fp8 import WEIGHT_ONLY_OK, quantize_model
     from k3export.fp8_report import accuracy_report, format_report
     outdir = Path(out)
     outdir.mkdir(parents=True, exist_ok=True)
     res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "machine": machine(), "command": " ".join(["k3export", *sys.argv[1:]]), "preset": preset}
     save = lambda: (outdir / "fp8.json").write_text(json.dumps(res, indent=2))          # noqa: E731
-    cfg = K3Config.from_name(preset)
-    t0 = time.perf_counter()
-    ref = gpu_random_model(cfg, seed=0)
     recipe = Recipe.load(DEFAULT_RECIPE)
-    scales = calibrate(ref, recipe, default_batches(cfg.vocab_size), progress=False)
-    fp8 = copy.deepcopy(ref)
-    counts = quantize_model(fp8, scales)
-    gb = lambda m: sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()]) / 1e9  # noqa
-    res["setup"] = {"seconds": time.perf_counter() - t0, "quantized": counts, "bf16_GB": gb(ref), "fp8_GB": gb(fp8)}
-    click.echo(f"{machine()}; {preset}: bf16 {gb(ref):.2f} GB, fp8 {gb(fp8):.2f} GB ({counts}); "
-               f"setup {res['setup']['seconds']:.1f}s")
-    from k3export.fp8 import WEIGHT_ONLY_OK
-    res["selfcheck"] = selfcheck(ref, fp8)
-    res["weight_only_active"] = dict(WEIGHT_ONLY_OK)           # False: a kernel failed here and W8A8 ran instead
-    click.echo("selfcheck (rel. error vs reference): " + ", ".join(f"{k} {v:.1e}" for k, v in
-                                                                   res["selfcheck"].items()))
-    click.echo(f"weight-only kernels active: {res['weight_only_active']}")
-    save()
     bw = copy_bandwidth()
     res["copy_GBps"] = bw / 1e9
-    res["decode"] = []
-    for B in [int(b) for b in batches.split(",")]:
-        row = {"B": B}
-        for tag, m in (("bf16", ref), ("fp8", fp8)):
-            ms, how = decode_ms(m, B, context)
-            nbytes = step_bytes(m, B, context)
-            row[tag] = {"ms": ms, "how": how, "MB": nbytes / 1e6, "GBps": nbytes / ms / 1e6,
-                        "frac_copy": nbytes / ms * 1e3 / bw}
-        row["speedup"] = row["bf16"]["ms"] / row["fp8"]["ms"]
-        res["decode"].append(row)
+    click.echo(f"{machine()}; copy {bw / 1e9:.0f} GB/s")
+    if variants:
+        click.echo("one-row FP8 linear launches at the pair's shapes (us per GEMM, back to back in one graph):")
+        res["gemv_variants"] = gemv_variants(pair_linear_shapes(recipe))
+        res["best_gemv"], res["gemv_totals_us"] = best_variant(res["gemv_variants"], VARIANT_BOUND)
         save()
-        click.echo(f"decode B={B:3d} ctx={context}: bf16 {row['bf16']['ms']:.3f} ms ({row['bf16']['GBps']:.0f} GB/s)"
-                   f", fp8 {row['fp8']['ms']:.3f} ms ({row['fp8']['GBps']:.0f} GB/s) [{row['fp8']['how']}]: "
-                   f"{row['speedup']:.2f}x")
+        click.echo("  summed over the shapes: " + ", ".join(f"{n} {u:.1f}" for n, u in
+                                                          sorted(res["gemv_totals_us"].items(), key=lambda x: x[1]))
+                   + f"; bf16 {sum(r['bf16_us'] for r in res['gemv_variants']):.1f}; best {res['best_gemv']}")
+    if model:
+        cfg = K3Config.from_name(preset)
+        t0 = time.perf_counter()
+        ref = gpu_random_model(cfg, seed=0)
+        scales = calibrate(ref, recipe, default_batches(cfg.vocab_size), progress=False)
+        fp8 = copy.deepcopy(ref)
+        counts = quantize_model(fp8, scales)
+        gb = lambda m: sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()]) / 1e9  # noqa
+        res["setup"] = {"seconds": time.perf_counter() - t0, "quantized": counts, "bf16_GB": gb(ref), "fp8_GB": gb(fp8)}
+        click.echo(f"{machine()}; {preset}: bf16 {gb(ref):.2f} GB, fp8 {gb(fp8):.2f} GB ({counts}); "
+                   f"setup {res['setup']['seconds']:.1f}s")
+        res["selfcheck"] = selfcheck(ref, fp8)
+        res["weight_only_active"] = dict(WEIGHT_ONLY_OK)           # False: a kernel failed here and W8A8 ran instead
+        click.echo("selfcheck (rel. error vs reference): " + ", ".join(f"{k} {v:.1e}" for k, v in
+                                                                       res["selfcheck"].items()))
+        click.echo(f"weight-only kernels active: {res['weight_only_active']}")
+        save()
+        res["decode"] = []
+        for B in [int(b) for b in batches.split(",")]:
+            row = {"B": B}
+            for tag, m in (("bf16", ref), ("fp8", fp8)):
+                ms, how = decode_ms(m, B, context)
+                nbytes = step_bytes(m, B, context)
+                row[tag] = {"ms": ms, "how": how, "MB": nbytes / 1e6, "GBps": nbytes / ms / 1e6,
+                            "frac_copy": nbytes / ms * 1e3 / bw}
+            row["speedup"] = row["bf16"]["ms"] / row["fp8"]["ms"]
+            res["decode"].append(row)
+            save()
+            click.echo(f"decode B={B:3d} ctx={context}: bf16 {row['bf16']['ms']:.3f} ms "
+                       f"({row['bf16']['GBps']:.0f} GB/s), fp8 {row['fp8']['ms']:.3f} ms "
+                       f"({row['fp8']['GBps']:.0f} GB/s) [{row['fp8']['how']}]: "
+                       f"{row['speedup']:.2f}x")
     if layer_pair:                          # first: the target figure (k3-small's 7 GB stay alongside)
         try:
-            res["layer_pair"] = layer_pair_fn(recipe)
+            res["layer_pair"] = layer_pair_fn(recipe, variants={"gemv": res.get("best_gemv")} if variants else None,
+                                              profile=profile, extra=res, save=save)
         except Exception as e:                                                    # noqa: BLE001 (reported)
-            res["layer_pair"] = []
+            res.setdefault("layer_pair", [])
             click.echo(f"layer pair failed: {type(e).__name__}: {str(e)[:300]}")
         save()
         for r in res["layer_pair"]:
@@ -359,9 +574,15 @@ def fp8_bench(preset, batches, context, prefill_tokens, report_tokens, noise_dty
                        f"({r['GBps']:.0f} GB/s, {r['GBps'] * 1e9 / bw:.0%} of copy)")
         ms = {(r["pair"], r["precision"]): r["ms"] for r in res["layer_pair"]}
         for pair in ("MLA+MoE", "KDA+MoE"):
-            if (pair, "fp8") in ms and (pair, "bf16") in ms:
-                click.echo(f"full-width {pair} B=1: FP8 {ms[pair, 'bf16'] / ms[pair, 'fp8']:.2f}x bf16")
-    if sweep:
+            for prec in sorted({p for (q, p) in ms if q == pair and p != "bf16"}):
+                if (pair, "bf16") in ms:
+                    click.echo(f"full-width {pair} B=1: {prec} {ms[pair, 'bf16'] / ms[pair, prec]:.2f}x bf16")
+        for name, prof in res.get("profile", {}).items():
+            click.echo(f"kernels of one {name} step (us, torch profiler):")
+            for r in prof[:14]:
+                label = r.get("kernel", r.get("error", ""))[:100]
+                click.echo(f"  {r.get('us', 0):7.1f} x{r.get('count', 0):4.1f}  {label}")
+    if sweep and model:
         res["expert_sweep"] = expert_sweep(fp8)
         save()
         for r in res["expert_sweep"]:
@@ -372,23 +593,24 @@ def fp8_bench(preset, batches, context, prefill_tokens, report_tokens, noise_dty
         save()
         click.echo("full-width FP8 linear shapes (us per GEMM):")
         _print_linear_sweep(res["linear_sweep"], bw)
-    if prefill_tokens:
+    if prefill_tokens and model:
         p = {"T": prefill_tokens, "bf16_ms": prefill_ms(ref, prefill_tokens), "fp8_ms": prefill_ms(fp8, prefill_tokens)}
         p["speedup"] = p["bf16_ms"] / p["fp8_ms"]
         res["prefill"] = p
         save()
         click.echo(f"prefill T={prefill_tokens}: bf16 {p['bf16_ms']:.2f} ms, fp8 {p['fp8_ms']:.2f} ms: "
                    f"{p['speedup']:.2f}x")
-    if report_tokens:
+    if report_tokens and model:
         held = torch.cat(default_batches(cfg.vocab_size, n_seqs=4, seq_len=64, seed=HELDOUT_SEED))
         prompts = held[:2, :16].tolist()
         rep = accuracy_report(fp8, ref, held, prompts, report_tokens)
         res["report"] = rep
         save()
         click.echo(format_report(rep, f"FP8 vs bf16 ({preset})"))
-    del fp8
+    if model:
+        del fp8
     torch.cuda.empty_cache()
-    if report_tokens and noise_dtype != "none":
+    if report_tokens and noise_dtype != "none" and model:
         hi = copy.deepcopy(ref)
         for p in hi.parameters():                       # the fp32-by-spec parameters stay fp32
             if p.dtype == torch.bfloat16:
