@@ -16,9 +16,9 @@ A target is (preset or checkpoint, precision, device, backend); its directory is
 other library versions or another GPU is refused with a message that says which and what to do.
 
 Load check (aoti on CUDA by default, `--load-check` anywhere): after writing the engine, a child process opens it
-and runs one decode step. On the H200 image (torch 2.11 + CUDA 13, 2026-11-30) every CUDA AOTInductor package we
-loaded, a toy Linear's included, crashed the loading process with SIGSEGV inside `aoti_load_package`
-(docs/perf.md; scripts/aoti_toy.py probes a machine); the check keeps that crash out of the serving process: a failed check is
+and runs one decode step. On the H200 image (torch 2.11 + CUDA 13, 2026-11-30) no CUDA AOTInductor package loads:
+a toy Linear's, loaded by a process that imports only torch, crashes with SIGSEGV inside `aoti_load_package`, as
+every package of ours did (docs/perf.md; scripts/aoti_toy.py probes a machine); the check keeps that crash out of the serving process: a failed check is
 recorded in the manifest (the engine is then refused with the reason) and raised as `EngineLoadError`.
 """
 
@@ -221,7 +221,7 @@ def load_check_failure(check: dict) -> str:
     """Why an engine whose load check failed cannot be used, and what to do instead."""
     return (f"a process that loads it fails on this machine: {check.get('error', 'unknown error')}. On the H200 "
             "image with torch 2.11 + CUDA 13 every CUDA AOTInductor package crashed `aoti_load_package`, a toy "
-            "Linear's too (docs/perf.md; scripts/aoti_toy.py checks a machine); serve this model with "
+            "Linear's in a process that imports only torch too (docs/perf.md; scripts/aoti_toy.py checks a machine); serve this model with "
             "`--backend compile` there, or rebuild with a torch whose CUDA AOTI packages load")
 
 

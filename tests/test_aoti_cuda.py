@@ -65,9 +65,9 @@ def rel(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 @pytest.mark.xfail(reason="on the H200 (2026-11-30 01:35, torch 2.11, Triton 3.6) every k3 op compiled into the "
-                          "packages, but loading them crashed (SIGSEGV in aoti_load_package), as did a toy Linear's "
-                          "CUDA package (scripts/aoti_bisect.py, docs/perf.md); the build's load check now raises "
-                          "EngineLoadError there instead", strict=False)
+                          "packages, but loading them crashed (SIGSEGV in aoti_load_package), as does a toy Linear's "
+                          "CUDA package in a process that imports only torch (scripts/aoti_toy.py, 03:10, "
+                          "docs/perf.md); the build's load check now raises EngineLoadError there instead", strict=False)
 def test_aoti_cuda_packages_hold_the_kernels_load_without_k3export_and_match_eager(tmp_path, monkeypatch):
     monkeypatch.setenv("K3EXPORT_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("K3EXPORT_AOTI_KERNELS", "1")                # compiling the kernels in is opt-in
