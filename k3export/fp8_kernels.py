@@ -268,7 +268,12 @@ GEMV_TILINGS = {
     "p-n32k1024-w8-cvt-pf": WoTiles(32, 1024, 8, 1, 8, "cvt", True),
     "p-n16k2048-w8-cvt-pf": WoTiles(16, 2048, 8, 1, 8, "cvt", True),
 }
-GEMV = GEMV_TILINGS["n16k512"]                 # the default one-row launch
+# The default one-row launch. H200, 2026-11-30 (`k3export bench fp8 --no-model --variants`, docs/perf.md), the 9
+# linear shapes of the full-width pair, us per GEMM back to back in one graph, summed: p-n8k512-cvt-pf 150.4,
+# p-n16k512-cvt-pf 154.6, p-n16k512-shift 155.1, the byte kernel n16k512 164.0 (bf16 F.linear 225.8); in the
+# FP8 layer pair 0.571 / 0.573 ms with it vs 0.589 / 0.600 (MLA + MoE / KDA + MoE, experts unchanged).
+GEMV = GEMV_TILINGS["p-n8k512-cvt-pf"]
+BYTE_GEMV = GEMV_TILINGS["n16k512"]            # the byte kernel's one-row launch where the packed one cannot run
 DOT_TILE = WoTiles(32, 256, 4, 4, 4)           # 2..MAX_M rows (tl.dot of x against the widened tile)
 MAX_M = 64           # rows the weight-only kernel takes (tl.dot blocks of up to 64 rows)
 UNPACKS = ("shift", "cvt", "bits")
@@ -298,7 +303,8 @@ def fp8_linear_wo_fwd(x: Tensor, w: Tensor, w_scale: Tensor, split: int | None =
     """Weight-only FP8 GEMM for small M: x `[M, K]` (bf16, fp16 or fp32; M <= MAX_M), w `[N, K]` float8_e4m3fn,
     w_scale `[N]` or `[]` fp32 -> `[M, N]` in x.dtype, = `fp8_linear_wo_ref` up to fp32 summation order.
     split (K slices), gemv (the one-row FMA path; default: M == 1) and tiles (default GEMV or DOT_TILE) override
-    the launch heuristic (tests, sweeps). A packed tiling falls back to the byte kernel where `packed_ok` fails."""
+    the launch heuristic (tests, sweeps). A packed tiling falls back to the byte kernel (BYTE_GEMV, or DOT_TILE
+    for several rows) where `packed_ok` fails (fp16 / fp32 x, K % 4, unaligned rows)."""
     M, K = x.shape
     N = w.shape[0]
     check(w.dtype == torch.float8_e4m3fn and w.dim() == 2 and w.shape[1] == K,
@@ -313,6 +319,8 @@ def fp8_linear_wo_fwd(x: Tensor, w: Tensor, w_scale: Tensor, split: int | None =
     x = x if x.stride(-1) == 1 else x.contiguous()
     w = w if w.stride(-1) == 1 else w.contiguous()
     packed = gemv and bool(t.unpack) and packed_ok(x, w)
+    if t.unpack and not packed:
+        t = BYTE_GEMV if gemv else DOT_TILE
     if split is None:
         split = wo_split(N, K, t, 8 if INTERPRET else _sms(x.device.index or 0))
     k_slice = triton.cdiv(triton.cdiv(K, split), t.block_k) * t.block_k

@@ -281,7 +281,12 @@ EXPERT_WO_TILINGS = {
     "pairs-n16k512-bits-pf": ExpertWo("pairs", WoTiles(16, 512, unpack="bits", prefetch=True),
                                       WoTiles(16, 512, unpack="bits", prefetch=True), True),
 }
-EXPERT_WO = EXPERT_WO_TILINGS["blocks"]     # the default scheme
+# The default scheme. H200, 2026-11-30 (`k3export bench fp8 --no-model --variants`, docs/perf.md), full-width bank
+# (896 experts, top-16, L 3584, I 3072), one token, routing and combine included: pairs-n16k512-shift 158.7 us
+# (pairs-n16k512-cvt-pf 158.8, bits 177.5), blocks 235.4, blocks-lean 216.5 (bf16 `k3::moe_routed` 291.1); in
+# the FP8 layer pair 0.512 / 0.523 ms with it vs 0.589 / 0.600 (MLA + MoE / KDA + MoE, linears unchanged).
+# Above one token it runs "blocks" with lean routing (the bf16 decode default's routing; not timed in FP8 there).
+EXPERT_WO = EXPERT_WO_TILINGS["pairs-n16k512-shift"]
 
 
 def use_weight_only(n_pairs: int, n_experts: int) -> bool:

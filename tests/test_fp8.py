@@ -279,8 +279,8 @@ INTERP_BF16_BOUND = 2.0 ** -7
 
 
 def interp_errors() -> dict:
-    from k3export.fp8_kernels import WoTiles, fp8_linear_wo_fwd
-    from k3export.fp8_moe_kernels import ExpertWo, moe_fp8_grouped
+    from k3export.fp8_kernels import BYTE_GEMV, WoTiles, fp8_linear_wo_fwd
+    from k3export.fp8_moe_kernels import EXPERT_WO_TILINGS, ExpertWo, moe_fp8_grouped
     out = {}
     g = torch.Generator().manual_seed(4)
     # (M, N, K, per_channel, split, gemv): GEMV and tl.dot paths, one K slice and several (partials + reduce),
@@ -304,7 +304,15 @@ def interp_errors() -> dict:
         y = fp8_linear_wo_fwd(x, wq, ws, split=split, tiles=t)
         tag = f"N{N}_K{K}_split{split}_{'pf' if t.prefetch else 'nopf'}"
         out[f"bf16:packed_{tag}"] = rel(y, fp8_linear_wo_ref(x.float(), wq, ws))
-        out[f"same:packed_vs_byte_{tag}"] = rel(y, fp8_linear_wo_fwd(x, wq, ws, split=split))
+        out[f"same:packed_vs_byte_{tag}"] = rel(y, fp8_linear_wo_fwd(x, wq, ws, split=split, tiles=BYTE_GEMV))
+    # every finite E4M3 byte value through the packed GEMV's unpacking, each in byte lane n % 4 (the cuda test's
+    # case): mismatches against torch's E4M3 -> fp32 (exact values, x = ones, scale 1)
+    vals = torch.tensor([b for b in range(256) if b not in (0x7F, 0xFF)], dtype=torch.uint8)
+    wb = torch.zeros(len(vals), 64, dtype=torch.uint8)
+    wb[torch.arange(len(vals)), 8 + torch.arange(len(vals)) % 4] = vals
+    y = fp8_linear_wo_fwd(torch.ones(1, 64, dtype=torch.bfloat16), wb.view(FP8), torch.ones(()), split=1,
+                          tiles=WoTiles(16, 64, 4, 1, 8, "shift", True))
+    out["exact:packed_e4m3_bytes_mismatches"] = float((y[0].float() != wb.view(FP8).float().sum(1)).sum())
     # the "pairs" expert scheme (bf16 z): 1 and 2 tokens, per-channel and per-expert scales, ragged tiles
     pairs = ExpertWo("pairs", WoTiles(16, 64, unpack="shift", prefetch=True), WoTiles(8, 32, unpack="shift"),
                      pair_max_tokens=2)
@@ -313,7 +321,8 @@ def interp_errors() -> dict:
         tag = f"N{N}_k{k}_{'pc' if pc else 'pt'}"
         y = moe_fp8_grouped(*args, weight_only=True, wo=pairs)
         out[f"bf16:experts_pairs_{tag}"] = rel(y, _expert_wo(args))
-        out[f"same:experts_pairs_vs_blocks_{tag}"] = rel(y, moe_fp8_grouped(*args, weight_only=True))
+        out[f"same:experts_pairs_vs_blocks_{tag}"] = rel(y, moe_fp8_grouped(*args, weight_only=True,
+                                                                            wo=EXPERT_WO_TILINGS["blocks"]))
     for N, k, pc in ((3, 2, True), (11, 3, False), (20, 2, True)):      # 20*2 pairs > 4E: 64-row W8A8 blocks
         args = _expert_case(N, 32, 32, 48, 8, k, pc)
         tag = f"N{N}_k{k}_{'pc' if pc else 'pt'}"
@@ -333,6 +342,7 @@ def test_fp8_kernels_interpreter(interp):
     assert max(fp32.values()) < FP32_BOUND, interp
     # same arithmetic, other kernel (fp32 sums in another order, then the same truncation): measured 0
     assert max(v for k, v in interp.items() if k.startswith("same:")) < FP32_BOUND, interp
+    assert interp["exact:packed_e4m3_bytes_mismatches"] == 0, interp
     assert interp["bf16:wo_M3"] < INTERP_BF16_BOUND, interp
     assert all(v < INTERP_BF16_BOUND for k, v in interp.items() if k.startswith("bf16:packed")), interp
     assert all(v < INTERP_BF16_CHAIN_BOUND for k, v in interp.items() if k.startswith("bf16:experts")), interp
@@ -410,7 +420,7 @@ def test_packed_gemv_widens_every_e4m3_byte_exactly_cuda(unpack):
     x = torch.ones(1, 64, dtype=torch.bfloat16, device="cuda")
     for pf in (False, True):
         y = fp8_linear_wo_fwd(x, wq, torch.ones((), device="cuda"), split=1, tiles=WoTiles(16, 64, 4, 1, 8, unpack, pf))
-        assert torch.equal(y.float(), wq.float()[:, 8:12].sum(1)), (unpack, pf)
+        assert torch.equal(y[0].float(), wq.float()[:, 8:12].sum(1)), (unpack, pf)
 
 
 @pytest.mark.cuda

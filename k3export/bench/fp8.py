@@ -11,6 +11,12 @@ thresholds (--sweep): the k3-small expert op at N tokens (weight-only vs W8A8) a
 pair at M rows (bf16 `F.linear`, weight-only, W8A8 = quantize + `_scaled_mm`), all CUDA-graph replays; last the
 prefill, the accuracy report (FP8 vs bf16, greedy over --report-tokens tokens) and its noise floor (bf16 vs
 --noise-dtype).
+
+--variants (with --no-model: the full-width work alone) times every named one-row linear launch
+(`fp8_kernels.GEMV_TILINGS`) at the pair's linear shapes and every weight-only expert scheme
+(`fp8_moe_kernels.EXPERT_WO_TILINGS`) at one token on the pair's FP8 bank, each checked against its reference,
+then the FP8 pair with the fastest launch and scheme within VARIANT_BOUND (alone and together); --profile adds
+per-kernel device times of the pair steps.
 """
 
 from __future__ import annotations
