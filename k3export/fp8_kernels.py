@@ -262,6 +262,8 @@ GEMV_TILINGS = {
     "p-n16k512-cvt-pf": WoTiles(16, 512, 4, 1, 8, "cvt", True),
     "p-n16k512-cvt-pf-c16": WoTiles(16, 512, 4, 1, 16, "cvt", True),
     "p-n8k512-cvt-pf": WoTiles(8, 512, 4, 1, 8, "cvt", True),
+    "p-n8k512-cvt-pf-c4": WoTiles(8, 512, 4, 1, 4, "cvt", True),      # not timed yet: fewer split-K sums
+    "p-n8k512-cvt-pf-c6": WoTiles(8, 512, 4, 1, 6, "cvt", True),      # not timed yet
     "p-n16k512-bits-pf": WoTiles(16, 512, 4, 1, 8, "bits", True),
     "p-n16k1024-cvt-pf": WoTiles(16, 1024, 4, 1, 8, "cvt", True),
     "p-n16k1024-cvt-pf-c16": WoTiles(16, 1024, 4, 1, 16, "cvt", True),
