@@ -103,9 +103,7 @@ def test_interpreter_suite():
 # Prefill launch configurations (kernels.prefill_config overrides): the default, and the state pass with V in two
 # blocks of 16 (at K3's V = 128 the default BV 64 is two blocks too).
 # "split": the intra work in two launches (kernels.INTRA_CONFIGS["split"]: gate and A_kk/A_qk, then UT and W/U);
-# "jloop": the A column blocks in a run-time loop (both kernels take it; here with the split).
-PREFILL_VARIANTS = {"default": {}, "two-V-blocks": dict(BV=16), "split": dict(intra="split"),
-                    "full-jloop": dict(j_loop=True), "split-jloop": dict(intra="split", j_loop=True)}
+PREFILL_VARIANTS = {"default": {}, "two-V-blocks": dict(BV=16), "split": dict(intra="split")}
 
 
 @interpreted
@@ -176,9 +174,9 @@ def test_intra_variant_by_env(monkeypatch):
     an unknown name is an error naming the known ones."""
     from k3export.plugins.kda import trt
 
-    monkeypatch.setenv("K3_KDA_INTRA", "split-a16-wu4r168")
+    monkeypatch.setenv("K3_KDA_INTRA", "split-a4-wu4r168")
     cfg = kernels.prefill_config(128, 128)
-    assert (cfg["intra"], cfg["intra_warps"], cfg["j_loop"], cfg["wu_warps"]) == ("split", 16, True, 4)
+    assert (cfg["intra"], cfg["intra_warps"], cfg["wu_warps"]) == ("split", 4, 4)
     intra, _ = trt.prefill_launches(1, 64, 2, 128, 128, torch.bfloat16)
     assert intra.kernel.name.startswith("kda_prefill_intra_fwd_kernel") and intra.block[0] == 32 * 8
     monkeypatch.setenv("K3_KDA_INTRA", "nope")

@@ -317,6 +317,24 @@ def sweep_decode(batches, H: int, copy_gbs: float, deadline: float, K: int = 128
     return rows
 
 
+def kernel_us(call, reps: int = 5) -> dict:
+    """Mean microseconds per call of each CUDA kernel `call` launches (torch.profiler, after warm-up)."""
+    from collections import defaultdict
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            call()
+        torch.cuda.synchronize()
+    us = defaultdict(float)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            us[e.name[:70]] += e.device_time / reps
+    return {k: round(v, 1) for k, v in sorted(us.items(), key=lambda kv: -kv[1])}
+
+
 def sweep_fla(res: dict, T: int, H: int, K: int = 128) -> None:
     """fla-core on the same inputs, last (its autotuning takes a minute or more on a fresh machine)."""
     from k3export.plugins.kda.op import kda_prefill
@@ -332,6 +350,15 @@ def sweep_fla(res: dict, T: int, H: int, K: int = 128) -> None:
         return {"o": _rel(o_f, o_ref), "state": _rel(S_f, S_ref), "ms": ms, "tflops": p["gflop"] / ms}
     p["fla_chunk_kda"] = _try(chunk)
     print("fla chunk_kda", p["fla_chunk_kda"], flush=True)
+    # Where each pipeline's time goes, per launch (fla's autotuning is done by now).
+    from k3export.plugins.kda import kernels
+    with torch.inference_mode():
+        p["kernel_us"] = {"fla chunk_kda": _try(lambda: kernel_us(_fla_chunk(args)))}
+    best = (p.get("best") or {}).get("intra")
+    for name in dict.fromkeys(["split-wu4r168"] + ([best] if best else [])):
+        p["kernel_us"][f"ours {name}"] = _try(
+            lambda: kernel_us(lambda: kernels.kda_prefill_fwd(*args, config=INTRA_VARIANTS[name])))
+    print("kernel us", json.dumps(p["kernel_us"], indent=1), flush=True)
     for row in res["decode"]:
         if "skipped" in row:
             continue

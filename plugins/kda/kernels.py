@@ -26,10 +26,13 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from ..launch import launch
 from .op import CHUNK, kda_decode, kda_prefill
 
+# libdevice's approximate division in the akk kernel's gate (GPU); the interpreter has no libdevice.
+FAST_MATH = os.environ.get("TRITON_INTERPRET") != "1"
 BC = 16  # sub-tile rows: 16 steps of a gate > -5 decay by less than e^80, finite in fp32
 
 
@@ -60,27 +63,53 @@ def _a_column_block(b_q, b_k, b_G, J, b_Aqk, b_A, low_dtype, BT: tl.constexpr, B
 
 @triton.jit
 def _a_products(b_q, b_k, b_G, low_dtype, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr,
-                LOW: tl.constexpr, J_LOOP: tl.constexpr):
-    """A_qk and A_kk ([BT, BT] fp32, before masking) from q, k, Gam [BT, BK] by column blocks of BC rows;
-    J_LOOP: the blocks in a run-time loop (fewer registers: ptxas sm_90a, 8 warps, intra kernel: 76 B spilled
-    instead of 352) instead of unrolled."""
+                LOW: tl.constexpr):
+    """A_qk and A_kk ([BT, BT] fp32, before masking) from q, k, Gam [BT, BK] by column blocks of BC rows (the
+    one-launch kernel's; a run-time loop over the blocks spilled less but was slower on the H200: 2.90 vs 2.41 ms)."""
     b_Aqk = tl.zeros((BT, BT), dtype=tl.float32)
     b_A = tl.zeros((BT, BT), dtype=tl.float32)
-    if J_LOOP:
-        for J in range(0, BT // BC):
-            b_Aqk, b_A = _a_column_block(b_q, b_k, b_G, J, b_Aqk, b_A, low_dtype, BT, BC, PREC, LOW)
+    for J in tl.static_range(BT // BC):
+        b_Aqk, b_A = _a_column_block(b_q, b_k, b_G, J, b_Aqk, b_A, low_dtype, BT, BC, PREC, LOW)
+    return b_Aqk, b_A
+
+
+@triton.jit
+def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
+    return a0 + b0, a1 + b1, a2 + b2, a3 + b3
+
+
+@triton.jit
+def _block_rows(v0, v1, v2, v3, blk):
+    """[BT, BK] tile whose row i holds v_{blk(i)} (four [BK] vectors, one per BC-row block of the chunk)."""
+    return tl.where(blk[:, None] == 0, v0[None, :], tl.where(blk[:, None] == 1, v1[None, :],
+                    tl.where(blk[:, None] == 2, v2[None, :], v3[None, :])))
+
+
+@triton.jit
+def _a_block_ref(b_qE, b_kE, b_RT, blk, F, J: tl.constexpr, b_Aqk, b_A, low_dtype, PREC: tl.constexpr,
+                 LOW: tl.constexpr):
+    """Add column block J of A_qk and A_kk (few-exp path of `kda_prefill_akk_fwd_kernel`): the left factor
+    2^(G_i - c_J) = E_i F_i, with F_i = 2^(p_I - c_J) for row i of block I >= J and 0 above block J."""
+    r_J = tl.where(blk[None, :] == J, b_RT, 0.).to(b_RT.dtype)      # [BK, BT], already in the operand dtype
+    if LOW:
+        b_Aqk = tl.dot((b_qE * F).to(low_dtype), r_J, b_Aqk)
+        b_A = tl.dot((b_kE * F).to(low_dtype), r_J, b_A)
     else:
-        for J in tl.static_range(BT // BC):
-            b_Aqk, b_A = _a_column_block(b_q, b_k, b_G, J, b_Aqk, b_A, low_dtype, BT, BC, PREC, LOW)
+        b_Aqk = tl.dot(b_qE * F, r_J, b_Aqk, input_precision=PREC)
+        b_A = tl.dot(b_kE * F, r_J, b_A, input_precision=PREC)
     return b_Aqk, b_A
 
 
 @triton.jit
 def _qk_gate(q, k, f, b, v, A_log, dt_bias, tok, i_h, m_t, m_valid, H: tl.constexpr, K: tl.constexpr,
-             BK: tl.constexpr, LOWER: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
+             BK: tl.constexpr, LOWER: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, LOG2: tl.constexpr,
+             FAST_MATH: tl.constexpr):
     """One chunk's per-token inputs, fp32 [BT, BK]: q L2-normed and scaled by K^-1/2, k L2-normed, Gam = the
     in-chunk cumsum of the lower-bound gate (0 on padding rows: alpha = 1), beta [BT] (0 on padding rows), and
-    v [BT, BV] when V > 0 (else 0.), loaded after f as the full kernel always did (its instructions unchanged)."""
+    v [BT, BV] when V > 0 (else 0.), loaded after f as the full kernel always did (its instructions unchanged).
+    LOG2: Gam in log2 units (Gam / ln 2, for exp2) and the row norms as one rsqrt per row times a multiply
+    instead of a division per element. FAST_MATH (GPU only: the interpreter lacks libdevice): the gate's sigmoid
+    as 1 / (1 + 2^(-x log2 e)) with an approximate division (`__fdividef`, 2 ulp), 5 instructions instead of 12."""
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     p_k = tok[:, None] * (H * K) + i_h * K + o_k[None, :]
@@ -95,11 +124,21 @@ def _qk_gate(q, k, f, b, v, A_log, dt_bias, tok, i_h, m_t, m_valid, H: tl.conste
                       other=0.).to(tl.float32)
     b_beta = tl.sigmoid(tl.load(b + tok * H + i_h, mask=m_t, other=0.).to(tl.float32))
     b_beta = tl.where(m_valid, b_beta, 0.)
-    b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, 1) + 1e-6)[:, None] * (K ** -0.5)
-    b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, 1) + 1e-6)[:, None]
+    if LOG2:
+        b_q = b_q * (tl.rsqrt(tl.sum(b_q * b_q, 1) + 1e-6) * (K ** -0.5))[:, None]
+        b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-6)[:, None]
+    else:
+        b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, 1) + 1e-6)[:, None] * (K ** -0.5)
+        b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, 1) + 1e-6)[:, None]
     a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
     b_bias = tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.).to(tl.float32)
-    b_g = LOWER * tl.sigmoid(a * (b_f + b_bias[None, :]))
+    if FAST_MATH:
+        b_x = a * (b_f + b_bias[None, :])
+        b_g = (LOWER * 1.4426950408889634) * libdevice.fast_dividef(1., 1. + tl.exp2(b_x * -1.4426950408889634))
+    elif LOG2:
+        b_g = (LOWER * 1.4426950408889634) * tl.sigmoid(a * (b_f + b_bias[None, :]))
+    else:
+        b_g = LOWER * tl.sigmoid(a * (b_f + b_bias[None, :]))
     b_g = tl.where(m_valid[:, None] & m_k[None, :], b_g, 0.)
     return b_q, b_k, tl.cumsum(b_g, 0), b_beta, b_v
 
@@ -132,7 +171,6 @@ def kda_prefill_intra_fwd_kernel(
     w, u, qg, kd, aqk, gl,                            # outputs
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, LOWER: tl.constexpr, PREC: tl.constexpr, LOW: tl.constexpr,
-    J_LOOP: tl.constexpr,
 ):
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
@@ -149,7 +187,7 @@ def kda_prefill_intra_fwd_kernel(
 
     # Per-token inputs: [BT, BK] fp32.
     b_q, b_k, b_G, b_beta, b_v = _qk_gate(q, k, f, b, v, A_log, dt_bias, tok, i_h, m_t, m_valid, H, K, BK, LOWER,
-                                          V, BV)
+                                          V, BV, False, False)
 
     # A_kk, A_qk by column blocks J of BC rows, referenced to c_J = Gam at J's last row:
     # exp(Gam_i - Gam_j) = exp(Gam_i - c_J) * exp(c_J - Gam_j); the first factor is <= e^80 on the
@@ -158,7 +196,7 @@ def kda_prefill_intra_fwd_kernel(
     # Right operands are full [BT, BK] tiles with the rows outside block J zeroed. (Cutting [BC, BK] sub-tiles
     # with tl.reshape is 4x fewer MACs and exact under the interpreter, but gave a wrong U on the H200 with
     # Triton 3.6; cause not found.)
-    b_Aqk, b_A = _a_products(b_q, b_k, b_G, w.dtype.element_ty, BT, BC, PREC, LOW, J_LOOP)
+    b_Aqk, b_A = _a_products(b_q, b_k, b_G, w.dtype.element_ty, BT, BC, PREC, LOW)
     b_Aqk = tl.where(r_t[:, None] >= r_t[None, :], b_Aqk, 0.)
     tl.store(aqk + (i_bh * NT * BT + i_n * BT + r_t[:, None]).to(tl.int64) * BT + r_t[None, :],
              b_Aqk.to(aqk.dtype.element_ty))
@@ -186,7 +224,7 @@ def kda_prefill_akk_fwd_kernel(
     T,                                                # scalar: padded tokens per sequence
     w, qg, kd, aqk, gl, akk,                          # outputs (w: beta exp(Gam) K, for kda_prefill_wu_fwd_kernel)
     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    LOWER: tl.constexpr, PREC: tl.constexpr, LOW: tl.constexpr, J_LOOP: tl.constexpr,
+    LOWER: tl.constexpr, PREC: tl.constexpr, LOW: tl.constexpr, FAST_MATH: tl.constexpr,
 ):
     """First of the two launches of the split intra variant (`prefill_config(...)["intra"] == "split"`): the
     gate, Gam and A_kk / A_qk of `kda_prefill_intra_fwd_kernel`, same arithmetic, with every per-token store
@@ -208,18 +246,49 @@ def kda_prefill_akk_fwd_kernel(
     row = (i_bh * NT * BT + i_n * BT + r_t).to(tl.int64)                 # [BT] in [B*H*NT*BT]
 
     b_q, b_k, b_G, b_beta, _ = _qk_gate(q, k, f, b, None, A_log, dt_bias, tok, i_h, m_t, m_valid, H, K, BK, LOWER,
-                                        0, 16)
+                                        0, 16, True, FAST_MATH)
 
-    b_eG = tl.exp(b_G)
-    G_last = tl.sum(tl.where(r_t[:, None] == BT - 1, b_G, 0.), 0)                     # [BK]
     p_o = row[:, None] * K + o_k[None, :]
+    # Gam is in log2 units here (b_G = Gam / ln 2). Two [BT, BK] exp2s instead of ten exps: with c_m = b_G at
+    # block m's last row, p_I = c_{I-1} (c_{-1} = 0) for row i of block I, a_m = 2^(c_m - c_{m-1}) <= 1 and
+    # ai_m = 1 / a_m <= e^80 (16 gates >= -5):
+    #   E_i = 2^(G_i - p_I) in [e^-80, 1],  R_j = k_j 2^(c_J - G_j) <= k_j  (J the block of row j),
+    #   exp(Gam_i) = E_i a_0..a_{I-1},  exp(Gam_last - Gam_i) = 2^(c_I - G_i) a_{I+1}..a_3,
+    #   2^(G_i - c_J) = E_i 2^(p_I - c_J): ai_J for I = J, 1 for I = J + 1, a_{J+1}..a_{I-1} beyond.
+    # Every factor but ai is <= 1, so a product that underflows is below e^-87 in exact arithmetic too.
+    tl.static_assert(BT // BC == 4)
+    blk = r_t // BC
+    last = r_t[:, None] % BC == BC - 1                                               # [BT, 1]
+    c0, c1, c2, c3 = tl.reduce((tl.where(last & (blk[:, None] == 0), b_G, 0.),       # [BK] each, one reduction
+                                tl.where(last & (blk[:, None] == 1), b_G, 0.),
+                                tl.where(last & (blk[:, None] == 2), b_G, 0.),
+                                tl.where(last & (blk[:, None] == 3), b_G, 0.)), 0, _add4)  # c3: Gam_last / ln 2
+    zero = tl.zeros_like(c0)
+    one = zero + 1.
+    a0, a1, a2, a3 = tl.exp2(c0), tl.exp2(c1 - c0), tl.exp2(c2 - c1), tl.exp2(c3 - c2)
+    ai0, ai1, ai2, ai3 = tl.exp2(-c0), tl.exp2(c0 - c1), tl.exp2(c1 - c2), tl.exp2(c2 - c3)
+    b_E = tl.exp2(b_G - _block_rows(zero, c0, c1, c2, blk))
+    b_R = b_k * tl.exp2(_block_rows(c0, c1, c2, c3, blk) - b_G)
+    b_eG = b_E * _block_rows(one, a0, a0 * a1, a0 * a1 * a2, blk)
+    b_kd = b_R * _block_rows(a1 * a2 * a3, a2 * a3, a3, one, blk)
     tl.store(qg + p_o, (b_eG * b_q).to(qg.dtype.element_ty), mask=m_k[None, :])
-    tl.store(kd + p_o, (tl.exp(G_last[None, :] - b_G) * b_k).to(kd.dtype.element_ty), mask=m_k[None, :])
+    tl.store(kd + p_o, b_kd.to(kd.dtype.element_ty), mask=m_k[None, :])
     tl.store(w + p_o, (b_beta[:, None] * b_eG * b_k).to(w.dtype.element_ty), mask=m_k[None, :])
-    tl.store(gl + (i_bh * NT + i_n).to(tl.int64) * K + o_k, G_last, mask=m_k)
-
-    # A_kk, A_qk by column blocks J, as kda_prefill_intra_fwd_kernel.
-    b_Aqk, b_A = _a_products(b_q, b_k, b_G, w.dtype.element_ty, BT, BC, PREC, LOW, J_LOOP)
+    tl.store(gl + (i_bh * NT + i_n).to(tl.int64) * K + o_k, c3 * 0.6931471805599453, mask=m_k)
+    b_qE = b_q * b_E
+    b_kE = b_k * b_E
+    b_RT = tl.trans(b_R).to(w.dtype.element_ty if LOW else tl.float32)              # [BK, BT], as _mm rounds it
+    b_Aqk = tl.zeros((BT, BT), dtype=tl.float32)
+    b_A = tl.zeros((BT, BT), dtype=tl.float32)
+    dt = w.dtype.element_ty
+    b_Aqk, b_A = _a_block_ref(b_qE, b_kE, b_RT, blk, _block_rows(ai0, one, a1, a1 * a2, blk), 0, b_Aqk, b_A,
+                              dt, PREC, LOW)
+    b_Aqk, b_A = _a_block_ref(b_qE, b_kE, b_RT, blk, _block_rows(zero, ai1, one, a2, blk), 1, b_Aqk, b_A,
+                              dt, PREC, LOW)
+    b_Aqk, b_A = _a_block_ref(b_qE, b_kE, b_RT, blk, _block_rows(zero, zero, ai2, one, blk), 2, b_Aqk, b_A,
+                              dt, PREC, LOW)
+    b_Aqk, b_A = _a_block_ref(b_qE, b_kE, b_RT, blk, _block_rows(zero, zero, zero, ai3, blk), 3, b_Aqk, b_A,
+                              dt, PREC, LOW)
     b_Aqk = tl.where(r_t[:, None] >= r_t[None, :], b_Aqk, 0.)
     tl.store(aqk + row[:, None] * BT + r_t[None, :], b_Aqk.to(aqk.dtype.element_ty))
     b_A = tl.where(r_t[:, None] > r_t[None, :], b_A * b_beta[:, None], 0.)
@@ -409,13 +478,17 @@ def prefill_config(K: int, V: int) -> dict:
     (two launches: gate and A_kk/A_qk at 8 warps, then the UT transform and W/U at 4 warps capped at 168
     registers, three programs per SM) 2.19 ms vs `full` 2.41 ms, end to end 2.89 vs 3.10 ms, errors identical
     (o 4.38e-3, state 2.86e-3); fla's chunk_kda 2.62 ms in the same run. The prefill `cuda` tests passed with it
-    (7/7, K3_KDA_INTRA=split-wu4r168): the default at K = V = 128. Slower there: `split` (8-warp second launch)
-    2.67, `split-wu8r128` 2.64, `full-jloop` 2.90, `split-a16` 3.62, `split-a16-wu4r168` 3.12 ms.
+    (7/7, K3_KDA_INTRA=split-wu4r168): the default at K = V = 128. Slower there: an 8-warp second launch 2.67,
+    8 warps capped at 128 2.64, `full` with a run-time J loop 2.90, a 16-warp first launch 3.12-3.62 ms.
+    2026-11-30 03:22 (same shape and command): the first launch rewritten with exp2 and per-block references (two
+    [BT, BK] exp2s instead of ten exps, vector factors for the rest): the pair 2.04 vs 2.19 ms, end to end 2.74 ms
+    (fla 2.63 in the same call), errors the same to 3 digits; the 4-warp first launch 2.09, capped at 128 registers
+    3.54 ms; the cuda prefill tests passed with it (7/7).
     `intra_stages` / `intra_maxnreg`: the intra launch's pipeline stages and register cap."""
     big = max(K, V) >= 64
     cfg = dict(BT=CHUNK, BK=_pow2(K), BV_intra=_pow2(V), BV=min(_pow2(V), 64), intra_warps=8 if big else 4,
                low_ab=True, state_warps=4, state_stages=1, intra="full", intra_stages=1, intra_maxnreg=None,
-               j_loop=False, wu_warps=8, wu_maxnreg=None)
+               wu_warps=8, wu_maxnreg=None)
     if big:
         cfg.update(INTRA_CONFIGS["split-wu4r168"])
     name = os.environ.get("K3_KDA_INTRA")
@@ -427,20 +500,16 @@ def prefill_config(K: int, V: int) -> dict:
 
 
 # Named intra-launch variants (prefill_config overrides; env K3_KDA_INTRA=<name> selects one for the op and the
-# tests). "full": `kda_prefill_intra_fwd_kernel`, one launch; "split": `kda_prefill_akk_fwd_kernel` (gate, A_kk,
-# A_qk; `intra_warps`) then `kda_prefill_wu_fwd_kernel` (UT transform, W, U; `wu_warps`, `wu_maxnreg`).
-# "jloop" / "a16": the A column blocks in a run-time loop (`j_loop`), which at 16 warps fits akk in 128 registers
-# without spills. ptxas sm_90a (offline, triton 3.9), registers / spill stores: full 8w 255 / 352 B, full jloop 8w
-# 255 / 76 B; akk 8w 255 / 0, akk jloop 16w 128 / 0; wu 8w 170 / 0, wu 8w cap 128 / 268 B, wu 4w cap 168 / 0
-# (three programs per SM).
+# tests). "full": `kda_prefill_intra_fwd_kernel`, one launch (the AOT contract's); "split*":
+# `kda_prefill_akk_fwd_kernel` (gate, A_kk, A_qk; `intra_warps`) then `kda_prefill_wu_fwd_kernel` (UT transform, W,
+# U; `wu_warps`, `wu_maxnreg`). Variants measured slower on the H200 and removed (docs/perf.md, 2026-11-30): the
+# full kernel with a run-time J loop, 8-warp and 128-register second launches, 16-warp first launches, a 128-register
+# cap on the first launch. ptxas sm_90a (offline, triton 3.9), registers / spill stores: full 8w 255 / 352 B;
+# akk 8w 255 / 12 B, akk 4w 255 / 1.9 KB (two programs per SM); wu 4w cap 168 / 0 (three programs per SM).
 INTRA_CONFIGS = {
-    "full": dict(intra="full", intra_warps=8, j_loop=False),
-    "full-jloop": dict(intra="full", intra_warps=8, j_loop=True),
-    "split": dict(intra="split", intra_warps=8, wu_warps=8),
+    "full": dict(intra="full", intra_warps=8),
     "split-wu4r168": dict(intra="split", intra_warps=8, wu_warps=4, wu_maxnreg=168),
-    "split-wu8r128": dict(intra="split", intra_warps=8, wu_warps=8, wu_maxnreg=128),
-    "split-a16": dict(intra="split", intra_warps=16, j_loop=True, wu_warps=8),
-    "split-a16-wu4r168": dict(intra="split", intra_warps=16, j_loop=True, wu_warps=4, wu_maxnreg=168),
+    "split-a4-wu4r168": dict(intra="split", intra_warps=4, wu_warps=4, wu_maxnreg=168),
 }
 
 
@@ -453,8 +522,7 @@ def intra_kernel(cfg: dict, K: int, V: int, dtype: torch.dtype, lower_bound: flo
         raise ValueError(f"prefill config: unknown intra kernel {cfg['intra']!r} (full, split)")
     return kda_prefill_intra_fwd_kernel, dict(K=K, V=V, BK=cfg["BK"], BV=cfg["BV_intra"], BT=cfg["BT"], BC=BC,
                                               LOWER=float(lower_bound), PREC=_prec(dt),
-                                              LOW=bool(cfg["low_ab"]) and dt == torch.bfloat16,
-                                              J_LOOP=bool(cfg["j_loop"]))
+                                              LOW=bool(cfg["low_ab"]) and dt == torch.bfloat16)
 
 
 def decode_config(K: int, W: int) -> dict:
@@ -517,7 +585,7 @@ def prefill_intra_fwd(q, k, v, f, b, A_log, dt_bias, lengths, lower_bound: float
         q, k, f, b, A_log.contiguous(), dt_bias.contiguous(), lengths, T,
         out["w"], out["qg"], out["kd"], out["aqk"], out["gl"], akk,
         H=H, K=K, BK=cx["BK"], BT=BT, BC=BC, LOWER=cx["LOWER"], PREC=cx["PREC"], LOW=cx["LOW"],
-        J_LOOP=cx["J_LOOP"], **opts)
+        FAST_MATH=FAST_MATH, **opts)
     launch(kda_prefill_wu_fwd_kernel)[(NT, B * H)](
         v, b, lengths, T, akk, out["w"], out["u"],
         H=H, K=K, V=V, BK=cx["BK"], BV=cx["BV"], BT=BT, BC=BC, PREC=cx["PREC"], LOW=cx["LOW"],
