@@ -262,8 +262,8 @@ GEMV_TILINGS = {
     "p-n16k512-cvt-pf": WoTiles(16, 512, 4, 1, 8, "cvt", True),
     "p-n16k512-cvt-pf-c16": WoTiles(16, 512, 4, 1, 16, "cvt", True),
     "p-n8k512-cvt-pf": WoTiles(8, 512, 4, 1, 8, "cvt", True),
-    "p-n8k512-cvt-pf-c4": WoTiles(8, 512, 4, 1, 4, "cvt", True),      # not timed yet: fewer split-K sums
-    "p-n8k512-cvt-pf-c6": WoTiles(8, 512, 4, 1, 6, "cvt", True),      # not timed yet
+    "p-n8k512-cvt-pf-c4": WoTiles(8, 512, 4, 1, 4, "cvt", True),      # fewer K slices: fewer split-K sums
+    "p-n8k512-cvt-pf-c6": WoTiles(8, 512, 4, 1, 6, "cvt", True),
     "p-n16k512-bits-pf": WoTiles(16, 512, 4, 1, 8, "bits", True),
     "p-n16k1024-cvt-pf": WoTiles(16, 1024, 4, 1, 8, "cvt", True),
     "p-n16k1024-cvt-pf-c16": WoTiles(16, 1024, 4, 1, 16, "cvt", True),
@@ -274,7 +274,10 @@ GEMV_TILINGS = {
 # linear shapes of the full-width pair, us per GEMM back to back in one graph, summed: p-n8k512-cvt-pf 150.4,
 # p-n16k512-cvt-pf 154.6, p-n16k512-shift 155.1, the byte kernel n16k512 164.0 (bf16 F.linear 225.8); in the
 # FP8 layer pair 0.571 / 0.573 ms with it vs 0.589 / 0.600 (MLA + MoE / KDA + MoE, experts unchanged).
-GEMV = GEMV_TILINGS["p-n8k512-cvt-pf"]
+# 2026-11-30 03:45 (same command): p-n8k512-cvt-pf-c4 (4 CTAs per SM: fewer K slices to sum) 137.7 summed,
+# -c6 140.5, p-n8k512-cvt-pf 150.6 (bf16 229.7); the pair 0.477 / 0.479 ms with it and the pairs experts vs
+# 0.495 / 0.498 ms (bf16 0.714 / 0.771); every named launch passed its cuda test in that call.
+GEMV = GEMV_TILINGS["p-n8k512-cvt-pf-c4"]
 BYTE_GEMV = GEMV_TILINGS["n16k512"]            # the byte kernel's one-row launch where the packed one cannot run
 DOT_TILE = WoTiles(32, 256, 4, 4, 4)           # 2..MAX_M rows (tl.dot of x against the widened tile)
 MAX_M = 64           # rows the weight-only kernel takes (tl.dot blocks of up to 64 rows)

@@ -3,7 +3,7 @@
 # /tmp/site, editable install). Then, each part under its own time limit, logs under $OUT as they go:
 #   1. scripts/kda_warm.py, one process per prefill variant in parallel: compile (Triton's disk cache is shared),
 #      run once at B=1, T=8192, H=96 against the eager reference (result to $KDA_CHECK_DIR), then compile the
-#      K-blocked intra variants at the cuda tests' shapes too. A variant that faults ends only its own process
+#      intra variants at the cuda tests' shapes too. A variant that faults ends only its own process
 #      (an illegal memory access ends a process's CUDA context for good);
 #   2. our prefill variants that passed 1 (`k3export bench kda --sweep --phases prefill --checked`): each intra
 #      launch and state pass timed alone and checked end to end, then the fastest within bounds combined;

@@ -174,9 +174,9 @@ def test_intra_variant_by_env(monkeypatch):
     an unknown name is an error naming the known ones."""
     from k3export.plugins.kda import trt
 
-    monkeypatch.setenv("K3_KDA_INTRA", "split-a4-wu4r168")
+    monkeypatch.setenv("K3_KDA_INTRA", "split-wu4r168")
     cfg = kernels.prefill_config(128, 128)
-    assert (cfg["intra"], cfg["intra_warps"], cfg["wu_warps"]) == ("split", 4, 4)
+    assert (cfg["intra"], cfg["intra_warps"], cfg["wu_warps"]) == ("split", 8, 4)
     intra, _ = trt.prefill_launches(1, 64, 2, 128, 128, torch.bfloat16)
     assert intra.kernel.name.startswith("kda_prefill_intra_fwd_kernel") and intra.block[0] == 32 * 8
     monkeypatch.setenv("K3_KDA_INTRA", "nope")
@@ -184,7 +184,7 @@ def test_intra_variant_by_env(monkeypatch):
         kernels.prefill_config(128, 128)
     monkeypatch.delenv("K3_KDA_INTRA")
     cfg = kernels.prefill_config(128, 128)                  # the default at K3's head dims: split, measured fastest
-    assert (cfg["intra"], cfg["intra_warps"], cfg["wu_warps"], cfg["wu_maxnreg"]) == ("split", 8, 4, 168)
+    assert (cfg["intra"], cfg["intra_warps"], cfg["wu_warps"], cfg["wu_maxnreg"]) == ("split", 4, 4, 168)
     assert kernels.prefill_config(16, 16)["intra"] == "full"
 
 

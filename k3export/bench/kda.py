@@ -175,13 +175,14 @@ DECODE_BOUND = {"o": 1e-3, "state": 1e-5}                 # DECODE_O_BOUND[bf16]
 # (on the default intra launch's intermediates), both checked end to end (with the default of the other launch);
 # then the fastest of each that is within bounds, combined, end to end. Kernel variants tried on the H200 and
 # dropped (sub-tiled / column-block intra kernels, fla's split state pass) are in docs/perf.md.
-# Intra launches: kernels.INTRA_CONFIGS ("full": one launch, the default; "split*": two launches, the second's
-# warps "wu4"/"wu8" and register cap "r"). The same names select a variant for the op through env K3_KDA_INTRA
-# (scripts/gpu_kda.sh runs the cuda tests with the fastest non-default one). The K-blocked kernel and "full" at 4
-# or 16 warps lost on the H200 (docs/perf.md) and are no longer swept.
+# Intra launches: kernels.INTRA_CONFIGS ("full": one launch, the AOT contract's; "split*": two launches, the first's
+# warps "a4" (4; else 8), the second's "wu4" and register cap "r"; the default at K = V = 128 is split-a4-wu4r168).
+# The same names select a variant for the op through env K3_KDA_INTRA (scripts/gpu_kda.sh runs the cuda tests with
+# the fastest non-"full" one). Variants that lost on the H200 are in docs/perf.md and no longer swept.
 INTRA_VARIANTS = dict(INTRA_CONFIGS)
-# State pass: BV 32 in one stage gives wrong outputs on the H200; BV 64 in 2 stages (0.84 ms) and BV 128 / 8 warps
-# (0.85 ms) lost to the default (0.70 ms) on 2026-11-30 00:42 and 01:00, and are no longer swept.
+# State pass: BV 32 in one stage gives wrong outputs on the H200; BV 64 in 2 stages (0.84 ms), BV 128 / 8 warps
+# (0.85 ms; 2 stages 0.76 ms) and a next-chunk line prefetch (1.05 ms) lost to the default (0.70 ms) on 2026-11-30,
+# and are no longer swept.
 STATE_VARIANTS = {
     "BV64 s1": {},                                        # the default
 }
@@ -355,7 +356,7 @@ def sweep_fla(res: dict, T: int, H: int, K: int = 128) -> None:
     with torch.inference_mode():
         p["kernel_us"] = {"fla chunk_kda": _try(lambda: kernel_us(_fla_chunk(args)))}
     best = (p.get("best") or {}).get("intra")
-    for name in dict.fromkeys(["split-wu4r168"] + ([best] if best else [])):
+    for name in dict.fromkeys(["split-a4-wu4r168"] + ([best] if best else [])):
         p["kernel_us"][f"ours {name}"] = _try(
             lambda: kernel_us(lambda: kernels.kda_prefill_fwd(*args, config=INTRA_VARIANTS[name])))
     print("kernel us", json.dumps(p["kernel_us"], indent=1), flush=True)
