@@ -275,7 +275,7 @@ GEMV_TILINGS = {
 # p-n16k512-cvt-pf 154.6, p-n16k512-shift 155.1, the byte kernel n16k512 164.0 (bf16 F.linear 225.8); in the
 # FP8 layer pair 0.571 / 0.573 ms with it vs 0.589 / 0.600 (MLA + MoE / KDA + MoE, experts unchanged).
 # 2026-11-30 03:45 (same command): p-n8k512-cvt-pf-c4 (4 CTAs per SM: fewer K slices to sum) 137.7 summed,
-# -c6 140.5, p-n8k512-cvt-pf 150.6 (bf16 229.7); the pair 0.477 / 0.479 ms with it and the pairs experts vs
+# -c6 140.5, p-n8k512-cvt-pf 150.6 (bf16 229.7); the pair 0.478 / 0.482 ms with it (experts default) vs
 # 0.495 / 0.498 ms (bf16 0.714 / 0.771); every named launch passed its cuda test in that call.
 GEMV = GEMV_TILINGS["p-n8k512-cvt-pf-c4"]
 BYTE_GEMV = GEMV_TILINGS["n16k512"]            # the byte kernel's one-row launch where the packed one cannot run
