@@ -168,6 +168,27 @@ def test_aot_decode_contract_compiles_on_cpu():
     assert ".maxnreg 168" in k3.kernel.ptx and ".maxnreg" not in launch.kernel.ptx
 
 
+def test_default_split_kernels_compile_for_sm90_on_cpu():
+    """The default split intra launches as the GPU runs them compile to sm_90 PTX here: FAST_MATH (libdevice's
+    approximate division in the gate) cannot run under the interpreter, whose tests take the tl.sigmoid path, so
+    this is the CPU suite's only check of that path; its numerics are checked by the cuda tests."""
+    from k3export.plugins.aot import compile_ptx
+
+    cfg = kernels.prefill_config(128, 128)
+    ptr = {"q": "*bf16", "k": "*bf16", "f": "*bf16", "b": "*bf16", "A_log": "*fp32", "dt_bias": "*fp32",
+           "lengths": "*i64", "T": "i32", "w": "*bf16", "qg": "*bf16", "kd": "*bf16", "aqk": "*bf16", "gl": "*fp32",
+           "akk": "*fp32"}
+    cx = dict(H=96, K=128, BK=128, BT=64, BC=kernels.BC, LOWER=-5.0, PREC="tf32", LOW=True, FAST_MATH=True)
+    akk = compile_ptx(kernels.kda_prefill_akk_fwd_kernel, {**ptr, **{n: "constexpr" for n in cx}}, cx,
+                      num_warps=cfg["intra_warps"])
+    assert ".target sm_90" in akk.ptx and "div.approx" in akk.ptx       # the gate's fast division is in
+    wu_ptr = {"v": "*bf16", "b": "*bf16", "lengths": "*i64", "T": "i32", "akk": "*fp32", "w": "*bf16", "u": "*bf16"}
+    wcx = dict(H=96, K=128, V=128, BK=128, BV=128, BT=64, BC=kernels.BC, PREC="tf32", LOW=True)
+    wu = compile_ptx(kernels.kda_prefill_wu_fwd_kernel, {**wu_ptr, **{n: "constexpr" for n in wcx}}, wcx,
+                     num_warps=cfg["wu_warps"], maxnreg=cfg["wu_maxnreg"])
+    assert ".maxnreg 168" in wu.ptx
+
+
 def test_intra_variant_by_env(monkeypatch):
     """K3_KDA_INTRA=<name of kernels.INTRA_CONFIGS> selects the intra launch(es) of the op (scripts/gpu_kda.sh runs
     the cuda tests that way); the AOT contract keeps the one-launch kernel (a plugin is one launch, no workspace);
