@@ -8,8 +8,8 @@ Prefill runs over right-padded `[B, T, H, K]` inputs, chunk BT = 64, in two stag
      A_qk (compute dtype) and Gam_C (fp32). At K = V = 128 (the default, "split-a4-wu4r168"): two launches,
      `kda_prefill_akk_fwd_kernel` (gate, Gam, A_kk / A_qk, the per-token stores; exp2 with per-block references,
      4 warps) then `kda_prefill_wu_fwd_kernel` (UT transform, W, U), joined by an fp32 A_kk scratch; 1.77 vs
-     2.41 ms on the H200, end to end 2.485 ms vs fla's chunk_kda 2.622 ms (prefill_config). "full": one launch, `kda_prefill_intra_fwd_kernel` (the AOT contract's kernel: a
-     plugin is one launch without workspace).
+     2.41 ms on the H200, end to end 2.485 ms vs fla's chunk_kda 2.622 ms (prefill_config). "full": one launch,
+     `kda_prefill_intra_fwd_kernel` (the AOT contract's kernel: a plugin is one launch without workspace).
   2. `kda_prefill_fwd_kernel`, one program per (V block, sequence*head), chunks in order: the inter-chunk state
      pass Vn = U - W S, O = exp(Gam) Q S + A_qk Vn, S <- exp(Gam_C) S + (exp(Gam_C - Gam) K)^T Vn, fp32 state.
 Decode is one launch, `kda_decode_fwd_kernel`, one program per (sequence, head) holding its [K, V] state.
@@ -88,7 +88,7 @@ def _block_rows(v0, v1, v2, v3, blk):
 @triton.jit
 def _a_block_ref(b_qE, b_kE, b_RT, blk, F, J: tl.constexpr, b_Aqk, b_A, low_dtype, PREC: tl.constexpr,
                  LOW: tl.constexpr):
-    """Add column block J of A_qk and A_kk (few-exp path of `kda_prefill_akk_fwd_kernel`): the left factor
+    """Add column block J of A_qk and A_kk in `kda_prefill_akk_fwd_kernel` (R^T given): the left factor
     2^(G_i - c_J) = E_i F_i, with F_i = 2^(p_I - c_J) for row i of block I >= J and 0 above block J."""
     r_J = tl.where(blk[None, :] == J, b_RT, 0.).to(b_RT.dtype)      # [BK, BT], already in the operand dtype
     if LOW:
@@ -279,7 +279,7 @@ def kda_prefill_akk_fwd_kernel(
     tl.store(gl + (i_bh * NT + i_n).to(tl.int64) * K + o_k, c3 * 0.6931471805599453, mask=m_k)
     b_qE = b_q * b_E
     b_kE = b_k * b_E
-    b_RT = tl.trans(b_R).to(w.dtype.element_ty if LOW else tl.float32)              # [BK, BT], as _mm rounds it
+    b_RT = tl.trans(b_R).to(w.dtype.element_ty if LOW else tl.float32)   # [BK, BT], rounded to the operand dtype once
     b_Aqk = tl.zeros((BT, BT), dtype=tl.float32)
     b_A = tl.zeros((BT, BT), dtype=tl.float32)
     dt = w.dtype.element_ty
