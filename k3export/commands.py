@@ -92,22 +92,32 @@ def load_model(checkpoint: str | None, preset: str | None, dtype: torch.dtype, d
 @click.option("--out", type=click.Path(file_okay=False), required=True, help="Checkpoint directory to write.")
 @click.option("--seed", type=int, default=DEFAULT_SEED, show_default=True, help="Weights are a function of it.")
 @dtype_option()
-def init(preset: str, out: str, seed: int, dtype: str) -> None:
+@click.option("--experts-format", type=click.Choice(["plain", "mxfp4-blocks", "mxfp4-packed"]), default="plain",
+              show_default=True, help="Routed experts in the model dtype, or in MXFP4 (as the release ships them) "
+              "in one of the two layouts the loader decodes; MXFP4 needs expert dims that are multiples of 32.")
+def init(preset: str, out: str, seed: int, dtype: str, experts_format: str) -> None:
     """Write a deterministic random checkpoint in the published layout (config.json + safetensors).
 
     The weights depend only on the preset and the seed; init scales keep activations O(1) through all layers.
     The full `k3` preset (2.8T parameters) cannot be materialised; use k3-tiny or k3-small."""
-    from k3export.model.weights import random_model, save_checkpoint
+    from k3export.model.weights import MXFP4_GROUP, random_model, save_checkpoint
     config = K3Config.from_name(preset)
     if preset == "k3":
         raise click.UsageError("the full k3 preset (~2.8T parameters) cannot be materialised; "
                                "use --preset k3-small or k3-tiny (`k3export shapes --preset k3` works on meta)")
+    fmt = None if experts_format == "plain" else experts_format
+    dims = (config.moe_intermediate_size, config.routed_expert_hidden_size)
+    if fmt and any(d % MXFP4_GROUP for d in dims):
+        raise click.UsageError(f"--experts-format {fmt}: {preset}'s expert matrices are {dims[0]} x {dims[1]}; "
+                               f"MXFP4 groups {MXFP4_GROUP} inputs, so both must be multiples of {MXFP4_GROUP} "
+                               "(k3-small's are)")
     t0 = time.perf_counter()
     model = random_model(config, seed=seed, dtype=DTYPES[dtype])
     n = sum(p.numel() for p in model.parameters())
-    files = save_checkpoint(model, Path(out))
+    files = save_checkpoint(model, Path(out), experts_format=fmt)
     size = sum(f.stat().st_size for f in files)
-    click.echo(f"wrote {preset} checkpoint ({n / 1e6:.2f}M parameters, {dtype}, seed {seed}) to {out}/ "
+    click.echo(f"wrote {preset} checkpoint ({n / 1e6:.2f}M parameters, {dtype}, seed {seed}"
+               f"{', routed experts ' + fmt if fmt else ''}) to {out}/ "
                f"[{', '.join(f.name for f in files)}; {size / 2**20:.1f} MiB] in {time.perf_counter() - t0:.1f}s")
 
 

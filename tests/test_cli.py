@@ -40,6 +40,13 @@ def test_init_refuses_full_model(tmp_path):
     assert r.exit_code != 0 and "cannot be materialised" in r.output and not (tmp_path / "x").exists()
 
 
+def test_init_mxfp4_experts_need_group_multiples(tmp_path):
+    """k3-tiny's experts (24 x 32) cannot be grouped by 32: refused up front, nothing written (the MXFP4 writer and
+    loader themselves are tested in tests/test_weights_mxfp4.py on a tiny config with 64 x 32 experts)."""
+    r = run("init", "--preset", "k3-tiny", "--out", str(tmp_path / "x"), "--experts-format", "mxfp4-blocks")
+    assert r.exit_code != 0 and "multiples of 32" in r.output and not (tmp_path / "x").exists()
+
+
 def test_shapes_full_k3_tp8():
     r = run("shapes", "--preset", "k3", "--tp", "8", "--tokens", "16")
     assert r.exit_code == 0
