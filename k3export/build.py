@@ -37,7 +37,7 @@ from k3export.commands import device_option, load_model
 from k3export.config import PRESETS, K3Config
 from k3export.export import state_layout
 from k3export.manifest import (atomic_write, checkpoint_fingerprint, file_sha256, library_versions, preset_fingerprint,
-                               replacing)
+                               replacing, save_tensors)
 
 FORMAT = "k3export.engine/1"
 BACKENDS = ("eager", "compile", "aoti", "tensorrt")
@@ -250,9 +250,8 @@ def _weights_key(manifest: dict) -> str:
 
 
 def _save_weights(model, path: Path) -> None:
-    from safetensors.torch import save_file
     with replacing(path) as tmp:
-        save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(tmp))
+        save_tensors({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, tmp)
 
 
 # ---------------------------------------------------------------------------------------------- opening

@@ -26,12 +26,12 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import Tensor, nn
 from tqdm import tqdm
 
 from k3export.fp8 import scale_from_amax, weight_amax
 from k3export.fp8_moe import expert_weight_scales
+from k3export.manifest import save_tensors
 from k3export.model.moe import ExpertBank, LatentMoE
 from k3export.plugins.moe.naive import route, situ_glu
 
@@ -330,7 +330,7 @@ def save_scales(path: str | Path, scales: dict[str, Tensor], receipt: dict) -> P
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     os.close(fd)
     try:
-        save_file(scales, tmp, metadata={"receipt": json.dumps(receipt, sort_keys=True)})
+        save_tensors(scales, tmp, metadata={"receipt": json.dumps(receipt, sort_keys=True)})
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

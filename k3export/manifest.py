@@ -53,6 +53,21 @@ def replacing(path: str | Path):
         tmp.unlink(missing_ok=True)
 
 
+def umask_mode(directory: bool = False) -> int:
+    """The mode a plain `open()` / `mkdir()` would give under the current umask (0644 / 0755 under 022)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return (0o777 if directory else 0o666) & ~mask
+
+
+def save_tensors(tensors: dict, path: str | Path, metadata: dict | None = None) -> None:
+    """safetensors' `save_file`, then the umask's file mode: `save_file` creates 0600 files, which a serving
+    process running as another user could not read."""
+    from safetensors.torch import save_file
+    save_file(tensors, str(path), metadata=metadata)
+    os.chmod(path, umask_mode())
+
+
 def atomic_write(path: str | Path, data: str | bytes) -> Path:
     """`path.write_text/write_bytes`, atomically (see `replacing`)."""
     with replacing(path) as tmp:

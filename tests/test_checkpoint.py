@@ -161,3 +161,22 @@ def test_quantized_experts_get_a_specific_error(tmp_path, ckpt):
     with pytest.raises(CheckpointError, match="stored quantized .*MXFP4.*dequantize") as e:
         K3Model.from_pretrained(out)
     assert "1 missing" in str(e.value) and key in str(e.value)
+
+
+def test_written_artifacts_follow_the_umask(tmp_path):
+    """Checkpoints (and every safetensors file the tool writes: engine weights, scales) get the modes a plain
+    open()/mkdir() would: safetensors' save_file alone makes 0600 files and mkdtemp a 0700 directory, which a
+    serving process running as another user could not read."""
+    import os
+    import stat
+    from k3export.manifest import save_tensors
+    old = os.umask(0o022)
+    try:
+        out = tmp_path / "ckpt"
+        save_checkpoint(random_model(K3Config.from_name("k3-tiny"), seed=0), out)
+        save_tensors({"a": torch.zeros(2)}, tmp_path / "scales.safetensors")
+    finally:
+        os.umask(old)
+    mode = lambda p: stat.S_IMODE(p.stat().st_mode)
+    assert mode(out) == 0o755 and mode(tmp_path / "scales.safetensors") == 0o644
+    assert {f.name: mode(f) for f in out.iterdir()} == {"config.json": 0o644, "model.safetensors": 0o644}

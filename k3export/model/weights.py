@@ -27,7 +27,8 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+
+from k3export.manifest import save_tensors, umask_mode
 
 PREFIX = "language_model."
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(\d+)\.(w[123])\.weight$")
@@ -322,12 +323,13 @@ def save_checkpoint(model: torch.nn.Module, out: Path, max_shard_bytes: int = 4 
         names = (["model.safetensors"] if len(shards) == 1 else
                  [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
         for name, shard in zip(names, shards):
-            save_file(shard, str(tmp / name), metadata={"format": "pt"})
+            save_tensors(shard, tmp / name, metadata={"format": "pt"})
         if len(shards) > 1:
             weight_map = {k: name for name, shard in zip(names, shards) for k in shard}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(
                 {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in sd.values())},
                  "weight_map": weight_map}, indent=2))
+        os.chmod(tmp, umask_mode(directory=True))            # mkdtemp made it 0700
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
