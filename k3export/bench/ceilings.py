@@ -17,6 +17,25 @@ def bench_ms(fn, rep: int = 100) -> float:
     return float(do_bench(fn, warmup=10, rep=rep, return_mode="median"))
 
 
+def kernel_times(call, reps: int = 5, warmup: int = 0) -> list[dict]:
+    """Device time per CUDA kernel name for one `call` (torch profiler over `reps` calls after `warmup`, L2 not
+    flushed), largest first: [{"kernel", "us", "count"}], us and count per call."""
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(warmup):
+        call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            call()
+        torch.cuda.synchronize()
+    rows = []
+    for ev in prof.key_averages():
+        us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if us:
+            rows.append({"kernel": ev.key, "us": us / reps, "count": ev.count / reps})
+    return sorted(rows, key=lambda r: -r["us"])
+
+
 @functools.lru_cache(maxsize=None)
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     """Bytes/s of a device-to-device copy (read + write counted) of nbytes."""

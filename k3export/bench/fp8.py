@@ -471,19 +471,9 @@ def expert_variants(moe, cfg, copies: int = 4) -> list[dict]:
 
 def kernel_profile(replay, reps: int = 5) -> list[dict]:
     """Device time per kernel name for one replay (torch profiler over reps replays, L2 not flushed), largest first."""
+    from k3export.bench.ceilings import kernel_times
     try:
-        from torch.profiler import ProfilerActivity, profile
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(reps):
-                replay()
-            torch.cuda.synchronize()
-        rows = []
-        for ev in prof.key_averages():
-            us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
-            if us:
-                rows.append({"kernel": ev.key[:120], "us": us / reps, "count": ev.count / reps})
-        return sorted(rows, key=lambda r: -r["us"])[:40]
+        return [{**r, "kernel": r["kernel"][:120]} for r in kernel_times(replay, reps)[:40]]
     except Exception as e:                                                        # noqa: BLE001 (reported)
         return [{"error": f"{type(e).__name__}: {str(e)[:200]}"}]
 

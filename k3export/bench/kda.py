@@ -22,7 +22,7 @@ import click
 import torch
 
 from k3export.bench import bench
-from k3export.bench.ceilings import bench_ms, copy_bandwidth   # median ms, as every bench
+from k3export.bench.ceilings import bench_ms, copy_bandwidth, kernel_times   # median ms, as every bench
 from k3export.plugins.kda.kernels import INTRA_CONFIGS
 
 
@@ -320,20 +320,7 @@ def sweep_decode(batches, H: int, copy_gbs: float, deadline: float, K: int = 128
 
 def kernel_us(call, reps: int = 5) -> dict:
     """Mean microseconds per call of each CUDA kernel `call` launches (torch.profiler, after warm-up)."""
-    from collections import defaultdict
-    from torch.profiler import ProfilerActivity, profile
-    for _ in range(3):
-        call()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            call()
-        torch.cuda.synchronize()
-    us = defaultdict(float)
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            us[e.name[:70]] += e.device_time / reps
-    return {k: round(v, 1) for k, v in sorted(us.items(), key=lambda kv: -kv[1])}
+    return {r["kernel"][:70]: round(r["us"], 1) for r in kernel_times(call, reps, warmup=3)}
 
 
 def sweep_fla(res: dict, T: int, H: int, K: int = 128) -> None:
