@@ -92,11 +92,10 @@ class CompileBackend(EagerBackend):
     patterns), at the cost of a second copy of the merged weights. Dynamo reads the `freezing` switch while it
     traces (it then keeps the weights as attributes, not graph inputs), so the calls run under
     `torch._inductor.config.patch(freezing=True)` (`torch.compile(options={"freezing": True})` froze nothing, torch
-    2.13). They trace their own wrapper functions and compile through their own backend object,
-    `_FrozenInductor`: on the H200 (torch 2.11, 2026-11-30 03:50) `compile-frozen` after `compile` of the same
-    model in one process reused the plain graph (no compile time, same step time): Dynamo's cache lives on the
-    traced code object and matched the default Inductor backend, whose wrappers compare equal for equal options.
-    torch 2.13 (CPU) did not reuse it; the wrappers make both versions compile a graph of their own."""
+    2.13), and they trace wrapper functions of their own: on the H200 (torch 2.11, 2026-11-30 03:50)
+    `compile-frozen` after `compile` of the same model in one process reused the plain graph (no compile time, same
+    step time). Dynamo's cache lives on the traced code object, and the default Inductor backend of both matched;
+    torch 2.13 (CPU) did not reuse it. With their own code objects the frozen calls cannot hit the plain entries."""
 
     name = "compile"
 
@@ -106,11 +105,10 @@ class CompileBackend(EagerBackend):
             import os
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(cache_dir).resolve() / "inductor-cache")
         self._freezing = None
-        how, fns = dict(mode=mode), (model.forward_prefill, model.forward_decode)
+        fns = (model.forward_prefill, model.forward_decode)
         if freezing:
             from torch._inductor import config
             self._freezing = config.patch(freezing=True)          # re-entered around every call
-            how = dict(backend=_FrozenInductor(mode))
 
             def frozen_prefill(*args):   # own code objects: Dynamo's cache lives on the code object it traces
                 return model.forward_prefill(*args)
@@ -118,8 +116,8 @@ class CompileBackend(EagerBackend):
             def frozen_decode(*args):
                 return model.forward_decode(*args)
             fns = (frozen_prefill, frozen_decode)
-        self._prefill = torch.compile(fns[0], dynamic=None, **how)   # static first, dynamic later
-        self._decode = torch.compile(fns[1], dynamic=False, **how)
+        self._prefill = torch.compile(fns[0], dynamic=None, mode=mode)   # static first, dynamic later
+        self._decode = torch.compile(fns[1], dynamic=False, mode=mode)
 
     def _call(self, fn, args):
         if self._freezing is None:
@@ -134,21 +132,6 @@ class CompileBackend(EagerBackend):
     @torch.no_grad()
     def decode(self, *args):
         return self._call(self._decode, args)
-
-
-class _FrozenInductor:
-    """A torch.compile backend of its own identity: Inductor with `freezing` (and `mode`'s options) patched in while
-    it compiles (see `CompileBackend`)."""
-
-    def __init__(self, mode: str | None = None):
-        from torch._inductor import list_mode_options
-        self.options = {**(list_mode_options(mode) if mode else {}), "freezing": True}
-
-    def __call__(self, gm, example_inputs):
-        from torch._inductor import config
-        from torch._inductor.compile_fx import compile_fx
-        with config.patch(self.options):
-            return compile_fx(gm, example_inputs)
 
 
 # ---------------------------------------------------------------------------------------------- the engine
