@@ -33,6 +33,7 @@ from k3export.fp8 import scale_from_amax, weight_amax
 from k3export.fp8_moe import expert_weight_scales
 from k3export.manifest import save_tensors
 from k3export.model.moe import ExpertBank, LatentMoE
+from k3export.model.packing import unpacked
 from k3export.plugins.moe.naive import route, situ_glu
 
 RECIPES = Path(__file__).resolve().parent.parent / "calibration" / "recipes"
@@ -215,10 +216,12 @@ def calibrate(model: nn.Module, recipe: Recipe, batches: list[Tensor], progress:
         z_obs, h_obs = mk(name + ".w13_input"), mk(name + ".w2_input")
         handles += _observe_experts(moe, z_obs, h_obs)
     try:
-        for ids in tqdm(batches, desc="calibrate", unit="batch", disable=not progress):
-            logits = model(ids.to(model.device))
-            if not bool(torch.isfinite(logits).all()):
-                raise CalibrationError("non-finite logits (lm_head output) although every GEMM input was finite")
+        with unpacked(model):                      # the hooks sit on the checkpoint's own linears
+            for ids in tqdm(batches, desc="calibrate", unit="batch", disable=not progress):
+                logits = model(ids.to(model.device))
+                if not bool(torch.isfinite(logits).all()):
+                    raise CalibrationError("non-finite logits (lm_head output) although every GEMM input was "
+                                           "finite")
     finally:
         for h in handles:
             h.remove()

@@ -61,6 +61,7 @@ from torch.export import Dim
 from k3export.config import PRESETS, K3Config
 from k3export.manifest import FORMAT, MANIFEST, dtype_name, file_sha256, library_versions, replacing, write_manifest
 from k3export.model import K3Model
+from k3export.model.packing import unpacked
 from k3export.plugins.kda.naive import acc_dtype
 
 PREFILL_INPUTS = ("input_ids", "lengths", "kda_conv", "kda_state", "mla_cache", "cache_len")
@@ -191,6 +192,12 @@ def export_graphs(model: K3Model, out: str | Path, limits: ExportLimits = Export
     (out / MANIFEST).unlink(missing_ok=True)
     for stale in out.glob("*.onnx*"):
         stale.unlink()
+    with unpacked(model):                 # the graphs carry the model as written (one GEMM per checkpoint linear)
+        return _export_graphs(model, out, limits, source, log)
+
+
+def _export_graphs(model: K3Model, out: Path, limits: ExportLimits, source: dict | None, log) -> dict:
+    cfg = model.config
     specs = io_specs(cfg, model.dtype)
     meta = model.device.type == "meta"
     graphs = {}

@@ -197,6 +197,8 @@ def quantize_model(model: nn.Module, scales: dict[str, Tensor]) -> dict[str, int
     """Swap, in place, every module named in `scales` (a `k3export calibrate` scales file) for its FP8 form.
     Returns counts {'linear': n, 'experts': n}. Raises KeyError naming a module the model lacks."""
     from k3export.fp8_moe import quantize_latent_moe
+    from k3export.model.packing import unpack_projections
+    unpack_projections(model)                  # packed GEMMs would keep reading the bf16 weights; re-pack after
     counts = {"linear": 0, "experts": 0}
     mods = dict(model.named_modules())
     for name, kind in quantized_modules(scales).items():

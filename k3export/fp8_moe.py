@@ -90,15 +90,14 @@ def expert_weight_scales(w1: Tensor, w3: Tensor, w2: Tensor, per_channel: bool) 
 class FP8LatentMoE(LatentMoE):
     """LatentMoE whose routed experts run in FP8 (`k3::moe_routed_fp8`); made by `quantize_latent_moe`."""
 
-    def forward(self, x):
-        """x `[N, d]` -> `[N, d]`."""
-        z = self.routed_expert_down_proj(x)                                          # [N, L]
+    def routed(self, x, z):
+        """x `[N, d]` (router input), z `[N, L]` -> u `[N, L]` from the E4M3 experts."""
         e = self.experts
-        u = moe_routed_fp8(x, z, self.gate.weight, self.gate.e_score_correction_bias, e.w13, e.w2, e.w13_scale,
-                           e.w2_scale, e.w13_input_scale, e.w2_input_scale, **self.routing)
-        return self._finish(x, u)
+        return moe_routed_fp8(x, z, self.gate.weight, self.gate.e_score_correction_bias, e.w13, e.w2, e.w13_scale,
+                              e.w2_scale, e.w13_input_scale, e.w2_input_scale, **self.routing)
 
-    forward_naive = forward
+    def forward_naive(self, x):
+        return self.forward(x)
 
 
 @torch.library.custom_op("k3::moe_routed_fp8", mutates_args=())

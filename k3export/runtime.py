@@ -95,12 +95,19 @@ class CompileBackend(EagerBackend):
     2.13), and they trace wrapper functions of their own: on the H200 (torch 2.11, 2026-11-30 03:50)
     `compile-frozen` after `compile` of the same model in one process reused the plain graph (no compile time, same
     step time). Dynamo's cache lives on the traced code object, and the default Inductor backend of both matched;
-    torch 2.13 (CPU) did not reuse it. With their own code objects the frozen calls cannot hit the plain entries."""
+    torch 2.13 (CPU) did not reuse it. With their own code objects the frozen calls cannot hit the plain entries.
+
+    `pack` (default): the projections that share an input run as one GEMM (`model.packing`; in place, so the
+    model runs packed for every later user too). At one decode token this removes ~9 GEMV launches per layer.
+    Inductor freezing alone merged few of them (k3-small decode on the H200: 387 -> 376 kernels, 1.80 -> 1.78 ms)."""
 
     name = "compile"
 
-    def __init__(self, model, mode: str | None = None, cache_dir=None, freezing: bool = False):
+    def __init__(self, model, mode: str | None = None, cache_dir=None, freezing: bool = False, pack: bool = True):
         super().__init__(model)
+        if pack:
+            from k3export.model.packing import pack_projections
+            self.packed = pack_projections(model)       # in place: every later user of `model` runs packed too
         if cache_dir is not None:
             import os
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(cache_dir).resolve() / "inductor-cache")

@@ -437,7 +437,7 @@ def pair_variants(best_g, extra, mla, cfg, timings, keep, profile):
 def bf16_expert_us(moe, cfg, copies: int = 4) -> float:
     """`k3::moe_routed` (the bf16 default) at one token on this bank, us per call (copies tokens back to back)."""
     xs = [torch.randn(1, cfg.hidden_size, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
-    args = [moe._routed_args(x) for x in xs]
+    args = [moe.routed_args(x, moe.routed_expert_down_proj(x)) for x in xs]
     return _graph_us_each([lambda a=a: torch.ops.k3.moe_routed(*a, **moe.routing) for a in args])
 
 

@@ -260,6 +260,8 @@ def model_bench(ctx, preset, dtype, device, backends, prefill_lengths, batches, 
         names.remove("graph")                                   # CUDA graphs need a GPU: same as eager here
     if "eager" not in names:
         names.insert(0, "eager")
+    # the baselines first: `compile` packs the shared model's projections in place (runtime.CompileBackend)
+    names.sort(key=lambda n: n not in ("eager", "graph"))
     args = {"prefill_lengths": _ints(prefill_lengths), "batches": _ints(batches), "contexts": _ints(contexts),
             "warmup": warmup, "iters": iters}
     out.mkdir(parents=True, exist_ok=True)

@@ -42,28 +42,33 @@ class KimiDeltaAttention(nn.Module):
         """`[3*H*K, W]`: the q|k|v depthwise kernels in the conv-state channel order."""
         return torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).squeeze(1)
 
+    def project(self, x):
+        """x `[..., d]` -> (q|k|v before the conv `[..., 3HK]`, output gate g `[..., HK]`, f_a(x) `[..., K]`,
+        beta logits `[..., H]`). `model.packing` swaps in one GEMM for the six."""
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        return qkv, self.g_proj(x), self.f_a_proj(x), self.b_proj(x)
+
     def prefill(self, x, lengths, conv_state, state):
         """x `[B, T, d]`, lengths `[B]`, conv_state `[B, 3HK, W-1]`, state `[B, H, K, V]`
         -> (y `[B, T, d]`, new conv_state, new state)."""
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)     # [B, T, 3HK]
+        qkv, g, f_a, beta = self.project(x)                                           # qkv [B, T, 3HK]
         y, u = short_conv(qkv, self.conv_weight(), conv_state)                        # u [B, 3HK, W-1+T]
         q, k, v = torch.nn.functional.silu(y).to(x.dtype).view(B, T, 3, H, K).unbind(2)
-        f = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K)
-        o, new_state = kda_prefill(q, k, v, f, self.b_proj(x), self.A_log, self.dt_bias, state, lengths,
+        f = self.f_b_proj(f_a).view(B, T, H, K)
+        o, new_state = kda_prefill(q, k, v, f, beta, self.A_log, self.dt_bias, state, lengths,
                                    self.lower_bound)                                  # o [B, T, H, V]
         # Next window: the last W-1 pre-conv inputs of each sequence's valid tokens (padded index len .. len+W-2).
         idx = lengths[:, None] + torch.arange(self.conv_size - 1, device=x.device)    # [B, W-1]
         new_conv = u.gather(2, idx[:, None, :].expand(B, u.shape[1], -1)).to(conv_state.dtype)
-        o = head_rmsnorm_gate(o, self.o_norm.weight, self.g_proj(x).view(B, T, H, K), self.eps)
+        o = head_rmsnorm_gate(o, self.o_norm.weight, g.view(B, T, H, K), self.eps)
         return self.o_proj(o.reshape(B, T, H * K).to(x.dtype)), new_conv, new_state
 
     def decode(self, x, conv_state, state):
         """x `[B, d]` (one token per sequence) -> (y `[B, d]`, new conv_state, new state)."""
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)     # [B, 3HK]
-        f = self.f_b_proj(self.f_a_proj(x))
-        o, new_conv, new_state = kda_decode(qkv, conv_state, self.conv_weight(), f, self.b_proj(x),
-                                            self.g_proj(x), self.A_log, self.dt_bias, self.o_norm.weight,
+        qkv, g, f_a, beta = self.project(x)                                           # qkv [B, 3HK]
+        o, new_conv, new_state = kda_decode(qkv, conv_state, self.conv_weight(), self.f_b_proj(f_a), beta,
+                                            g, self.A_log, self.dt_bias, self.o_norm.weight,
                                             state, self.lower_bound, self.eps)
         return self.o_proj(o), new_conv, new_state

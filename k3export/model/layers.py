@@ -32,6 +32,10 @@ class SituMLP(nn.Module):
         self.down_proj = nn.Linear(hidden, dim, bias=False)
         self.beta, self.linear_beta = beta, linear_beta
 
+    def project(self, x: torch.Tensor):
+        """x -> (gate(x), up(x)); `model.packing` swaps in one GEMM for the two."""
+        return self.gate_proj(x), self.up_proj(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = situ_glu(self.gate_proj(x), self.up_proj(x), self.beta, self.linear_beta)   # [N, hidden], fp32
+        h = situ_glu(*self.project(x), self.beta, self.linear_beta)                       # [N, hidden], fp32
         return self.down_proj(h.to(x.dtype))

@@ -36,32 +36,36 @@ class GatedMLA(nn.Module):
         self.g_proj = nn.Linear(d, H * self.v_dim, bias=False)
         self.o_proj = nn.Linear(H * self.v_dim, d, bias=False)
 
-    def queries(self, x):
-        """x `[..., d]` -> q `[..., H, nope + rope]`."""
-        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).unflatten(-1, (self.num_heads, -1))
+    def project(self, x):
+        """x `[..., d]` -> (q_a(x) `[..., q_lora_rank]`, kv_a(x) `[..., rank + rope]`, g_proj(x) `[..., H * v]`):
+        the three projections of the token itself. `model.packing` swaps in one GEMM for the three."""
+        return self.q_a_proj(x), self.kv_a_proj_with_mqa(x), self.g_proj(x)
 
-    def latent_rows(self, x):
-        """x `[..., d]` -> cache rows `[..., rank + rope]`: the normalised latent, then k_pe as is."""
-        kv = self.kv_a_proj_with_mqa(x)
+    def queries(self, q_a):
+        """q_a `[..., q_lora_rank]` -> q `[..., H, nope + rope]`."""
+        return self.q_b_proj(self.q_a_layernorm(q_a)).unflatten(-1, (self.num_heads, -1))
+
+    def latent_rows(self, kv):
+        """kv_a(x) `[..., rank + rope]` -> cache rows: the normalised latent, then k_pe as is."""
         return torch.cat([self.kv_a_layernorm(kv[..., :self.rank]), kv[..., self.rank:]], dim=-1)
 
-    def gated_out(self, x, o):
-        """o_proj(sigmoid(g_proj(x)) * o) with o `[..., H * v]`."""
-        g = torch.sigmoid(self.g_proj(x).to(acc_dtype(x)))
-        return self.o_proj((g * o).to(x.dtype))
+    def gated_out(self, g, o):
+        """o_proj(sigmoid(g) * o) with g = g_proj(x) (the model dtype) and o `[..., H * v]`."""
+        return self.o_proj((torch.sigmoid(g.to(acc_dtype(g))) * o).to(g.dtype))
 
     def prefill(self, x, old_rows, past_len):
         """x `[B, T, d]`, old_rows `[B, Lc, R]` (valid below past_len[b]; Lc may be 0) -> (y `[B, T, d]`,
         new rows `[B, T, R]` for the cache at positions past_len[b] + i)."""
         B, T, _ = x.shape
-        q = self.queries(x)                                                     # [B, T, H, 192]
-        rows = self.latent_rows(x)                                              # [B, T, 576]
+        q_a, kv_a, g = self.project(x)
+        q = self.queries(q_a)                                                   # [B, T, H, 192]
+        rows = self.latent_rows(kv_a)                                           # [B, T, 576]
         keys = torch.cat([old_rows.to(rows.dtype), rows], dim=1)                # [B, Lc+T, 576]
         kv = self.kv_b_proj(keys[..., :self.rank]).unflatten(-1, (self.num_heads, -1))   # [B, S, H, nope+v]
         k_pe = keys[..., None, self.rank:].expand(-1, -1, self.num_heads, -1)   # shared by all heads
         k = torch.cat([kv[..., :self.nope], k_pe], dim=-1)                      # [B, S, H, 192]
         o = mla_prefill(q, k, kv[..., self.nope:].contiguous(), past_len, self.scale)    # [B, T, H, v]
-        return self.gated_out(x, o.reshape(B, T, -1)), rows
+        return self.gated_out(g, o.reshape(B, T, -1)), rows
 
     def absorbed_weights(self):
         """W_UK `[H, nope, rank]`, W_UV `[H, v, rank]` from kv_b_proj.weight `[H*(nope+v), rank]`."""
@@ -70,19 +74,21 @@ class GatedMLA(nn.Module):
 
     def decode(self, x, cache, cache_len):
         """x `[B, d]`, cache `[B, L, R]` with cache_len[b] valid rows -> (y `[B, d]`, new row `[B, R]`)."""
-        q = self.queries(x)                                                     # [B, H, 192]
+        q_a, kv_a, g = self.project(x)
+        q = self.queries(q_a)                                                   # [B, H, 192]
         w_uk, w_uv = self.absorbed_weights()
         ql = torch.einsum("bhn,hnr->bhr", q[..., :self.nope], w_uk)             # BMM1: [B, H, rank]
-        row = self.latent_rows(x)                                               # [B, 576]
+        row = self.latent_rows(kv_a)                                            # [B, 576]
         ol = mla_decode(torch.cat([ql, q[..., self.nope:]], dim=-1), cache, row, cache_len, self.scale,
                         self.rank)                                              # [B, H, rank]
         o = torch.einsum("bhr,hvr->bhv", ol, w_uv)                              # BMM2: [B, H, v]
-        return self.gated_out(x, o.flatten(1)), row
+        return self.gated_out(g, o.flatten(1)), row
 
     def decode_expanded(self, x, cache, cache_len):
         """The naive twin of `decode`: rebuild per-head K/V for the whole history, then attend."""
-        q = self.queries(x).unsqueeze(1)                                        # [B, 1, H, 192]
-        rows = torch.cat([cache, self.latent_rows(x).unsqueeze(1)], dim=1)      # [B, L+1, 576]
+        q_a, kv_a, g = self.project(x)
+        q = self.queries(q_a).unsqueeze(1)                                      # [B, 1, H, 192]
+        rows = torch.cat([cache, self.latent_rows(kv_a).unsqueeze(1)], dim=1)   # [B, L+1, 576]
         kv = self.kv_b_proj(rows[..., :self.rank]).unflatten(-1, (self.num_heads, -1))
         k = torch.cat([kv[..., :self.nope], rows[..., None, self.rank:].expand(-1, -1, self.num_heads, -1)], -1)
         dt = acc_dtype(x)
@@ -92,4 +98,4 @@ class GatedMLA(nn.Module):
         ok = (j[None, :] < cache_len[:, None]) | (j[None, :] == L)
         s = s.masked_fill(~ok[:, None], float("-inf"))
         o = torch.einsum("bhl,blhv->bhv", torch.softmax(s, -1), kv[..., self.nope:].to(dt)).to(x.dtype)
-        return self.gated_out(x, o.flatten(1))
+        return self.gated_out(g, o.flatten(1))

@@ -13,7 +13,7 @@ from torch import nn
 
 from k3export.config import K3Config
 from k3export.model.layers import RMSNorm, SituMLP
-from k3export.plugins.moe.naive import naive_moe
+from k3export.plugins.moe.naive import naive_moe, situ_glu
 from k3export.plugins.moe.op import moe_routed
 
 
@@ -51,19 +51,36 @@ class LatentMoE(nn.Module):
                             scaling=config.routed_scaling_factor, beta=config.activation_situ_beta,
                             linear_beta=config.activation_situ_linear_beta)
 
-    def _routed_args(self, x):
-        z = self.routed_expert_down_proj(x)                                      # [N, L]
+    def project(self, x):
+        """x `[N, d]` -> (z = down(x) `[N, L]`, shared gate(x), shared up(x) `[N, I_s]`; both None without shared
+        experts). `model.packing` swaps in one GEMM for the three."""
+        s = self.shared_experts
+        return self.routed_expert_down_proj(x), *((s.gate_proj(x), s.up_proj(x)) if s is not None else (None, None))
+
+    def output(self, u, h):
+        """up(u) + shared_down(h): u `[N, L]` the normalised routed sum, h `[N, I_s]` the shared SiTU-GLU (None
+        without shared experts). `model.packing` swaps in one GEMM over [u | h]."""
+        y = self.routed_expert_up_proj(u)
+        return y if h is None else y + self.shared_experts.down_proj(h)
+
+    def routed_args(self, x, z):
         e = self.experts
         return (x, z, self.gate.weight, self.gate.e_score_correction_bias, e.w1, e.w3, e.w2)
 
-    def _finish(self, x, u):
-        y = self.routed_expert_up_proj(self.routed_expert_norm(u))
-        return y if self.shared_experts is None else y + self.shared_experts(x)
+    def routed(self, x, z):
+        """x `[N, d]` (router input), z `[N, L]` -> u `[N, L]`, the routed experts' weighted sum."""
+        return moe_routed(*self.routed_args(x, z), **self.routing)
+
+    def _mix(self, x, routed):
+        z, s_gate, s_up = self.project(x)
+        s = self.shared_experts
+        h = None if s is None else situ_glu(s_gate, s_up, s.beta, s.linear_beta).to(x.dtype)   # [N, I_s]
+        return self.output(self.routed_expert_norm(routed(x, z)), h)
 
     def forward(self, x):
         """x `[N, d]` -> `[N, d]`."""
-        return self._finish(x, moe_routed(*self._routed_args(x), **self.routing))
+        return self._mix(x, self.routed)
 
     def forward_naive(self, x):
         """The slow twin: every expert runs on every token with a zero-or-weight coefficient."""
-        return self._finish(x, naive_moe(*self._routed_args(x), **self.routing))
+        return self._mix(x, lambda x, z: naive_moe(*self.routed_args(x, z), **self.routing))

@@ -1,0 +1,211 @@
+"""Packing: linears that share an input (or whose outputs are summed) run as one GEMM, a swap after the model is
+built.
+
+At one decode token every projection is a GEMV whose time is mostly launch and ramp: on the H200 (k3-small,
+B = 1, 2026-11-30) KDA's six input projections take 34.9 us as six cuBLAS calls and 11.6 us as one call on the
+concatenated weight. `pack_projections` concatenates, per module:
+
+- KDA: q | k | v | g | f_a | b (one input x) -> q|k|v, g, f_a(x), beta logits; and the q|k|v short-conv
+  kernels, which `conv_weight()` otherwise concatenates on every call;
+- MLA: q_a | kv_a | g;
+- LatentMoE: the routed down projection | shared gate | shared up (one input x), and the two output projections
+  as one GEMM over concatenated inputs: up(RMSNorm(u)) + shared_down(h) = [W_up | W_down] [RMSNorm(u); h];
+- the dense SiTU MLP: gate | up.
+
+Each member's weight becomes a view of the packed tensor, so parameter names, `state_dict`, checkpoints and
+memory are unchanged, and the unpacked methods still compute the same values. The packed module shadows the
+owner's `project` / `output` method in the instance `__dict__` (it is not a registered child, so it adds no
+parameter); `unpack_projections` removes it. Pack after the last `.to()` (a move copies each member separately,
+and the packed module would keep the old tensors) and after FP8 quantization (`fp8.quantize_model` unpacks
+first). FP8 linears pack when their input scales agree (they read the same tensor, so calibration gives equal
+scales); column packing is bf16/fp32 only, since its two inputs would need one input scale.
+
+Numerics: a row-packed GEMM computes each output exactly as its member does (same dot products; cuBLAS may pick
+another kernel, measured equal on the H200); the column-packed output is one fp32 accumulation rounded once
+instead of two rounded outputs added (a rounding-level difference, e.g. 2.8e-3 relative in bf16).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+
+SWAPPED = ("project", "output", "conv_weight")      # the owners' methods a packed module may shadow
+
+
+class PackedLinear(nn.Module):
+    """One bias-free linear standing for several. `splits` set: rows packed, `forward(x)` returns the members'
+    outputs (`split` along the last dim, groups of members merged as the owner asked). `splits` None: columns
+    packed, `forward(*xs)` returns the sum of the members' outputs on their own inputs."""
+
+    def __init__(self, linear: nn.Module, splits: list[int] | None):
+        super().__init__()
+        self.linear, self.splits = linear, splits
+
+    def forward(self, *xs: torch.Tensor):
+        if self.splits is None:
+            return self.linear(torch.cat(xs, dim=-1))
+        return self.linear(xs[0]).split(self.splits, dim=-1)
+
+    def extra_repr(self) -> str:
+        return f"rows, outputs {self.splits}" if self.splits is not None else "columns, inputs concatenated"
+
+
+class PackedTensor(nn.Module):
+    """A concatenation the owner would otherwise rebuild on every call; `forward()` returns it."""
+
+    def __init__(self, t: torch.Tensor):
+        super().__init__()
+        self.t = t
+
+    def forward(self) -> torch.Tensor:
+        return self.t
+
+
+@torch.no_grad()
+def _pack_conv(kda: nn.Module) -> PackedTensor:
+    """KDA's q|k|v depthwise kernels `[3HK, 1, W]` as one tensor; each conv's weight becomes a view of it."""
+    convs = [kda.q_conv1d, kda.k_conv1d, kda.v_conv1d]
+    w = torch.cat([c.weight for c in convs])
+    for c, (a, b) in zip(convs, _ranges([c.weight.shape[0] for c in convs])):
+        c.weight = nn.Parameter(w[a:b], requires_grad=False)
+    return PackedTensor(w.squeeze(1))
+
+
+def _kind(members: list[nn.Module]) -> str | None:
+    from k3export.fp8 import FP8Linear
+    if all(type(m) is nn.Linear and m.bias is None for m in members):
+        return "linear"
+    if all(isinstance(m, FP8Linear) for m in members):
+        return "fp8"
+    return None
+
+
+@torch.no_grad()
+def _pack_rows(members: list[nn.Module], merge: list[int] | None = None) -> PackedLinear | None:
+    """Concatenate the members' weights along the output dim; each member's weight becomes a view of the result.
+    `merge` groups consecutive members into one output (e.g. [3, 1] -> q|k|v together, then g). None when the
+    members cannot share one GEMM (mixed kinds, FP8 input scales or weight granularities that differ)."""
+    kind = _kind(members)
+    if kind is None or len({m.in_features for m in members}) != 1:
+        return None
+    sizes = [m.out_features for m in members]
+    merge = merge or [1] * len(members)
+    splits, i = [], 0
+    for n in merge:
+        splits.append(sum(sizes[i:i + n]))
+        i += n
+    if kind == "linear":
+        w = torch.cat([m.weight for m in members])
+        packed = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
+        packed.weight = nn.Parameter(w, requires_grad=False)
+        for m, (a, b) in zip(members, _ranges(sizes)):
+            m.weight = nn.Parameter(w[a:b], requires_grad=False)
+        return PackedLinear(packed, splits)
+    from k3export.fp8 import FP8Linear
+    first = members[0]
+    if any(m.weight_scale.dim() != first.weight_scale.dim() or m.out_dtype != first.out_dtype or
+           not torch.equal(m.input_scale, first.input_scale) for m in members):
+        return None
+    qw = torch.cat([m.qweight for m in members])
+    ws = torch.cat([m.weight_scale for m in members]) if first.weight_scale.dim() else None   # per channel
+    if ws is None and not all(torch.equal(m.weight_scale, first.weight_scale) for m in members):
+        return None                                       # per-tensor scales that differ: no shared scale
+    packed = FP8Linear(qw.shape[1], qw.shape[0], per_channel=ws is not None, out_dtype=first.out_dtype,
+                       device="meta")
+    packed.qweight = qw
+    packed.weight_scale = ws if ws is not None else first.weight_scale.clone()
+    packed.input_scale = first.input_scale.clone()
+    for m, (a, b) in zip(members, _ranges(sizes)):
+        m.qweight = qw[a:b]
+        if ws is not None:
+            m.weight_scale = ws[a:b]
+    return PackedLinear(packed, splits)
+
+
+@torch.no_grad()
+def _pack_cols(members: list[nn.Module]) -> PackedLinear | None:
+    """Concatenate bias-free linears with one output width along the input dim (their outputs are summed)."""
+    if _kind(members) != "linear" or len({m.out_features for m in members}) != 1:
+        return None
+    w = torch.cat([m.weight for m in members], dim=1)
+    packed = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
+    packed.weight = nn.Parameter(w, requires_grad=False)
+    for m, (a, b) in zip(members, _ranges([m.in_features for m in members])):
+        m.weight = nn.Parameter(w[:, a:b], requires_grad=False)
+    return PackedLinear(packed, None)
+
+
+def _ranges(sizes: list[int]):
+    a = 0
+    for n in sizes:
+        yield a, a + n
+        a += n
+
+
+def _swap(owner: nn.Module, method: str, packed: nn.Module | None) -> int:
+    if packed is None:
+        return 0
+    owner.__dict__[method] = packed          # shadows the class method; not a registered child
+    return 1
+
+
+def pack_projections(model: nn.Module) -> int:
+    """Pack every group listed in the module docstring, in place. Returns the number of packed groups (GEMMs and
+    conv kernels; groups already packed are packed again from the current weights)."""
+    from k3export.model.kda import KimiDeltaAttention
+    from k3export.model.layers import SituMLP
+    from k3export.model.mla import GatedMLA
+    from k3export.model.moe import LatentMoE
+    unpack_projections(model)
+    n = 0
+    for mod in model.modules():
+        if isinstance(mod, KimiDeltaAttention):
+            n += _swap(mod, "project", _pack_rows([mod.q_proj, mod.k_proj, mod.v_proj, mod.g_proj, mod.f_a_proj,
+                                                   mod.b_proj], merge=[3, 1, 1, 1]))
+            n += _swap(mod, "conv_weight", _pack_conv(mod))
+        elif isinstance(mod, GatedMLA):
+            n += _swap(mod, "project", _pack_rows([mod.q_a_proj, mod.kv_a_proj_with_mqa, mod.g_proj]))
+        elif isinstance(mod, LatentMoE) and mod.shared_experts is not None:
+            s = mod.shared_experts
+            n += _swap(mod, "project", _pack_rows([mod.routed_expert_down_proj, s.gate_proj, s.up_proj]))
+            n += _swap(mod, "output", _pack_cols([mod.routed_expert_up_proj, s.down_proj]))
+        elif isinstance(mod, SituMLP) and not _is_shared_expert(model, mod):
+            n += _swap(mod, "project", _pack_rows([mod.gate_proj, mod.up_proj]))
+    return n
+
+
+def _is_shared_expert(model: nn.Module, mlp: nn.Module) -> bool:
+    from k3export.model.moe import LatentMoE
+    return any(isinstance(m, LatentMoE) and m.shared_experts is mlp for m in model.modules())
+
+
+def unpack_projections(model: nn.Module) -> int:
+    """Remove every packed GEMM: the owners' own methods run again (the weights stay where they are). Returns
+    how many were removed."""
+    n = 0
+    for mod in model.modules():
+        for method in SWAPPED:
+            if isinstance(mod.__dict__.get(method), (PackedLinear, PackedTensor)):
+                del mod.__dict__[method]
+                n += 1
+    return n
+
+
+def packed_count(model: nn.Module) -> int:
+    return sum(isinstance(m.__dict__.get(k), (PackedLinear, PackedTensor)) for m in model.modules() for k in SWAPPED)
+
+
+@contextlib.contextmanager
+def unpacked(model: nn.Module):
+    """Run a block on the model as written (e.g. `torch.export`, which would meet the packed weights as
+    unregistered tensors); packing is restored afterwards if it was on."""
+    n = unpack_projections(model)
+    try:
+        yield
+    finally:
+        if n:
+            pack_projections(model)
