@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from k3export.plugins.moe.naive import moe_sorted
+from k3export.plugins.moe.trt import decode_tiles
 # Named bounds. fp32 / fp16 vs fp64 and bf16 vs moe_sorted (GPU): those of tests/test_moe_kernels.py, with their
 # reasons there (same kernels, same tiles).
 from test_moe_kernels import BF16_BOUND, FP16_BOUND, FP32_BOUND, SITU
@@ -127,7 +128,7 @@ def _torch_launches(N, shape, dtype, monkeypatch):
     meta = dict(device="meta", dtype=dtype)
     kernels.moe_routed_fwd(torch.empty(N, d, **meta), torch.empty(N, L, **meta), torch.empty(E, d, **meta),
                            torch.empty(E, device="meta"), torch.empty(E, I, L, **meta), torch.empty(E, I, L, **meta),
-                           torch.empty(E, L, I, **meta), k, True, 2.5, **SITU)
+                           torch.empty(E, L, I, **meta), k, True, 2.5, tiles=decode_tiles(dtype), **SITU)
     return log
 
 
@@ -273,7 +274,7 @@ def _interpreter_cases() -> dict:
             steps = _steps(N, s, dt, scaling=2.5, max_tokens=max_tokens, **SITU)
             u = _run_chain(steps, dict(x=x, gate_weight=g, bias=b, z=z, w1=w1, w3=w3, w2=w2), max_tokens,
                            _interpret)
-            op = moe_routed_fwd(x, z, g, b, w1, w3, w2, s["top_k"], True, 2.5, **SITU)
+            op = moe_routed_fwd(x, z, g, b, w1, w3, w2, s["top_k"], True, 2.5, tiles=decode_tiles(dt), **SITU)
             ref = moe_sorted(x.double(), z.double(), g.double(), b, w1.double(), w3.double(), w2.double(),
                              s["top_k"], True, 2.5, **SITU)
             case = f"{name}-n{N}-max{max_tokens or N}"
@@ -316,7 +317,7 @@ def k3_weights():
 @pytest.mark.cuda
 @pytest.mark.parametrize("N,max_tokens", [(1, None), (64, None), (5, 256)])
 def test_chain_through_cupy_k3(k3_weights, N, max_tokens):
-    """The six PTX launches through the CUDA driver at K3 size vs torch.ops.k3.moe_routed and moe_sorted on fresh
+    """The six PTX launches through the CUDA driver at K3 size vs the op's row-plan path and moe_sorted on fresh
     random inputs, on the tokens whose top-16 selection is clear (a near-tie at the boundary may pick another
     expert under other rounding). (5, 256): PTX compiled for 256 tokens, run on 5 (a dynamic-shape engine)."""
     pytest.importorskip("cupy", reason="cupy launches the PTX through the CUDA driver")
@@ -329,7 +330,9 @@ def test_chain_through_cupy_k3(k3_weights, N, max_tokens):
     steps = _steps(N, K3, torch.bfloat16, max_tokens=max_tokens, **SITU)
     u = _run_chain(steps, dict(x=x, z=z, **wt), max_tokens, lambda step, t: launch_cupy(step.launch(), t))
     args = (x, z, wt["gate_weight"], wt["bias"], wt["w1"], wt["w3"], wt["w2"], k, True, 1.0, 4.0, 25.0)
-    op, ref = torch.ops.k3.moe_routed(*args), moe_sorted(*args)
+    from k3export.plugins.moe.kernels import moe_routed_fwd
+    op = moe_routed_fwd(*args[:7], *args[7:10], beta=args[10], linear_beta=args[11], tiles=decode_tiles(x.dtype))
+    ref = moe_sorted(*args)
     top = torch.topk(torch.sigmoid(x.float() @ wt["gate_weight"].float().T) + wt["bias"], k + 1, dim=-1).values
     clear = (top[:, k - 1] - top[:, k]) > 1e-5
     assert clear.any(), "every token has a near-tie on this draw"

@@ -132,7 +132,8 @@ def run_sweep(w, regime: str, tokens, ceiling: float, deadline: float, eager: bo
                 else:
                     r.update({"TFLOP/s": flops / r["ms"] / 1e9, "frac_matmul": flops / r["ms"] / 1e-3 / ceiling,
                               **floors})
-                if name == "old" or N == (8192 if regime == "prefill" else 1) or cfg.tail:
+                if (name == "old" or N == (8192 if regime == "prefill" else 1) or cfg.tail) and \
+                        not N <= cfg.pairs:                        # the stages are the row plan's
                     r["stages_ms"] = stage_ms(w, x, z, cfg)
             except Exception as e:                                  # a tiling that does not compile / fit
                 r["error"] = f"{type(e).__name__}: {str(e)[:200]}"
@@ -152,7 +153,8 @@ def run_sweep(w, regime: str, tokens, ceiling: float, deadline: float, eager: bo
 @click.option("--quick", is_flag=True, help="fewer token counts")
 @click.option("--budget-s", type=float, default=150.0, show_default=True,
               help="tilings not started within this many seconds are skipped (reported as such)")
-def moe(out: Path, quick: bool, budget_s: float) -> None:
+@click.option("--phases", default="prefill,decode", show_default=True, help="which sweeps to run")
+def moe(out: Path, quick: bool, budget_s: float, phases: str) -> None:
     """Routed MoE: every tiling in the sweep at prefill 4096..16384 tokens (TFLOP/s vs the bf16 matmul rate)
     and decode 1..64 tokens (expert bytes vs copy bandwidth, plain call and CUDA-graph replay), each vs the
     previous default tiling and the eager loop (`moe_sorted`), with per-stage times."""
@@ -165,11 +167,16 @@ def moe(out: Path, quick: bool, budget_s: float) -> None:
            "copy_TBps": bw / 1e12, "matmul_TFLOPs": rate / 1e12}
     from k3export.plugins.moe.kernels import CONFIGS
     res["defaults"] = {k: repr(v) for k, v in CONFIGS.items()}
-    res["prefill"] = run_sweep(w, "prefill", (8192,) if quick else (8192, 4096, 16384), rate, t0 + 0.7 * budget_s,
-                               True)
-    (out / "moe.json").write_text(json.dumps(res, indent=1))         # written per section: a cut run keeps some
-    res["decode"] = run_sweep(w, "decode", (1, 64) if quick else (1, 4, 16, 64), bw, t0 + budget_s, True)
-    (out / "moe.json").write_text(json.dumps(res, indent=1))
+    unknown = set(phases.split(",")) - {"prefill", "decode"}
+    if unknown:
+        raise click.BadParameter(f"unknown phase(s) {', '.join(sorted(unknown))}; choose from prefill, decode")
+    if "prefill" in phases:
+        res["prefill"] = run_sweep(w, "prefill", (8192,) if quick else (8192, 4096, 16384), rate,
+                                   t0 + (0.7 if "decode" in phases else 1.0) * budget_s, True)
+        (out / "moe.json").write_text(json.dumps(res, indent=1))     # written per section: a cut run keeps some
+    if "decode" in phases:
+        res["decode"] = run_sweep(w, "decode", (1, 64) if quick else (1, 2, 4, 16, 64), bw, t0 + budget_s, True)
+        (out / "moe.json").write_text(json.dumps(res, indent=1))
     print(f"wrote {out / 'moe.json'}")
     summary(res)
 

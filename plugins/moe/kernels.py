@@ -12,6 +12,12 @@
     gemm2:   y = h W2_e^T, scattered back to pair order in fp32      moe_gemm2_fwd_kernel    [N*k, L]
     combine: u[n] = sum_j w[n, j] y[n*k + j] in fp32 -> z.dtype      moe_combine_fwd_kernel  [N, L]
 
+  or, for a few tokens (`MoeTiles.pairs`, the decode default up to 2 tokens), no row plan and no padding rows:
+    gemm1:   h[p] = SiTU_GLU(z W1_e^T, z W3_e^T) per (token, expert)  moe_pair_gemm1_fwd_kernel  [N*k, I]
+             pair p, one GEMV per weight
+    gemm2:   y[p] = h[p] W2_e^T in fp32                               moe_pair_gemm2_fwd_kernel  [N*k, L]
+    then the same combine.
+
 One grouped GEMM pair serves every regime; `MoeTiles` picks its tiling (block rows, tiles, tile order, TMA
 descriptors or pointer loads) and `pick_regime` the default by rows per expert: decode (BLOCK_M = 16, each
 selected expert's weights stream once), prefill (BLOCK_M = 64 or 128 with a tail, A rows and weights through
@@ -489,6 +495,56 @@ def moe_combine_fwd_kernel(y, w, u, L, TOP_K: tl.constexpr, BLOCK_L: tl.constexp
     tl.store(u + n.to(tl.int64) * L + offs, acc.to(u.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _gemv_rows(x_row, w_rows, n_ok, offs_k, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_N] fp32: W[n, :] . x over K, with w_rows `[BN, BK]` pointers (K contiguous) and x_row a pointer to
+    one row. Accumulates `[BN, BK]` in fp32, reduced once; the next weight tile is loaded before this one is used
+    (the pipeliner stages no load that feeds no tl.dot)."""
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    v = tl.load(w_rows, mask=n_ok[:, None] & (offs_k < K)[None, :], other=0.0)
+    for k0 in range(0, K, BLOCK_K):
+        k_next = k0 + BLOCK_K + offs_k
+        v_next = tl.load(w_rows + k0 + BLOCK_K, mask=n_ok[:, None] & (k_next < K)[None, :], other=0.0)
+        xv = tl.load(x_row + k0 + offs_k, mask=(k0 + offs_k) < K, other=0.0).to(tl.float32)
+        acc += v.to(tl.float32) * xv[None, :]
+        v = v_next
+    return tl.sum(acc, 1)
+
+
+@triton.jit
+def moe_pair_gemm1_fwd_kernel(z, w1, w3, h, ids, L, I, stride_zn, stride_we, stride_wi, stride_h, beta,
+                              linear_beta, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Pair p (token p // TOP_K, expert ids[p]), columns [n0, n0 + BLOCK_N) of I: two GEMVs over L,
+    h[p] = SiTU_GLU(z W1_e^T, z W3_e^T) -> h.dtype ("pairs" decode: no row plan, no padding rows)."""
+    beta = tl.cast(beta, tl.float32)
+    linear_beta = tl.cast(linear_beta, tl.float32)
+    p = tl.program_id(0)
+    e = tl.load(ids + p).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < I
+    offs_k = tl.arange(0, BLOCK_K)
+    z_row = z + (p // TOP_K).to(tl.int64) * stride_zn
+    w_off = e * stride_we + offs_n[:, None].to(tl.int64) * stride_wi + offs_k[None, :]              # [BN, BK]
+    y1 = _gemv_rows(z_row, w1 + w_off, n_ok, offs_k, L, BLOCK_N, BLOCK_K)
+    y3 = _gemv_rows(z_row, w3 + w_off, n_ok, offs_k, L, BLOCK_N, BLOCK_K)
+    act = beta * _tanh(y1 / beta) * _sigmoid(y1) * (linear_beta * _tanh(y3 / linear_beta))
+    tl.store(h + p.to(tl.int64) * stride_h + offs_n, act.to(h.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def moe_pair_gemm2_fwd_kernel(h, w2, y, ids, L, I, stride_h, stride_we, stride_wl, stride_y,
+                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Pair p, columns [n0, n0 + BLOCK_N) of L: y[p] = h[p] W2_{ids[p]}^T in fp32 (one GEMV over I)."""
+    p = tl.program_id(0)
+    e = tl.load(ids + p).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < L
+    offs_k = tl.arange(0, BLOCK_K)
+    w_rows = w2 + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wl + offs_k[None, :]
+    acc = _gemv_rows(h + p.to(tl.int64) * stride_h, w_rows, n_ok, offs_k, I, BLOCK_N, BLOCK_K)
+    tl.store(y + p.to(tl.int64) * stride_y + offs_n, acc, mask=n_ok)
+
+
 # ---------------------------------------------------------------------------------------------- launches
 @dataclass(frozen=True)
 class MoeTiles:
@@ -497,7 +553,10 @@ class MoeTiles:
     through TMA descriptors; "aw": the A operand too (z gathered into row-plan order first, one extra pass).
     fused_align, many_align: `align_rows(fused=, many=)` (Triton kernels, not torch ops, for <= / > 4096 pairs).
     lean_route: `route_fwd(lean=True)`.
-    tail: rows of each block past block_m, in a second dot on the same weight tiles (kernel docstring)."""
+    tail: rows of each block past block_m, in a second dot on the same weight tiles (kernel docstring).
+    pairs: up to this many tokens, no row plan: one GEMV per (token, expert) pair and weight (`moe_pair_gemm*`,
+    pair_gemm = gemm1 / gemm2 (BLOCK_N, BLOCK_K, num_warps)); each pair reads its expert's weights, so it is for
+    a few tokens whose pairs rarely share an expert. 0: always the row plan."""
     block_m: int
     gemm1: tuple
     gemm2: tuple
@@ -507,6 +566,8 @@ class MoeTiles:
     lean_route: bool = False
     tail: int = 0
     many_align: bool = False
+    pairs: int = 0
+    pair_gemm: tuple = ((16, 256, 4), (16, 256, 4))
 
     @property
     def rows(self) -> int:
@@ -523,7 +584,12 @@ TILINGS = {
     "decode": {"old": MoeTiles(16, (32, 256, 4, 4), (32, 256, 4, 4), _ALL, "", False),
                "fused-align": MoeTiles(16, (32, 256, 4, 4), (32, 256, 4, 4), _ALL, "", True),
                "fused-lean": MoeTiles(16, (32, 256, 4, 4), (32, 256, 4, 4), _ALL, "", True, True),
-               "fused-lean-tma": MoeTiles(16, (32, 64, 4, 6), (32, 64, 4, 6), _ALL, "w", True, True)},
+               "fused-lean-tma": MoeTiles(16, (32, 64, 4, 6), (32, 64, 4, 6), _ALL, "w", True, True),
+               "pairs": MoeTiles(16, (32, 256, 4, 4), (32, 256, 4, 4), _ALL, "", True, True, pairs=2),
+               "pairs-n8": MoeTiles(16, (32, 256, 4, 4), (32, 256, 4, 4), _ALL, "", True, True, pairs=2,
+                                    pair_gemm=((8, 256, 4), (8, 256, 4))),
+               "pairs-k512": MoeTiles(16, (32, 256, 4, 4), (32, 256, 4, 4), _ALL, "", True, True, pairs=2,
+                                      pair_gemm=((16, 512, 4), (16, 512, 4)))},
     "prefill": {"old": MoeTiles(64, (64, 64, 4, 4), (128, 64, 4, 4), _ALL, "", False),
                 "m128-tma-aw": MoeTiles(128, (128, 64, 8, 3), (256, 64, 8, 3), 1, "aw", False, True),
                 "m128-tma-w": MoeTiles(128, (128, 64, 8, 3), (256, 64, 8, 3), 1, "w", False, True),
@@ -541,7 +607,7 @@ TILINGS = {
 # prefill / prefill-mid boundary at 128 rows is where m128t64-aw's 128-row blocks start to fill; the crossover
 # between 73 and 146 rows was not measured. Between 16 and 64 rows per expert (~900..3600 tokens) nothing new
 # was measured, so the previous prefill tiling stays there.
-CONFIGS = {"decode": TILINGS["decode"]["fused-lean"], "grouped": TILINGS["prefill"]["old"],
+CONFIGS = {"decode": TILINGS["decode"]["pairs"], "grouped": TILINGS["prefill"]["old"],
            "prefill": TILINGS["prefill"]["m64t32-n128-aw8"], "prefill-mid": TILINGS["prefill"]["m128t64-aw"],
            "prefill-large": TILINGS["prefill"]["m128-tma-aw"]}
 FP32_TILES = MoeTiles(16, (32, 32, 4, 1), (32, 32, 4, 1))      # exact fp32 dots: small tiles, no pipelining
@@ -622,6 +688,23 @@ def gemm2_fwd(h, w2, plan, n_pairs: int, cfg: MoeTiles):
     return y
 
 
+def pairs_fwd(z, w1, w3, w2, ids, beta: float, linear_beta: float, cfg: MoeTiles):
+    """The "pairs" experts: y `[N k, L]` fp32, row p = pair (token p // k, expert ids.flat[p]); no row plan."""
+    N, top_k = ids.shape
+    E, I, L = w1.shape
+    P = N * top_k
+    ids = ids.reshape(-1)
+    h = torch.empty(P, I, device=z.device, dtype=z.dtype)
+    y = torch.empty(P, L, device=z.device, dtype=torch.float32)
+    (bn1, bk1, warps1), (bn2, bk2, warps2) = cfg.pair_gemm
+    launch(moe_pair_gemm1_fwd_kernel)[(P, triton.cdiv(I, bn1))](
+        z, w1, w3, h, ids, L, I, z.stride(0), I * L, L, h.stride(0), beta, linear_beta, TOP_K=top_k,
+        BLOCK_N=bn1, BLOCK_K=bk1, num_warps=warps1)
+    launch(moe_pair_gemm2_fwd_kernel)[(P, triton.cdiv(L, bn2))](
+        h, w2, y, ids, L, I, h.stride(0), L * I, I, y.stride(0), BLOCK_N=bn2, BLOCK_K=bk2, num_warps=warps2)
+    return y
+
+
 def combine_fwd(y, w, dtype):
     """u `[N, L]` = sum_j w[:, j] y[n k + j] in fp32 -> dtype."""
     N, top_k = w.shape
@@ -655,6 +738,8 @@ def moe_routed_fwd(x, z, gate_weight, bias, w1, w3, w2, top_k: int, renormalize:
     z, w1, w3, w2 = (t.contiguous() for t in (z, w1, w3, w2))        # no-ops for the usual stacked weights
     cfg = tiles or tiles_for(z, N * top_k, E, regime)
     ids, w, _ = route_fwd(x, gate_weight, bias, top_k, renormalize, scaling, cfg.lean_route)
+    if size_bound(N) <= cfg.pairs:
+        return combine_fwd(pairs_fwd(z, w1, w3, w2, ids, beta, linear_beta, cfg), w, z.dtype)
     plan = align_rows(ids, E, cfg.rows, cfg.fused_align, cfg.many_align)
     h = gemm1_fwd(z, w1, w3, plan, top_k, beta, linear_beta, cfg)
     y = gemm2_fwd(h, w2, plan, N * top_k, cfg)

@@ -21,7 +21,8 @@ scores are `part` itself; `off` is the align kernel's scratch; nothing downstrea
 
 Scope: the decode path only, N k <= ALIGN_FUSED_MAX (4096) pairs, where the row plan is one Triton program. At
 K3's 896 experts and top-16 that is N <= 256 tokens, all inside the decode regime (< 16 rows per expert), so the
-tiling is `kernels.CONFIGS["decode"]` (`FP32_TILES` for fp32) exactly as `moe_routed_fwd` picks it (a model
+tiling is `kernels.CONFIGS["decode"]` (`FP32_TILES` for fp32) exactly as `moe_routed_fwd` picks it, on its row plan
+(`decode_tiles`: the op's "pairs" path for <= 2 tokens is not part of the chain) (a model
 with few experts may have >= 16 rows per expert under 4096 pairs: the chain keeps the decode tiling where the
 torch op switches to the grouped one; same result, other speed). Prefill
 (> 4096 pairs) sorts and aligns with torch ops and passes TMA descriptors built on the host: it stays outside
@@ -41,7 +42,7 @@ launch matches the torch launcher exactly (grid, constants, warps, scalars; test
 
 # No `from __future__ import annotations` here: tensorrt.plugin validates the registered functions' annotations
 # with inspect.signature, which would see strings instead of TensorDesc / int (TensorRT 11.4 `_validate.py`).
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -125,8 +126,10 @@ class Step(Plan):
 
 
 def decode_tiles(dtype: torch.dtype):
-    """The tiling `moe_routed_fwd` uses in the decode regime (`kernels.tiles_for`)."""
-    return FP32_TILES if dtype == torch.float32 else CONFIGS["decode"]
+    """The tiling `moe_routed_fwd` uses in the decode regime (`kernels.tiles_for`), always on the row plan: a
+    plugin chain is one fixed launch sequence, so the op's "pairs" path for a few tokens (no align launch) stays
+    a torch/Inductor-side choice."""
+    return replace(FP32_TILES if dtype == torch.float32 else CONFIGS["decode"], pairs=0)
 
 
 def router_config(max_tokens: int, dtype: torch.dtype, lean: bool) -> dict:
