@@ -13,6 +13,8 @@
 #   moe      bench moe: every prefill / decode tiling
 #   model    bench model: compile vs compile-frozen (Inductor freezing) at B = 1 and 64, prefill 2048
 #   kda      bench kda: prefill (B=1, T=8192, 96 heads) and decode B=1..256 vs fla-core and eager, one run
+#   fp8c     bench fp8 --compiled: k3-small FP8 vs bf16 decode as the compile backend serves it (packed, B = 1)
+#   mlatest  the MLA decode and packing cuda tests
 #   probe    scripts/gemv_pack_probe.py: separate vs packed projections sharing an input (k3-small, B = 1)
 #   profile  scripts/profile_decode.py --backend compile-frozen: kernels per decode step with merged matmuls
 set -uo pipefail
@@ -25,16 +27,24 @@ for part in $parts; do
     aoti)  timeout ${AOTI_TIMEOUT:-280} python3 -m pytest -q -m cuda tests/test_aoti_cuda.py -s -rxX -p no:cacheprovider \
              > "$OUT/aoti.log" 2>&1 ;;
     mla)   timeout 60 python3 -m pytest -q -m cuda tests/test_mla_trt.py -rs -p no:cacheprovider > "$OUT/mla.log" 2>&1 ;;
-    moe)   timeout 200 python3 -m k3export.cli bench moe --out "$OUT/moe" --budget-s 180 > "$OUT/moe.log" 2>&1 ;;
+    moe)   timeout 200 python3 -m k3export.cli bench moe --out "$OUT/moe" --budget-s 180 --phases ${MOE_PHASES:-prefill,decode} \
+             > "$OUT/moe.log" 2>&1 ;;
+    moetest) timeout 150 python3 -m pytest -q -m cuda tests/test_moe_kernels.py tests/test_moe_trt.py -s -rs \
+             -k "${MOETEST_K:-pairs or cupy}" -p no:cacheprovider > "$OUT/moetest.log" 2>&1 ;;
     model) timeout ${MODEL_TIMEOUT:-300} python3 -m k3export.cli bench model --preset k3-small --dtype bf16 \
              --backends ${MODEL_BACKENDS:-eager,compile,compile-frozen} --prefill-lengths 2048 \
              --batches ${MODEL_BATCHES:-1,8,64} --contexts 1024 \
              --warmup 2 --iters 5 --out "$OUT/model" > "$OUT/model.log" 2>&1 ;;
     toy)   timeout 150 python3 scripts/aoti_toy.py /tmp/toy > "$OUT/toy.log" 2>&1 ;;
+    fp8c)  timeout ${FP8C_TIMEOUT:-200} python3 -m k3export.cli bench fp8 --preset k3-small --batches ${FP8C_BATCHES:-1} \
+             --compiled --no-layer-pair --no-sweep --prefill 0 --report-tokens 0 --noise-dtype none \
+             --out "$OUT/fp8c" > "$OUT/fp8c.log" 2>&1 ;;
+    mlatest) timeout 120 python3 -m pytest -q -m cuda tests/test_mla_kernels.py tests/test_packing.py -rs \
+             -k "${MLATEST_K:-decode or packed}" -p no:cacheprovider > "$OUT/mlatest.log" 2>&1 ;;
     kda)   timeout 200 python3 -m k3export.cli bench kda --out "$OUT/kda" > "$OUT/kda.log" 2>&1 ;;
     probe) timeout 60 python3 scripts/gemv_pack_probe.py --out "$OUT/probe.json" > "$OUT/probe.log" 2>&1 ;;
-    profile) timeout 150 python3 scripts/profile_decode.py --backend compile-frozen > "$OUT/profile.log" 2>&1 ;;
-    *)     echo "unknown part $part (toy demo aoti mla moe model kda probe profile)"; continue ;;
+    profile) timeout 150 python3 scripts/profile_decode.py --backend ${PROFILE_BACKEND:-compile} > "$OUT/profile.log" 2>&1 ;;
+    *)     echo "unknown part $part (toy demo aoti mla mlatest moe moetest model kda fp8c probe profile)"; continue ;;
   esac
   echo "$part: exit $? in $((SECONDS - t)) s" | tee -a "$OUT/pending.log"
   tail -4 "$OUT/$part.log" 2>/dev/null

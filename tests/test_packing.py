@@ -112,7 +112,11 @@ def test_fp8_linears_pack_only_with_one_input_scale():
     other = [FP8Linear.from_linear(lin, s, lin.weight.abs().amax(1) / 448)
              for lin, s in zip(lins, (s_in, s_in * 2, s_in))]
     assert _pack_rows(other) is None                                      # two input scales: no shared GEMM
-    assert _pack_rows([q[0], lins[1]]) is None                            # mixed kinds
+    assert _pack_rows([q[0], lins[1]], merge=[2]) is None                 # one output across two kinds
+    mixed = [FP8Linear.from_linear(lins[0], s_in, lins[0].weight.abs().amax(1) / 448), lins[1], lins[2]]
+    ref = [m(x) for m in mixed]
+    runs = _pack_rows(mixed)                              # an FP8 run, then a bf16/fp32 run: two GEMMs
+    assert len(runs.parts) == 2 and all(torch.equal(a, b) for a, b in zip(runs(x), ref))
 
 
 def test_quantize_model_unpacks_first():
@@ -160,3 +164,22 @@ def test_packed_modules_on_the_gpu_match_the_modules_as_written():
         bound = 1e-2 if k == "moe" else 1e-6
         errs = [rel(a, b) for a, b in zip(f(), ref[k])]
         assert max(errs) <= bound, (k, errs)
+
+
+def test_fp8_model_packs_by_kind_and_matches_unpacked():
+    """k3-tiny calibrated with the default recipe (KDA's f_a / b stay bf16-class by recipe): its KDA group packs
+    as two GEMMs (FP8 q|k|v|g, then f_a|b), and a decode step equals the unpacked one up to summation order."""
+    from k3export.calibrate import DEFAULT_RECIPE, Recipe, calibrate, default_batches
+    from k3export.fp8 import quantize_model
+    from k3export.model.packing import PackedRuns
+    m = random_model(CFG, seed=0)
+    quantize_model(m, calibrate(m, Recipe.load(DEFAULT_RECIPE), default_batches(CFG.vocab_size, 2, 8, 2),
+                                progress=False))
+    ids, cache_len = torch.tensor([5, 9]), torch.tensor([3, 11])
+    state = _state(m)
+    ref = _decode(m, ids, state, cache_len)
+    assert pack_projections(m) > 0
+    kda = m.model.layers[CFG.kda_layers[0]].self_attn
+    assert isinstance(kda.project, PackedRuns) and len(kda.project.parts) == 2
+    got = _decode(m, ids, state, cache_len)
+    assert max(rel(a, b) for a, b in zip(got, ref)) < DECODE_REL

@@ -86,10 +86,16 @@ def step_bytes(model, B: int, context: int) -> int:
     return int(total)
 
 
-def decode_ms(model, B: int, context: int) -> tuple[float, str]:
+def decode_ms(model, B: int, context: int, compiled: bool = False) -> tuple[float, str]:
     """Median ms of one decode step for B sequences holding `context` tokens: a CUDA graph replay when capture
-    works, else eager."""
+    works, else eager. compiled: the step as the `compile` backend serves it (projections packed in place,
+    torch.compile, then the graph)."""
     from k3export.bench.ceilings import bench_ms
+    step = model.forward_decode
+    if compiled:
+        from k3export.model.packing import pack_projections
+        pack_projections(model)
+        step = torch.compile(model.forward_decode, dynamic=False)
     st = model.new_state(B, context + 8)
     st.lengths.fill_(context)
     st.mla_cache.normal_()
@@ -99,17 +105,17 @@ def decode_ms(model, B: int, context: int) -> tuple[float, str]:
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         for _ in range(2):
-            model.forward_decode(*args)
+            step(*args)
     torch.cuda.current_stream().wait_stream(s)
     try:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            model.forward_decode(*args)
+            step(*args)
         return bench_ms(graph.replay, rep=50), "graph"
     except Exception as e:                                                      # noqa: BLE001
         print(f"  (B={B}: CUDA graph capture failed: {type(e).__name__}: {str(e)[:120]}; timing eager)")
         torch.cuda.synchronize()
-        return bench_ms(lambda: model.forward_decode(*args), rep=50), "eager"
+        return bench_ms(lambda: step(*args), rep=50), "eager"
 
 
 def prefill_ms(model, T: int) -> float:
@@ -498,9 +504,12 @@ def kernel_profile(replay, reps: int = 5) -> list[dict]:
                    "token (errors checked), then the FP8 pair with the fastest within bounds.")
 @click.option("--profile/--no-profile", default=False, show_default=True,
               help="Per-kernel device time of one pair step (torch profiler over graph replays).")
+@click.option("--compiled/--eager", default=False, show_default=True,
+              help="Decode steps as the compile backend serves them (packed projections, torch.compile, CUDA "
+                   "graph) instead of the eager forward in a CUDA graph.")
 @click.option("--out", type=click.Path(file_okay=False), default="out/bench", show_default=True)
 def fp8_bench(preset, batches, context, prefill_tokens, report_tokens, noise_dtype, layer_pair, sweep, model,
-              variants, profile, out):
+              variants, profile, compiled, out):
     """FP8 vs bf16: accuracy report, decode step at B = 1..64 (CUDA graphs) and prefill, on one GPU; the
     full-width layer pair, its launch variants (--variants) and kernel profile (--profile)."""
     from k3export.bench.ceilings import copy_bandwidth, machine
@@ -546,7 +555,8 @@ def fp8_bench(preset, batches, context, prefill_tokens, report_tokens, noise_dty
         for B in [int(b) for b in batches.split(",")]:
             row = {"B": B}
             for tag, m in (("bf16", ref), ("fp8", fp8)):
-                ms, how = decode_ms(m, B, context)
+                ms, how = decode_ms(m, B, context, compiled)
+                how = f"compile+{how}" if compiled else how
                 nbytes = step_bytes(m, B, context)
                 row[tag] = {"ms": ms, "how": how, "MB": nbytes / 1e6, "GBps": nbytes / ms / 1e6,
                             "frac_copy": nbytes / ms * 1e3 / bw}

@@ -18,7 +18,8 @@ owner's `project` / `output` method in the instance `__dict__` (it is not a regi
 parameter); `unpack_projections` removes it. Pack after the last `.to()` (a move copies each member separately,
 and the packed module would keep the old tensors) and after FP8 quantization (`fp8.quantize_model` unpacks
 first). FP8 linears pack when their input scales agree (they read the same tensor, so calibration gives equal
-scales); column packing is bf16/fp32 only, since its two inputs would need one input scale.
+scales), and a group whose recipe keeps some members in bf16 becomes one GEMM per run of one kind; column packing
+is bf16/fp32 only, since its two inputs would need one input scale.
 
 Numerics: a row-packed GEMM computes each output exactly as its member does (same dot products; cuBLAS may pick
 another kernel, measured equal on the H200); the column-packed output is one fp32 accumulation rounded once
@@ -85,19 +86,46 @@ def _kind(members: list[nn.Module]) -> str | None:
 
 
 @torch.no_grad()
-def _pack_rows(members: list[nn.Module], merge: list[int] | None = None) -> PackedLinear | None:
+def _pack_rows(members: list[nn.Module], merge: list[int] | None = None) -> nn.Module | None:
     """Concatenate the members' weights along the output dim; each member's weight becomes a view of the result.
-    `merge` groups consecutive members into one output (e.g. [3, 1] -> q|k|v together, then g). None when the
-    members cannot share one GEMM (mixed kinds, FP8 input scales or weight granularities that differ)."""
-    kind = _kind(members)
-    if kind is None or len({m.in_features for m in members}) != 1:
-        return None
-    sizes = [m.out_features for m in members]
+    `merge` groups consecutive members into one output (e.g. [3, 1] -> q|k|v together, then g). Members of two
+    kinds (an FP8 model keeps some linears in bf16 by recipe, e.g. KDA's f_a and b) pack as one GEMM per run of
+    one kind. None when that is impossible (a merged output across two kinds, FP8 input scales or weight
+    granularities that differ, different input widths)."""
     merge = merge or [1] * len(members)
-    splits, i = [], 0
+    runs: list[tuple[str, list[list[nn.Module]]]] = []           # (kind, merged groups), in member order
+    i = 0
     for n in merge:
-        splits.append(sum(sizes[i:i + n]))
+        group = members[i:i + n]
         i += n
+        kind = _kind(group)
+        if kind is None:
+            return None
+        if runs and runs[-1][0] == kind:
+            runs[-1][1].append(group)
+        else:
+            runs.append((kind, [group]))
+    if len({m.in_features for m in members}) != 1 or not all(_packable(k, sum(gs, [])) for k, gs in runs):
+        return None
+    parts = [_pack_run(kind, groups) for kind, groups in runs]
+    return parts[0] if len(parts) == 1 else PackedRuns(parts)
+
+
+def _packable(kind: str, members: list[nn.Module]) -> bool:
+    if kind == "linear":
+        return True
+    first = members[0]
+    if any(m.weight_scale.dim() != first.weight_scale.dim() or m.out_dtype != first.out_dtype or
+           not torch.equal(m.input_scale, first.input_scale) for m in members):
+        return False
+    # per-tensor weight scales must agree: the packed GEMM has one
+    return bool(first.weight_scale.dim()) or all(torch.equal(m.weight_scale, first.weight_scale) for m in members)
+
+
+def _pack_run(kind: str, groups: list[list[nn.Module]]) -> PackedLinear:
+    members = sum(groups, [])
+    sizes = [m.out_features for m in members]
+    splits = [sum(m.out_features for m in g) for g in groups]
     if kind == "linear":
         w = torch.cat([m.weight for m in members])
         packed = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
@@ -107,13 +135,8 @@ def _pack_rows(members: list[nn.Module], merge: list[int] | None = None) -> Pack
         return PackedLinear(packed, splits)
     from k3export.fp8 import FP8Linear
     first = members[0]
-    if any(m.weight_scale.dim() != first.weight_scale.dim() or m.out_dtype != first.out_dtype or
-           not torch.equal(m.input_scale, first.input_scale) for m in members):
-        return None
     qw = torch.cat([m.qweight for m in members])
     ws = torch.cat([m.weight_scale for m in members]) if first.weight_scale.dim() else None   # per channel
-    if ws is None and not all(torch.equal(m.weight_scale, first.weight_scale) for m in members):
-        return None                                       # per-tensor scales that differ: no shared scale
     packed = FP8Linear(qw.shape[1], qw.shape[0], per_channel=ws is not None, out_dtype=first.out_dtype,
                        device="meta")
     packed.qweight = qw
@@ -124,6 +147,17 @@ def _pack_rows(members: list[nn.Module], merge: list[int] | None = None) -> Pack
         if ws is not None:
             m.weight_scale = ws[a:b]
     return PackedLinear(packed, splits)
+
+
+class PackedRuns(nn.Module):
+    """Row-packed GEMMs over one input, one per run of members of one kind; their outputs in member order."""
+
+    def __init__(self, parts: list[PackedLinear]):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+
+    def forward(self, x: torch.Tensor):
+        return tuple(y for part in self.parts for y in part(x))
 
 
 @torch.no_grad()
@@ -144,6 +178,9 @@ def _ranges(sizes: list[int]):
     for n in sizes:
         yield a, a + n
         a += n
+
+
+PACKED = (PackedLinear, PackedRuns, PackedTensor)
 
 
 def _swap(owner: nn.Module, method: str, packed: nn.Module | None) -> int:
@@ -189,14 +226,14 @@ def unpack_projections(model: nn.Module) -> int:
     n = 0
     for mod in model.modules():
         for method in SWAPPED:
-            if isinstance(mod.__dict__.get(method), (PackedLinear, PackedTensor)):
+            if isinstance(mod.__dict__.get(method), PACKED):
                 del mod.__dict__[method]
                 n += 1
     return n
 
 
 def packed_count(model: nn.Module) -> int:
-    return sum(isinstance(m.__dict__.get(k), (PackedLinear, PackedTensor)) for m in model.modules() for k in SWAPPED)
+    return sum(isinstance(m.__dict__.get(k), PACKED) for m in model.modules() for k in SWAPPED)
 
 
 @contextlib.contextmanager

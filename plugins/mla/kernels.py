@@ -36,7 +36,9 @@ def _sm_count(device: torch.device) -> int:
 # ---------------------------------------------------------------------------------------------- decode
 # Split rule, and tiles per head count: the fastest of `k3export bench mla`'s sweep at B=32, L=16k on the H200
 # (docs/perf.md). Keys set in DECODE_CONFIG (the bench's sweep does that) override the tiles.
-DECODE_CONFIG = {"min_chunk": 256, "waves": 2}
+# min_chunk: 256 until 2026-11-30; at B = 1 and short caches that left few programs with long serial loops
+# (k3-small, 16 heads, 1024 rows: 4 splits of 256 rows, 13.7 us per call in the compiled decode step).
+DECODE_CONFIG = {"min_chunk": 64, "waves": 2}
 DECODE_TILES = {"few_heads": dict(block_h=16, block_n=64, num_warps=4, num_stages=3),    # H <= 16 (12 at TP=8)
                 "many_heads": dict(block_h=32, block_n=32, num_warps=4, num_stages=3)}  # e.g. 96
 

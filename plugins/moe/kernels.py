@@ -599,6 +599,10 @@ TILINGS = {
                 "m64t32-aw8": MoeTiles(64, (64, 64, 8, 4), (128, 64, 8, 4), 1, **_AW, tail=32),
                 "m64t32-n128-aw8": MoeTiles(64, (128, 64, 8, 3), (256, 64, 8, 3), 1, **_AW, tail=32)},
 }
+# Decode at 1-2 tokens, H200 2026-11-30 05:36 (`bench moe --phases decode`, K3 shapes, CUDA-graph replay):
+# "pairs-n8" 0.279 / 0.494 ms = 90% / 98% of copy at 1 / 2 tokens (fused-lean 0.297 / 0.523, pairs 0.282 / 0.512,
+# pairs-k512 0.289 / 0.523); from 4 tokens on the row plan runs, unchanged. k3-small decode step at B = 1 under
+# `compile`: 1.239 -> 1.174 ms with "pairs".
 # Measured 2026-11-29 (docs/perf.md): decode 1..64 tokens "fused-lean" (CUDA-graph replay 0.30 ms at 1 token,
 # was 0.36; the plain call 0.37, was 0.64). Prefill, H200 2026-11-30 01:50 (`k3export bench moe`, K3 shapes,
 # 896 experts top-16, every tiling's output equal to "old"'s): 4096 tokens (73 rows per expert) "m64t32-n128-aw8"
@@ -607,7 +611,7 @@ TILINGS = {
 # prefill / prefill-mid boundary at 128 rows is where m128t64-aw's 128-row blocks start to fill; the crossover
 # between 73 and 146 rows was not measured. Between 16 and 64 rows per expert (~900..3600 tokens) nothing new
 # was measured, so the previous prefill tiling stays there.
-CONFIGS = {"decode": TILINGS["decode"]["pairs"], "grouped": TILINGS["prefill"]["old"],
+CONFIGS = {"decode": TILINGS["decode"]["pairs-n8"], "grouped": TILINGS["prefill"]["old"],
            "prefill": TILINGS["prefill"]["m64t32-n128-aw8"], "prefill-mid": TILINGS["prefill"]["m128t64-aw"],
            "prefill-large": TILINGS["prefill"]["m128-tma-aw"]}
 FP32_TILES = MoeTiles(16, (32, 32, 4, 1), (32, 32, 4, 1))      # exact fp32 dots: small tiles, no pipelining
