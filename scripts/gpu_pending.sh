@@ -43,7 +43,8 @@ for part in $parts; do
              -k "${MLATEST_K:-decode or packed}" -p no:cacheprovider > "$OUT/mlatest.log" 2>&1 ;;
     kda)   timeout 200 python3 -m k3export.cli bench kda --out "$OUT/kda" > "$OUT/kda.log" 2>&1 ;;
     probe) timeout 60 python3 scripts/gemv_pack_probe.py --out "$OUT/probe.json" > "$OUT/probe.log" 2>&1 ;;
-    profile) timeout 150 python3 scripts/profile_decode.py --backend ${PROFILE_BACKEND:-compile} > "$OUT/profile.log" 2>&1 ;;
+    profile) timeout 150 python3 scripts/profile_decode.py --backend ${PROFILE_BACKEND:-compile} ${PROFILE_ARGS:-} \
+             > "$OUT/profile.log" 2>&1 ;;
     *)     echo "unknown part $part (toy demo aoti mla mlatest moe moetest model kda fp8c probe profile)"; continue ;;
   esac
   echo "$part: exit $? in $((SECONDS - t)) s" | tee -a "$OUT/pending.log"

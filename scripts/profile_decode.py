@@ -25,11 +25,18 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--backend", choices=("graph", "compile", "compile-frozen"), default="graph")
+    ap.add_argument("--fp8", action="store_true", help="the model quantized by the default recipe first")
     a = ap.parse_args()
     from k3export.config import K3Config
     from k3export.model.weights import random_model
     from k3export.runtime import CompileBackend, EagerBackend, Engine
     model = random_model(K3Config.from_name(a.preset), seed=0, dtype=torch.bfloat16, device="cuda")
+    if a.fp8:
+        from k3export.calibrate import DEFAULT_RECIPE, Recipe, calibrate, default_batches
+        from k3export.fp8 import quantize_model
+        scales = calibrate(model, Recipe.load(DEFAULT_RECIPE), default_batches(model.config.vocab_size),
+                           progress=False)
+        print("quantized:", quantize_model(model, scales))
     backend = (EagerBackend(model) if a.backend == "graph"
                else CompileBackend(model, freezing=a.backend == "compile-frozen"))
     eng = Engine(backend, max_batch=a.batch, max_len=a.context + 16, cuda_graphs=True)
@@ -54,7 +61,7 @@ def main() -> None:
             torch.cuda.synchronize()
         kern = [ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
         busy = sum(ev.device_time for ev in kern) / 1e3
-        print(f"\n== {a.preset} decode ({a.backend}) B={a.batch} context={a.context} "
+        print(f"\n== {a.preset}{' fp8' if a.fp8 else ''} decode ({a.backend}) B={a.batch} context={a.context} "
               f"{'CUDA graph' if graphs else 'no graph'}: "
               f"step {wall:.3f} ms, {len(kern)} kernels, kernel time {busy:.3f} ms "
               f"({100 * busy / wall:.0f}% of the step), mean {1e3 * busy / max(len(kern), 1):.1f} us/kernel")
