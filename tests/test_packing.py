@@ -79,6 +79,15 @@ def test_loading_weights_into_a_packed_model_reaches_the_packed_gemms():
     assert rel(m(ids), other(ids)) < PREFILL_REL
 
 
+def test_moving_or_casting_a_packed_model_unpacks_it():
+    m = random_model(CFG, seed=3)
+    pack_projections(m)
+    m.to(torch.float64)                      # each weight copied on its own: a packed GEMM would keep fp32 ones
+    assert packed_count(m) == 0 and m.dtype == torch.float64
+    ids = torch.randint(0, CFG.vocab_size, (1, 5), generator=torch.Generator().manual_seed(2))
+    assert m(ids).dtype == torch.float64
+
+
 def test_unpacked_block_restores_packing_and_export_sees_the_model_as_written(tmp_path):
     from k3export.export import ExportLimits, export_graphs
     m = random_model(CFG, seed=3)
@@ -113,6 +122,7 @@ def test_fp8_linears_pack_only_with_one_input_scale():
              for lin, s in zip(lins, (s_in, s_in * 2, s_in))]
     assert _pack_rows(other) is None                                      # two input scales: no shared GEMM
     assert _pack_rows([q[0], lins[1]], merge=[2]) is None                 # one output across two kinds
+    assert _pack_rows([lins[0], nn.Linear(64, 8, bias=False).double()]) is None    # cat would promote
     mixed = [FP8Linear.from_linear(lins[0], s_in, lins[0].weight.abs().amax(1) / 448), lins[1], lins[2]]
     ref = [m(x) for m in mixed]
     runs = _pack_rows(mixed)                              # an FP8 run, then a bf16/fp32 run: two GEMMs

@@ -94,6 +94,13 @@ class K3Model(nn.Module):
         load_checkpoint(model, Path(path), dtype=dtype, device=device)
         return model.eval()
 
+    def _apply(self, fn, *args, **kwargs):
+        """`.to()`, `.cuda()`, `.half()`... copy each weight on its own, so packed GEMMs (`model.packing`) would
+        keep the old tensors: they are dropped first (pack again afterwards)."""
+        from k3export.model.packing import unpack_projections
+        unpack_projections(self)
+        return super()._apply(fn, *args, **kwargs)
+
     @property
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype

@@ -15,9 +15,9 @@ concatenated weight. `pack_projections` concatenates, per module:
 Each member's weight becomes a view of the packed tensor, so parameter names, `state_dict`, checkpoints and
 memory are unchanged, and the unpacked methods still compute the same values. The packed module shadows the
 owner's `project` / `output` method in the instance `__dict__` (it is not a registered child, so it adds no
-parameter); `unpack_projections` removes it. Pack after the last `.to()` (a move copies each member separately,
-and the packed module would keep the old tensors) and after FP8 quantization (`fp8.quantize_model` unpacks
-first). FP8 linears pack when their input scales agree (they read the same tensor, so calibration gives equal
+parameter); `unpack_projections` removes it. Pack after the last `.to()` (a move copies each member separately;
+`K3Model._apply` unpacks, so a moved or cast model runs unpacked) and after FP8 quantization
+(`fp8.quantize_model` unpacks first). FP8 linears pack when their input scales agree (they read the same tensor, so calibration gives equal
 scales), and a group whose recipe keeps some members in bf16 becomes one GEMM per run of one kind; column packing
 is bf16/fp32 only, since its two inputs would need one input scale.
 
@@ -112,9 +112,13 @@ def _pack_rows(members: list[nn.Module], merge: list[int] | None = None) -> nn.M
 
 
 def _packable(kind: str, members: list[nn.Module]) -> bool:
+    first = members[0]
+    name = "weight" if kind == "linear" else "qweight"
+    ref = getattr(first, name)
+    if any(getattr(m, name).dtype != ref.dtype or getattr(m, name).device != ref.device for m in members):
+        return False                                      # torch.cat would promote or fail: leave them apart
     if kind == "linear":
         return True
-    first = members[0]
     if any(m.weight_scale.dim() != first.weight_scale.dim() or m.out_dtype != first.out_dtype or
            not torch.equal(m.input_scale, first.input_scale) for m in members):
         return False
@@ -163,7 +167,7 @@ class PackedRuns(nn.Module):
 @torch.no_grad()
 def _pack_cols(members: list[nn.Module]) -> PackedLinear | None:
     """Concatenate bias-free linears with one output width along the input dim (their outputs are summed)."""
-    if _kind(members) != "linear" or len({m.out_features for m in members}) != 1:
+    if _kind(members) != "linear" or len({m.out_features for m in members}) != 1 or not _packable("linear", members):
         return None
     w = torch.cat([m.weight for m in members], dim=1)
     packed = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
