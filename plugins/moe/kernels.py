@@ -599,7 +599,7 @@ TILINGS = {
                 "m64t32-aw8": MoeTiles(64, (64, 64, 8, 4), (128, 64, 8, 4), 1, **_AW, tail=32),
                 "m64t32-n128-aw8": MoeTiles(64, (128, 64, 8, 3), (256, 64, 8, 3), 1, **_AW, tail=32)},
 }
-# Decode at 1-2 tokens, H200 2026-11-30 05:36 (`bench moe --phases decode`, K3 shapes, CUDA-graph replay):
+# Decode at 1-2 tokens, H200 2026-11-30 05:31 (`bench moe --phases decode`, K3 shapes, CUDA-graph replay):
 # "pairs-n8" 0.279 / 0.494 ms = 90% / 98% of copy at 1 / 2 tokens (fused-lean 0.297 / 0.523, pairs 0.282 / 0.512,
 # pairs-k512 0.289 / 0.523); from 4 tokens on the row plan runs, unchanged. k3-small decode step at B = 1 under
 # `compile`: 1.239 -> 1.174 ms with "pairs".
