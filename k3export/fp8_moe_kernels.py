@@ -38,7 +38,8 @@ import triton.language as tl
 
 from k3export.fp8 import WEIGHT_ONLY_OK, weight_only_unavailable
 from k3export.fp8_kernels import INTERPRET, WoTiles, _gemv4, fp8_quant_fwd
-from k3export.plugins.moe.kernels import _plan_rows, _sigmoid, _tanh, align_rows, moe_combine_fwd_kernel
+from k3export.plugins.moe.kernels import (_pair_tile, _plan_rows, _sigmoid, _tanh, align_rows,
+                                         moe_combine_fwd_kernel)
 from k3export.plugins.moe.naive import route
 from k3export.plugins.triton_common import dot_precision, pow2
 
@@ -200,10 +201,7 @@ def moe_fp8_wo_pair_gemm1_fwd_kernel(z4, w13, s13, h, ids, I, C_L, stride_z4, st
                                      BLOCK_C: tl.constexpr):
     """Pair p (token p // TOP_K, expert ids[p]), columns [n0, n0 + BLOCK_N) of I: one GEMV per weight,
     h[p] = SiTU_GLU(z (W1_e s_1)^T, z (W3_e s_3)^T) -> h.dtype. z4 / w13: int64 / int32 words (`_gemv4`)."""
-    p = tl.program_id(0)
-    e = tl.load(ids + p).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < I
+    p, e, offs_n, n_ok = _pair_tile(ids, I, BLOCK_N)
     offs_c = tl.arange(0, BLOCK_C)
     x4 = z4 + (p // TOP_K).to(tl.int64) * stride_z4
     w1 = w13 + e * stride_we4 + offs_n[:, None].to(tl.int64) * stride_wn4 + offs_c[None, :]        # [BN, BC]
@@ -224,10 +222,7 @@ def moe_fp8_wo_pair_gemm2_fwd_kernel(h4, w2, s2, y, ids, L, C_I, stride_h4, stri
                                      stride_y, PER_CHANNEL: tl.constexpr, UNPACK: tl.constexpr,
                                      PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
     """Pair p, columns [n0, n0 + BLOCK_N) of L: y[p] = h[p] (W2_e s_2)^T in fp32 (one GEMV)."""
-    p = tl.program_id(0)
-    e = tl.load(ids + p).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < L
+    p, e, offs_n, n_ok = _pair_tile(ids, L, BLOCK_N)
     offs_c = tl.arange(0, BLOCK_C)
     w = w2 + e * stride_we4 + offs_n[:, None].to(tl.int64) * stride_wn4 + offs_c[None, :]
     acc = _gemv4(h4 + p.to(tl.int64) * stride_h4, w, n_ok, offs_c, 0, C_I, BLOCK_N, BLOCK_C, UNPACK, PREFETCH)

@@ -512,16 +512,23 @@ def _gemv_rows(x_row, w_rows, n_ok, offs_k, K, BLOCK_N: tl.constexpr, BLOCK_K: t
 
 
 @triton.jit
+def _pair_tile(ids, n_cols, BLOCK_N: tl.constexpr):
+    """The "pairs" programs' tile (here and in the FP8 twins): pair p = program 0, its expert ids[p] as int64, and
+    columns [n0, n0 + BLOCK_N) of n_cols with their mask, n0 from program 1."""
+    p = tl.program_id(0)
+    e = tl.load(ids + p).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return p, e, offs_n, offs_n < n_cols
+
+
+@triton.jit
 def moe_pair_gemm1_fwd_kernel(z, w1, w3, h, ids, L, I, stride_zn, stride_we, stride_wi, stride_h, beta,
                               linear_beta, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Pair p (token p // TOP_K, expert ids[p]), columns [n0, n0 + BLOCK_N) of I: two GEMVs over L,
     h[p] = SiTU_GLU(z W1_e^T, z W3_e^T) -> h.dtype ("pairs" decode: no row plan, no padding rows)."""
     beta = tl.cast(beta, tl.float32)
     linear_beta = tl.cast(linear_beta, tl.float32)
-    p = tl.program_id(0)
-    e = tl.load(ids + p).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < I
+    p, e, offs_n, n_ok = _pair_tile(ids, I, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     z_row = z + (p // TOP_K).to(tl.int64) * stride_zn
     w_off = e * stride_we + offs_n[:, None].to(tl.int64) * stride_wi + offs_k[None, :]              # [BN, BK]
@@ -535,10 +542,7 @@ def moe_pair_gemm1_fwd_kernel(z, w1, w3, h, ids, L, I, stride_zn, stride_we, str
 def moe_pair_gemm2_fwd_kernel(h, w2, y, ids, L, I, stride_h, stride_we, stride_wl, stride_y,
                               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Pair p, columns [n0, n0 + BLOCK_N) of L: y[p] = h[p] W2_{ids[p]}^T in fp32 (one GEMV over I)."""
-    p = tl.program_id(0)
-    e = tl.load(ids + p).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < L
+    p, e, offs_n, n_ok = _pair_tile(ids, L, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     w_rows = w2 + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wl + offs_k[None, :]
     acc = _gemv_rows(h + p.to(tl.int64) * stride_h, w_rows, n_ok, offs_k, I, BLOCK_N, BLOCK_K)
