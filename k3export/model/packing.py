@@ -202,6 +202,7 @@ def pack_projections(model: nn.Module) -> int:
     from k3export.model.mla import GatedMLA
     from k3export.model.moe import LatentMoE
     unpack_projections(model)
+    shared = {id(m.shared_experts) for m in model.modules() if isinstance(m, LatentMoE)}   # packed with their MoE
     n = 0
     for mod in model.modules():
         if isinstance(mod, KimiDeltaAttention):
@@ -214,14 +215,9 @@ def pack_projections(model: nn.Module) -> int:
             s = mod.shared_experts
             n += _swap(mod, "project", _pack_rows([mod.routed_expert_down_proj, s.gate_proj, s.up_proj]))
             n += _swap(mod, "output", _pack_cols([mod.routed_expert_up_proj, s.down_proj]))
-        elif isinstance(mod, SituMLP) and not _is_shared_expert(model, mod):
+        elif isinstance(mod, SituMLP) and id(mod) not in shared:
             n += _swap(mod, "project", _pack_rows([mod.gate_proj, mod.up_proj]))
     return n
-
-
-def _is_shared_expert(model: nn.Module, mlp: nn.Module) -> bool:
-    from k3export.model.moe import LatentMoE
-    return any(isinstance(m, LatentMoE) and m.shared_experts is mlp for m in model.modules())
 
 
 def unpack_projections(model: nn.Module) -> int:
