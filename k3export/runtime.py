@@ -99,15 +99,18 @@ class CompileBackend(EagerBackend):
 
     `pack` (default): the projections that share an input run as one GEMM (`model.packing`; in place, so the
     model runs packed for every later user too). At one decode token this removes ~9 GEMV launches per layer.
-    Inductor freezing alone merged few of them (k3-small decode on the H200: 387 -> 376 kernels, 1.80 -> 1.78 ms)."""
+    Inductor freezing alone merged few of them (k3-small decode on the H200: 387 -> 376 kernels, 1.80 -> 1.78 ms).
+    `fuse_norms` (opt-in, not yet timed on a GPU): each AttnRes mix and the RMSNorm after it as one launch."""
 
     name = "compile"
 
-    def __init__(self, model, mode: str | None = None, cache_dir=None, freezing: bool = False, pack: bool = True):
+    def __init__(self, model, mode: str | None = None, cache_dir=None, freezing: bool = False, pack: bool = True,
+                 fuse_norms: bool = False):
         super().__init__(model)
-        if pack:
-            from k3export.model.packing import pack_projections
-            self.packed = pack_projections(model)       # in place: every later user of `model` runs packed too
+        from k3export.model import packing
+        packing.unpack_projections(model)          # the swaps asked for here, no others (in place: later users too)
+        self.packed = packing.pack_projections(model) if pack else 0
+        self.fused = packing.fuse_norms(model) if fuse_norms else 0
         if cache_dir is not None:
             import os
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(cache_dir).resolve() / "inductor-cache")

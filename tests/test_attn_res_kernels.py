@@ -76,6 +76,19 @@ def _interpreter_cases() -> dict:
                     res[f"{key}-vs64"] = _rel(out, ref64)
                     if dt == torch.float32:
                         res[f"{key}-vs32"] = _rel(out, attn_res_mix(bank, p, nw, pw, EPS))
+    # k3::attn_res_norm: the same launch with the consumer's RMSNorm (out weight [d], out_eps) as a third pass.
+    from k3export.plugins.attn_res.naive import attn_res_norm_ref
+    for name, dt in DTYPES.items():
+        for n in (1, 3, 8):
+            for big in (None, 0, n):
+                torch.manual_seed(1000 + 100 * n + (big if big is not None else 99))
+                bank, p, nw, pw = _inputs(N, n, d, dt, big=big, strided=n != 3)
+                ow = (1 + 0.1 * torch.randn(d)).to(dt)
+                out = kernels.attn_res_norm_fwd(bank, p, nw, pw, EPS, ow, 1e-5, block_d=64)
+                assert out.dtype == dt and out.shape == p.shape
+                ref64 = attn_res_norm_ref(bank.double(), p.double(), nw.double(), pw.double(), EPS, ow.double(), 1e-5)
+                res[f"norm-{name}-n{n}-big{big}-vs64"] = _rel(out, ref64)
+                res[f"norm-{name}-n{n}-big{big}-vsref"] = _rel(out, attn_res_norm_ref(bank, p, nw, pw, EPS, ow, 1e-5))
     # A zero query gives the plain mean of the sources (contract); proj_weight as [d].
     torch.manual_seed(3)
     bank, p, nw, _ = _inputs(N, 3, d, torch.float32)
@@ -133,6 +146,31 @@ def test_interpreted_fp16(interp):
     assert len(errs) == 18 and max(errs.values()) < FP16_BOUND, errs
 
 
+def test_interpreted_norm(interp):
+    """`k3::attn_res_norm` (mix + RMSNorm in one launch) vs its reference: fp32 within the fp32 bounds above; fp16
+    vs fp64 within FP16_BOUND (three fp16 roundings: the mix, the normalised row, the weight product; measured
+    <= 7.1e-4), and vs the fp16 reference, which rounds at the same places, within one fp16 ulp (2^-10 relative:
+    a sum in another order can round the other way; measured <= 2.8e-4)."""
+    e = {k: v for k, v in interp.items() if k.startswith("norm-")}
+    assert len(e) == 36, e
+    assert max(v for k, v in e.items() if k.startswith("norm-fp32") and k.endswith("vs64")) < FP32_BOUND, e
+    assert max(v for k, v in e.items() if k.startswith("norm-fp32") and k.endswith("vsref")) < FP32_VS_REF32_BOUND, e
+    assert max(v for k, v in e.items() if k.startswith("norm-fp16") and k.endswith("vs64")) < FP16_BOUND, e
+    assert max(v for k, v in e.items() if k.startswith("norm-fp16") and k.endswith("vsref")) < 2.0 ** -10, e
+
+
+def test_norm_variant_compiles_for_sm90_on_cpu():
+    """The NORM launch as the GPU would run it (bf16, K3's n = 8) compiles to sm_90 PTX, with the barrier before
+    the pass that re-reads the row."""
+    from k3export.plugins.aot import compile_ptx
+    from k3export.plugins.attn_res import kernels
+    sig = dict(bank="*bf16", p="*bf16", nw="*bf16", pw="*bf16", out="*bf16", n="i32", D="i32", stride_bn="i32",
+               stride_bj="i32", stride_pn="i32", eps="fp32", N_SRC="constexpr", BLOCK_D="constexpr",
+               NORM="constexpr", ow="*bf16", out_eps="fp32")
+    k = compile_ptx(kernels.attn_res_fwd_kernel, sig, dict(N_SRC=8, BLOCK_D=512, NORM=True), num_warps=4)
+    assert ".target sm_90" in k.ptx and "bar.sync" in k.ptx
+
+
 @pytest.mark.parametrize("flag", ["fp64-uses-reference", "bad-p-named", "bad-n=17-named", "bad-float64-named",
                                   "bad-proj_weight-named", "on-by-default", "off-with-env-0"])
 def test_interpreted_flags(interp, flag):
@@ -158,6 +196,22 @@ def test_attn_res_k3_shape(N):
     err32 = _rel(attn_res_fwd(*args, EPS), attn_res_mix(*args, EPS))
     print(f"attn_res N={N} n=8 d=7168 fp32: rel err {err32:.2e}")
     assert err32 < FP32_GPU_BOUND
+
+
+@pytest.mark.cuda
+def test_attn_res_norm_k3_shape():
+    """`k3::attn_res_norm` at K3's shape (N = 1 decode row and 4096 prefill rows, n = 8, d = 7168, bf16) vs its
+    reference on the same bf16 inputs: each rounds three times to bf16, so a rounding may land one bf16 ulp
+    apart (BF16_BOUND)."""
+    from k3export.plugins.attn_res.kernels import attn_res_norm_fwd
+    from k3export.plugins.attn_res.naive import attn_res_norm_ref
+    for N in (1, 4096):
+        torch.manual_seed(N)
+        bank, p, nw, pw = _inputs(N, 8, 7168, torch.bfloat16, "cuda", big=0)
+        ow = (1 + 0.1 * torch.randn(7168, device="cuda")).bfloat16()
+        err = _rel(attn_res_norm_fwd(bank, p, nw, pw, EPS, ow, 1e-5), attn_res_norm_ref(bank, p, nw, pw, EPS, ow, 1e-5))
+        print(f"attn_res_norm N={N} n=8 d=7168 bf16: rel err {err:.2e}")
+        assert err < BF16_BOUND
 
 
 if __name__ == "__main__":

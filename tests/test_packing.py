@@ -90,8 +90,9 @@ def test_moving_or_casting_a_packed_model_unpacks_it():
 
 def test_unpacked_block_restores_packing_and_export_sees_the_model_as_written(tmp_path):
     from k3export.export import ExportLimits, export_graphs
+    from k3export.model.packing import fuse_norms
     m = random_model(CFG, seed=3)
-    n = pack_projections(m)
+    n = pack_projections(m) + fuse_norms(m)
     with unpacked(m):
         assert packed_count(m) == 0
     assert packed_count(m) == n
@@ -101,6 +102,8 @@ def test_unpacked_block_restores_packing_and_export_sees_the_model_as_written(tm
     names = set(decode.state_dict) | set(decode.constants)
     assert not any(".project." in k or ".output." in k for k in names)       # no packed tensor was captured
     assert any(k.endswith("q_proj.weight") for k in names)
+    ops = {str(nd.target) for nd in decode.graph_module.graph.nodes if nd.op == "call_function"}
+    assert any("k3.attn_res." in o for o in ops) and not any("attn_res_norm" in o for o in ops)
 
 
 def test_fp8_linears_pack_only_with_one_input_scale():
@@ -193,3 +196,27 @@ def test_fp8_model_packs_by_kind_and_matches_unpacked():
     assert isinstance(kda.project, PackedRuns) and len(kda.project.parts) == 2
     got = _decode(m, ids, state, cache_len)
     assert max(rel(a, b) for a, b in zip(got, ref)) < DECODE_REL
+
+
+def test_fused_mix_norm_is_the_model_as_written_on_cpu():
+    """`fuse_norms`: each AttnRes mix + the RMSNorm after it as one `k3::attn_res_norm` call. Its CPU
+    implementation is the same torch ops as the unfused path, so the step is bit-identical here (the kernel's
+    own bounds are in tests/test_attn_res_kernels.py). It survives packing, `unpacked` puts it back, and the
+    exported graphs never carry it."""
+    from k3export.model.packing import fuse_norms
+    from k3export.runtime import CompileBackend
+    m = random_model(CFG, seed=3)
+    ids, cache_len = torch.tensor([5, 9]), torch.tensor([3, 11])
+    state = _state(m)
+    ref = _decode(m, ids, state, cache_len)
+    assert fuse_norms(m) == 1 and packed_count(m) == 1
+    got = _decode(m, ids, state, cache_len)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    n = pack_projections(m)
+    assert packed_count(m) == n + 1                    # packing leaves the fused norms on
+    with unpacked(m):
+        assert packed_count(m) == 0
+    assert packed_count(m) == n + 1
+    backend = CompileBackend(m)                        # asks for packing only: the fused norms go
+    assert (backend.packed, backend.fused) == (n, 0) and packed_count(m) == n
+    assert CompileBackend(m, fuse_norms=True).fused == 1 and packed_count(m) == n + 1

@@ -42,6 +42,18 @@ def test_frozen_compile_equals_eager_generate(model):
     assert "_frozen_param" in "".join(code)               # the weights really became constants (see the backend)
 
 
+@pytest.mark.slow
+def test_packed_and_fused_compile_equals_eager_generate():
+    """torch.compile through both serving swaps (packed projections, `k3::attn_res_norm`) traces and gives the
+    eager greedy tokens of the model as written; ~1 min on 2 CPU cores."""
+    model = random_model(K3Config.from_name("k3-tiny"), seed=0)
+    ref = generate(model, PROMPTS[:2], 4)
+    backend = CompileBackend(model, fuse_norms=True)
+    assert backend.packed > 0 and backend.fused == 1
+    engine = Engine(backend, max_batch=2, max_len=32, cuda_graphs=False)
+    assert Generator(engine).generate(PROMPTS[:2], 4) == ref
+
+
 class _TwoLinears(torch.nn.Module):
     """The smallest stand-in a backend accepts: the two forwards, device, dtype, config."""
 
@@ -174,11 +186,13 @@ def test_generate_refuses_a_non_positive_token_budget(model):
 
 
 @pytest.mark.cuda
-def test_packed_compile_backend_generates_eager_tokens_cuda():
-    """The served path on the GPU: `compile` (projections packed, Inductor, CUDA-graph decode) gives the greedy
-    tokens of the model as written, run eagerly, on k3-tiny fp32 with every k3 op on its kernel."""
+@pytest.mark.parametrize("fuse_norms", [False, True])
+def test_packed_compile_backend_generates_eager_tokens_cuda(fuse_norms):
+    """The served path on the GPU: `compile` (projections packed, Inductor, CUDA-graph decode; with fuse_norms
+    the AttnRes + RMSNorm kernel too) gives the greedy tokens of the model as written, run eagerly, on k3-tiny
+    fp32 with every k3 op on its kernel."""
     model = random_model(K3Config.from_name("k3-tiny"), seed=0, device="cuda")
     ref = generate(model, PROMPTS[:3], 6)                     # before packing: the model as written
-    backend = CompileBackend(model)
-    assert backend.packed > 0
+    backend = CompileBackend(model, fuse_norms=fuse_norms)
+    assert backend.packed > 0 and backend.fused == int(fuse_norms)
     assert Generator(Engine(backend, max_batch=3, max_len=32)).generate(PROMPTS[:3], 6) == ref

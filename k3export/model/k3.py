@@ -121,17 +121,22 @@ class K3Model(nn.Module):
         bank = h.new_empty(h.shape[0], cfg.num_attn_res_blocks, h.shape[1])       # [N, blocks, d]
         n, p = 0, h
         for layer in self.model.layers:
-            x = p if n == 0 else attn_res(bank[:, :n], p, layer.self_attention_res_norm.weight,
-                                          layer.self_attention_res_proj.weight, cfg.rms_norm_eps)
+            x = layer.input_layernorm(p) if n == 0 else self.mix_norm(
+                bank[:, :n], p, layer.self_attention_res_norm, layer.self_attention_res_proj, layer.input_layernorm)
             if layer.index % S == 0:                                              # seal after the attention mix
                 bank[:, n] = p
                 n, p = n + 1, torch.zeros_like(p)
-            p = p + attention(layer, layer.input_layernorm(x))
-            x = attn_res(bank[:, :n], p, layer.mlp_res_norm.weight, layer.mlp_res_proj.weight, cfg.rms_norm_eps)
-            p = p + layer.channel_mixer(layer.post_attention_layernorm(x))
+            p = p + attention(layer, x)
+            x = self.mix_norm(bank[:, :n], p, layer.mlp_res_norm, layer.mlp_res_proj, layer.post_attention_layernorm)
+            p = p + layer.channel_mixer(x)
         m = self.model
-        h = attn_res(bank[:, :n], p, m.output_attn_res_norm.weight, m.output_attn_res_proj.weight, cfg.rms_norm_eps)
-        return m.norm(h)
+        return self.mix_norm(bank[:, :n], p, m.output_attn_res_norm, m.output_attn_res_proj, m.norm)
+
+    def mix_norm(self, bank, p, res_norm, res_query, norm):
+        """norm(AttnRes mix of the sealed rows bank `[N, n, d]` and p `[N, d]`), the mix's (norm, query) pair
+        given as modules: what every token mixer, channel mixer and the final norm read. `model.packing.fuse_norms`
+        swaps in one `k3::attn_res_norm` launch for the two."""
+        return norm(attn_res(bank, p, res_norm.weight, res_query.weight, self.config.rms_norm_eps))
 
     def forward_prefill(self, input_ids, lengths, kda_conv, kda_state, mla_cache, cache_len):
         """Prefill T new tokens per sequence, continuing from a state.

@@ -17,9 +17,12 @@ memory are unchanged, and the unpacked methods still compute the same values. Th
 owner's `project` / `output` method in the instance `__dict__` (it is not a registered child, so it adds no
 parameter); `unpack_projections` removes it. Pack after the last `.to()` (a move copies each member separately;
 `K3Model._apply` unpacks, so a moved or cast model runs unpacked) and after FP8 quantization
-(`fp8.quantize_model` unpacks first). FP8 linears pack when their input scales agree (they read the same tensor, so calibration gives equal
-scales), and a group whose recipe keeps some members in bf16 becomes one GEMM per run of one kind; column packing
-is bf16/fp32 only, since its two inputs would need one input scale.
+(`fp8.quantize_model` unpacks first). FP8 linears pack when their input scales agree (they read the same tensor,
+so calibration gives equal scales), and a group whose recipe keeps some members in bf16 becomes one GEMM per run
+of one kind; column packing is bf16/fp32 only, since its two inputs would need one input scale.
+
+`fuse_norms`, the other serving swap here, replaces `K3Model.mix_norm` (AttnRes mix, then the RMSNorm that reads
+it) by one `k3::attn_res_norm` launch; `unpack_projections` and `unpacked` cover it too.
 
 Numerics: a row-packed GEMM computes each output exactly as its member does (same dot products; cuBLAS may pick
 another kernel, measured equal on the H200); the column-packed output is one fp32 accumulation rounded once
@@ -33,8 +36,10 @@ import contextlib
 import torch
 from torch import nn
 
+from k3export.plugins.attn_res.op import attn_res_norm
 
-SWAPPED = ("project", "output", "conv_weight")      # the owners' methods a packed module may shadow
+PROJECTION_SWAPS = ("project", "output", "conv_weight")     # the owners' methods a packed module may shadow
+SWAPPED = PROJECTION_SWAPS + ("mix_norm",)                  # ... and every serving swap
 
 
 class PackedLinear(nn.Module):
@@ -184,7 +189,18 @@ def _ranges(sizes: list[int]):
         a += n
 
 
-PACKED = (PackedLinear, PackedRuns, PackedTensor)
+class FusedMixNorm(nn.Module):
+    """`K3Model.mix_norm` as one `k3::attn_res_norm` launch (the AttnRes mix and the RMSNorm after it)."""
+
+    def __init__(self, eps: float):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, bank, p, res_norm, res_query, norm):
+        return attn_res_norm(bank, p, res_norm.weight, res_query.weight, self.eps, norm.weight, norm.eps)
+
+
+PACKED = (PackedLinear, PackedRuns, PackedTensor, FusedMixNorm)
 
 
 def _swap(owner: nn.Module, method: str, packed: nn.Module | None) -> int:
@@ -201,7 +217,7 @@ def pack_projections(model: nn.Module) -> int:
     from k3export.model.layers import SituMLP
     from k3export.model.mla import GatedMLA
     from k3export.model.moe import LatentMoE
-    unpack_projections(model)
+    _remove_swaps(model, PROJECTION_SWAPS)
     shared = {id(m.shared_experts) for m in model.modules() if isinstance(m, LatentMoE)}   # packed with their MoE
     n = 0
     for mod in model.modules():
@@ -220,16 +236,28 @@ def pack_projections(model: nn.Module) -> int:
     return n
 
 
+def fuse_norms(model: nn.Module) -> int:
+    """Swap `K3Model.mix_norm` for one `k3::attn_res_norm` launch per call (24 launches fewer per k3-small decode
+    step). Opt-in (`CompileBackend(fuse_norms=True)`, bench backend `compile-fused`): not yet timed on a GPU.
+    Returns 1 (0 for a model without `mix_norm`)."""
+    if not hasattr(type(model), "mix_norm"):
+        return 0
+    return _swap(model, "mix_norm", FusedMixNorm(model.config.rms_norm_eps))
+
+
 def unpack_projections(model: nn.Module) -> int:
-    """Remove every packed GEMM: the owners' own methods run again (the weights stay where they are). Returns
-    how many were removed."""
-    n = 0
+    """Remove every serving swap (packed GEMMs, fused norms): the owners' own methods run again (the weights stay
+    where they are). Returns how many were removed."""
+    return len(_remove_swaps(model))
+
+
+def _remove_swaps(model: nn.Module, methods=SWAPPED) -> list[tuple[nn.Module, str, nn.Module]]:
+    removed = []
     for mod in model.modules():
-        for method in SWAPPED:
+        for method in methods:
             if isinstance(mod.__dict__.get(method), PACKED):
-                del mod.__dict__[method]
-                n += 1
-    return n
+                removed.append((mod, method, mod.__dict__.pop(method)))
+    return removed
 
 
 def packed_count(model: nn.Module) -> int:
@@ -239,10 +267,11 @@ def packed_count(model: nn.Module) -> int:
 @contextlib.contextmanager
 def unpacked(model: nn.Module):
     """Run a block on the model as written (e.g. `torch.export`, which would meet the packed weights as
-    unregistered tensors); packing is restored afterwards if it was on."""
-    n = unpack_projections(model)
+    unregistered tensors); the swaps that were on are put back afterwards (the same modules: their weights are
+    the members' storage, so in-place updates in the block reach them)."""
+    removed = _remove_swaps(model)
     try:
         yield
     finally:
-        if n:
-            pack_projections(model)
+        for mod, method, swap in removed:
+            mod.__dict__[method] = swap

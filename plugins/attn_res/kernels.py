@@ -1,4 +1,5 @@
-"""Triton AttnRes kernel: one launch for `k3::attn_res` (see CONTRACT.md), replacing ~18 small torch kernels.
+"""Triton AttnRes kernel: one launch for `k3::attn_res` (see CONTRACT.md), replacing ~18 small torch kernels, and
+for `k3::attn_res_norm` (the same launch with the consumer's RMSNorm as a third pass).
 
     pass 1:  per source j (bank rows 0..n-1, then p), over d in BLOCK_D chunks, in fp32:
              ss_j = sum_d V_j^2,  dot_j = sum_d V_j * norm_weight * proj_weight
@@ -21,7 +22,7 @@ import triton.language as tl
 
 from ..launch import launch
 from ..triton_common import check, pow2
-from .op import attn_res
+from .op import attn_res, attn_res_norm
 
 MAX_SOURCES = 16                     # bank rows a launch takes (K3: n <= 8); N_SRC is a power of two >= n
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -30,8 +31,11 @@ ENABLED = os.environ.get("K3_ATTN_RES_TRITON", "1") != "0"
 
 @triton.jit
 def attn_res_fwd_kernel(bank, p, nw, pw, out, n, D, stride_bn, stride_bj, stride_pn, eps,
-                        N_SRC: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Row r: out[r] = sum_j softmax(s)_j V_j over V = (bank[r, 0..n-1], p[r]); the d axis has unit stride."""
+                        N_SRC: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr = False, ow=None,
+                        out_eps=0.0):
+    """Row r: out[r] = sum_j softmax(s)_j V_j over V = (bank[r, 0..n-1], p[r]); the d axis has unit stride.
+    NORM (`k3::attn_res_norm`): then out[r] = ow * (x * rsqrt(mean(x^2) + out_eps)) with x the mix rounded to
+    out's dtype, as the model's RMSNorm computes it (a third pass over the row this program just wrote)."""
     eps = tl.cast(eps, tl.float32)  # Inductor passes Python float arguments as fp64 (AOTI packages)
     r = tl.program_id(0).to(tl.int64)
     offs_j = tl.arange(0, N_SRC)
@@ -62,15 +66,28 @@ def attn_res_fwd_kernel(bank, p, nw, pw, out, n, D, stride_bn, stride_bj, stride
     a_b = e_b / z
     a_p = e_p / z
     o_row = out + r * D
+    ss_o = tl.zeros([BLOCK_D], tl.float32)
     for d0 in range(0, D, BLOCK_D):                                              # pass 2: the mix
         d_ok = (d0 + offs_d) < D
         vb = tl.load(b_row + d0 + offs_d[None, :], mask=j_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
         vp = tl.load(p_row + d0 + offs_d, mask=d_ok, other=0.0).to(tl.float32)
         o = tl.sum(a_b[:, None] * vb, 0) + a_p * vp
         tl.store(o_row + d0 + offs_d, o.to(out.dtype.element_ty), mask=d_ok)
+        if NORM:                                                                 # the norm sees the stored x
+            x = o.to(out.dtype.element_ty).to(tl.float32)
+            ss_o += x * x
+    if NORM:                                                                     # pass 3: the consumer's RMSNorm
+        r_o = tl.rsqrt(tl.sum(ss_o, 0) / D + tl.cast(out_eps, tl.float32))
+        tl.debug_barrier()                                                       # the row's pass-2 stores
+        for d0 in range(0, D, BLOCK_D):
+            d_ok = (d0 + offs_d) < D
+            x = tl.load(o_row + d0 + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+            y = (x * r_o).to(out.dtype.element_ty).to(tl.float32)
+            w = tl.load(ow + d0 + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+            tl.store(o_row + d0 + offs_d, (w * y).to(out.dtype.element_ty), mask=d_ok)
 
 
-def attn_res_fwd(bank, p, norm_weight, proj_weight, eps: float, block_d: int | None = None):
+def attn_res_fwd(bank, p, norm_weight, proj_weight, eps: float, block_d: int | None = None, norm=None):
     """The op's contract (see op.py): bank `[N, n, d]` (1 <= n <= 16), p `[N, d]`, norm_weight `[d]`,
     proj_weight `[1, d]` or `[d]` -> out `[N, d]` contiguous, in p.dtype; fp32 inside.
 
@@ -100,9 +117,21 @@ def attn_res_fwd(bank, p, norm_weight, proj_weight, eps: float, block_d: int | N
     n_src = pow2(n, 2)
     # ~4096 fp32 values of bank per chunk (8 x 512 for K3's n = 8): enough bytes in flight, few registers
     bd = block_d or min(pow2(D), max(64, 4096 // n_src))
+    extra = dict(NORM=True, ow=norm[0], out_eps=float(norm[1])) if norm is not None else {}
     launch(attn_res_fwd_kernel)[(N,)](bank, p, nw, pw, out, n, D, bank.stride(0), bank.stride(1), p.stride(0),
-                                      float(eps), N_SRC=n_src, BLOCK_D=bd, num_warps=4)
+                                      float(eps), N_SRC=n_src, BLOCK_D=bd, num_warps=4, **extra)
     return out
+
+
+def attn_res_norm_fwd(bank, p, norm_weight, proj_weight, eps: float, out_weight, out_eps: float,
+                      block_d: int | None = None):
+    """`k3::attn_res_norm`: `attn_res_fwd`'s contract, then the consumer's RMSNorm (out_weight `[d]`, same dtype as
+    p) in the same launch."""
+    D = p.shape[-1]
+    check(tuple(out_weight.shape) == (D,), f"attn_res_norm: out_weight {tuple(out_weight.shape)} must be [d={D}]")
+    check(out_weight.dtype == p.dtype and out_weight.device == p.device,
+          f"attn_res_norm: out_weight ({out_weight.dtype}, {out_weight.device}) must match p ({p.dtype}, {p.device})")
+    return attn_res_fwd(bank, p, norm_weight, proj_weight, eps, block_d, norm=(out_weight.contiguous(), out_eps))
 
 
 def _cuda(bank, p, norm_weight, proj_weight, eps):
@@ -111,5 +140,12 @@ def _cuda(bank, p, norm_weight, proj_weight, eps):
     return attn_res_fwd(bank, p, norm_weight, proj_weight, eps)
 
 
+def _cuda_norm(bank, p, norm_weight, proj_weight, eps, out_weight, out_eps):
+    if torch.float64 in (bank.dtype, p.dtype, out_weight.dtype) or out_weight.dtype != p.dtype:
+        return attn_res_norm._init_fn(bank, p, norm_weight, proj_weight, eps, out_weight, out_eps)
+    return attn_res_norm_fwd(bank, p, norm_weight, proj_weight, eps, out_weight, out_eps)
+
+
 if ENABLED:
     attn_res.register_kernel("cuda")(_cuda)
+    attn_res_norm.register_kernel("cuda")(_cuda_norm)

@@ -19,3 +19,11 @@ def attn_res_mix(bank, p, norm_weight, proj_weight, eps: float):
     s = torch.rsqrt(V.pow(2).mean(-1) + eps) * (V * gw).sum(-1)                   # [N, n+1]
     a = torch.softmax(s, dim=-1)
     return (a.unsqueeze(-1) * V).sum(1).to(p.dtype)
+
+
+def attn_res_norm_ref(bank, p, norm_weight, proj_weight, eps: float, out_weight, out_eps: float):
+    """RMSNorm_{out_weight, out_eps}(attn_res_mix(bank, p, ...)), the norm exactly as the model's `RMSNorm`: the mix
+    in p.dtype, normalised in at least fp32, cast back to p.dtype, then times out_weight."""
+    x = attn_res_mix(bank, p, norm_weight, proj_weight, eps)
+    xf = x.to(acc_dtype(x))
+    return out_weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + out_eps)).to(x.dtype)

@@ -1,11 +1,12 @@
-"""The k3 AttnRes op: `k3::attn_res`, so a fused kernel (mix + next RMSNorm) can replace it later."""
+"""The k3 AttnRes ops: `k3::attn_res` (the depth mix; what the exported graphs carry) and `k3::attn_res_norm` (the
+mix and its consumer's RMSNorm in one launch, for serving)."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from .naive import attn_res_mix
+from .naive import attn_res_mix, attn_res_norm_ref
 
 
 @torch.library.custom_op("k3::attn_res", mutates_args=())
@@ -17,6 +18,19 @@ def attn_res(bank: Tensor, p: Tensor, norm_weight: Tensor, proj_weight: Tensor, 
 @attn_res.register_fake
 def _(bank, p, norm_weight, proj_weight, eps):
     return p.new_empty(p.shape)                      # contiguous, like the implementation
+
+
+@torch.library.custom_op("k3::attn_res_norm", mutates_args=())
+def attn_res_norm(bank: Tensor, p: Tensor, norm_weight: Tensor, proj_weight: Tensor, eps: float, out_weight: Tensor,
+                  out_eps: float) -> Tensor:
+    """RMSNorm_{out_weight}(attn_res(bank, p, ...)) `[N, d]`: the depth mix and the RMSNorm of its consumer in one
+    op, for serving (`model.packing.fuse_norms`); the exported graphs keep `k3::attn_res` and the norm apart."""
+    return attn_res_norm_ref(bank, p, norm_weight, proj_weight, eps, out_weight, out_eps)
+
+
+@attn_res_norm.register_fake
+def _(bank, p, norm_weight, proj_weight, eps, out_weight, out_eps):
+    return p.new_empty(p.shape, dtype=torch.promote_types(out_weight.dtype, p.dtype))
 
 
 try:  # the Triton kernel registers itself as the CUDA implementation, only with K3_ATTN_RES_TRITON=1 (kernels.py)
