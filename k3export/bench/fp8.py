@@ -90,12 +90,18 @@ def decode_ms(model, B: int, context: int, compiled: bool = False) -> tuple[floa
     """Median ms of one decode step for B sequences holding `context` tokens: a CUDA graph replay when capture
     works, else eager. compiled: the step as the `compile` backend serves it (projections packed in place,
     torch.compile, then the graph)."""
-    from k3export.bench.ceilings import bench_ms
-    step = model.forward_decode
     if compiled:
-        from k3export.model.packing import pack_projections
+        from k3export.model.packing import pack_projections, unpack_projections
         pack_projections(model)
-        step = torch.compile(model.forward_decode, dynamic=False)
+        try:
+            return _decode_ms(model, B, context, torch.compile(model.forward_decode, dynamic=False))
+        finally:      # packed for the timing only: the accuracy report and the noise floor's deep copy that
+            unpack_projections(model)       # follow see the model as written
+    return _decode_ms(model, B, context, model.forward_decode)
+
+
+def _decode_ms(model, B: int, context: int, step) -> tuple[float, str]:
+    from k3export.bench.ceilings import bench_ms
     st = model.new_state(B, context + 8)
     st.lengths.fill_(context)
     st.mla_cache.normal_()
