@@ -28,22 +28,16 @@ GROUPS = {
 
 
 def timed(fn, iters=50):
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    with torch.cuda.graph(g):
-        fn()
+    """Median ms of a CUDA-graph replay of fn (captured by the benches' `_graphed`), CUDA events, after warm-up."""
+    from k3export.bench.layer import _graphed
+    replay = _graphed(fn)
     for _ in range(5):
-        g.replay()
+        replay()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(iters):
         a.record()
-        g.replay()
+        replay()
         b.record()
         torch.cuda.synchronize()
         times.append(a.elapsed_time(b))

@@ -167,14 +167,15 @@ def moe(out: Path, quick: bool, budget_s: float, phases: str) -> None:
            "copy_TBps": bw / 1e12, "matmul_TFLOPs": rate / 1e12}
     from k3export.plugins.moe.kernels import CONFIGS
     res["defaults"] = {k: repr(v) for k, v in CONFIGS.items()}
-    unknown = set(phases.split(",")) - {"prefill", "decode"}
-    if unknown:
-        raise click.BadParameter(f"unknown phase(s) {', '.join(sorted(unknown))}; choose from prefill, decode")
-    if "prefill" in phases:
+    want = {ph.strip() for ph in phases.split(",") if ph.strip()}
+    if want - {"prefill", "decode"}:
+        raise click.BadParameter(f"unknown phase(s) {', '.join(sorted(want - {'prefill', 'decode'}))}; choose from "
+                                 "prefill, decode")
+    if "prefill" in want:
         res["prefill"] = run_sweep(w, "prefill", (8192,) if quick else (8192, 4096, 16384), rate,
-                                   t0 + (0.7 if "decode" in phases else 1.0) * budget_s, True)
+                                   t0 + (0.7 if "decode" in want else 1.0) * budget_s, True)
         (out / "moe.json").write_text(json.dumps(res, indent=1))     # written per section: a cut run keeps some
-    if "decode" in phases:
+    if "decode" in want:
         res["decode"] = run_sweep(w, "decode", (1, 64) if quick else (1, 2, 4, 16, 64), bw, t0 + budget_s, True)
         (out / "moe.json").write_text(json.dumps(res, indent=1))
     print(f"wrote {out / 'moe.json'}")
