@@ -46,7 +46,7 @@ for part in $parts; do
     fused) timeout 120 python3 -m pytest -q -m cuda tests/test_attn_res_kernels.py tests/test_runtime.py -s -rs \
              -p no:cacheprovider > "$OUT/fused-test.log" 2>&1
            timeout 240 python3 -m k3export.cli bench model --preset k3-small --dtype bf16 \
-             --backends eager,compile,compile-fused --prefill-lengths 2048 --batches 1,16 --contexts 1024 \
+             --backends ${FUSED_BACKENDS:-eager,compile,compile-fused} --prefill-lengths 2048 --batches ${FUSED_BATCHES:-1,16} --contexts 1024 \
              --warmup 2 --iters 5 --out "$OUT/fused" > "$OUT/fused.log" 2>&1 ;;
     kda)   timeout 200 python3 -m k3export.cli bench kda --out "$OUT/kda" > "$OUT/kda.log" 2>&1 ;;
     probe) timeout 60 python3 scripts/gemv_pack_probe.py --out "$OUT/probe.json" > "$OUT/probe.log" 2>&1 ;;
