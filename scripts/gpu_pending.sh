@@ -1,8 +1,6 @@
 #!/usr/bin/env bash
 # What is owed to the GPU, one part per argument, each under its own time limit (device tool, carry [".whl"]; logs
-# under $OUT). State on 2026-11-30 06:30 UTC: everything below ran (results in docs/perf.md) except `fused`. Owed:
-# `PROFILE_BACKEND=compile-fused bash scripts/gpu_pending.sh fused profile` (~6 min): the fused AttnRes + RMSNorm
-# launch's cuda tests and whether it shortens the k3-small decode step; then make it the default or drop it.
+# under $OUT). Each part below has run at least once (results in docs/perf.md).
 #   toy      scripts/aoti_toy.py: does any CUDA AOTI package load there, per import context (bare, CUDA
 #            initialised, triton, k3export.plugins)? ~2 min. Decides whether the crash is torch's or ours.
 #   demo     `k3export demo --device cuda`: the main job end to end on the GPU (aoti refused by the load check
@@ -15,10 +13,10 @@
 #   kda      bench kda: prefill (B=1, T=8192, 96 heads) and decode B=1..256 vs fla-core and eager, one run
 #   fp8c     bench fp8 --compiled: k3-small FP8 vs bf16 decode as the compile backend serves it (packed, B = 1)
 #   mlatest  the MLA decode and packing cuda tests
-#   fused    k3::attn_res_norm: its cuda tests, then bench model compile vs compile-fused (B = 1, 16; prefill
-#            2048); with `PROFILE_BACKEND=compile-fused ... profile` the kernels of one fused step. NOT YET RUN.
+#   fused    k3::attn_res_norm: its cuda tests, then bench model $FUSED_BACKENDS (default eager, compile,
+#            compile-unfused; B = $FUSED_BATCHES, prefill 2048)
 #   probe    scripts/gemv_pack_probe.py: separate vs packed projections sharing an input (k3-small, B = 1)
-#   profile  scripts/profile_decode.py --backend compile-frozen: kernels per decode step with merged matmuls
+#   profile  scripts/profile_decode.py --backend $PROFILE_BACKEND (default compile): kernels per decode step
 set -uo pipefail
 parts=${*:-model profile}
 source "$(dirname "$0")/gpu_setup.sh"
@@ -46,7 +44,7 @@ for part in $parts; do
     fused) timeout 120 python3 -m pytest -q -m cuda tests/test_attn_res_kernels.py tests/test_runtime.py -s -rs \
              -p no:cacheprovider > "$OUT/fused-test.log" 2>&1
            timeout 240 python3 -m k3export.cli bench model --preset k3-small --dtype bf16 \
-             --backends ${FUSED_BACKENDS:-eager,compile,compile-fused} --prefill-lengths 2048 --batches ${FUSED_BATCHES:-1,16} --contexts 1024 \
+             --backends ${FUSED_BACKENDS:-eager,compile,compile-unfused} --prefill-lengths 2048 --batches ${FUSED_BATCHES:-1,16} --contexts 1024 \
              --warmup 2 --iters 5 --out "$OUT/fused" > "$OUT/fused.log" 2>&1 ;;
     kda)   timeout 200 python3 -m k3export.cli bench kda --out "$OUT/kda" > "$OUT/kda.log" 2>&1 ;;
     probe) timeout 60 python3 scripts/gemv_pack_probe.py --out "$OUT/probe.json" > "$OUT/probe.log" 2>&1 ;;

@@ -31,7 +31,7 @@ import torch
 
 from k3export.bench import bench
 
-BACKENDS = ("eager", "graph", "compile", "compile-frozen", "compile-fused", "aoti")
+BACKENDS = ("eager", "graph", "compile", "compile-frozen", "compile-unfused", "aoti")
 
 
 # ---------------------------------------------------------------------------------------------- napkin math
@@ -111,8 +111,8 @@ def make_backend(name: str, model, engines: Path, profiles: dict, log) -> tuple[
         return EagerBackend(model), False, {}
     if name == "graph":
         return EagerBackend(model), True, {}
-    if name in ("compile", "compile-frozen", "compile-fused"):
-        return CompileBackend(model, freezing=name == "compile-frozen", fuse_norms=name == "compile-fused"), cuda, {}
+    if name in ("compile", "compile-frozen", "compile-unfused"):
+        return CompileBackend(model, freezing=name == "compile-frozen", fuse_norms=name != "compile-unfused"), cuda, {}
     if name == "aoti":
         from k3export.build import build, open_backend
         t0 = time.perf_counter()

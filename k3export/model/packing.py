@@ -238,8 +238,8 @@ def pack_projections(model: nn.Module) -> int:
 
 def fuse_norms(model: nn.Module) -> int:
     """Swap `K3Model.mix_norm` for one `k3::attn_res_norm` launch per call (24 launches fewer per k3-small decode
-    step). Opt-in (`CompileBackend(fuse_norms=True)`, bench backend `compile-fused`): not yet timed on a GPU.
-    Returns 1 (0 for a model without `mix_norm`)."""
+    step; on by default in `CompileBackend`, whose bench backend `compile-unfused` leaves it off; H200 timings in
+    the backend's docstring). Returns 1 (0 for a model without `mix_norm`)."""
     if not hasattr(type(model), "mix_norm"):
         return 0
     return _swap(model, "mix_norm", FusedMixNorm(model.config.rms_norm_eps))
