@@ -16,7 +16,12 @@
     gemm1:   h[p] = SiTU_GLU(z W1_e^T, z W3_e^T) per (token, expert)  moe_pair_gemm1_fwd_kernel  [N*k, I]
              pair p, one GEMV per weight
     gemm2:   y[p] = h[p] W2_e^T in fp32                               moe_pair_gemm2_fwd_kernel  [N*k, L]
-    then the same combine.
+    then the same combine. Fused variants (`MoeTiles.fuse_topk` / `fuse_combine`, 5 launches -> 3, the same bits):
+    router + top-k: the last program of a token tile (a ticket per tile)    moe_router_topk_fwd_kernel
+             runs the top-k
+    gemm2 + combine: the last program of a (token, column tile) sums its    moe_pair_gemm2_combine_fwd_kernel
+             k rows
+    Their ticket counters live in one int32 buffer per device, zeroed once (`tickets`); each launch leaves them 0.
 
 One grouped GEMM pair serves every regime; `MoeTiles` picks its tiling (block rows, tiles, tile order, TMA
 descriptors or pointer loads) and `pick_regime` the default by rows per expert: decode (BLOCK_M = 16, each
@@ -59,12 +64,10 @@ def _tanh(x):
 
 # ---------------------------------------------------------------------------------------------- routing
 @triton.jit
-def moe_router_fwd_kernel(x, g, s, N, E, D, stride_xn, stride_ge, D_SPLIT,
-                          BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
-                          SIGMOID: tl.constexpr, DOT_PREC: tl.constexpr):
-    """s `[N, E]` fp32 = sigmoid(x `[N, D]` @ g `[E, D]`^T); 16-bit products are exact in the fp32 sum.
-    Split over D (grid axis 2, D_SPLIT columns each, few tokens: more programs): the raw partial sums go to
-    s `[splits, N, E]` and the top-k kernel adds them in split order."""
+def _router_partial(x, g, N, E, D, stride_xn, stride_ge, D_SPLIT, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+                    BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Program (m, e, split)'s tile: (token rows, expert columns, x @ g^T `[BLOCK_M, BLOCK_E]` fp32 summed over its
+    D_SPLIT columns of d)."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     offs_d = tl.arange(0, BLOCK_D)
@@ -78,6 +81,18 @@ def moe_router_fwd_kernel(x, g, s, N, E, D, stride_xn, stride_ge, D_SPLIT,
         b = tl.load(g + offs_e[:, None].to(tl.int64) * stride_ge + d0 + offs_d[None, :],
                     mask=(offs_e[:, None] < E) & d_ok[None, :], other=0.0)
         acc = tl.dot(a, tl.trans(b), acc=acc, input_precision=DOT_PREC)
+    return offs_m, offs_e, acc
+
+
+@triton.jit
+def moe_router_fwd_kernel(x, g, s, N, E, D, stride_xn, stride_ge, D_SPLIT,
+                          BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
+                          SIGMOID: tl.constexpr, DOT_PREC: tl.constexpr):
+    """s `[N, E]` fp32 = sigmoid(x `[N, D]` @ g `[E, D]`^T); 16-bit products are exact in the fp32 sum.
+    Split over D (grid axis 2, D_SPLIT columns each, few tokens: more programs): the raw partial sums go to
+    s `[splits, N, E]` and the top-k kernel adds them in split order."""
+    offs_m, offs_e, acc = _router_partial(x, g, N, E, D, stride_xn, stride_ge, D_SPLIT, BLOCK_M, BLOCK_E, BLOCK_D,
+                                          DOT_PREC)
     if SIGMOID:
         acc = _sigmoid(acc)
     tl.store(s + tl.program_id(2).to(tl.int64) * N * E + offs_m[:, None].to(tl.int64) * E + offs_e[None, :], acc,
@@ -85,26 +100,13 @@ def moe_router_fwd_kernel(x, g, s, N, E, D, stride_xn, stride_ge, D_SPLIT,
 
 
 @triton.jit
-def moe_topk_fwd_kernel(s, part, bias, ids, w, N, E, scaling, K: tl.constexpr, BLOCK_K: tl.constexpr,
-                        BLOCK_E: tl.constexpr, RENORM: tl.constexpr, SPLITS: tl.constexpr,
-                        PACKED: tl.constexpr):
-    """One token: the K largest s + bias (ties -> lowest id), weights from the unbiased s.
-
-    SPLITS > 1: s = sigmoid(sum of the router's partial sums `part[SPLITS, N, E]`), stored to s. PACKED: one
-    max per round over (order-preserving int of the key) << 32 | (BLOCK_E - 1 - id), weights gathered after
-    the K rounds (else three reductions per round)."""
-    scaling = tl.cast(scaling, tl.float32)  # Inductor passes Python float arguments as fp64 (AOTI packages)
-    n = tl.program_id(0)
+def _topk_store(sc, bias, ids, w, n, E, scaling, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+                RENORM: tl.constexpr, PACKED: tl.constexpr):
+    """Token n's selection from its scores sc `[BLOCK_E]` fp32: ids[n] = the K largest sc + bias (ties -> lowest
+    id), w[n] = their unbiased sc (renormalised) * scaling (`moe_topk_fwd_kernel`, and the fused router's last
+    program)."""
     offs = tl.arange(0, BLOCK_E)
     ok = offs < E
-    if SPLITS == 1:
-        sc = tl.load(s + n.to(tl.int64) * E + offs, mask=ok, other=0.0)
-    else:
-        acc = tl.zeros([BLOCK_E], tl.float32)
-        for sp in tl.static_range(SPLITS):
-            acc += tl.load(part + (sp * N + n).to(tl.int64) * E + offs, mask=ok, other=0.0)
-        sc = _sigmoid(acc)
-        tl.store(s + n.to(tl.int64) * E + offs, sc, mask=ok)
     key = tl.where(ok, sc + tl.load(bias + offs, mask=ok, other=0.0).to(tl.float32), float("-inf"))
     slots = tl.arange(0, BLOCK_K)
     top = tl.zeros([BLOCK_K], tl.int32)
@@ -131,12 +133,94 @@ def moe_topk_fwd_kernel(s, part, bias, ids, w, N, E, scaling, K: tl.constexpr, B
     tl.store(w + n * K + slots, wt * scaling, mask=slots < K)
 
 
+@triton.jit
+def moe_topk_fwd_kernel(s, part, bias, ids, w, N, E, scaling, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                        BLOCK_E: tl.constexpr, RENORM: tl.constexpr, SPLITS: tl.constexpr,
+                        PACKED: tl.constexpr):
+    """One token: the K largest s + bias (ties -> lowest id), weights from the unbiased s.
+
+    SPLITS > 1: s = sigmoid(sum of the router's partial sums `part[SPLITS, N, E]`), stored to s. PACKED: one
+    max per round over (order-preserving int of the key) << 32 | (BLOCK_E - 1 - id), weights gathered after
+    the K rounds (else three reductions per round)."""
+    scaling = tl.cast(scaling, tl.float32)  # Inductor passes Python float arguments as fp64 (AOTI packages)
+    n = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_E)
+    ok = offs < E
+    if SPLITS == 1:
+        sc = tl.load(s + n.to(tl.int64) * E + offs, mask=ok, other=0.0)
+    else:
+        acc = tl.zeros([BLOCK_E], tl.float32)
+        for sp in tl.static_range(SPLITS):
+            acc += tl.load(part + (sp * N + n).to(tl.int64) * E + offs, mask=ok, other=0.0)
+        sc = _sigmoid(acc)
+        tl.store(s + n.to(tl.int64) * E + offs, sc, mask=ok)
+    _topk_store(sc, bias, ids, w, n, E, scaling, K, BLOCK_K, BLOCK_E, RENORM, PACKED)
+
+
+@triton.jit
+def moe_router_topk_fwd_kernel(x, g, bias, part, s, ids, w, tickets, N, E, D, stride_xn, stride_ge, D_SPLIT, scaling,
+                               K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+                               BLOCK_D: tl.constexpr, E_PAD: tl.constexpr, SPLITS: tl.constexpr,
+                               RENORM: tl.constexpr, PACKED: tl.constexpr, DOT_PREC: tl.constexpr):
+    """The split router and the top-k in one launch (few tokens). Each program stores its raw partial sums to part
+    `[SPLITS, N, E]` (as `moe_router_fwd_kernel`) and takes a ticket on tickets[m] (its token tile); the program
+    that draws the last ticket (all partials of the tile stored) runs `moe_topk_fwd_kernel`'s SPLITS > 1 body
+    for each token of the tile (same split order and fp32 arithmetic: the same s, ids and w) and puts
+    tickets[m] back to 0. Partials of other programs are read through L2 (.cg), after the acq_rel ticket."""
+    scaling = tl.cast(scaling, tl.float32)  # Inductor passes Python float arguments as fp64 (AOTI packages)
+    offs_m, offs_e, acc = _router_partial(x, g, N, E, D, stride_xn, stride_ge, D_SPLIT, BLOCK_M, BLOCK_E, BLOCK_D,
+                                          DOT_PREC)
+    tl.store(part + tl.program_id(2).to(tl.int64) * N * E + offs_m[:, None].to(tl.int64) * E + offs_e[None, :], acc,
+             mask=(offs_m[:, None] < N) & (offs_e[None, :] < E))
+    tl.debug_barrier()                                  # every thread's partials stored before the release
+    ticket = tl.atomic_add(tickets + tl.program_id(0), 1, sem="acq_rel")
+    if ticket == tl.num_programs(1) * tl.num_programs(2) - 1:
+        tl.debug_barrier()
+        offs = tl.arange(0, E_PAD)
+        ok = offs < E
+        for i in range(BLOCK_M):                        # the tile's tokens
+            n = tl.program_id(0) * BLOCK_M + i
+            if n < N:
+                acc_n = tl.zeros([E_PAD], tl.float32)
+                for sp in tl.static_range(SPLITS):
+                    acc_n += tl.load(part + (sp * N + n).to(tl.int64) * E + offs, mask=ok, other=0.0,
+                                     cache_modifier=".cg")
+                sc = _sigmoid(acc_n)
+                tl.store(s + n.to(tl.int64) * E + offs, sc, mask=ok)
+                _topk_store(sc, bias, ids, w, n, E, scaling, K, BLOCK_K, E_PAD, RENORM, PACKED)
+        tl.store(tickets + tl.program_id(0), 0)
+
+
 ROUTE_SPLIT_MAX_N = 64          # lean routing splits the router over D up to this many tokens
 
 
-def route_fwd(x, gate_weight, bias, top_k: int, renormalize: bool, scaling: float, lean: bool = False):
+TICKETS_MIN = 4096              # counters per device in the kept ticket buffer (grown, outside a capture, if short)
+_TICKETS: dict = {}
+
+
+def tickets(device: torch.device, n: int) -> torch.Tensor:
+    """n int32 ticket counters at 0 for one "last program finishes" launch (`moe_router_topk_fwd_kernel`,
+    `moe_pair_gemm2_combine_fwd_kernel`): each such launch puts every counter it used back to 0, so one buffer per
+    device, zeroed once when allocated and then kept, serves every launch (no per-call allocation or memset: a
+    CUDA graph captures none). The launches that share it must be ordered (one stream, as a decode step is).
+    Traced (fake tensors, the AOTI lowering) or first needed inside a CUDA-graph capture: fresh zeros per call."""
+    from torch._subclasses.fake_tensor import is_fake
+    key = (device.type, device.index)
+    buf = _TICKETS.get(key)
+    if buf is not None and buf.numel() >= n:
+        return buf
+    probe = torch.empty(0, device=device)
+    if is_fake(probe) or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        return torch.zeros(n, device=device, dtype=torch.int32)
+    buf = _TICKETS[key] = torch.zeros(max(n, TICKETS_MIN), device=device, dtype=torch.int32)
+    return buf
+
+
+def route_fwd(x, gate_weight, bias, top_k: int, renormalize: bool, scaling: float, lean: bool = False,
+              fused: bool = False):
     """x `[N, d]` -> (ids `[N, k]` int32, w `[N, k]` fp32, s `[N, E]` fp32). lean: the router split over d into
-    8 parts for N <= ROUTE_SPLIT_MAX_N (few tokens: 8x the programs) and the packed top-k."""
+    8 parts for N <= ROUTE_SPLIT_MAX_N (few tokens: 8x the programs) and the packed top-k. fused (with a split
+    router): the top-k in the router's launch (`moe_router_topk_fwd_kernel`: one launch, the same results)."""
     N, D = x.shape
     E = gate_weight.shape[0]
     if x.dtype != gate_weight.dtype:
@@ -148,15 +232,24 @@ def route_fwd(x, gate_weight, bias, top_k: int, renormalize: bool, scaling: floa
     block_d = 128 if x.dtype != torch.float32 else 32
     splits = 8 if lean and size_bound(N) <= ROUTE_SPLIT_MAX_N else 1
     part = torch.empty(splits, N, E, device=x.device, dtype=torch.float32) if splits > 1 else s
-    launch(moe_router_fwd_kernel)[(triton.cdiv(N, block_m), triton.cdiv(E, block_e), splits)](
-        x, gate_weight, part, N, E, D, x.stride(0), gate_weight.stride(0), triton.cdiv(D, splits * block_d) * block_d,
-        BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_D=block_d, SIGMOID=splits == 1, DOT_PREC=dot_precision(x.dtype),
-        num_warps=4, num_stages=3 if x.dtype != torch.float32 else 1)
     ids = torch.empty(N, top_k, device=x.device, dtype=torch.int32)
     w = torch.empty(N, top_k, device=x.device, dtype=torch.float32)
-    launch(moe_topk_fwd_kernel)[(N,)](s, part, bias.contiguous(), ids, w, N, E, scaling, K=top_k,
-                                      BLOCK_K=pow2(top_k, 2), BLOCK_E=pow2(E), RENORM=bool(renormalize and top_k > 1),
-                                      SPLITS=splits, PACKED=lean, num_warps=4)
+    grid = (triton.cdiv(N, block_m), triton.cdiv(E, block_e), splits)
+    d_split = triton.cdiv(D, splits * block_d) * block_d
+    topk = dict(K=top_k, BLOCK_K=pow2(top_k, 2), RENORM=bool(renormalize and top_k > 1), PACKED=lean)
+    if fused and splits > 1:
+        launch(moe_router_topk_fwd_kernel)[grid](
+            x, gate_weight, bias.contiguous(), part, s, ids, w, tickets(x.device, grid[0]), N, E, D, x.stride(0),
+            gate_weight.stride(0), d_split, scaling, BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_D=block_d,
+            E_PAD=pow2(E), SPLITS=splits, DOT_PREC=dot_precision(x.dtype), num_warps=4,
+            num_stages=3 if x.dtype != torch.float32 else 1, **topk)
+        return ids, w, s
+    launch(moe_router_fwd_kernel)[grid](
+        x, gate_weight, part, N, E, D, x.stride(0), gate_weight.stride(0), d_split,
+        BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_D=block_d, SIGMOID=splits == 1, DOT_PREC=dot_precision(x.dtype),
+        num_warps=4, num_stages=3 if x.dtype != torch.float32 else 1)
+    launch(moe_topk_fwd_kernel)[(N,)](s, part, bias.contiguous(), ids, w, N, E, scaling, BLOCK_E=pow2(E),
+                                      SPLITS=splits, num_warps=4, **topk)
     return ids, w, s
 
 
@@ -549,6 +642,33 @@ def moe_pair_gemm2_fwd_kernel(h, w2, y, ids, L, I, stride_h, stride_we, stride_w
     tl.store(y + p.to(tl.int64) * stride_y + offs_n, acc, mask=n_ok)
 
 
+@triton.jit
+def moe_pair_gemm2_combine_fwd_kernel(h, w2, ids, wt, y, u, tickets, L, I, stride_h, stride_we, stride_wl, stride_y,
+                                      stride_u, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """`moe_pair_gemm2_fwd_kernel` with the combine folded in. Pair p (token n = p // TOP_K), columns
+    [n0, n0 + BLOCK_N) of L: y[p] = h[p] W2_{ids[p]}^T in fp32 to the workspace y `[N k, L]`, then a ticket on
+    tickets[n * column tiles + tile]; the program that draws the last of the TOP_K tickets sums its token's TOP_K
+    rows as `moe_combine_fwd_kernel` does (u[n] = sum_j wt[n, j] y[n k + j] in fp32, slot order: the same bits)
+    -> u.dtype and puts the counter back to 0. Other programs' rows are read through L2 (.cg), after the acq_rel
+    ticket."""
+    p, e, offs_n, n_ok = _pair_tile(ids, L, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    w_rows = w2 + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wl + offs_k[None, :]
+    acc = _gemv_rows(h + p.to(tl.int64) * stride_h, w_rows, n_ok, offs_k, I, BLOCK_N, BLOCK_K)
+    tl.store(y + p.to(tl.int64) * stride_y + offs_n, acc, mask=n_ok)
+    tl.debug_barrier()                                  # every thread's columns stored before the release
+    n = p // TOP_K
+    counter = tickets + n * tl.num_programs(1) + tl.program_id(1)
+    if tl.atomic_add(counter, 1, sem="acq_rel") == TOP_K - 1:
+        tl.debug_barrier()
+        out = tl.zeros([BLOCK_N], tl.float32)
+        for j in tl.static_range(TOP_K):
+            out += tl.load(wt + n * TOP_K + j) * tl.load(y + (n * TOP_K + j).to(tl.int64) * stride_y + offs_n,
+                                                         mask=n_ok, other=0.0, cache_modifier=".cg")
+        tl.store(u + n.to(tl.int64) * stride_u + offs_n, out.to(u.dtype.element_ty), mask=n_ok)
+        tl.store(counter, 0)
+
+
 # ---------------------------------------------------------------------------------------------- launches
 @dataclass(frozen=True)
 class MoeTiles:
@@ -560,7 +680,9 @@ class MoeTiles:
     tail: rows of each block past block_m, in a second dot on the same weight tiles (kernel docstring).
     pairs: up to this many tokens, no row plan: one GEMV per (token, expert) pair and weight (`moe_pair_gemm*`,
     pair_gemm = gemm1 / gemm2 (BLOCK_N, BLOCK_K, num_warps)); each pair reads its expert's weights, so it is for
-    a few tokens whose pairs rarely share an expert. 0: always the row plan."""
+    a few tokens whose pairs rarely share an expert. 0: always the row plan. On the pairs path only: fuse_topk,
+    the top-k in the split router's launch (`route_fwd(fused=True)`); fuse_combine, the combine in gemm2's launch
+    (`moe_pair_gemm2_combine_fwd_kernel`). Both give the unfused path's bits (5 launches -> 3)."""
     block_m: int
     gemm1: tuple
     gemm2: tuple
@@ -572,6 +694,8 @@ class MoeTiles:
     many_align: bool = False
     pairs: int = 0
     pair_gemm: tuple = ((16, 256, 4), (16, 256, 4))
+    fuse_topk: bool = False
+    fuse_combine: bool = False
 
     @property
     def rows(self) -> int:
@@ -593,7 +717,11 @@ TILINGS = {
                "pairs-n8": MoeTiles(16, (32, 256, 4, 4), (32, 256, 4, 4), _ALL, "", True, True, pairs=2,
                                     pair_gemm=((8, 256, 4), (8, 256, 4))),
                "pairs-k512": MoeTiles(16, (32, 256, 4, 4), (32, 256, 4, 4), _ALL, "", True, True, pairs=2,
-                                      pair_gemm=((16, 512, 4), (16, 512, 4)))},
+                                      pair_gemm=((16, 512, 4), (16, 512, 4))),
+               "pairs-n8-fc": MoeTiles(16, (32, 256, 4, 4), (32, 256, 4, 4), _ALL, "", True, True, pairs=2,
+                                       pair_gemm=((8, 256, 4), (8, 256, 4)), fuse_combine=True),
+               "pairs-n8-fused": MoeTiles(16, (32, 256, 4, 4), (32, 256, 4, 4), _ALL, "", True, True, pairs=2,
+                                          pair_gemm=((8, 256, 4), (8, 256, 4)), fuse_topk=True, fuse_combine=True)},
     "prefill": {"old": MoeTiles(64, (64, 64, 4, 4), (128, 64, 4, 4), _ALL, "", False),
                 "m128-tma-aw": MoeTiles(128, (128, 64, 8, 3), (256, 64, 8, 3), 1, "aw", False, True),
                 "m128-tma-w": MoeTiles(128, (128, 64, 8, 3), (256, 64, 8, 3), 1, "w", False, True),
@@ -696,8 +824,10 @@ def gemm2_fwd(h, w2, plan, n_pairs: int, cfg: MoeTiles):
     return y
 
 
-def pairs_fwd(z, w1, w3, w2, ids, beta: float, linear_beta: float, cfg: MoeTiles):
-    """The "pairs" experts: y `[N k, L]` fp32, row p = pair (token p // k, expert ids.flat[p]); no row plan."""
+def pairs_fwd(z, w1, w3, w2, ids, beta: float, linear_beta: float, cfg: MoeTiles, w=None):
+    """The "pairs" experts: y `[N k, L]` fp32, row p = pair (token p // k, expert ids.flat[p]); no row plan.
+    With w (the router weights `[N, k]`, cfg.fuse_combine): u `[N, L]` in z.dtype, the combine done by gemm2's
+    last program per (token, column tile) (`moe_pair_gemm2_combine_fwd_kernel`; y is its workspace)."""
     N, top_k = ids.shape
     E, I, L = w1.shape
     P = N * top_k
@@ -708,9 +838,16 @@ def pairs_fwd(z, w1, w3, w2, ids, beta: float, linear_beta: float, cfg: MoeTiles
     launch(moe_pair_gemm1_fwd_kernel)[(P, triton.cdiv(I, bn1))](
         z, w1, w3, h, ids, L, I, z.stride(0), I * L, L, h.stride(0), beta, linear_beta, TOP_K=top_k,
         BLOCK_N=bn1, BLOCK_K=bk1, num_warps=warps1)
-    launch(moe_pair_gemm2_fwd_kernel)[(P, triton.cdiv(L, bn2))](
-        h, w2, y, ids, L, I, h.stride(0), L * I, I, y.stride(0), BLOCK_N=bn2, BLOCK_K=bk2, num_warps=warps2)
-    return y
+    if w is None:
+        launch(moe_pair_gemm2_fwd_kernel)[(P, triton.cdiv(L, bn2))](
+            h, w2, y, ids, L, I, h.stride(0), L * I, I, y.stride(0), BLOCK_N=bn2, BLOCK_K=bk2, num_warps=warps2)
+        return y
+    u = torch.empty(N, L, device=z.device, dtype=z.dtype)
+    tiles_n = triton.cdiv(L, bn2)
+    launch(moe_pair_gemm2_combine_fwd_kernel)[(P, tiles_n)](
+        h, w2, ids, w, y, u, tickets(z.device, N * tiles_n), L, I, h.stride(0), L * I, I, y.stride(0), u.stride(0),
+        TOP_K=top_k, BLOCK_N=bn2, BLOCK_K=bk2, num_warps=warps2)
+    return u
 
 
 def combine_fwd(y, w, dtype):
@@ -745,8 +882,11 @@ def moe_routed_fwd(x, z, gate_weight, bias, w1, w3, w2, top_k: int, renormalize:
         return torch.empty(z.shape, device=z.device, dtype=z.dtype)
     z, w1, w3, w2 = (t.contiguous() for t in (z, w1, w3, w2))        # no-ops for the usual stacked weights
     cfg = tiles or tiles_for(z, N * top_k, E, regime)
-    ids, w, _ = route_fwd(x, gate_weight, bias, top_k, renormalize, scaling, cfg.lean_route)
-    if size_bound(N) <= cfg.pairs:
+    pairs = size_bound(N) <= cfg.pairs
+    ids, w, _ = route_fwd(x, gate_weight, bias, top_k, renormalize, scaling, cfg.lean_route, pairs and cfg.fuse_topk)
+    if pairs and cfg.fuse_combine:
+        return pairs_fwd(z, w1, w3, w2, ids, beta, linear_beta, cfg, w)
+    if pairs:
         return combine_fwd(pairs_fwd(z, w1, w3, w2, ids, beta, linear_beta, cfg), w, z.dtype)
     plan = align_rows(ids, E, cfg.rows, cfg.fused_align, cfg.many_align)
     h = gemm1_fwd(z, w1, w3, plan, top_k, beta, linear_beta, cfg)

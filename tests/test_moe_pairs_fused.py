@@ -1,0 +1,264 @@
+"""The fused "pairs" MoE decode path (`MoeTiles.fuse_topk` / `fuse_combine` in `plugins/moe/kernels.py`): the top-k in
+the split router's launch and the combine in gemm2's launch, each finished by the program that draws the last
+ticket. 5 launches -> 3 at 1-2 tokens; the results must be the unfused pairs path's, bit for bit.
+
+CPU: the kernels under TRITON_INTERPRET=1 at tiny shapes (fresh random inputs) vs the unfused path (bit-identical:
+`torch.equal`) and vs the fp64 `moe_sorted` (the bounds of tests/test_moe_kernels.py); the new kernels compiled
+for sm_90 (the interpreter accepts what the GPU compiler may reject). The interpreter runs programs one after
+another, so it checks the arithmetic and the ticket bookkeeping, not the ordering between concurrent programs:
+that is the GPU tests' job (repeated calls, CUDA-graph replays, K3 and k3-small shapes).
+
+Error = max |kernel - reference| / max |reference| on the same inputs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+if __name__ == "__main__":  # the interpreter run (see `interp` in conftest.py): the flag must be set before triton is imported
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest
+import torch
+
+from k3export.plugins.moe.naive import moe_sorted
+
+# Named bounds (the same as tests/test_moe_kernels.py, same reasons). fp32 vs fp64: reordered fp32 sums.
+FP32_BOUND = 1e-5
+# fp16 (CPU) vs fp64: the kernel rounds h to fp16 once and the matmul inputs are fp16: ~2^-11 relative.
+FP16_BOUND = 2e-3
+# bf16 (GPU) vs moe_sorted on the same bf16 inputs: the reference rounds z W1^T, z W3^T and each expert's output to
+# bf16 (the kernel keeps them fp32), both round h: a few 2^-9 relative roundings.
+BF16_BOUND = 2e-2
+SITU = dict(beta=4.0, linear_beta=25.0)
+UNFUSED, FUSED, COMBINE_ONLY = "pairs-n8", "pairs-n8-fused", "pairs-n8-fc"
+
+
+def _rel(out, ref):
+    return ((out.double() - ref.double()).abs().max() / ref.double().abs().max()).item()
+
+
+def _weights(E, d, L, I, dtype, device="cpu", gen=None):
+    g = torch.randn(E, d, device=device, dtype=dtype, generator=gen) * d ** -0.5
+    b = torch.randn(E, device=device, generator=gen) * 0.1
+    w1 = torch.randn(E, I, L, device=device, dtype=dtype, generator=gen) * L ** -0.5
+    w3 = torch.randn(E, I, L, device=device, dtype=dtype, generator=gen) * L ** -0.5
+    w2 = torch.randn(E, L, I, device=device, dtype=dtype, generator=gen) * I ** -0.5
+    return g, b, w1, w3, w2
+
+
+def _moe(x, z, w, k, tiling, scaling=2.5):
+    from k3export.plugins.moe.kernels import TILINGS, moe_routed_fwd
+    return moe_routed_fwd(x, z, *w, k, True, scaling, tiles=TILINGS["decode"][tiling], **SITU)
+
+
+def _route_same(x, g, b, k) -> bool:
+    """route_fwd(lean, fused) == route_fwd(lean): ids, weights and scores, bit for bit."""
+    from k3export.plugins.moe.kernels import route_fwd
+    return all(torch.equal(p, q) for p, q in zip(route_fwd(x, g, b, k, True, 2.5, True, True),
+                                                 route_fwd(x, g, b, k, True, 2.5, True)))
+
+
+def _tickets_zero() -> bool:
+    from k3export.plugins.moe.kernels import _TICKETS
+    return bool(_TICKETS) and all(int(t.abs().sum()) == 0 for t in _TICKETS.values())
+
+
+def _interpreter_cases() -> dict:
+    """Every CPU case, run in this process under TRITON_INTERPRET=1 -> {case: relative error or flag}."""
+    from k3export.plugins.moe.kernels import route_fwd
+    res = {}
+    # E 20, d 300 (the split router: 3 of its 8 splits of 128 (fp16) / 5 of 64 (fp32) hold columns), L 24 over 3
+    # column tiles of 8 (several tickets per token), I 16.
+    E, d, L, I = 20, 300, 24, 16
+    for name, dt in (("fp32", torch.float32), ("fp16", torch.float16)):
+        torch.manual_seed(0)
+        w = _weights(E, d, L, I, dt)
+        w64 = [t.double() for t in w]
+        w64[1] = w[1]
+        for N in (1, 2):
+            for k in (2, 8):
+                x, z = torch.randn(N, d, dtype=dt), torch.randn(N, L, dtype=dt)
+                u = _moe(x, z, w, k, FUSED)
+                ref = moe_sorted(x.double(), z.double(), *w64, k, True, 2.5, **SITU)
+                case = f"{name}-n{N}-k{k}"
+                res[f"equal-{case}"] = float(u.dtype == dt and torch.equal(u, _moe(x, z, w, k, UNFUSED)))
+                if N == 2 and k == 8:
+                    res[f"equal-fc-{name}"] = float(torch.equal(_moe(x, z, w, k, COMBINE_ONLY), u))
+                res[f"route-equal-{case}"] = float(_route_same(x, w[0], w[1], k))
+                res[f"ref-{case}"] = _rel(u, ref)
+    # Ties: experts 2j and 2j+1 are copies (gate row, bias, weights), so their scores tie exactly; experts 4 and 5
+    # are hot (bias 100: every token's first two slots, lower id first). The fused top-k picks the same ids.
+    torch.manual_seed(1)
+    w = list(_weights(E, d, L, I, torch.float32))
+    for t in w:
+        t[1::2] = t[0::2]
+    w[1][4] = w[1][5] = 100.0
+    ties = []
+    for N in (1, 2):
+        for k in (2, 8):
+            x, z = torch.randn(N, d), torch.randn(N, L)
+            ids = route_fwd(x, w[0], w[1], k, True, 2.5, True, True)[0]
+            ties.append(_route_same(x, w[0], w[1], k) and bool((ids[:, :2] == torch.tensor([4, 5])).all())
+                        and torch.equal(_moe(x, z, w, k, FUSED), _moe(x, z, w, k, UNFUSED)))
+    res["ties-equal"] = float(all(ties))
+    # Two consecutive fused calls on fresh inputs (the counters must be back at 0 after the first), each equal to
+    # the unfused path on its own inputs; every counter 0 afterwards.
+    torch.manual_seed(2)
+    w = _weights(E, d, L, I, torch.float16)
+    xs = [(torch.randn(2, d, dtype=torch.float16), torch.randn(2, L, dtype=torch.float16)) for _ in range(2)]
+    outs = [_moe(x, z, w, 8, FUSED) for x, z in xs]
+    res["consecutive-equal"] = float(all(torch.equal(u, _moe(x, z, w, 8, UNFUSED)) for u, (x, z) in zip(outs, xs)))
+    res["tickets-zero"] = float(_tickets_zero())
+    return res
+
+
+@pytest.mark.parametrize("case", [f"{what}-{dt}-n{n}-k{k}" for what in ("equal", "route-equal")
+                                  for dt in ("fp32", "fp16") for n in (1, 2) for k in (2, 8)]
+                         + ["equal-fc-fp32", "equal-fc-fp16", "ties-equal", "consecutive-equal", "tickets-zero"])
+def test_interpreted_pairs_fused_bit_identical(interp, case):
+    assert interp[case] == 1.0, interp
+
+
+@pytest.mark.parametrize("dt,bound", [("fp32", FP32_BOUND), ("fp16", FP16_BOUND)])
+def test_interpreted_pairs_fused_vs_reference(interp, dt, bound):
+    errs = {c: v for c, v in interp.items() if c.startswith(f"ref-{dt}-")}
+    assert len(errs) == 4 and max(errs.values()) < bound, errs
+
+
+# ---------------------------------------------------------------------------------------------- sm_90 compile
+def _compile(kernel: str, E: int, k: int):
+    from k3export.plugins.aot import compile_ptx
+    from k3export.plugins.moe import kernels as K
+    from k3export.plugins.triton_common import pow2
+    if kernel == "router":
+        sig = {"x": "*bf16", "g": "*bf16", "bias": "*fp32", "part": "*fp32", "s": "*fp32", "ids": "*i32",
+               "w": "*fp32", "tickets": "*i32", "N": "i32", "E": "i32", "D": "i32", "stride_xn": "i32",
+               "stride_ge": "i32", "D_SPLIT": "i32", "scaling": "fp32"}
+        consts = dict(K=k, BLOCK_K=pow2(k, 2), BLOCK_M=16, BLOCK_E=16, BLOCK_D=128, E_PAD=pow2(E), SPLITS=8,
+                      RENORM=True, PACKED=True, DOT_PREC="ieee")
+        return compile_ptx(K.moe_router_topk_fwd_kernel, {**sig, **{c: "constexpr" for c in consts}}, consts, 4, 3)
+    sig = {"h": "*bf16", "w2": "*bf16", "ids": "*i32", "wt": "*fp32", "y": "*fp32", "u": "*bf16", "tickets": "*i32",
+           "L": "i32", "I": "i32", "stride_h": "i32", "stride_we": "i32", "stride_wl": "i32", "stride_y": "i32",
+           "stride_u": "i32"}
+    bn, bk, _ = K.TILINGS["decode"][FUSED].pair_gemm[1]
+    consts = dict(TOP_K=k, BLOCK_N=bn, BLOCK_K=bk)
+    return compile_ptx(K.moe_pair_gemm2_combine_fwd_kernel, {**sig, **{c: "constexpr" for c in consts}}, consts, 4)
+
+
+@pytest.mark.parametrize("kernel", ["router", "gemm2"])
+@pytest.mark.parametrize("E,k", [(896, 16), (64, 8)])
+def test_pairs_fused_kernels_compile_sm90(kernel, E, k):
+    """PTX for sm_90 at K3 / k3-small routing: one acq_rel gpu-scope ticket, the other programs' partials read
+    through L2 (ld.global.cg: one per split per token-loop body, or one per slot)."""
+    ptx = _compile(kernel, E, k).ptx
+    assert ptx.count("atom.global.gpu.acq_rel.add") == 1, ptx[-2000:]
+    assert ptx.count("ld.global.cg") >= (8 if kernel == "router" else k)
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+SHAPES = {"k3": (896, 7168, 3584, 3072, 16), "k3-small": (64, 2048, 1024, 768, 8)}   # E, d, L, I, top_k
+
+
+@pytest.fixture(scope="module")
+def experts():
+    """shape name -> random routed experts in bf16 (K3: 59 GB), built once per name for the GPU tests."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            E, d, L, I, _ = SHAPES[name]
+            gen = torch.Generator(device="cuda").manual_seed(17)
+            cache[name] = _weights(E, d, L, I, torch.bfloat16, "cuda", gen)
+        return cache[name]
+    yield get
+    cache.clear()
+    torch.cuda.empty_cache()
+
+
+def _inputs(name, N, seed):
+    E, d, L, I, _ = SHAPES[name]
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return (torch.randn(N, d, device="cuda", dtype=torch.bfloat16, generator=gen),
+            torch.randn(N, L, device="cuda", dtype=torch.bfloat16, generator=gen))
+
+
+def _clear_rows(x, g, b, k):
+    """Rows whose k-th and (k+1)-th selection keys differ by more than fp32 reordering could move them."""
+    top = torch.topk(torch.sigmoid(x.float() @ g.float().T) + b, k + 1, dim=-1).values
+    return (top[:, k - 1] - top[:, k]) > 1e-5
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["k3", "k3-small"])
+@pytest.mark.parametrize("N", [1, 2])
+def test_pairs_fused_gpu_bit_identical(experts, name, N):
+    """Fused == unfused (u, ids, w, s: bit for bit) over 10 calls each on fresh inputs (a race in the ticket
+    hand-off would show as a call that differs), and within the bf16 bound of moe_sorted on clear rows."""
+    w = experts(name)
+    k = SHAPES[name][4]
+    for seed in range(10):
+        x, z = _inputs(name, N, 1000 * N + seed)
+        u = _moe(x, z, w, k, FUSED, 1.0)
+        assert torch.equal(u, _moe(x, z, w, k, UNFUSED, 1.0)), (name, N, seed)
+        assert torch.equal(_moe(x, z, w, k, COMBINE_ONLY, 1.0), u), (name, N, seed)
+        assert _route_same(x, w[0], w[1], k), (name, N, seed)
+    assert _tickets_zero()
+    clear = _clear_rows(x, w[0], w[1], k)
+    ref = moe_sorted(x, z, *w, k, True, 1.0, **SITU)
+    err = ((u.double() - ref.double())[clear].abs().max() / ref.double().abs().max()).item() if clear.any() else 0.0
+    print(f"pairs fused {name} N={N}: rel err vs moe_sorted {err:.2e} on {int(clear.sum())}/{N} clear rows")
+    assert err < BF16_BOUND
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["k3", "k3-small"])
+@pytest.mark.parametrize("N", [1, 2])
+def test_pairs_fused_gpu_cuda_graph(experts, name, N):
+    """The fused path captured in a CUDA graph (after a warm-up call, as a decode step is) and replayed 3 times on
+    fresh inputs copied into the captured buffers: each replay == the unfused path on those inputs, bit for bit
+    (the counters go back to 0 inside every replay)."""
+    w = experts(name)
+    k = SHAPES[name][4]
+    x, z = _inputs(name, N, 7)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        _moe(x, z, w, k, FUSED, 1.0)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        u = _moe(x, z, w, k, FUSED, 1.0)
+    for seed in range(3):
+        xn, zn = _inputs(name, N, 100 + seed)
+        x.copy_(xn)
+        z.copy_(zn)
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(u, _moe(xn, zn, w, k, UNFUSED, 1.0)), (name, N, seed)
+    assert _tickets_zero()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("N", [1, 2])
+def test_pairs_fused_gpu_ties(N):
+    """k3-small routing (64 experts, top-8) with experts 2j, 2j+1 copies (exact score ties) and 4, 5 hot: the fused
+    top-k picks the unfused ids (lower id first), and the outputs are equal."""
+    E, d, L, I, k = SHAPES["k3-small"]
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    w = list(_weights(E, d, 256, 384, torch.bfloat16, "cuda", gen))
+    for t in w:
+        t[1::2] = t[0::2].clone()
+    w[1][4] = w[1][5] = 100.0
+    from k3export.plugins.moe.kernels import route_fwd
+    for seed in range(5):
+        x = torch.randn(N, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+        z = torch.randn(N, 256, device="cuda", dtype=torch.bfloat16, generator=gen)
+        ids = route_fwd(x, w[0], w[1], k, True, 1.0, True, True)[0]
+        assert _route_same(x, w[0], w[1], k) and bool((ids[:, :2] == torch.tensor([4, 5], device="cuda")).all())
+        assert torch.equal(_moe(x, z, w, k, FUSED, 1.0), _moe(x, z, w, k, UNFUSED, 1.0))
+
+
+if __name__ == "__main__":
+    print(json.dumps(_interpreter_cases()))
