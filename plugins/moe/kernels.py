@@ -196,23 +196,28 @@ ROUTE_SPLIT_MAX_N = 64          # lean routing splits the router over D up to th
 
 TICKETS_MIN = 4096              # counters per device in the kept ticket buffer (grown, outside a capture, if short)
 _TICKETS: dict = {}
+_TICKETS_OUTGROWN: list = []    # replaced buffers stay allocated: a CUDA graph captured earlier still uses them
 
 
-def tickets(device: torch.device, n: int) -> torch.Tensor:
-    """n int32 ticket counters at 0 for one "last program finishes" launch (`moe_router_topk_fwd_kernel`,
-    `moe_pair_gemm2_combine_fwd_kernel`): each such launch puts every counter it used back to 0, so one buffer per
-    device, zeroed once when allocated and then kept, serves every launch (no per-call allocation or memset: a
-    CUDA graph captures none). The launches that share it must be ordered (one stream, as a decode step is).
-    Traced (fake tensors, the AOTI lowering) or first needed inside a CUDA-graph capture: fresh zeros per call."""
+def tickets(like: torch.Tensor, n: int) -> torch.Tensor:
+    """n int32 ticket counters at 0 on like's device, for one "last program finishes" launch
+    (`moe_router_topk_fwd_kernel`, `moe_pair_gemm2_combine_fwd_kernel`): each such launch puts every counter it
+    used back to 0, so one buffer per device, zeroed once when allocated and then kept, serves every launch (no
+    per-call allocation or memset: a CUDA graph captures none). The launches that share it must be ordered (one
+    stream, as a decode step is). like traced (fake tensors: the AOTI lowering), or the buffer first needed inside
+    a CUDA-graph capture: fresh zeros for this call."""
     from torch._subclasses.fake_tensor import is_fake
-    key = (device.type, device.index)
+    if is_fake(like):
+        return torch.zeros(n, device=like.device, dtype=torch.int32)
+    key = (like.device.type, like.device.index)
     buf = _TICKETS.get(key)
     if buf is not None and buf.numel() >= n:
         return buf
-    probe = torch.empty(0, device=device)
-    if is_fake(probe) or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        return torch.zeros(n, device=device, dtype=torch.int32)
-    buf = _TICKETS[key] = torch.zeros(max(n, TICKETS_MIN), device=device, dtype=torch.int32)
+    if like.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.zeros(n, device=like.device, dtype=torch.int32)
+    if buf is not None:
+        _TICKETS_OUTGROWN.append(buf)
+    buf = _TICKETS[key] = torch.zeros(max(n, TICKETS_MIN), device=like.device, dtype=torch.int32)
     return buf
 
 
@@ -239,7 +244,7 @@ def route_fwd(x, gate_weight, bias, top_k: int, renormalize: bool, scaling: floa
     topk = dict(K=top_k, BLOCK_K=pow2(top_k, 2), RENORM=bool(renormalize and top_k > 1), PACKED=lean)
     if fused and splits > 1:
         launch(moe_router_topk_fwd_kernel)[grid](
-            x, gate_weight, bias.contiguous(), part, s, ids, w, tickets(x.device, grid[0]), N, E, D, x.stride(0),
+            x, gate_weight, bias.contiguous(), part, s, ids, w, tickets(x, grid[0]), N, E, D, x.stride(0),
             gate_weight.stride(0), d_split, scaling, BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_D=block_d,
             E_PAD=pow2(E), SPLITS=splits, DOT_PREC=dot_precision(x.dtype), num_warps=4,
             num_stages=3 if x.dtype != torch.float32 else 1, **topk)
@@ -845,7 +850,7 @@ def pairs_fwd(z, w1, w3, w2, ids, beta: float, linear_beta: float, cfg: MoeTiles
     u = torch.empty(N, L, device=z.device, dtype=z.dtype)
     tiles_n = triton.cdiv(L, bn2)
     launch(moe_pair_gemm2_combine_fwd_kernel)[(P, tiles_n)](
-        h, w2, ids, w, y, u, tickets(z.device, N * tiles_n), L, I, h.stride(0), L * I, I, y.stride(0), u.stride(0),
+        h, w2, ids, w, y, u, tickets(z, N * tiles_n), L, I, h.stride(0), L * I, I, y.stride(0), u.stride(0),
         TOP_K=top_k, BLOCK_N=bn2, BLOCK_K=bk2, num_warps=warps2)
     return u
 
