@@ -4,7 +4,7 @@
                                                for `torch._scaled_mm` (one launch instead of four)
     fp8_wo_fwd_kernel    -> fp8_linear_wo_fwd  small M (decode): weight-only FP8 (W8A16), see below
     fp8_wo_gemv4_fwd_kernel                    its one-row packed variant (a tiling's choice, see below)
-    fp8_wo_reduce_kernel                       its split-K sum (only when the K range is split)
+    fp8_wo_reduce_kernel                       its split-K sum as a second launch (split_sum "launch")
 
 Weight-only: x stays in its own dtype (no activation quantization, so the activation scale is unused); each E4M3
 weight tile `[BLOCK_N, BLOCK_K]` is read once with K-contiguous (16-byte) loads, widened in registers (exact:
@@ -13,8 +13,19 @@ end: y = x (W_q s_w)^T = (x W_q^T) s_w, as `k3export.fp8.fp8_linear_wo_ref`. One
 `[BLOCK_N, BLOCK_K]` fp32 tile reduced over K once at the end (a GEMV); 2..64 rows a `tl.dot` of x against the
 widened tile (16-row blocks). Decode GEMMs are latency-bound when few CTAs stream long K loops (the old fused
 kernel: one CTA per 32 columns, ~25 us per k3-small GEMM), so the grid also splits K into SPLIT slices until it
-has about `WoTiles.ctas_per_sm` CTAs per SM; split slices write fp32 partials `[SPLIT, M, N]` and a second launch
-sums them in slice order (deterministic, no atomics), scales and rounds once.
+has about `WoTiles.ctas_per_sm` CTAs per SM (`wo_split`; `WoTiles.min_slice` can also bound the slice from below).
+Split slices write fp32 partials `[SPLIT, M, N]` that are summed in slice order, scaled and rounded once, either
+by a second launch (`fp8_wo_reduce_kernel`, split_sum "launch") or inside the GEMV launch (split_sum "fixup", the
+serial fixup of stream-K, `_fixup`): each slice's CTA stores its partial tile, then (CTA barrier, then one
+acq_rel gpu-scope atomic) takes a ticket on its column tile's int32 counter; the CTA that draws ticket SPLIT - 1
+reads the SPLIT partials (L2 loads, `.cg`) in slice order, sums, scales, rounds, stores y and zeroes the counter.
+Both give the same y bit for bit whatever order the CTAs finish in (the same fp32 additions in the same order).
+The counters are one int32 buffer per device (`split_counters`), allocated zeroed once and kept (nothing is
+allocated or zeroed per call: CUDA-graph friendly; every launch leaves them zero). They are per DEVICE, not per
+stream: calls on one device must be stream-ordered (the model's case, graphs included); two fixup launches running
+concurrently on two streams of one device could share a counter and give wrong sums. `SPLIT_SUM` is the default
+(env K3_FP8_SPLIT_SUM overrides it, for A/B timing of a whole model); a `WoTiles.split_sum` or the `split_sum`
+argument choose per launch.
 
 The packed GEMV (one bf16 row) reads the weights as int32 words of 4 E4M3 and x as int64 words of 4 bf16, so its
 fp32 tile has a quarter of the byte kernel's accumulator registers per weight byte, and unpacks each word into
@@ -45,6 +56,11 @@ from k3export.fp8 import quantize
 from k3export.plugins.triton_common import check, dot_precision, pow2
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+SPLIT_SUMS = ("fixup", "launch")
+# How split-K partials are summed by default (THE place to flip it): "fixup" inside the GEMV launch, "launch" by
+# `fp8_wo_reduce_kernel` after it. Both are bit-identical (tests/test_fp8_kernels_split.py); which is faster is
+# for the H200 to say (`scripts/fp8_split_sum.py`). K3_FP8_SPLIT_SUM=launch|fixup overrides it for a process.
+SPLIT_SUM = os.environ.get("K3_FP8_SPLIT_SUM") or "fixup"
 
 
 @triton.jit
@@ -161,10 +177,58 @@ def _scale_out(acc, w_scale, offs_n, n_ok, PER_CHANNEL: tl.constexpr):
 
 
 @triton.jit
-def fp8_wo_fwd_kernel(x, w, w_scale, y, M, N, K, K_SLICE, stride_x, stride_w, stride_ys, stride_ym,
-                      PER_CHANNEL: tl.constexpr, SCALE: tl.constexpr, GEMV: tl.constexpr, DOT_PREC: tl.constexpr,
-                      WIDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # y[s, m, n] = sum over k in slice s of x[m, k] W_q[n, k] (times s_w[n] when SCALE: the unsplit case)
+def _fixup(acc, part, y, mask, count, w_scale, offs_n, n_ok, stride_ps, PER_CHANNEL: tl.constexpr):
+    """The in-launch split-K sum: acc (this slice's fp32 partial) goes to part (pointers of its elements in slice
+    0; slices stride_ps apart); the CTA that takes the last ticket of its column tile's counter sums the tile's
+    SPLIT partials in slice order (as `fp8_wo_reduce_kernel`), scales, stores y (pointers, y's dtype) and zeroes
+    the counter for the next launch."""
+    s = tl.program_id(1)
+    split = tl.num_programs(1)
+    tl.store(part + s.to(tl.int64) * stride_ps, acc, mask=mask)
+    tl.debug_barrier()                          # every thread's partial stored before the release below
+    ticket = tl.atomic_add(count + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
+    if ticket == split - 1:                     # the other SPLIT - 1 partials are stored and visible
+        tot = tl.zeros_like(acc)
+        # 4 L2 loads in flight, added in slice order; a slice past SPLIT loads -0.0, which leaves every sum as it
+        # is (x + -0.0 == x, -0.0 included). tl.where, not mask & (t + 1 < split): the interpreter makes that int32.
+        for t in range(0, split, 4):
+            p = part + t * stride_ps
+            p0 = tl.load(p, mask=mask, other=0.0, cache_modifier=".cg")
+            p1 = tl.load(p + stride_ps, mask=tl.where(t + 1 < split, mask, False), other=-0.0, cache_modifier=".cg")
+            p2 = tl.load(p + 2 * stride_ps, mask=tl.where(t + 2 < split, mask, False), other=-0.0,
+                         cache_modifier=".cg")
+            p3 = tl.load(p + 3 * stride_ps, mask=tl.where(t + 3 < split, mask, False), other=-0.0,
+                         cache_modifier=".cg")
+            tot += p0
+            tot += p1
+            tot += p2
+            tot += p3
+        tot = _scale_out(tot, w_scale, offs_n, n_ok, PER_CHANNEL)
+        tl.store(y, tot.to(y.dtype.element_ty), mask=mask)
+        tl.store(count + tl.program_id(0), 0)   # every ticket of this launch is taken: ready for the next one
+
+
+@triton.jit
+def _wo_epilogue(acc, y, part, mask, count, w_scale, offs_n, n_ok, stride_ps, PER_CHANNEL: tl.constexpr,
+                 SPLIT_SUM: tl.constexpr):
+    """acc `[..., BN]` fp32 of slice program_id(1) -> y (one slice: SPLIT_SUM ""), the partials part ("launch":
+    `fp8_wo_reduce_kernel` sums them) or the partials then y (`_fixup`). y, part: pointers at slice 0."""
+    if SPLIT_SUM == "fixup":
+        _fixup(acc, part, y, mask, count, w_scale, offs_n, n_ok, stride_ps, PER_CHANNEL)
+    elif SPLIT_SUM == "launch":
+        tl.store(part + tl.program_id(1).to(tl.int64) * stride_ps, acc, mask=mask)
+    else:
+        acc = _scale_out(acc, w_scale, offs_n, n_ok, PER_CHANNEL)
+        tl.store(y, acc.to(y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def fp8_wo_fwd_kernel(x, w, w_scale, y, part, count, M, N, K, K_SLICE, stride_x, stride_w, stride_ym, stride_ps,
+                      PER_CHANNEL: tl.constexpr, SPLIT_SUM: tl.constexpr, GEMV: tl.constexpr,
+                      DOT_PREC: tl.constexpr, WIDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr):
+    # part[s, m, n] = sum over k in slice s of x[m, k] W_q[n, k]; y[m, n] = s_w[n] sum_s part[s, m, n]
+    # (`_wo_epilogue`: y directly when unsplit, SPLIT_SUM "")
     s = tl.program_id(1)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -172,7 +236,6 @@ def fp8_wo_fwd_kernel(x, w, w_scale, y, M, N, K, K_SLICE, stride_x, stride_w, st
     k_lo = s * K_SLICE
     k_hi = tl.minimum(k_lo + K_SLICE, K)
     w_ptr = w + offs_n[:, None].to(tl.int64) * stride_w + offs_k[None, :]              # [BN, BK], K contiguous
-    y_row = y + s.to(tl.int64) * stride_ys
     if GEMV:                                                                            # M == 1
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -181,9 +244,8 @@ def fp8_wo_fwd_kernel(x, w, w_scale, y, M, N, K, K_SLICE, stride_x, stride_w, st
             a = tl.load(x + k0 + offs_k, mask=k_ok, other=0.0)
             acc2 += b.to(tl.float32) * a.to(tl.float32)[None, :]
         acc = tl.sum(acc2, 1)                                                           # [BN]
-        if SCALE:
-            acc = _scale_out(acc, w_scale, offs_n, n_ok, PER_CHANNEL)
-        tl.store(y_row + offs_n, acc.to(y.dtype.element_ty), mask=n_ok)
+        _wo_epilogue(acc, y + offs_n, part + offs_n, n_ok, count, w_scale, offs_n, n_ok, stride_ps, PER_CHANNEL,
+                     SPLIT_SUM)
     else:
         offs_m = tl.arange(0, BLOCK_M)
         m_ok = offs_m < M
@@ -197,17 +259,17 @@ def fp8_wo_fwd_kernel(x, w, w_scale, y, M, N, K, K_SLICE, stride_x, stride_w, st
                 acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc=acc, input_precision="ieee")
             else:
                 acc = tl.dot(a, tl.trans(b.to(a.dtype)), acc=acc, input_precision=DOT_PREC)
-        if SCALE:
-            acc = _scale_out(acc, w_scale, offs_n[None, :], n_ok[None, :], PER_CHANNEL)
-        tl.store(y_row + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :], acc.to(y.dtype.element_ty),
-                 mask=m_ok[:, None] & n_ok[None, :])
+        offs_y = offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]              # [BM, BN]
+        _wo_epilogue(acc, y + offs_y, part + offs_y, m_ok[:, None] & n_ok[None, :], count, w_scale,
+                     offs_n[None, :], n_ok[None, :], stride_ps, PER_CHANNEL, SPLIT_SUM)
 
 
 @triton.jit
-def fp8_wo_gemv4_fwd_kernel(x4, w4, w_scale, y, N, C, C_SLICE, stride_w4, stride_ys,
-                            PER_CHANNEL: tl.constexpr, SCALE: tl.constexpr, UNPACK: tl.constexpr,
+def fp8_wo_gemv4_fwd_kernel(x4, w4, w_scale, y, part, count, N, C, C_SLICE, stride_w4, stride_ps,
+                            PER_CHANNEL: tl.constexpr, SPLIT_SUM: tl.constexpr, UNPACK: tl.constexpr,
                             PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
-    # one bf16 row, K = 4 C: y[s, n] = sum over 4-byte columns c in slice s of x W_q[n]^T (times s_w[n] when SCALE)
+    # one bf16 row, K = 4 C: part[s, n] = sum over 4-byte columns c in slice s of x W_q[n]^T;
+    # y[n] = s_w[n] sum_s part[s, n] (`_wo_epilogue`)
     s = tl.program_id(1)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -215,9 +277,8 @@ def fp8_wo_gemv4_fwd_kernel(x4, w4, w_scale, y, N, C, C_SLICE, stride_w4, stride
     c_lo = s * C_SLICE
     w_ptr = w4 + offs_n[:, None].to(tl.int64) * stride_w4 + offs_c[None, :]           # [BN, BC] int32
     acc = _gemv4(x4, w_ptr, n_ok, offs_c, c_lo, tl.minimum(c_lo + C_SLICE, C), BLOCK_N, BLOCK_C, UNPACK, PREFETCH)
-    if SCALE:
-        acc = _scale_out(acc, w_scale, offs_n, n_ok, PER_CHANNEL)
-    tl.store(y + s.to(tl.int64) * stride_ys + offs_n, acc.to(y.dtype.element_ty), mask=n_ok)
+    _wo_epilogue(acc, y + offs_n, part + offs_n, n_ok, count, w_scale, offs_n, n_ok, stride_ps, PER_CHANNEL,
+                 SPLIT_SUM)
 
 
 @triton.jit
@@ -242,7 +303,8 @@ class WoTiles:
     the packed GEMV (`fp8_wo_gemv4_fwd_kernel`: weights read as int32 words of 4, x as int64 words of 4 bf16) with
     its E4M3 unpacking ("shift", "cvt" or "bits": `_unpack4`; "cvt" and "bits" are PTX, the interpreter runs
     "shift") and prefetch (the next weight tile loaded before the current one is used). unpack "" = the byte
-    kernel (`fp8_wo_fwd_kernel`)."""
+    kernel (`fp8_wo_fwd_kernel`). min_slice: K elements per slice at least (0: the CTA target alone decides);
+    split_sum: how split slices are summed ("fixup" in the launch, "launch" a second one; "" = `SPLIT_SUM`)."""
     block_n: int
     block_k: int
     warps: int = 4
@@ -250,6 +312,8 @@ class WoTiles:
     ctas_per_sm: int = 4
     unpack: str = ""
     prefetch: bool = False
+    min_slice: int = 0
+    split_sum: str = ""
 
 
 # One-row (GEMV) launches by name: "n16k512" is the byte kernel measured 2026-11-29 (8 KB E4M3 tile per CTA and K
@@ -269,6 +333,11 @@ GEMV_TILINGS = {
     "p-n16k1024-cvt-pf-c16": WoTiles(16, 1024, 4, 1, 16, "cvt", True),
     "p-n32k1024-w8-cvt-pf": WoTiles(32, 1024, 8, 1, 8, "cvt", True),
     "p-n16k2048-w8-cvt-pf": WoTiles(16, 2048, 8, 1, 8, "cvt", True),
+    # the default's launch with each split-K sum named (the default follows SPLIT_SUM), and with no split below
+    # 4096-element slices (k3-small: only its 8192-wide down_proj splits, in two)
+    "p-n8k512-cvt-pf-c4-fixup": WoTiles(8, 512, 4, 1, 4, "cvt", True, split_sum="fixup"),
+    "p-n8k512-cvt-pf-c4-launch": WoTiles(8, 512, 4, 1, 4, "cvt", True, split_sum="launch"),
+    "p-n8k512-cvt-pf-c4-s4096": WoTiles(8, 512, 4, 1, 4, "cvt", True, min_slice=4096),
 }
 # The default one-row launch. H200, 2026-11-30 (`k3export bench fp8 --no-model --variants`, docs/perf.md), the 9
 # linear shapes of the full-width pair, us per GEMM back to back in one graph, summed: p-n8k512-cvt-pf 150.4,
@@ -290,9 +359,42 @@ def _sms(index: int) -> int:
 
 
 def wo_split(N: int, K: int, tiles: WoTiles, sms: int) -> int:
-    """K slices for an `[N, K]` weight: enough CTAs (tiles.ctas_per_sm per SM), each slice at least one block_k."""
-    return max(1, min(triton.cdiv(tiles.ctas_per_sm * sms, triton.cdiv(N, tiles.block_n)),
-                      triton.cdiv(K, tiles.block_k)))
+    """K slices for an `[N, K]` weight: enough CTAs (tiles.ctas_per_sm per SM), each slice at least one block_k
+    (and tiles.min_slice)."""
+    most = K // max(tiles.block_k, tiles.min_slice) if tiles.min_slice else triton.cdiv(K, tiles.block_k)
+    return max(1, min(triton.cdiv(tiles.ctas_per_sm * sms, triton.cdiv(N, tiles.block_n)), most))
+
+
+def wo_slices(K: int, split: int, block_k: int) -> tuple[int, int]:
+    """(SPLIT, K per slice) launched for `split` slices asked: the slice rounded up to block_k (the last one
+    shorter), so SPLIT <= split."""
+    k_slice = triton.cdiv(triton.cdiv(K, split), block_k) * block_k
+    return triton.cdiv(K, k_slice), k_slice
+
+
+# Ticket counters of the in-launch split-K sum, one int32 buffer per device (see the module docstring: per device,
+# so calls on one device must be stream-ordered). Buffers outgrown stay referenced: a captured CUDA graph may
+# still hold their address.
+_COUNTERS: dict[tuple[str, int | None], Tensor] = {}
+_RETIRED: list[Tensor] = []
+MIN_COUNTERS = 1 << 15           # column tiles: N up to 262144 at block_n 8 before the buffer ever grows
+
+
+def split_counters(device: torch.device, tiles: int) -> Tensor:
+    """The device's int32 counters `[>= tiles]`, all zero between launches: allocated zeroed on first use (or
+    when more tiles are needed) and kept. Growing is refused during CUDA-graph capture (the zeroing would be
+    captured); run the call once before capturing."""
+    key = (device.type, device.index)
+    c = _COUNTERS.get(key)
+    if c is None or c.numel() < tiles:
+        check(device.type != "cuda" or not torch.cuda.is_current_stream_capturing(),
+              f"fp8_linear_wo: the split-K counters of {device} need {tiles} entries and are allocated outside "
+              f"CUDA-graph capture: call once before capturing (or use split_sum='launch')")
+        if c is not None:
+            _RETIRED.append(c)
+        c = _COUNTERS[key] = torch.zeros(max(tiles, MIN_COUNTERS, 2 * (0 if c is None else c.numel())),
+                                         dtype=torch.int32, device=device)
+    return c
 
 
 def packed_ok(x: Tensor, w: Tensor) -> bool:
@@ -304,12 +406,14 @@ def packed_ok(x: Tensor, w: Tensor) -> bool:
 
 
 def fp8_linear_wo_fwd(x: Tensor, w: Tensor, w_scale: Tensor, split: int | None = None,
-                      gemv: bool | None = None, tiles: WoTiles | None = None) -> Tensor:
+                      gemv: bool | None = None, tiles: WoTiles | None = None, split_sum: str | None = None) -> Tensor:
     """Weight-only FP8 GEMM for small M: x `[M, K]` (bf16, fp16 or fp32; M <= MAX_M), w `[N, K]` float8_e4m3fn,
     w_scale `[N]` or `[]` fp32 -> `[M, N]` in x.dtype, = `fp8_linear_wo_ref` up to fp32 summation order.
     split (K slices), gemv (the one-row FMA path; default: M == 1) and tiles (default GEMV or DOT_TILE) override
     the launch heuristic (tests, sweeps). A packed tiling falls back to the byte kernel (BYTE_GEMV, or DOT_TILE
-    for several rows) where `packed_ok` fails (fp16 / fp32 x, K % 4, unaligned rows)."""
+    for several rows) where `packed_ok` fails (fp16 / fp32 x, K % 4, unaligned rows). split_sum ("fixup" or
+    "launch"; default tiles.split_sum, else `SPLIT_SUM`): how split slices are summed; y is the same bit for bit.
+    "fixup" uses the device's `split_counters`: calls on one device must be stream-ordered."""
     M, K = x.shape
     N = w.shape[0]
     check(w.dtype == torch.float8_e4m3fn and w.dim() == 2 and w.shape[1] == K,
@@ -321,6 +425,9 @@ def fp8_linear_wo_fwd(x: Tensor, w: Tensor, w_scale: Tensor, split: int | None =
     check(not gemv or M == 1, "fp8_linear_wo: the GEMV path takes one row")
     t = tiles or (GEMV if gemv else DOT_TILE)
     check(t.unpack in ("", *UNPACKS), f"fp8_linear_wo: unpack '{t.unpack}' is not one of {UNPACKS} or ''")
+    mode = split_sum or t.split_sum or SPLIT_SUM
+    check(mode in SPLIT_SUMS, f"fp8_linear_wo: split_sum '{mode}' is not one of {SPLIT_SUMS} (argument, "
+          f"WoTiles.split_sum or env K3_FP8_SPLIT_SUM)")
     x = x if x.stride(-1) == 1 else x.contiguous()
     w = w if w.stride(-1) == 1 else w.contiguous()
     packed = gemv and bool(t.unpack) and packed_ok(x, w)
@@ -328,25 +435,27 @@ def fp8_linear_wo_fwd(x: Tensor, w: Tensor, w_scale: Tensor, split: int | None =
         t = BYTE_GEMV if gemv else DOT_TILE
     if split is None:
         split = wo_split(N, K, t, 8 if INTERPRET else _sms(x.device.index or 0))
-    k_slice = triton.cdiv(triton.cdiv(K, split), t.block_k) * t.block_k
-    split = triton.cdiv(K, k_slice)
+    split, k_slice = wo_slices(K, split, t.block_k)
     s = w_scale.float().contiguous()
     pc = w_scale.dim() == 1
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    out = y if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(N, t.block_n), split)             # one M block: BLOCK_M = pow2(M) rows
+    mode = "" if split == 1 else mode
+    part = y if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
+    count = split_counters(x.device, grid[0]) if mode == "fixup" else y       # y: a placeholder, never read
     stages = 1 if INTERPRET else t.stages
     if packed:
-        fp8_wo_gemv4_fwd_kernel[(triton.cdiv(N, t.block_n), split)](
-            x.view(torch.int64), w.view(torch.int32), s, out, N, K // 4, k_slice // 4, w.stride(0) // 4, N,
-            PER_CHANNEL=pc, SCALE=split == 1, UNPACK="shift" if INTERPRET else t.unpack, PREFETCH=t.prefetch,
+        fp8_wo_gemv4_fwd_kernel[grid](
+            x.view(torch.int64), w.view(torch.int32), s, y, part, count, N, K // 4, k_slice // 4, w.stride(0) // 4,
+            M * N, PER_CHANNEL=pc, SPLIT_SUM=mode, UNPACK="shift" if INTERPRET else t.unpack, PREFETCH=t.prefetch,
             BLOCK_N=t.block_n, BLOCK_C=t.block_k // 4, num_warps=t.warps, num_stages=stages)
     else:
-        fp8_wo_fwd_kernel[(triton.cdiv(N, t.block_n), split)](
-            x, w, s, out, M, N, K, k_slice, x.stride(0), w.stride(0), M * N, N, PER_CHANNEL=pc, SCALE=split == 1,
-            GEMV=gemv, DOT_PREC=dot_precision(x.dtype), WIDEN=INTERPRET, BLOCK_M=pow2(M), BLOCK_N=t.block_n,
-            BLOCK_K=t.block_k, num_warps=t.warps, num_stages=stages)
-    if split > 1:
+        fp8_wo_fwd_kernel[grid](
+            x, w, s, y, part, count, M, N, K, k_slice, x.stride(0), w.stride(0), N, M * N, PER_CHANNEL=pc,
+            SPLIT_SUM=mode, GEMV=gemv, DOT_PREC=dot_precision(x.dtype), WIDEN=INTERPRET, BLOCK_M=pow2(M),
+            BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.warps, num_stages=stages)
+    if mode == "launch":
         block_n = min(1024, pow2(N))
         fp8_wo_reduce_kernel[(M, triton.cdiv(N, block_n))](
-            out, s, y, N, split, M * N, N, N, PER_CHANNEL=pc, BLOCK_N=block_n, num_warps=4)
+            part, s, y, N, split, M * N, N, N, PER_CHANNEL=pc, BLOCK_N=block_n, num_warps=4)
     return y
