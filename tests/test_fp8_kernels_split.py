@@ -193,9 +193,9 @@ def test_fixup_kernels_compile_for_sm90_with_the_ordering_instructions():
 @pytest.mark.parametrize("M,N,K,split,dtype", [
     (1, 2048, 2048, None, torch.bfloat16), (1, 576, 2048, None, torch.bfloat16),      # k3-small: 2 and 4 slices
     (1, 2048, 8192, None, torch.bfloat16), (1, 2048, 2048, None, torch.float16),      # 3 slices; byte GEMV
-    (1, 7168, 3584, 7, torch.bfloat16), (1, 576, 7168, None, torch.bfloat16),         # K3: 6272 CTAs; 4 slices
-    (1, 7168, 12288, 5, torch.bfloat16), (4, 2048, 2048, None, torch.bfloat16),       # tl.dot path: 4, 17, 64 rows
-    (17, 7168, 3584, 3, torch.bfloat16), (64, 3072, 2048, None, torch.float16)])
+    (1, 7168, 3584, 7, torch.bfloat16), (1, 576, 7168, None, torch.bfloat16),         # K3: 6272 CTAs; 7 slices
+    (1, 7168, 12288, 5, torch.bfloat16), (4, 2048, 2048, None, torch.bfloat16),       # tl.dot path: 4 rows 8
+    (17, 7168, 3584, 3, torch.bfloat16), (64, 3072, 2048, None, torch.float16)])      # slices, 17 rows, 64 rows 4
 def test_fixup_equals_launch_bit_for_bit_cuda(M, N, K, split, dtype):
     from k3export.fp8_kernels import fp8_linear_wo_fwd, split_counters
     x, wq, ws = _args(M, N, K, True, torch.Generator().manual_seed(N + K + M), dtype, "cuda")
