@@ -38,6 +38,7 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 import triton.language as tl
+from torch._subclasses.fake_tensor import is_fake
 
 from ..launch import launch, size_bound
 from ..triton_common import check, dot_precision, pow2
@@ -206,8 +207,7 @@ def tickets(like: torch.Tensor, n: int) -> torch.Tensor:
     per-call allocation or memset: a CUDA graph captures none). The launches that share it must be ordered (one
     stream, as a decode step is). like traced (fake tensors: the AOTI lowering), or the buffer first needed inside
     a CUDA-graph capture: fresh zeros for this call."""
-    from torch._subclasses.fake_tensor import is_fake
-    if is_fake(like):
+    if (type(like) is not torch.Tensor or torch._is_functional_tensor(like)) and is_fake(like):   # plain: no probe
         return torch.zeros(n, device=like.device, dtype=torch.int32)
     key = (like.device.type, like.device.index)
     buf = _TICKETS.get(key)
