@@ -189,15 +189,16 @@ def _fixup(acc, part, y, mask, count, w_scale, offs_n, n_ok, stride_ps, PER_CHAN
     ticket = tl.atomic_add(count + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
     if ticket == split - 1:                     # the other SPLIT - 1 partials are stored and visible
         tot = tl.zeros_like(acc)
-        # 4 L2 loads in flight, added in slice order; a slice past SPLIT loads -0.0, which leaves every sum as it
-        # is (x + -0.0 == x, -0.0 included). tl.where, not mask & (t + 1 < split): the interpreter makes that int32.
+        # 4 L2 loads in flight, added in slice order. A slice past SPLIT loads +0.0 and changes nothing: tot starts
+        # at +0.0 and a round-to-nearest sum is -0.0 only when both terms are, so tot is never -0.0 and tot + 0.0
+        # == tot exactly. tl.where for the masks: the interpreter makes mask & (t + 1 < split) int32 and refuses it.
         for t in range(0, split, 4):
             p = part + t * stride_ps
             p0 = tl.load(p, mask=mask, other=0.0, cache_modifier=".cg")
-            p1 = tl.load(p + stride_ps, mask=tl.where(t + 1 < split, mask, False), other=-0.0, cache_modifier=".cg")
-            p2 = tl.load(p + 2 * stride_ps, mask=tl.where(t + 2 < split, mask, False), other=-0.0,
+            p1 = tl.load(p + stride_ps, mask=tl.where(t + 1 < split, mask, False), other=0.0, cache_modifier=".cg")
+            p2 = tl.load(p + 2 * stride_ps, mask=tl.where(t + 2 < split, mask, False), other=0.0,
                          cache_modifier=".cg")
-            p3 = tl.load(p + 3 * stride_ps, mask=tl.where(t + 3 < split, mask, False), other=-0.0,
+            p3 = tl.load(p + 3 * stride_ps, mask=tl.where(t + 3 < split, mask, False), other=0.0,
                          cache_modifier=".cg")
             tot += p0
             tot += p1
