@@ -157,6 +157,53 @@ def test_pairs_fused_kernels_compile_sm90(kernel, E, k):
     assert ptx.count("ld.global.cg") >= (8 if kernel == "router" else k)
 
 
+def _reduce_layouts(kernel) -> list[str]:
+    """The operand type (shape and resolved layout) of every tt.reduce in the kernel's TTGIR, in program order."""
+    import re
+    ttgir = kernel.asm["ttgir"]
+    aliases = dict(re.findall(r"^(#\w+) = (.*)$", ttgir, re.M))
+    return [re.sub(r"#\w+", lambda m: aliases.get(m.group(0), m.group(0)), t)
+            for t in re.findall(r"\}\) : \((tensor<[^)]*>)\) ->", ttgir)]
+
+
+def _ttgir(fn, sig: dict, consts: dict, num_stages: int = 1):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    sig = {**sig, **{c: "constexpr" for c in consts}}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t.startswith("*")}
+    return triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=4, num_stages=num_stages))
+
+
+@pytest.mark.parametrize("E,k", [(896, 16), (64, 8)])
+def test_pairs_fused_reductions_match_unfused_sm90(E, k):
+    """Bit-identity on the GPU needs the same fp32 reduction order: the fused kernels' reductions (top-k rounds, the
+    renormalising sum, the GEMV's row sums) run on the same shapes and layouts as the unfused kernels' (sm_90 TTGIR;
+    the fused router adds none, gemm2's combine is elementwise)."""
+    from k3export.plugins.moe import kernels as K
+    from k3export.plugins.triton_common import pow2
+    topk = dict(K=k, BLOCK_K=pow2(k, 2), RENORM=True, PACKED=True)
+    unfused = _ttgir(K.moe_topk_fwd_kernel, {"s": "*fp32", "part": "*fp32", "bias": "*fp32", "ids": "*i32",
+                                             "w": "*fp32", "N": "i32", "E": "i32", "scaling": "fp32"},
+                     dict(topk, BLOCK_E=pow2(E), SPLITS=8))
+    fused = _ttgir(K.moe_router_topk_fwd_kernel,
+                   {"x": "*bf16", "g": "*bf16", "bias": "*fp32", "part": "*fp32", "s": "*fp32", "ids": "*i32",
+                    "w": "*fp32", "tickets": "*i32", "N": "i32", "E": "i32", "D": "i32", "stride_xn": "i32",
+                    "stride_ge": "i32", "D_SPLIT": "i32", "scaling": "fp32"},
+                   dict(topk, BLOCK_M=16, BLOCK_E=16, BLOCK_D=128, E_PAD=pow2(E), SPLITS=8, DOT_PREC="ieee"), 3)
+    assert _reduce_layouts(fused) == _reduce_layouts(unfused) and len(_reduce_layouts(fused)) == k + 2
+    bn, bk, _ = K.TILINGS["decode"][FUSED].pair_gemm[1]
+    gemv = {"h": "*bf16", "w2": "*bf16"}
+    rest = {"L": "i32", "I": "i32", "stride_h": "i32", "stride_we": "i32", "stride_wl": "i32", "stride_y": "i32"}
+    unfused = _ttgir(K.moe_pair_gemm2_fwd_kernel, {**gemv, "y": "*fp32", "ids": "*i32", **rest},
+                     dict(BLOCK_N=bn, BLOCK_K=bk))
+    fused = _ttgir(K.moe_pair_gemm2_combine_fwd_kernel, {**gemv, "ids": "*i32", "wt": "*fp32", "y": "*fp32",
+                                                         "u": "*bf16", "tickets": "*i32", **rest, "stride_u": "i32"},
+                   dict(TOP_K=k, BLOCK_N=bn, BLOCK_K=bk))
+    assert _reduce_layouts(fused) == _reduce_layouts(unfused) and len(_reduce_layouts(fused)) == 1
+
+
 # ---------------------------------------------------------------------------------------------- GPU
 SHAPES = {"k3": (896, 7168, 3584, 3072, 16), "k3-small": (64, 2048, 1024, 768, 8)}   # E, d, L, I, top_k
 

@@ -748,6 +748,9 @@ TILINGS = {
 # prefill / prefill-mid boundary at 128 rows is where m128t64-aw's 128-row blocks start to fill; the crossover
 # between 73 and 146 rows was not measured. Between 16 and 64 rows per expert (~900..3600 tokens) nothing new
 # was measured, so the previous prefill tiling stays there.
+# "pairs-n8-fc" / "pairs-n8-fused" (2026-11-30, not yet timed on the H200): "pairs-n8" with the combine in gemm2's
+# launch / and the top-k in the router's, 5 -> 4 / 3 launches at 1-2 tokens, bit-identical (CPU interpreter; the cuda
+# tests in tests/test_moe_pairs_fused.py check it on the GPU). To make it the default: "pairs-n8-fused" below.
 CONFIGS = {"decode": TILINGS["decode"]["pairs-n8"], "grouped": TILINGS["prefill"]["old"],
            "prefill": TILINGS["prefill"]["m64t32-n128-aw8"], "prefill-mid": TILINGS["prefill"]["m128t64-aw"],
            "prefill-large": TILINGS["prefill"]["m128-tma-aw"]}
