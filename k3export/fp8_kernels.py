@@ -347,6 +347,8 @@ GEMV_TILINGS = {
 # 2026-11-30 03:45 (same command): p-n8k512-cvt-pf-c4 (4 CTAs per SM: fewer K slices to sum) 137.7 summed,
 # -c6 140.5, p-n8k512-cvt-pf 150.6 (bf16 229.7); the pair 0.478 / 0.482 ms with it (experts default) vs
 # 0.495 / 0.498 ms (bf16 0.714 / 0.771); every named launch passed its cuda test in that call.
+# Those figures sum split slices with a second launch (split_sum "launch"); names without a split_sum follow
+# SPLIT_SUM, so a run after the "fixup" default times them with the in-launch sum.
 GEMV = GEMV_TILINGS["p-n8k512-cvt-pf-c4"]
 BYTE_GEMV = GEMV_TILINGS["n16k512"]            # the byte kernel's one-row launch where the packed one cannot run
 DOT_TILE = WoTiles(32, 256, 4, 4, 4)           # 2..MAX_M rows (tl.dot of x against the widened tile)
