@@ -61,6 +61,9 @@ class Backend(Protocol):
     def decode(self, input_ids, kda_conv, kda_state, mla_cache, cache_len):
         """As `K3Model.forward_decode`: -> (logits `[B, V]`, kda_conv, kda_state, rows `[n_mla, B, 1, R]`)."""
 
+    # Optional: `decode_(input_ids, kda_conv, kda_state, mla_cache, cache_len) -> (logits, rows)`, as
+    # `K3Model.forward_decode_` (KDA state updated in place). The engine uses it when the backend has it.
+
 
 class EagerBackend:
     """The model's own Python forward: the baseline every other backend is compared with."""
@@ -100,6 +103,10 @@ class CompileBackend(EagerBackend):
     `pack` (default): the projections that share an input run as one GEMM (`model.packing`; in place, so the
     model runs packed for every later user too). At one decode token this removes ~9 GEMV launches per layer.
     Inductor freezing alone merged few of them (k3-small decode on the H200: 387 -> 376 kernels, 1.80 -> 1.78 ms).
+    `inplace` (default): the engine's decode step runs `K3Model.forward_decode_`: each KDA layer's state and conv
+    window are updated where they lie (`k3::kda_decode_inplace`, with f_b_proj folded into its kernel) instead of
+    being returned, stacked and copied back.
+
     `fuse_norms` (default): each AttnRes mix and the RMSNorm after it as one launch (`k3::attn_res_norm`). H200,
     k3-small decode, 2026-11-30 07:13: 282 -> 258 kernels per step, B = 1 / 16 / 64: 1.147 -> 1.113, 1.952 -> 1.908,
     3.127 -> 3.083 ms (bench backend `compile-unfused` keeps them apart)."""
@@ -107,7 +114,7 @@ class CompileBackend(EagerBackend):
     name = "compile"
 
     def __init__(self, model, mode: str | None = None, cache_dir=None, freezing: bool = False, pack: bool = True,
-                 fuse_norms: bool = True):
+                 fuse_norms: bool = True, inplace: bool = True):
         super().__init__(model)
         from k3export.model import packing
         packing.unpack_projections(model)          # the swaps asked for here, no others (in place: later users too)
@@ -117,7 +124,7 @@ class CompileBackend(EagerBackend):
             import os
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(cache_dir).resolve() / "inductor-cache")
         self._freezing = None
-        fns = (model.forward_prefill, model.forward_decode)
+        fns = (model.forward_prefill, model.forward_decode, getattr(model, "forward_decode_", None))
         if freezing:
             from torch._inductor import config
             self._freezing = config.patch(freezing=True)          # re-entered around every call
@@ -127,9 +134,15 @@ class CompileBackend(EagerBackend):
 
             def frozen_decode(*args):
                 return model.forward_decode(*args)
-            fns = (frozen_prefill, frozen_decode)
+
+            def frozen_decode_(*args):
+                return model.forward_decode_(*args)
+            fns = (frozen_prefill, frozen_decode, frozen_decode_)
         self._prefill = torch.compile(fns[0], dynamic=None, mode=mode)   # static first, dynamic later
         self._decode = torch.compile(fns[1], dynamic=False, mode=mode)
+        if inplace and fns[2] is not None and getattr(model, "forward_decode_", None) is not None:
+            self._decode_ = torch.compile(fns[2], dynamic=False, mode=mode)
+            self.decode_ = self._decode_inplace
 
     def _call(self, fn, args):
         if self._freezing is None:
@@ -144,6 +157,10 @@ class CompileBackend(EagerBackend):
     @torch.no_grad()
     def decode(self, *args):
         return self._call(self._decode, args)
+
+    @torch.no_grad()
+    def _decode_inplace(self, *args):
+        return self._call(self._decode_, args)
 
 
 # ---------------------------------------------------------------------------------------------- the engine
@@ -297,9 +314,13 @@ class Engine:
     def _step(self) -> torch.Tensor:
         """The decode program and its commit; every op here is capturable (no host sync, fixed addresses)."""
         s = self.state
-        logits, conv, rec, rows = self.backend.decode(self._ids, s.kda_conv, s.kda_state, s.mla_cache, s.lengths)
-        s.kda_conv.copy_(conv)
-        s.kda_state.copy_(rec)
+        if hasattr(self.backend, "decode_"):                       # the KDA state is updated where it lies
+            logits, rows = self.backend.decode_(self._ids, s.kda_conv, s.kda_state, s.mla_cache, s.lengths)
+        else:
+            logits, conv, rec, rows = self.backend.decode(self._ids, s.kda_conv, s.kda_state, s.mla_cache,
+                                                          s.lengths)
+            s.kda_conv.copy_(conv)
+            s.kda_state.copy_(rec)
         n_mla, B, _, R = s.mla_cache.shape
         if n_mla:
             pos = s.lengths.clamp(max=self.max_len - 1).view(1, B, 1, 1).expand(n_mla, B, 1, R)

@@ -24,7 +24,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--top", type=int, default=25)
-    ap.add_argument("--backend", choices=("graph", "compile", "compile-frozen", "compile-unfused"), default="graph")
+    from k3export.bench.model import COMPILE_VARIANTS
+    ap.add_argument("--backend", choices=("graph", *COMPILE_VARIANTS), default="graph")
     ap.add_argument("--fp8", action="store_true", help="the model quantized by the default recipe first")
     a = ap.parse_args()
     from k3export.config import K3Config
@@ -38,8 +39,7 @@ def main() -> None:
                            progress=False)
         print("quantized:", quantize_model(model, scales))
     backend = (EagerBackend(model) if a.backend == "graph"
-               else CompileBackend(model, freezing=a.backend == "compile-frozen",
-                                   fuse_norms=a.backend != "compile-unfused"))
+               else CompileBackend(model, **COMPILE_VARIANTS[a.backend]))
     eng = Engine(backend, max_batch=a.batch, max_len=a.context + 16, cuda_graphs=True)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, model.config.vocab_size, (a.context,), generator=g).tolist() for _ in range(a.batch)]

@@ -18,7 +18,7 @@ import torch
 
 from k3export.plugins.kda import kernels
 from k3export.plugins.kda.naive import kda_inputs, naive_recurrent_kda
-from k3export.plugins.kda.op import kda_decode, kda_prefill
+from k3export.plugins.kda.op import kda_decode, kda_decode_inplace, kda_prefill
 
 # fp32 everywhere: the reference itself is ~3.6e-7 from fp64 (CONTRACT.md); measured kernel error ~2e-7.
 FP32_BOUND = 1e-5
@@ -140,6 +140,65 @@ def test_decode_interpreter(dtype):
     assert [t.dtype for t in out] == [t.dtype for t in ref]
 
 
+def inplace_inputs(B, H, K, R, dtype, device, seed=0):
+    """decode_inputs plus f_a `[B, R]` and f_b_weight `[H*K, R]` (scaled so f has unit size), and the
+    decode_inputs-style f they imply (f_b_proj's output, rounded to the model dtype)."""
+    args = list(decode_inputs(B, H, K, dtype, device, seed=seed))
+    g = torch.Generator(device="cpu").manual_seed(seed + 1)
+    f_a = torch.randn(B, R, generator=g).to(device, dtype)
+    w = (torch.randn(H * K, R, generator=g) * R ** -0.5).to(device, dtype)
+    return args, f_a, w
+
+
+def check_inplace(args, f_a, w, run, o_bound):
+    """run(qkv, conv, conv_weight, f, f_b_weight, b, g, A_log, dt_bias, o_norm_weight, state) updates conv and
+    state in place and returns o; compared with the pure op's reference on f = f_b_proj(f_a), with and without
+    the fold. Returns the largest o error."""
+    errs = []
+    for fold in (True, False):
+        qkv, conv, cw, _, b, g, A_log, dt_bias, onw, state = (t.clone() for t in args)
+        f = torch.nn.functional.linear(f_a, w)
+        o_ref, conv_ref, state_ref = kda_decode._init_fn(qkv, conv, cw, f, b, g, A_log, dt_bias, onw, state,
+                                                         -5.0, 1e-5)
+        o = run(qkv, conv, cw, f_a if fold else f, w if fold else None, b, g, A_log, dt_bias, onw, state)
+        errs.append(rel(o, o_ref))
+        assert errs[-1] < o_bound, f"fold={fold}: o rel. RMS {errs[-1]:.2e}"
+        assert torch.equal(conv, conv_ref), "the conv window shift is exact, in place too"
+        assert rel(state, state_ref) < DECODE_STATE_BOUND
+        assert o.dtype == qkv.dtype
+    return max(errs)
+
+
+def test_decode_inplace_reference_updates_its_arguments():
+    """The op's default implementation (CPU): the pure op's results, written over conv_state and state."""
+    args, f_a, w = inplace_inputs(2, 3, 16, 16, torch.float32, "cpu")
+    check_inplace(args, f_a, w, lambda *a: kda_decode_inplace(*a, -5.0, 1e-5), 1e-6)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_decode_inplace_interpreter(dtype):
+    """The in-place kernel with the f_b_proj GEMV folded in (R = 24: a partial 32-column block) and without;
+    fp16: f is rounded to fp16 as the Linear's output is, the sum order differs (bound as the pure decode's)."""
+    args, f_a, w = inplace_inputs(3, 2, 32, 24, dtype, "cpu", seed=4)
+    check_inplace(args, f_a, w, lambda *a: kernels.kda_decode_inplace_fwd(*a, -5.0, 1e-5), DECODE_O_BOUND[dtype])
+
+
+@interpreted
+def test_decode_inplace_interpreter_strided_state_falls_back():
+    """A state that cannot be written in place (non-contiguous) still gets the step: out-of-place kernel + copy."""
+    args, f_a, w = inplace_inputs(2, 2, 16, 16, torch.float32, "cpu", seed=5)
+    big = torch.randn(2, 2, 16, 32)
+
+    def run(qkv, conv, cw, f, fw, b, g, A_log, dt_bias, onw, state):
+        view = big[..., :16]                                          # [B, H, K, K], strided
+        view.copy_(state)
+        o = kernels.kda_decode_inplace_fwd(qkv, conv, cw, f, fw, b, g, A_log, dt_bias, onw, view, -5.0, 1e-5)
+        state.copy_(view)
+        return o
+    check_inplace(args, f_a, w, run, DECODE_O_BOUND[torch.float32])
+
+
 def test_bad_inputs_have_specific_errors():
     args = list(prefill_inputs(2, 8, 2, 16, 16, torch.float32, "cpu", [8, 8]))
     bad = list(args)
@@ -152,6 +211,10 @@ def test_bad_inputs_have_specific_errors():
     dargs[9] = dargs[9][:, :, :8]
     with pytest.raises(ValueError, match="state must have shape"):
         kernels.kda_decode_fwd(*dargs, -5.0, 1e-5)
+    iargs, f_a, w = inplace_inputs(2, 2, 16, 16, torch.float32, "cpu")
+    qkv, conv, cw, _, b, g, A_log, dt_bias, onw, state = iargs
+    with pytest.raises(ValueError, match="f_b_weight"):
+        kernels.kda_decode_inplace_fwd(qkv, conv, cw, f_a, w[:, :8], b, g, A_log, dt_bias, onw, state, -5.0, 1e-5)
 
 
 def test_aot_decode_contract_compiles_on_cpu():
@@ -324,6 +387,17 @@ def test_decode_k3_shapes(B, H, cfg):
     assert rel(out[0], ref[0]) < DECODE_O_BOUND[torch.bfloat16]
     assert torch.equal(out[1], ref[1])
     assert rel(out[2], ref[2]) < DECODE_STATE_BOUND
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("B,H", [(1, 16), (64, 16), (3, 96)])
+def test_decode_inplace_cuda(B, H):
+    """The serving op on its kernel at k3-small (H = 16) and K3 (H = 96) heads, f_b_proj folded (R = K = 128) and
+    not; state and conv window written over the inputs."""
+    args, f_a, w = inplace_inputs(B, H, 128, 128, torch.bfloat16, "cuda", seed=B)
+    err = check_inplace(args, f_a, w, lambda *a: kda_decode_inplace(*a, -5.0, 1e-5),
+                        DECODE_O_BOUND[torch.bfloat16])
+    print(f"kda_decode_inplace B={B} H={H}: o rel. RMS {err:.2e}")
 
 
 @pytest.mark.cuda

@@ -68,6 +68,57 @@ class _TwoLinears(torch.nn.Module):
     forward_decode = forward_prefill
 
 
+def test_inplace_decode_equals_the_functional_step(model):
+    """`K3Model.forward_decode_` (the serving step: KDA state updated where it lies, f_b_proj folded into the op)
+    gives `forward_decode`'s logits and rows and leaves in the state tensors what forward_decode returns, bit for
+    bit on CPU (the in-place op's reference is the pure op's); also with an f_b_proj that is not a plain Linear
+    (as an FP8 recipe could make it), which runs outside the op."""
+    import copy
+    g = torch.Generator().manual_seed(0)
+    for variant in ("plain", "wrapped"):
+        m = model if variant == "plain" else copy.deepcopy(model)
+        if variant == "wrapped":
+            for layer in m.model.layers:
+                if not layer.is_mla:
+                    layer.self_attn.f_b_proj = torch.nn.Sequential(layer.self_attn.f_b_proj)
+        st = m.new_state(3, 16)
+        for t in (st.kda_conv, st.kda_state, st.mla_cache):
+            t.copy_(torch.randn(t.shape, generator=g))
+        ids, cache_len = torch.tensor([3, 5, 7]), torch.tensor([4, 0, 9])
+        with torch.no_grad():
+            logits, conv, rec, rows = m.forward_decode(ids, st.kda_conv, st.kda_state, st.mla_cache, cache_len)
+            ptrs = (st.kda_conv.data_ptr(), st.kda_state.data_ptr())
+            logits_, rows_ = m.forward_decode_(ids, st.kda_conv, st.kda_state, st.mla_cache, cache_len)
+        assert torch.equal(logits_, logits) and torch.equal(rows_, rows), variant
+        assert torch.equal(st.kda_conv, conv) and torch.equal(st.kda_state, rec), variant
+        assert (st.kda_conv.data_ptr(), st.kda_state.data_ptr()) == ptrs
+
+
+def test_compile_backend_decodes_in_place():
+    """The compile backend hands the engine `decode_`: Inductor calls `k3::kda_decode_inplace` on slices of the
+    state inputs themselves (no clone, no copy back), and the result equals the eager functional step."""
+    from torch._inductor.utils import run_and_get_code
+    m = random_model(K3Config.from_name("k3-tiny"), seed=1)
+    st = m.new_state(2, 16)
+    g = torch.Generator().manual_seed(1)
+    for t in (st.kda_conv, st.kda_state, st.mla_cache):
+        t.copy_(torch.randn(t.shape, generator=g))
+    ids, cache_len = torch.tensor([3, 5]), torch.tensor([4, 9])
+    with torch.no_grad():
+        ref = m.forward_decode(ids, st.kda_conv, st.kda_state, st.mla_cache, cache_len)
+    backend = CompileBackend(m)
+    assert hasattr(backend, "decode_") and not hasattr(CompileBackend(m, inplace=False), "decode_")
+    (logits, rows), code = run_and_get_code(lambda: backend.decode_(ids, st.kda_conv, st.kda_state, st.mla_cache,
+                                                                    cache_len))
+    src = "".join(code)
+    n_kda = len(m.config.kda_layers)
+    assert src.count("torch.ops.k3.kda_decode_inplace.default(") == n_kda
+    assert "aten.copy_" not in src and ".copy_(" not in src      # nothing is copied back into the inputs
+    # fp32, compiled (packed GEMMs, fused norms, other summation orders) vs eager: rounding only
+    for a, b in ((logits, ref[0]), (st.kda_conv, ref[1]), (st.kda_state, ref[2]), (rows, ref[3])):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
 def test_frozen_compile_after_plain_compile_really_freezes():
     """`compile-frozen` after `compile` of the same model in one process compiles its own frozen graph. On the H200
     (torch 2.11) it reused the plain graph before the frozen backend traced its own wrappers; torch 2.13 here did

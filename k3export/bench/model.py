@@ -31,7 +31,11 @@ import torch
 
 from k3export.bench import bench
 
-BACKENDS = ("eager", "graph", "compile", "compile-frozen", "compile-unfused", "aoti")
+# The `compile` backend and variants that turn one of its serving choices off (or Inductor freezing on), for
+# measuring what each choice is worth: CompileBackend keyword arguments per name.
+COMPILE_VARIANTS = {"compile": {}, "compile-frozen": {"freezing": True}, "compile-unfused": {"fuse_norms": False},
+                    "compile-copy": {"inplace": False}}
+BACKENDS = ("eager", "graph", *COMPILE_VARIANTS, "aoti")
 
 
 # ---------------------------------------------------------------------------------------------- napkin math
@@ -111,8 +115,8 @@ def make_backend(name: str, model, engines: Path, profiles: dict, log) -> tuple[
         return EagerBackend(model), False, {}
     if name == "graph":
         return EagerBackend(model), True, {}
-    if name in ("compile", "compile-frozen", "compile-unfused"):
-        return CompileBackend(model, freezing=name == "compile-frozen", fuse_norms=name != "compile-unfused"), cuda, {}
+    if name in COMPILE_VARIANTS:
+        return CompileBackend(model, **COMPILE_VARIANTS[name]), cuda, {}
     if name == "aoti":
         from k3export.build import build, open_backend
         t0 = time.perf_counter()

@@ -168,22 +168,39 @@ class K3Model(nn.Module):
         """One new token per sequence. input_ids `[B]`, the state as in `forward_prefill` (mla_cache
         `[n_mla, B, L, R]` is read only). Returns logits `[B, V]`, new kda_conv, new kda_state, new MLA rows
         `[n_mla, B, 1, R]` for positions cache_len[b]."""
+        new_conv, new_state = [None] * kda_conv.shape[0], [None] * kda_state.shape[0]
+
+        def kda(layer, s, x):
+            y, new_conv[s], new_state[s] = layer.self_attn.decode(x, kda_conv[s], kda_state[s])
+            return y
+
+        logits, rows = self._decode(input_ids, mla_cache, cache_len, kda)
+        return logits, _stack(new_conv, kda_conv), _stack(new_state, kda_state), rows
+
+    def forward_decode_(self, input_ids, kda_conv, kda_state, mla_cache, cache_len):
+        """Serving form of `forward_decode`: kda_conv and kda_state are updated in place (each KDA layer's
+        `k3::kda_decode_inplace` writes its slice: no stacked copies, no copy back). Returns logits `[B, V]` and
+        the new MLA rows `[n_mla, B, 1, R]`. Not exported: the graphs carry the functional form."""
+        return self._decode(input_ids, mla_cache, cache_len,
+                            lambda layer, s, x: layer.self_attn.decode_(x, kda_conv[s], kda_state[s]))
+
+    def _decode(self, input_ids, mla_cache, cache_len, kda):
+        """The decode step around `kda(layer, slot, x) -> y` (a KDA layer's token mixer). -> (logits, rows)."""
         B = input_ids.shape[0]
-        new_conv, new_state, rows = [None] * kda_conv.shape[0], [None] * kda_state.shape[0], []
+        rows = []
 
         def attention(layer, x):
             s = self.state_slot[layer.index]
-            if layer.is_mla:
-                y, r = layer.self_attn.decode(x, mla_cache[s], cache_len)
-                rows.append(r.unsqueeze(1))
-            else:
-                y, new_conv[s], new_state[s] = layer.self_attn.decode(x, kda_conv[s], kda_state[s])
+            if not layer.is_mla:
+                return kda(layer, s, x)
+            y, r = layer.self_attn.decode(x, mla_cache[s], cache_len)
+            rows.append(r.unsqueeze(1))
             return y
 
         h = self._layers(self.model.embed_tokens(input_ids), attention)
         logits = self.lm_head(h)
-        return logits.to(_logit_dtype(logits)), _stack(new_conv, kda_conv), _stack(new_state, kda_state), \
-            _stack(rows, mla_cache, (mla_cache.shape[0], B, 1, mla_cache.shape[-1]))
+        return logits.to(_logit_dtype(logits)), _stack(rows, mla_cache, (mla_cache.shape[0], B, 1,
+                                                                          mla_cache.shape[-1]))
 
     # ------------------------------------------------------------------------------------------ eager API
     def prefill(self, input_ids, state: K3State, lengths=None):

@@ -2,7 +2,7 @@
 
 State per sequence: conv window `[3*H*K, W-1]` (pre-conv q|k|v inputs, oldest first) and the fp32 recurrent
 state `[H, K, V]`. Prefill runs the chunked core (`k3::kda_prefill`); decode runs one fused step
-(`k3::kda_decode`). Both read the same weights.
+(`k3::kda_decode`; serving: `k3::kda_decode_inplace`, the state updated where it lies). All read the same weights.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from torch import nn
 
 from k3export.config import K3Config
 from k3export.plugins.kda.naive import head_rmsnorm_gate, short_conv
-from k3export.plugins.kda.op import kda_decode, kda_prefill
+from k3export.plugins.kda.op import kda_decode, kda_decode_inplace, kda_prefill
 
 
 class KimiDeltaAttention(nn.Module):
@@ -72,3 +72,14 @@ class KimiDeltaAttention(nn.Module):
                                             g, self.A_log, self.dt_bias, self.o_norm.weight,
                                             state, self.lower_bound, self.eps)
         return self.o_proj(o), new_conv, new_state
+
+    def decode_(self, x, conv_state, state):
+        """Serving form of `decode`: conv_state and state are updated in place; returns y `[B, d]`. f_b_proj runs
+        inside the step's kernel when it is a plain Linear (an FP8 recipe may quantize it: then it runs here)."""
+        qkv, g, f_a, beta = self.project(x)
+        fb = self.f_b_proj
+        plain = type(fb) is nn.Linear and fb.bias is None
+        o = kda_decode_inplace(qkv, conv_state, self.conv_weight(), f_a if plain else fb(f_a),
+                               fb.weight if plain else None, beta, g, self.A_log, self.dt_bias, self.o_norm.weight,
+                               state, self.lower_bound, self.eps)
+        return self.o_proj(o)

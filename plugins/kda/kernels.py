@@ -1,4 +1,5 @@
-"""Triton KDA kernels: the CUDA implementations of `k3::kda_prefill` and `k3::kda_decode` (see CONTRACT.md).
+"""Triton KDA kernels: the CUDA implementations of `k3::kda_prefill`, `k3::kda_decode` and
+`k3::kda_decode_inplace` (see CONTRACT.md).
 
 Prefill runs over right-padded `[B, T, H, K]` inputs, chunk BT = 64, in two stages:
   1. intra, one program per (chunk, sequence*head), all chunks in parallel: L2 norm, lower-bound gate,
@@ -12,7 +13,9 @@ Prefill runs over right-padded `[B, T, H, K]` inputs, chunk BT = 64, in two stag
      `kda_prefill_intra_fwd_kernel` (the AOT contract's kernel: a plugin is one launch without workspace).
   2. `kda_prefill_fwd_kernel`, one program per (V block, sequence*head), chunks in order: the inter-chunk state
      pass Vn = U - W S, O = exp(Gam) Q S + A_qk Vn, S <- exp(Gam_C) S + (exp(Gam_C - Gam) K)^T Vn, fp32 state.
-Decode is one launch, `kda_decode_fwd_kernel`, one program per (sequence, head) holding its [K, V] state.
+Decode is one launch, `kda_decode_fwd_kernel`, one program per (sequence, head) holding its [K, V] state; the
+serving form `kda_decode_inplace_fwd_kernel` is the same step (`_decode_head`) writing the state over itself, with
+the f_b_proj GEMV folded in.
 Variants measured on the H200 and dropped for being slower or wrong there (sub-tiled and column-block intra
 kernels, fla's split state pass, column-block decode) are in docs/perf.md ("KDA kernels") and the git history.
 
@@ -29,7 +32,8 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from ..launch import launch
-from .op import CHUNK, kda_decode, kda_prefill
+from ..triton_common import check
+from .op import CHUNK, kda_decode, kda_decode_inplace, kda_prefill
 
 # libdevice's approximate division in the akk kernel's gate (GPU); the interpreter has no libdevice.
 FAST_MATH = os.environ.get("TRITON_INTERPRET") != "1"
@@ -386,9 +390,10 @@ def kda_prefill_fwd_kernel(
 
 @triton.jit
 def _conv_step(qkv, conv_state, conv_weight, conv_out, i_b, c0, C, K: tl.constexpr, W: tl.constexpr,
-               BK: tl.constexpr, BW: tl.constexpr):
+               BK: tl.constexpr, BW: tl.constexpr, SYNC: tl.constexpr):
     """Depthwise causal conv of channels c0..c0+K-1 over [previous W-1 inputs, new input], then SiLU (rounded to
-    qkv's dtype as the op does). Stores the next window (inputs 1..W-1) to conv_out. Returns [BK] fp32."""
+    qkv's dtype as the op does). Stores the next window (inputs 1..W-1) to conv_out. Returns [BK] fp32.
+    SYNC: conv_out is conv_state (in place): every thread's loads of the window finish before any store."""
     o_k = tl.arange(0, BK)
     o_w = tl.arange(0, BW)
     m_k = o_k < K
@@ -403,17 +408,38 @@ def _conv_step(qkv, conv_state, conv_weight, conv_out, i_b, c0, C, K: tl.constex
     y = tl.sum(win * wt, 1)
     nxt = tl.load(conv_state + p_win + 1, mask=m_k[:, None] & (o_w[None, :] < W - 2), other=0.)
     nxt = tl.where(o_w[None, :] == W - 2, x_new[:, None].to(nxt.dtype), nxt)
+    if SYNC:
+        tl.debug_barrier()
     tl.store(conv_out + p_win, nxt.to(conv_out.dtype.element_ty), mask=m_win)
     return (y * tl.sigmoid(y)).to(qkv.dtype.element_ty).to(tl.float32)
 
 
 @triton.jit
-def kda_decode_fwd_kernel(
-    qkv, conv_state, conv_weight, f, b, g, A_log, dt_bias, o_norm_weight, state,   # inputs
-    o, conv_out, state_out,                                                          # outputs
-    H: tl.constexpr, K: tl.constexpr, W: tl.constexpr, BK: tl.constexpr, BW: tl.constexpr,
-    LOWER: tl.constexpr, EPS: tl.constexpr,
-):
+def _fold_f(f_a, f_b_weight, i_b, i_h, out_dtype, H: tl.constexpr, K: tl.constexpr, R: tl.constexpr,
+            BK: tl.constexpr, BR: tl.constexpr):
+    """f_b_proj inside the step: this head's decay-gate input f_a[i_b] @ f_b_weight[h K:(h+1) K, :]^T, [BK] fp32,
+    rounded to out_dtype as the Linear's output is. Column blocks of 32 keep the weight tile small (the state tile
+    that follows needs the registers)."""
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    acc = tl.zeros([BK], dtype=tl.float32)
+    for r0 in tl.static_range(0, BR, 32):
+        o_r = r0 + tl.arange(0, 32)
+        m_r = o_r < R
+        a = tl.load(f_a + i_b.to(tl.int64) * R + o_r, mask=m_r, other=0.).to(tl.float32)
+        w = tl.load(f_b_weight + (i_h * K + o_k)[:, None] * R + o_r[None, :], mask=m_k[:, None] & m_r[None, :],
+                    other=0.).to(tl.float32)
+        acc += tl.sum(w * a[None, :], 1)
+    return acc.to(out_dtype).to(tl.float32)
+
+
+@triton.jit
+def _decode_head(qkv, conv_state, conv_weight, f, f_b_weight, b, g, A_log, dt_bias, o_norm_weight, state,
+                 o, conv_out, state_out, H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, W: tl.constexpr,
+                 BK: tl.constexpr, BR: tl.constexpr, BW: tl.constexpr, LOWER: tl.constexpr, EPS: tl.constexpr,
+                 FOLD: tl.constexpr, SYNC: tl.constexpr):
+    """One (sequence, head) of the decode step; see `kda_decode_fwd_kernel`. FOLD: f is f_a `[B, R]` and the
+    f_b_proj GEMV runs here; SYNC: the outputs are the inputs (in place)."""
     i_bh = tl.program_id(0)
     i_b, i_h = i_bh // H, i_bh % H
     C: tl.constexpr = 3 * H * K
@@ -421,19 +447,23 @@ def kda_decode_fwd_kernel(
     m_k = o_k < K
 
     # Short conv + SiLU on this head's q | k | v channels; writes their next windows.
-    b_q = _conv_step(qkv, conv_state, conv_weight, conv_out, i_b, 0 * H * K + i_h * K, C, K, W, BK, BW)
-    b_k = _conv_step(qkv, conv_state, conv_weight, conv_out, i_b, 1 * H * K + i_h * K, C, K, W, BK, BW)
-    b_v = _conv_step(qkv, conv_state, conv_weight, conv_out, i_b, 2 * H * K + i_h * K, C, K, W, BK, BW)
+    b_q = _conv_step(qkv, conv_state, conv_weight, conv_out, i_b, 0 * H * K + i_h * K, C, K, W, BK, BW, SYNC)
+    b_k = _conv_step(qkv, conv_state, conv_weight, conv_out, i_b, 1 * H * K + i_h * K, C, K, W, BK, BW, SYNC)
+    b_v = _conv_step(qkv, conv_state, conv_weight, conv_out, i_b, 2 * H * K + i_h * K, C, K, W, BK, BW, SYNC)
 
     b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6) * (K ** -0.5)
     b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
     a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
-    b_f = tl.load(f + i_b.to(tl.int64) * H * K + i_h * K + o_k, mask=m_k, other=0.).to(tl.float32)
+    if FOLD:
+        b_f = _fold_f(f, f_b_weight, i_b, i_h, qkv.dtype.element_ty, H, K, R, BK, BR)
+    else:
+        b_f = tl.load(f + i_b.to(tl.int64) * H * K + i_h * K + o_k, mask=m_k, other=0.).to(tl.float32)
     b_bias = tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.).to(tl.float32)
     alpha = tl.exp(LOWER * tl.sigmoid(a * (b_f + b_bias)))
     beta = tl.sigmoid(tl.load(b + i_bh).to(tl.float32))
 
-    # Delta rule on the fp32 state: read once, write once.
+    # Delta rule on the fp32 state: read once, write once (in place is safe: the tile's every load precedes the
+    # reductions that its stores depend on).
     o_v = tl.arange(0, BK)
     p_s = i_bh.to(tl.int64) * K * K + o_k[:, None] * K + o_v[None, :]
     m_s = m_k[:, None] & m_k[None, :]
@@ -450,6 +480,31 @@ def kda_decode_fwd_kernel(
     b_g = tl.load(g + i_b.to(tl.int64) * H * K + i_h * K + o_v, mask=m_k, other=0.).to(tl.float32)
     y = wn.to(tl.float32) * tl.sigmoid(b_g)
     tl.store(o + i_b.to(tl.int64) * H * K + i_h * K + o_v, y.to(o.dtype.element_ty), mask=m_k)
+
+
+@triton.jit
+def kda_decode_fwd_kernel(
+    qkv, conv_state, conv_weight, f, b, g, A_log, dt_bias, o_norm_weight, state,   # inputs
+    o, conv_out, state_out,                                                          # outputs
+    H: tl.constexpr, K: tl.constexpr, W: tl.constexpr, BK: tl.constexpr, BW: tl.constexpr,
+    LOWER: tl.constexpr, EPS: tl.constexpr,
+):
+    """`k3::kda_decode`, one program per (sequence, head): conv window, gates, delta rule, head norm, gate."""
+    _decode_head(qkv, conv_state, conv_weight, f, f, b, g, A_log, dt_bias, o_norm_weight, state, o, conv_out,
+                 state_out, H, K, K, W, BK, BK, BW, LOWER, EPS, False, False)
+
+
+@triton.jit
+def kda_decode_inplace_fwd_kernel(
+    qkv, conv_state, conv_weight, f, f_b_weight, b, g, A_log, dt_bias, o_norm_weight,   # inputs
+    state, o,                                                                            # state (in place), output
+    H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, W: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
+    BW: tl.constexpr, LOWER: tl.constexpr, EPS: tl.constexpr, FOLD: tl.constexpr,
+):
+    """`k3::kda_decode_inplace`: the same step writing conv_state and state over themselves; FOLD: f is f_a and
+    the f_b_proj GEMV runs inside (one launch fewer per KDA layer)."""
+    _decode_head(qkv, conv_state, conv_weight, f, f_b_weight, b, g, A_log, dt_bias, o_norm_weight, state, o,
+                 conv_state, state, H, K, R, W, BK, BR, BW, LOWER, EPS, FOLD, True)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -678,6 +733,44 @@ def kda_decode_fwd(qkv, conv_state, conv_weight, f, b, g, A_log, dt_bias, o_norm
     return o, conv_out, state_out.to(state.dtype)
 
 
+def kda_decode_inplace_fwd(qkv, conv_state, conv_weight, f, f_b_weight, b, g, A_log, dt_bias, o_norm_weight, state,
+                           lower_bound: float, eps: float, config: dict | None = None):
+    """`k3::kda_decode_inplace` in one launch: conv_state and state are overwritten with the step's new window and
+    state (both must be contiguous, the state fp32: else the out-of-place kernel runs and its results are copied
+    over them). With f_b_weight `[H*K, R]`, f is f_a `[B, R]`. Returns o."""
+    B, H = b.shape
+    K = qkv.shape[-1] // (3 * H)
+    if f_b_weight is not None:
+        check(f.dim() == 2 and f.shape[0] == B and tuple(f_b_weight.shape) == (H * K, f.shape[-1]),
+              f"kda_decode_inplace: f_a {tuple(f.shape)} and f_b_weight {tuple(f_b_weight.shape)} must be [B={B}, r] "
+              f"and [H*K={H * K}, r]")
+        f_full = qkv.new_empty(B, H * K)                     # shape stand-in for the shared checks only
+    else:
+        f_full = f
+    _check_decode(qkv, conv_state, conv_weight, f_full, b, g, A_log, dt_bias, o_norm_weight, state)
+    if not (conv_state.is_contiguous() and state.is_contiguous() and state.dtype == torch.float32):
+        if f_b_weight is not None:
+            f = torch.nn.functional.linear(f, f_b_weight)
+        o, new_conv, new_state = kda_decode_fwd(qkv, conv_state, conv_weight, f, b, g, A_log, dt_bias,
+                                                o_norm_weight, state, lower_bound, eps, config)
+        conv_state.copy_(new_conv)
+        state.copy_(new_state)
+        return o
+    W = conv_weight.shape[-1]
+    cfg = {**decode_config(K, W), **(config or {})}
+    fold = f_b_weight is not None
+    R = f.shape[-1] if fold else K
+    args = [x.contiguous() for x in (qkv, conv_state, conv_weight, f, f_b_weight if fold else f, b, g, A_log,
+                                     dt_bias, o_norm_weight)]
+    o = qkv.new_empty(B, H * K)
+    common = dict(H=H, K=K, R=R, W=W, BK=cfg["BK"], BR=max(32, triton.next_power_of_2(R)), BW=cfg["BW"],
+                  LOWER=float(lower_bound), EPS=float(eps), FOLD=fold, num_warps=cfg["num_warps"])
+    if cfg.get("maxnreg"):
+        common["maxnreg"] = cfg["maxnreg"]
+    launch(kda_decode_inplace_fwd_kernel)[(B * H,)](*args, state, o, **common)
+    return o
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The ops' CUDA implementations. Float64 calls (validation runs) keep the reference: the kernels compute in fp32.
 
@@ -705,7 +798,17 @@ def _decode_cuda(qkv, conv_state, conv_weight, f, b, g, A_log, dt_bias, o_norm_w
                           lower_bound, eps)
 
 
+def _decode_inplace_cuda(qkv, conv_state, conv_weight, f, f_b_weight, b, g, A_log, dt_bias, o_norm_weight, state,
+                         lower_bound, eps):
+    if _wide(qkv, conv_state, state):
+        return kda_decode_inplace._init_fn(qkv, conv_state, conv_weight, f, f_b_weight, b, g, A_log, dt_bias,
+                                           o_norm_weight, state, lower_bound, eps)
+    return kda_decode_inplace_fwd(qkv, conv_state, conv_weight, f, f_b_weight, b, g, A_log, dt_bias, o_norm_weight,
+                                  state, lower_bound, eps)
+
+
 # K3_KDA_TRITON=0 keeps the reference on CUDA too (escape hatch while the kernels are young).
 if os.environ.get("K3_KDA_TRITON", "1") != "0":
     kda_prefill.register_kernel("cuda")(_prefill_cuda)
     kda_decode.register_kernel("cuda")(_decode_cuda)
+    kda_decode_inplace.register_kernel("cuda")(_decode_inplace_cuda)

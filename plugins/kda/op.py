@@ -1,10 +1,13 @@
-"""The k3 KDA ops: `k3::kda_prefill` (chunked core) and `k3::kda_decode` (fused step). See CONTRACT.md.
+"""The k3 KDA ops: `k3::kda_prefill` (chunked core), `k3::kda_decode` (fused step) and its serving form
+`k3::kda_decode_inplace` (state updated in place). See CONTRACT.md.
 
 The default implementation (every device) is the plain-torch reference in `naive.py`; a device kernel
 replaces it with `register_kernel("cuda")`, so the model and the exported graphs never branch on the device.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -67,6 +70,29 @@ def kda_decode(qkv: Tensor, conv_state: Tensor, conv_weight: Tensor, f: Tensor, 
 def _(qkv, conv_state, conv_weight, f, b, g, A_log, dt_bias, o_norm_weight, state, lower_bound, eps):
     return (qkv.new_empty(qkv.shape[0], qkv.shape[1] // 3), conv_state.new_empty(conv_state.shape),
             state.new_empty(state.shape))                      # contiguous, like the implementations
+
+
+@torch.library.custom_op("k3::kda_decode_inplace", mutates_args=("conv_state", "state"))
+def kda_decode_inplace(qkv: Tensor, conv_state: Tensor, conv_weight: Tensor, f: Tensor, f_b_weight: Optional[Tensor],
+                       b: Tensor, g: Tensor, A_log: Tensor, dt_bias: Tensor, o_norm_weight: Tensor, state: Tensor,
+                       lower_bound: float, eps: float) -> Tensor:
+    """The serving form of `k3::kda_decode`: the same step, with the new conv window and recurrent state written
+    over `conv_state` and `state` (no second buffer, no copy back), returning o `[B, H*V]`. With `f_b_weight`
+    `[H*K, r]`, f is `f_a_proj(x)` `[B, r]` and the decay-gate input is `f @ f_b_weight^T` rounded to f.dtype (what
+    `f_b_proj` computes; a kernel folds that GEMV into the step); without it f is `[B, H*K]` as in kda_decode.
+    Not in the exported graphs (they keep the pure op); `K3Model.forward_decode_` uses it."""
+    if f_b_weight is not None:
+        f = torch.nn.functional.linear(f, f_b_weight)
+    o, new_conv, new_state = kda_decode._init_fn(qkv, conv_state, conv_weight, f, b, g, A_log, dt_bias,
+                                                 o_norm_weight, state, lower_bound, eps)
+    conv_state.copy_(new_conv)
+    state.copy_(new_state)
+    return o
+
+
+@kda_decode_inplace.register_fake
+def _(qkv, conv_state, conv_weight, f, f_b_weight, b, g, A_log, dt_bias, o_norm_weight, state, lower_bound, eps):
+    return qkv.new_empty(qkv.shape[0], qkv.shape[1] // 3)
 
 
 try:  # Triton kernels register themselves as the CUDA implementations of both ops (kernels.py)
