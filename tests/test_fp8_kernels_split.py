@@ -151,41 +151,74 @@ def test_min_slice_only_bounds_the_split_from_below():
                                                     (576, 16384))] == [1, 1, 2, 1, 4]
 
 
-def _ptx_gemv4(split_sum):
+def _gemv4_launch(split_sum):
+    """(kernel, signature, constexprs, warps, stages) of the default packed one-row launch."""
     from k3export.fp8_kernels import GEMV, fp8_wo_gemv4_fwd_kernel
-    from k3export.plugins.aot import compile_ptx
     t = GEMV
     sig = dict(x4="*i64", w4="*i32", w_scale="*fp32", y="*bf16", part="*fp32", count="*i32", N="i32", C="i32",
                C_SLICE="i32", stride_w4="i32", stride_ps="i32")
     cx = dict(PER_CHANNEL=True, SPLIT_SUM=split_sum, UNPACK=t.unpack, PREFETCH=t.prefetch, BLOCK_N=t.block_n,
               BLOCK_C=t.block_k // 4)
-    return compile_ptx(fp8_wo_gemv4_fwd_kernel, {**sig, **{n: "constexpr" for n in cx}}, cx, num_warps=t.warps,
-                       num_stages=t.stages)
+    return fp8_wo_gemv4_fwd_kernel, sig, cx, t.warps, t.stages
 
 
-def _ptx_wo(split_sum, gemv, block_m, dtype="bf16"):
+def _wo_launch(split_sum, gemv, block_m, dtype="bf16"):
+    """The same for `fp8_wo_fwd_kernel`: the byte GEMV (BYTE_GEMV) or the tl.dot path (DOT_TILE, block_m rows)."""
     from k3export.fp8_kernels import BYTE_GEMV, DOT_TILE, fp8_wo_fwd_kernel
-    from k3export.plugins.aot import compile_ptx
     t = BYTE_GEMV if gemv else DOT_TILE
     sig = dict(x=f"*{dtype}", w="*fp8e4nv", w_scale="*fp32", y=f"*{dtype}", part="*fp32", count="*i32", M="i32",
                N="i32", K="i32", K_SLICE="i32", stride_x="i32", stride_w="i32", stride_ym="i32", stride_ps="i32")
     cx = dict(PER_CHANNEL=False, SPLIT_SUM=split_sum, GEMV=gemv, DOT_PREC="tf32", WIDEN=False, BLOCK_M=block_m,
               BLOCK_N=t.block_n, BLOCK_K=t.block_k)
-    return compile_ptx(fp8_wo_fwd_kernel, {**sig, **{n: "constexpr" for n in cx}}, cx, num_warps=t.warps,
-                       num_stages=t.stages)
+    return fp8_wo_fwd_kernel, sig, cx, t.warps, t.stages
+
+
+LAUNCHES = {"gemv4": lambda m: _gemv4_launch(m), "byte_gemv_fp16": lambda m: _wo_launch(m, True, 1, "fp16"),
+            "dot16": lambda m: _wo_launch(m, False, 16), "dot64": lambda m: _wo_launch(m, False, 64)}
+
+
+def _ptx(fn, sig, cx, warps, stages):
+    from k3export.plugins.aot import compile_ptx
+    return compile_ptx(fn, {**sig, **{n: "constexpr" for n in cx}}, cx, num_warps=warps, num_stages=stages)
+
+
+def _sum_order_ops(fn, sig, cx, warps, stages) -> list[str]:
+    """The sm_90 TTGIR ops that fix the fp32 sums (loads, E4M3 converts, FMAs / dot, reductions, adds), SSA names
+    dropped and layout aliases (#blocked1, #mma ...) replaced by their definitions."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    names = list(sig) + list(cx)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items() if t.startswith("*")}
+    src = ASTSource(fn, {**sig, **{n: "constexpr" for n in cx}}, cx, attrs)
+    ir = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+    lines = [re.sub(r"\s*loc\([^)]*\)", "", line) for line in ir.asm["ttgir"].splitlines()]
+    defs = dict(re.match(r"(#\w+) = (.*)", line).groups() for line in lines if re.match(r"#\w+ = ", line))
+    pick = r"tt\.load|fp_to_fp|tt\.dot|warp_group_dot|tt\.reduce\b|arith\.addf|arith\.mulf|math\.fma"
+    return [re.sub(r"#\w+", lambda m: defs.get(m.group(0), m.group(0)), re.sub(r"%[\w#]+", "%", line.strip()))
+            for line in lines if re.search(pick, line)]
 
 
 def test_fixup_kernels_compile_for_sm90_with_the_ordering_instructions():
     # the default launches in fixup mode: the packed GEMV, the byte GEMV, the tl.dot path at 16 and 64 rows. The
     # ticket is one gpu-scope acq_rel atomic add after a CTA barrier, the partials are read with L1-bypassing loads
-    for k in (_ptx_gemv4("fixup"), _ptx_wo("fixup", True, 1, "fp16"), _ptx_wo("fixup", False, 16),
-              _ptx_wo("fixup", False, 64)):
-        body = k.ptx[k.ptx.index(".entry"):]
+    for name, launch in LAUNCHES.items():
+        body = (k := _ptx(*launch("fixup"))).ptx[k.ptx.index(".entry"):]
         atom = body.index("atom.global.gpu.acq_rel.add")
-        assert body.count("atom.global") == 1 and "bar.sync" in body[:atom], k.name
+        assert body.count("atom.global") == 1 and "bar.sync" in body[:atom], name
         cg = body.count("ld.global.cg")                     # 4 slices per step, 1+ loads per thread and slice
-        assert cg and cg % 4 == 0 and body.index("ld.global.cg") > atom, k.name
-    assert "atom." not in _ptx_gemv4("launch").ptx
+        assert cg and cg % 4 == 0 and body.index("ld.global.cg") > atom, name
+    assert "atom." not in _ptx(*_gemv4_launch("launch")).ptx
+
+
+def test_fixup_partials_compile_like_the_two_launch_partials():
+    # GPU bit-identity of the partials: in sm_90 TTGIR, the two-launch kernel's summation-order ops (same layouts)
+    # are exactly the first ops of the fixup kernel's, which then adds its slice sum
+    for name, launch in LAUNCHES.items():
+        two, one = _sum_order_ops(*launch("launch")), _sum_order_ops(*launch("fixup"))
+        assert len(one) > len(two) and one[:len(two)] == two, name
 
 
 # ------------------------------------------------------------------------------------------------ GPU
