@@ -685,8 +685,9 @@ class MoeTiles:
     tail: rows of each block past block_m, in a second dot on the same weight tiles (kernel docstring).
     pairs: up to this many tokens, no row plan: one GEMV per (token, expert) pair and weight (`moe_pair_gemm*`,
     pair_gemm = gemm1 / gemm2 (BLOCK_N, BLOCK_K, num_warps)); each pair reads its expert's weights, so it is for
-    a few tokens whose pairs rarely share an expert. 0: always the row plan. On the pairs path only: fuse_topk,
-    the top-k in the split router's launch (`route_fwd(fused=True)`); fuse_combine, the combine in gemm2's launch
+    a few tokens whose pairs rarely share an expert. 0: always the row plan. On the pairs path only: fuse_topk, up
+    to this many tokens the top-k in the split router's launch (`route_fwd(fused=True)`; its last program selects
+    for the tokens one after another); fuse_combine, the combine in gemm2's launch
     (`moe_pair_gemm2_combine_fwd_kernel`). Both give the unfused path's bits (5 launches -> 3)."""
     block_m: int
     gemm1: tuple
@@ -699,7 +700,7 @@ class MoeTiles:
     many_align: bool = False
     pairs: int = 0
     pair_gemm: tuple = ((16, 256, 4), (16, 256, 4))
-    fuse_topk: bool = False
+    fuse_topk: int = 0
     fuse_combine: bool = False
 
     @property
@@ -726,7 +727,7 @@ TILINGS = {
                "pairs-n8-fc": MoeTiles(16, (32, 256, 4, 4), (32, 256, 4, 4), _ALL, "", True, True, pairs=2,
                                        pair_gemm=((8, 256, 4), (8, 256, 4)), fuse_combine=True),
                "pairs-n8-fused": MoeTiles(16, (32, 256, 4, 4), (32, 256, 4, 4), _ALL, "", True, True, pairs=2,
-                                          pair_gemm=((8, 256, 4), (8, 256, 4)), fuse_topk=True, fuse_combine=True)},
+                                          pair_gemm=((8, 256, 4), (8, 256, 4)), fuse_topk=2, fuse_combine=True)},
     "prefill": {"old": MoeTiles(64, (64, 64, 4, 4), (128, 64, 4, 4), _ALL, "", False),
                 "m128-tma-aw": MoeTiles(128, (128, 64, 8, 3), (256, 64, 8, 3), 1, "aw", False, True),
                 "m128-tma-w": MoeTiles(128, (128, 64, 8, 3), (256, 64, 8, 3), 1, "w", False, True),
@@ -750,7 +751,9 @@ TILINGS = {
 # was measured, so the previous prefill tiling stays there.
 # "pairs-n8-fc" / "pairs-n8-fused" (2026-11-30, not yet timed on the H200): "pairs-n8" with the combine in gemm2's
 # launch / and the top-k in the router's, 5 -> 4 / 3 launches at 1-2 tokens, bit-identical (CPU interpreter; the cuda
-# tests in tests/test_moe_pairs_fused.py check it on the GPU). To make it the default: "pairs-n8-fused" below.
+# tests in tests/test_moe_pairs_fused.py check it on the GPU). To make it the default: "pairs-n8-fused" below (or
+# `replace(TILINGS["decode"]["pairs-n8-fused"], fuse_topk=1)` if 2 tokens are faster with "pairs-n8-fc": there the
+# fused router's last program selects for both tokens in turn).
 CONFIGS = {"decode": TILINGS["decode"]["pairs-n8"], "grouped": TILINGS["prefill"]["old"],
            "prefill": TILINGS["prefill"]["m64t32-n128-aw8"], "prefill-mid": TILINGS["prefill"]["m128t64-aw"],
            "prefill-large": TILINGS["prefill"]["m128-tma-aw"]}
@@ -891,7 +894,8 @@ def moe_routed_fwd(x, z, gate_weight, bias, w1, w3, w2, top_k: int, renormalize:
     z, w1, w3, w2 = (t.contiguous() for t in (z, w1, w3, w2))        # no-ops for the usual stacked weights
     cfg = tiles or tiles_for(z, N * top_k, E, regime)
     pairs = size_bound(N) <= cfg.pairs
-    ids, w, _ = route_fwd(x, gate_weight, bias, top_k, renormalize, scaling, cfg.lean_route, pairs and cfg.fuse_topk)
+    ids, w, _ = route_fwd(x, gate_weight, bias, top_k, renormalize, scaling, cfg.lean_route,
+                          pairs and size_bound(N) <= cfg.fuse_topk)
     if pairs and cfg.fuse_combine:
         return pairs_fwd(z, w1, w3, w2, ids, beta, linear_beta, cfg, w)
     if pairs:
