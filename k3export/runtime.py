@@ -109,17 +109,20 @@ class CompileBackend(EagerBackend):
 
     `fuse_norms` (default): each AttnRes mix and the RMSNorm after it as one launch (`k3::attn_res_norm`). H200,
     k3-small decode, 2026-11-30 07:13: 282 -> 258 kernels per step, B = 1 / 16 / 64: 1.147 -> 1.113, 1.952 -> 1.908,
-    3.127 -> 3.083 ms (bench backend `compile-unfused` keeps them apart)."""
+    3.127 -> 3.083 ms (bench backend `compile-unfused` keeps them apart). `fuse_adds` (with fuse_norms): the
+    residual add before each mix joins that launch (`k3::attn_res_add_norm`), so the GEMM that produced the
+    sublayer output runs without cuBLAS's add epilogue, which copies p into its output first (k3-small decode,
+    B = 1: 20 GEMMs with the add and 22 copies in the 07:13 profile); bench backend `compile-noadd` leaves it off."""
 
     name = "compile"
 
     def __init__(self, model, mode: str | None = None, cache_dir=None, freezing: bool = False, pack: bool = True,
-                 fuse_norms: bool = True, inplace: bool = True):
+                 fuse_norms: bool = True, inplace: bool = True, fuse_adds: bool = True):
         super().__init__(model)
         from k3export.model import packing
         packing.unpack_projections(model)          # the swaps asked for here, no others (in place: later users too)
         self.packed = packing.pack_projections(model) if pack else 0
-        self.fused = packing.fuse_norms(model) if fuse_norms else 0
+        self.fused = packing.fuse_norms(model, adds=fuse_adds) if fuse_norms else 0
         if cache_dir is not None:
             import os
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(cache_dir).resolve() / "inductor-cache")

@@ -89,6 +89,19 @@ def _interpreter_cases() -> dict:
                 ref64 = attn_res_norm_ref(bank.double(), p.double(), nw.double(), pw.double(), EPS, ow.double(), 1e-5)
                 res[f"norm-{name}-n{n}-big{big}-vs64"] = _rel(out, ref64)
                 res[f"norm-{name}-n{n}-big{big}-vsref"] = _rel(out, attn_res_norm_ref(bank, p, nw, pw, EPS, ow, 1e-5))
+    # k3::attn_res_add_norm: the residual add p + y (rounded to p's dtype) before the mix, in the same launch.
+    from k3export.plugins.attn_res.naive import attn_res_add_norm_ref
+    for name, dt in DTYPES.items():
+        for n in (1, 8):
+            torch.manual_seed(2000 + n)
+            bank, p, nw, pw = _inputs(N, n, d, dt, strided=n != 1)
+            y, ow = torch.randn(N, d).to(dt), (1 + 0.1 * torch.randn(d)).to(dt)
+            p_new, out = kernels.attn_res_add_norm_fwd(bank, p, y, nw, pw, EPS, ow, 1e-5, block_d=64)
+            p_ref, out_ref = attn_res_add_norm_ref(bank, p, y, nw, pw, EPS, ow, 1e-5)
+            res[f"addnorm-{name}-n{n}-p-exact"] = float(torch.equal(p_new, p_ref) and p_new.dtype == dt)
+            res[f"addnorm-{name}-n{n}-vsref"] = _rel(out, out_ref)
+            res[f"addnorm-{name}-n{n}-vs-norm-kernel"] = float(torch.equal(
+                out, kernels.attn_res_norm_fwd(bank, p_ref, nw, pw, EPS, ow, 1e-5, block_d=64)))
     # A zero query gives the plain mean of the sources (contract); proj_weight as [d].
     torch.manual_seed(3)
     bank, p, nw, _ = _inputs(N, 3, d, torch.float32)
@@ -159,6 +172,16 @@ def test_interpreted_norm(interp):
     assert max(v for k, v in e.items() if k.startswith("norm-fp16") and k.endswith("vsref")) < 2.0 ** -10, e
 
 
+def test_interpreted_add_norm(interp):
+    """`k3::attn_res_add_norm`: p + y is exactly torch's add in p's dtype, and the rest is exactly the
+    attn_res_norm kernel run on that sum (bit for bit); vs the reference within the attn_res_norm bounds."""
+    e = {k: v for k, v in interp.items() if k.startswith("addnorm-")}
+    assert len(e) == 12, e
+    assert all(v == 1.0 for k, v in e.items() if k.endswith(("-p-exact", "-vs-norm-kernel"))), e
+    assert max(v for k, v in e.items() if k.startswith("addnorm-fp32") and k.endswith("vsref")) < FP32_VS_REF32_BOUND
+    assert max(v for k, v in e.items() if k.startswith("addnorm-fp16") and k.endswith("vsref")) < 2.0 ** -10
+
+
 def test_norm_variant_compiles_for_sm90_on_cpu():
     """The NORM launch as the GPU would run it (bf16, K3's n = 8) compiles to sm_90 PTX, with the barrier before
     the pass that re-reads the row."""
@@ -166,9 +189,13 @@ def test_norm_variant_compiles_for_sm90_on_cpu():
     from k3export.plugins.attn_res import kernels
     sig = dict(bank="*bf16", p="*bf16", nw="*bf16", pw="*bf16", out="*bf16", n="i32", D="i32", stride_bn="i32",
                stride_bj="i32", stride_pn="i32", eps="fp32", N_SRC="constexpr", BLOCK_D="constexpr",
-               NORM="constexpr", ow="*bf16", out_eps="fp32")
-    k = compile_ptx(kernels.attn_res_fwd_kernel, sig, dict(N_SRC=8, BLOCK_D=512, NORM=True), num_warps=4)
+               NORM="constexpr", ow="*bf16", out_eps="fp32", ADD="constexpr", dp="constexpr", p_out="constexpr")
+    k = compile_ptx(kernels.attn_res_fwd_kernel, sig, dict(N_SRC=8, BLOCK_D=512, NORM=True, ADD=False, dp=None,
+                                                           p_out=None), num_warps=4)
     assert ".target sm_90" in k.ptx and "bar.sync" in k.ptx
+    sig.update(ADD="constexpr", dp="*bf16", p_out="*bf16")
+    k = compile_ptx(kernels.attn_res_fwd_kernel, sig, dict(N_SRC=8, BLOCK_D=512, NORM=True, ADD=True), num_warps=4)
+    assert ".target sm_90" in k.ptx
 
 
 @pytest.mark.parametrize("flag", ["fp64-uses-reference", "bad-p-named", "bad-n=17-named", "bad-float64-named",
@@ -211,6 +238,27 @@ def test_attn_res_norm_k3_shape():
         ow = (1 + 0.1 * torch.randn(7168, device="cuda")).bfloat16()
         err = _rel(attn_res_norm_fwd(bank, p, nw, pw, EPS, ow, 1e-5), attn_res_norm_ref(bank, p, nw, pw, EPS, ow, 1e-5))
         print(f"attn_res_norm N={N} n=8 d=7168 bf16: rel err {err:.2e}")
+        assert err < BF16_BOUND
+
+
+@pytest.mark.cuda
+def test_attn_res_add_norm_k3_shape():
+    """`k3::attn_res_add_norm` through the op at K3's shape: p + y exactly torch's bf16 add, the rest bit for bit
+    the attn_res_norm kernel on that sum, and within BF16_BOUND of the reference."""
+    from k3export.plugins.attn_res.kernels import attn_res_norm_fwd
+    from k3export.plugins.attn_res.naive import attn_res_add_norm_ref
+    from k3export.plugins.attn_res.op import attn_res_add_norm
+    for N in (1, 64):
+        torch.manual_seed(N)
+        bank, p, nw, pw = _inputs(N, 8, 7168, torch.bfloat16, "cuda")
+        y = torch.randn(N, 7168, device="cuda").bfloat16()
+        ow = (1 + 0.1 * torch.randn(7168, device="cuda")).bfloat16()
+        p_new, out = attn_res_add_norm(bank, p, y, nw, pw, EPS, ow, 1e-5)
+        p_ref, out_ref = attn_res_add_norm_ref(bank, p, y, nw, pw, EPS, ow, 1e-5)
+        assert torch.equal(p_new, p_ref)
+        assert torch.equal(out, attn_res_norm_fwd(bank, p_ref, nw, pw, EPS, ow, 1e-5))
+        err = _rel(out, out_ref)
+        print(f"attn_res_add_norm N={N} n=8 d=7168 bf16: rel err {err:.2e}")
         assert err < BF16_BOUND
 
 

@@ -103,7 +103,8 @@ def test_unpacked_block_restores_packing_and_export_sees_the_model_as_written(tm
     assert not any(".project." in k or ".output." in k for k in names)       # no packed tensor was captured
     assert any(k.endswith("q_proj.weight") for k in names)
     ops = {str(nd.target) for nd in decode.graph_module.graph.nodes if nd.op == "call_function"}
-    assert any("k3.attn_res." in o for o in ops) and not any("attn_res_norm" in o for o in ops)
+    assert any("k3.attn_res." in o for o in ops) and not any("attn_res_norm" in o or "attn_res_add_norm" in o
+                                                              for o in ops)
 
 
 def test_fp8_linears_pack_only_with_one_input_scale():
@@ -147,7 +148,7 @@ def test_compile_backend_packs():
     from k3export.runtime import CompileBackend
     m = random_model(CFG, seed=3)
     backend = CompileBackend(m)
-    assert backend.packed > 0 and backend.fused == 1 and packed_count(m) == backend.packed + 1
+    assert backend.packed > 0 and backend.fused == 2 and packed_count(m) == backend.packed + 2
 
 
 @pytest.mark.cuda
@@ -199,24 +200,29 @@ def test_fp8_model_packs_by_kind_and_matches_unpacked():
 
 
 def test_fused_mix_norm_is_the_model_as_written_on_cpu():
-    """`fuse_norms`: each AttnRes mix + the RMSNorm after it as one `k3::attn_res_norm` call. Its CPU
-    implementation is the same torch ops as the unfused path, so the step is bit-identical here (the kernel's
-    own bounds are in tests/test_attn_res_kernels.py). It survives packing, `unpacked` puts it back, and the
-    exported graphs never carry it."""
+    """`fuse_norms`: each AttnRes mix + the RMSNorm after it as one `k3::attn_res_norm` call, and with the residual
+    add before them as one `k3::attn_res_add_norm` call. Their CPU implementations are the same torch ops as the
+    unfused path, so the step is bit-identical here (the kernel's own bounds are in
+    tests/test_attn_res_kernels.py). They survive packing, `unpacked` puts them back, and the exported graphs
+    never carry them."""
     from k3export.model.packing import fuse_norms
     from k3export.runtime import CompileBackend
     m = random_model(CFG, seed=3)
     ids, cache_len = torch.tensor([5, 9]), torch.tensor([3, 11])
     state = _state(m)
     ref = _decode(m, ids, state, cache_len)
-    assert fuse_norms(m) == 1 and packed_count(m) == 1
+    assert fuse_norms(m, adds=False) == 1 and packed_count(m) == 1
+    got = _decode(m, ids, state, cache_len)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    assert fuse_norms(m) == 2 and packed_count(m) == 2
     got = _decode(m, ids, state, cache_len)
     assert all(torch.equal(a, b) for a, b in zip(got, ref))
     n = pack_projections(m)
-    assert packed_count(m) == n + 1                    # packing leaves the fused norms on
+    assert packed_count(m) == n + 2                    # packing leaves the fused norms on
     with unpacked(m):
         assert packed_count(m) == 0
-    assert packed_count(m) == n + 1
+    assert packed_count(m) == n + 2
     backend = CompileBackend(m, fuse_norms=False)      # asks for packing only: the fused norms go
     assert (backend.packed, backend.fused) == (n, 0) and packed_count(m) == n
-    assert CompileBackend(m).fused == 1 and packed_count(m) == n + 1          # the default fuses them
+    assert CompileBackend(m, fuse_adds=False).fused == 1 and packed_count(m) == n + 1
+    assert CompileBackend(m).fused == 2 and packed_count(m) == n + 2          # the default fuses both

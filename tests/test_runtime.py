@@ -49,7 +49,7 @@ def test_packed_and_fused_compile_equals_eager_generate():
     model = random_model(K3Config.from_name("k3-tiny"), seed=0)
     ref = generate(model, PROMPTS[:2], 4)
     backend = CompileBackend(model, fuse_norms=True)
-    assert backend.packed > 0 and backend.fused == 1
+    assert backend.packed > 0 and backend.fused == 2
     engine = Engine(backend, max_batch=2, max_len=32, cuda_graphs=False)
     assert Generator(engine).generate(PROMPTS[:2], 4) == ref
 
@@ -245,5 +245,5 @@ def test_packed_compile_backend_generates_eager_tokens_cuda(fuse_norms):
     model = random_model(K3Config.from_name("k3-tiny"), seed=0, device="cuda")
     ref = generate(model, PROMPTS[:3], 6)                     # before packing: the model as written
     backend = CompileBackend(model, fuse_norms=fuse_norms)
-    assert backend.packed > 0 and backend.fused == int(fuse_norms)
+    assert backend.packed > 0 and backend.fused == 2 * int(fuse_norms)
     assert Generator(Engine(backend, max_batch=3, max_len=32)).generate(PROMPTS[:3], 6) == ref

@@ -119,18 +119,28 @@ class K3Model(nn.Module):
         cfg = self.config
         S = cfg.attn_res_block_size
         bank = h.new_empty(h.shape[0], cfg.num_attn_res_blocks, h.shape[1])       # [N, blocks, d]
-        n, p = 0, h
+        n, p, y = 0, h, None           # p: the pending partial sum, y: the sublayer output not yet added to it
         for layer in self.model.layers:
-            x = layer.input_layernorm(p) if n == 0 else self.mix_norm(
-                bank[:, :n], p, layer.self_attention_res_norm, layer.self_attention_res_proj, layer.input_layernorm)
+            if n == 0:
+                x = layer.input_layernorm(p)
+            else:
+                p, x = self.add_mix_norm(bank[:, :n], p, y, layer.self_attention_res_norm,
+                                         layer.self_attention_res_proj, layer.input_layernorm)
             if layer.index % S == 0:                                              # seal after the attention mix
                 bank[:, n] = p
                 n, p = n + 1, torch.zeros_like(p)
-            p = p + attention(layer, x)
-            x = self.mix_norm(bank[:, :n], p, layer.mlp_res_norm, layer.mlp_res_proj, layer.post_attention_layernorm)
-            p = p + layer.channel_mixer(x)
+            y = attention(layer, x)
+            p, x = self.add_mix_norm(bank[:, :n], p, y, layer.mlp_res_norm, layer.mlp_res_proj,
+                                     layer.post_attention_layernorm)
+            y = layer.channel_mixer(x)
         m = self.model
-        return self.mix_norm(bank[:, :n], p, m.output_attn_res_norm, m.output_attn_res_proj, m.norm)
+        return self.add_mix_norm(bank[:, :n], p, y, m.output_attn_res_norm, m.output_attn_res_proj, m.norm)[1]
+
+    def add_mix_norm(self, bank, p, y, res_norm, res_query, norm):
+        """(p + y, mix_norm(bank, p + y, ...)): a sublayer's residual add and the mix + norm that read it.
+        `model.packing.fuse_norms` swaps in one `k3::attn_res_add_norm` launch for the three."""
+        p = p + y
+        return p, self.mix_norm(bank, p, res_norm, res_query, norm)
 
     def mix_norm(self, bank, p, res_norm, res_query, norm):
         """norm(AttnRes mix of the sealed rows bank `[N, n, d]` and p `[N, d]`), the mix's (norm, query) pair

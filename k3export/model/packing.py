@@ -22,7 +22,8 @@ so calibration gives equal scales), and a group whose recipe keeps some members 
 of one kind; column packing is bf16/fp32 only, since its two inputs would need one input scale.
 
 `fuse_norms`, the other serving swap here, replaces `K3Model.mix_norm` (AttnRes mix, then the RMSNorm that reads
-it) by one `k3::attn_res_norm` launch; `unpack_projections` and `unpacked` cover it too.
+it) by one `k3::attn_res_norm` launch and `K3Model.add_mix_norm` (the residual add before them too) by one
+`k3::attn_res_add_norm` launch; `unpack_projections` and `unpacked` cover them too.
 
 Numerics: a row-packed GEMM computes each output exactly as its member does (same dot products; cuBLAS may pick
 another kernel, measured equal on the H200); the column-packed output is one fp32 accumulation rounded once
@@ -36,10 +37,10 @@ import contextlib
 import torch
 from torch import nn
 
-from k3export.plugins.attn_res.op import attn_res_norm
+from k3export.plugins.attn_res.op import attn_res_add_norm, attn_res_norm
 
 PROJECTION_SWAPS = ("project", "output", "conv_weight")     # the owners' methods a packed module may shadow
-SWAPPED = PROJECTION_SWAPS + ("mix_norm",)                  # ... and every serving swap
+SWAPPED = PROJECTION_SWAPS + ("mix_norm", "add_mix_norm")   # ... and every serving swap
 
 
 class PackedLinear(nn.Module):
@@ -200,7 +201,18 @@ class FusedMixNorm(nn.Module):
         return attn_res_norm(bank, p, res_norm.weight, res_query.weight, self.eps, norm.weight, norm.eps)
 
 
-PACKED = (PackedLinear, PackedRuns, PackedTensor, FusedMixNorm)
+class FusedAddMixNorm(nn.Module):
+    """`K3Model.add_mix_norm` as one `k3::attn_res_add_norm` launch (residual add, AttnRes mix, RMSNorm)."""
+
+    def __init__(self, eps: float):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, bank, p, y, res_norm, res_query, norm):
+        return attn_res_add_norm(bank, p, y, res_norm.weight, res_query.weight, self.eps, norm.weight, norm.eps)
+
+
+PACKED = (PackedLinear, PackedRuns, PackedTensor, FusedMixNorm, FusedAddMixNorm)
 
 
 def _swap(owner: nn.Module, method: str, packed: nn.Module | None) -> int:
@@ -236,13 +248,18 @@ def pack_projections(model: nn.Module) -> int:
     return n
 
 
-def fuse_norms(model: nn.Module) -> int:
+def fuse_norms(model: nn.Module, adds: bool = True) -> int:
     """Swap `K3Model.mix_norm` for one `k3::attn_res_norm` launch per call (24 launches fewer per k3-small decode
     step; on by default in `CompileBackend`, whose bench backend `compile-unfused` leaves it off; H200 timings in
-    the backend's docstring). Returns 1 (0 for a model without `mix_norm`)."""
+    the backend's docstring) and, with `adds`, `K3Model.add_mix_norm` for one `k3::attn_res_add_norm` launch
+    (the residual add of the sublayer output too: the GEMM before it then runs without cuBLAS's add epilogue and
+    its copy of p). Returns the number of swaps (0 for a model without `mix_norm`)."""
     if not hasattr(type(model), "mix_norm"):
         return 0
-    return _swap(model, "mix_norm", FusedMixNorm(model.config.rms_norm_eps))
+    n = _swap(model, "mix_norm", FusedMixNorm(model.config.rms_norm_eps))
+    if adds and hasattr(type(model), "add_mix_norm"):
+        n += _swap(model, "add_mix_norm", FusedAddMixNorm(model.config.rms_norm_eps))
+    return n
 
 
 def unpack_projections(model: nn.Module) -> int:

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from ..launch import launch
 from ..triton_common import check, pow2
-from .op import attn_res, attn_res_norm
+from .op import attn_res, attn_res_add_norm, attn_res_norm
 
 MAX_SOURCES = 16                     # bank rows a launch takes (K3: n <= 8); N_SRC is a power of two >= n
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -30,12 +30,21 @@ ENABLED = os.environ.get("K3_ATTN_RES_TRITON", "1") != "0"
 
 
 @triton.jit
+def _add_rounded(vp, y_ptrs, d_ok, p_out):
+    """p + y as torch adds two tensors of p's dtype: in fp32, rounded once to that dtype (p_out's). fp32 back."""
+    vy = tl.load(y_ptrs, mask=d_ok, other=0.0).to(tl.float32)
+    return (vp + vy).to(p_out.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
 def attn_res_fwd_kernel(bank, p, nw, pw, out, n, D, stride_bn, stride_bj, stride_pn, eps,
                         N_SRC: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr = False, ow=None,
-                        out_eps=0.0):
+                        out_eps=0.0, ADD: tl.constexpr = False, dp=None, p_out=None):
     """Row r: out[r] = sum_j softmax(s)_j V_j over V = (bank[r, 0..n-1], p[r]); the d axis has unit stride.
     NORM (`k3::attn_res_norm`): then out[r] = ow * (x * rsqrt(mean(x^2) + out_eps)) with x the mix rounded to
-    out's dtype, as the model's RMSNorm computes it (a third pass over the row this program just wrote)."""
+    out's dtype, as the model's RMSNorm computes it (a third pass over the row this program just wrote).
+    ADD (`k3::attn_res_add_norm`): the source p is p + dp rounded to p's dtype (the residual add before the mix;
+    dp, p_out contiguous `[N, d]`), stored to p_out in pass 1 and recomputed in pass 2."""
     eps = tl.cast(eps, tl.float32)  # Inductor passes Python float arguments as fp64 (AOTI packages)
     r = tl.program_id(0).to(tl.int64)
     offs_j = tl.arange(0, N_SRC)
@@ -53,6 +62,9 @@ def attn_res_fwd_kernel(bank, p, nw, pw, out, n, D, stride_bn, stride_bj, stride
             tl.load(pw + d0 + offs_d, mask=d_ok, other=0.0).to(tl.float32)       # [BLOCK_D]
         vb = tl.load(b_row + d0 + offs_d[None, :], mask=j_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
         vp = tl.load(p_row + d0 + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+        if ADD:
+            vp = _add_rounded(vp, dp + r * D + d0 + offs_d, d_ok, p_out)
+            tl.store(p_out + r * D + d0 + offs_d, vp.to(p_out.dtype.element_ty), mask=d_ok)
         ss_b += tl.sum(vb * vb, 1)
         dot_b += tl.sum(vb * gw[None, :], 1)
         ss_p += vp * vp
@@ -71,6 +83,8 @@ def attn_res_fwd_kernel(bank, p, nw, pw, out, n, D, stride_bn, stride_bj, stride
         d_ok = (d0 + offs_d) < D
         vb = tl.load(b_row + d0 + offs_d[None, :], mask=j_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
         vp = tl.load(p_row + d0 + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+        if ADD:
+            vp = _add_rounded(vp, dp + r * D + d0 + offs_d, d_ok, p_out)
         o = tl.sum(a_b[:, None] * vb, 0) + a_p * vp
         tl.store(o_row + d0 + offs_d, o.to(out.dtype.element_ty), mask=d_ok)
         if NORM:                                                                 # the norm sees the stored x
@@ -87,7 +101,7 @@ def attn_res_fwd_kernel(bank, p, nw, pw, out, n, D, stride_bn, stride_bj, stride
             tl.store(o_row + d0 + offs_d, (w * y).to(out.dtype.element_ty), mask=d_ok)
 
 
-def attn_res_fwd(bank, p, norm_weight, proj_weight, eps: float, block_d: int | None = None, norm=None):
+def attn_res_fwd(bank, p, norm_weight, proj_weight, eps: float, block_d: int | None = None, norm=None, add=None):
     """The op's contract (see op.py): bank `[N, n, d]` (1 <= n <= 16), p `[N, d]`, norm_weight `[d]`,
     proj_weight `[1, d]` or `[d]` -> out `[N, d]` contiguous, in p.dtype; fp32 inside.
 
@@ -118,20 +132,35 @@ def attn_res_fwd(bank, p, norm_weight, proj_weight, eps: float, block_d: int | N
     # ~4096 fp32 values of bank per chunk (8 x 512 for K3's n = 8): enough bytes in flight, few registers
     bd = block_d or min(pow2(D), max(64, 4096 // n_src))
     extra = dict(NORM=True, ow=norm[0], out_eps=float(norm[1])) if norm is not None else {}
+    if add is not None:                                   # (dp, p_out): the source p is p + dp, written to p_out
+        extra.update(ADD=True, dp=add[0], p_out=add[1])
     launch(attn_res_fwd_kernel)[(N,)](bank, p, nw, pw, out, n, D, bank.stride(0), bank.stride(1), p.stride(0),
                                       float(eps), N_SRC=n_src, BLOCK_D=bd, num_warps=4, **extra)
     return out
 
 
 def attn_res_norm_fwd(bank, p, norm_weight, proj_weight, eps: float, out_weight, out_eps: float,
-                      block_d: int | None = None):
+                      block_d: int | None = None, add=None):
     """`k3::attn_res_norm`: `attn_res_fwd`'s contract, then the consumer's RMSNorm (out_weight `[d]`, same dtype as
     p) in the same launch."""
     D = p.shape[-1]
     check(tuple(out_weight.shape) == (D,), f"attn_res_norm: out_weight {tuple(out_weight.shape)} must be [d={D}]")
     check(out_weight.dtype == p.dtype and out_weight.device == p.device,
           f"attn_res_norm: out_weight ({out_weight.dtype}, {out_weight.device}) must match p ({p.dtype}, {p.device})")
-    return attn_res_fwd(bank, p, norm_weight, proj_weight, eps, block_d, norm=(out_weight.contiguous(), out_eps))
+    return attn_res_fwd(bank, p, norm_weight, proj_weight, eps, block_d, norm=(out_weight.contiguous(), out_eps),
+                        add=add)
+
+
+def attn_res_add_norm_fwd(bank, p, y, norm_weight, proj_weight, eps: float, out_weight, out_eps: float,
+                          block_d: int | None = None):
+    """`k3::attn_res_add_norm`: p_new = p + y (p's dtype), then `attn_res_norm_fwd` on p_new, in one launch.
+    Returns (p_new, out)."""
+    check(y.shape == p.shape and y.dtype == p.dtype and y.device == p.device,
+          f"attn_res_add_norm: y ({tuple(y.shape)}, {y.dtype}) must match p ({tuple(p.shape)}, {p.dtype})")
+    p_new = torch.empty(p.shape, device=p.device, dtype=p.dtype)
+    out = attn_res_norm_fwd(bank, p, norm_weight, proj_weight, eps, out_weight, out_eps, block_d,
+                            add=(y.contiguous(), p_new))
+    return p_new, out
 
 
 def _cuda(bank, p, norm_weight, proj_weight, eps):
@@ -146,6 +175,13 @@ def _cuda_norm(bank, p, norm_weight, proj_weight, eps, out_weight, out_eps):
     return attn_res_norm_fwd(bank, p, norm_weight, proj_weight, eps, out_weight, out_eps)
 
 
+def _cuda_add_norm(bank, p, y, norm_weight, proj_weight, eps, out_weight, out_eps):
+    if torch.float64 in (bank.dtype, p.dtype, out_weight.dtype) or not out_weight.dtype == y.dtype == p.dtype:
+        return attn_res_add_norm._init_fn(bank, p, y, norm_weight, proj_weight, eps, out_weight, out_eps)
+    return attn_res_add_norm_fwd(bank, p, y, norm_weight, proj_weight, eps, out_weight, out_eps)
+
+
 if ENABLED:
     attn_res.register_kernel("cuda")(_cuda)
     attn_res_norm.register_kernel("cuda")(_cuda_norm)
+    attn_res_add_norm.register_kernel("cuda")(_cuda_add_norm)

@@ -27,3 +27,9 @@ def attn_res_norm_ref(bank, p, norm_weight, proj_weight, eps: float, out_weight,
     x = attn_res_mix(bank, p, norm_weight, proj_weight, eps)
     xf = x.to(acc_dtype(x))
     return out_weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + out_eps)).to(x.dtype)
+
+
+def attn_res_add_norm_ref(bank, p, y, norm_weight, proj_weight, eps: float, out_weight, out_eps: float):
+    """(p + y, attn_res_norm_ref(bank, p + y, ...)): the add as the model writes it (in p's dtype)."""
+    p = p + y
+    return p, attn_res_norm_ref(bank, p, norm_weight, proj_weight, eps, out_weight, out_eps)
