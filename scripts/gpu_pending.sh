@@ -16,6 +16,11 @@
 #   fused    k3::attn_res_norm: its cuda tests, then bench model $FUSED_BACKENDS (default eager, compile,
 #            compile-unfused; B = $FUSED_BATCHES, prefill 2048)
 #   probe    scripts/gemv_pack_probe.py: separate vs packed projections sharing an input (k3-small, B = 1)
+#   serve    the serving path's cuda tests: kda_decode_inplace, attn_res_add_norm / attn_res_norm at K3 shape, the
+#            compile backend (packed, fused, in place) vs eager under CUDA graphs, packing on the GPU
+#   fp8split the FP8 GEMV's split-K sum inside its launch: cuda tests (bit-identical to the two-launch sum, CUDA
+#            graphs), then scripts/fp8_split_sum.py (per-GEMM times, k3-small and K3 shapes)
+#   gemvprobe scripts/gemv_triton_probe.py: a plain Triton GEMV vs cuBLAS at k3-small's decode shapes (planning)
 #   profile  scripts/profile_decode.py --backend $PROFILE_BACKEND (default compile): kernels per decode step
 set -uo pipefail
 parts=${*:-model profile}
@@ -46,11 +51,18 @@ for part in $parts; do
            timeout 240 python3 -m k3export.cli bench model --preset k3-small --dtype bf16 \
              --backends ${FUSED_BACKENDS:-eager,compile,compile-unfused} --prefill-lengths 2048 --batches ${FUSED_BATCHES:-1,16} --contexts 1024 \
              --warmup 2 --iters 5 --out "$OUT/fused" > "$OUT/fused.log" 2>&1 ;;
+    serve) timeout ${SERVE_TIMEOUT:-200} python3 -m pytest -q -m cuda tests/test_kda_kernels.py tests/test_attn_res_kernels.py \
+             tests/test_runtime.py tests/test_packing.py -s -rs -k "${SERVE_K:-inplace or decode_k3 or norm or runtime or packed or cuda_graph or generates}" \
+             -p no:cacheprovider > "$OUT/serve.log" 2>&1 ;;
+    fp8split) timeout 200 python3 -m pytest -q -m cuda tests/test_fp8_kernels_split.py tests/test_fp8.py -rs -p no:cacheprovider \
+             > "$OUT/fp8split-test.log" 2>&1
+           timeout 150 python3 scripts/fp8_split_sum.py --out "$OUT/split_sum" > "$OUT/fp8split.log" 2>&1 ;;
+    gemvprobe) timeout 120 python3 scripts/gemv_triton_probe.py --out "$OUT/gemv_triton.json" > "$OUT/gemvprobe.log" 2>&1 ;;
     kda)   timeout 200 python3 -m k3export.cli bench kda --out "$OUT/kda" > "$OUT/kda.log" 2>&1 ;;
     probe) timeout 60 python3 scripts/gemv_pack_probe.py --out "$OUT/probe.json" > "$OUT/probe.log" 2>&1 ;;
     profile) timeout 150 python3 scripts/profile_decode.py --backend ${PROFILE_BACKEND:-compile} ${PROFILE_ARGS:-} \
              > "$OUT/profile.log" 2>&1 ;;
-    *)     echo "unknown part $part (toy demo aoti mla mlatest moe moetest model fused kda fp8c probe profile)"; continue ;;
+    *)     echo "unknown part $part (toy demo aoti mla mlatest moe moetest model fused serve fp8split gemvprobe kda fp8c probe profile)"; continue ;;
   esac
   echo "$part: exit $? in $((SECONDS - t)) s" | tee -a "$OUT/pending.log"
   tail -4 "$OUT/$part.log" 2>/dev/null
