@@ -128,14 +128,14 @@ def test_interpreted_pairs_fused_vs_reference(interp, dt, bound):
 
 
 # ---------------------------------------------------------------------------------------------- sm_90 compile
-def _compile(kernel: str, E: int, k: int):
+def _compile(kernel: str, E: int, k: int, scaling: str):
     from k3export.plugins.aot import compile_ptx
     from k3export.plugins.moe import kernels as K
     from k3export.plugins.triton_common import pow2
     if kernel == "router":
         sig = {"x": "*bf16", "g": "*bf16", "bias": "*fp32", "part": "*fp32", "s": "*fp32", "ids": "*i32",
                "w": "*fp32", "tickets": "*i32", "N": "i32", "E": "i32", "D": "i32", "stride_xn": "i32",
-               "stride_ge": "i32", "D_SPLIT": "i32", "scaling": "fp32"}
+               "stride_ge": "i32", "D_SPLIT": "i32", "scaling": scaling}
         consts = dict(K=k, BLOCK_K=pow2(k, 2), BLOCK_M=16, BLOCK_E=16, BLOCK_D=128, E_PAD=pow2(E), SPLITS=8,
                       RENORM=True, PACKED=True, DOT_PREC="ieee")
         return compile_ptx(K.moe_router_topk_fwd_kernel, {**sig, **{c: "constexpr" for c in consts}}, consts, 4, 3)
@@ -148,11 +148,12 @@ def _compile(kernel: str, E: int, k: int):
 
 
 @pytest.mark.parametrize("kernel", ["router", "gemm2"])
-@pytest.mark.parametrize("E,k", [(896, 16), (64, 8)])
-def test_pairs_fused_kernels_compile_sm90(kernel, E, k):
+@pytest.mark.parametrize("E,k,scaling", [(896, 16, "fp64"), (64, 8, "fp32")])
+def test_pairs_fused_kernels_compile_sm90(kernel, E, k, scaling):
     """PTX for sm_90 at K3 / k3-small routing: one acq_rel gpu-scope ticket, the other programs' partials read
-    through L2 (ld.global.cg: one per split per token-loop body, or one per slot)."""
-    ptx = _compile(kernel, E, k).ptx
+    through L2 (ld.global.cg: one per split per token-loop body, or one per slot). The router's float argument
+    also as fp64 (how Inductor types Python floats in AOTI packages; eager passes fp32)."""
+    ptx = _compile(kernel, E, k, scaling).ptx
     assert ptx.count("atom.global.gpu.acq_rel.add") == 1, ptx[-2000:]
     assert ptx.count("ld.global.cg") >= (8 if kernel == "router" else k)
 
