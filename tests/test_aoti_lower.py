@@ -222,8 +222,12 @@ def _float_args_kernels():
         "mla_combine": (mla_decode_combine_kernel, ("qk_scale",), dict(BLOCK_V=512, BLOCK_PE=64, BLOCK_S=8)),
         "mla_prefill": (mla_prefill_fwd_kernel, ("qk_scale",),
                         dict(BLOCK_M=128, BLOCK_N=64, BLOCK_A=128, BLOCK_B=64, HAS_B=True, BLOCK_V=128, **bf16_dot)),
-        "attn_res": (attn_res_fwd_kernel, ("eps",), dict(N_SRC=8, BLOCK_D=256, NORM=False, ow=None, out_eps=0.0)),
-        "attn_res_norm": (attn_res_fwd_kernel, ("eps", "out_eps"), dict(N_SRC=8, BLOCK_D=256, NORM=True)),
+        "attn_res": (attn_res_fwd_kernel, ("eps",), dict(N_SRC=8, BLOCK_D=256, NORM=False, ow=None, out_eps=0.0,
+                                                          ADD=False, dp=None, p_out=None)),
+        "attn_res_norm": (attn_res_fwd_kernel, ("eps", "out_eps"), dict(N_SRC=8, BLOCK_D=256, NORM=True, ADD=False,
+                                                                        dp=None, p_out=None)),
+        "attn_res_add_norm": (attn_res_fwd_kernel, ("eps", "out_eps"), dict(N_SRC=8, BLOCK_D=256, NORM=True,
+                                                                            ADD=True)),
         "moe_topk": (moe_topk_fwd_kernel, ("scaling",),
                      dict(K=16, BLOCK_K=16, BLOCK_E=1024, RENORM=True, SPLITS=1, PACKED=True)),
         "moe_gemm1": (moe_gemm1_fwd_kernel, ("beta", "linear_beta"),
@@ -255,6 +259,6 @@ def test_kernels_compile_with_fp64_float_arguments(name):
             cx = {**cx, n: None}
         else:
             sig[n] = "*bf16" if n in ("q", "cache", "new_row", "o", "k", "v", "bank", "p", "out", "a", "w1", "w3", "h",
-                                      "x", "ow") else "i32"
+                                      "x", "ow", "dp", "p_out") else "i32"
     kernel = compile_ptx(fn, sig, cx, num_warps=4)
     assert f".entry {kernel.name}(" in kernel.ptx
