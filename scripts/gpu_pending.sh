@@ -18,6 +18,7 @@
 #   probe    scripts/gemv_pack_probe.py: separate vs packed projections sharing an input (k3-small, B = 1)
 #   serve    the serving path's cuda tests: kda_decode_inplace, attn_res_add_norm / attn_res_norm at K3 shape, the
 #            compile backend (packed, fused, in place) vs eager under CUDA graphs, packing on the GPU
+#   moefused the MoE pairs path with top-k in the router launch and the combine in gemm2's (pairs-n8-fused): cuda tests
 #   fp8split the FP8 GEMV's split-K sum inside its launch: cuda tests (bit-identical to the two-launch sum, CUDA
 #            graphs), then scripts/fp8_split_sum.py (per-GEMM times, k3-small and K3 shapes)
 #   gemvprobe scripts/gemv_triton_probe.py: a plain Triton GEMV vs cuBLAS at k3-small's decode shapes (planning)
@@ -32,7 +33,7 @@ for part in $parts; do
     aoti)  timeout ${AOTI_TIMEOUT:-280} python3 -m pytest -q -m cuda tests/test_aoti_cuda.py -s -rxX -p no:cacheprovider \
              > "$OUT/aoti.log" 2>&1 ;;
     mla)   timeout 60 python3 -m pytest -q -m cuda tests/test_mla_trt.py -rs -p no:cacheprovider > "$OUT/mla.log" 2>&1 ;;
-    moe)   timeout 200 python3 -m k3export.cli bench moe --out "$OUT/moe" --budget-s 180 --phases ${MOE_PHASES:-prefill,decode} \
+    moe)   timeout 200 python3 -m k3export.cli bench moe --out "$OUT/moe" --budget-s ${MOE_BUDGET:-180} --phases ${MOE_PHASES:-prefill,decode} \
              > "$OUT/moe.log" 2>&1 ;;
     moetest) timeout 150 python3 -m pytest -q -m cuda tests/test_moe_kernels.py tests/test_moe_trt.py -s -rs \
              -k "${MOETEST_K:-pairs or cupy}" -p no:cacheprovider > "$OUT/moetest.log" 2>&1 ;;
@@ -54,6 +55,8 @@ for part in $parts; do
     serve) timeout ${SERVE_TIMEOUT:-200} python3 -m pytest -q -m cuda tests/test_kda_kernels.py tests/test_attn_res_kernels.py \
              tests/test_runtime.py tests/test_packing.py -s -rs -k "${SERVE_K:-inplace or decode_k3 or norm or runtime or packed or cuda_graph or generates}" \
              -p no:cacheprovider > "$OUT/serve.log" 2>&1 ;;
+    moefused) timeout 150 python3 -m pytest -q -m cuda tests/test_moe_pairs_fused.py tests/test_moe_kernels.py -k pairs -s -rs \
+             -p no:cacheprovider > "$OUT/moefused.log" 2>&1 ;;
     fp8split) timeout 200 python3 -m pytest -q -m cuda tests/test_fp8_kernels_split.py tests/test_fp8.py -rs -p no:cacheprovider \
              > "$OUT/fp8split-test.log" 2>&1
            timeout 150 python3 scripts/fp8_split_sum.py --out "$OUT/split_sum" > "$OUT/fp8split.log" 2>&1 ;;
@@ -62,7 +65,7 @@ for part in $parts; do
     probe) timeout 60 python3 scripts/gemv_pack_probe.py --out "$OUT/probe.json" > "$OUT/probe.log" 2>&1 ;;
     profile) timeout 150 python3 scripts/profile_decode.py --backend ${PROFILE_BACKEND:-compile} ${PROFILE_ARGS:-} \
              > "$OUT/profile.log" 2>&1 ;;
-    *)     echo "unknown part $part (toy demo aoti mla mlatest moe moetest model fused serve fp8split gemvprobe kda fp8c probe profile)"; continue ;;
+    *)     echo "unknown part $part (toy demo aoti mla mlatest moe moetest moefused model fused serve fp8split gemvprobe kda fp8c probe profile)"; continue ;;
   esac
   echo "$part: exit $? in $((SECONDS - t)) s" | tee -a "$OUT/pending.log"
   tail -4 "$OUT/$part.log" 2>/dev/null
