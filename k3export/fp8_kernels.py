@@ -339,6 +339,7 @@ GEMV_TILINGS = {
     "p-n8k512-cvt-pf-c4-fixup": WoTiles(8, 512, 4, 1, 4, "cvt", True, split_sum="fixup"),
     "p-n8k512-cvt-pf-c4-launch": WoTiles(8, 512, 4, 1, 4, "cvt", True, split_sum="launch"),
     "p-n8k512-cvt-pf-c4-s4096": WoTiles(8, 512, 4, 1, 4, "cvt", True, min_slice=4096),
+    "p-n8k512-cvt-pf-c4-s2048": WoTiles(8, 512, 4, 1, 4, "cvt", True, min_slice=2048),
 }
 # The default one-row launch. H200, 2026-11-30 (`k3export bench fp8 --no-model --variants`, docs/perf.md), the 9
 # linear shapes of the full-width pair, us per GEMM back to back in one graph, summed: p-n8k512-cvt-pf 150.4,
@@ -349,7 +350,12 @@ GEMV_TILINGS = {
 # 0.495 / 0.498 ms (bf16 0.714 / 0.771); every named launch passed its cuda test in that call.
 # Those figures sum split slices with a second launch (split_sum "launch"); names without a split_sum follow
 # SPLIT_SUM, so a run after the "fixup" default times them with the in-launch sum.
-GEMV = GEMV_TILINGS["p-n8k512-cvt-pf-c4"]
+# 2026-11-30 07:36 (`scripts/fp8_split_sum.py`, in-launch "fixup" sum): slices shorter than ~2048 cost more than
+# they gain. k3-small's K = 768..2048 GEMVs: unsplit 0.4-1.1 us faster each than 2-3 fixup slices (per decode step
+# at M = 1: s4096 363 us, unsplit 366, fixup 397, launch 427); at K = 7168 / 8192 splitting still pays (576 x 7168:
+# 7 slices 5.9 us, unsplit 10.6). Default: the c4 launch with slices of >= 2048 (k3-small: only the 8192-wide
+# down_proj splits, as with fixup; K3: 576 x 7168 in 3 slices instead of 7, that one shape not measured).
+GEMV = GEMV_TILINGS["p-n8k512-cvt-pf-c4-s2048"]
 BYTE_GEMV = GEMV_TILINGS["n16k512"]            # the byte kernel's one-row launch where the packed one cannot run
 DOT_TILE = WoTiles(32, 256, 4, 4, 4)           # 2..MAX_M rows (tl.dot of x against the widened tile)
 MAX_M = 64           # rows the weight-only kernel takes (tl.dot blocks of up to 64 rows)

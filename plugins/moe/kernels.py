@@ -33,6 +33,7 @@ go to the lowest expert id.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -749,12 +750,15 @@ TILINGS = {
 # prefill / prefill-mid boundary at 128 rows is where m128t64-aw's 128-row blocks start to fill; the crossover
 # between 73 and 146 rows was not measured. Between 16 and 64 rows per expert (~900..3600 tokens) nothing new
 # was measured, so the previous prefill tiling stays there.
-# "pairs-n8-fc" / "pairs-n8-fused" (2026-11-30, not yet timed on the H200): "pairs-n8" with the combine in gemm2's
-# launch / and the top-k in the router's, 5 -> 4 / 3 launches at 1-2 tokens, bit-identical (CPU interpreter; the cuda
-# tests in tests/test_moe_pairs_fused.py check it on the GPU). To make it the default: "pairs-n8-fused" below (or
-# `replace(TILINGS["decode"]["pairs-n8-fused"], fuse_topk=1)` if 2 tokens are faster with "pairs-n8-fc": there the
-# fused router's last program selects for both tokens in turn).
-CONFIGS = {"decode": TILINGS["decode"]["pairs-n8"], "grouped": TILINGS["prefill"]["old"],
+# "pairs-n8-fc" / "pairs-n8-fused": "pairs-n8" with the combine in gemm2's launch / and the top-k in the router's,
+# 5 -> 4 / 3 launches at 1-2 tokens, bit-identical (H200 2026-11-30 07:36, tests/test_moe_pairs_fused.py: 15
+# passed, incl. 10 calls and 3 graph replays at K3 and k3-small shapes). `bench moe --phases decode` (K3 shapes,
+# graph replay), 1 / 2 tokens: pairs-n8 0.278 / 0.505 ms, pairs-n8-fc 0.278 / 0.507, pairs-n8-fused 0.282 / 0.517
+# (at K3 size the fused router's single last program, which selects for every token in turn, costs more than the
+# launch it saves). Default "pairs-n8-fc"; K3_MOE_DECODE=<name> picks another decode tiling for a process (A/B
+# timing of a whole model, e.g. k3-small, whose 64-expert router is small).
+_DECODE = os.environ.get("K3_MOE_DECODE") or "pairs-n8-fc"
+CONFIGS = {"decode": TILINGS["decode"][_DECODE], "grouped": TILINGS["prefill"]["old"],
            "prefill": TILINGS["prefill"]["m64t32-n128-aw8"], "prefill-mid": TILINGS["prefill"]["m128t64-aw"],
            "prefill-large": TILINGS["prefill"]["m128-tma-aw"]}
 FP32_TILES = MoeTiles(16, (32, 32, 4, 1), (32, 32, 4, 1))      # exact fp32 dots: small tiles, no pipelining
