@@ -112,12 +112,14 @@ class CompileBackend(EagerBackend):
     3.127 -> 3.083 ms (bench backend `compile-unfused` keeps them apart). `fuse_adds` (with fuse_norms): the
     residual add before each mix joins that launch (`k3::attn_res_add_norm`), so the GEMM that produced the
     sublayer output runs without cuBLAS's add epilogue, which copies p into its output first (k3-small decode,
-    B = 1: 20 GEMMs with the add and 22 copies in the 07:13 profile); bench backend `compile-noadd` leaves it off."""
+    B = 1: 20 GEMMs with the add and 22 copies in the 07:13 profile); bench backend `compile-noadd` leaves it off.
+    `options`: Inductor options for torch.compile (instead of `mode`), e.g. {"combo_kernels": True}: independent
+    small kernels horizontally fused into one launch (bench backend `compile-combo`)."""
 
     name = "compile"
 
     def __init__(self, model, mode: str | None = None, cache_dir=None, freezing: bool = False, pack: bool = True,
-                 fuse_norms: bool = True, inplace: bool = True, fuse_adds: bool = True):
+                 fuse_norms: bool = True, inplace: bool = True, fuse_adds: bool = True, options: dict | None = None):
         super().__init__(model)
         from k3export.model import packing
         packing.unpack_projections(model)          # the swaps asked for here, no others (in place: later users too)
@@ -141,10 +143,11 @@ class CompileBackend(EagerBackend):
             def frozen_decode_(*args):
                 return model.forward_decode_(*args)
             fns = (frozen_prefill, frozen_decode, frozen_decode_)
-        self._prefill = torch.compile(fns[0], dynamic=None, mode=mode)   # static first, dynamic later
-        self._decode = torch.compile(fns[1], dynamic=False, mode=mode)
+        opts = dict(mode=mode) if options is None else dict(options=options)    # torch.compile takes one of them
+        self._prefill = torch.compile(fns[0], dynamic=None, **opts)   # static first, dynamic later
+        self._decode = torch.compile(fns[1], dynamic=False, **opts)
         if inplace and fns[2] is not None and getattr(model, "forward_decode_", None) is not None:
-            self._decode_ = torch.compile(fns[2], dynamic=False, mode=mode)
+            self._decode_ = torch.compile(fns[2], dynamic=False, **opts)
             self.decode_ = self._decode_inplace
 
     def _call(self, fn, args):

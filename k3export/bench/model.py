@@ -34,7 +34,8 @@ from k3export.bench import bench
 # The `compile` backend and variants that turn one of its serving choices off (or Inductor freezing on), for
 # measuring what each choice is worth: CompileBackend keyword arguments per name.
 COMPILE_VARIANTS = {"compile": {}, "compile-frozen": {"freezing": True}, "compile-unfused": {"fuse_norms": False},
-                    "compile-copy": {"inplace": False}, "compile-noadd": {"fuse_adds": False}}
+                    "compile-copy": {"inplace": False}, "compile-noadd": {"fuse_adds": False},
+                    "compile-combo": {"options": {"combo_kernels": True}}}
 BACKENDS = ("eager", "graph", *COMPILE_VARIANTS, "aoti")
 
 
