@@ -45,14 +45,18 @@ def timed(fn, iters=50):
     return times[len(times) // 2]
 
 
+def copy_bandwidth() -> float:
+    """GB/s of a 128 MiB device-to-device copy, timed as the GEMVs are."""
+    big = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
+    return 2 * (1 << 27) / timed(lambda: big[: 1 << 27].copy_(big[1 << 27:])) / 1e6
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     dev, dt = "cuda", torch.bfloat16
-    big = torch.empty(1 << 28, dtype=torch.uint8, device=dev)
-    copy_ms = timed(lambda: big[: 1 << 27].copy_(big[1 << 27:]))
-    copy_gbs = 2 * (1 << 27) / copy_ms / 1e6
+    copy_gbs = copy_bandwidth()
     print(f"copy {copy_gbs:.0f} GB/s")
     rows = {}
     for name, shapes in GROUPS.items():

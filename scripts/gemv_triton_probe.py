@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from gemv_pack_probe import copy_bandwidth, timed   # CUDA-graph replay, CUDA-event medians (scripts/ is on sys.path)
 
 REPS = 16
 # (name, N, K, GEMVs per k3-small decode step)
@@ -51,33 +52,12 @@ def gemv(x, w, y, tiling):
     gemv_fwd_kernel[(triton.cdiv(N, bn),)](x, w, y, N, K, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw)
 
 
-def timed(fn, iters=40):
-    from k3export.bench.layer import _graphed
-    replay = _graphed(fn)
-    if replay is None:
-        return float("nan")
-    for _ in range(5):
-        replay()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(iters):
-        a.record()
-        replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     dev, dt = "cuda", torch.bfloat16
-    big = torch.empty(1 << 28, dtype=torch.uint8, device=dev)
-    copy_gbs = 2 * (1 << 27) / timed(lambda: big[: 1 << 27].copy_(big[1 << 27:])) / 1e6
-    del big
+    copy_gbs = copy_bandwidth()
     print(f"copy {copy_gbs:.0f} GB/s; us per GEMV (graph of {REPS}), % of copy", flush=True)
     rows, step = [], {"cublas": 0.0, "best_triton": 0.0, "floor": 0.0}
     for name, N, K, per_step in SHAPES:

@@ -23,29 +23,9 @@ import pytest
 import torch
 
 from k3export.plugins.moe.naive import moe_sorted
+from test_moe_kernels import BF16_BOUND, FP16_BOUND, FP32_BOUND, SITU, _rel, _weights   # bounds with their reasons
 
-# Named bounds (the same as tests/test_moe_kernels.py, same reasons). fp32 vs fp64: reordered fp32 sums.
-FP32_BOUND = 1e-5
-# fp16 (CPU) vs fp64: the kernel rounds h to fp16 once and the matmul inputs are fp16: ~2^-11 relative.
-FP16_BOUND = 2e-3
-# bf16 (GPU) vs moe_sorted on the same bf16 inputs: the reference rounds z W1^T, z W3^T and each expert's output to
-# bf16 (the kernel keeps them fp32), both round h: a few 2^-9 relative roundings.
-BF16_BOUND = 2e-2
-SITU = dict(beta=4.0, linear_beta=25.0)
 UNFUSED, FUSED, COMBINE_ONLY = "pairs-n8", "pairs-n8-fused", "pairs-n8-fc"
-
-
-def _rel(out, ref):
-    return ((out.double() - ref.double()).abs().max() / ref.double().abs().max()).item()
-
-
-def _weights(E, d, L, I, dtype, device="cpu", gen=None):
-    g = torch.randn(E, d, device=device, dtype=dtype, generator=gen) * d ** -0.5
-    b = torch.randn(E, device=device, generator=gen) * 0.1
-    w1 = torch.randn(E, I, L, device=device, dtype=dtype, generator=gen) * L ** -0.5
-    w3 = torch.randn(E, I, L, device=device, dtype=dtype, generator=gen) * L ** -0.5
-    w2 = torch.randn(E, L, I, device=device, dtype=dtype, generator=gen) * I ** -0.5
-    return g, b, w1, w3, w2
 
 
 def _moe(x, z, w, k, tiling, scaling=2.5):
