@@ -102,6 +102,18 @@ def _interpreter_cases() -> dict:
             res[f"addnorm-{name}-n{n}-vsref"] = _rel(out, out_ref)
             res[f"addnorm-{name}-n{n}-vs-norm-kernel"] = float(torch.equal(
                 out, kernels.attn_res_norm_fwd(bank, p_ref, nw, pw, EPS, ow, 1e-5, block_d=64)))
+    # The one-chunk path (sources kept in registers) == the loops run with one chunk, bit for bit, every variant.
+    for name, dt in DTYPES.items():
+        for n in (1, 3, 8):
+            torch.manual_seed(3000 + n)
+            bank, p, nw, pw = _inputs(N, n, d, dt, strided=n != 1)
+            y, ow = torch.randn(N, d).to(dt), (1 + 0.1 * torch.randn(d)).to(dt)
+            runs = {one: (kernels.attn_res_fwd(bank, p, nw, pw, EPS, block_d=256, single=one),
+                          kernels.attn_res_norm_fwd(bank, p, nw, pw, EPS, ow, 1e-5, block_d=256, single=one),
+                          *kernels.attn_res_add_norm_fwd(bank, p, y, nw, pw, EPS, ow, 1e-5, block_d=256, single=one))
+                    for one in (True, False)}
+            res[f"one-{name}-n{n}-bitwise"] = float(all(torch.equal(a, b) for a, b in zip(runs[True], runs[False])))
+    res["one-by-default-small-rows"] = float(kernels.row_tiling(200, 8)[1] and not kernels.row_tiling(7168, 8)[1])
     # A zero query gives the plain mean of the sources (contract); proj_weight as [d].
     torch.manual_seed(3)
     bank, p, nw, _ = _inputs(N, 3, d, torch.float32)
@@ -172,6 +184,13 @@ def test_interpreted_norm(interp):
     assert max(v for k, v in e.items() if k.startswith("norm-fp16") and k.endswith("vsref")) < 2.0 ** -10, e
 
 
+def test_interpreted_one_chunk_path(interp):
+    """Rows that fit in registers (k3-small's d = 2048 with <= 4 sources) run one chunk without reloading: the same
+    arithmetic as the chunk loops with one chunk, so bit-identical to them (mix, mix + norm, add + mix + norm)."""
+    e = {k: v for k, v in interp.items() if k.startswith("one-")}
+    assert len(e) == 7 and all(v == 1.0 for v in e.values()), e
+
+
 def test_interpreted_add_norm(interp):
     """`k3::attn_res_add_norm`: p + y is exactly torch's add in p's dtype, and the rest is exactly the
     attn_res_norm kernel run on that sum (bit for bit); vs the reference within the attn_res_norm bounds."""
@@ -189,13 +208,18 @@ def test_norm_variant_compiles_for_sm90_on_cpu():
     from k3export.plugins.attn_res import kernels
     sig = dict(bank="*bf16", p="*bf16", nw="*bf16", pw="*bf16", out="*bf16", n="i32", D="i32", stride_bn="i32",
                stride_bj="i32", stride_pn="i32", eps="fp32", N_SRC="constexpr", BLOCK_D="constexpr",
-               NORM="constexpr", ow="*bf16", out_eps="fp32", ADD="constexpr", dp="constexpr", p_out="constexpr")
+               NORM="constexpr", ow="*bf16", out_eps="fp32", ADD="constexpr", dp="constexpr", p_out="constexpr",
+               ONE="constexpr")
     k = compile_ptx(kernels.attn_res_fwd_kernel, sig, dict(N_SRC=8, BLOCK_D=512, NORM=True, ADD=False, dp=None,
-                                                           p_out=None), num_warps=4)
+                                                           p_out=None, ONE=False), num_warps=4)
     assert ".target sm_90" in k.ptx and "bar.sync" in k.ptx
     sig.update(ADD="constexpr", dp="*bf16", p_out="*bf16")
-    k = compile_ptx(kernels.attn_res_fwd_kernel, sig, dict(N_SRC=8, BLOCK_D=512, NORM=True, ADD=True), num_warps=4)
+    k = compile_ptx(kernels.attn_res_fwd_kernel, sig, dict(N_SRC=8, BLOCK_D=512, NORM=True, ADD=True, ONE=False),
+                    num_warps=4)
     assert ".target sm_90" in k.ptx
+    one = compile_ptx(kernels.attn_res_fwd_kernel, sig, dict(N_SRC=4, BLOCK_D=2048, NORM=True, ADD=True, ONE=True),
+                      num_warps=8)                  # k3-small's rows: one chunk in registers, no barrier needed
+    assert ".target sm_90" in one.ptx and "st.local" not in one.ptx
 
 
 @pytest.mark.parametrize("flag", ["fp64-uses-reference", "bad-p-named", "bad-n=17-named", "bad-float64-named",
@@ -239,6 +263,29 @@ def test_attn_res_norm_k3_shape():
         err = _rel(attn_res_norm_fwd(bank, p, nw, pw, EPS, ow, 1e-5), attn_res_norm_ref(bank, p, nw, pw, EPS, ow, 1e-5))
         print(f"attn_res_norm N={N} n=8 d=7168 bf16: rel err {err:.2e}")
         assert err < BF16_BOUND
+
+
+@pytest.mark.cuda
+def test_attn_res_one_chunk_k3_small_shape():
+    """k3-small's rows (d = 2048, n = 3) take the one-chunk path: bit-identical to the one-chunk loops on the GPU,
+    and within BF16_BOUND of the references (decode row and prefill rows)."""
+    from k3export.plugins.attn_res import kernels
+    from k3export.plugins.attn_res.naive import attn_res_add_norm_ref
+    assert kernels.row_tiling(2048, 4)[1]
+    for N in (1, 2048):
+        torch.manual_seed(N)
+        bank, p, nw, pw = _inputs(N, 3, 2048, torch.bfloat16, "cuda")
+        y = torch.randn(N, 2048, device="cuda").bfloat16()
+        ow = (1 + 0.1 * torch.randn(2048, device="cuda")).bfloat16()
+        runs = {one: (kernels.attn_res_fwd(bank, p, nw, pw, EPS, single=one),
+                      *kernels.attn_res_add_norm_fwd(bank, p, y, nw, pw, EPS, ow, 1e-5, block_d=2048, single=one))
+                for one in (True, False)}
+        assert all(torch.equal(a, b) for a, b in zip(runs[True][1:], runs[False][1:]))
+        assert _rel(runs[True][0], attn_res_mix(bank, p, nw, pw, EPS)) < BF16_BOUND
+        p_ref, out_ref = attn_res_add_norm_ref(bank, p, y, nw, pw, EPS, ow, 1e-5)
+        err = _rel(runs[True][2], out_ref)
+        print(f"attn_res one-chunk N={N} n=3 d=2048 bf16: add+norm rel err {err:.2e}")
+        assert torch.equal(runs[True][1], p_ref) and err < BF16_BOUND
 
 
 @pytest.mark.cuda

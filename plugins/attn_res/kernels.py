@@ -39,12 +39,14 @@ def _add_rounded(vp, y_ptrs, d_ok, p_out):
 @triton.jit
 def attn_res_fwd_kernel(bank, p, nw, pw, out, n, D, stride_bn, stride_bj, stride_pn, eps,
                         N_SRC: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr = False, ow=None,
-                        out_eps=0.0, ADD: tl.constexpr = False, dp=None, p_out=None):
+                        out_eps=0.0, ADD: tl.constexpr = False, dp=None, p_out=None, ONE: tl.constexpr = False):
     """Row r: out[r] = sum_j softmax(s)_j V_j over V = (bank[r, 0..n-1], p[r]); the d axis has unit stride.
     NORM (`k3::attn_res_norm`): then out[r] = ow * (x * rsqrt(mean(x^2) + out_eps)) with x the mix rounded to
     out's dtype, as the model's RMSNorm computes it (a third pass over the row this program just wrote).
     ADD (`k3::attn_res_add_norm`): the source p is p + dp rounded to p's dtype (the residual add before the mix;
-    dp, p_out contiguous `[N, d]`), stored to p_out in pass 1 and recomputed in pass 2."""
+    dp, p_out contiguous `[N, d]`), stored to p_out in pass 1 and recomputed in pass 2.
+    ONE (BLOCK_D >= D: the row is one chunk): the sources stay in registers from pass 1 on; passes 2 and 3 reuse
+    them and the stored x instead of reloading (same arithmetic as the loops with one chunk, bit for bit)."""
     eps = tl.cast(eps, tl.float32)  # Inductor passes Python float arguments as fp64 (AOTI packages)
     r = tl.program_id(0).to(tl.int64)
     offs_j = tl.arange(0, N_SRC)
@@ -56,7 +58,20 @@ def attn_res_fwd_kernel(bank, p, nw, pw, out, n, D, stride_bn, stride_bj, stride
     dot_b = tl.zeros([N_SRC], tl.float32)
     ss_p = tl.zeros([BLOCK_D], tl.float32)
     dot_p = tl.zeros([BLOCK_D], tl.float32)
-    for d0 in range(0, D, BLOCK_D):                                              # pass 1: the scores
+    if ONE:                                                                      # pass 1 on the whole row, kept
+        d_ok = offs_d < D
+        gw = tl.load(nw + offs_d, mask=d_ok, other=0.0).to(tl.float32) * \
+            tl.load(pw + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+        vb1 = tl.load(b_row + offs_d[None, :], mask=j_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        vp1 = tl.load(p_row + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+        if ADD:
+            vp1 = _add_rounded(vp1, dp + r * D + offs_d, d_ok, p_out)
+            tl.store(p_out + r * D + offs_d, vp1.to(p_out.dtype.element_ty), mask=d_ok)
+        ss_b += tl.sum(vb1 * vb1, 1)
+        dot_b += tl.sum(vb1 * gw[None, :], 1)
+        ss_p += vp1 * vp1
+        dot_p += vp1 * gw
+    for d0 in range(0, D if not ONE else 0, BLOCK_D):                           # pass 1: the scores
         d_ok = (d0 + offs_d) < D
         gw = tl.load(nw + d0 + offs_d, mask=d_ok, other=0.0).to(tl.float32) * \
             tl.load(pw + d0 + offs_d, mask=d_ok, other=0.0).to(tl.float32)       # [BLOCK_D]
@@ -79,7 +94,18 @@ def attn_res_fwd_kernel(bank, p, nw, pw, out, n, D, stride_bn, stride_bj, stride
     a_p = e_p / z
     o_row = out + r * D
     ss_o = tl.zeros([BLOCK_D], tl.float32)
-    for d0 in range(0, D, BLOCK_D):                                              # pass 2: the mix
+    if ONE:                                                                      # passes 2 and 3 from registers
+        d_ok = offs_d < D
+        o = tl.sum(a_b[:, None] * vb1, 0) + a_p * vp1
+        if NORM:
+            x = o.to(out.dtype.element_ty).to(tl.float32)
+            ss_o += x * x
+            r_o = tl.rsqrt(tl.sum(ss_o, 0) / D + tl.cast(out_eps, tl.float32))
+            y = (x * r_o).to(out.dtype.element_ty).to(tl.float32)
+            w = tl.load(ow + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+            o = w * y
+        tl.store(o_row + offs_d, o.to(out.dtype.element_ty), mask=d_ok)
+    for d0 in range(0, D if not ONE else 0, BLOCK_D):                           # pass 2: the mix
         d_ok = (d0 + offs_d) < D
         vb = tl.load(b_row + d0 + offs_d[None, :], mask=j_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
         vp = tl.load(p_row + d0 + offs_d, mask=d_ok, other=0.0).to(tl.float32)
@@ -90,7 +116,7 @@ def attn_res_fwd_kernel(bank, p, nw, pw, out, n, D, stride_bn, stride_bj, stride
         if NORM:                                                                 # the norm sees the stored x
             x = o.to(out.dtype.element_ty).to(tl.float32)
             ss_o += x * x
-    if NORM:                                                                     # pass 3: the consumer's RMSNorm
+    if NORM and not ONE:                                                         # pass 3: the consumer's RMSNorm
         r_o = tl.rsqrt(tl.sum(ss_o, 0) / D + tl.cast(out_eps, tl.float32))
         tl.debug_barrier()                                                       # the row's pass-2 stores
         for d0 in range(0, D, BLOCK_D):
@@ -101,7 +127,21 @@ def attn_res_fwd_kernel(bank, p, nw, pw, out, n, D, stride_bn, stride_bj, stride
             tl.store(o_row + d0 + offs_d, (w * y).to(out.dtype.element_ty), mask=d_ok)
 
 
-def attn_res_fwd(bank, p, norm_weight, proj_weight, eps: float, block_d: int | None = None, norm=None, add=None):
+ONE_ROW_MAX = 8192     # fp32 bank values a program keeps in registers for the one-chunk path (k3-small: 4 x 2048)
+
+
+def row_tiling(D: int, n_src: int, block_d: int | None = None, single: bool | None = None) -> tuple[int, bool, int]:
+    """(BLOCK_D, ONE, num_warps). A row whose sources fit ONE_ROW_MAX values is one chunk held in registers
+    (8 warps: 32 values per thread at 4 x 2048), else chunks of ~4096 bank values (8 x 512 for K3's n = 8:
+    enough bytes in flight, few registers), 4 warps. block_d / single override (tests)."""
+    one = pow2(D) * n_src <= ONE_ROW_MAX if single is None else single
+    bd = block_d or (pow2(D) if one else min(pow2(D), max(64, 4096 // n_src)))
+    one = one and bd >= D
+    return bd, one, 8 if one else 4
+
+
+def attn_res_fwd(bank, p, norm_weight, proj_weight, eps: float, block_d: int | None = None, norm=None, add=None,
+                 single: bool | None = None):
     """The op's contract (see op.py): bank `[N, n, d]` (1 <= n <= 16), p `[N, d]`, norm_weight `[d]`,
     proj_weight `[1, d]` or `[d]` -> out `[N, d]` contiguous, in p.dtype; fp32 inside.
 
@@ -129,18 +169,17 @@ def attn_res_fwd(bank, p, norm_weight, proj_weight, eps: float, block_d: int | N
     nw = norm_weight.contiguous()
     pw = proj_weight.reshape(-1).contiguous()
     n_src = pow2(n, 2)
-    # ~4096 fp32 values of bank per chunk (8 x 512 for K3's n = 8): enough bytes in flight, few registers
-    bd = block_d or min(pow2(D), max(64, 4096 // n_src))
+    bd, one, warps = row_tiling(D, n_src, block_d, single)
     extra = dict(NORM=True, ow=norm[0], out_eps=float(norm[1])) if norm is not None else {}
     if add is not None:                                   # (dp, p_out): the source p is p + dp, written to p_out
         extra.update(ADD=True, dp=add[0], p_out=add[1])
     launch(attn_res_fwd_kernel)[(N,)](bank, p, nw, pw, out, n, D, bank.stride(0), bank.stride(1), p.stride(0),
-                                      float(eps), N_SRC=n_src, BLOCK_D=bd, num_warps=4, **extra)
+                                      float(eps), N_SRC=n_src, BLOCK_D=bd, ONE=one, num_warps=warps, **extra)
     return out
 
 
 def attn_res_norm_fwd(bank, p, norm_weight, proj_weight, eps: float, out_weight, out_eps: float,
-                      block_d: int | None = None, add=None):
+                      block_d: int | None = None, add=None, single: bool | None = None):
     """`k3::attn_res_norm`: `attn_res_fwd`'s contract, then the consumer's RMSNorm (out_weight `[d]`, same dtype as
     p) in the same launch."""
     D = p.shape[-1]
@@ -148,18 +187,18 @@ def attn_res_norm_fwd(bank, p, norm_weight, proj_weight, eps: float, out_weight,
     check(out_weight.dtype == p.dtype and out_weight.device == p.device,
           f"attn_res_norm: out_weight ({out_weight.dtype}, {out_weight.device}) must match p ({p.dtype}, {p.device})")
     return attn_res_fwd(bank, p, norm_weight, proj_weight, eps, block_d, norm=(out_weight.contiguous(), out_eps),
-                        add=add)
+                        add=add, single=single)
 
 
 def attn_res_add_norm_fwd(bank, p, y, norm_weight, proj_weight, eps: float, out_weight, out_eps: float,
-                          block_d: int | None = None):
+                          block_d: int | None = None, single: bool | None = None):
     """`k3::attn_res_add_norm`: p_new = p + y (p's dtype), then `attn_res_norm_fwd` on p_new, in one launch.
     Returns (p_new, out)."""
     check(y.shape == p.shape and y.dtype == p.dtype and y.device == p.device,
           f"attn_res_add_norm: y ({tuple(y.shape)}, {y.dtype}) must match p ({tuple(p.shape)}, {p.dtype})")
     p_new = torch.empty(p.shape, device=p.device, dtype=p.dtype)
     out = attn_res_norm_fwd(bank, p, norm_weight, proj_weight, eps, out_weight, out_eps, block_d,
-                            add=(y.contiguous(), p_new))
+                            add=(y.contiguous(), p_new), single=single)
     return p_new, out
 
 
