@@ -267,25 +267,27 @@ def test_attn_res_norm_k3_shape():
 
 @pytest.mark.cuda
 def test_attn_res_one_chunk_k3_small_shape():
-    """k3-small's rows (d = 2048, n = 3) take the one-chunk path: bit-identical to the one-chunk loops on the GPU,
-    and within BF16_BOUND of the references (decode row and prefill rows)."""
+    """k3-small's rows (d = 2048, n = 3) take the one-chunk path (8 warps). Against the references within
+    BF16_BOUND (decode row and prefill rows), p + y exactly torch's add, and bit-identical to the chunk loops run
+    with one chunk *and the same 8 warps*. (The H200 run of 2026-11-30 07:57 compared it with the loops at their
+    default 4 warps: equal at N = 1, not at N = 2048: another warp count sums across threads in another order,
+    which flips a bf16 rounding here and there among 4M outputs; the test now holds the warps equal.)"""
     from k3export.plugins.attn_res import kernels
     from k3export.plugins.attn_res.naive import attn_res_add_norm_ref
-    assert kernels.row_tiling(2048, 4)[1]
+    assert kernels.row_tiling(2048, 4)[1:] == (True, 8)
     for N in (1, 2048):
         torch.manual_seed(N)
         bank, p, nw, pw = _inputs(N, 3, 2048, torch.bfloat16, "cuda")
         y = torch.randn(N, 2048, device="cuda").bfloat16()
         ow = (1 + 0.1 * torch.randn(2048, device="cuda")).bfloat16()
-        runs = {one: (kernels.attn_res_fwd(bank, p, nw, pw, EPS, single=one),
-                      *kernels.attn_res_add_norm_fwd(bank, p, y, nw, pw, EPS, ow, 1e-5, block_d=2048, single=one))
-                for one in (True, False)}
-        assert all(torch.equal(a, b) for a, b in zip(runs[True][1:], runs[False][1:]))
-        assert _rel(runs[True][0], attn_res_mix(bank, p, nw, pw, EPS)) < BF16_BOUND
+        one = kernels.attn_res_add_norm_fwd(bank, p, y, nw, pw, EPS, ow, 1e-5)
         p_ref, out_ref = attn_res_add_norm_ref(bank, p, y, nw, pw, EPS, ow, 1e-5)
-        err = _rel(runs[True][2], out_ref)
+        err = _rel(one[1], out_ref)
         print(f"attn_res one-chunk N={N} n=3 d=2048 bf16: add+norm rel err {err:.2e}")
-        assert torch.equal(runs[True][1], p_ref) and err < BF16_BOUND
+        assert torch.equal(one[0], p_ref) and err < BF16_BOUND
+        assert _rel(kernels.attn_res_fwd(bank, p, nw, pw, EPS), attn_res_mix(bank, p, nw, pw, EPS)) < BF16_BOUND
+        loops = kernels.attn_res_add_norm_fwd(bank, p, y, nw, pw, EPS, ow, 1e-5, block_d=2048, single=False, warps=8)
+        assert all(torch.equal(a, b) for a, b in zip(one, loops))
 
 
 @pytest.mark.cuda

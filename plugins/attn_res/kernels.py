@@ -130,18 +130,20 @@ def attn_res_fwd_kernel(bank, p, nw, pw, out, n, D, stride_bn, stride_bj, stride
 ONE_ROW_MAX = 8192     # fp32 bank values a program keeps in registers for the one-chunk path (k3-small: 4 x 2048)
 
 
-def row_tiling(D: int, n_src: int, block_d: int | None = None, single: bool | None = None) -> tuple[int, bool, int]:
+def row_tiling(D: int, n_src: int, block_d: int | None = None, single: bool | None = None,
+               warps: int | None = None) -> tuple[int, bool, int]:
     """(BLOCK_D, ONE, num_warps). A row whose sources fit ONE_ROW_MAX values is one chunk held in registers
     (8 warps: 32 values per thread at 4 x 2048), else chunks of ~4096 bank values (8 x 512 for K3's n = 8:
-    enough bytes in flight, few registers), 4 warps. block_d / single override (tests)."""
+    enough bytes in flight, few registers), 4 warps. block_d / single / warps override (tests: the warp count
+    sets the order of the cross-thread sums, so only launches with equal warps can agree bit for bit)."""
     one = pow2(D) * n_src <= ONE_ROW_MAX if single is None else single
     bd = block_d or (pow2(D) if one else min(pow2(D), max(64, 4096 // n_src)))
     one = one and bd >= D
-    return bd, one, 8 if one else 4
+    return bd, one, warps or (8 if one else 4)
 
 
 def attn_res_fwd(bank, p, norm_weight, proj_weight, eps: float, block_d: int | None = None, norm=None, add=None,
-                 single: bool | None = None):
+                 single: bool | None = None, warps: int | None = None):
     """The op's contract (see op.py): bank `[N, n, d]` (1 <= n <= 16), p `[N, d]`, norm_weight `[d]`,
     proj_weight `[1, d]` or `[d]` -> out `[N, d]` contiguous, in p.dtype; fp32 inside.
 
@@ -169,7 +171,7 @@ def attn_res_fwd(bank, p, norm_weight, proj_weight, eps: float, block_d: int | N
     nw = norm_weight.contiguous()
     pw = proj_weight.reshape(-1).contiguous()
     n_src = pow2(n, 2)
-    bd, one, warps = row_tiling(D, n_src, block_d, single)
+    bd, one, warps = row_tiling(D, n_src, block_d, single, warps)
     extra = dict(NORM=True, ow=norm[0], out_eps=float(norm[1])) if norm is not None else {}
     if add is not None:                                   # (dp, p_out): the source p is p + dp, written to p_out
         extra.update(ADD=True, dp=add[0], p_out=add[1])
@@ -179,7 +181,7 @@ def attn_res_fwd(bank, p, norm_weight, proj_weight, eps: float, block_d: int | N
 
 
 def attn_res_norm_fwd(bank, p, norm_weight, proj_weight, eps: float, out_weight, out_eps: float,
-                      block_d: int | None = None, add=None, single: bool | None = None):
+                      block_d: int | None = None, add=None, single: bool | None = None, warps: int | None = None):
     """`k3::attn_res_norm`: `attn_res_fwd`'s contract, then the consumer's RMSNorm (out_weight `[d]`, same dtype as
     p) in the same launch."""
     D = p.shape[-1]
@@ -187,18 +189,18 @@ def attn_res_norm_fwd(bank, p, norm_weight, proj_weight, eps: float, out_weight,
     check(out_weight.dtype == p.dtype and out_weight.device == p.device,
           f"attn_res_norm: out_weight ({out_weight.dtype}, {out_weight.device}) must match p ({p.dtype}, {p.device})")
     return attn_res_fwd(bank, p, norm_weight, proj_weight, eps, block_d, norm=(out_weight.contiguous(), out_eps),
-                        add=add, single=single)
+                        add=add, single=single, warps=warps)
 
 
 def attn_res_add_norm_fwd(bank, p, y, norm_weight, proj_weight, eps: float, out_weight, out_eps: float,
-                          block_d: int | None = None, single: bool | None = None):
+                          block_d: int | None = None, single: bool | None = None, warps: int | None = None):
     """`k3::attn_res_add_norm`: p_new = p + y (p's dtype), then `attn_res_norm_fwd` on p_new, in one launch.
     Returns (p_new, out)."""
     check(y.shape == p.shape and y.dtype == p.dtype and y.device == p.device,
           f"attn_res_add_norm: y ({tuple(y.shape)}, {y.dtype}) must match p ({tuple(p.shape)}, {p.dtype})")
     p_new = torch.empty(p.shape, device=p.device, dtype=p.dtype)
     out = attn_res_norm_fwd(bank, p, norm_weight, proj_weight, eps, out_weight, out_eps, block_d,
-                            add=(y.contiguous(), p_new), single=single)
+                            add=(y.contiguous(), p_new), single=single, warps=warps)
     return p_new, out
 
 
