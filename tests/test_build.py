@@ -174,6 +174,21 @@ def test_bench_model_writes_json_table_and_plot(tmp_path):
     assert (out / "model.png").stat().st_size > 0
 
 
+def test_bench_compile_variants_say_what_they_turn_off(tmp_path):
+    """Each `bench model` compile variant reports its serving swaps (what its JSON and table notes record);
+    torch.compile is lazy, so nothing compiles here."""
+    from k3export.bench.model import COMPILE_VARIANTS, make_backend
+    from k3export.config import K3Config
+    from k3export.model.weights import random_model
+    m = random_model(K3Config.from_name("k3-tiny"), seed=0)
+    infos = {name: make_backend(name, m, tmp_path, {}, print)[2] for name in COMPILE_VARIANTS}
+    assert infos["compile"] == {"packed_groups": infos["compile"]["packed_groups"], "fused_norm_swaps": 2,
+                                "inplace_decode": True} and infos["compile"]["packed_groups"] > 0
+    assert infos["compile-copy"]["inplace_decode"] is False and infos["compile-unfused"]["fused_norm_swaps"] == 0
+    assert infos["compile-noadd"]["fused_norm_swaps"] == 1 and infos["compile-frozen"]["freezing"] is True
+    assert infos["compile-combo"]["options"] == {"combo_kernels": True}
+
+
 def test_tensorrt_reads_the_onnx_files_the_graph_manifest_names(model, tmp_path):
     """Plain data (runs without TensorRT): the graph directory is checked like aoti's, and the ONNX files come
     from the manifest's `onnx` entry."""

@@ -117,7 +117,9 @@ def make_backend(name: str, model, engines: Path, profiles: dict, log) -> tuple[
     if name == "graph":
         return EagerBackend(model), True, {}
     if name in COMPILE_VARIANTS:
-        return CompileBackend(model, **COMPILE_VARIANTS[name]), cuda, {}
+        b = CompileBackend(model, **COMPILE_VARIANTS[name])
+        return b, cuda, {"packed_groups": b.packed, "fused_norm_swaps": b.fused, "inplace_decode": hasattr(b, "decode_"),
+                         **{k: v for k, v in COMPILE_VARIANTS[name].items() if k in ("freezing", "options")}}
     if name == "aoti":
         from k3export.build import build, open_backend
         t0 = time.perf_counter()
@@ -305,7 +307,8 @@ def model_bench(ctx, preset, dtype, device, backends, prefill_lengths, batches, 
             "matmul_tflops": rate / 1e12 if rate else None, "param_bytes": pb, "builds": builds}
     (out / "model.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     table = markdown(rows)
-    (out / "model.md").write_text(f"{meta['date']}, {where}\n\n`{cmd}`\n\n{table}")
+    notes = "".join(f"- {name}: {json.dumps(info)}\n" for name, info in builds.items() if info)
+    (out / "model.md").write_text(f"{meta['date']}, {where}\n\n`{cmd}`\n\n{table}" + (f"\n{notes}" if notes else ""))
     png = plot(rows, out / "model.png", f"{preset} {dtype}, {where}")
     click.echo(table)
     for name, info in builds.items():
