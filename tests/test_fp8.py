@@ -470,3 +470,20 @@ def test_grouped_kernel_matches_sorted_cuda(N, weight_only):
 
 if __name__ == "__main__":
     print(json.dumps(interp_errors()))
+
+
+def test_bench_fp8_compiled_times_the_served_step_and_restores_the_model(monkeypatch, fp8_model):
+    """`bench fp8 --compiled` times what the `compile` backend serves (every serving swap on, the in-place decode
+    step), and leaves the model as written for the accuracy report that follows. Nothing is timed here: the
+    timing function is replaced by one that records what it was given (torch.compile is lazy: no compile)."""
+    from k3export.bench import fp8 as bench_fp8
+    from k3export.model.packing import packed_count
+    seen = {}
+
+    def fake(model, B, context, step):
+        seen.update(step=step.__name__, swaps=packed_count(model))
+        return 1.0, "graph"
+    monkeypatch.setattr(bench_fp8, "_decode_ms", fake)
+    assert bench_fp8.decode_ms(fp8_model, 1, 8, compiled=True) == (1.0, "graph")
+    assert seen["step"] == "_decode_inplace" and seen["swaps"] > 2       # packed groups + the two fused-norm swaps
+    assert packed_count(fp8_model) == 0

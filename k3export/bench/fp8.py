@@ -88,14 +88,16 @@ def step_bytes(model, B: int, context: int) -> int:
 
 def decode_ms(model, B: int, context: int, compiled: bool = False) -> tuple[float, str]:
     """Median ms of one decode step for B sequences holding `context` tokens: a CUDA graph replay when capture
-    works, else eager. compiled: the step as the `compile` backend serves it (projections packed in place,
-    torch.compile, then the graph)."""
+    works, else eager. compiled: the step as the `compile` backend serves it (its serving swaps in place on the
+    model: packed projections, fused norms and adds; torch.compile of the in-place decode step; then the graph).
+    Before 2026-11-30 08:30 this timed `forward_decode` with the projections packed only."""
     if compiled:
-        from k3export.model.packing import pack_projections, unpack_projections
-        pack_projections(model)
+        from k3export.model.packing import unpack_projections
+        from k3export.runtime import CompileBackend
+        backend = CompileBackend(model)
         try:
-            return _decode_ms(model, B, context, torch.compile(model.forward_decode, dynamic=False))
-        finally:      # packed for the timing only: the accuracy report and the noise floor's deep copy that
+            return _decode_ms(model, B, context, getattr(backend, "decode_", backend.decode))
+        finally:      # swapped for the timing only: the accuracy report and the noise floor's deep copy that
             unpack_projections(model)       # follow see the model as written
     return _decode_ms(model, B, context, model.forward_decode)
 
