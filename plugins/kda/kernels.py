@@ -692,7 +692,8 @@ def kda_prefill_fwd(q, k, v, f, b, A_log, dt_bias, initial_state, lengths, lower
     return o, ht.to(initial_state.dtype)
 
 
-def _check_decode(qkv, conv_state, conv_weight, f, b, g, A_log, dt_bias, o_norm_weight, state) -> None:
+def _check_decode(qkv, conv_state, conv_weight, f, b, g, A_log, dt_bias, o_norm_weight, state,
+                  check_f: bool = True) -> None:
     B, H = b.shape
     C = qkv.shape[-1]
     if qkv.dim() != 2 or C % (3 * H):
@@ -700,8 +701,10 @@ def _check_decode(qkv, conv_state, conv_weight, f, b, g, A_log, dt_bias, o_norm_
     K = C // (3 * H)
     W = conv_weight.shape[-1]
     want = {"conv_state": (conv_state, (B, C, W - 1)), "conv_weight": (conv_weight, (C, W)),
-            "f": (f, (B, H * K)), "g": (g, (B, H * K)), "o_norm_weight": (o_norm_weight, (K,)),
+            "g": (g, (B, H * K)), "o_norm_weight": (o_norm_weight, (K,)),
             "state": (state, (B, H, K, K)), "dt_bias": (dt_bias, (H * K,))}
+    if check_f:
+        want["f"] = (f, (B, H * K))
     for name, (t, shape) in want.items():
         if tuple(t.shape) != shape:
             raise ValueError(f"kda_decode: {name} must have shape {shape} (from qkv {tuple(qkv.shape)}, "
@@ -744,10 +747,8 @@ def kda_decode_inplace_fwd(qkv, conv_state, conv_weight, f, f_b_weight, b, g, A_
         check(f.dim() == 2 and f.shape[0] == B and tuple(f_b_weight.shape) == (H * K, f.shape[-1]),
               f"kda_decode_inplace: f_a {tuple(f.shape)} and f_b_weight {tuple(f_b_weight.shape)} must be [B={B}, r] "
               f"and [H*K={H * K}, r]")
-        f_full = qkv.new_empty(B, H * K)                     # shape stand-in for the shared checks only
-    else:
-        f_full = f
-    _check_decode(qkv, conv_state, conv_weight, f_full, b, g, A_log, dt_bias, o_norm_weight, state)
+    _check_decode(qkv, conv_state, conv_weight, f, b, g, A_log, dt_bias, o_norm_weight, state,
+                  check_f=f_b_weight is None)
     if not (conv_state.is_contiguous() and state.is_contiguous() and state.dtype == torch.float32):
         if f_b_weight is not None:
             f = torch.nn.functional.linear(f, f_b_weight)
