@@ -46,7 +46,8 @@ def attn_res_fwd_kernel(bank, p, nw, pw, out, n, D, stride_bn, stride_bj, stride
     ADD (`k3::attn_res_add_norm`): the source p is p + dp rounded to p's dtype (the residual add before the mix;
     dp, p_out contiguous `[N, d]`), stored to p_out in pass 1 and recomputed in pass 2.
     ONE (BLOCK_D >= D: the row is one chunk): the sources stay in registers from pass 1 on; passes 2 and 3 reuse
-    them and the stored x instead of reloading (same arithmetic as the loops with one chunk, bit for bit)."""
+    them and the stored x instead of reloading (same arithmetic as the loops with one chunk: bit-identical to
+    them at the same num_warps)."""
     eps = tl.cast(eps, tl.float32)  # Inductor passes Python float arguments as fp64 (AOTI packages)
     r = tl.program_id(0).to(tl.int64)
     offs_j = tl.arange(0, N_SRC)
