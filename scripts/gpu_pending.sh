@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # What is owed to the GPU, one part per argument, each under its own time limit (device tool, carry [".whl"]; logs
-# under $OUT). Each part below has run at least once (results in docs/perf.md).
+# under $OUT). Each part below has run at least once (results in docs/perf.md). Owed on 2026-11-30 08:20 UTC (~6 min):
+# `SERVE_K=one_chunk bash scripts/gpu_pending.sh serve fp8c` (the corrected one-chunk AttnRes test; FP8 vs bf16
+# timed as the compile backend now serves it) and `MODEL_BACKENDS=compile,compile-combo MODEL_BATCHES=1,16
+# bash scripts/gpu_pending.sh model profile` (Inductor combo kernels, never timed; the final kernel count).
 #   toy      scripts/aoti_toy.py: does any CUDA AOTI package load there, per import context (bare, CUDA
 #            initialised, triton, k3export.plugins)? ~2 min. Decides whether the crash is torch's or ours.
 #   demo     `k3export demo --device cuda`: the main job end to end on the GPU (aoti refused by the load check
