@@ -146,7 +146,7 @@ class CompileBackend(EagerBackend):
         opts = dict(mode=mode) if options is None else dict(options=options)    # torch.compile takes one of them
         self._prefill = torch.compile(fns[0], dynamic=None, **opts)   # static first, dynamic later
         self._decode = torch.compile(fns[1], dynamic=False, **opts)
-        if inplace and fns[2] is not None and getattr(model, "forward_decode_", None) is not None:
+        if inplace and hasattr(model, "forward_decode_"):
             self._decode_ = torch.compile(fns[2], dynamic=False, **opts)
             self.decode_ = self._decode_inplace
 

@@ -191,28 +191,20 @@ def _ranges(sizes: list[int]):
 
 
 class FusedMixNorm(nn.Module):
-    """`K3Model.mix_norm` as one `k3::attn_res_norm` launch (the AttnRes mix and the RMSNorm after it)."""
+    """`K3Model.mix_norm` (op `k3::attn_res_norm`: the AttnRes mix and the RMSNorm after it) or
+    `K3Model.add_mix_norm` (op `k3::attn_res_add_norm`: the residual add before them too) as one launch. Called
+    as the model calls the method: (bank, p[, y], res_norm, res_query, norm)."""
 
-    def __init__(self, eps: float):
+    def __init__(self, op, eps: float):
         super().__init__()
-        self.eps = eps
+        self.op, self.eps = op, eps
 
-    def forward(self, bank, p, res_norm, res_query, norm):
-        return attn_res_norm(bank, p, res_norm.weight, res_query.weight, self.eps, norm.weight, norm.eps)
-
-
-class FusedAddMixNorm(nn.Module):
-    """`K3Model.add_mix_norm` as one `k3::attn_res_add_norm` launch (residual add, AttnRes mix, RMSNorm)."""
-
-    def __init__(self, eps: float):
-        super().__init__()
-        self.eps = eps
-
-    def forward(self, bank, p, y, res_norm, res_query, norm):
-        return attn_res_add_norm(bank, p, y, res_norm.weight, res_query.weight, self.eps, norm.weight, norm.eps)
+    def forward(self, bank, *args):
+        *ps, res_norm, res_query, norm = args
+        return self.op(bank, *ps, res_norm.weight, res_query.weight, self.eps, norm.weight, norm.eps)
 
 
-PACKED = (PackedLinear, PackedRuns, PackedTensor, FusedMixNorm, FusedAddMixNorm)
+PACKED = (PackedLinear, PackedRuns, PackedTensor, FusedMixNorm)
 
 
 def _swap(owner: nn.Module, method: str, packed: nn.Module | None) -> int:
@@ -256,9 +248,9 @@ def fuse_norms(model: nn.Module, adds: bool = True) -> int:
     its copy of p). Returns the number of swaps (0 for a model without `mix_norm`)."""
     if not hasattr(type(model), "mix_norm"):
         return 0
-    n = _swap(model, "mix_norm", FusedMixNorm(model.config.rms_norm_eps))
+    n = _swap(model, "mix_norm", FusedMixNorm(attn_res_norm, model.config.rms_norm_eps))
     if adds and hasattr(type(model), "add_mix_norm"):
-        n += _swap(model, "add_mix_norm", FusedAddMixNorm(model.config.rms_norm_eps))
+        n += _swap(model, "add_mix_norm", FusedMixNorm(attn_res_add_norm, model.config.rms_norm_eps))
     return n
 
 

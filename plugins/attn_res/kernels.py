@@ -30,10 +30,18 @@ ENABLED = os.environ.get("K3_ATTN_RES_TRITON", "1") != "0"
 
 
 @triton.jit
-def _add_rounded(vp, y_ptrs, d_ok, p_out):
-    """p + y as torch adds two tensors of p's dtype: in fp32, rounded once to that dtype (p_out's). fp32 back."""
-    vy = tl.load(y_ptrs, mask=d_ok, other=0.0).to(tl.float32)
-    return (vp + vy).to(p_out.dtype.element_ty).to(tl.float32)
+def _sources(b_row, p_row, r, D, d0, offs_d, j_ok, ADD: tl.constexpr, dp, p_out, STORE: tl.constexpr):
+    """The chunk at d0 of the row's sources, fp32: bank rows vb `[N_SRC, BLOCK_D]` and p `[BLOCK_D]`; with ADD, p is
+    p + dp as torch adds two tensors of p's dtype (in fp32, rounded once to that dtype), stored to p_out if STORE."""
+    d_ok = (d0 + offs_d) < D
+    vb = tl.load(b_row + d0 + offs_d[None, :], mask=j_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    vp = tl.load(p_row + d0 + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+    if ADD:
+        vy = tl.load(dp + r * D + d0 + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+        vp = (vp + vy).to(p_out.dtype.element_ty).to(tl.float32)
+        if STORE:
+            tl.store(p_out + r * D + d0 + offs_d, vp.to(p_out.dtype.element_ty), mask=d_ok)
+    return vb, vp
 
 
 @triton.jit
@@ -63,11 +71,7 @@ def attn_res_fwd_kernel(bank, p, nw, pw, out, n, D, stride_bn, stride_bj, stride
         d_ok = offs_d < D
         gw = tl.load(nw + offs_d, mask=d_ok, other=0.0).to(tl.float32) * \
             tl.load(pw + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-        vb1 = tl.load(b_row + offs_d[None, :], mask=j_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        vp1 = tl.load(p_row + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-        if ADD:
-            vp1 = _add_rounded(vp1, dp + r * D + offs_d, d_ok, p_out)
-            tl.store(p_out + r * D + offs_d, vp1.to(p_out.dtype.element_ty), mask=d_ok)
+        vb1, vp1 = _sources(b_row, p_row, r, D, 0, offs_d, j_ok, ADD, dp, p_out, True)
         ss_b += tl.sum(vb1 * vb1, 1)
         dot_b += tl.sum(vb1 * gw[None, :], 1)
         ss_p += vp1 * vp1
@@ -76,11 +80,7 @@ def attn_res_fwd_kernel(bank, p, nw, pw, out, n, D, stride_bn, stride_bj, stride
         d_ok = (d0 + offs_d) < D
         gw = tl.load(nw + d0 + offs_d, mask=d_ok, other=0.0).to(tl.float32) * \
             tl.load(pw + d0 + offs_d, mask=d_ok, other=0.0).to(tl.float32)       # [BLOCK_D]
-        vb = tl.load(b_row + d0 + offs_d[None, :], mask=j_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        vp = tl.load(p_row + d0 + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-        if ADD:
-            vp = _add_rounded(vp, dp + r * D + d0 + offs_d, d_ok, p_out)
-            tl.store(p_out + r * D + d0 + offs_d, vp.to(p_out.dtype.element_ty), mask=d_ok)
+        vb, vp = _sources(b_row, p_row, r, D, d0, offs_d, j_ok, ADD, dp, p_out, True)
         ss_b += tl.sum(vb * vb, 1)
         dot_b += tl.sum(vb * gw[None, :], 1)
         ss_p += vp * vp
@@ -108,10 +108,7 @@ def attn_res_fwd_kernel(bank, p, nw, pw, out, n, D, stride_bn, stride_bj, stride
         tl.store(o_row + offs_d, o.to(out.dtype.element_ty), mask=d_ok)
     for d0 in range(0, D if not ONE else 0, BLOCK_D):                           # pass 2: the mix
         d_ok = (d0 + offs_d) < D
-        vb = tl.load(b_row + d0 + offs_d[None, :], mask=j_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        vp = tl.load(p_row + d0 + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-        if ADD:
-            vp = _add_rounded(vp, dp + r * D + d0 + offs_d, d_ok, p_out)
+        vb, vp = _sources(b_row, p_row, r, D, d0, offs_d, j_ok, ADD, dp, p_out, False)
         o = tl.sum(a_b[:, None] * vb, 0) + a_p * vp
         tl.store(o_row + d0 + offs_d, o.to(out.dtype.element_ty), mask=d_ok)
         if NORM:                                                                 # the norm sees the stored x

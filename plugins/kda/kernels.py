@@ -715,22 +715,27 @@ def _check_decode(qkv, conv_state, conv_weight, f, b, g, A_log, dt_bias, o_norm_
         raise ValueError(f"kda_decode: conv kernel size must be >= 2, got {W}")
 
 
+def _decode_launch(H: int, K: int, W: int, lower_bound: float, eps: float, config: dict | None) -> dict:
+    """The constexprs and launch options both decode kernels share (`decode_config`, `config` overriding)."""
+    cfg = {**decode_config(K, W), **(config or {})}
+    common = dict(H=H, K=K, W=W, BK=cfg["BK"], BW=cfg["BW"], LOWER=float(lower_bound), EPS=float(eps),
+                  num_warps=cfg["num_warps"])
+    if cfg.get("maxnreg"):
+        common["maxnreg"] = cfg["maxnreg"]
+    return common
+
+
 def kda_decode_fwd(qkv, conv_state, conv_weight, f, b, g, A_log, dt_bias, o_norm_weight, state,
                    lower_bound: float, eps: float, config: dict | None = None):
     """Launch the fused decode step. Shapes as `k3::kda_decode`; state fp32. Returns (o, new_conv, new_state)."""
     _check_decode(qkv, conv_state, conv_weight, f, b, g, A_log, dt_bias, o_norm_weight, state)
     B, H = b.shape
     K = qkv.shape[-1] // (3 * H)
-    W = conv_weight.shape[-1]
-    cfg = {**decode_config(K, W), **(config or {})}
     args = [x.contiguous() for x in (qkv, conv_state, conv_weight, f, b, g, A_log, dt_bias, o_norm_weight)]
     o = qkv.new_empty(B, H * K)
     conv_out = torch.empty(args[1].shape, device=qkv.device, dtype=args[1].dtype)   # contiguous, as written
     state_out = torch.empty(state.shape, device=qkv.device, dtype=torch.float32)
-    common = dict(H=H, K=K, W=W, BK=cfg["BK"], BW=cfg["BW"], LOWER=float(lower_bound), EPS=float(eps),
-                  num_warps=cfg["num_warps"])
-    if cfg.get("maxnreg"):
-        common["maxnreg"] = cfg["maxnreg"]
+    common = _decode_launch(H, K, conv_weight.shape[-1], lower_bound, eps, config)
     launch(kda_decode_fwd_kernel)[(B * H,)](*args, state.to(torch.float32).contiguous(), o, conv_out, state_out,
                                             **common)
     return o, conv_out, state_out.to(state.dtype)
@@ -757,17 +762,13 @@ def kda_decode_inplace_fwd(qkv, conv_state, conv_weight, f, f_b_weight, b, g, A_
         conv_state.copy_(new_conv)
         state.copy_(new_state)
         return o
-    W = conv_weight.shape[-1]
-    cfg = {**decode_config(K, W), **(config or {})}
     fold = f_b_weight is not None
     R = f.shape[-1] if fold else K
     args = [x.contiguous() for x in (qkv, conv_state, conv_weight, f, f_b_weight if fold else f, b, g, A_log,
                                      dt_bias, o_norm_weight)]
     o = qkv.new_empty(B, H * K)
-    common = dict(H=H, K=K, R=R, W=W, BK=cfg["BK"], BR=max(32, triton.next_power_of_2(R)), BW=cfg["BW"],
-                  LOWER=float(lower_bound), EPS=float(eps), FOLD=fold, num_warps=cfg["num_warps"])
-    if cfg.get("maxnreg"):
-        common["maxnreg"] = cfg["maxnreg"]
+    common = dict(_decode_launch(H, K, conv_weight.shape[-1], lower_bound, eps, config), R=R,
+                  BR=max(32, triton.next_power_of_2(R)), FOLD=fold)
     launch(kda_decode_inplace_fwd_kernel)[(B * H,)](*args, state, o, **common)
     return o
 
