@@ -20,8 +20,9 @@ serial fixup of stream-K, `_fixup`): each slice's CTA stores its partial tile, t
 acq_rel gpu-scope atomic) takes a ticket on its column tile's int32 counter; the CTA that draws ticket SPLIT - 1
 reads the SPLIT partials (L2 loads, `.cg`) in slice order, sums, scales, rounds, stores y and zeroes the counter.
 Both give the same y bit for bit whatever order the CTAs finish in (the same fp32 additions in the same order).
-The counters are one int32 buffer per device (`split_counters`), allocated zeroed once and kept (nothing is
-allocated or zeroed per call: CUDA-graph friendly; every launch leaves them zero). They are per DEVICE, not per
+The counters are one int32 buffer per device (`triton_common.tickets`, shared with the MoE decode kernels),
+allocated zeroed once and kept (nothing is allocated or zeroed per call: CUDA-graph friendly; every launch leaves
+them zero; a first call inside a CUDA-graph capture gets fresh zeros instead). They are per DEVICE, not per
 stream: calls on one device must be stream-ordered (the model's case, graphs included); two fixup launches running
 concurrently on two streams of one device could share a counter and give wrong sums. `SPLIT_SUM` is the default
 (env K3_FP8_SPLIT_SUM overrides it, for A/B timing of a whole model); a `WoTiles.split_sum` or the `split_sum`
@@ -53,7 +54,7 @@ import triton.language as tl
 from torch import Tensor
 
 from k3export.fp8 import quantize
-from k3export.plugins.triton_common import check, dot_precision, pow2
+from k3export.plugins.triton_common import check, dot_precision, pow2, tickets
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 SPLIT_SUMS = ("fixup", "launch")
@@ -381,31 +382,6 @@ def wo_slices(K: int, split: int, block_k: int) -> tuple[int, int]:
     return triton.cdiv(K, k_slice), k_slice
 
 
-# Ticket counters of the in-launch split-K sum, one int32 buffer per device (see the module docstring: per device,
-# so calls on one device must be stream-ordered). Buffers outgrown stay referenced: a captured CUDA graph may
-# still hold their address.
-_COUNTERS: dict[tuple[str, int | None], Tensor] = {}
-_RETIRED: list[Tensor] = []
-MIN_COUNTERS = 1 << 15           # column tiles: N up to 262144 at block_n 8 before the buffer ever grows
-
-
-def split_counters(device: torch.device, tiles: int) -> Tensor:
-    """The device's int32 counters `[>= tiles]`, all zero between launches: allocated zeroed on first use (or
-    when more tiles are needed) and kept. Growing is refused during CUDA-graph capture (the zeroing would be
-    captured); run the call once before capturing."""
-    key = (device.type, device.index)
-    c = _COUNTERS.get(key)
-    if c is None or c.numel() < tiles:
-        check(device.type != "cuda" or not torch.cuda.is_current_stream_capturing(),
-              f"fp8_linear_wo: the split-K counters of {device} need {tiles} entries and are allocated outside "
-              f"CUDA-graph capture: call once before capturing (or use split_sum='launch')")
-        if c is not None:
-            _RETIRED.append(c)
-        c = _COUNTERS[key] = torch.zeros(max(tiles, MIN_COUNTERS, 2 * (0 if c is None else c.numel())),
-                                         dtype=torch.int32, device=device)
-    return c
-
-
 def packed_ok(x: Tensor, w: Tensor) -> bool:
     """The packed GEMV reads x as int64 words (4 bf16) and w as int32 words (4 E4M3): one bf16 row, K % 4 == 0,
     rows of w 4-byte aligned."""
@@ -422,7 +398,8 @@ def fp8_linear_wo_fwd(x: Tensor, w: Tensor, w_scale: Tensor, split: int | None =
     the launch heuristic (tests, sweeps). A packed tiling falls back to the byte kernel (BYTE_GEMV, or DOT_TILE
     for several rows) where `packed_ok` fails (fp16 / fp32 x, K % 4, unaligned rows). split_sum ("fixup" or
     "launch"; default tiles.split_sum, else `SPLIT_SUM`): how split slices are summed; y is the same bit for bit.
-    "fixup" uses the device's `split_counters`: calls on one device must be stream-ordered."""
+    "fixup" uses the device's ticket counters (`triton_common.tickets`): calls on one device must be
+    stream-ordered."""
     M, K = x.shape
     N = w.shape[0]
     check(w.dtype == torch.float8_e4m3fn and w.dim() == 2 and w.shape[1] == K,
@@ -451,7 +428,7 @@ def fp8_linear_wo_fwd(x: Tensor, w: Tensor, w_scale: Tensor, split: int | None =
     grid = (triton.cdiv(N, t.block_n), split)             # one M block: BLOCK_M = pow2(M) rows
     mode = "" if split == 1 else mode
     part = y if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
-    count = split_counters(x.device, grid[0]) if mode == "fixup" else y       # y: a placeholder, never read
+    count = tickets(x, grid[0]) if mode == "fixup" else y       # y: a placeholder, never read
     stages = 1 if INTERPRET else t.stages
     if packed:
         fp8_wo_gemv4_fwd_kernel[grid](

@@ -90,7 +90,8 @@ def _cases():
 
 
 def interp_results() -> dict:
-    from k3export.fp8_kernels import fp8_linear_wo_fwd, split_counters
+    from k3export.fp8_kernels import fp8_linear_wo_fwd
+    from k3export.plugins.triton_common import tickets
     out, g = {}, torch.Generator().manual_seed(7)
     # N = 24: 2 column tiles of 16, the last ragged; K = 600: slices of 600 / SPLIT rounded up to 64, the last one
     # shorter (splits 1, 2, 3, 5 stay 1, 2, 3, 5 after that rounding; the last slice has 280, 88, 88 of K)
@@ -117,7 +118,7 @@ def interp_results() -> dict:
     x, wq, ws = _args(1, 72, 2048, True, g, torch.bfloat16)
     out["mismatch:default_vs_launch"] = bit_mismatches(fp8_linear_wo_fwd(x, wq, ws),
                                                        fp8_linear_wo_fwd(x, wq, ws, split_sum="launch"))
-    out["counters_nonzero"] = int(split_counters(torch.device("cpu"), 0).count_nonzero())
+    out["counters_nonzero"] = int(tickets(torch.empty(0), 0).count_nonzero())
     return out
 
 
@@ -231,14 +232,15 @@ def test_fixup_partials_compile_like_the_two_launch_partials():
     (1, 7168, 12288, 5, torch.bfloat16), (4, 2048, 2048, None, torch.bfloat16),       # tl.dot path: 4 rows 8
     (17, 7168, 3584, 3, torch.bfloat16), (64, 3072, 2048, None, torch.float16)])      # slices, 17 rows, 64 rows 4
 def test_fixup_equals_launch_bit_for_bit_cuda(M, N, K, split, dtype):
-    from k3export.fp8_kernels import fp8_linear_wo_fwd, split_counters
+    from k3export.fp8_kernels import fp8_linear_wo_fwd
+    from k3export.plugins.triton_common import tickets
     x, wq, ws = _args(M, N, K, True, torch.Generator().manual_seed(N + K + M), dtype, "cuda")
     want = fp8_linear_wo_fwd(x, wq, ws, split=split, split_sum="launch")
     runs = [fp8_linear_wo_fwd(x, wq, ws, split=split, split_sum="fixup") for _ in range(20)]   # CTAs race anew
     assert [bit_mismatches(y, want) for y in runs] == [0] * 20
     assert rel(runs[0], fp8_linear_wo_ref(x.float(), wq, ws)) < BF16_OUT_BOUND
     torch.cuda.synchronize()
-    assert int(split_counters(x.device, 0).count_nonzero()) == 0
+    assert int(tickets(x, 0).count_nonzero()) == 0
 
 
 @pytest.mark.cuda

@@ -41,7 +41,7 @@ def _route_same(x, g, b, k) -> bool:
 
 
 def _tickets_zero() -> bool:
-    from k3export.plugins.moe.kernels import _TICKETS
+    from k3export.plugins.triton_common import _TICKETS
     return bool(_TICKETS) and all(int(t.abs().sum()) == 0 for t in _TICKETS.values())
 
 

@@ -42,7 +42,7 @@ import triton.language as tl
 from torch._subclasses.fake_tensor import is_fake
 
 from ..launch import launch, size_bound
-from ..triton_common import check, dot_precision, pow2
+from ..triton_common import check, dot_precision, pow2, tickets
 from .op import moe_routed
 
 
@@ -194,32 +194,6 @@ def moe_router_topk_fwd_kernel(x, g, bias, part, s, ids, w, tickets, N, E, D, st
 
 
 ROUTE_SPLIT_MAX_N = 64          # lean routing splits the router over D up to this many tokens
-
-
-TICKETS_MIN = 4096              # counters per device in the kept ticket buffer (grown, outside a capture, if short)
-_TICKETS: dict = {}
-_TICKETS_OUTGROWN: list = []    # replaced buffers stay allocated: a CUDA graph captured earlier still uses them
-
-
-def tickets(like: torch.Tensor, n: int) -> torch.Tensor:
-    """n int32 ticket counters at 0 on like's device, for one "last program finishes" launch
-    (`moe_router_topk_fwd_kernel`, `moe_pair_gemm2_combine_fwd_kernel`): each such launch puts every counter it
-    used back to 0, so one buffer per device, zeroed once when allocated and then kept, serves every launch (no
-    per-call allocation or memset: a CUDA graph captures none). The launches that share it must be ordered (one
-    stream, as a decode step is). like traced (fake tensors: the AOTI lowering), or the buffer first needed inside
-    a CUDA-graph capture: fresh zeros for this call."""
-    if (type(like) is not torch.Tensor or torch._is_functional_tensor(like)) and is_fake(like):   # plain: no probe
-        return torch.zeros(n, device=like.device, dtype=torch.int32)
-    key = (like.device.type, like.device.index)
-    buf = _TICKETS.get(key)
-    if buf is not None and buf.numel() >= n:
-        return buf
-    if like.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return torch.zeros(n, device=like.device, dtype=torch.int32)
-    if buf is not None:
-        _TICKETS_OUTGROWN.append(buf)
-    buf = _TICKETS[key] = torch.zeros(max(n, TICKETS_MIN), device=like.device, dtype=torch.int32)
-    return buf
 
 
 def route_fwd(x, gate_weight, bias, top_k: int, renormalize: bool, scaling: float, lean: bool = False,
