@@ -193,15 +193,17 @@ def _ranges(sizes: list[int]):
 class FusedMixNorm(nn.Module):
     """`K3Model.mix_norm` (op `k3::attn_res_norm`: the AttnRes mix and the RMSNorm after it) or
     `K3Model.add_mix_norm` (op `k3::attn_res_add_norm`: the residual add before them too) as one launch. Called
-    as the model calls the method: (bank, p[, y], res_norm, res_query, norm)."""
+    as the model calls the method: (bank, p[, y], res_norm, res_query, norm). Holds plain data only (a deep copy
+    of a swapped model must work)."""
 
-    def __init__(self, op, eps: float):
+    def __init__(self, eps: float, add: bool):
         super().__init__()
-        self.op, self.eps = op, eps
+        self.eps, self.add = eps, add
 
     def forward(self, bank, *args):
         *ps, res_norm, res_query, norm = args
-        return self.op(bank, *ps, res_norm.weight, res_query.weight, self.eps, norm.weight, norm.eps)
+        op = attn_res_add_norm if self.add else attn_res_norm
+        return op(bank, *ps, res_norm.weight, res_query.weight, self.eps, norm.weight, norm.eps)
 
 
 PACKED = (PackedLinear, PackedRuns, PackedTensor, FusedMixNorm)
@@ -248,9 +250,9 @@ def fuse_norms(model: nn.Module, adds: bool = True) -> int:
     its copy of p). Returns the number of swaps (0 for a model without `mix_norm`)."""
     if not hasattr(type(model), "mix_norm"):
         return 0
-    n = _swap(model, "mix_norm", FusedMixNorm(attn_res_norm, model.config.rms_norm_eps))
+    n = _swap(model, "mix_norm", FusedMixNorm(model.config.rms_norm_eps, add=False))
     if adds and hasattr(type(model), "add_mix_norm"):
-        n += _swap(model, "add_mix_norm", FusedMixNorm(attn_res_add_norm, model.config.rms_norm_eps))
+        n += _swap(model, "add_mix_norm", FusedMixNorm(model.config.rms_norm_eps, add=True))
     return n
 
 
