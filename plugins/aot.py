@@ -60,7 +60,12 @@ def compile_ptx(fn, signature: dict[str, str], constexprs: dict, num_warps: int,
     `"constexpr"` for compile-time constants, whose values come in `constexprs`. Pointers are assumed 16-byte
     aligned (TensorRT and torch allocations are). `maxnreg` caps registers per thread (a `.maxnreg` directive in
     the PTX, so whoever JIT-compiles it keeps the cap), as the torch launcher's `maxnreg` launch option does.
+    A constexpr parameter with a default that `signature` leaves out compiles at its default (e.g. `PDL`).
     """
+    missing = {p.name: p.default for p in fn.params if p.name not in signature and p.is_constexpr and p.has_default}
+    if missing:
+        signature = {n: "constexpr" if n in missing else signature[n] for n in fn.arg_names}
+        constexprs = {**missing, **constexprs}
     return _compile(fn, tuple(signature.items()), tuple(constexprs.items()), num_warps, num_stages, arch, maxnreg)
 
 

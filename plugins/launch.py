@@ -11,15 +11,31 @@ A traced launcher sees symbolic sizes (batch, tokens, cache rows). Grids and ker
 block sizes (constexprs) and tile choices may not. `size_bound(n)` is n for an int and the largest value a
 symbolic n can take (its export range) otherwise: a tile chosen from it is the tile the eager launcher picks at
 the largest shape, and the kernels mask every tile, so it is correct at every smaller shape.
+
+Programmatic dependent launch (PDL, opt-in, off by default): with env `K3_PDL=1` (read here, once, at import) or
+inside `pdl(True)`, `pdl_args(t)` gives the decode-path launchers `PDL=True, launch_pdl=True` for tensors on a CUDA
+device of compute capability >= 9. The kernel is then launched with the programmatic-stream-serialization
+attribute (it may start while its predecessor in the stream finishes) and, by its `PDL` constexpr, executes
+`griddepcontrol.wait` (`gdc_wait`) as its very first instruction, then `griddepcontrol.launch_dependents`: so none
+of its loads or stores (in-place state, reused workspaces, ticket counters) runs before the predecessor has
+completed and flushed its writes; what overlaps is the launch, the block scheduling and the predecessor's tail.
+Off (or CPU, the interpreter, a traced launch): `pdl_args` is {} and the kernels compile as before (PDL defaults
+to False: the same PTX). The switch is read at launch time, so it must be on while a CUDA graph is captured.
 """
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 
 import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 _traced = False
+_pdl = os.environ.get("K3_PDL", "0") == "1"
+_pdl_capable: dict[int, bool] = {}     # device index -> compute capability >= 9 (queried once per device)
 
 
 def launch(kernel):
@@ -71,3 +87,36 @@ def size_bound(n) -> int:
     if not hi.is_finite:
         raise ValueError(f"size_bound: the symbolic size {node.expr} has no upper bound; export it with a max")
     return int(hi)
+
+
+@contextmanager
+def pdl(on: bool = True):
+    """Launch the decode kernels with programmatic dependent launch (`on`) or without, inside this block."""
+    global _pdl
+    prev, _pdl = _pdl, bool(on)
+    try:
+        yield
+    finally:
+        _pdl = prev
+
+
+def pdl_args(t: torch.Tensor) -> dict:
+    """`{"PDL": True, "launch_pdl": True}` for a kernel launched on t's device when the PDL switch is on, t is on
+    a CUDA device of compute capability >= 9 and the launch is eager (not traced, not the interpreter); else {}
+    (the kernel's `PDL` constexpr stays at its default False: unchanged PTX, plain launch)."""
+    if not _pdl or _traced or t.device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return {}
+    idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    ok = _pdl_capable.get(idx)
+    if ok is None:
+        ok = _pdl_capable[idx] = torch.cuda.get_device_capability(idx)[0] >= 9
+    return {"PDL": True, "launch_pdl": True} if ok else {}
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """The kernel side of `pdl_args`, called first thing in a kernel: with PDL, wait for the stream predecessor to
+    complete (its writes visible), then let the next PDL launch start its launch. Without PDL, nothing."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..launch import launch
+from ..launch import launch, pdl_args, pdl_wait
 from ..triton_common import check, pow2
 from .op import attn_res, attn_res_add_norm, attn_res_norm
 
@@ -47,7 +47,8 @@ def _sources(b_row, p_row, r, D, d0, offs_d, j_ok, ADD: tl.constexpr, dp, p_out,
 @triton.jit
 def attn_res_fwd_kernel(bank, p, nw, pw, out, n, D, stride_bn, stride_bj, stride_pn, eps,
                         N_SRC: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr = False, ow=None,
-                        out_eps=0.0, ADD: tl.constexpr = False, dp=None, p_out=None, ONE: tl.constexpr = False):
+                        out_eps=0.0, ADD: tl.constexpr = False, dp=None, p_out=None, ONE: tl.constexpr = False,
+                        PDL: tl.constexpr = False):
     """Row r: out[r] = sum_j softmax(s)_j V_j over V = (bank[r, 0..n-1], p[r]); the d axis has unit stride.
     NORM (`k3::attn_res_norm`): then out[r] = ow * (x * rsqrt(mean(x^2) + out_eps)) with x the mix rounded to
     out's dtype, as the model's RMSNorm computes it (a third pass over the row this program just wrote).
@@ -55,7 +56,9 @@ def attn_res_fwd_kernel(bank, p, nw, pw, out, n, D, stride_bn, stride_bj, stride
     dp, p_out contiguous `[N, d]`), stored to p_out in pass 1 and recomputed in pass 2.
     ONE (BLOCK_D >= D: the row is one chunk): the sources stay in registers from pass 1 on; passes 2 and 3 reuse
     them and the stored x instead of reloading (same arithmetic as the loops with one chunk: bit-identical to
-    them at the same num_warps)."""
+    them at the same num_warps).
+    PDL (programmatic dependent launch, `launch.pdl_args`): wait for the stream predecessor before anything else."""
+    pdl_wait(PDL)
     eps = tl.cast(eps, tl.float32)  # Inductor passes Python float arguments as fp64 (AOTI packages)
     r = tl.program_id(0).to(tl.int64)
     offs_j = tl.arange(0, N_SRC)
@@ -174,7 +177,8 @@ def attn_res_fwd(bank, p, norm_weight, proj_weight, eps: float, block_d: int | N
     if add is not None:                                   # (dp, p_out): the source p is p + dp, written to p_out
         extra.update(ADD=True, dp=add[0], p_out=add[1])
     launch(attn_res_fwd_kernel)[(N,)](bank, p, nw, pw, out, n, D, bank.stride(0), bank.stride(1), p.stride(0),
-                                      float(eps), N_SRC=n_src, BLOCK_D=bd, ONE=one, num_warps=warps, **extra)
+                                      float(eps), N_SRC=n_src, BLOCK_D=bd, ONE=one, num_warps=warps, **extra,
+                                      **pdl_args(p))
     return out
 
 

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from ..launch import launch
+from ..launch import launch, pdl_args, pdl_wait
 from ..triton_common import check
 from .op import CHUNK, kda_decode, kda_decode_inplace, kda_prefill
 
@@ -487,9 +487,11 @@ def kda_decode_fwd_kernel(
     qkv, conv_state, conv_weight, f, b, g, A_log, dt_bias, o_norm_weight, state,   # inputs
     o, conv_out, state_out,                                                          # outputs
     H: tl.constexpr, K: tl.constexpr, W: tl.constexpr, BK: tl.constexpr, BW: tl.constexpr,
-    LOWER: tl.constexpr, EPS: tl.constexpr,
+    LOWER: tl.constexpr, EPS: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    """`k3::kda_decode`, one program per (sequence, head): conv window, gates, delta rule, head norm, gate."""
+    """`k3::kda_decode`, one program per (sequence, head): conv window, gates, delta rule, head norm, gate.
+    PDL (programmatic dependent launch, `launch.pdl_args`): wait for the stream predecessor before anything else."""
+    pdl_wait(PDL)
     _decode_head(qkv, conv_state, conv_weight, f, f, b, g, A_log, dt_bias, o_norm_weight, state, o, conv_out,
                  state_out, H, K, K, W, BK, BK, BW, LOWER, EPS, False, False)
 
@@ -499,10 +501,12 @@ def kda_decode_inplace_fwd_kernel(
     qkv, conv_state, conv_weight, f, f_b_weight, b, g, A_log, dt_bias, o_norm_weight,   # inputs
     state, o,                                                                            # state (in place), output
     H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, W: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
-    BW: tl.constexpr, LOWER: tl.constexpr, EPS: tl.constexpr, FOLD: tl.constexpr,
+    BW: tl.constexpr, LOWER: tl.constexpr, EPS: tl.constexpr, FOLD: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """`k3::kda_decode_inplace`: the same step writing conv_state and state over themselves; FOLD: f is f_a and
-    the f_b_proj GEMV runs inside (one launch fewer per KDA layer)."""
+    the f_b_proj GEMV runs inside (one launch fewer per KDA layer). PDL: as `kda_decode_fwd_kernel` (the wait
+    also keeps this kernel's in-place writes after everything its predecessors read)."""
+    pdl_wait(PDL)
     _decode_head(qkv, conv_state, conv_weight, f, f_b_weight, b, g, A_log, dt_bias, o_norm_weight, state, o,
                  conv_state, state, H, K, R, W, BK, BR, BW, LOWER, EPS, FOLD, True)
 
@@ -737,7 +741,7 @@ def kda_decode_fwd(qkv, conv_state, conv_weight, f, b, g, A_log, dt_bias, o_norm
     state_out = torch.empty(state.shape, device=qkv.device, dtype=torch.float32)
     common = _decode_launch(H, K, conv_weight.shape[-1], lower_bound, eps, config)
     launch(kda_decode_fwd_kernel)[(B * H,)](*args, state.to(torch.float32).contiguous(), o, conv_out, state_out,
-                                            **common)
+                                            **common, **pdl_args(o))
     return o, conv_out, state_out.to(state.dtype)
 
 
@@ -769,7 +773,7 @@ def kda_decode_inplace_fwd(qkv, conv_state, conv_weight, f, f_b_weight, b, g, A_
     o = qkv.new_empty(B, H * K)
     common = dict(_decode_launch(H, K, conv_weight.shape[-1], lower_bound, eps, config), R=R,
                   BR=max(32, triton.next_power_of_2(R)), FOLD=fold)
-    launch(kda_decode_inplace_fwd_kernel)[(B * H,)](*args, state, o, **common)
+    launch(kda_decode_inplace_fwd_kernel)[(B * H,)](*args, state, o, **common, **pdl_args(o))
     return o
 
 

@@ -79,7 +79,8 @@ def decode_launch(B: int, H: int, K: int, W: int, dtype: torch.dtype, lower_boun
     ptr = {n: pointer_type(dtype) for n in ("qkv", "conv_state", "conv_weight", "f", "b", "g", "o_norm_weight",
                                            "o", "conv_out")}
     ptr.update(A_log="*fp32", dt_bias="*fp32", state="*fp32", state_out="*fp32")
-    cx = dict(H=H, K=K, W=W, BK=cfg["BK"], BW=cfg["BW"], LOWER=float(lower_bound), EPS=float(eps))
+    cx = dict(H=H, K=K, W=W, BK=cfg["BK"], BW=cfg["BW"], LOWER=float(lower_bound), EPS=float(eps),
+              PDL=False)                                   # a plugin launch is plain (no programmatic dependent launch)
     return _launch(kda_decode_fwd_kernel, ptr, cx, decode_grid(B, H), {}, cfg["num_warps"], 1, arch,
                    cfg["maxnreg"])
 

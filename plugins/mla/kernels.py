@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..launch import launch, size_bound
+from ..launch import launch, pdl_args, pdl_wait, size_bound
 from ..triton_common import check, dot_precision, pow2
 from .op import mla_decode, mla_prefill
 
@@ -49,11 +49,12 @@ def mla_decode_fwd_kernel(q, cache, cache_len,
                           H, num_splits, qk_scale, V_DIM, R,
                           o_part, lse_part,
                           BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
-                          BLOCK_PE: tl.constexpr, DOT_PREC: tl.constexpr):
+                          BLOCK_PE: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr = False):
     """One (head block, split, sequence): partial softmax over cache rows [start, end) of sequence b.
 
     o_part `[B, H, S, BLOCK_V]` fp32 (normalised partial output), lse_part `[B, H, S]` fp32 (log2 domain;
-    -inf for an empty split)."""
+    -inf for an empty split). PDL: wait for the stream predecessor first (`launch.pdl_args`)."""
+    pdl_wait(PDL)
     qk_scale = tl.cast(qk_scale, tl.float32)  # Inductor passes Python float arguments as fp64 (AOTI packages)
     pid_h = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -107,8 +108,10 @@ def mla_decode_combine_kernel(q, new_row, o_part, lse_part,
                               stride_qb, stride_qh, stride_nb, stride_ob, stride_oh,
                               H, num_splits, qk_scale, V_DIM, R,
                               o,
-                              BLOCK_V: tl.constexpr, BLOCK_PE: tl.constexpr, BLOCK_S: tl.constexpr):
-    """One (head, sequence): merge the split partials and the always-attended new row."""
+                              BLOCK_V: tl.constexpr, BLOCK_PE: tl.constexpr, BLOCK_S: tl.constexpr,
+                              PDL: tl.constexpr = False):
+    """One (head, sequence): merge the split partials and the always-attended new row. PDL: as the decode kernel."""
+    pdl_wait(PDL)
     qk_scale = tl.cast(qk_scale, tl.float32)  # Inductor passes Python float arguments as fp64 (AOTI packages)
     h = tl.program_id(0)
     b = tl.program_id(1)
@@ -189,10 +192,10 @@ def mla_decode_fwd(q, cache, new_row, cache_len, scale: float, v_dim: int, num_s
         q, cache, cache_len, q.stride(0), q.stride(1), cache.stride(0), cache.stride(1),
         H, S, qk_scale, v_dim, R, o_part, lse_part, BLOCK_H=block_h, BLOCK_N=16 if fp32 else cfg["block_n"], BLOCK_V=BV,
         BLOCK_PE=BPE, DOT_PREC=dot_precision(q.dtype), num_warps=cfg["num_warps"],
-        num_stages=1 if fp32 else cfg["num_stages"])
+        num_stages=1 if fp32 else cfg["num_stages"], **pdl_args(q))
     launch(mla_decode_combine_kernel)[(H, B)](
         q, new_row, o_part, lse_part, q.stride(0), q.stride(1), new_row.stride(0), o.stride(0), o.stride(1),
-        H, S, qk_scale, v_dim, R, o, BLOCK_V=BV, BLOCK_PE=BPE, BLOCK_S=pow2(S, 2), num_warps=4)
+        H, S, qk_scale, v_dim, R, o, BLOCK_V=BV, BLOCK_PE=BPE, BLOCK_S=pow2(S, 2), num_warps=4, **pdl_args(q))
     return o
 
 
