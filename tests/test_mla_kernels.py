@@ -60,11 +60,41 @@ def _interpreter_cases() -> dict:
     out = mla_prefill_fwd(q, k, v, torch.tensor([0]), 0.25)    # no old rows at all
     res["prefill-fp32-no-old"] = _rel(out, mla_prefill_attention(q.double(), k.double(), v.double(),
                                                                   torch.tensor([0]), 0.25))
+    res.update(_wide_cases())
     try:
         mla_decode_fwd(torch.randn(1, 2, 40), torch.randn(1, 4, 40), torch.randn(1, 39), torch.tensor([1]), 1.0, 32)
         res["bad-shape-named"] = 0.0
     except ValueError as e:
         res["bad-shape-named"] = float("new_row" in str(e))
+    return res
+
+
+WIDE_TILES = ("wide32", "wide64-tma", "trans128-tma")
+
+
+def _wide_cases() -> dict:
+    """The many-heads wide tiles (`DECODE_TILES`, kernel="wide") at 96 heads (64 + a half-empty block of 32) in
+    fp16 (they take 16-bit inputs), 2 splits: a cache of 140 rows (full tiles and a partial one for every
+    block_n) and a cache of 1 row whose unused rows are NaN (a tile that read them would poison P.V)."""
+    from k3export.plugins.mla import kernels as K
+    torch.manual_seed(2)
+    B, H, R, L = 2, 96, 576, 140
+    q, cache, row = (torch.randn(*s).half() for s in ((B, H, R), (B, L, R), (B, R)))
+    cache_len = torch.tensor([140, 1])
+    cache[1, 1:] = float("nan")
+    clean = cache.clone()
+    clean[1, 1:] = 0.0
+    ref = mla_decode_attention(q.double(), clean.double(), row.double(), cache_len, SCALE, 512)
+    res, prev = {}, dict(K.DECODE_CONFIG)
+    try:
+        for tile in WIDE_TILES:
+            K.DECODE_CONFIG["many_heads_tile"] = tile
+            out = K.mla_decode_fwd(q, cache, row, cache_len, SCALE, 512, num_splits=2)
+            assert out.dtype == torch.float16 and out.shape == (B, H, 512)
+            res[f"wide-{tile}"] = _rel(out, ref)
+    finally:
+        K.DECODE_CONFIG.clear()
+        K.DECODE_CONFIG.update(prev)
     return res
 
 
@@ -74,6 +104,11 @@ def _interpreter_cases() -> dict:
                             ("prefill-fp32-no-old", FP32_BOUND)])
 def test_interpreted(interp, case, bound):
     assert interp[case] < bound, interp
+
+
+@pytest.mark.parametrize("tile", WIDE_TILES)
+def test_interpreted_wide_tiles(interp, tile):
+    assert interp[f"wide-{tile}"] < FP16_BOUND, interp
 
 
 def test_bad_shapes_are_named(interp):
@@ -98,6 +133,32 @@ def test_decode_k3_shapes(H, B, L):
     ref = mla_decode_attention(q.float(), cache.float(), row.float(), cache_len, SCALE, 512)
     err = _rel(out, ref)
     print(f"mla_decode H={H} B={B} L={L}: rel err {err:.2e}")
+    assert out.dtype == dt and err < BF16_BOUND
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("tile", WIDE_TILES)
+@pytest.mark.parametrize("B,L", [(2, 1), (3, 1000), (2, 4097), (1, 65536), (2, 65536), (64, 2048)])
+def test_decode_wide_tiles_k3_shapes(tile, B, L, monkeypatch):
+    """The many-heads wide tiles (not the default) through `torch.ops.k3.mla_decode` at 96 heads, bf16, with the
+    rows past cache_len[b] set to NaN (the kernel must not read them; the reference gets zeros there)."""
+    from k3export.plugins.mla import kernels as K
+    monkeypatch.setitem(K.DECODE_CONFIG, "many_heads_tile", tile)
+    torch.manual_seed(8)
+    dev, dt, H = "cuda", torch.bfloat16, 96
+    q = torch.randn(B, H, 576, device=dev, dtype=dt)
+    cache = torch.randn(B, L, 576, device=dev, dtype=dt)
+    row = torch.randn(B, 576, device=dev, dtype=dt)
+    cache_len = torch.randint(0, L + 1, (B,), device=dev)
+    cache_len[0] = L
+    if B > 1:
+        cache_len[1] = 0
+    unused = torch.arange(L, device=dev)[None, :] >= cache_len[:, None]                        # [B, L]
+    ref = mla_decode_attention(q.float(), cache.float().masked_fill(unused[..., None], 0.0), row.float(),
+                               cache_len, SCALE, 512)
+    out = torch.ops.k3.mla_decode(q, cache.masked_fill(unused[..., None], float("nan")), row, cache_len, SCALE, 512)
+    err = _rel(out, ref)
+    print(f"mla_decode {tile} H={H} B={B} L={L}: rel err {err:.2e}")
     assert out.dtype == dt and err < BF16_BOUND
 
 

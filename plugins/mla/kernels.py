@@ -41,6 +41,15 @@ def _sm_count(device: torch.device) -> int:
 DECODE_CONFIG = {"min_chunk": 64, "waves": 2}
 DECODE_TILES = {"few_heads": dict(block_h=16, block_n=64, num_warps=4, num_stages=3),    # H <= 16 (12 at TP=8)
                 "many_heads": dict(block_h=32, block_n=32, num_warps=4, num_stages=3)}  # e.g. 96
+# Candidates for many heads, `mla_decode_wide_kernel` (kernel="wide"; 16-bit inputs only, fp32 keeps the base
+# kernel): 64 heads per program on two warpgroups (96 heads = 2 programs, the second half empty). Chosen with
+# DECODE_CONFIG["many_heads_tile"] = name; not the default (untimed). Offline sm_90 builds (triton 3.6.0, JIT
+# specialisation): wide32 246 regs, wide64-tma 233, 0 B spills; trans128-tma 255 regs, 208 B spills, 1 stage.
+DECODE_TILES |= {
+    "wide32": dict(block_h=64, block_n=32, num_warps=8, num_stages=3, kernel="wide", tma=False, trans_s=False),
+    "wide64-tma": dict(block_h=64, block_n=64, num_warps=8, num_stages=2, kernel="wide", tma=True, trans_s=False),
+    "trans128-tma": dict(block_h=64, block_n=128, num_warps=8, num_stages=1, kernel="wide", tma=True, trans_s=True),
+}
 
 
 @triton.jit
@@ -139,6 +148,101 @@ def mla_decode_combine_kernel(q, new_row, o_part, lse_part,
     tl.store(o + b * stride_ob + h * stride_oh + offs_v, out.to(o.dtype.element_ty), mask=v_ok)
 
 
+# The "wide" split kernel for many heads (a DECODE_TILES entry with kernel="wide"; not the default until timed on
+# the H200, `scripts/mla_decode_sweep.py`). 64 heads per program and 8 warps: Triton lays the [64, 512] fp32
+# accumulator over two warpgroups (256 value columns each, 128 registers per thread) and issues wgmma; q stays in
+# shared memory. Full cache tiles load unmasked (TMA descriptors with tma=True, else pointer loads that the
+# software pipeliner turns into cp.async); the last, partial tile of a split is a masked pointer load, so rows at
+# or past cache_len[b] are never read (they may hold anything, NaN included: a TMA tile would multiply them by
+# p = 0 in P.V).
+@triton.jit
+def _decode_tile(acc, m_i, l_i, q_v, q_pe, kv, k_pe, r_ok, qk_scale, MASKED: tl.constexpr,
+                 TRANS_S: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Online softmax over one cache tile for a head block: kv `[BN, BV]` (keys' first part, and the values),
+    k_pe `[BN, BPE]`; with MASKED, rows where r_ok `[BN]` is False get zero weight. TRANS_S computes the scores
+    as S^T = K Q^T (cache rows as the MMA's M, needs BN >= 64), which wgmma issues as m64 x n(heads) instead of
+    m(heads) x n16 steps that re-read q from shared memory for every 16 rows."""
+    if TRANS_S:
+        st = tl.dot(kv, tl.trans(q_v), input_precision=DOT_PREC)
+        st = tl.dot(k_pe, tl.trans(q_pe), acc=st, input_precision=DOT_PREC)                    # [BN, BH]
+        s = tl.trans(st) * qk_scale
+    else:
+        s = tl.dot(q_v, tl.trans(kv), input_precision=DOT_PREC)
+        s = tl.dot(q_pe, tl.trans(k_pe), acc=s, input_precision=DOT_PREC) * qk_scale            # [BH, BN]
+    if MASKED:
+        s = tl.where(r_ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    acc = tl.dot(p.to(kv.dtype), kv, acc=acc * alpha[:, None], input_precision=DOT_PREC)
+    return acc, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def mla_decode_wide_kernel(q, cache, cache_len, kv_desc, pe_desc,
+                           stride_qb, stride_qh, stride_cb, stride_cl,
+                           H, num_splits, qk_scale, V_DIM, R,
+                           o_part, lse_part,
+                           BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+                           BLOCK_PE: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr,
+                           TRANS_S: tl.constexpr, PDL: tl.constexpr = False):
+    """`mla_decode_fwd_kernel`'s contract (same grid, splits and outputs). With TMA, kv_desc / pe_desc are
+    descriptors of the cache as `[B * L, R]` (contiguous) with blocks `[BLOCK_N, BLOCK_V]` / `[BLOCK_N,
+    BLOCK_PE]`, BLOCK_V == V_DIM and BLOCK_PE == R - V_DIM; else they are unused (None). TRANS_S: see
+    `_decode_tile`. PDL: as `mla_decode_fwd_kernel`."""
+    pdl_wait(PDL)
+    qk_scale = tl.cast(qk_scale, tl.float32)  # Inductor passes Python float arguments as fp64 (AOTI packages)
+    pid_h = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    b = tl.program_id(2)
+    n = tl.load(cache_len + b).to(tl.int32)
+    chunk = tl.cdiv(tl.cdiv(n, num_splits), BLOCK_N) * BLOCK_N
+    start = pid_s * chunk
+    end = tl.minimum(start + chunk, n)
+    full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N                         # last full tile
+
+    heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = heads < H
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_v = tl.arange(0, BLOCK_V)
+    offs_pe = V_DIM + tl.arange(0, BLOCK_PE)
+    v_ok = offs_v < V_DIM
+    pe_ok = offs_pe < R
+    q_row = q + b * stride_qb + heads[:, None] * stride_qh
+    q_v = tl.load(q_row + offs_v[None, :], mask=h_ok[:, None] & v_ok[None, :], other=0.0)     # [BH, BV]
+    q_pe = tl.load(q_row + offs_pe[None, :], mask=h_ok[:, None] & pe_ok[None, :], other=0.0)  # [BH, BPE]
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_V], tl.float32)
+    c_base = cache + b.to(tl.int64) * stride_cb
+    row0 = b * (stride_cb // stride_cl)                                                         # TMA row of (b, 0)
+    for j0 in range(start, full_end, BLOCK_N):
+        if TMA:
+            kv = kv_desc.load([row0 + j0, 0])                                                   # [BN, BV]
+            k_pe = pe_desc.load([row0 + j0, V_DIM])                                             # [BN, BPE]
+        else:
+            c_row = c_base + (j0 + offs_n)[:, None].to(tl.int64) * stride_cl
+            kv = tl.load(c_row + offs_v[None, :], mask=v_ok[None, :], other=0.0)
+            k_pe = tl.load(c_row + offs_pe[None, :], mask=pe_ok[None, :], other=0.0)
+        acc, m_i, l_i = _decode_tile(acc, m_i, l_i, q_v, q_pe, kv, k_pe, offs_n < BLOCK_N, qk_scale, False,
+                                     TRANS_S, DOT_PREC)
+    if full_end < end:                                                                          # partial tile
+        rows = full_end + offs_n
+        r_ok = rows < end
+        c_row = c_base + rows[:, None].to(tl.int64) * stride_cl
+        kv = tl.load(c_row + offs_v[None, :], mask=r_ok[:, None] & v_ok[None, :], other=0.0)
+        k_pe = tl.load(c_row + offs_pe[None, :], mask=r_ok[:, None] & pe_ok[None, :], other=0.0)
+        acc, m_i, l_i = _decode_tile(acc, m_i, l_i, q_v, q_pe, kv, k_pe, r_ok, qk_scale, True, TRANS_S, DOT_PREC)
+
+    has = l_i > 0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    part = (b * H + heads) * num_splits + pid_s                                                 # [BH]
+    tl.store(o_part + part[:, None].to(tl.int64) * BLOCK_V + offs_v[None, :], out, mask=h_ok[:, None])
+    tl.store(lse_part + part, lse, mask=h_ok)
+
+
 def split_rule(B: int, H: int, L: int, block_h: int, sms: int) -> int:
     """Splits of the cache length: enough programs for `waves` per SM, no chunk under `min_chunk` rows (the AOT
     adapter, trt.py, calls it with a fixed SM count)."""
@@ -156,13 +260,33 @@ def decode_splits(B: int, H: int, L: int, block_h: int, device: torch.device) ->
 def decode_tiles(H: int) -> dict:
     """block_h (heads per program: each latent row is read once per head block, so larger reads less until the
     fp32 accumulator `[BLOCK_H, 512]` no longer fits the registers), block_n, num_warps, num_stages."""
-    t = dict(DECODE_TILES["few_heads" if H <= 16 else "many_heads"])
+    t = dict(DECODE_TILES["few_heads" if H <= 16 else DECODE_CONFIG.get("many_heads_tile", "many_heads")])
     t.update({k: DECODE_CONFIG[k] for k in t if k in DECODE_CONFIG})
     return t
 
 
 def decode_block_h(H: int) -> int:
     return decode_tiles(H)["block_h"]
+
+
+def _launch_wide(q, cache, cache_len, S: int, qk_scale: float, v_dim: int, o_part, lse_part, cfg: dict):
+    """The split launch of `mla_decode_wide_kernel` for tile `cfg` (q, cache `[B, *, R]`, unit last stride).
+    TMA needs a contiguous cache and power-of-two v_dim and R - v_dim (the descriptors' blocks are exact);
+    otherwise the same tile runs with pointer loads."""
+    B, H, R = q.shape
+    BV, BPE, bn = pow2(v_dim), pow2(R - v_dim), cfg["block_n"]
+    tma = cfg.get("tma") and cache.is_contiguous() and cache.numel() > 0 and BV == v_dim and BPE == R - v_dim
+    if tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        rows = cache.view(-1, R)                                                                # [B * L, R]
+        kv_desc, pe_desc = TensorDescriptor.from_tensor(rows, [bn, BV]), TensorDescriptor.from_tensor(rows, [bn, BPE])
+    else:
+        kv_desc = pe_desc = None
+    launch(mla_decode_wide_kernel)[(triton.cdiv(H, cfg["block_h"]), S, B)](
+        q, cache, cache_len, kv_desc, pe_desc, q.stride(0), q.stride(1), cache.stride(0), cache.stride(1),
+        H, S, qk_scale, v_dim, R, o_part, lse_part, BLOCK_H=cfg["block_h"], BLOCK_N=bn, BLOCK_V=BV, BLOCK_PE=BPE,
+        DOT_PREC=dot_precision(q.dtype), TMA=bool(tma), TRANS_S=cfg.get("trans_s", False),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(q))
 
 
 def mla_decode_fwd(q, cache, new_row, cache_len, scale: float, v_dim: int, num_splits: int | None = None):
@@ -188,11 +312,14 @@ def mla_decode_fwd(q, cache, new_row, cache_len, scale: float, v_dim: int, num_s
     fp32 = q.dtype == torch.float32
     cfg = decode_tiles(H)
     qk_scale = scale * LOG2E
-    launch(mla_decode_fwd_kernel)[(triton.cdiv(H, block_h), S, B)](
-        q, cache, cache_len, q.stride(0), q.stride(1), cache.stride(0), cache.stride(1),
-        H, S, qk_scale, v_dim, R, o_part, lse_part, BLOCK_H=block_h, BLOCK_N=16 if fp32 else cfg["block_n"], BLOCK_V=BV,
-        BLOCK_PE=BPE, DOT_PREC=dot_precision(q.dtype), num_warps=cfg["num_warps"],
-        num_stages=1 if fp32 else cfg["num_stages"], **pdl_args(q))
+    if cfg.get("kernel") == "wide" and not fp32:
+        _launch_wide(q, cache, cache_len, S, qk_scale, v_dim, o_part, lse_part, cfg)
+    else:
+        launch(mla_decode_fwd_kernel)[(triton.cdiv(H, block_h), S, B)](
+            q, cache, cache_len, q.stride(0), q.stride(1), cache.stride(0), cache.stride(1),
+            H, S, qk_scale, v_dim, R, o_part, lse_part, BLOCK_H=block_h, BLOCK_N=16 if fp32 else cfg["block_n"],
+            BLOCK_V=BV, BLOCK_PE=BPE, DOT_PREC=dot_precision(q.dtype), num_warps=cfg["num_warps"],
+            num_stages=1 if fp32 else cfg["num_stages"], **pdl_args(q))
     launch(mla_decode_combine_kernel)[(H, B)](
         q, new_row, o_part, lse_part, q.stride(0), q.stride(1), new_row.stride(0), o.stride(0), o.stride(1),
         H, S, qk_scale, v_dim, R, o, BLOCK_V=BV, BLOCK_PE=BPE, BLOCK_S=pow2(S, 2), num_warps=4, **pdl_args(q))
