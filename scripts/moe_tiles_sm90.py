@@ -1,5 +1,6 @@
 """Offline sm_90 build report of the MoE prefill GEMMs, no GPU needed: registers, spill stack, shared memory and
-matrix instructions (wgmma / mma.sync) of gemm1 and gemm2 for every tiling in `kernels.TILINGS["prefill"]`.
+matrix instructions (wgmma / mma.sync) of gemm1 (also "gemm1p": gate/up rows paired, `interleave_gate_up`) and
+gemm2 for every tiling in `kernels.TILINGS["prefill"]`.
 
     python scripts/moe_tiles_sm90.py [tiling ...]
 
@@ -29,11 +30,11 @@ def _desc(rows, cols):
     return f"tensordesc<bf16[{rows},{cols}]>"
 
 
-def signature(which: str, cfg) -> tuple[dict, dict]:
+def signature(which: str, cfg, paired: bool = False) -> tuple[dict, dict]:
     bn, bk = (cfg.gemm1 if which == "gemm1" else cfg.gemm2)[:2]
     aw, wd = cfg.tma == "aw", bool(cfg.tma)
     a = _desc(cfg.block_m, bk) if aw else "*bf16"
-    w = _desc(bn, bk) if wd else "*bf16"
+    w = _desc(2 * bn if paired else bn, bk) if wd else "*bf16"
     ints = dict(MB="i32", L="i32", I="i32")
     if which == "gemm1":
         sig = dict(a=a, w1=w, w3=w, h="*bf16", row_pair="*i32", block_expert="*i32", **ints, stride_an="i32",
@@ -49,14 +50,17 @@ def signature(which: str, cfg) -> tuple[dict, dict]:
     sig["a_tail"] = _desc(cfg.tail, bk) if aw and cfg.tail else "constexpr"
     if not (aw and cfg.tail):
         cx["a_tail"] = None
+    if paired:                                       # gate/up rows interleaved: one [2 BN, BK] weight tile per step
+        sig["PAIRED"], cx["PAIRED"] = "constexpr", True
     return sig, cx
 
 
 def report(name: str, cfg) -> None:
-    for which in ("gemm1", "gemm2"):
+    builds = [("gemm1", False), ("gemm1", True), ("gemm2", False)] if cfg.tma else [("gemm1", False), ("gemm2", False)]
+    for which, paired in builds:
         fn = K.moe_gemm1_fwd_kernel if which == "gemm1" else K.moe_gemm2_fwd_kernel
         warps, stages = (cfg.gemm1 if which == "gemm1" else cfg.gemm2)[2:]
-        sig, cx = signature(which, cfg)
+        sig, cx = signature(which, cfg, paired)
         c = triton.compile(ASTSource(fn, sig, cx), target=GPUTarget("cuda", 90, 32),
                            options=dict(num_warps=warps, num_stages=stages))
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -66,7 +70,8 @@ def report(name: str, cfg) -> None:
                                    text=True).stdout
         m = re.search(r"REG:(\d+) STACK:(\d+)", usage)
         ptx = c.asm["ptx"]
-        print(f"{name:18s} {which}  regs {m.group(1):>3s}  spill stack {m.group(2):>4s} B  shared "
+        which = "gemm1p" if paired else which + " "
+        print(f"{name:18s} {which} regs {m.group(1):>3s}  spill stack {m.group(2):>4s} B  shared "
               f"{c.metadata.shared:>6d} B  wgmma {ptx.count('wgmma.mma_async'):2d}  mma.sync {ptx.count('mma.sync'):2d}")
 
 

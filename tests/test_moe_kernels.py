@@ -60,7 +60,7 @@ def _plan_matches_up_to_order(ids, E, bm) -> bool:
 
 def _interpreter_cases() -> dict:
     """Every CPU case, run in this process under TRITON_INTERPRET=1 -> {case: relative error or flag}."""
-    from k3export.plugins.moe.kernels import TILINGS, MoeTiles, align_rows, moe_routed_fwd, route_fwd
+    from k3export.plugins.moe.kernels import TILINGS, MoeTiles, align_rows, interleave_gate_up, moe_routed_fwd, route_fwd
     res = {}
     N, d, E, I, L, k = 7, 48, 12, 40, 24, 4          # 28 pairs over 12 experts: some get none
     for name, dt in DTYPES.items():
@@ -130,6 +130,15 @@ def _interpreter_cases() -> dict:
                 n = t.pairs
                 u = moe_routed_fwd(x[:n], z[:n], *w16, k, True, 1.0, tiles=t, **SITU)
                 res[f"tiles-{regime}-{name}"] = max(res[f"tiles-{regime}-{name}"], _rel(u, ref[:n]))
+    # The same draw with gate/up rows interleaved in one tensor (`interleave_gate_up`): TMA tilings read one
+    # [2 BN, BK] tile per step (PAIRED), pointer tilings and the "pairs" GEMVs read the strided views. I = 40 is
+    # not a multiple of any BLOCK_N: a paired tile past I reads the next expert's rows, never stored.
+    wp = (*w16[:2], *interleave_gate_up(w16[2], w16[3])[1:], w16[4])
+    for regime, name in PAIRED_TILINGS:
+        t = TILINGS[regime][name]
+        n = t.pairs or N
+        u = moe_routed_fwd(x[:n], z[:n], *wp, k, True, 1.0, tiles=t, **SITU)
+        res[f"paired-{regime}-{name}"] = _rel(u, ref[:n])
     # Tail rows (MoeTiles.tail): 140 tokens top-2 over 3 experts, expert 0 hot (every token: 140 rows, past a
     # 128-row BLOCK_M into the tail), the others ~70 rows; every prefill tiling with a tail, and small tail
     # tilings (16 + 16 rows: several blocks per expert, blocks ending inside the tail or before it).
@@ -142,9 +151,13 @@ def _interpreter_cases() -> dict:
     tail_tilings = {f"prefill-{n}": t for n, t in TILINGS["prefill"].items() if t.tail}
     tail_tilings.update({f"small-{tma or 'ptr'}": MoeTiles(16, (32, 32, 4, 1), (32, 32, 4, 1), 1, tma, True, False, 16)
                          for tma in ("", "w", "aw")})
+    wtp = (*wt[:2], *interleave_gate_up(wt[2], wt[3])[1:], wt[4])
     for name, t in tail_tilings.items():
         u = moe_routed_fwd(xt, zt, *wt, 2, True, 1.0, tiles=t, **SITU)
         res[f"tail-{name}"] = _rel(u, ref)
+        if t.tma:
+            u = moe_routed_fwd(xt, zt, *wtp, 2, True, 1.0, tiles=t, **SITU)
+            res[f"tail-paired-{name}"] = _rel(u, ref)
     # Rows of 20 fp16 (40 bytes) cannot be TMA rows: the TMA tilings fall back to pointer loads.
     torch.manual_seed(4)
     x20, z20 = torch.randn(N, d, dtype=torch.float16), torch.randn(N, 20, dtype=torch.float16)
@@ -189,6 +202,13 @@ def test_interpreted(interp, case, bound):
     assert interp[case] < bound, interp
 
 
+# Tilings also run on paired gate/up weights on CPU: every prefill TMA tiling (the PAIRED kernel path), a decode
+# TMA tiling, the default pairs GEMVs and a pointer tiling (strided views).
+PAIRED_TILINGS = [("prefill", "m128-tma-aw"), ("prefill", "m128-tma-w"), ("prefill", "m128t64-aw"),
+                  ("prefill", "m64t32-n128-aw8"), ("prefill", "old"), ("decode", "fused-lean-tma"),
+                  ("decode", "pairs-n8-fc")]
+
+
 def _tiling_names():
     from k3export.plugins.moe.kernels import TILINGS
     return [f"{regime}-{name}" for regime, t in TILINGS.items() for name in t]
@@ -208,6 +228,29 @@ def _tail_names():
 def test_interpreted_tail_rows(interp, tiles):
     """Experts with more rows than a block's BLOCK_M (the tail dot used), a hot expert over several blocks."""
     assert interp[f"tail-{tiles}"] < FP16_BOUND, interp
+    if f"tail-paired-{tiles}" in interp:
+        assert interp[f"tail-paired-{tiles}"] < FP16_BOUND, interp
+
+
+@pytest.mark.parametrize("tiles", [f"{r}-{n}" for r, n in PAIRED_TILINGS])
+def test_interpreted_paired_gate_up(interp, tiles):
+    """Gate/up rows interleaved in one tensor (`interleave_gate_up`) give the separate layout's result."""
+    assert interp[f"paired-{tiles}"] < FP16_BOUND, interp
+
+
+def test_paired_gate_up_layout():
+    """interleave_gate_up's views equal w1 / w3 and share one contiguous tensor; paired_gate_up recognises exactly
+    that layout (not swapped views, copies, other strides or dtypes)."""
+    from k3export.plugins.moe.kernels import interleave_gate_up, paired_gate_up
+    w1, w3 = torch.randn(3, 5, 8), torch.randn(3, 5, 8)
+    w13, p1, p3 = interleave_gate_up(w1, w3)
+    assert w13.shape == (3, 10, 8) and w13.is_contiguous()
+    assert torch.equal(p1, w1) and torch.equal(p3, w3) and torch.equal(w13[:, 1::2], w3)
+    assert paired_gate_up(p1, p3).data_ptr() == w13.data_ptr() and torch.equal(paired_gate_up(p1, p3), w13)
+    assert paired_gate_up(w1, w3) is None and paired_gate_up(p3, p1) is None
+    assert paired_gate_up(p1.contiguous(), p3.contiguous()) is None
+    assert paired_gate_up(p1, interleave_gate_up(w1, w3)[2]) is None          # another tensor's odd rows
+    assert paired_gate_up(p1.half(), p3.half()) is None
 
 
 @pytest.mark.parametrize("flag", ["route-ids-fp32", "route-ids-fp16", "ties-lower-id-first", "bad-shape-named",
@@ -287,6 +330,30 @@ def test_moe_tilings_k3_shapes(k3_experts, k3_case, tiles):
     err = ((u.double() - ref.double())[clear].abs().max() / ref.double().abs().max()).item()
     print(f"moe_routed tiles {tiles}: rel err {err:.2e} on {int(clear.sum())}/{len(clear)} clear rows")
     assert u.shape == z.shape and clear.float().mean() > 0.9 and err < BF16_BOUND
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["m128t64-aw", "m128-tma-aw", "m64t32-n128-aw8", "m128t64-aw-k128"])
+def test_moe_paired_gate_up_k3_shapes(k3_experts, k3_case, name):
+    """gemm1 on gate/up rows interleaved (one [2 BN, BK] tile, one dot of N = 2 BN per step) vs the separate layout
+    with the same tiling at K3 size, 8192 tokens (every expert hit, the tail dot in use), and vs moe_sorted."""
+    from k3export.plugins.moe.kernels import TILINGS, interleave_gate_up, moe_routed_fwd
+    g, b, w1, w3, w2 = k3_experts
+    t = TILINGS["prefill"][name]
+    x, z, ref, clear = k3_case(8192)
+    if torch.cuda.mem_get_info()[0] < 45e9:
+        pytest.skip("needs ~40 GB of free GPU memory for the interleaved copy of w1 / w3")
+    sep = moe_routed_fwd(x, z, *k3_experts, 16, True, 1.0, tiles=t, **SITU)
+    wp = (g, b, *interleave_gate_up(w1, w3)[1:], w2)
+    u = moe_routed_fwd(x, z, *wp, 16, True, 1.0, tiles=t, **SITU)
+    del wp
+    torch.cuda.empty_cache()
+    err_sep = _rel(u, sep)
+    err = ((u.double() - ref.double())[clear].abs().max() / ref.double().abs().max()).item()
+    print(f"moe_routed {name} paired gate/up: vs separate {err_sep:.2e} (bit-identical: {torch.equal(u, sep)}), "
+          f"vs moe_sorted {err:.2e} on {int(clear.sum())}/{len(clear)} clear rows")
+    # Same selection, same K order per output: at most h's bf16 rounding flips (~1 ulp, as between tilings).
+    assert err_sep < BF16_BOUND and err < BF16_BOUND
 
 
 @pytest.mark.cuda

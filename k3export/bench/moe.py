@@ -92,11 +92,16 @@ def stage_ms(w, x, z, cfg) -> dict:
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}
 
 
-def run_sweep(w, regime: str, tokens, ceiling: float, deadline: float, eager: bool) -> list[dict]:
-    """Every tiling of `regime` at every token count: ms, the physics figure, error vs the baseline tiling."""
+def run_sweep(w, regime: str, tokens, ceiling: float, deadline: float, eager: bool, tiles=None,
+              paired=None) -> list[dict]:
+    """Every tiling of `regime` (or those named in tiles) at every token count: ms, the physics figure, error vs
+    the baseline tiling (the first one run). paired: the same weights with gate/up rows interleaved
+    (`interleave_gate_up`): every tiling is run on them too, as "<name>+paired"."""
     from k3export.plugins.moe import kernels as Km
     from k3export.plugins.moe.naive import moe_sorted
     g, b, w1, w3, w2 = w
+    layouts = [("", w)] + ([("+paired", paired)] if paired is not None else [])
+    chosen = [(n, c) for n, c in Km.TILINGS[regime].items() if tiles is None or n in tiles]
     rows = []
     for N in tokens:
         torch.manual_seed(N)
@@ -113,14 +118,15 @@ def run_sweep(w, regime: str, tokens, ceiling: float, deadline: float, eager: bo
             floors["cap_frac_matmul"] = floors["flop_floor_ms"] / max(floors.values())
             print(_fmt({"regime": regime, "tokens": N, **floors}), flush=True)
         base = None
-        for name, cfg in Km.TILINGS[regime].items():
+        for (name, cfg), (suffix, wl) in ((t, lay) for t in chosen for lay in layouts):
+            name += suffix
             if time.monotonic() > deadline:
                 rows.append({"regime": regime, "tokens": N, "tiles": name, "error": "skipped: time budget"})
                 print(_fmt(rows[-1]), flush=True)
                 continue
             r = {"regime": regime, "tokens": N, "tiles": name}
             try:
-                fn = lambda: Km.moe_routed_fwd(x, z, g, b, w1, w3, w2, tiles=cfg, **ARGS)  # noqa: E731
+                fn = lambda: Km.moe_routed_fwd(x, z, *wl, tiles=cfg, **ARGS)  # noqa: E731
                 u = fn()
                 base = u if base is None else base
                 r["err_vs_old"] = _rel(u, base)
@@ -134,7 +140,7 @@ def run_sweep(w, regime: str, tokens, ceiling: float, deadline: float, eager: bo
                               **floors})
                 if (name == "old" or N == (8192 if regime == "prefill" else 1) or cfg.tail) and \
                         not N <= cfg.pairs:                        # the stages are the row plan's
-                    r["stages_ms"] = stage_ms(w, x, z, cfg)
+                    r["stages_ms"] = stage_ms(wl, x, z, cfg)
             except Exception as e:                                  # a tiling that does not compile / fit
                 r["error"] = f"{type(e).__name__}: {str(e)[:200]}"
             rows.append(r)
@@ -154,10 +160,28 @@ def run_sweep(w, regime: str, tokens, ceiling: float, deadline: float, eager: bo
 @click.option("--budget-s", type=float, default=150.0, show_default=True,
               help="tilings not started within this many seconds are skipped (reported as such)")
 @click.option("--phases", default="prefill,decode", show_default=True, help="which sweeps to run")
-def moe(out: Path, quick: bool, budget_s: float, phases: str) -> None:
+@click.option("--tiles", default="", help="comma-separated tiling names to run (default: every tiling of the phase)")
+@click.option("--tokens", default="", help="comma-separated prefill token counts (default 8192,4096,16384)")
+@click.option("--paired/--no-paired", default=False, show_default=True,
+              help="also run every prefill tiling on gate/up rows interleaved in one tensor (+39.5 GB of GPU memory)")
+def moe(out: Path, quick: bool, budget_s: float, phases: str, tiles: str, tokens: str, paired: bool) -> None:
     """Routed MoE: every tiling in the sweep at prefill 4096..16384 tokens (TFLOP/s vs the bf16 matmul rate)
     and decode 1..64 tokens (expert bytes vs copy bandwidth, plain call and CUDA-graph replay), each vs the
     previous default tiling and the eager loop (`moe_sorted`), with per-stage times."""
+    want = {ph.strip() for ph in phases.split(",") if ph.strip()}
+    if want - {"prefill", "decode"}:
+        raise click.BadParameter(f"unknown phase(s) {', '.join(sorted(want - {'prefill', 'decode'}))}; choose from "
+                                 "prefill, decode")
+    from k3export.plugins.moe import kernels as Km
+    names = {t.strip() for t in tiles.split(",") if t.strip()} or None
+    unknown = (names or set()) - {n for ph in want for n in Km.TILINGS[ph]}
+    if unknown:
+        raise click.BadParameter(f"unknown tiling(s) {', '.join(sorted(unknown))}; known: "
+                                 f"{', '.join(n for ph in sorted(want) for n in Km.TILINGS[ph])}", param_hint="--tiles")
+    try:
+        counts = tuple(int(t) for t in tokens.split(",") if t.strip()) or ((8192,) if quick else (8192, 4096, 16384))
+    except ValueError:
+        raise click.BadParameter(f"{tokens!r} is not a comma-separated list of token counts", param_hint="--tokens")
     t0 = time.monotonic()
     out.mkdir(parents=True, exist_ok=True)
     bw, rate = copy_bandwidth(), matmul_rate()
@@ -167,16 +191,18 @@ def moe(out: Path, quick: bool, budget_s: float, phases: str) -> None:
            "copy_TBps": bw / 1e12, "matmul_TFLOPs": rate / 1e12}
     from k3export.plugins.moe.kernels import CONFIGS
     res["defaults"] = {k: repr(v) for k, v in CONFIGS.items()}
-    want = {ph.strip() for ph in phases.split(",") if ph.strip()}
-    if want - {"prefill", "decode"}:
-        raise click.BadParameter(f"unknown phase(s) {', '.join(sorted(want - {'prefill', 'decode'}))}; choose from "
-                                 "prefill, decode")
     if "prefill" in want:
-        res["prefill"] = run_sweep(w, "prefill", (8192,) if quick else (8192, 4096, 16384), rate,
-                                   t0 + (0.7 if "decode" in want else 1.0) * budget_s, True)
+        wp = None
+        if paired:                       # the same values, gate/up rows interleaved: one weight tile per gemm1 step
+            wp = (w[0], w[1], *Km.interleave_gate_up(w[2], w[3])[1:], w[4])
+        res["prefill"] = run_sweep(w, "prefill", counts, rate, t0 + (0.7 if "decode" in want else 1.0) * budget_s,
+                                   True, names, wp)
+        wp = None
+        torch.cuda.empty_cache()
         (out / "moe.json").write_text(json.dumps(res, indent=1))     # written per section: a cut run keeps some
     if "decode" in want:
-        res["decode"] = run_sweep(w, "decode", (1, 64) if quick else (1, 2, 4, 16, 64), bw, t0 + budget_s, True)
+        res["decode"] = run_sweep(w, "decode", (1, 64) if quick else (1, 2, 4, 16, 64), bw, t0 + budget_s, True,
+                                  names and (names & set(Km.TILINGS["decode"])) or None)
         (out / "moe.json").write_text(json.dumps(res, indent=1))
     print(f"wrote {out / 'moe.json'}")
     summary(res)

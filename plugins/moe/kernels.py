@@ -366,40 +366,82 @@ def _tile(pid, MB, NT, group_m):
 
 
 @triton.jit
-def _gemm1_loop(a, a_tail, w1, w3, a_ptr, at_ptr, m_ok, t_ok, e, pn, row0, L, I, w_off, offs_k, n_ok,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TAIL: tl.constexpr,
-                USE_TAIL: tl.constexpr, A_DESC: tl.constexpr, W_DESC: tl.constexpr, DOT_PREC: tl.constexpr):
-    """gemm1's loop over L: (z W1_e^T, z W3_e^T) in fp32 for the BLOCK_M rows and, USE_TAIL, the TAIL rows on the
-    same weight tiles (else their accumulators stay 0; TAIL = 0: they alias the main ones, unused)."""
-    acc1 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc3 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+def _gemm1_paired_loop(a, a_tail, w13, a_ptr, at_ptr, m_ok, t_ok, e, pn, row0, L, I, offs_k,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TAIL: tl.constexpr,
+                       USE_TAIL: tl.constexpr, A_DESC: tl.constexpr, DOT_PREC: tl.constexpr):
+    """`_gemm1_loop` over gate/up rows interleaved in one tensor (w13 a TMA descriptor over `[E * 2I, L]`, row
+    2i = W1[i], row 2i + 1 = W3[i]): one [BLOCK_K, 2 BLOCK_N] weight tile and one dot per K step (N = 2 BLOCK_N,
+    A read once from shared memory) instead of two; the accumulator's even / odd columns are the two products."""
+    acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], tl.float32)
     if TAIL > 0:
-        acc1t = tl.zeros([TAIL, BLOCK_N], tl.float32)
-        acc3t = tl.zeros([TAIL, BLOCK_N], tl.float32)
+        acc_t = tl.zeros([TAIL, 2 * BLOCK_N], tl.float32)
     else:
-        acc1t = acc1
-        acc3t = acc3
+        acc_t = acc
     for k0 in range(0, L, BLOCK_K):
         k_ok = (k0 + offs_k) < L
         if A_DESC:
             x = a.load([row0, k0])
         else:
             x = tl.load(a_ptr + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        if W_DESC:
-            b1 = w1.load([e * I + pn * BLOCK_N, k0]).T
-            b3 = w3.load([e * I + pn * BLOCK_N, k0]).T
-        else:
-            b1 = tl.load(w1 + w_off + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            b3 = tl.load(w3 + w_off + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc1 = tl.dot(x, b1, acc=acc1, input_precision=DOT_PREC)
-        acc3 = tl.dot(x, b3, acc=acc3, input_precision=DOT_PREC)
+        b = w13.load([(e * I + pn * BLOCK_N) * 2, k0]).T                                   # [BK, 2 BN]
+        acc = tl.dot(x, b, acc=acc, input_precision=DOT_PREC)
         if USE_TAIL:
             if A_DESC:
                 xt = a_tail.load([row0 + BLOCK_M, k0])
             else:
                 xt = tl.load(at_ptr + k0, mask=t_ok[:, None] & k_ok[None, :], other=0.0)
-            acc1t = tl.dot(xt, b1, acc=acc1t, input_precision=DOT_PREC)
-            acc3t = tl.dot(xt, b3, acc=acc3t, input_precision=DOT_PREC)
+            acc_t = tl.dot(xt, b, acc=acc_t, input_precision=DOT_PREC)
+    acc1, acc3 = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
+    if TAIL > 0:
+        acc1t, acc3t = tl.split(tl.reshape(acc_t, [TAIL, BLOCK_N, 2]))
+    else:
+        acc1t = acc1
+        acc3t = acc3
+    return acc1, acc3, acc1t, acc3t
+
+
+@triton.jit
+def _gemm1_loop(a, a_tail, w1, w3, a_ptr, at_ptr, m_ok, t_ok, e, pn, row0, L, I, w_off, offs_k, n_ok,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TAIL: tl.constexpr,
+                USE_TAIL: tl.constexpr, A_DESC: tl.constexpr, W_DESC: tl.constexpr, DOT_PREC: tl.constexpr,
+                PAIRED: tl.constexpr = False):
+    """gemm1's loop over L: (z W1_e^T, z W3_e^T) in fp32 for the BLOCK_M rows and, USE_TAIL, the TAIL rows on the
+    same weight tiles (else their accumulators stay 0; TAIL = 0: they alias the main ones, unused). PAIRED:
+    `_gemm1_paired_loop` (w1 is the interleaved descriptor, w3 unused)."""
+    if PAIRED:
+        acc1, acc3, acc1t, acc3t = _gemm1_paired_loop(a, a_tail, w1, a_ptr, at_ptr, m_ok, t_ok, e, pn, row0, L, I,
+                                                      offs_k, BLOCK_M, BLOCK_N, BLOCK_K, TAIL, USE_TAIL, A_DESC,
+                                                      DOT_PREC)
+    else:
+        acc1 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc3 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        if TAIL > 0:
+            acc1t = tl.zeros([TAIL, BLOCK_N], tl.float32)
+            acc3t = tl.zeros([TAIL, BLOCK_N], tl.float32)
+        else:
+            acc1t = acc1
+            acc3t = acc3
+        for k0 in range(0, L, BLOCK_K):
+            k_ok = (k0 + offs_k) < L
+            if A_DESC:
+                x = a.load([row0, k0])
+            else:
+                x = tl.load(a_ptr + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            if W_DESC:
+                b1 = w1.load([e * I + pn * BLOCK_N, k0]).T
+                b3 = w3.load([e * I + pn * BLOCK_N, k0]).T
+            else:
+                b1 = tl.load(w1 + w_off + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                b3 = tl.load(w3 + w_off + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc1 = tl.dot(x, b1, acc=acc1, input_precision=DOT_PREC)
+            acc3 = tl.dot(x, b3, acc=acc3, input_precision=DOT_PREC)
+            if USE_TAIL:
+                if A_DESC:
+                    xt = a_tail.load([row0 + BLOCK_M, k0])
+                else:
+                    xt = tl.load(at_ptr + k0, mask=t_ok[:, None] & k_ok[None, :], other=0.0)
+                acc1t = tl.dot(xt, b1, acc=acc1t, input_precision=DOT_PREC)
+                acc3t = tl.dot(xt, b3, acc=acc3t, input_precision=DOT_PREC)
     return acc1, acc3, acc1t, acc3t
 
 
@@ -407,7 +449,8 @@ def _gemm1_loop(a, a_tail, w1, w3, a_ptr, at_ptr, m_ok, t_ok, e, pn, row0, L, I,
 def moe_gemm1_fwd_kernel(a, w1, w3, h, row_pair, block_expert, MB, L, I, stride_an, stride_we, stride_wi,
                          stride_hm, group_m, beta, linear_beta, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A_DESC: tl.constexpr,
-                         W_DESC: tl.constexpr, DOT_PREC: tl.constexpr, TAIL: tl.constexpr = 0, a_tail=None):
+                         W_DESC: tl.constexpr, DOT_PREC: tl.constexpr, TAIL: tl.constexpr = 0, a_tail=None,
+                         PAIRED: tl.constexpr = False):
     """Block pb, columns [n0, n0 + BLOCK_N) of I: h = SiTU_GLU(z_rows W1_e^T, z_rows W3_e^T) -> h.dtype.
 
     a: z `[N, L]` (rows gathered by token) or, A_DESC, a TMA descriptor over z already in row-plan order
@@ -416,7 +459,8 @@ def moe_gemm1_fwd_kernel(a, w1, w3, h, row_pair, block_expert, MB, L, I, stride_
     a second, smaller dot on the same weight tiles (each weight tile is loaded once for all BLOCK_M + TAIL rows,
     and a block that needs a few rows past BLOCK_M issues TAIL more, not BLOCK_M; a block without tail rows
     skips that dot); with A_DESC their A tiles come through a_tail, a descriptor over the same rows with
-    [TAIL, BLOCK_K] boxes."""
+    [TAIL, BLOCK_K] boxes. PAIRED (with W_DESC): w1 is one descriptor over gate/up rows interleaved `[E * 2I, L]`
+    with [2 BLOCK_N, BLOCK_K] boxes (`paired_gate_up`), w3 is ignored."""
     beta = tl.cast(beta, tl.float32)  # Inductor passes Python float arguments as fp64 (AOTI packages)
     linear_beta = tl.cast(linear_beta, tl.float32)
     pb, pn = _tile(tl.program_id(0), MB, tl.cdiv(I, BLOCK_N), group_m)
@@ -445,15 +489,15 @@ def moe_gemm1_fwd_kernel(a, w1, w3, h, row_pair, block_expert, MB, L, I, stride_
         if tl.load(row_pair + row0 + BLOCK_M) >= 0:                    # tail rows (valid rows are a prefix)
             acc1, acc3, acc1t, acc3t = _gemm1_loop(a, a_tail, w1, w3, a_ptr, at_ptr, m_ok, t_ok, e, pn, row0, L, I,
                                                    w_off, offs_k, n_ok, BLOCK_M, BLOCK_N, BLOCK_K, TAIL, True,
-                                                   A_DESC, W_DESC, DOT_PREC)
+                                                   A_DESC, W_DESC, DOT_PREC, PAIRED)
         else:
             acc1, acc3, acc1t, acc3t = _gemm1_loop(a, a_tail, w1, w3, a_ptr, at_ptr, m_ok, t_ok, e, pn, row0, L, I,
                                                    w_off, offs_k, n_ok, BLOCK_M, BLOCK_N, BLOCK_K, TAIL, False,
-                                                   A_DESC, W_DESC, DOT_PREC)
+                                                   A_DESC, W_DESC, DOT_PREC, PAIRED)
     else:
         acc1, acc3, acc1t, acc3t = _gemm1_loop(a, a_tail, w1, w3, a_ptr, at_ptr, m_ok, t_ok, e, pn, row0, L, I,
                                                w_off, offs_k, n_ok, BLOCK_M, BLOCK_N, BLOCK_K, TAIL, False,
-                                               A_DESC, W_DESC, DOT_PREC)
+                                               A_DESC, W_DESC, DOT_PREC, PAIRED)
     act = beta * _tanh(acc1 / beta) * _sigmoid(acc1) * (linear_beta * _tanh(acc3 / linear_beta))
     h_ptr = h + offs_m[:, None].to(tl.int64) * stride_hm + offs_n[None, :]
     tl.store(h_ptr, act.to(h.dtype.element_ty), mask=n_ok[None, :])
@@ -709,6 +753,7 @@ TILINGS = {
                 "m128-n64-aw": MoeTiles(128, (64, 64, 8, 4), (128, 64, 8, 4), 1, **_AW),
                 "m128t64-aw": MoeTiles(128, (64, 64, 8, 4), (128, 64, 8, 4), 1, **_AW, tail=64),
                 "m128t64-aw-k128": MoeTiles(128, (64, 128, 8, 2), (128, 128, 8, 2), 1, **_AW, tail=64),
+                "m128t64-aw-s5": MoeTiles(128, (64, 64, 8, 5), (128, 64, 8, 4), 1, **_AW, tail=64),
                 "m64t32-aw8": MoeTiles(64, (64, 64, 8, 4), (128, 64, 8, 4), 1, **_AW, tail=32),
                 "m64t32-n128-aw8": MoeTiles(64, (128, 64, 8, 3), (256, 64, 8, 3), 1, **_AW, tail=32)},
 }
@@ -768,8 +813,30 @@ def gather_fwd(z, plan, top_k: int, rows: int):
     return zp
 
 
+def paired_gate_up(w1: torch.Tensor, w3: torch.Tensor) -> torch.Tensor | None:
+    """w13 `[E, 2I, L]` (contiguous) when w1 and w3 `[E, I, L]` are its even and odd rows (`interleave_gate_up`'s
+    views), else None. gemm1 then reads one [2 BN, BK] weight tile per step instead of two [BN, BK] ones."""
+    if w1.dim() != 3 or w3.shape != w1.shape or w3.dtype != w1.dtype or w3.device != w1.device:
+        return None
+    E, I, L = w1.shape
+    es = w1.element_size()
+    if w1.stride() != (2 * I * L, 2 * L, 1) or w3.stride() != w1.stride() or \
+            w3.data_ptr() - w1.data_ptr() != L * es or w1.untyped_storage().data_ptr() != w3.untyped_storage().data_ptr():
+        return None
+    return w1.as_strided((E, 2 * I, L), (2 * I * L, L, 1))
+
+
+def interleave_gate_up(w1: torch.Tensor, w3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(w13 `[E, 2I, L]`, its even rows = w1, its odd rows = w3): the paired layout `gemm1_fwd` reads in one
+    tile per step. The views index like w1 / w3 (same shapes and values) and share w13's memory."""
+    E, I, L = w1.shape
+    w13 = torch.stack((w1, w3), dim=2).reshape(E, 2 * I, L)
+    return w13, w13[:, 0::2], w13[:, 1::2]
+
+
 def gemm1_fwd(z, w1, w3, plan, top_k: int, beta: float, linear_beta: float, cfg: MoeTiles):
-    """h `[MB * rows, I]` in z.dtype = SiTU_GLU(z W1_e^T, z W3_e^T) for every row of the plan."""
+    """h `[MB * rows, I]` in z.dtype = SiTU_GLU(z W1_e^T, z W3_e^T) for every row of the plan. w1 / w3: contiguous,
+    or the paired views of `interleave_gate_up` (with TMA weights: one dot of N = 2 BLOCK_N per step)."""
     row_pair, block_expert = plan
     E, I, L = w1.shape
     MB, bm = block_expert.numel(), cfg.block_m
@@ -784,10 +851,15 @@ def gemm1_fwd(z, w1, w3, plan, top_k: int, beta: float, linear_beta: float, cfg:
         a = _desc(zp, [bm, bk])
         if cfg.tail:
             tail["a_tail"] = _desc(zp, [cfg.tail, bk])
-    if cfg.tma:
-        w1, w3 = _desc(w1.view(E * I, L), [bn, bk]), _desc(w3.view(E * I, L), [bn, bk])
+    stride_we, stride_wi = w1.stride(0), w1.stride(1)
+    w13 = paired_gate_up(w1, w3) if cfg.tma else None
+    if w13 is not None:
+        w1 = w3 = _desc(w13.view(E * 2 * I, L), [2 * bn, bk])
+        tail["PAIRED"] = True
+    elif cfg.tma:
+        w1, w3 = _desc(w1.reshape(E * I, L), [bn, bk]), _desc(w3.reshape(E * I, L), [bn, bk])
     launch(moe_gemm1_fwd_kernel)[(MB * triton.cdiv(I, bn),)](
-        a, w1, w3, h, row_pair, block_expert, MB, L, I, z.stride(0), I * L, L, h.stride(0),
+        a, w1, w3, h, row_pair, block_expert, MB, L, I, z.stride(0), stride_we, stride_wi, h.stride(0),
         torch.sym_min(cfg.group_m, MB), beta, linear_beta, TOP_K=top_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         A_DESC=cfg.tma == "aw", W_DESC=bool(cfg.tma), DOT_PREC=dot_precision(z.dtype), num_warps=warps,
         num_stages=stages, **tail)
@@ -825,7 +897,7 @@ def pairs_fwd(z, w1, w3, w2, ids, beta: float, linear_beta: float, cfg: MoeTiles
     y = torch.empty(P, L, device=z.device, dtype=torch.float32)
     (bn1, bk1, warps1), (bn2, bk2, warps2) = cfg.pair_gemm
     launch(moe_pair_gemm1_fwd_kernel)[(P, triton.cdiv(I, bn1))](
-        z, w1, w3, h, ids, L, I, z.stride(0), I * L, L, h.stride(0), beta, linear_beta, TOP_K=top_k,
+        z, w1, w3, h, ids, L, I, z.stride(0), w1.stride(0), w1.stride(1), h.stride(0), beta, linear_beta, TOP_K=top_k,
         BLOCK_N=bn1, BLOCK_K=bk1, num_warps=warps1)
     if w is None:
         launch(moe_pair_gemm2_fwd_kernel)[(P, triton.cdiv(L, bn2))](
@@ -869,7 +941,9 @@ def moe_routed_fwd(x, z, gate_weight, bias, w1, w3, w2, top_k: int, renormalize:
           f"{w1.dtype}, {w3.dtype}, {w2.dtype}")
     if N == 0:
         return torch.empty(z.shape, device=z.device, dtype=z.dtype)
-    z, w1, w3, w2 = (t.contiguous() for t in (z, w1, w3, w2))        # no-ops for the usual stacked weights
+    z, w2 = z.contiguous(), w2.contiguous()                           # no-ops for the usual stacked weights
+    if paired_gate_up(w1, w3) is None:                                # the paired layout's views stay as they are
+        w1, w3 = w1.contiguous(), w3.contiguous()
     cfg = tiles or tiles_for(z, N * top_k, E, regime)
     pairs = size_bound(N) <= cfg.pairs
     ids, w, _ = route_fwd(x, gate_weight, bias, top_k, renormalize, scaling, cfg.lean_route,
