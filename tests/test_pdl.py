@@ -1,0 +1,259 @@
+"""Programmatic dependent launch (PDL) of the decode-path Triton kernels (plugins/launch.py: `pdl`, `pdl_args`,
+`pdl_wait`): opt-in, off by default.
+
+CPU: the switch gives no launch options off / on CPU / traced / under the interpreter / below sm_90; with the
+`PDL` constexpr the sm_90 PTX of one kernel per file (AttnRes, KDA decode in place, MLA decode) gains exactly
+`griddepcontrol.wait` + `griddepcontrol.launch_dependents` before its first memory access and is otherwise the
+same instructions; the bench's `compile-pdl` wrapper runs its calls inside the switch.
+GPU (`cuda`): a CUDA graph of a chain of dependent kernel launches (in-place KDA state included) replays to the
+same bits with PDL as without; k3-small through the `compile` backend with CUDA-graph decode gives the same greedy
+tokens and bit-identical logits with PDL as without, over several replays, and the PDL kernels were really
+compiled and launched with it."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from k3export.plugins import launch as L
+
+GDC = ("griddepcontrol.wait", "griddepcontrol.launch_dependents")
+
+
+# ---------------------------------------------------------------------------------------------- the switch
+class _CudaLike:
+    """Only what `pdl_args` reads of a tensor: its device."""
+
+    def __init__(self, index: int):
+        self.device = torch.device("cuda", index)
+
+
+def test_pdl_args_only_with_the_switch_on_sm90_eager(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(L, "_pdl_capable", {0: True, 1: False})         # device 0 sm_90, device 1 sm_80
+    on = {"PDL": True, "launch_pdl": True}
+    with L.pdl(False):
+        assert L.pdl_args(_CudaLike(0)) == {}
+    with L.pdl(True):
+        assert L.pdl_args(_CudaLike(0)) == on
+        assert L.pdl_args(_CudaLike(1)) == {}                          # below sm_90: plain launch
+        assert L.pdl_args(torch.zeros(1)) == {}                        # CPU
+        with L.traced_launches():
+            assert L.pdl_args(_CudaLike(0)) == {}                      # wrap_triton launches (AOTI) stay plain
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        assert L.pdl_args(_CudaLike(0)) == {}
+    assert L._pdl is (L.os.environ.get("K3_PDL", "0") == "1")          # restored to the env's setting
+
+
+# ---------------------------------------------------------------------------------------------- sm_90 PTX
+def _instructions(ptx: str) -> list[str]:
+    """The PTX's statements without debug line info, comments and the debug sections."""
+    out = []
+    for line in ptx.split(".section")[0].splitlines():
+        t = line.split("//")[0].strip()
+        if t and not t.startswith((".loc", ".file")):
+            out.append(t)
+    return out
+
+
+def _kernels():
+    from k3export.plugins.attn_res import kernels as ar
+    from k3export.plugins.kda import kernels as kda
+    from k3export.plugins.mla import kernels as mla
+    # (kernel, pointer types (others i32 scalars; eps-like fp32), constexprs, num_warps, num_stages)
+    return {
+        "attn_res": (ar.attn_res_fwd_kernel, dict(eps="fp32", out_eps="fp32"),
+                     dict(N_SRC=4, BLOCK_D=256, NORM=True, ADD=True, ONE=True), 4, 1,
+                     ("n", "D", "stride_bn", "stride_bj", "stride_pn")),
+        "kda_inplace": (kda.kda_decode_inplace_fwd_kernel, dict(A_log="*fp32", dt_bias="*fp32", state="*fp32"),
+                        dict(H=2, K=32, R=32, W=4, BK=32, BR=32, BW=4, LOWER=-5.0, EPS=1e-5, FOLD=True), 4, 1, ()),
+        "mla_decode": (mla.mla_decode_fwd_kernel, dict(cache_len="*i32", o_part="*fp32", lse_part="*fp32",
+                                                       qk_scale="fp32"),
+                       dict(BLOCK_H=16, BLOCK_N=32, BLOCK_V=64, BLOCK_PE=16, DOT_PREC="tf32"), 4, 2,
+                       ("stride_qb", "stride_qh", "stride_cb", "stride_cl", "H", "num_splits", "V_DIM", "R")),
+    }
+
+
+@pytest.mark.parametrize("name", ["attn_res", "kda_inplace", "mla_decode"])
+def test_pdl_constexpr_adds_only_the_two_griddepcontrol_instructions(name):
+    from k3export.plugins.aot import compile_ptx
+    fn, types, cx, warps, stages, scalars = _kernels()[name]
+    sig = {n: "constexpr" if n in cx or n == "PDL" else "i32" if n in scalars else types.get(n, "*bf16")
+           for n in fn.arg_names}
+    off = compile_ptx(fn, {n: t for n, t in sig.items() if n != "PDL"}, cx, warps, stages).ptx   # PDL omitted
+    off_explicit = compile_ptx(fn, sig, {**cx, "PDL": False}, warps, stages).ptx
+    on = compile_ptx(fn, sig, {**cx, "PDL": True}, warps, stages).ptx
+    assert _instructions(off) == _instructions(off_explicit)
+    assert not any(g in off for g in GDC)
+    ins_on = _instructions(on)
+    gdc = [k for k, i in enumerate(ins_on) if i.startswith("griddepcontrol")]
+    assert [ins_on[k].split()[0] for k in gdc] == list(GDC), ins_on
+    first_mem = next(k for k, i in enumerate(ins_on) if re.match(r"(ld|st|atom|red|cp\.async)\.(global|shared)", i))
+    assert gdc[0] < first_mem
+    # Without the two instructions, the same statements: their order, register numbers and debug labels
+    # (`$L__tmp<n>:`, one more with PDL) aside (the ld.param / %ctaid reads move around the wait).
+    def body(ins):
+        return sorted(re.sub(r"\$L__([a-zA-Z_]+?)\d+", r"$L__\1", re.sub(r"%([a-z]+)\d+", r"%\1", i)) for i in ins
+                      if not i.startswith("griddepcontrol") and not re.fullmatch(r"\$L__tmp\d+:", i))
+    assert body(ins_on) == body(_instructions(off))
+
+
+# ---------------------------------------------------------------------------------------------- the bench variant
+def test_compile_pdl_variant_runs_its_calls_inside_the_switch():
+    from k3export.bench.model import BACKENDS, COMPILE_VARIANTS, PDL_VARIANTS, PdlBackend
+    assert "compile-pdl" in BACKENDS and "compile-pdl" in COMPILE_VARIANTS and PDL_VARIANTS == ("compile-pdl",)
+    seen = []
+
+    class Inner:
+        name, max_prefill_tokens = "compile", None
+
+        def prefill(self, *a):
+            seen.append(("prefill", L._pdl))
+            return a
+
+        def decode(self, *a):
+            seen.append(("decode", L._pdl))
+
+        def decode_(self, *a):
+            seen.append(("decode_", L._pdl))
+
+    class NoInplace:
+        def prefill(self, *a):
+            pass
+
+        def decode(self, *a):
+            pass
+
+    with L.pdl(False):
+        b = PdlBackend(Inner())
+        assert b.prefill(1, 2) == (1, 2) and b.decode() is None and b.decode_() is None
+        assert L._pdl is False                                           # restored after each call
+    assert seen == [("prefill", True), ("decode", True), ("decode_", True)]
+    assert b.name == "compile" and b.max_prefill_tokens is None           # the rest is the wrapped backend's
+    assert not hasattr(PdlBackend(NoInplace()), "decode_")               # the Engine's in-place test still holds
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+def _compiled_with_pdl(fn) -> list[bool]:
+    """launch_pdl of every variant of `fn` in Triton's in-process cache whose PTX has griddepcontrol.wait."""
+    out = []
+    for cache in fn.device_caches.values():
+        for k in cache[0].values():
+            out.append(bool(getattr(k.metadata, "launch_pdl", False)) and GDC[0] in k.asm["ptx"])
+    return out
+
+
+def _chain_inputs(seed: int = 0):
+    """Inputs of a chain of k3-small-shaped decode launches (fresh random values, never zeros)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def r(*shape, dtype=torch.bfloat16, scale=1.0):
+        return (torch.randn(*shape, generator=g, device="cuda", dtype=torch.float32) * scale).to(dtype)
+    N, n, D = 4, 4, 2048                                        # AttnRes: 4 tokens, 4 sources, d = 2048
+    B, H, K, W = 4, 16, 128, 4                                  # KDA: k3-small heads
+    Bm, Hm, Lm, R, V = 4, 16, 512, 576, 512                     # MLA decode: k3-small latent (512 + 64)
+    x = dict(bank=r(N, n, D), p=r(N, D), y=r(N, D), nw=r(D), pw=r(1, D, scale=0.05), ow=r(D),
+             qkv=r(B, 3 * H * K), conv=r(B, 3 * H * K, W - 1), cw=r(3 * H * K, W, scale=0.5), f=r(B, H * K),
+             b=r(B, H), g=r(B, H * K), A_log=r(H, dtype=torch.float32, scale=0.1),
+             dt_bias=r(H * K, dtype=torch.float32, scale=0.1), onw=r(K), state=r(B, H, K, K, dtype=torch.float32),
+             q=r(Bm, Hm, R), cache=r(Bm, Lm, R), new_row=r(Bm, R),
+             cache_len=torch.tensor([Lm, Lm // 2, 7, 300], device="cuda"))
+    return x, V
+
+
+def _chain(x: dict, V: int, steps: int):
+    """steps x (AttnRes add+norm -> KDA decode in place -> MLA decode (split + combine) -> a torch copy), each
+    launch reading what an earlier one wrote; returns the working tensors (updated in place)."""
+    from k3export.plugins.attn_res.kernels import attn_res_add_norm_fwd
+    from k3export.plugins.kda.kernels import kda_decode_inplace_fwd
+    from k3export.plugins.mla.kernels import mla_decode_fwd
+    for _ in range(steps):
+        p_new, out = attn_res_add_norm_fwd(x["bank"], x["p"], x["y"], x["nw"], x["pw"], 1e-5, x["ow"], 1e-5)
+        x["p"].copy_(p_new)
+        x["y"].copy_(out)
+        o = kda_decode_inplace_fwd(x["qkv"], x["conv"], x["cw"], x["f"], None, x["b"], x["g"], x["A_log"],
+                                   x["dt_bias"], x["onw"], x["state"], -5.0, 1e-5)
+        x["g"].copy_(o)
+        om = mla_decode_fwd(x["q"], x["cache"], x["new_row"], x["cache_len"], 0.07, V)
+        x["q"][..., :V].copy_(om)
+    return x
+
+
+@pytest.mark.cuda
+def test_chain_in_a_cuda_graph_same_bits_with_and_without_pdl():
+    """A CUDA graph of 12 x (AttnRes, KDA in place, MLA split + combine, copies): replayed 3 times, each replay from
+    the same inputs, with PDL equal bit for bit to without PDL and to the uncaptured launches."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm_90+")
+    from k3export.plugins.attn_res.kernels import attn_res_fwd_kernel
+    init, V = _chain_inputs()
+    results = {}
+    for on in (False, True):
+        with L.pdl(on):
+            eager = _chain({k: v.clone() for k, v in init.items()}, V, 12)
+            work = {k: v.clone() for k, v in init.items()}
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                _chain({k: v.clone() for k, v in init.items()}, V, 1)        # warm-up: compile outside capture
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for k, v in work.items():
+                    v.copy_(init[k])
+                _chain(work, V, 12)
+        reps = []
+        for _ in range(3):
+            graph.replay()
+            torch.cuda.synchronize()
+            reps.append({k: v.clone() for k, v in work.items()})
+        for rep in reps:
+            for k in ("p", "y", "g", "conv", "state", "q"):
+                assert torch.equal(rep[k], eager[k]), (on, k)
+                assert torch.isfinite(rep[k].float()).all(), (on, k)
+        results[on] = reps[0]
+    for k in ("p", "y", "g", "conv", "state", "q"):
+        assert torch.equal(results[True][k], results[False][k]), k
+    assert any(_compiled_with_pdl(attn_res_fwd_kernel)), "no AttnRes variant was compiled with launch_pdl"
+
+
+@pytest.mark.cuda
+def test_k3_small_compile_backend_same_tokens_and_logits_with_pdl():
+    """k3-small bf16 through the `compile` backend (CUDA-graph decode), 4 prompts then 8 greedy steps: with PDL
+    (`compile-pdl`'s wrapper) the same tokens and the same logits as without, at every replay; the AttnRes, KDA
+    and MLA decode kernels were compiled with launch_pdl and griddepcontrol. Bound: the run-to-run difference of
+    two runs without PDL (0 if the step is deterministic: then bit-identical is required)."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm_90+")
+    from k3export.bench.model import PdlBackend
+    from k3export.config import K3Config
+    from k3export.model.weights import random_model
+    from k3export.plugins.attn_res.kernels import attn_res_fwd_kernel
+    from k3export.plugins.kda.kernels import kda_decode_inplace_fwd_kernel
+    from k3export.plugins.mla.kernels import mla_decode_combine_kernel, mla_decode_fwd_kernel
+    from k3export.runtime import CompileBackend, Engine
+    model = random_model(K3Config.from_name("k3-small"), seed=0, dtype=torch.bfloat16, device="cuda")
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in (37, 5, 120, 64)]
+    runs = {}
+    for run in ("off", "pdl", "off-again"):
+        backend = CompileBackend(model)
+        eng = Engine(PdlBackend(backend) if run == "pdl" else backend, max_batch=4, max_len=160)
+        assert eng.graphed, eng.graph_error
+        logits = [eng.prefill([0, 1, 2, 3], prompts).float()]
+        for _ in range(8):
+            logits.append(eng.decode(logits[-1].argmax(-1)).float().clone())
+        runs[run] = logits
+        del eng, backend
+    spread = [(a - b).abs().max().item() for a, b in zip(runs["off"], runs["off-again"])]
+    same_tokens = all(torch.equal(a.argmax(-1), b.argmax(-1)) for a, b in zip(runs["off"], runs["off-again"]))
+    print(f"run-to-run max |diff| without PDL per step: {spread}")
+    for step, (a, b) in enumerate(zip(runs["off"], runs["pdl"])):
+        diff = (a - b).abs().max().item()
+        assert diff <= spread[step], (step, diff, spread[step])
+        if same_tokens:
+            assert torch.equal(a.argmax(-1), b.argmax(-1)), step
+    for fn in (attn_res_fwd_kernel, kda_decode_inplace_fwd_kernel, mla_decode_fwd_kernel, mla_decode_combine_kernel):
+        assert any(_compiled_with_pdl(fn)), f"{fn.__name__}: no variant compiled with launch_pdl"
