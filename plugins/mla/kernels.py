@@ -46,9 +46,12 @@ DECODE_TILES = {"few_heads": dict(block_h=16, block_n=64, num_warps=4, num_stage
 # DECODE_CONFIG["many_heads_tile"] = name; not the default (untimed). Offline sm_90 builds (triton 3.6.0, JIT
 # specialisation): wide32 246 regs, wide64-tma 233, 0 B spills; trans128-tma 255 regs, 208 B spills, 1 stage.
 DECODE_TILES |= {
-    "wide32": dict(block_h=64, block_n=32, num_warps=8, num_stages=3, kernel="wide", tma=False, trans_s=False),
-    "wide64-tma": dict(block_h=64, block_n=64, num_warps=8, num_stages=2, kernel="wide", tma=True, trans_s=False),
-    "trans128-tma": dict(block_h=64, block_n=128, num_warps=8, num_stages=1, kernel="wide", tma=True, trans_s=True),
+    "wide32": dict(block_h=64, block_n=32, num_warps=8, num_stages=3, kernel="wide", tma=False, trans_s=False,
+                   fill_waves=False),
+    "wide64-tma": dict(block_h=64, block_n=64, num_warps=8, num_stages=2, kernel="wide", tma=True, trans_s=False,
+                       fill_waves=False),
+    "trans128-tma": dict(block_h=64, block_n=128, num_warps=8, num_stages=1, kernel="wide", tma=True, trans_s=True,
+                         fill_waves=False),
 }
 
 
@@ -243,18 +246,25 @@ def mla_decode_wide_kernel(q, cache, cache_len, kv_desc, pe_desc,
     tl.store(lse_part + part, lse, mask=h_ok)
 
 
-def split_rule(B: int, H: int, L: int, block_h: int, sms: int) -> int:
+def split_rule(B: int, H: int, L: int, block_h: int, sms: int, fill: bool = False) -> int:
     """Splits of the cache length: enough programs for `waves` per SM, no chunk under `min_chunk` rows (the AOT
-    adapter, trt.py, calls it with a fixed SM count)."""
+    adapter, trt.py, calls it with a fixed SM count). fill (the wide tiles' `fill_waves`, for kernels that run
+    one program per SM at a time): of the counts from there up to twice it, the one whose last wave is fullest
+    (B = 32, 96 heads in blocks of 64: 6 splits, 384 programs = 2.9 waves of 132, instead of 5 = 2.4 waves)."""
     cfg = DECODE_CONFIG
     programs = B * triton.cdiv(H, block_h)
     want = triton.cdiv(cfg["waves"] * sms, programs)
-    return max(1, min(want, triton.cdiv(max(L, 1), cfg["min_chunk"])))
+    most = triton.cdiv(max(L, 1), cfg["min_chunk"])
+    n = max(1, min(want, most))
+    if fill:
+        full = lambda k: programs * k / (triton.cdiv(programs * k, sms) * sms)                 # last wave's use
+        n = max(range(n, max(n, min(2 * want - 1, most)) + 1), key=lambda k: (full(k), -k))
+    return n
 
 
-def decode_splits(B: int, H: int, L: int, block_h: int, device: torch.device) -> int:
+def decode_splits(B: int, H: int, L: int, block_h: int, device: torch.device, fill: bool = False) -> int:
     """`split_rule` with the SM count of `device`."""
-    return split_rule(B, H, L, block_h, _sm_count(device))
+    return split_rule(B, H, L, block_h, _sm_count(device), fill)
 
 
 def decode_tiles(H: int) -> dict:
@@ -303,14 +313,14 @@ def mla_decode_fwd(q, cache, new_row, cache_len, scale: float, v_dim: int, num_s
     cache = cache if cache.stride(-1) == 1 else cache.contiguous()
     new_row = new_row.contiguous()
     cache_len = cache_len.clamp(0, L).to(torch.int32)
-    block_h = decode_block_h(H)
-    S = num_splits or decode_splits(B, H, L, block_h, q.device)
+    cfg = decode_tiles(H)
+    block_h = cfg["block_h"]
+    S = num_splits or decode_splits(B, H, L, block_h, q.device, cfg.get("fill_waves", False))
     BV, BPE = pow2(v_dim), pow2(R - v_dim)
     o_part = torch.empty(B, H, S, BV, device=q.device, dtype=torch.float32)
     lse_part = torch.empty(B, H, S, device=q.device, dtype=torch.float32)
     o = torch.empty(B, H, v_dim, device=q.device, dtype=q.dtype)
     fp32 = q.dtype == torch.float32
-    cfg = decode_tiles(H)
     qk_scale = scale * LOG2E
     if cfg.get("kernel") == "wide" and not fp32:
         _launch_wide(q, cache, cache_len, S, qk_scale, v_dim, o_part, lse_part, cfg)
