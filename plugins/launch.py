@@ -20,7 +20,10 @@ attribute (it may start while its predecessor in the stream finishes) and, by it
 of its loads or stores (in-place state, reused workspaces, ticket counters) runs before the predecessor has
 completed and flushed its writes; what overlaps is the launch, the block scheduling and the predecessor's tail.
 Off (or CPU, the interpreter, a traced launch): `pdl_args` is {} and the kernels compile as before (PDL defaults
-to False: the same PTX). The switch is read at launch time, so it must be on while a CUDA graph is captured.
+to False: the same PTX). The switch is read at launch time, so it must be on while a CUDA graph is captured:
+capture records such a launch as a programmatic graph edge (CUDA >= 12.3 graph edge data; CUDA Programming Guide
+4.2 "CUDA Graphs" and 4.5 "Programmatic Dependent Launch and Synchronization"). A successor launched without the
+attribute (cuBLAS, Inductor's kernels) waits for full completion as before, whatever this kernel signals.
 """
 
 from __future__ import annotations
