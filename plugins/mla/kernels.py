@@ -43,8 +43,14 @@ DECODE_TILES = {"few_heads": dict(block_h=16, block_n=64, num_warps=4, num_stage
                 "many_heads": dict(block_h=32, block_n=32, num_warps=4, num_stages=3)}  # e.g. 96
 # Candidates for many heads, `mla_decode_wide_kernel` (kernel="wide"; 16-bit inputs only, fp32 keeps the base
 # kernel): 64 heads per program on two warpgroups (96 heads = 2 programs, the second half empty). Chosen with
-# DECODE_CONFIG["many_heads_tile"] = name; not the default (untimed). Offline sm_90 builds (triton 3.6.0, JIT
-# specialisation): wide32 246 regs, wide64-tma 233, 0 B spills; trans128-tma 255 regs, 208 B spills, 1 stage.
+# DECODE_CONFIG["many_heads_tile"] = name; not the default (untimed: scripts/mla_decode_sweep.py). Triton puts all
+# warps of a dot that feeds another dot along M ([8, 1]), so with 64 rows of M both warpgroups compute the same
+# scores: wide32 / wide64-tma do QK^T twice, in m64n16 / m64n32 wgmma steps that each re-read q from shared
+# memory. trans128-tma computes S^T = K Q^T with 128 cache rows as M: each warpgroup its own 64 rows, m64n64
+# steps, no repeat; but its 147 KB tile and q's 74 KB leave shared memory for one stage (no prefetch). Offline
+# sm_90 builds (triton 3.6.0, ints specialised as the JIT does): wide32 246 registers, wide64-tma 233, 0 B
+# spills; trans128-tma 255 registers, 208 B spills. The 96 = 64 + 32 split reads each tile twice (the two head
+# blocks run side by side, so the second read can hit L2) and spends 1/4 of the MMA rows on padding.
 DECODE_TILES |= {
     "wide32": dict(block_h=64, block_n=32, num_warps=8, num_stages=3, kernel="wide", tma=False, trans_s=False,
                    fill_waves=False),
@@ -163,8 +169,7 @@ def _decode_tile(acc, m_i, l_i, q_v, q_pe, kv, k_pe, r_ok, qk_scale, MASKED: tl.
                  TRANS_S: tl.constexpr, DOT_PREC: tl.constexpr):
     """Online softmax over one cache tile for a head block: kv `[BN, BV]` (keys' first part, and the values),
     k_pe `[BN, BPE]`; with MASKED, rows where r_ok `[BN]` is False get zero weight. TRANS_S computes the scores
-    as S^T = K Q^T (cache rows as the MMA's M, needs BN >= 64), which wgmma issues as m64 x n(heads) instead of
-    m(heads) x n16 steps that re-read q from shared memory for every 16 rows."""
+    as S^T = K Q^T, cache rows as the MMA's M (wgmma needs BN >= 64; see DECODE_TILES)."""
     if TRANS_S:
         st = tl.dot(kv, tl.trans(q_v), input_precision=DOT_PREC)
         st = tl.dot(k_pe, tl.trans(q_pe), acc=st, input_precision=DOT_PREC)                    # [BN, BH]
@@ -281,11 +286,13 @@ def decode_block_h(H: int) -> int:
 
 def _launch_wide(q, cache, cache_len, S: int, qk_scale: float, v_dim: int, o_part, lse_part, cfg: dict):
     """The split launch of `mla_decode_wide_kernel` for tile `cfg` (q, cache `[B, *, R]`, unit last stride).
-    TMA needs a contiguous cache and power-of-two v_dim and R - v_dim (the descriptors' blocks are exact);
-    otherwise the same tile runs with pointer loads."""
+    TMA needs a contiguous, 16-byte aligned cache and power-of-two v_dim and R - v_dim (the descriptors' blocks
+    are exact); otherwise the same tile runs with pointer loads. The descriptors are built on the host per call
+    (host time; a `wrap_triton` trace of them is untested: the wide tiles are not the default)."""
     B, H, R = q.shape
     BV, BPE, bn = pow2(v_dim), pow2(R - v_dim), cfg["block_n"]
-    tma = cfg.get("tma") and cache.is_contiguous() and cache.numel() > 0 and BV == v_dim and BPE == R - v_dim
+    tma = (cfg.get("tma") and cache.is_contiguous() and cache.numel() > 0 and cache.data_ptr() % 16 == 0
+           and BV == v_dim and BPE == R - v_dim)
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
         rows = cache.view(-1, R)                                                                # [B * L, R]
