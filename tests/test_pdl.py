@@ -7,8 +7,8 @@ CPU: the switch gives no launch options off / on CPU / traced / under the interp
 same instructions; the bench's `compile-pdl` wrapper runs its calls inside the switch.
 GPU (`cuda`): a CUDA graph of a chain of dependent kernel launches (in-place KDA state included) replays to the
 same bits with PDL as without; k3-small through the `compile` backend with CUDA-graph decode gives the same greedy
-tokens and bit-identical logits with PDL as without, over several replays, and the PDL kernels were really
-compiled and launched with it."""
+tokens and logits with PDL as without (`compile-pdl`, and `compile-pdl-inductor` with Inductor's own PDL too),
+over several replays, and the PDL kernels were really compiled and launched with it."""
 
 from __future__ import annotations
 
@@ -103,7 +103,8 @@ def test_pdl_constexpr_adds_only_the_two_griddepcontrol_instructions(name):
 # ---------------------------------------------------------------------------------------------- the bench variant
 def test_compile_pdl_variant_runs_its_calls_inside_the_switch():
     from k3export.bench.model import BACKENDS, COMPILE_VARIANTS, PDL_VARIANTS, PdlBackend
-    assert "compile-pdl" in BACKENDS and "compile-pdl" in COMPILE_VARIANTS and PDL_VARIANTS == ("compile-pdl",)
+    assert set(PDL_VARIANTS) == {"compile-pdl", "compile-pdl-inductor"} and set(PDL_VARIANTS) <= set(BACKENDS)
+    assert COMPILE_VARIANTS["compile-pdl"] == {} and set(PDL_VARIANTS) <= set(COMPILE_VARIANTS)
     seen = []
 
     class Inner:
@@ -219,41 +220,56 @@ def test_chain_in_a_cuda_graph_same_bits_with_and_without_pdl():
     assert any(_compiled_with_pdl(attn_res_fwd_kernel)), "no AttnRes variant was compiled with launch_pdl"
 
 
-@pytest.mark.cuda
-def test_k3_small_compile_backend_same_tokens_and_logits_with_pdl():
-    """k3-small bf16 through the `compile` backend (CUDA-graph decode), 4 prompts then 8 greedy steps: with PDL
-    (`compile-pdl`'s wrapper) the same tokens and the same logits as without, at every replay; the AttnRes, KDA
-    and MLA decode kernels were compiled with launch_pdl and griddepcontrol. Bound: the run-to-run difference of
-    two runs without PDL (0 if the step is deterministic: then bit-identical is required)."""
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("programmatic dependent launch needs sm_90+")
-    from k3export.bench.model import PdlBackend
+def _k3_small_run(model, prompts, variant: str) -> list[torch.Tensor]:
+    """Prefill logits then 8 greedy decode steps' logits (fp32 copies) through the bench backend `variant`."""
+    from k3export.bench.model import COMPILE_VARIANTS, PDL_VARIANTS, PdlBackend
+    from k3export.runtime import CompileBackend, Engine
+    backend = CompileBackend(model, **COMPILE_VARIANTS[variant])
+    eng = Engine(PdlBackend(backend) if variant in PDL_VARIANTS else backend, max_batch=4, max_len=160)
+    assert eng.graphed, eng.graph_error
+    logits = [eng.prefill([0, 1, 2, 3], prompts).float()]
+    for _ in range(8):
+        logits.append(eng.decode(logits[-1].argmax(-1)).float().clone())
+    return logits
+
+
+@pytest.fixture(scope="module")
+def k3_small_baseline():
+    """k3-small bf16, 4 prompts, and two runs of the plain `compile` backend (CUDA-graph decode)."""
     from k3export.config import K3Config
     from k3export.model.weights import random_model
-    from k3export.plugins.attn_res.kernels import attn_res_fwd_kernel
-    from k3export.plugins.kda.kernels import kda_decode_inplace_fwd_kernel
-    from k3export.plugins.mla.kernels import mla_decode_combine_kernel, mla_decode_fwd_kernel
-    from k3export.runtime import CompileBackend, Engine
     model = random_model(K3Config.from_name("k3-small"), seed=0, dtype=torch.bfloat16, device="cuda")
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in (37, 5, 120, 64)]
-    runs = {}
-    for run in ("off", "pdl", "off-again"):
-        backend = CompileBackend(model)
-        eng = Engine(PdlBackend(backend) if run == "pdl" else backend, max_batch=4, max_len=160)
-        assert eng.graphed, eng.graph_error
-        logits = [eng.prefill([0, 1, 2, 3], prompts).float()]
-        for _ in range(8):
-            logits.append(eng.decode(logits[-1].argmax(-1)).float().clone())
-        runs[run] = logits
-        del eng, backend
-    spread = [(a - b).abs().max().item() for a, b in zip(runs["off"], runs["off-again"])]
-    same_tokens = all(torch.equal(a.argmax(-1), b.argmax(-1)) for a, b in zip(runs["off"], runs["off-again"]))
+    return model, prompts, _k3_small_run(model, prompts, "compile"), _k3_small_run(model, prompts, "compile")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("variant", ["compile-pdl", "compile-pdl-inductor"])
+def test_k3_small_compile_backend_same_tokens_and_logits_with_pdl(k3_small_baseline, variant):
+    """k3-small bf16 through the `compile` backend (CUDA-graph decode), 4 prompts then 8 greedy steps: the bench
+    variant with PDL gives the same tokens and logits as without, at every replay; the AttnRes, KDA and MLA decode
+    kernels were compiled with launch_pdl and griddepcontrol. Bound: the run-to-run difference of two runs without
+    PDL (0 if the step is deterministic: then bit-identical is required)."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm_90+")
+    from k3export.plugins.attn_res.kernels import attn_res_fwd_kernel
+    from k3export.plugins.kda.kernels import kda_decode_inplace_fwd_kernel
+    from k3export.plugins.mla.kernels import mla_decode_combine_kernel, mla_decode_fwd_kernel
+    model, prompts, off, off_again = k3_small_baseline
+    try:
+        on = _k3_small_run(model, prompts, variant)
+    except RuntimeError as e:
+        if "Unexpected optimization option" in str(e):
+            pytest.skip(f"this torch has no Inductor PDL option: {str(e)[:80]}")
+        raise
+    spread = [(a - b).abs().max().item() for a, b in zip(off, off_again)]
+    same_tokens = all(torch.equal(a.argmax(-1), b.argmax(-1)) for a, b in zip(off, off_again))
     print(f"run-to-run max |diff| without PDL per step: {spread}")
-    for step, (a, b) in enumerate(zip(runs["off"], runs["pdl"])):
+    for step, (a, b) in enumerate(zip(off, on)):
         diff = (a - b).abs().max().item()
-        assert diff <= spread[step], (step, diff, spread[step])
+        assert diff <= spread[step], (variant, step, diff, spread[step])
         if same_tokens:
-            assert torch.equal(a.argmax(-1), b.argmax(-1)), step
+            assert torch.equal(a.argmax(-1), b.argmax(-1)), (variant, step)
     for fn in (attn_res_fwd_kernel, kda_decode_inplace_fwd_kernel, mla_decode_fwd_kernel, mla_decode_combine_kernel):
         assert any(_compiled_with_pdl(fn)), f"{fn.__name__}: no variant compiled with launch_pdl"

@@ -8,6 +8,7 @@ each hold `context` tokens (`Engine.decode`, state commit included). Backends:
     compile   torch.compile (Inductor) programs, CUDA graphs on top
     compile-frozen  the same with Inductor's freezing (weights as constants: folded, shared-input matmuls merged)
     compile-pdl     `compile` with our decode-path Triton kernels launched with programmatic dependent launch
+    compile-pdl-inductor  the same, and Inductor's own kernels too (its `triton.enable_pdl` option)
     aoti      an AOTInductor engine from `k3export build` (built or reused under --engines), CUDA graphs on top
 
 Napkin math beside every time. Decode floor = bytes a step must move / measured copy bandwidth: every weight
@@ -36,8 +37,12 @@ from k3export.bench import bench
 # measuring what each choice is worth: CompileBackend keyword arguments per name.
 COMPILE_VARIANTS = {"compile": {}, "compile-frozen": {"freezing": True}, "compile-unfused": {"fuse_norms": False},
                     "compile-copy": {"inplace": False}, "compile-noadd": {"fuse_adds": False},
-                    "compile-combo": {"options": {"combo_kernels": True}}, "compile-pdl": {}}
-PDL_VARIANTS = ("compile-pdl",)     # run (and capture their CUDA graphs) inside plugins.launch.pdl(True)
+                    "compile-combo": {"options": {"combo_kernels": True}}, "compile-pdl": {},
+                    "compile-pdl-inductor": {"options": {"triton.enable_pdl": True}}}
+# Run (and capture their CUDA graphs) inside plugins.launch.pdl(True). Inductor's PDL (TORCHINDUCTOR_ENABLE_PDL) waits
+# in a kernel only where it reads or overwrites what the previous scheduler node wrote, and lets the next kernel start
+# after its last load; a torch without the option refuses the variant (reported as not run).
+PDL_VARIANTS = ("compile-pdl", "compile-pdl-inductor")
 BACKENDS = ("eager", "graph", *COMPILE_VARIANTS, "aoti")
 
 
