@@ -111,6 +111,15 @@ def test_interpreted_wide_tiles(interp, tile):
     assert interp[f"wide-{tile}"] < FP16_BOUND, interp
 
 
+def test_wide_tiles_are_opt_in_and_fill_rule():
+    """The wide tiles are candidates, not the default; `fill` picks the split count with the fullest last wave."""
+    from k3export.plugins.mla import kernels as K
+    assert K.decode_tiles(96).get("kernel", "base") == "base" and K.decode_tiles(12)["block_h"] == 16
+    assert K.split_rule(32, 96, 16384, 64, 132) == 5                  # 320 programs: 2.4 waves of 132
+    assert K.split_rule(32, 96, 16384, 64, 132, fill=True) == 6       # 384 programs: 2.9 waves
+    assert K.split_rule(1, 96, 1024, 64, 132, fill=True) == 16        # capped by min_chunk as before
+
+
 def test_bad_shapes_are_named(interp):
     assert interp["bad-shape-named"] == 1.0
 
@@ -160,6 +169,23 @@ def test_decode_wide_tiles_k3_shapes(tile, B, L, monkeypatch):
     err = _rel(out, ref)
     print(f"mla_decode {tile} H={H} B={B} L={L}: rel err {err:.2e}")
     assert out.dtype == dt and err < BF16_BOUND
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("tile", WIDE_TILES)
+def test_decode_wide_tiles_strided_cache(tile, monkeypatch):
+    """A cache that is a slice of a longer buffer (not contiguous): the TMA tiles fall back to pointer loads."""
+    from k3export.plugins.mla import kernels as K
+    monkeypatch.setitem(K.DECODE_CONFIG, "many_heads_tile", tile)
+    torch.manual_seed(9)
+    B, L, dt = 3, 3000, torch.bfloat16
+    q = torch.randn(B, 96, 576, device="cuda", dtype=dt)
+    cache = torch.randn(B, L + 100, 576, device="cuda", dtype=dt)[:, :L]
+    row = torch.randn(B, 576, device="cuda", dtype=dt)
+    cache_len = torch.tensor([3000, 1234, 77], device="cuda")
+    out = torch.ops.k3.mla_decode(q, cache, row, cache_len, SCALE, 512)
+    ref = mla_decode_attention(q.float(), cache.float(), row.float(), cache_len, SCALE, 512)
+    assert _rel(out, ref) < BF16_BOUND, _rel(out, ref)
 
 
 @pytest.mark.cuda
