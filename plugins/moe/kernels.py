@@ -707,7 +707,9 @@ class MoeTiles:
     a few tokens whose pairs rarely share an expert. 0: always the row plan. On the pairs path only: fuse_topk, up
     to this many tokens the top-k in the split router's launch (`route_fwd(fused=True)`; its last program selects
     for the tokens one after another); fuse_combine, the combine in gemm2's launch
-    (`moe_pair_gemm2_combine_fwd_kernel`). Both give the unfused path's bits (5 launches -> 3)."""
+    (`moe_pair_gemm2_combine_fwd_kernel`). Both give the unfused path's bits (5 launches -> 3). y_half (row plan):
+    gemm2 stores each pair's expert output in z.dtype, as the reference `moe_sorted` rounds it, instead of fp32
+    (half the bytes written by gemm2 and read by the combine, which still sums in fp32)."""
     block_m: int
     gemm1: tuple
     gemm2: tuple
@@ -721,6 +723,7 @@ class MoeTiles:
     pair_gemm: tuple = ((16, 256, 4), (16, 256, 4))
     fuse_topk: int = 0
     fuse_combine: bool = False
+    y_half: bool = False
 
     @property
     def rows(self) -> int:
@@ -754,6 +757,8 @@ TILINGS = {
                 "m128t64-aw": MoeTiles(128, (64, 64, 8, 4), (128, 64, 8, 4), 1, **_AW, tail=64),
                 "m128t64-aw-k128": MoeTiles(128, (64, 128, 8, 2), (128, 128, 8, 2), 1, **_AW, tail=64),
                 "m128t64-aw-s5": MoeTiles(128, (64, 64, 8, 5), (128, 64, 8, 4), 1, **_AW, tail=64),
+                "m128t64-aw-y16": MoeTiles(128, (64, 64, 8, 4), (128, 64, 8, 4), 1, **_AW, tail=64, y_half=True),
+                "m64t32-n128-aw8-y16": MoeTiles(64, (128, 64, 8, 3), (256, 64, 8, 3), 1, **_AW, tail=32, y_half=True),
                 "m64t32-aw8": MoeTiles(64, (64, 64, 8, 4), (128, 64, 8, 4), 1, **_AW, tail=32),
                 "m64t32-n128-aw8": MoeTiles(64, (128, 64, 8, 3), (256, 64, 8, 3), 1, **_AW, tail=32)},
 }
@@ -780,6 +785,12 @@ _DECODE = os.environ.get("K3_MOE_DECODE") or "pairs-n8-fc"
 CONFIGS = {"decode": TILINGS["decode"][_DECODE], "grouped": TILINGS["prefill"]["old"],
            "prefill": TILINGS["prefill"]["m64t32-n128-aw8"], "prefill-mid": TILINGS["prefill"]["m128t64-aw"],
            "prefill-large": TILINGS["prefill"]["m128-tma-aw"]}
+# Gate/up rows paired in one tensor (`interleave_gate_up`; the `compile` backend's layout), H200 2026-11-30 09:58
+# (`bench moe --paired`, K3 shapes; stage times summed, gemm1 alone in brackets): every tiling bit-identical to
+# its separate-layout run; at 8192 tokens m128t64-aw 25.3 ms (gemm1 17.96 -> 16.30), at 16384 m128t64-aw 43.7 ms
+# = 55% of the matmul rate (gemm1 31.9 -> 28.3) while m128-tma-aw gets slower paired (46.5 -> 55.1 ms: its
+# N = 256 dot spills), at 4096 m64t32-n128-aw8 18.1 ms (gemm1 12.2 -> 11.8).
+PAIRED_CONFIGS = {"prefill-large": TILINGS["prefill"]["m128t64-aw"]}
 FP32_TILES = MoeTiles(16, (32, 32, 4, 1), (32, 32, 4, 1))      # exact fp32 dots: small tiles, no pipelining
 
 
@@ -816,7 +827,8 @@ def gather_fwd(z, plan, top_k: int, rows: int):
 def paired_gate_up(w1: torch.Tensor, w3: torch.Tensor) -> torch.Tensor | None:
     """w13 `[E, 2I, L]` (contiguous) when w1 and w3 `[E, I, L]` are its even and odd rows (`interleave_gate_up`'s
     views), else None. gemm1 then reads one [2 BN, BK] weight tile per step instead of two [BN, BK] ones."""
-    if w1.dim() != 3 or w3.shape != w1.shape or w3.dtype != w1.dtype or w3.device != w1.device:
+    if w1.dim() != 3 or w3.shape != w1.shape or w3.dtype != w1.dtype or w3.device != w1.device or \
+            is_fake(w1) or is_fake(w3):                               # traced (AOTI lowering): no data pointers
         return None
     E, I, L = w1.shape
     es = w1.element_size()
@@ -867,12 +879,13 @@ def gemm1_fwd(z, w1, w3, plan, top_k: int, beta: float, linear_beta: float, cfg:
 
 
 def gemm2_fwd(h, w2, plan, n_pairs: int, cfg: MoeTiles):
-    """y `[N k, L]` fp32 = h W2_e^T, each row stored at its (token, slot) pair."""
+    """y `[N k, L]` = h W2_e^T summed in fp32 (stored in fp32, or h.dtype with cfg.y_half), each row at its
+    (token, slot) pair."""
     row_pair, block_expert = plan
     E, L, I = w2.shape
     MB, bm = block_expert.numel(), cfg.block_m
     bn, bk, warps, stages = cfg.gemm2
-    y = torch.empty(n_pairs, L, device=h.device, dtype=torch.float32)
+    y = torch.empty(n_pairs, L, device=h.device, dtype=h.dtype if cfg.y_half else torch.float32)
     if cfg.tma and not _tma_rows_ok(h, w2):
         cfg = replace(cfg, tma="")
     a = _desc(h, [bm, bk]) if cfg.tma == "aw" else h
@@ -921,8 +934,13 @@ def combine_fwd(y, w, dtype):
     return u
 
 
-def tiles_for(z, n_pairs: int, E: int, regime: str | None = None) -> MoeTiles:
-    return FP32_TILES if z.dtype == torch.float32 else CONFIGS[regime or pick_regime(n_pairs, E)]
+def tiles_for(z, n_pairs: int, E: int, regime: str | None = None, paired: bool = False) -> MoeTiles:
+    """The default tiling for this call: `FP32_TILES` for fp32, else CONFIGS by regime (PAIRED_CONFIGS first when
+    gate/up rows are paired)."""
+    if z.dtype == torch.float32:
+        return FP32_TILES
+    regime = regime or pick_regime(n_pairs, E)
+    return PAIRED_CONFIGS.get(regime, CONFIGS[regime]) if paired else CONFIGS[regime]
 
 
 def moe_routed_fwd(x, z, gate_weight, bias, w1, w3, w2, top_k: int, renormalize: bool, scaling: float,
@@ -942,9 +960,10 @@ def moe_routed_fwd(x, z, gate_weight, bias, w1, w3, w2, top_k: int, renormalize:
     if N == 0:
         return torch.empty(z.shape, device=z.device, dtype=z.dtype)
     z, w2 = z.contiguous(), w2.contiguous()                           # no-ops for the usual stacked weights
-    if paired_gate_up(w1, w3) is None:                                # the paired layout's views stay as they are
+    paired = paired_gate_up(w1, w3) is not None                       # the paired layout's views stay as they are
+    if not paired:
         w1, w3 = w1.contiguous(), w3.contiguous()
-    cfg = tiles or tiles_for(z, N * top_k, E, regime)
+    cfg = tiles or tiles_for(z, N * top_k, E, regime, paired)
     pairs = size_bound(N) <= cfg.pairs
     ids, w, _ = route_fwd(x, gate_weight, bias, top_k, renormalize, scaling, cfg.lean_route,
                           pairs and size_bound(N) <= cfg.fuse_topk)
