@@ -1,7 +1,7 @@
 """MLA decode at 96 heads: the default many-heads tile against the wide candidates of `DECODE_TILES` (kernel="wide",
 `mla_decode_wide_kernel`), B in 1, 8, 32, 128 x cache 1k, 8k, 64k, bf16.
 
-    python3 scripts/mla_decode_sweep.py OUT.json [--budget-s 140] [--variants name,...]   (GPU)
+    python3 scripts/mla_decode_sweep.py OUT.json [--budget-s 140] [--variants name,...]   (GPU; names: VARIANTS, EXTRA)
     python3 scripts/mla_decode_sweep.py --ptx [name ...]                                   (CPU: offline sm_90)
 
 GPU: per shape, every variant's `do_bench` median (L2 flushed), the cache bytes (B L 576 2) as a fraction of the
@@ -41,11 +41,18 @@ VARIANTS = {
     "wide32": {"many_heads_tile": "wide32"},
     "wide64-tma": {"many_heads_tile": "wide64-tma"},
     "wide64-tma-fill": {"many_heads_tile": "wide64-tma", "fill_waves": True},
-    "wide32-tma": {"many_heads_tile": "wide64-tma", "block_n": 32, "num_stages": 3},
     "trans128-tma": {"many_heads_tile": "trans128-tma"},
     "trans128-tma-fill": {"many_heads_tile": "trans128-tma", "fill_waves": True},
+}
+# Built by --ptx only (not timed by default, to keep the GPU run short; time them with --variants): the 32-row TMA
+# tile (m64n16 score steps) and the transposed 64-row tile (one stage and the scores computed twice).
+EXTRA = {
+    "wide32-tma": {"many_heads_tile": "wide64-tma", "block_n": 32, "num_stages": 3},
     "trans64-tma": {"many_heads_tile": "trans128-tma", "block_n": 64},
 }
+
+
+ALL = VARIANTS | EXTRA
 
 
 def _with(K, cfg: dict):
@@ -69,7 +76,7 @@ def sweep(path: str, budget_s: float, names: list[str]) -> None:
     t0 = time.time()
     bw = copy_bandwidth()
     res = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine(), "copy_GBs": bw / 1e9,
-           "heads": H, "variants": {n: VARIANTS[n] for n in names}, "rows": [], "skipped": []}
+           "heads": H, "variants": {n: ALL[n] for n in names}, "rows": [], "skipped": []}
     print(f"{res['machine']}; copy {bw / 1e9:.0f} GB/s", flush=True)
     for B, L in SHAPES:
         nbytes = B * L * 576 * 2
@@ -83,7 +90,7 @@ def sweep(path: str, budget_s: float, names: list[str]) -> None:
         cl = torch.full((B,), L, device="cuda", dtype=torch.int64)
         old = None
         for name in names:
-            prev = _with(K, VARIANTS[name])
+            prev = _with(K, ALL[name])
             try:
                 call = lambda: K.mla_decode_fwd(q, cache, row, cl, SCALE, 512)
                 out = call().float()
@@ -148,7 +155,7 @@ def ptx_report(names: list[str]) -> None:
     common = dict(stride_qb="i32", stride_qh="i32", stride_cb="i32", stride_cl="i32", H="i32", num_splits="i32",
                   qk_scale="fp32", V_DIM="i32", R="i32", o_part="*fp32", lse_part="*fp32")
     for name in names:
-        prev = _with(K, VARIANTS[name])
+        prev = _with(K, ALL[name])
         try:
             t = K.decode_tiles(H)
         finally:
@@ -174,19 +181,21 @@ def ptx_report(names: list[str]) -> None:
         run = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", fh.name, "-o", os.devnull], capture_output=True,
                              text=True)
         os.unlink(fh.name)
+        found = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx)
+        shapes = " ".join(f"{m} x{found.count(m)}" for m in sorted(set(found)))
         regs = re.search(r"Used (\d+) registers", run.stderr)
         spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", run.stderr)
         print(f"{name:18s} {'wide' if t.get('kernel') == 'wide' else 'base':4s} h{t['block_h']} n{t['block_n']} "
               f"w{t['num_warps']} s{t['num_stages']}  regs {regs.group(1) if regs else '?':>3s}  spill "
               f"{spill.group(1) if spill else '?':>4s}/{spill.group(2) if spill else '?':>4s} B  shared "
-              f"{c.metadata.shared:>6d} B  wgmma {ptx.count('wgmma.mma_async'):3d}  mma.sync "
+              f"{c.metadata.shared:>6d} B  wgmma {ptx.count('wgmma.mma_async'):3d} ({shapes})  mma.sync "
               f"{ptx.count('mma.sync.aligned'):3d}" + ("" if run.returncode == 0 else f"  ptxas: {run.stderr[-200:]}"))
 
 
 if __name__ == "__main__":
     args = sys.argv[1:]
     if args and args[0] == "--ptx":
-        ptx_report(args[1:] or list(VARIANTS))
+        ptx_report(args[1:] or list(VARIANTS) + list(EXTRA))
         sys.exit(0)
     if not args or args[0].startswith("-"):
         sys.exit(__doc__)
