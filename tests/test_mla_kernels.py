@@ -27,6 +27,8 @@ FP32_BOUND = 1e-5
 FP16_BOUND = 3e-3
 # bf16 (GPU): P and the output are rounded to bf16 once each (2^-8 relative each).
 BF16_BOUND = 1e-2
+# lse_part (log2 units, ~1..10 here): fp32 scores of 576-wide fp16 products and an fp32 running sum, against fp64.
+LSE_BOUND = 1e-4
 SCALE = 1.0 / math.sqrt(192)
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
@@ -73,25 +75,29 @@ WIDE_TILES = ("wide32", "wide64-tma", "trans128-tma")
 
 
 def _wide_cases() -> dict:
-    """The many-heads wide tiles (`DECODE_TILES`, kernel="wide") at 96 heads (64 + a half-empty block of 32) in
-    fp16 (they take 16-bit inputs), 2 splits: a cache of 140 rows (full tiles and a partial one for every
-    block_n) and a cache of 1 row whose unused rows are NaN (a tile that read them would poison P.V)."""
+    """The split kernel of the many-heads wide tiles (`DECODE_TILES`, kernel="wide"; the combine kernel is the
+    base path's, tested above) at 96 heads (64 + a half-empty block of 32), fp16 (they take 16-bit inputs), one
+    split per sequence: a cache of 1 row whose unused rows are NaN (a tile that read them would poison P.V) and
+    one of 140 rows (full tiles from TMA row 140 on, then a partial one, for every block_n). Reference: softmax
+    over the valid rows in fp64 and its log2-sum-exp (o_part, lse_part of the contract)."""
     from k3export.plugins.mla import kernels as K
     torch.manual_seed(2)
     B, H, R, L = 2, 96, 576, 140
-    q, cache, row = (torch.randn(*s).half() for s in ((B, H, R), (B, L, R), (B, R)))
-    cache_len = torch.tensor([140, 1])
-    cache[1, 1:] = float("nan")
-    clean = cache.clone()
-    clean[1, 1:] = 0.0
-    ref = mla_decode_attention(q.double(), clean.double(), row.double(), cache_len, SCALE, 512)
+    q, cache = torch.randn(B, H, R).half(), torch.randn(B, L, R).half()
+    cache_len = torch.tensor([1, 140], dtype=torch.int32)
+    cache[0, 1:] = float("nan")
+    s = torch.einsum("bhr,blr->bhl", q.double(), torch.nan_to_num(cache.double(), nan=0.0)) * SCALE
+    s = s.masked_fill(torch.arange(L)[None, None, :] >= cache_len[:, None, None].long(), float("-inf"))
+    o_ref = torch.einsum("bhl,blv->bhv", torch.softmax(s, -1), torch.nan_to_num(cache.double(), nan=0.0)[..., :512])
+    lse_ref = torch.logsumexp(s, -1) / math.log(2.0)
     res, prev = {}, dict(K.DECODE_CONFIG)
     try:
         for tile in WIDE_TILES:
             K.DECODE_CONFIG["many_heads_tile"] = tile
-            out = K.mla_decode_fwd(q, cache, row, cache_len, SCALE, 512, num_splits=2)
-            assert out.dtype == torch.float16 and out.shape == (B, H, 512)
-            res[f"wide-{tile}"] = _rel(out, ref)
+            o_part, lse_part = torch.empty(B, H, 1, 512), torch.empty(B, H, 1)
+            K._launch_wide(q, cache, cache_len, 1, SCALE * K.LOG2E, 512, o_part, lse_part, K.decode_tiles(H))
+            res[f"wide-{tile}"] = _rel(o_part[:, :, 0], o_ref)
+            res[f"wide-{tile}-lse"] = (lse_part[:, :, 0].double() - lse_ref).abs().max().item()
     finally:
         K.DECODE_CONFIG.clear()
         K.DECODE_CONFIG.update(prev)
@@ -109,6 +115,7 @@ def test_interpreted(interp, case, bound):
 @pytest.mark.parametrize("tile", WIDE_TILES)
 def test_interpreted_wide_tiles(interp, tile):
     assert interp[f"wide-{tile}"] < FP16_BOUND, interp
+    assert interp[f"wide-{tile}-lse"] < LSE_BOUND, interp
 
 
 def test_wide_tiles_are_opt_in_and_fill_rule():
