@@ -213,7 +213,11 @@ def test_prefill_k3_shapes(H, B, T, Lc):
 
 
 @pytest.mark.cuda
-def test_decode_fp32_gpu():
+@pytest.mark.parametrize("tile", ["many_heads", "trans128-tma"])
+def test_decode_fp32_gpu(tile, monkeypatch):
+    """fp32 runs the base kernel, also when a wide tile (16-bit only) is selected."""
+    from k3export.plugins.mla import kernels as K
+    monkeypatch.setitem(K.DECODE_CONFIG, "many_heads_tile", tile)
     torch.manual_seed(5)
     q, cache, row = (torch.randn(*s, device="cuda") for s in ((2, 96, 576), (2, 3000, 576), (2, 576)))
     cache_len = torch.tensor([3000, 17], device="cuda")

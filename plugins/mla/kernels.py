@@ -274,7 +274,9 @@ def decode_splits(B: int, H: int, L: int, block_h: int, device: torch.device, fi
 
 def decode_tiles(H: int) -> dict:
     """block_h (heads per program: each latent row is read once per head block, so larger reads less until the
-    fp32 accumulator `[BLOCK_H, 512]` no longer fits the registers), block_n, num_warps, num_stages."""
+    fp32 accumulator `[BLOCK_H, 512]` no longer fits the registers), block_n, num_warps, num_stages; for more
+    than 16 heads the tile DECODE_CONFIG["many_heads_tile"] names (default "many_heads"), whose entries
+    DECODE_CONFIG may override."""
     t = dict(DECODE_TILES["few_heads" if H <= 16 else DECODE_CONFIG.get("many_heads_tile", "many_heads")])
     t.update({k: DECODE_CONFIG[k] for k in t if k in DECODE_CONFIG})
     return t
@@ -320,16 +322,18 @@ def mla_decode_fwd(q, cache, new_row, cache_len, scale: float, v_dim: int, num_s
     cache = cache if cache.stride(-1) == 1 else cache.contiguous()
     new_row = new_row.contiguous()
     cache_len = cache_len.clamp(0, L).to(torch.int32)
+    fp32 = q.dtype == torch.float32
     cfg = decode_tiles(H)
+    if fp32 and cfg.get("kernel") == "wide":             # the wide kernel takes 16-bit inputs
+        cfg = dict(DECODE_TILES["many_heads"])
     block_h = cfg["block_h"]
     S = num_splits or decode_splits(B, H, L, block_h, q.device, cfg.get("fill_waves", False))
     BV, BPE = pow2(v_dim), pow2(R - v_dim)
     o_part = torch.empty(B, H, S, BV, device=q.device, dtype=torch.float32)
     lse_part = torch.empty(B, H, S, device=q.device, dtype=torch.float32)
     o = torch.empty(B, H, v_dim, device=q.device, dtype=q.dtype)
-    fp32 = q.dtype == torch.float32
     qk_scale = scale * LOG2E
-    if cfg.get("kernel") == "wide" and not fp32:
+    if cfg.get("kernel") == "wide":
         _launch_wide(q, cache, cache_len, S, qk_scale, v_dim, o_part, lse_part, cfg)
     else:
         launch(mla_decode_fwd_kernel)[(triton.cdiv(H, block_h), S, B)](
