@@ -25,8 +25,8 @@
 #   fp8split the FP8 GEMV's split-K sum inside its launch: cuda tests (bit-identical to the two-launch sum, CUDA
 #            graphs), then scripts/fp8_split_sum.py (per-GEMM times, k3-small and K3 shapes)
 #   gemvprobe scripts/gemv_triton_probe.py: a plain Triton GEMV vs cuBLAS at k3-small's decode shapes (planning)
-#   moepair  MoE prefill with gate/up rows paired in one tensor: its cuda tests, then `bench moe --paired` over the
-#            prefill tilings $MOEPAIR_TILES at $MOEPAIR_TOKENS (each tiling on both layouts)
+#   moepair  MoE prefill with gate/up rows paired in one tensor: its cuda tests, then `bench moe --layout
+#            $MOEPAIR_LAYOUT` (default both) over the prefill tilings $MOEPAIR_TILES at $MOEPAIR_TOKENS
 #   profile  scripts/profile_decode.py --backend $PROFILE_BACKEND (default compile): kernels per decode step
 set -uo pipefail
 parts=${*:-model profile}
@@ -69,7 +69,7 @@ for part in $parts; do
     kda)   timeout 200 python3 -m k3export.cli bench kda --out "$OUT/kda" > "$OUT/kda.log" 2>&1 ;;
     moepair) timeout 150 python3 -m pytest -q -m cuda tests/test_moe_kernels.py -k "paired or tilings_k3_shapes and prefill-m128t64" \
              -s -rs -p no:cacheprovider > "$OUT/moepair-test.log" 2>&1
-           timeout ${MOEPAIR_TIMEOUT:-280} python3 -m k3export.cli bench moe --phases prefill --paired \
+           timeout ${MOEPAIR_TIMEOUT:-280} python3 -m k3export.cli bench moe --phases prefill --layout ${MOEPAIR_LAYOUT:-both} \
              --tiles ${MOEPAIR_TILES:-m128t64-aw,m128t64-aw-k128,m128t64-aw-s5,m128-tma-aw,m64t32-n128-aw8} \
              --tokens ${MOEPAIR_TOKENS:-8192,16384,4096} --budget-s ${MOEPAIR_BUDGET:-240} --out "$OUT/moepair" \
              > "$OUT/moepair.log" 2>&1 ;;

@@ -87,6 +87,12 @@ def _interpreter_cases() -> dict:
             res[f"route-lean-w-{name}-{n}"] = (w.double() - rw).abs().max().item()
             s64 = torch.sigmoid(xx.double() @ g.double().T)
             res[f"route-lean-s-{name}-{n}"] = (s.double() - s64).abs().max().item()
+        if name == "fp16":                       # wide router tiles (128 x 128, 8 warps) from ROUTE_WIDE_MIN_N tokens
+            xx = torch.randn(1030, d, dtype=dt)
+            ids, w, s = route_fwd(xx, g, b, k, True, 1.0, lean=True, wide=True)
+            rids, rw = route(xx.double(), g.double(), b, k, True, 1.0)
+            res["route-wide-ids-fp16"] = float(torch.equal(ids.long(), rids))
+            res["route-wide-w-fp16"] = (w.double() - rw).abs().max().item()
         # Negative keys (bias - 3): the packed top-k's float -> ordered-int map must keep their order.
         ids = route_fwd(x, g, b - 3.0, k, True, 1.0, lean=True)[0]
         res[f"route-lean-ids-negative-{name}"] = float(torch.equal(ids.long(), route(*args64[:1], args64[2], b - 3.0, k,
@@ -197,7 +203,7 @@ def _interpreter_cases() -> dict:
                           ("route-w-fp16", WEIGHT_BOUND), ("route-lean-w-fp32-7", WEIGHT_BOUND),
                           ("route-lean-w-fp32-70", WEIGHT_BOUND), ("route-lean-w-fp16-7", WEIGHT_BOUND),
                           ("route-lean-w-fp16-70", WEIGHT_BOUND), ("route-lean-s-fp32-7", WEIGHT_BOUND),
-                          ("route-lean-s-fp16-7", WEIGHT_BOUND)])
+                          ("route-lean-s-fp16-7", WEIGHT_BOUND), ("route-wide-w-fp16", WEIGHT_BOUND)])
 def test_interpreted(interp, case, bound):
     assert interp[case] < bound, interp
 
@@ -257,7 +263,8 @@ def test_paired_gate_up_layout():
                                   "align-fused-equals-torch", "align-atomic-valid", "ties-lower-id-first-lean",
                                   "route-lean-ids-negative-fp32",
                                   "route-lean-ids-negative-fp16", "route-lean-ids-fp32-7",
-                                  "route-lean-ids-fp32-70", "route-lean-ids-fp16-7", "route-lean-ids-fp16-70"])
+                                  "route-lean-ids-fp32-70", "route-lean-ids-fp16-7", "route-lean-ids-fp16-70",
+                                  "route-wide-ids-fp16"])
 def test_interpreted_flags(interp, flag):
     assert interp[flag] == 1.0, interp
 

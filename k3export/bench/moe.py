@@ -76,11 +76,11 @@ def stage_ms(w, x, z, cfg) -> dict:
     """Each stage of moe_routed_fwd timed alone on its real inputs."""
     from k3export.plugins.moe import kernels as Km
     g, b, w1, w3, w2 = w
-    ids, wt, _ = Km.route_fwd(x, g, b, K, True, 1.0, cfg.lean_route)
+    ids, wt, _ = Km.route_fwd(x, g, b, K, True, 1.0, cfg.lean_route, wide=cfg.wide_route)
     plan = Km.align_rows(ids, E, cfg.rows, cfg.fused_align, cfg.many_align)
     h = Km.gemm1_fwd(z, w1, w3, plan, K, 4.0, 25.0, cfg)
     y = Km.gemm2_fwd(h, w2, plan, ids.numel(), cfg)
-    r = {"route": bench_ms(lambda: Km.route_fwd(x, g, b, K, True, 1.0, cfg.lean_route)),
+    r = {"route": bench_ms(lambda: Km.route_fwd(x, g, b, K, True, 1.0, cfg.lean_route, wide=cfg.wide_route)),
          "align": bench_ms(lambda: Km.align_rows(ids, E, cfg.rows, cfg.fused_align, cfg.many_align)),
          "gemm1": bench_ms(lambda: Km.gemm1_fwd(z, w1, w3, plan, K, 4.0, 25.0, cfg)),
          "gemm2": bench_ms(lambda: Km.gemm2_fwd(h, w2, plan, ids.numel(), cfg)),
@@ -93,14 +93,14 @@ def stage_ms(w, x, z, cfg) -> dict:
 
 
 def run_sweep(w, regime: str, tokens, ceiling: float, deadline: float, eager: bool, tiles=None,
-              paired=None) -> list[dict]:
+              paired=None, separate: bool = True) -> list[dict]:
     """Every tiling of `regime` (or those named in tiles) at every token count: ms, the physics figure, error vs
     the baseline tiling (the first one run). paired: the same weights with gate/up rows interleaved
-    (`interleave_gate_up`): every tiling is run on them too, as "<name>+paired"."""
+    (`interleave_gate_up`): every tiling is run on them too, as "<name>+paired" (only on them: separate False)."""
     from k3export.plugins.moe import kernels as Km
     from k3export.plugins.moe.naive import moe_sorted
     g, b, w1, w3, w2 = w
-    layouts = [("", w)] + ([("+paired", paired)] if paired is not None else [])
+    layouts = ([("", w)] if separate or paired is None else []) + ([("+paired", paired)] if paired is not None else [])
     chosen = [(n, c) for n, c in Km.TILINGS[regime].items() if tiles is None or n in tiles]
     rows = []
     for N in tokens:
@@ -130,7 +130,7 @@ def run_sweep(w, regime: str, tokens, ceiling: float, deadline: float, eager: bo
                 u = fn()
                 base = u if base is None else base
                 r["err_vs_old"] = _rel(u, base)
-                r["ms"] = bench_ms(fn, rep=100)             # prefill: 2..5 timed calls (25..60 ms each)
+                r["ms"] = bench_ms(fn, rep=400 if regime == "prefill" else 100)   # prefill: ~7..16 calls
                 if regime == "decode":
                     r.update({"experts_hit": hit, "GB/s": nbytes / r["ms"] / 1e6, "frac_copy": nbytes / r["ms"] / 1e-3
                               / ceiling, "graph_ms": graph_ms(fn)})
@@ -162,9 +162,10 @@ def run_sweep(w, regime: str, tokens, ceiling: float, deadline: float, eager: bo
 @click.option("--phases", default="prefill,decode", show_default=True, help="which sweeps to run")
 @click.option("--tiles", default="", help="comma-separated tiling names to run (default: every tiling of the phase)")
 @click.option("--tokens", default="", help="comma-separated prefill token counts (default 8192,4096,16384)")
-@click.option("--paired/--no-paired", default=False, show_default=True,
-              help="also run every prefill tiling on gate/up rows interleaved in one tensor (+39.5 GB of GPU memory)")
-def moe(out: Path, quick: bool, budget_s: float, phases: str, tiles: str, tokens: str, paired: bool) -> None:
+@click.option("--layout", type=click.Choice(["separate", "paired", "both"]), default="separate", show_default=True,
+              help="prefill expert weights: w1 / w3 as two tensors, gate/up rows interleaved in one (the compile "
+                   "backend's layout, `packing.pair_experts`; +39.5 GB of GPU memory), or each tiling on both")
+def moe(out: Path, quick: bool, budget_s: float, phases: str, tiles: str, tokens: str, layout: str) -> None:
     """Routed MoE: every tiling in the sweep at prefill 4096..16384 tokens (TFLOP/s vs the bf16 matmul rate)
     and decode 1..64 tokens (expert bytes vs copy bandwidth, plain call and CUDA-graph replay), each vs the
     previous default tiling and the eager loop (`moe_sorted`), with per-stage times."""
@@ -193,10 +194,10 @@ def moe(out: Path, quick: bool, budget_s: float, phases: str, tiles: str, tokens
     res["defaults"] = {k: repr(v) for k, v in CONFIGS.items()}
     if "prefill" in want:
         wp = None
-        if paired:                       # the same values, gate/up rows interleaved: one weight tile per gemm1 step
+        if layout != "separate":         # the same values, gate/up rows interleaved: one weight tile per gemm1 step
             wp = (w[0], w[1], *Km.interleave_gate_up(w[2], w[3])[1:], w[4])
         res["prefill"] = run_sweep(w, "prefill", counts, rate, t0 + (0.7 if "decode" in want else 1.0) * budget_s,
-                                   True, names, wp)
+                                   True, names, wp, layout != "paired")
         wp = None
         torch.cuda.empty_cache()
         (out / "moe.json").write_text(json.dumps(res, indent=1))     # written per section: a cut run keeps some

@@ -67,34 +67,42 @@ def _tanh(x):
 # ---------------------------------------------------------------------------------------------- routing
 @triton.jit
 def _router_partial(x, g, N, E, D, stride_xn, stride_ge, D_SPLIT, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
-                    BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr):
+                    BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr, DESC: tl.constexpr = False):
     """Program (m, e, split)'s tile: (token rows, expert columns, x @ g^T `[BLOCK_M, BLOCK_E]` fp32 summed over its
-    D_SPLIT columns of d)."""
+    D_SPLIT columns of d). DESC (one split, wide tiles): x and g are TMA descriptors with [BLOCK_M | BLOCK_E,
+    BLOCK_D] boxes (out-of-range rows and columns read as 0) instead of a pointer per element (a [128, 64] tile's
+    64-bit pointers take 64 registers per thread for each operand: the sm_90 build spilled)."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     offs_d = tl.arange(0, BLOCK_D)
     d_lo = tl.program_id(2) * D_SPLIT
     d_hi = tl.minimum(D, d_lo + D_SPLIT)
     acc = tl.zeros([BLOCK_M, BLOCK_E], tl.float32)
-    for d0 in range(d_lo, d_hi, BLOCK_D):
-        d_ok = (d0 + offs_d) < d_hi
-        a = tl.load(x + offs_m[:, None].to(tl.int64) * stride_xn + d0 + offs_d[None, :],
-                    mask=(offs_m[:, None] < N) & d_ok[None, :], other=0.0)
-        b = tl.load(g + offs_e[:, None].to(tl.int64) * stride_ge + d0 + offs_d[None, :],
-                    mask=(offs_e[:, None] < E) & d_ok[None, :], other=0.0)
-        acc = tl.dot(a, tl.trans(b), acc=acc, input_precision=DOT_PREC)
+    if DESC:
+        for d0 in range(d_lo, d_hi, BLOCK_D):
+            a = x.load([tl.program_id(0) * BLOCK_M, d0])
+            b = g.load([tl.program_id(1) * BLOCK_E, d0])
+            acc = tl.dot(a, tl.trans(b), acc=acc, input_precision=DOT_PREC)
+    else:
+        for d0 in range(d_lo, d_hi, BLOCK_D):
+            d_ok = (d0 + offs_d) < d_hi
+            a = tl.load(x + offs_m[:, None].to(tl.int64) * stride_xn + d0 + offs_d[None, :],
+                        mask=(offs_m[:, None] < N) & d_ok[None, :], other=0.0)
+            b = tl.load(g + offs_e[:, None].to(tl.int64) * stride_ge + d0 + offs_d[None, :],
+                        mask=(offs_e[:, None] < E) & d_ok[None, :], other=0.0)
+            acc = tl.dot(a, tl.trans(b), acc=acc, input_precision=DOT_PREC)
     return offs_m, offs_e, acc
 
 
 @triton.jit
 def moe_router_fwd_kernel(x, g, s, N, E, D, stride_xn, stride_ge, D_SPLIT,
                           BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
-                          SIGMOID: tl.constexpr, DOT_PREC: tl.constexpr):
+                          SIGMOID: tl.constexpr, DOT_PREC: tl.constexpr, DESC: tl.constexpr = False):
     """s `[N, E]` fp32 = sigmoid(x `[N, D]` @ g `[E, D]`^T); 16-bit products are exact in the fp32 sum.
     Split over D (grid axis 2, D_SPLIT columns each, few tokens: more programs): the raw partial sums go to
     s `[splits, N, E]` and the top-k kernel adds them in split order."""
     offs_m, offs_e, acc = _router_partial(x, g, N, E, D, stride_xn, stride_ge, D_SPLIT, BLOCK_M, BLOCK_E, BLOCK_D,
-                                          DOT_PREC)
+                                          DOT_PREC, DESC)
     if SIGMOID:
         acc = _sigmoid(acc)
     tl.store(s + tl.program_id(2).to(tl.int64) * N * E + offs_m[:, None].to(tl.int64) * E + offs_e[None, :], acc,
@@ -194,22 +202,25 @@ def moe_router_topk_fwd_kernel(x, g, bias, part, s, ids, w, tickets, N, E, D, st
 
 
 ROUTE_SPLIT_MAX_N = 64          # lean routing splits the router over D up to this many tokens
+ROUTE_WIDE_MIN_N = 1024         # wide router tiles (MoeTiles.wide_route) from this many tokens
 
 
 def route_fwd(x, gate_weight, bias, top_k: int, renormalize: bool, scaling: float, lean: bool = False,
-              fused: bool = False):
+              fused: bool = False, wide: bool = False):
     """x `[N, d]` -> (ids `[N, k]` int32, w `[N, k]` fp32, s `[N, E]` fp32). lean: the router split over d into
     8 parts for N <= ROUTE_SPLIT_MAX_N (few tokens: 8x the programs) and the packed top-k. fused (with a split
-    router): the top-k in the router's launch (`moe_router_topk_fwd_kernel`: one launch, the same results)."""
+    router): the top-k in the router's launch (`moe_router_topk_fwd_kernel`: one launch, the same results).
+    wide: 128 x 128 router tiles on 8 warps from ROUTE_WIDE_MIN_N tokens (prefill; else 64 x 64 on 4)."""
     N, D = x.shape
     E = gate_weight.shape[0]
     if x.dtype != gate_weight.dtype:
         x, gate_weight = x.float(), gate_weight.float()
     x, gate_weight = x.contiguous(), gate_weight.contiguous()
     s = torch.empty(N, E, device=x.device, dtype=torch.float32)
-    block_m = 16 if size_bound(N) <= 16 else 64          # size_bound: a traced N takes its largest value
-    block_e = 16 if size_bound(N) <= 16 else 64
-    block_d = 128 if x.dtype != torch.float32 else 32
+    wide = wide and size_bound(N) >= ROUTE_WIDE_MIN_N and x.dtype != torch.float32
+    block_m = 16 if size_bound(N) <= 16 else 128 if wide else 64      # size_bound: a traced N takes its largest value
+    block_e = 16 if size_bound(N) <= 16 else 128 if wide else 64
+    block_d = 64 if wide else 128 if x.dtype != torch.float32 else 32
     splits = 8 if lean and size_bound(N) <= ROUTE_SPLIT_MAX_N else 1
     part = torch.empty(splits, N, E, device=x.device, dtype=torch.float32) if splits > 1 else s
     ids = torch.empty(N, top_k, device=x.device, dtype=torch.int32)
@@ -224,10 +235,13 @@ def route_fwd(x, gate_weight, bias, top_k: int, renormalize: bool, scaling: floa
             E_PAD=pow2(E), SPLITS=splits, DOT_PREC=dot_precision(x.dtype), num_warps=4,
             num_stages=3 if x.dtype != torch.float32 else 1, **topk)
         return ids, w, s
+    xa, ga, desc = x, gate_weight, {}
+    if wide and splits == 1 and _tma_rows_ok(x, gate_weight):
+        xa, ga, desc = _desc(x, [block_m, block_d]), _desc(gate_weight, [block_e, block_d]), dict(DESC=True)
     launch(moe_router_fwd_kernel)[grid](
-        x, gate_weight, part, N, E, D, x.stride(0), gate_weight.stride(0), d_split,
+        xa, ga, part, N, E, D, x.stride(0), gate_weight.stride(0), d_split,
         BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_D=block_d, SIGMOID=splits == 1, DOT_PREC=dot_precision(x.dtype),
-        num_warps=4, num_stages=3 if x.dtype != torch.float32 else 1)
+        num_warps=8 if wide else 4, num_stages=3 if x.dtype != torch.float32 else 1, **desc)
     launch(moe_topk_fwd_kernel)[(N,)](s, part, bias.contiguous(), ids, w, N, E, scaling, BLOCK_E=pow2(E),
                                       SPLITS=splits, num_warps=4, **topk)
     return ids, w, s
@@ -709,7 +723,8 @@ class MoeTiles:
     for the tokens one after another); fuse_combine, the combine in gemm2's launch
     (`moe_pair_gemm2_combine_fwd_kernel`). Both give the unfused path's bits (5 launches -> 3). y_half (row plan):
     gemm2 stores each pair's expert output in z.dtype, as the reference `moe_sorted` rounds it, instead of fp32
-    (half the bytes written by gemm2 and read by the combine, which still sums in fp32)."""
+    (half the bytes written by gemm2 and read by the combine, which still sums in fp32). wide_route:
+    `route_fwd(wide=True)`."""
     block_m: int
     gemm1: tuple
     gemm2: tuple
@@ -724,6 +739,7 @@ class MoeTiles:
     fuse_topk: int = 0
     fuse_combine: bool = False
     y_half: bool = False
+    wide_route: bool = False
 
     @property
     def rows(self) -> int:
@@ -758,7 +774,12 @@ TILINGS = {
                 "m128t64-aw-k128": MoeTiles(128, (64, 128, 8, 2), (128, 128, 8, 2), 1, **_AW, tail=64),
                 "m128t64-aw-s5": MoeTiles(128, (64, 64, 8, 5), (128, 64, 8, 4), 1, **_AW, tail=64),
                 "m128t64-aw-y16": MoeTiles(128, (64, 64, 8, 4), (128, 64, 8, 4), 1, **_AW, tail=64, y_half=True),
-                "m64t32-n128-aw8-y16": MoeTiles(64, (128, 64, 8, 3), (256, 64, 8, 3), 1, **_AW, tail=32, y_half=True),
+                "m128t64-aw-y16r": MoeTiles(128, (64, 64, 8, 4), (128, 64, 8, 4), 1, **_AW, tail=64, y_half=True,
+                                            wide_route=True),
+                "m128t64-aw-s3": MoeTiles(128, (64, 64, 8, 3), (128, 64, 8, 3), 1, **_AW, tail=64),
+                "m128t64-aw-g2s5": MoeTiles(128, (64, 64, 8, 4), (128, 64, 8, 5), 1, **_AW, tail=64),
+                "m64t32-n128-aw8-y16r": MoeTiles(64, (128, 64, 8, 3), (256, 64, 8, 3), 1, **_AW, tail=32, y_half=True,
+                                                 wide_route=True),
                 "m64t32-aw8": MoeTiles(64, (64, 64, 8, 4), (128, 64, 8, 4), 1, **_AW, tail=32),
                 "m64t32-n128-aw8": MoeTiles(64, (128, 64, 8, 3), (256, 64, 8, 3), 1, **_AW, tail=32)},
 }
@@ -966,7 +987,7 @@ def moe_routed_fwd(x, z, gate_weight, bias, w1, w3, w2, top_k: int, renormalize:
     cfg = tiles or tiles_for(z, N * top_k, E, regime, paired)
     pairs = size_bound(N) <= cfg.pairs
     ids, w, _ = route_fwd(x, gate_weight, bias, top_k, renormalize, scaling, cfg.lean_route,
-                          pairs and size_bound(N) <= cfg.fuse_topk)
+                          pairs and size_bound(N) <= cfg.fuse_topk, cfg.wide_route)
     if pairs and cfg.fuse_combine:
         return pairs_fwd(z, w1, w3, w2, ids, beta, linear_beta, cfg, w)
     if pairs:
