@@ -232,7 +232,7 @@ def _float_args_kernels():
                      dict(K=16, BLOCK_K=16, BLOCK_E=1024, RENORM=True, SPLITS=1, PACKED=True)),
         "moe_gemm1": (moe_gemm1_fwd_kernel, ("beta", "linear_beta"),
                       dict(TOP_K=16, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, A_DESC=False, W_DESC=False, TAIL=0,
-                           **bf16_dot)),
+                           PAIRED=False, **bf16_dot)),
     }
 
 
