@@ -27,6 +27,9 @@
 #   gemvprobe scripts/gemv_triton_probe.py: a plain Triton GEMV vs cuBLAS at k3-small's decode shapes (planning)
 #   moepair  MoE prefill with gate/up rows paired in one tensor: its cuda tests, then `bench moe --layout
 #            $MOEPAIR_LAYOUT` (default both) over the prefill tilings $MOEPAIR_TILES at $MOEPAIR_TOKENS
+#   mlawide  the MLA decode wide-tile cuda tests, then scripts/mla_decode_sweep.py (old vs wide tiles, 96 heads)
+#   pdl      scripts/pdl_probe.py: PDL under CUDA-graph capture (time per launch, programmatic edges, same bits);
+#            time it in the model with MODEL_BACKENDS=compile,compile-pdl
 #   profile  scripts/profile_decode.py --backend $PROFILE_BACKEND (default compile): kernels per decode step
 set -uo pipefail
 parts=${*:-model profile}
@@ -67,16 +70,21 @@ for part in $parts; do
            timeout 150 python3 scripts/fp8_split_sum.py --out "$OUT/split_sum" > "$OUT/fp8split.log" 2>&1 ;;
     gemvprobe) timeout 120 python3 scripts/gemv_triton_probe.py --out "$OUT/gemv_triton.json" > "$OUT/gemvprobe.log" 2>&1 ;;
     kda)   timeout 200 python3 -m k3export.cli bench kda --out "$OUT/kda" > "$OUT/kda.log" 2>&1 ;;
-    moepair) timeout 150 python3 -m pytest -q -m cuda tests/test_moe_kernels.py -k "paired or tilings_k3_shapes and prefill-m128t64" \
+    moepair) timeout 150 python3 -m pytest -q -m cuda tests/test_moe_kernels.py -k "paired or tilings_k3_shapes and (prefill-m128t64 or y16r)" \
              -s -rs -p no:cacheprovider > "$OUT/moepair-test.log" 2>&1
            timeout ${MOEPAIR_TIMEOUT:-280} python3 -m k3export.cli bench moe --phases prefill --layout ${MOEPAIR_LAYOUT:-both} \
              --tiles ${MOEPAIR_TILES:-m128t64-aw,m128t64-aw-k128,m128t64-aw-s5,m128-tma-aw,m64t32-n128-aw8} \
              --tokens ${MOEPAIR_TOKENS:-8192,16384,4096} --budget-s ${MOEPAIR_BUDGET:-240} --out "$OUT/moepair" \
              > "$OUT/moepair.log" 2>&1 ;;
+    mlawide) timeout 150 python3 -m pytest -q -m cuda tests/test_mla_kernels.py -s -rs -k "wide or fp32" -p no:cacheprovider \
+             > "$OUT/mlawide-test.log" 2>&1
+           timeout ${MLAWIDE_TIMEOUT:-200} python3 scripts/mla_decode_sweep.py "$OUT/mla-decode-wide.json" \
+             --budget-s ${MLAWIDE_BUDGET:-140} > "$OUT/mlawide.log" 2>&1 ;;
+    pdl)   timeout 120 python3 scripts/pdl_probe.py --out "$OUT/pdl" > "$OUT/pdl.log" 2>&1 ;;
     probe) timeout 60 python3 scripts/gemv_pack_probe.py --out "$OUT/probe.json" > "$OUT/probe.log" 2>&1 ;;
     profile) timeout 150 python3 scripts/profile_decode.py --backend ${PROFILE_BACKEND:-compile} ${PROFILE_ARGS:-} \
              > "$OUT/profile.log" 2>&1 ;;
-    *)     echo "unknown part $part (toy demo aoti mla mlatest moe moetest moefused moepair model fused serve fp8split gemvprobe kda fp8c probe profile)"; continue ;;
+    *)     echo "unknown part $part (toy demo aoti mla mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe kda fp8c probe profile)"; continue ;;
   esac
   echo "$part: exit $? in $((SECONDS - t)) s" | tee -a "$OUT/pending.log"
   tail -4 "$OUT/$part.log" 2>/dev/null

@@ -64,6 +64,33 @@ def _tanh(x):
     return tl.where(x < 0, -r, r)
 
 
+@triton.jit
+def _tanh_fast(x, HW: tl.constexpr):
+    """HW: the MUFU instruction tanh.approx.f32 (relative error ~2^-11, below a bf16 half-ulp; no interpreter
+    support), else `_tanh`."""
+    if HW:
+        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+    else:
+        return _tanh(x)
+
+
+@triton.jit
+def _situ_glu(a, b, beta, linear_beta, FAST: tl.constexpr):
+    """SiTU-GLU of the fp32 products a = z W1^T, b = z W3^T. FAST 0: `_tanh` / `_sigmoid` (the decode kernels'
+    math); 1: reciprocal multiplies instead of a / beta, b / lb; 2: also the two tanh as tanh.approx.f32 (the
+    sigmoid stays exp-based: its small values keep their relative accuracy). The prefill gemm1's epilogue runs
+    once per output tile on the warps that then start the next tile (one CTA per SM); on sm_90 FAST 2 halves the
+    m128t64 gemm1's PTX (3486 -> 1856 instructions: most of the rest is the epilogue)."""
+    if FAST == 0:
+        return beta * _tanh(a / beta) * _sigmoid(a) * (linear_beta * _tanh(b / linear_beta))
+    else:
+        inv_b = 1.0 / beta
+        inv_lb = 1.0 / linear_beta
+        return beta * _tanh_fast(a * inv_b, FAST == 2) * _sigmoid(a) * (linear_beta * _tanh_fast(b * inv_lb,
+                                                                                                FAST == 2))
+
+
 # ---------------------------------------------------------------------------------------------- routing
 @triton.jit
 def _router_partial(x, g, N, E, D, stride_xn, stride_ge, D_SPLIT, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
@@ -464,7 +491,7 @@ def moe_gemm1_fwd_kernel(a, w1, w3, h, row_pair, block_expert, MB, L, I, stride_
                          stride_hm, group_m, beta, linear_beta, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A_DESC: tl.constexpr,
                          W_DESC: tl.constexpr, DOT_PREC: tl.constexpr, TAIL: tl.constexpr = 0, a_tail=None,
-                         PAIRED: tl.constexpr = False):
+                         PAIRED: tl.constexpr = False, FAST_ACT: tl.constexpr = 0):
     """Block pb, columns [n0, n0 + BLOCK_N) of I: h = SiTU_GLU(z_rows W1_e^T, z_rows W3_e^T) -> h.dtype.
 
     a: z `[N, L]` (rows gathered by token) or, A_DESC, a TMA descriptor over z already in row-plan order
@@ -474,7 +501,7 @@ def moe_gemm1_fwd_kernel(a, w1, w3, h, row_pair, block_expert, MB, L, I, stride_
     and a block that needs a few rows past BLOCK_M issues TAIL more, not BLOCK_M; a block without tail rows
     skips that dot); with A_DESC their A tiles come through a_tail, a descriptor over the same rows with
     [TAIL, BLOCK_K] boxes. PAIRED (with W_DESC): w1 is one descriptor over gate/up rows interleaved `[E * 2I, L]`
-    with [2 BLOCK_N, BLOCK_K] boxes (`paired_gate_up`), w3 is ignored."""
+    with [2 BLOCK_N, BLOCK_K] boxes (`paired_gate_up`), w3 is ignored. FAST_ACT: `_situ_glu`'s FAST."""
     beta = tl.cast(beta, tl.float32)  # Inductor passes Python float arguments as fp64 (AOTI packages)
     linear_beta = tl.cast(linear_beta, tl.float32)
     pb, pn = _tile(tl.program_id(0), MB, tl.cdiv(I, BLOCK_N), group_m)
@@ -512,11 +539,11 @@ def moe_gemm1_fwd_kernel(a, w1, w3, h, row_pair, block_expert, MB, L, I, stride_
         acc1, acc3, acc1t, acc3t = _gemm1_loop(a, a_tail, w1, w3, a_ptr, at_ptr, m_ok, t_ok, e, pn, row0, L, I,
                                                w_off, offs_k, n_ok, BLOCK_M, BLOCK_N, BLOCK_K, TAIL, False,
                                                A_DESC, W_DESC, DOT_PREC, PAIRED)
-    act = beta * _tanh(acc1 / beta) * _sigmoid(acc1) * (linear_beta * _tanh(acc3 / linear_beta))
+    act = _situ_glu(acc1, acc3, beta, linear_beta, FAST_ACT)
     h_ptr = h + offs_m[:, None].to(tl.int64) * stride_hm + offs_n[None, :]
     tl.store(h_ptr, act.to(h.dtype.element_ty), mask=n_ok[None, :])
     if TAIL > 0:                                                        # no tail rows: act(0) = 0 on padding
-        act_t = beta * _tanh(acc1t / beta) * _sigmoid(acc1t) * (linear_beta * _tanh(acc3t / linear_beta))
+        act_t = _situ_glu(acc1t, acc3t, beta, linear_beta, FAST_ACT)
         tl.store(h + offs_t[:, None].to(tl.int64) * stride_hm + offs_n[None, :], act_t.to(h.dtype.element_ty),
                  mask=n_ok[None, :])
 
@@ -724,7 +751,8 @@ class MoeTiles:
     (`moe_pair_gemm2_combine_fwd_kernel`). Both give the unfused path's bits (5 launches -> 3). y_half (row plan):
     gemm2 stores each pair's expert output in z.dtype, as the reference `moe_sorted` rounds it, instead of fp32
     (half the bytes written by gemm2 and read by the combine, which still sums in fp32). wide_route:
-    `route_fwd(wide=True)`."""
+    `route_fwd(wide=True)`. fast_act: the row plan's gemm1 epilogue math (`_situ_glu` FAST; 2 runs as 1 under
+    the interpreter, which has no inline PTX)."""
     block_m: int
     gemm1: tuple
     gemm2: tuple
@@ -740,6 +768,7 @@ class MoeTiles:
     fuse_combine: bool = False
     y_half: bool = False
     wide_route: bool = False
+    fast_act: int = 0
 
     @property
     def rows(self) -> int:
@@ -751,6 +780,7 @@ class MoeTiles:
 # "old" is the tiling before the 2026-11-29 sweep; CONFIGS holds the defaults: the fastest measured on the
 # H200 (docs/perf.md).
 _ALL = 1 << 30
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"      # no inline PTX there: fast_act 2 runs as 1
 _AW = dict(tma="aw", lean_route=True, many_align=True)       # the 2026-11-30 prefill candidates' common part
 TILINGS = {
     "decode": {"old": MoeTiles(16, (32, 256, 4, 4), (32, 256, 4, 4), _ALL, "", False),
@@ -780,6 +810,10 @@ TILINGS = {
                 "m128t64-aw-g2s5": MoeTiles(128, (64, 64, 8, 4), (128, 64, 8, 5), 1, **_AW, tail=64),
                 "m64t32-n128-aw8-y16r": MoeTiles(64, (128, 64, 8, 3), (256, 64, 8, 3), 1, **_AW, tail=32, y_half=True,
                                                  wide_route=True),
+                "m64t32-n128-aw8-y16r-f2": MoeTiles(64, (128, 64, 8, 3), (256, 64, 8, 3), 1, **_AW, tail=32,
+                                                    y_half=True, wide_route=True, fast_act=2),
+                "m128t64-aw-y16r-f2": MoeTiles(128, (64, 64, 8, 4), (128, 64, 8, 4), 1, **_AW, tail=64, y_half=True,
+                                               wide_route=True, fast_act=2),
                 "m64t32-aw8": MoeTiles(64, (64, 64, 8, 4), (128, 64, 8, 4), 1, **_AW, tail=32),
                 "m64t32-n128-aw8": MoeTiles(64, (128, 64, 8, 3), (256, 64, 8, 3), 1, **_AW, tail=32)},
 }
@@ -803,15 +837,19 @@ TILINGS = {
 # launch it saves). Default "pairs-n8-fc"; K3_MOE_DECODE=<name> picks another decode tiling for a process (A/B
 # timing of a whole model, e.g. k3-small, whose 64-expert router is small).
 _DECODE = os.environ.get("K3_MOE_DECODE") or "pairs-n8-fc"
+# 2026-11-30 10:05 (`bench moe --layout paired`, K3 shapes, 400 ms per timing; docs/perf.md): y_half and the wide
+# router ("-y16r") take the combine from 0.63 to 0.24 ms and the route from 0.46 to 0.34 ms at 8192 tokens (gemm2
+# 7.52 -> 7.32): 4096 tokens 18.41 -> 17.99 ms (m64t32-n128-aw8), 8192 25.03 -> 24.83 (m128t64-aw), 16384 43.57
+# -> 42.31 (m128t64-aw, paired). Those stages do not read w1 / w3, so the separate layout gets them too.
 CONFIGS = {"decode": TILINGS["decode"][_DECODE], "grouped": TILINGS["prefill"]["old"],
-           "prefill": TILINGS["prefill"]["m64t32-n128-aw8"], "prefill-mid": TILINGS["prefill"]["m128t64-aw"],
+           "prefill": TILINGS["prefill"]["m64t32-n128-aw8-y16r"], "prefill-mid": TILINGS["prefill"]["m128t64-aw-y16r"],
            "prefill-large": TILINGS["prefill"]["m128-tma-aw"]}
 # Gate/up rows paired in one tensor (`interleave_gate_up`; the `compile` backend's layout), H200 2026-11-30 09:58
 # (`bench moe --paired`, K3 shapes; stage times summed, gemm1 alone in brackets): every tiling bit-identical to
 # its separate-layout run; at 8192 tokens m128t64-aw 25.3 ms (gemm1 17.96 -> 16.30), at 16384 m128t64-aw 43.7 ms
 # = 55% of the matmul rate (gemm1 31.9 -> 28.3) while m128-tma-aw gets slower paired (46.5 -> 55.1 ms: its
 # N = 256 dot spills), at 4096 m64t32-n128-aw8 18.1 ms (gemm1 12.2 -> 11.8).
-PAIRED_CONFIGS = {"prefill-large": TILINGS["prefill"]["m128t64-aw"]}
+PAIRED_CONFIGS = {"prefill-large": TILINGS["prefill"]["m128t64-aw-y16r"]}
 FP32_TILES = MoeTiles(16, (32, 32, 4, 1), (32, 32, 4, 1))      # exact fp32 dots: small tiles, no pipelining
 
 
@@ -895,7 +933,7 @@ def gemm1_fwd(z, w1, w3, plan, top_k: int, beta: float, linear_beta: float, cfg:
         a, w1, w3, h, row_pair, block_expert, MB, L, I, z.stride(0), stride_we, stride_wi, h.stride(0),
         torch.sym_min(cfg.group_m, MB), beta, linear_beta, TOP_K=top_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         A_DESC=cfg.tma == "aw", W_DESC=bool(cfg.tma), DOT_PREC=dot_precision(z.dtype), num_warps=warps,
-        num_stages=stages, **tail)
+        num_stages=stages, **tail, **({"FAST_ACT": min(cfg.fast_act, 1 if _INTERPRET else 2)} if cfg.fast_act else {}))
     return h
 
 
