@@ -70,6 +70,11 @@ class _Traceable:
         return call
 
 
+def traced() -> bool:
+    """Inside `traced_launches()` (an AOTI lowering trace): host-built TMA descriptors are not available there."""
+    return _traced
+
+
 @contextmanager
 def traced_launches():
     """Launch through `wrap_triton` (for tracing with make_fx / run_decompositions) inside this block."""

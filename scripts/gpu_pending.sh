@@ -73,7 +73,7 @@ for part in $parts; do
     moepair) timeout 150 python3 -m pytest -q -m cuda tests/test_moe_kernels.py -k "paired or tilings_k3_shapes and (prefill-m128t64 or y16r)" \
              -s -rs -p no:cacheprovider > "$OUT/moepair-test.log" 2>&1
            timeout ${MOEPAIR_TIMEOUT:-280} python3 -m k3export.cli bench moe --phases prefill --layout ${MOEPAIR_LAYOUT:-both} \
-             --tiles ${MOEPAIR_TILES:-m128t64-aw,m128t64-aw-k128,m128t64-aw-s5,m128-tma-aw,m64t32-n128-aw8} \
+             --tiles ${MOEPAIR_TILES:-m128t64-aw,m128t64-aw-y16r-f2,m128-tma-aw,m64t32-n128-aw8,m64t32-n128-aw8-y16r-f2} \
              --tokens ${MOEPAIR_TOKENS:-8192,16384,4096} --budget-s ${MOEPAIR_BUDGET:-240} --out "$OUT/moepair" \
              > "$OUT/moepair.log" 2>&1 ;;
     mlawide) timeout 150 python3 -m pytest -q -m cuda tests/test_mla_kernels.py -s -rs -k "wide or fp32" -p no:cacheprovider \

@@ -119,9 +119,20 @@ def test_interpreted_wide_tiles(interp, tile):
 
 
 def test_wide_tiles_are_opt_in_and_fill_rule():
-    """The wide tiles are candidates, not the default; `fill` picks the split count with the fullest last wave."""
+    """`decode_tiles` (the TensorRT adapter's) stays on the base tile; eager / compiled calls take the wide tile for
+    many heads from WIDE_MIN_ROWS cache rows (H200-measured crossover), never for fp32, few heads or traced
+    launches; `fill` picks the split count with the fullest last wave."""
+    from k3export.plugins.launch import traced_launches
     from k3export.plugins.mla import kernels as K
     assert K.decode_tiles(96).get("kernel", "base") == "base" and K.decode_tiles(12)["block_h"] == 16
+    bf16 = torch.bfloat16
+    assert K.decode_tile_for(32, 96, 8192, bf16) == K.DECODE_TILES[K.WIDE_TILE] and K.WIDE_MIN_ROWS == 1 << 17
+    assert K.decode_tile_for(128, 96, 1024, bf16)["kernel"] == "wide"
+    assert K.decode_tile_for(8, 96, 8192, bf16) == K.DECODE_TILES["many_heads"]            # 65536 rows: below
+    assert K.decode_tile_for(32, 96, 8192, torch.float32) == K.DECODE_TILES["many_heads"]
+    assert K.decode_tile_for(128, 16, 65536, bf16) == K.DECODE_TILES["few_heads"]
+    with traced_launches():
+        assert K.decode_tile_for(32, 96, 8192, bf16) == K.DECODE_TILES["many_heads"]
     assert K.split_rule(32, 96, 16384, 64, 132) == 5                  # 320 programs: 2.4 waves of 132
     assert K.split_rule(32, 96, 16384, 64, 132, fill=True) == 6       # 384 programs: 2.9 waves
     assert K.split_rule(1, 96, 1024, 64, 132, fill=True) == 16        # capped by min_chunk as before

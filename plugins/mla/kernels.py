@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..launch import launch, pdl_args, pdl_wait, size_bound
+from ..launch import launch, pdl_args, pdl_wait, size_bound, traced
 from ..triton_common import check, dot_precision, pow2
 from .op import mla_decode, mla_prefill
 
@@ -58,7 +58,17 @@ DECODE_TILES |= {
                        fill_waves=False),
     "trans128-tma": dict(block_h=64, block_n=128, num_warps=8, num_stages=1, kernel="wide", tma=True, trans_s=True,
                          fill_waves=False),
+    "wide64-tma-fill": dict(block_h=64, block_n=64, num_warps=8, num_stages=2, kernel="wide", tma=True,
+                            trans_s=False, fill_waves=True),
 }
+# H200, 2026-11-30 10:27 (`scripts/mla_decode_sweep.py`, 96 heads, bf16, full caches; docs/perf.md): from B x L =
+# 131072 cache rows on, wide64-tma-fill beats the base tile everywhere it was timed (B = 32, L = 64k: 1.92 vs
+# 4.04 ms, 29.5% vs 14.0% of copy; B = 128, L = 8k: 0.98 vs 1.55; B = 8, L = 64k: 0.53 vs 0.57; B = 128, L = 1k:
+# 0.180 vs 0.229; at B = 128, L = 64k wide64-tma without the fill rule is 2% faster still); below it (B = 8, L = 8k;
+# B = 1, L = 64k; B <= 32, L = 1k) the base tile wins. So `mla_decode_fwd` takes WIDE_TILE for more than 16 heads
+# from WIDE_MIN_ROWS rows (of cache capacity) in eager / compiled calls; traced launches (AOTI) and the TensorRT
+# adapter keep `decode_tiles`' tile, and DECODE_CONFIG["many_heads_tile"], when set, overrides both.
+WIDE_TILE, WIDE_MIN_ROWS = "wide64-tma-fill", 1 << 17
 
 
 @triton.jit
@@ -282,6 +292,20 @@ def decode_tiles(H: int) -> dict:
     return t
 
 
+def decode_tile_for(B: int, H: int, L: int, dtype: torch.dtype) -> dict:
+    """The tile an eager or compiled `mla_decode` call runs: `decode_tiles(H)`, or WIDE_TILE for more than 16
+    heads from WIDE_MIN_ROWS rows of cache capacity B x L (not in traced launches, which cannot build its TMA
+    descriptors, nor when DECODE_CONFIG names a many-heads tile); the base tile for fp32 (the wide kernel takes
+    16-bit inputs)."""
+    cfg = decode_tiles(H)
+    if H > 16 and "many_heads_tile" not in DECODE_CONFIG and size_bound(B) * size_bound(L) >= WIDE_MIN_ROWS and \
+            not traced():
+        cfg = dict(DECODE_TILES[WIDE_TILE])
+    if dtype == torch.float32 and cfg.get("kernel") == "wide":
+        cfg = dict(DECODE_TILES["many_heads"])
+    return cfg
+
+
 def decode_block_h(H: int) -> int:
     return decode_tiles(H)["block_h"]
 
@@ -323,9 +347,7 @@ def mla_decode_fwd(q, cache, new_row, cache_len, scale: float, v_dim: int, num_s
     new_row = new_row.contiguous()
     cache_len = cache_len.clamp(0, L).to(torch.int32)
     fp32 = q.dtype == torch.float32
-    cfg = decode_tiles(H)
-    if fp32 and cfg.get("kernel") == "wide":             # the wide kernel takes 16-bit inputs
-        cfg = dict(DECODE_TILES["many_heads"])
+    cfg = decode_tile_for(B, H, L, q.dtype)
     block_h = cfg["block_h"]
     S = num_splits or decode_splits(B, H, L, block_h, q.device, cfg.get("fill_waves", False))
     BV, BPE = pow2(v_dim), pow2(R - v_dim)
