@@ -61,7 +61,7 @@ DECODE_TILES |= {
     "wide64-tma-fill": dict(block_h=64, block_n=64, num_warps=8, num_stages=2, kernel="wide", tma=True,
                             trans_s=False, fill_waves=True),
 }
-# H200, 2026-11-30 10:27 (`scripts/mla_decode_sweep.py`, 96 heads, bf16, full caches; docs/perf.md): from B x L =
+# H200, 2026-11-30 09:47 (`scripts/mla_decode_sweep.py`, 96 heads, bf16, full caches; docs/perf.md): from B x L =
 # 131072 cache rows on, wide64-tma-fill beats the base tile everywhere it was timed (B = 32, L = 64k: 1.92 vs
 # 4.04 ms, 29.5% vs 14.0% of copy; B = 128, L = 8k: 0.98 vs 1.55; B = 8, L = 64k: 0.53 vs 0.57; B = 128, L = 1k:
 # 0.180 vs 0.229; at B = 128, L = 64k wide64-tma without the fill rule is 2% faster still); below it (B = 8, L = 8k;

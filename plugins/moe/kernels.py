@@ -796,7 +796,7 @@ TILINGS = {
                                        pair_gemm=((8, 256, 4), (8, 256, 4)), fuse_combine=True),
                "pairs-n8-fused": MoeTiles(16, (32, 256, 4, 4), (32, 256, 4, 4), _ALL, "", True, True, pairs=2,
                                           pair_gemm=((8, 256, 4), (8, 256, 4)), fuse_topk=2, fuse_combine=True)},
-    # Timed on 2026-11-30 09:58-10:05 and dropped: m128t64-aw with gemm1 in 3 or 5 stages, gemm2 in 5, and y_half
+    # Timed on 2026-11-30 09:19-09:34 and dropped: m128t64-aw with gemm1 in 3 or 5 stages, gemm2 in 5, and y_half
     # without the wide router (no faster, or slower: docs/perf.md).
     "prefill": {"old": MoeTiles(64, (64, 64, 4, 4), (128, 64, 4, 4), _ALL, "", False),
                 "m128-tma-aw": MoeTiles(128, (128, 64, 8, 3), (256, 64, 8, 3), 1, "aw", False, True),
@@ -835,18 +835,18 @@ TILINGS = {
 # launch it saves). Default "pairs-n8-fc"; K3_MOE_DECODE=<name> picks another decode tiling for a process (A/B
 # timing of a whole model, e.g. k3-small, whose 64-expert router is small).
 _DECODE = os.environ.get("K3_MOE_DECODE") or "pairs-n8-fc"
-# 2026-11-30 10:05 (`bench moe --layout paired`, K3 shapes, 400 ms per timing; docs/perf.md): y_half and the wide
+# 2026-11-30 09:34 (`bench moe --layout paired`, K3 shapes, 400 ms per timing; docs/perf.md): y_half and the wide
 # router ("-y16r") take the combine from 0.63 to 0.24 ms and the route from 0.46 to 0.34 ms at 8192 tokens (gemm2
 # 7.52 -> 7.32): 4096 tokens 18.41 -> 17.99 ms (m64t32-n128-aw8), 8192 25.03 -> 24.83 (m128t64-aw), 16384 43.57
 # -> 42.31 (m128t64-aw, paired). Those stages do not read w1 / w3, so the separate layout gets them too.
-# 10:25 (same command): fast_act=2 ("-f2", gemm1's epilogue tanh as tanh.approx.f32) takes gemm1 at 8192 tokens
+# 09:46 (same command): fast_act=2 ("-f2", gemm1's epilogue tanh as tanh.approx.f32) takes gemm1 at 8192 tokens
 # from 16.4 to 14.7 ms: m128t64-aw-y16r-f2 22.58 ms = 52.2% of the 727 TFLOP/s matmul rate (y16r 24.2), 16384
 # 39.27 ms = 60.0% (41.76), 4096 m64t32-n128-aw8-y16r-f2 17.80 (17.83); output vs the exact epilogue 4.8e-3..5.3e-3
 # (about one bf16 ulp of the largest value), vs moe_sorted 4.98e-3 on the clear rows, the same as the exact path's.
 CONFIGS = {"decode": TILINGS["decode"][_DECODE], "grouped": TILINGS["prefill"]["old"],
            "prefill": TILINGS["prefill"]["m64t32-n128-aw8-y16r-f2"],
            "prefill-mid": TILINGS["prefill"]["m128t64-aw-y16r-f2"], "prefill-large": TILINGS["prefill"]["m128-tma-aw"]}
-# Gate/up rows paired in one tensor (`interleave_gate_up`; the `compile` backend's layout), H200 2026-11-30 09:58
+# Gate/up rows paired in one tensor (`interleave_gate_up`; the `compile` backend's layout), H200 2026-11-30 09:19
 # (`bench moe --paired`, K3 shapes; stage times summed, gemm1 alone in brackets): every tiling bit-identical to
 # its separate-layout run; at 8192 tokens m128t64-aw 25.3 ms (gemm1 17.96 -> 16.30), at 16384 m128t64-aw 43.7 ms
 # = 55% of the matmul rate (gemm1 31.9 -> 28.3) while m128-tma-aw gets slower paired (46.5 -> 55.1 ms: its
