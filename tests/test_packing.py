@@ -272,25 +272,34 @@ def test_compile_backend_pairs_experts_only_on_cuda():
 @pytest.mark.cuda
 def test_compiled_prefill_reads_paired_experts(monkeypatch):
     """On the GPU the compile backend pairs the experts, and the compiled graph hands the op the paired views (no
-    copy to contiguous on the way), at k3-small prefill (2048 tokens: 256 rows per expert, the paired gemm1)."""
+    copy to contiguous on the way), at k3-small prefill (2048 tokens: 256 rows per expert, the paired gemm1). One
+    MoE layer on the same 2048 rows, paired vs separate weights: each layout runs its own default tiling
+    (m128t64-aw-y16r-f2 / m128-tma-aw), so the bf16 roundings of h and of the expert outputs differ: bound 1e-2
+    (the kernel tests' tiling-vs-tiling differences are ~5e-3). Whole-model logits are not compared: through 12
+    random layers such rounding differences grow to O(1) (docs/perf.md, FP8 report's noise floor)."""
+    from k3export.model.packing import pair_experts, unpair_experts
     from k3export.plugins.moe import kernels as K
     from k3export.runtime import CompileBackend, load_kernels
     load_kernels("cuda")
     cfg = K3Config.from_name("k3-small")
     m = random_model(cfg, seed=0, dtype=torch.bfloat16, device="cuda")
+    moe = m.model.layers[1].block_sparse_moe
+    x = torch.randn(2048, cfg.hidden_size, device="cuda", dtype=torch.bfloat16,
+                    generator=torch.Generator("cuda").manual_seed(1))
+    ref = moe(x)
+    pair_experts(m)
+    err = rel(moe(x), ref)
+    unpair_experts(m)
     ids = torch.randint(0, cfg.vocab_size, (1, 2048), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     st = m.new_state(1, 2048)
     args = (ids, torch.tensor([2048], device="cuda"), st.kda_conv, st.kda_state, st.mla_cache,
             torch.zeros(1, dtype=torch.long, device="cuda"))
-    ref = m.forward_prefill(*args)[0]
+    b = CompileBackend(m)                                       # pairs the experts here
     seen = []
     real = K.paired_gate_up
     monkeypatch.setattr(K, "paired_gate_up", lambda w1, w3: seen.append(real(w1, w3) is not None) or real(w1, w3))
-    b = CompileBackend(m)
-    got = b.prefill(*args)[0]
-    err = rel(got, ref)
-    # logits are printed, not bounded: through 12 random layers packing's rounding differences grow (the greedy
-    # tests in test_runtime.py check the served tokens)
-    print(f"paired banks {b.paired}; op calls seeing the paired layout {sum(seen)}/{len(seen)}; logits vs eager {err:.2e}")
+    b.prefill(*args)
+    print(f"paired banks {b.paired}; op-side layout checks seeing the pair {sum(seen)}/{len(seen)}; one MoE layer "
+          f"paired vs separate {err:.2e}")
     assert b.paired == cfg.num_hidden_layers - sum(cfg.is_dense(i) for i in range(cfg.num_hidden_layers))
-    assert seen and all(seen)
+    assert seen and all(seen) and err < 1e-2
