@@ -72,6 +72,45 @@ WIDE_TILE, WIDE_MIN_ROWS = "wide64-tma-fill", 1 << 17
 
 
 @triton.jit
+def _split_setup(q, cache_len, stride_qb, stride_qh, H, num_splits, V_DIM, R, BLOCK_H: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_PE: tl.constexpr):
+    """A split program's (head block, split, sequence): b, the split index, its cache rows [start, end) (chunks
+    rounded up to BLOCK_N rows) and the end of its last full BLOCK_N tile, its heads with their mask, the value /
+    rope column offsets with their masks, and its query rows q_v `[BH, BV]`, q_pe `[BH, BPE]`."""
+    pid_h = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    b = tl.program_id(2)
+    n = tl.load(cache_len + b).to(tl.int32)
+    chunk = tl.cdiv(tl.cdiv(n, num_splits), BLOCK_N) * BLOCK_N
+    start = pid_s * chunk
+    end = tl.minimum(start + chunk, n)
+    full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+
+    heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = heads < H
+    offs_v = tl.arange(0, BLOCK_V)
+    offs_pe = V_DIM + tl.arange(0, BLOCK_PE)
+    v_ok = offs_v < V_DIM
+    pe_ok = offs_pe < R
+    q_row = q + b * stride_qb + heads[:, None] * stride_qh
+    q_v = tl.load(q_row + offs_v[None, :], mask=h_ok[:, None] & v_ok[None, :], other=0.0)     # [BH, BV]
+    q_pe = tl.load(q_row + offs_pe[None, :], mask=h_ok[:, None] & pe_ok[None, :], other=0.0)  # [BH, BPE]
+    return b, pid_s, start, end, full_end, heads, h_ok, offs_v, offs_pe, v_ok, pe_ok, q_v, q_pe
+
+
+@triton.jit
+def _store_partial(o_part, lse_part, acc, m_i, l_i, b, pid_s, H, num_splits, heads, h_ok, offs_v,
+                   BLOCK_V: tl.constexpr):
+    """The split's normalised partial output and its log2-sum-exp (-inf when it saw no row) to o_part / lse_part."""
+    has = l_i > 0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    part = (b * H + heads) * num_splits + pid_s                                                 # [BH]
+    tl.store(o_part + part[:, None].to(tl.int64) * BLOCK_V + offs_v[None, :], out, mask=h_ok[:, None])
+    tl.store(lse_part + part, lse, mask=h_ok)
+
+
+@triton.jit
 def mla_decode_fwd_kernel(q, cache, cache_len,
                           stride_qb, stride_qh, stride_cb, stride_cl,
                           H, num_splits, qk_scale, V_DIM, R,
@@ -84,23 +123,8 @@ def mla_decode_fwd_kernel(q, cache, cache_len,
     -inf for an empty split). PDL: wait for the stream predecessor first (`launch.pdl_args`)."""
     pdl_wait(PDL)
     qk_scale = tl.cast(qk_scale, tl.float32)  # Inductor passes Python float arguments as fp64 (AOTI packages)
-    pid_h = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    b = tl.program_id(2)
-    n = tl.load(cache_len + b).to(tl.int32)
-    chunk = tl.cdiv(tl.cdiv(n, num_splits), BLOCK_N) * BLOCK_N
-    start = pid_s * chunk
-    end = tl.minimum(start + chunk, n)
-
-    heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_ok = heads < H
-    offs_v = tl.arange(0, BLOCK_V)
-    offs_pe = V_DIM + tl.arange(0, BLOCK_PE)
-    v_ok = offs_v < V_DIM
-    pe_ok = offs_pe < R
-    q_row = q + b * stride_qb + heads[:, None] * stride_qh
-    q_v = tl.load(q_row + offs_v[None, :], mask=h_ok[:, None] & v_ok[None, :], other=0.0)     # [BH, BV]
-    q_pe = tl.load(q_row + offs_pe[None, :], mask=h_ok[:, None] & pe_ok[None, :], other=0.0)  # [BH, BPE]
+    b, pid_s, start, end, _, heads, h_ok, offs_v, offs_pe, v_ok, pe_ok, q_v, q_pe = _split_setup(
+        q, cache_len, stride_qb, stride_qh, H, num_splits, V_DIM, R, BLOCK_H, BLOCK_N, BLOCK_V, BLOCK_PE)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -123,12 +147,7 @@ def mla_decode_fwd_kernel(q, cache, cache_len,
         acc = tl.dot(p.to(kv.dtype), kv, acc=acc, input_precision=DOT_PREC)
         m_i = m_new
 
-    has = l_i > 0
-    out = acc / tl.where(has, l_i, 1.0)[:, None]
-    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-    part = (b * H + heads) * num_splits + pid_s                                                 # [BH]
-    tl.store(o_part + part[:, None].to(tl.int64) * BLOCK_V + offs_v[None, :], out, mask=h_ok[:, None])
-    tl.store(lse_part + part, lse, mask=h_ok)
+    _store_partial(o_part, lse_part, acc, m_i, l_i, b, pid_s, H, num_splits, heads, h_ok, offs_v, BLOCK_V)
 
 
 @triton.jit
@@ -210,25 +229,9 @@ def mla_decode_wide_kernel(q, cache, cache_len, kv_desc, pe_desc,
     `_decode_tile`. PDL: as `mla_decode_fwd_kernel`."""
     pdl_wait(PDL)
     qk_scale = tl.cast(qk_scale, tl.float32)  # Inductor passes Python float arguments as fp64 (AOTI packages)
-    pid_h = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    b = tl.program_id(2)
-    n = tl.load(cache_len + b).to(tl.int32)
-    chunk = tl.cdiv(tl.cdiv(n, num_splits), BLOCK_N) * BLOCK_N
-    start = pid_s * chunk
-    end = tl.minimum(start + chunk, n)
-    full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N                         # last full tile
-
-    heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_ok = heads < H
+    b, pid_s, start, end, full_end, heads, h_ok, offs_v, offs_pe, v_ok, pe_ok, q_v, q_pe = _split_setup(
+        q, cache_len, stride_qb, stride_qh, H, num_splits, V_DIM, R, BLOCK_H, BLOCK_N, BLOCK_V, BLOCK_PE)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_v = tl.arange(0, BLOCK_V)
-    offs_pe = V_DIM + tl.arange(0, BLOCK_PE)
-    v_ok = offs_v < V_DIM
-    pe_ok = offs_pe < R
-    q_row = q + b * stride_qb + heads[:, None] * stride_qh
-    q_v = tl.load(q_row + offs_v[None, :], mask=h_ok[:, None] & v_ok[None, :], other=0.0)     # [BH, BV]
-    q_pe = tl.load(q_row + offs_pe[None, :], mask=h_ok[:, None] & pe_ok[None, :], other=0.0)  # [BH, BPE]
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -253,12 +256,7 @@ def mla_decode_wide_kernel(q, cache, cache_len, kv_desc, pe_desc,
         k_pe = tl.load(c_row + offs_pe[None, :], mask=r_ok[:, None] & pe_ok[None, :], other=0.0)
         acc, m_i, l_i = _decode_tile(acc, m_i, l_i, q_v, q_pe, kv, k_pe, r_ok, qk_scale, True, TRANS_S, DOT_PREC)
 
-    has = l_i > 0
-    out = acc / tl.where(has, l_i, 1.0)[:, None]
-    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-    part = (b * H + heads) * num_splits + pid_s                                                 # [BH]
-    tl.store(o_part + part[:, None].to(tl.int64) * BLOCK_V + offs_v[None, :], out, mask=h_ok[:, None])
-    tl.store(lse_part + part, lse, mask=h_ok)
+    _store_partial(o_part, lse_part, acc, m_i, l_i, b, pid_s, H, num_splits, heads, h_ok, offs_v, BLOCK_V)
 
 
 def split_rule(B: int, H: int, L: int, block_h: int, sms: int, fill: bool = False) -> int:

@@ -407,6 +407,17 @@ def _tile(pid, MB, NT, group_m):
 
 
 @triton.jit
+def _a_tile(desc, ptr, row, k0, ok, k_ok, A_DESC: tl.constexpr):
+    """gemm1's A tile at column k0: rows [row, row + rows) through the TMA descriptor (A_DESC), else pointer loads
+    (ptr: the rows' pointers at column 0; rows where ok is false and columns past L read as 0)."""
+    if A_DESC:
+        x = desc.load([row, k0])
+    else:
+        x = tl.load(ptr + k0, mask=ok[:, None] & k_ok[None, :], other=0.0)
+    return x
+
+
+@triton.jit
 def _gemm1_paired_loop(a, a_tail, w13, a_ptr, at_ptr, m_ok, t_ok, e, pn, row0, L, I, offs_k,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TAIL: tl.constexpr,
                        USE_TAIL: tl.constexpr, A_DESC: tl.constexpr, DOT_PREC: tl.constexpr):
@@ -420,17 +431,11 @@ def _gemm1_paired_loop(a, a_tail, w13, a_ptr, at_ptr, m_ok, t_ok, e, pn, row0, L
         acc_t = acc
     for k0 in range(0, L, BLOCK_K):
         k_ok = (k0 + offs_k) < L
-        if A_DESC:
-            x = a.load([row0, k0])
-        else:
-            x = tl.load(a_ptr + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        x = _a_tile(a, a_ptr, row0, k0, m_ok, k_ok, A_DESC)
         b = w13.load([(e * I + pn * BLOCK_N) * 2, k0]).T                                   # [BK, 2 BN]
         acc = tl.dot(x, b, acc=acc, input_precision=DOT_PREC)
         if USE_TAIL:
-            if A_DESC:
-                xt = a_tail.load([row0 + BLOCK_M, k0])
-            else:
-                xt = tl.load(at_ptr + k0, mask=t_ok[:, None] & k_ok[None, :], other=0.0)
+            xt = _a_tile(a_tail, at_ptr, row0 + BLOCK_M, k0, t_ok, k_ok, A_DESC)
             acc_t = tl.dot(xt, b, acc=acc_t, input_precision=DOT_PREC)
     acc1, acc3 = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
     if TAIL > 0:
@@ -464,10 +469,7 @@ def _gemm1_loop(a, a_tail, w1, w3, a_ptr, at_ptr, m_ok, t_ok, e, pn, row0, L, I,
             acc3t = acc3
         for k0 in range(0, L, BLOCK_K):
             k_ok = (k0 + offs_k) < L
-            if A_DESC:
-                x = a.load([row0, k0])
-            else:
-                x = tl.load(a_ptr + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            x = _a_tile(a, a_ptr, row0, k0, m_ok, k_ok, A_DESC)
             if W_DESC:
                 b1 = w1.load([e * I + pn * BLOCK_N, k0]).T
                 b3 = w3.load([e * I + pn * BLOCK_N, k0]).T
@@ -477,10 +479,7 @@ def _gemm1_loop(a, a_tail, w1, w3, a_ptr, at_ptr, m_ok, t_ok, e, pn, row0, L, I,
             acc1 = tl.dot(x, b1, acc=acc1, input_precision=DOT_PREC)
             acc3 = tl.dot(x, b3, acc=acc3, input_precision=DOT_PREC)
             if USE_TAIL:
-                if A_DESC:
-                    xt = a_tail.load([row0 + BLOCK_M, k0])
-                else:
-                    xt = tl.load(at_ptr + k0, mask=t_ok[:, None] & k_ok[None, :], other=0.0)
+                xt = _a_tile(a_tail, at_ptr, row0 + BLOCK_M, k0, t_ok, k_ok, A_DESC)
                 acc1t = tl.dot(xt, b1, acc=acc1t, input_precision=DOT_PREC)
                 acc3t = tl.dot(xt, b3, acc=acc3t, input_precision=DOT_PREC)
     return acc1, acc3, acc1t, acc3t
