@@ -190,8 +190,8 @@ def moe(out: Path, quick: bool, budget_s: float, phases: str, tiles: str, tokens
     w = k3_weights()
     res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
            "copy_TBps": bw / 1e12, "matmul_TFLOPs": rate / 1e12}
-    from k3export.plugins.moe.kernels import CONFIGS
-    res["defaults"] = {k: repr(v) for k, v in CONFIGS.items()}
+    res["defaults"] = {k: repr(v) for k, v in Km.CONFIGS.items()}
+    res["layout"] = layout
     if "prefill" in want:
         wp = None
         if layout != "separate":         # the same values, gate/up rows interleaved: one weight tile per gemm1 step
