@@ -52,6 +52,8 @@ def signature(which: str, cfg, paired: bool = False) -> tuple[dict, dict]:
         cx["a_tail"] = None
     if paired:                                       # gate/up rows interleaved: one [2 BN, BK] weight tile per step
         sig["PAIRED"], cx["PAIRED"] = "constexpr", True
+    if which == "gemm1" and cfg.fast_act:            # the epilogue's math (`_situ_glu` FAST)
+        sig["FAST_ACT"], cx["FAST_ACT"] = "constexpr", cfg.fast_act
     return sig, cx
 
 

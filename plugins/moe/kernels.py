@@ -811,6 +811,8 @@ TILINGS = {
                                                     y_half=True, wide_route=True, fast_act=2),
                 "m128t64-aw-y16r-f2": MoeTiles(128, (64, 64, 8, 4), (128, 64, 8, 4), 1, **_AW, tail=64, y_half=True,
                                                wide_route=True, fast_act=2),
+                "m128-tma-aw-y16r-f2": MoeTiles(128, (128, 64, 8, 3), (256, 64, 8, 3), 1, "aw", False, True,
+                                                y_half=True, wide_route=True, fast_act=2),     # not yet timed
                 "m64t32-aw8": MoeTiles(64, (64, 64, 8, 4), (128, 64, 8, 4), 1, **_AW, tail=32),
                 "m64t32-n128-aw8": MoeTiles(64, (128, 64, 8, 3), (256, 64, 8, 3), 1, **_AW, tail=32)},
 }
