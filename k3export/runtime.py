@@ -127,10 +127,11 @@ class CompileBackend(EagerBackend):
         super().__init__(model)
         from k3export.model import packing
         packing.unpack_projections(model)          # the swaps asked for here, no others (in place: later users too)
-        on_cuda = next(model.parameters()).device.type == "cuda"
-        if not (pair_experts and on_cuda):
+        if pair_experts and next(model.parameters()).device.type == "cuda":
+            self.paired = packing.pair_experts(model)
+        else:
             packing.unpair_experts(model)
-        self.paired = packing.pair_experts(model) if pair_experts and on_cuda else 0
+            self.paired = 0
         self.packed = packing.pack_projections(model) if pack else 0
         self.fused = packing.fuse_norms(model, adds=fuse_adds) if fuse_norms else 0
         if cache_dir is not None:

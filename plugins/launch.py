@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"     # the Triton interpreter at import (CPU): no inline PTX
 _traced = False
 _pdl = os.environ.get("K3_PDL", "0") == "1"
 _pdl_capable: dict[int, bool] = {}     # device index -> compute capability >= 9 (queried once per device)

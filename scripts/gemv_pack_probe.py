@@ -51,12 +51,22 @@ def copy_bandwidth() -> float:
     return 2 * (1 << 27) / timed(lambda: big[: 1 << 27].copy_(big[1 << 27:])) / 1e6
 
 
-def main() -> None:
+def probe_start() -> tuple[str | None, float]:
+    """A probe's command line (`--out PATH` for its JSON) and the measured copy bandwidth (GB/s)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
-    a = ap.parse_args()
+    return ap.parse_args().out, copy_bandwidth()
+
+
+def write_json(out: str | None, result: dict) -> None:
+    if out:
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+def main() -> None:
+    out, copy_gbs = probe_start()
     dev, dt = "cuda", torch.bfloat16
-    copy_gbs = copy_bandwidth()
     print(f"copy {copy_gbs:.0f} GB/s")
     rows = {}
     for name, shapes in GROUPS.items():
@@ -84,9 +94,7 @@ def main() -> None:
         print(f"{name:40s} {nbytes / 1e6:6.1f} MB  separate x{len(shapes)} {1e3 * t_sep:6.1f} us "
               f"({nbytes / t_sep / 1e6:5.0f} GB/s)  packed {1e3 * t_one:6.1f} us ({nbytes / t_one / 1e6:5.0f} GB/s)"
               f"  rel err {err:.1e}")
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(dict(copy_gbs=copy_gbs, groups=rows), f, indent=1)
+    write_json(out, dict(copy_gbs=copy_gbs, groups=rows))
 
 
 if __name__ == "__main__":

@@ -13,14 +13,12 @@ measured in the same run, and whether the Triton result equals cuBLAS's within b
 
 from __future__ import annotations
 
-import argparse
-import json
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from gemv_pack_probe import copy_bandwidth, timed   # CUDA-graph replay, CUDA-event medians (scripts/ is on sys.path)
+from gemv_pack_probe import probe_start, timed, write_json   # CUDA-graph replay, CUDA-event medians (scripts/ on sys.path)
 
 REPS = 16
 # (name, N, K, GEMVs per k3-small decode step)
@@ -53,11 +51,8 @@ def gemv(x, w, y, tiling):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=None)
-    a = ap.parse_args()
+    out, copy_gbs = probe_start()
     dev, dt = "cuda", torch.bfloat16
-    copy_gbs = copy_bandwidth()
     print(f"copy {copy_gbs:.0f} GB/s; us per GEMV (graph of {REPS}), % of copy", flush=True)
     rows, step = [], {"cublas": 0.0, "best_triton": 0.0, "floor": 0.0}
     for name, N, K, per_step in SHAPES:
@@ -86,9 +81,7 @@ def main() -> None:
               + " ".join(f"{k} {v['us']:.1f}" for k, v in row["triton"].items()), flush=True)
     print(f"per k3-small decode step (these GEMVs, counts as above): cuBLAS {step['cublas']:.0f} us, best Triton "
           f"tiling per shape {step['best_triton']:.0f} us, bytes floor {step['floor']:.0f} us")
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(dict(copy_gbs=copy_gbs, reps=REPS, rows=rows, step_us=step), f, indent=1)
+    write_json(out, dict(copy_gbs=copy_gbs, reps=REPS, rows=rows, step_us=step))
 
 
 if __name__ == "__main__":

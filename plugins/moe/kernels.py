@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 from torch._subclasses.fake_tensor import is_fake
 
-from ..launch import launch, size_bound
+from ..launch import INTERPRET, launch, size_bound
 from ..triton_common import check, dot_precision, pow2, tickets
 from .op import moe_routed
 
@@ -779,7 +779,6 @@ class MoeTiles:
 # "old" is the tiling before the 2026-11-29 sweep; CONFIGS holds the defaults: the fastest measured on the
 # H200 (docs/perf.md).
 _ALL = 1 << 30
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"      # no inline PTX there: fast_act 2 runs as 1
 _AW = dict(tma="aw", lean_route=True, many_align=True)       # the 2026-11-30 prefill candidates' common part
 TILINGS = {
     "decode": {"old": MoeTiles(16, (32, 256, 4, 4), (32, 256, 4, 4), _ALL, "", False),
@@ -936,7 +935,7 @@ def gemm1_fwd(z, w1, w3, plan, top_k: int, beta: float, linear_beta: float, cfg:
         a, w1, w3, h, row_pair, block_expert, MB, L, I, z.stride(0), stride_we, stride_wi, h.stride(0),
         torch.sym_min(cfg.group_m, MB), beta, linear_beta, TOP_K=top_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         A_DESC=cfg.tma == "aw", W_DESC=bool(cfg.tma), DOT_PREC=dot_precision(z.dtype), num_warps=warps,
-        num_stages=stages, **tail, **({"FAST_ACT": min(cfg.fast_act, 1 if _INTERPRET else 2)} if cfg.fast_act else {}))
+        num_stages=stages, **tail, **({"FAST_ACT": min(cfg.fast_act, 1 if INTERPRET else 2)} if cfg.fast_act else {}))
     return h
 
 
