@@ -152,7 +152,6 @@ def make_backend(name: str, model, engines: Path, profiles: dict, log) -> tuple[
     if name in COMPILE_VARIANTS:
         b = CompileBackend(model, **COMPILE_VARIANTS[name])
         info = {"packed_groups": b.packed, "fused_norm_swaps": b.fused, "inplace_decode": hasattr(b, "decode_"),
-                "paired_expert_banks": b.paired,
                 **{k: v for k, v in COMPILE_VARIANTS[name].items() if k in ("freezing", "options")}}
         if name in PDL_VARIANTS:
             b, info["pdl"] = PdlBackend(b), True
