@@ -17,6 +17,8 @@ commit) is captured once as a CUDA graph for the engine's batch size and replaye
 
 from __future__ import annotations
 
+import contextlib
+
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
@@ -117,13 +119,19 @@ class CompileBackend(EagerBackend):
     small kernels horizontally fused into one launch (bench backend `compile-combo`).
     `pair_experts` (default, CUDA models): each expert bank's w1 / w3 stored as the even / odd rows of one tensor
     (`packing.pair_experts`), which the MoE prefill kernel reads as one weight tile per step (H200, K3 shapes,
-    8192 tokens: its gemm1 17.96 -> 16.30 ms, the op's output bit-identical); False unpairs a paired model."""
+    8192 tokens: its gemm1 17.96 -> 16.30 ms, the op's output bit-identical); False unpairs a paired model.
+    `gemv` (default, CUDA models): one-row linears (decode at B = 1) run `k3::gemv` instead of cuBLAS
+    (`packing.gemv_linears`). `pdl` (default, sm_90+): the calls (and so the CUDA graphs the Engine captures from
+    them) run inside `plugins.launch.pdl(True)`: our decode kernels are launched with programmatic dependent launch,
+    and the GEMV loads its weights before it waits for its predecessor. H200, k3-small decode at B = 1
+    (2026-11-30 12:10, `bench model`): cuBLAS without PDL 1.029 ms (0.99-1.01 in earlier runs), GEMV 0.964, GEMV +
+    PDL 0.895 (bench backends `compile-cublas-nopdl`, `compile-nopdl`, `compile`)."""
 
     name = "compile"
 
     def __init__(self, model, mode: str | None = None, cache_dir=None, freezing: bool = False, pack: bool = True,
                  fuse_norms: bool = True, inplace: bool = True, fuse_adds: bool = True, options: dict | None = None,
-                 pair_experts: bool = True):
+                 pair_experts: bool = True, gemv: bool = True, pdl: bool = True):
         super().__init__(model)
         from k3export.model import packing
         packing.unpack_projections(model)          # the swaps asked for here, no others (in place: later users too)
@@ -134,6 +142,9 @@ class CompileBackend(EagerBackend):
             self.paired = 0
         self.packed = packing.pack_projections(model) if pack else 0
         self.fused = packing.fuse_norms(model, adds=fuse_adds) if fuse_norms else 0
+        dev = next(model.parameters()).device
+        self.gemv = packing.gemv_linears(model) if gemv and dev.type == "cuda" else 0
+        self.pdl = bool(pdl and dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9)
         if cache_dir is not None:
             import os
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(cache_dir).resolve() / "inductor-cache")
@@ -160,9 +171,12 @@ class CompileBackend(EagerBackend):
             self.decode_ = self._decode_inplace
 
     def _call(self, fn, args):
-        if self._freezing is None:
-            return fn(*args)
-        with self._freezing:
+        from k3export.plugins.launch import pdl
+        with contextlib.ExitStack() as stack:
+            if self._freezing is not None:
+                stack.enter_context(self._freezing)
+            if self.pdl:
+                stack.enter_context(pdl(True))
             return fn(*args)
 
     @torch.no_grad()

@@ -12,8 +12,8 @@ block sizes (constexprs) and tile choices may not. `size_bound(n)` is n for an i
 symbolic n can take (its export range) otherwise: a tile chosen from it is the tile the eager launcher picks at
 the largest shape, and the kernels mask every tile, so it is correct at every smaller shape.
 
-Programmatic dependent launch (PDL, opt-in, off by default): with env `K3_PDL=1` (read here, once, at import) or
-inside `pdl(True)`, `pdl_args(t)` gives the decode-path launchers `PDL=True, launch_pdl=True` for tensors on a CUDA
+Programmatic dependent launch (PDL; off by default here, on in the `compile` serving backend on sm_90+, which runs
+its calls inside `pdl(True)`): with env `K3_PDL=1` (read here, once, at import) or inside `pdl(True)`, `pdl_args(t)` gives the decode-path launchers `PDL=True, launch_pdl=True` for tensors on a CUDA
 device of compute capability >= 9. The kernel is then launched with the programmatic-stream-serialization
 attribute (it may start while its predecessor in the stream finishes) and, by its `PDL` constexpr, executes
 `griddepcontrol.wait` (`gdc_wait`) as its very first instruction, then `griddepcontrol.launch_dependents`: so none

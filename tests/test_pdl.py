@@ -1,13 +1,15 @@
 """Programmatic dependent launch (PDL) of the decode-path Triton kernels (plugins/launch.py: `pdl`, `pdl_args`,
-`pdl_wait`): opt-in, off by default.
+`pdl_wait`): off by default in the launchers, on in the `compile` backend for sm_90+ CUDA models.
 
 CPU: the switch gives no launch options off / on CPU / traced / under the interpreter / below sm_90; with the
 `PDL` constexpr the sm_90 PTX of one kernel per file (AttnRes, KDA decode in place, MLA decode) gains exactly
 `griddepcontrol.wait` + `griddepcontrol.launch_dependents` before its first memory access and is otherwise the
-same instructions; the bench's `compile-pdl` wrapper runs its calls inside the switch.
+same instructions; the `compile` backend (PDL on by default for sm_90+ CUDA models) runs its calls inside the
+switch.
 GPU (`cuda`): a CUDA graph of a chain of dependent kernel launches (in-place KDA state included) replays to the
 same bits with PDL as without; k3-small through the `compile` backend with CUDA-graph decode gives the same greedy
-tokens and logits with PDL as without (`compile-pdl`, and `compile-pdl-inductor` with Inductor's own PDL too),
+tokens and logits with PDL as without (`compile` vs `compile-nopdl` at B = 4 and at B = 1, where the GEMVs run
+`k3::gemv` with their early weight loads, and `compile-pdl-inductor` with Inductor's own PDL too),
 over several replays, and the PDL kernels were really compiled and launched with it."""
 
 from __future__ import annotations
@@ -100,40 +102,35 @@ def test_pdl_constexpr_adds_only_the_two_griddepcontrol_instructions(name):
     assert body(ins_on) == body(_instructions(off))
 
 
-# ---------------------------------------------------------------------------------------------- the bench variant
-def test_compile_pdl_variant_runs_its_calls_inside_the_switch():
-    from k3export.bench.model import BACKENDS, COMPILE_VARIANTS, PDL_VARIANTS, PdlBackend
-    assert set(PDL_VARIANTS) == {"compile-pdl", "compile-pdl-inductor"} and set(PDL_VARIANTS) <= set(BACKENDS)
-    assert COMPILE_VARIANTS["compile-pdl"] == {} and set(PDL_VARIANTS) <= set(COMPILE_VARIANTS)
+# ---------------------------------------------------------------------------------------------- the backend switch
+def test_compile_backend_runs_its_calls_inside_the_switch():
+    """`CompileBackend(pdl=True)` (the default; on only for sm_90+ CUDA models, so forced here on a CPU model)
+    runs prefill / decode / the in-place decode inside `launch.pdl(True)` and restores the switch after each call;
+    `pdl=False` (bench `compile-nopdl`) leaves it alone."""
+    from k3export.bench.model import BACKENDS, COMPILE_VARIANTS
+    from k3export.config import K3Config
+    from k3export.model import packing
+    from k3export.model.weights import random_model
+    from k3export.runtime import CompileBackend
+    assert COMPILE_VARIANTS["compile-nopdl"] == {"pdl": False} and "compile-pdl-inductor" in BACKENDS
+    model = random_model(K3Config.from_name("k3-tiny"), seed=0)
     seen = []
-
-    class Inner:
-        name, max_prefill_tokens = "compile", None
-
-        def prefill(self, *a):
-            seen.append(("prefill", L._pdl))
-            return a
-
-        def decode(self, *a):
-            seen.append(("decode", L._pdl))
-
-        def decode_(self, *a):
-            seen.append(("decode_", L._pdl))
-
-    class NoInplace:
-        def prefill(self, *a):
-            pass
-
-        def decode(self, *a):
-            pass
-
-    with L.pdl(False):
-        b = PdlBackend(Inner())
-        assert b.prefill(1, 2) == (1, 2) and b.decode() is None and b.decode_() is None
-        assert L._pdl is False                                           # restored after each call
-    assert seen == [("prefill", True), ("decode", True), ("decode_", True)]
-    assert b.name == "compile" and b.max_prefill_tokens is None           # the rest is the wrapped backend's
-    assert not hasattr(PdlBackend(NoInplace()), "decode_")               # the Engine's in-place test still holds
+    try:
+        for on in (True, False):
+            b = CompileBackend(model, pdl=on)
+            assert b.pdl is False                                        # CPU model: never on by itself
+            b.pdl = on
+            b._prefill = lambda *a: seen.append(("prefill", on, L._pdl))
+            b._decode = lambda *a: seen.append(("decode", on, L._pdl))
+            b._decode_ = lambda *a: seen.append(("decode_", on, L._pdl))
+            with L.pdl(False):
+                b.prefill()
+                b.decode()
+                b.decode_()
+                assert L._pdl is False                                   # restored after each call
+    finally:
+        packing.unpack_projections(model)
+    assert seen == [(k, on, on) for on in (True, False) for k in ("prefill", "decode", "decode_")]
 
 
 # ---------------------------------------------------------------------------------------------- GPU
@@ -220,14 +217,16 @@ def test_chain_in_a_cuda_graph_same_bits_with_and_without_pdl():
     assert any(_compiled_with_pdl(attn_res_fwd_kernel)), "no AttnRes variant was compiled with launch_pdl"
 
 
-def _k3_small_run(model, prompts, variant: str) -> list[torch.Tensor]:
-    """Prefill logits then 8 greedy decode steps' logits (fp32 copies) through the bench backend `variant`."""
-    from k3export.bench.model import COMPILE_VARIANTS, PDL_VARIANTS, PdlBackend
+def _k3_small_run(model, prompts, variant: str, batch: int = 4) -> list[torch.Tensor]:
+    """Prefill logits then 8 greedy decode steps' logits (fp32 copies) through the bench backend `variant`, the
+    first `batch` prompts (at B = 1 the one-row linears run `k3::gemv`)."""
+    from k3export.bench.model import COMPILE_VARIANTS
     from k3export.runtime import CompileBackend, Engine
     backend = CompileBackend(model, **COMPILE_VARIANTS[variant])
-    eng = Engine(PdlBackend(backend) if variant in PDL_VARIANTS else backend, max_batch=4, max_len=160)
+    prompts = prompts[:batch]
+    eng = Engine(backend, max_batch=batch, max_len=160)
     assert eng.graphed, eng.graph_error
-    logits = [eng.prefill([0, 1, 2, 3], prompts).float()]
+    logits = [eng.prefill(list(range(batch)), prompts).float()]
     for _ in range(8):
         logits.append(eng.decode(logits[-1].argmax(-1)).float().clone())
     return logits
@@ -235,30 +234,35 @@ def _k3_small_run(model, prompts, variant: str) -> list[torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def k3_small_baseline():
-    """k3-small bf16, 4 prompts, and two runs of the plain `compile` backend (CUDA-graph decode)."""
+    """k3-small bf16, 4 prompts, and two runs of the `compile` backend without PDL (`compile-nopdl`, CUDA-graph
+    decode) at B = 4 and two at B = 1."""
     from k3export.config import K3Config
     from k3export.model.weights import random_model
     model = random_model(K3Config.from_name("k3-small"), seed=0, dtype=torch.bfloat16, device="cuda")
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in (37, 5, 120, 64)]
-    return model, prompts, _k3_small_run(model, prompts, "compile"), _k3_small_run(model, prompts, "compile")
+    runs = {b: (_k3_small_run(model, prompts, "compile-nopdl", b), _k3_small_run(model, prompts, "compile-nopdl", b))
+            for b in (4, 1)}
+    return model, prompts, runs
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("variant", ["compile-pdl", "compile-pdl-inductor"])
-def test_k3_small_compile_backend_same_tokens_and_logits_with_pdl(k3_small_baseline, variant):
-    """k3-small bf16 through the `compile` backend (CUDA-graph decode), 4 prompts then 8 greedy steps: the bench
-    variant with PDL gives the same tokens and logits as without, at every replay; the AttnRes, KDA and MLA decode
-    kernels were compiled with launch_pdl and griddepcontrol. Bound: the run-to-run difference of two runs without
-    PDL (0 if the step is deterministic: then bit-identical is required)."""
+@pytest.mark.parametrize("variant,batch", [("compile", 4), ("compile", 1), ("compile-pdl-inductor", 4)])
+def test_k3_small_compile_backend_same_tokens_and_logits_with_pdl(k3_small_baseline, variant, batch):
+    """k3-small bf16 through the `compile` backend (CUDA-graph decode), 4 prompts (or 1: the GEMVs on
+    `k3::gemv`, weights loaded before the wait) then 8 greedy steps: with PDL the same tokens and logits as
+    without (`compile-nopdl`), at every replay; the AttnRes, KDA and MLA decode kernels (and the GEMV at B = 1)
+    were compiled with launch_pdl and griddepcontrol. Bound: the run-to-run difference of two runs without PDL (0
+    if the step is deterministic: then bit-identical is required)."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs sm_90+")
     from k3export.plugins.attn_res.kernels import attn_res_fwd_kernel
     from k3export.plugins.kda.kernels import kda_decode_inplace_fwd_kernel
     from k3export.plugins.mla.kernels import mla_decode_combine_kernel, mla_decode_fwd_kernel
-    model, prompts, off, off_again = k3_small_baseline
+    model, prompts, runs = k3_small_baseline
+    off, off_again = runs[batch]
     try:
-        on = _k3_small_run(model, prompts, variant)
+        on = _k3_small_run(model, prompts, variant, batch)
     except RuntimeError as e:
         if "Unexpected optimization option" in str(e):
             pytest.skip(f"this torch has no Inductor PDL option: {str(e)[:80]}")
@@ -271,5 +275,7 @@ def test_k3_small_compile_backend_same_tokens_and_logits_with_pdl(k3_small_basel
         assert diff <= spread[step], (variant, step, diff, spread[step])
         if same_tokens:
             assert torch.equal(a.argmax(-1), b.argmax(-1)), (variant, step)
-    for fn in (attn_res_fwd_kernel, kda_decode_inplace_fwd_kernel, mla_decode_fwd_kernel, mla_decode_combine_kernel):
+    from k3export.plugins.gemv.kernels import gemv_fwd_kernel
+    fns = [attn_res_fwd_kernel, kda_decode_inplace_fwd_kernel, mla_decode_fwd_kernel, mla_decode_combine_kernel]
+    for fn in fns + [gemv_fwd_kernel] * (batch == 1):
         assert any(_compiled_with_pdl(fn)), f"{fn.__name__}: no variant compiled with launch_pdl"

@@ -7,8 +7,10 @@ each hold `context` tokens (`Engine.decode`, state commit included). Backends:
     graph     the same programs, decode (and repeated prefill shapes) captured as CUDA graphs
     compile   torch.compile (Inductor) programs, CUDA graphs on top
     compile-frozen  the same with Inductor's freezing (weights as constants: folded, shared-input matmuls merged)
-    compile-pdl     `compile` with our decode-path Triton kernels launched with programmatic dependent launch
-    compile-pdl-inductor  the same, and Inductor's own kernels too (its `triton.enable_pdl` option)
+    compile-nopdl   `compile` with programmatic dependent launch off (its GEMVs still `k3::gemv`)
+    compile-cublas  `compile` with cuBLAS for the one-row linears (PDL on)
+    compile-cublas-nopdl  both off: the `compile` backend until 2026-11-30 12:30 UTC
+    compile-pdl-inductor  `compile` with Inductor's own kernels launched with PDL too (its `triton.enable_pdl`)
     aoti      an AOTInductor engine from `k3export build` (built or reused under --engines), CUDA graphs on top
 
 Napkin math beside every time. Decode floor = bytes a step must move / measured copy bandwidth: every weight
@@ -37,39 +39,13 @@ from k3export.bench import bench
 # measuring what each choice is worth: CompileBackend keyword arguments per name.
 COMPILE_VARIANTS = {"compile": {}, "compile-frozen": {"freezing": True}, "compile-unfused": {"fuse_norms": False},
                     "compile-copy": {"inplace": False}, "compile-noadd": {"fuse_adds": False},
-                    "compile-combo": {"options": {"combo_kernels": True}}, "compile-pdl": {},
+                    "compile-combo": {"options": {"combo_kernels": True}}, "compile-nopdl": {"pdl": False},
+                    "compile-cublas": {"gemv": False}, "compile-cublas-nopdl": {"gemv": False, "pdl": False},
                     "compile-pdl-inductor": {"options": {"triton.enable_pdl": True}}}
-# Run (and capture their CUDA graphs) inside plugins.launch.pdl(True). Inductor's PDL (TORCHINDUCTOR_ENABLE_PDL) waits
-# in a kernel only where it reads or overwrites what the previous scheduler node wrote, and lets the next kernel start
-# after its last load; a torch without the option refuses the variant (reported as not run).
-PDL_VARIANTS = ("compile-pdl", "compile-pdl-inductor")
+# Inductor's PDL (TORCHINDUCTOR_ENABLE_PDL) waits in a kernel only where it reads or overwrites what the previous
+# scheduler node wrote, and lets the next kernel start after its last load; a torch without the option refuses the
+# variant (reported as not run).
 BACKENDS = ("eager", "graph", *COMPILE_VARIANTS, "aoti")
-
-
-class PdlBackend:
-    """A runtime backend whose prefill / decode calls run inside `k3export.plugins.launch.pdl(True)`: the AttnRes,
-    KDA decode and MLA decode kernels they launch (and so the CUDA graphs the Engine captures from them) use
-    programmatic dependent launch on sm_90+. The switch is read at launch time, so the other backends of the same
-    bench process keep plain launches. Everything else is the wrapped backend's."""
-
-    def __init__(self, backend):
-        self.backend = backend
-        if hasattr(backend, "decode_"):                   # the Engine checks for the in-place step by hasattr
-            self.decode_ = self._pdl(backend.decode_)
-        self.prefill = self._pdl(backend.prefill)
-        self.decode = self._pdl(backend.decode)
-
-    @staticmethod
-    def _pdl(fn):
-        from k3export.plugins.launch import pdl
-
-        def call(*args):
-            with pdl(True):
-                return fn(*args)
-        return call
-
-    def __getattr__(self, name):
-        return getattr(self.backend, name)
 
 
 # ---------------------------------------------------------------------------------------------- napkin math
@@ -153,8 +129,10 @@ def make_backend(name: str, model, engines: Path, profiles: dict, log) -> tuple[
         b = CompileBackend(model, **COMPILE_VARIANTS[name])
         info = {"packed_groups": b.packed, "fused_norm_swaps": b.fused, "inplace_decode": hasattr(b, "decode_"),
                 **{k: v for k, v in COMPILE_VARIANTS[name].items() if k in ("freezing", "options")}}
-        if name in PDL_VARIANTS:
-            b, info["pdl"] = PdlBackend(b), True
+        if b.gemv:
+            info["gemv_linears"] = b.gemv
+        if b.pdl:
+            info["pdl"] = True
         return b, cuda, info
     if name == "aoti":
         from k3export.build import build, open_backend

@@ -24,6 +24,10 @@ of one kind; column packing is bf16/fp32 only, since its two inputs would need o
 `pair_experts` changes a layout, not a method: each expert bank's w1 / w3 become the even / odd rows of one tensor,
 which the MoE prefill kernel reads as one weight tile (`unpair_experts` undoes it).
 
+`gemv_linears` changes a class, not a method: each bias-free `nn.Linear` (the packed ones included) becomes a
+`GemvLinear`, whose one-row calls on CUDA (a decode step at B = 1) run `k3::gemv` (`plugins.gemv`: whole weight
+rows in registers, loaded before the PDL wait) instead of cuBLAS; every other call is `F.linear` as before.
+
 `fuse_norms`, the other serving swap here, replaces `K3Model.mix_norm` (AttnRes mix, then the RMSNorm that reads
 it) by one `k3::attn_res_norm` launch and `K3Model.add_mix_norm` (the residual add before them too) by one
 `k3::attn_res_add_norm` launch; `unpack_projections` and `unpacked` cover them too.
@@ -38,6 +42,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from k3export.plugins.attn_res.op import attn_res_add_norm, attn_res_norm
@@ -295,9 +300,45 @@ def unpair_experts(model: nn.Module) -> int:
     return n
 
 
+class GemvLinear(nn.Linear):
+    """A bias-free `nn.Linear` whose one-row calls on CUDA run `k3::gemv` (fp32 accumulation like cuBLAS, another
+    summation order); other calls are `F.linear`. Only the class changes (`gemv_linears`): parameters, names and
+    `state_dict` are the Linear's."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and x.numel() == x.shape[-1] and self.bias is None:
+            from k3export.plugins.gemv.kernels import supported
+            if supported(x, self.weight):
+                return torch.ops.k3.gemv(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
+
+
+def _linears(model: nn.Module):
+    """Every module of the model and of its packed swaps (which are not registered children)."""
+    for mod in model.modules():
+        yield mod
+        for method in PROJECTION_SWAPS:
+            swap = mod.__dict__.get(method)
+            if isinstance(swap, (PackedLinear, PackedRuns)):
+                yield from swap.modules()
+
+
+def gemv_linears(model: nn.Module, on: bool = True) -> int:
+    """Make every bias-free `nn.Linear` of the model (and of its packed GEMMs: pack first) a `GemvLinear`, or
+    (`on` False) every `GemvLinear` an `nn.Linear` again. Returns how many GemvLinears the model has afterwards."""
+    import k3export.plugins.gemv.op  # noqa: F401  (registers k3::gemv)
+    for m in _linears(model):
+        if on and type(m) is nn.Linear and m.bias is None:
+            m.__class__ = GemvLinear
+        elif not on and type(m) is GemvLinear:
+            m.__class__ = nn.Linear
+    return sum(type(m) is GemvLinear for m in _linears(model))
+
+
 def unpack_projections(model: nn.Module) -> int:
-    """Remove every serving swap (packed GEMMs, fused norms): the owners' own methods run again (the weights stay
-    where they are). Returns how many were removed."""
+    """Remove every serving swap (packed GEMMs, fused norms, GEMV linears): the owners' own methods and
+    `nn.Linear` run again (the weights stay where they are). Returns how many method swaps were removed."""
+    gemv_linears(model, on=False)
     return len(_remove_swaps(model))
 
 
@@ -320,8 +361,13 @@ def unpacked(model: nn.Module):
     unregistered tensors); the swaps that were on are put back afterwards (the same modules: their weights are
     the members' storage, so in-place updates in the block reach them)."""
     removed = _remove_swaps(model)
+    gemv = [m for m in _linears(model) if type(m) is GemvLinear]
+    for m in gemv:
+        m.__class__ = nn.Linear
     try:
         yield
     finally:
+        for m in gemv:
+            m.__class__ = GemvLinear
         for mod, method, swap in removed:
             mod.__dict__[method] = swap

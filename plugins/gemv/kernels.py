@@ -1,0 +1,117 @@
+"""A decode GEMV (y = x W^T for a few rows of x) whose weight loads may start before its predecessor has finished.
+
+At one decode token a linear layer is a GEMV that reads its weight once; on the H200 the small ones (2-10 MB) take
+~6 us in cuBLAS where their bytes need ~2 us: the launch, the first DRAM round trips and the tail are exposed
+(`scripts/gemv_triton_probe.py`, 2026-11-30 07:36). The weights do not depend on anything earlier in the step, so
+under programmatic dependent launch (PDL, `plugins.launch`) the kernel can load them while the kernel before it
+still runs, and wait only before it reads x:
+
+    w tile -> registers;  griddepcontrol.wait;  launch_dependents;  x -> registers;  y = sum_k w x  (fp32);  store
+
+Each program owns BLOCK_N output rows and holds their whole rows ([BLOCK_N, BLOCK_K >= K], bf16/fp16/fp32) in
+registers, so the loads are one batch with nothing to wait for between them. That bounds K by the register file
+(`gemv_tile`: BLOCK_N * BLOCK_K <= 16384 elements per program). The x rows (M of them, M small) reuse the tile.
+Without PDL (`PDL` False: CPU interpreter, pre-Hopper GPUs, the switch off) the kernel is a plain GEMV whose wait
+is absent; the order of its loads does not matter then.
+
+Safety of the early loads: only the weight is read before the wait, and no kernel of a decode step writes a weight.
+Everything the step writes (x, y) is touched after `griddepcontrol.wait`, which returns once the predecessor grid
+has completed and its writes are visible; each of our kernels waits before it signals, so completion is
+transitive along the stream.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from ..launch import pdl_args
+
+MAX_TILE = 16384          # weight elements per program (BLOCK_N * BLOCK_K): 32 KB of bf16 in registers
+# Under PDL, signal the dependents' launch before the weight loads (EARLY) instead of after the wait: the next
+# kernel's launch and its own early loads then overlap this one's. Chain of the 52 k3-small decode GEMVs on the
+# H200 (scripts/gemv_pdl_probe.py, 2026-11-30 11:30): 265 us early vs 294 after the wait (cuBLAS 407, floor 233).
+EARLY = os.environ.get("K3_GEMV_EARLY", "1") == "1"
+
+
+@triton.jit
+def gemv_fwd_kernel(x, w, y, M, N, K, stride_xm, stride_ym, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    PDL: tl.constexpr = False, PREFETCH: tl.constexpr = True, EARLY: tl.constexpr = False):
+    """y[m, n] = sum_k x[m, k] w[n, k], rows n of this program, every m < M; w row-major [N, K] (contiguous).
+    PREFETCH: the weight tile is loaded before the PDL wait (else after it); EARLY: the dependents' launch is
+    signalled before anything else (else right after the wait). Both only matter with PDL."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    n_ok = rows < N
+    k_ok = ks < K
+    w_ptrs = w + rows[:, None].to(tl.int64) * K + ks[None, :]
+    w_mask = n_ok[:, None] & k_ok[None, :]
+    if PDL and EARLY:
+        gdc_launch_dependents()
+    if PREFETCH:
+        wv = tl.load(w_ptrs, mask=w_mask, other=0.0)
+    if PDL:
+        gdc_wait()
+        if not EARLY:
+            gdc_launch_dependents()
+    if not PREFETCH:
+        wv = tl.load(w_ptrs, mask=w_mask, other=0.0)
+    wf = wv.to(tl.float32)
+    for m in range(M):
+        xv = tl.load(x + m * stride_xm + ks, mask=k_ok, other=0.0).to(tl.float32)
+        acc = tl.sum(wf * xv[None, :], 1)
+        tl.store(y + m * stride_ym + rows, acc.to(y.dtype.element_ty), mask=n_ok)
+
+
+def gemv_tile(N: int, K: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) for a [N, K] weight: whole rows (BLOCK_K = next power of two >= K), as many
+    rows as fit MAX_TILE elements (at most 8), 4 warps up to 8192 elements per program, else 8."""
+    bk = triton.next_power_of_2(K)
+    if bk > MAX_TILE:
+        raise ValueError(f"gemv: K = {K} exceeds the register tile ({MAX_TILE} elements per program); use F.linear")
+    bn = max(1, min(8, MAX_TILE // bk))
+    return bn, bk, 4 if bn * bk <= 8192 else 8
+
+
+def supported(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether `gemv_fwd` takes this call: x [..., K] with few rows, w [N, K] contiguous of x's dtype, K within
+    the register tile."""
+    return (w.dim() == 2 and w.is_contiguous() and x.dtype == w.dtype and x.shape[-1] == w.shape[1]
+            and triton.next_power_of_2(w.shape[1]) <= MAX_TILE)
+
+
+def gemv_fwd(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, tile=None, **flags) -> torch.Tensor:
+    """x [..., K] @ w[N, K]^T -> [..., N] in x's dtype (fp32 accumulation). `tile` overrides `gemv_tile`; `flags`
+    (PDL / PREFETCH / EARLY, and launch_pdl) go to the launch as they are (`plugins.launch.pdl_args` gives PDL's)."""
+    K = x.shape[-1]
+    N = w.shape[0]
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device) if out is None else out.view(M, N)
+    bn, bk, nw = tile or gemv_tile(N, K)
+    gemv_fwd_kernel[(triton.cdiv(N, bn),)](x2, w, y, M, N, K, x2.stride(0), y.stride(0), BLOCK_N=bn, BLOCK_K=bk,
+                                            num_warps=nw, **flags)
+    return y.view(*x.shape[:-1], N)
+
+
+def _cuda(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    if not supported(x, w):
+        return (x.float() @ w.float().t()).to(x.dtype)       # the op's contract, for shapes the kernel does not take
+    flags = pdl_args(x)
+    if flags:
+        flags["EARLY"] = EARLY
+    return gemv_fwd(x, w, **flags)
+
+
+def _register() -> None:
+    from .op import gemv
+    gemv.register_kernel("cuda")(_cuda)
+
+
+_register()

@@ -1,0 +1,118 @@
+"""Does loading the weights before the PDL wait hide a decode GEMV's launch and ramp? (k3-small, B = 1, bf16, GPU.)
+
+The 52 GEMVs + lm_head of one k3-small decode step, in step order (9 KDA layers: in, o; 3 MLA: in, q_b, o; the
+dense MLP of layer 0; 11 MoE: in, out), chained as a real step chains them: each reads its x from the previous
+output (`y[i-1][:, :K_i]`). The chain is captured as one CUDA graph per variant and replayed after warm-up (CUDA
+events, median of 50):
+
+    cublas        torch.mm into the output buffers (the compile backend's GEMVs today)
+    triton        `plugins.gemv` without PDL
+    pdl-late      PDL, weights loaded after the wait: only the launch overlaps
+    pdl           PDL, weights loaded before the wait, dependents signalled after it (the op's default)
+    pdl-early     PDL, weights loaded before the wait, dependents signalled first (the chain may run ahead)
+
+and, per variant, the chain is checked against an fp32 torch chain on the same inputs after every output buffer
+was zeroed (a read of x before its producer finished would read zeros). Reports us per step, the bytes floor at
+the copy bandwidth measured in the same run, and the relative error.
+
+    python3 scripts/gemv_pdl_probe.py [--out probe.json] [--m 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from gemv_pack_probe import copy_bandwidth, write_json      # scripts/ on sys.path
+
+SHAPES = {"kda_in": (8336, 2048), "kda_o": (2048, 2048), "mla_in": (3392, 2048), "mla_q_b": (3072, 768),
+          "mla_o": (2048, 2048), "moe_in": (2560, 2048), "moe_out": (2048, 1792), "dense_in": (16384, 2048),
+          "dense_out": (2048, 8192), "lm_head": (32768, 2048)}
+VARIANTS = {"cublas": None, "triton": {}, "pdl-late": dict(PDL=True, PREFETCH=False, launch_pdl=True),
+            "pdl": dict(PDL=True, launch_pdl=True), "pdl-early": dict(PDL=True, EARLY=True, launch_pdl=True)}
+
+
+def step_order() -> list[str]:
+    names = []
+    for layer in range(12):
+        names += ["mla_in", "mla_q_b", "mla_o"] if layer % 4 == 3 else ["kda_in", "kda_o"]
+        names += ["dense_in", "dense_out"] if layer == 0 else ["moe_in", "moe_out"]
+    return names + ["lm_head"]
+
+
+def replay_ms(graph, iters=50) -> list[float]:
+    for _ in range(5):
+        graph.replay()
+    out = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        torch.cuda.synchronize()
+        out.append(a.elapsed_time(b))
+    return out
+
+
+def main() -> None:
+    from k3export.plugins.gemv.kernels import gemv_fwd
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--m", type=int, default=1, help="rows of x (decode batch)")
+    a = ap.parse_args()
+    copy_gbs = copy_bandwidth()
+    dev, dt = "cuda", torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    names = step_order()
+    ws = [(torch.randn(*SHAPES[n], device=dev, generator=g) * SHAPES[n][1] ** -0.5).to(dt) for n in names]
+    ys = [torch.empty(a.m, w.shape[0], device=dev, dtype=dt) for w in ws]
+    x0 = torch.randn(a.m, 2048, device=dev, generator=g).to(dt)
+    nbytes = sum(w.numel() * 2 for w in ws)
+    floor_us = nbytes / copy_gbs / 1e3
+    ref = x0.float()
+    for w in ws:                                     # the fp32 chain (bf16 weights, fp32 activations)
+        ref = (ref[:, :w.shape[1]] @ w.float().t())
+    print(f"copy {copy_gbs:.0f} GB/s; {len(ws)} GEMVs, {nbytes / 1e6:.0f} MB, floor {floor_us:.0f} us per step; "
+          f"M = {a.m}", flush=True)
+
+    def chain(flags):
+        x = x0
+        for w, y in zip(ws, ys):
+            xi = x[:, :w.shape[1]]
+            if flags is None:
+                torch.mm(xi, w.t(), out=y)
+            else:
+                gemv_fwd(xi, w, out=y, **flags)
+            x = y
+
+    rows = {}
+    for name, flags in VARIANTS.items():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            chain(flags)                                 # compile outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            chain(flags)
+        ms = replay_ms(graph)
+        for y in ys:
+            y.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        err = ((ys[-1].float() - ref).abs().max() / ref.abs().max()).item()
+        us = statistics.median(ms) * 1e3
+        q = statistics.quantiles(ms, n=10)
+        rows[name] = dict(us=us, p10_us=q[0] * 1e3, p90_us=q[-1] * 1e3, per_gemv_us=us / len(ws),
+                          floor_ratio=us / floor_us, rel_err=err)
+        print(f"{name:10s} {us:7.1f} us per step (p10 {q[0] * 1e3:.1f}, p90 {q[-1] * 1e3:.1f}), "
+              f"{us / len(ws):5.2f} us per GEMV, {us / floor_us:4.2f}x floor, chain vs fp32 {err:.1e}", flush=True)
+        del graph
+    write_json(a.out, dict(copy_gbs=copy_gbs, m=a.m, gemvs=len(ws), mbytes=nbytes / 1e6, floor_us=floor_us,
+                           variants=rows))
+
+
+if __name__ == "__main__":
+    main()
