@@ -121,11 +121,13 @@ class CompileBackend(EagerBackend):
     (`packing.pair_experts`), which the MoE prefill kernel reads as one weight tile per step (H200, K3 shapes,
     8192 tokens: its gemm1 17.96 -> 16.30 ms, the op's output bit-identical); False unpairs a paired model.
     `gemv` (default, CUDA models): one-row linears (decode at B = 1) run `k3::gemv` instead of cuBLAS
-    (`packing.gemv_linears`). `pdl` (default, sm_90+): the calls (and so the CUDA graphs the Engine captures from
-    them) run inside `plugins.launch.pdl(True)`: our decode kernels are launched with programmatic dependent launch,
-    and the GEMV loads its weights before it waits for its predecessor. H200, k3-small decode at B = 1
-    (2026-11-30 12:10, `bench model`): cuBLAS without PDL 1.029 ms (0.99-1.01 in earlier runs), GEMV 0.964, GEMV +
-    PDL 0.895 (bench backends `compile-cublas-nopdl`, `compile-nopdl`, `compile`)."""
+    (`packing.gemv_linears`). `pdl` (default, sm_90+): the decode calls (and so the CUDA graphs the Engine
+    captures from them) run inside `plugins.launch.pdl(True)`: our decode kernels are launched with programmatic
+    dependent launch, and the GEMV loads its weights before it waits for its predecessor. H200, k3-small decode at
+    B = 1 (`bench model`, 2026-11-30 11:39 and 12:00 UTC): cuBLAS without PDL 1.006 / 1.029 ms, GEMV without PDL
+    1.002 / 0.964, GEMV + PDL 0.890 / 0.895 (bench backends `compile-cublas-nopdl`, `compile-nopdl`, `compile`);
+    B = 16 unchanged (1.70-1.72). Prefill stays without PDL: its 2048-token times with PDL averaged 12.96 ms over
+    four runs, 12.55 without (run-to-run spread ~0.5 ms)."""
 
     name = "compile"
 
@@ -170,18 +172,18 @@ class CompileBackend(EagerBackend):
             self._decode_ = torch.compile(fns[2], dynamic=False, **opts)
             self.decode_ = self._decode_inplace
 
-    def _call(self, fn, args):
+    def _call(self, fn, args, decode: bool = True):
         from k3export.plugins.launch import pdl
         with contextlib.ExitStack() as stack:
             if self._freezing is not None:
                 stack.enter_context(self._freezing)
-            if self.pdl:
+            if self.pdl and decode:
                 stack.enter_context(pdl(True))
             return fn(*args)
 
     @torch.no_grad()
     def prefill(self, *args):
-        return self._call(self._prefill, args)
+        return self._call(self._prefill, args, decode=False)
 
     @torch.no_grad()
     def decode(self, *args):

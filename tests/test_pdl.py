@@ -105,8 +105,8 @@ def test_pdl_constexpr_adds_only_the_two_griddepcontrol_instructions(name):
 # ---------------------------------------------------------------------------------------------- the backend switch
 def test_compile_backend_runs_its_calls_inside_the_switch():
     """`CompileBackend(pdl=True)` (the default; on only for sm_90+ CUDA models, so forced here on a CPU model)
-    runs prefill / decode / the in-place decode inside `launch.pdl(True)` and restores the switch after each call;
-    `pdl=False` (bench `compile-nopdl`) leaves it alone."""
+    runs decode and the in-place decode inside `launch.pdl(True)` (prefill without: no gain measured there) and
+    restores the switch after each call; `pdl=False` (bench `compile-nopdl`) leaves it alone."""
     from k3export.bench.model import BACKENDS, COMPILE_VARIANTS
     from k3export.config import K3Config
     from k3export.model import packing
@@ -130,7 +130,7 @@ def test_compile_backend_runs_its_calls_inside_the_switch():
                 assert L._pdl is False                                   # restored after each call
     finally:
         packing.unpack_projections(model)
-    assert seen == [(k, on, on) for on in (True, False) for k in ("prefill", "decode", "decode_")]
+    assert seen == [(k, on, on and k != "prefill") for on in (True, False) for k in ("prefill", "decode", "decode_")]
 
 
 # ---------------------------------------------------------------------------------------------- GPU

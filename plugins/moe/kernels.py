@@ -811,7 +811,7 @@ TILINGS = {
                 "m128t64-aw-y16r-f2": MoeTiles(128, (64, 64, 8, 4), (128, 64, 8, 4), 1, **_AW, tail=64, y_half=True,
                                                wide_route=True, fast_act=2),
                 "m128-tma-aw-y16r-f2": MoeTiles(128, (128, 64, 8, 3), (256, 64, 8, 3), 1, "aw", False, True,
-                                                y_half=True, wide_route=True, fast_act=2),     # not yet timed
+                                                y_half=True, wide_route=True, fast_act=2),
                 "m64t32-aw8": MoeTiles(64, (64, 64, 8, 4), (128, 64, 8, 4), 1, **_AW, tail=32),
                 "m64t32-n128-aw8": MoeTiles(64, (128, 64, 8, 3), (256, 64, 8, 3), 1, **_AW, tail=32)},
 }
@@ -843,9 +843,13 @@ _DECODE = os.environ.get("K3_MOE_DECODE") or "pairs-n8-fc"
 # from 16.4 to 14.7 ms: m128t64-aw-y16r-f2 22.58 ms = 52.2% of the 727 TFLOP/s matmul rate (y16r 24.2), 16384
 # 39.27 ms = 60.0% (41.76), 4096 m64t32-n128-aw8-y16r-f2 17.80 (17.83); output vs the exact epilogue 4.8e-3..5.3e-3
 # (about one bf16 ulp of the largest value), vs moe_sorted 4.98e-3 on the clear rows, the same as the exact path's.
+# 2026-11-30 11:3x (`bench moe --phases prefill --layout separate --tokens 16384`, K3 shapes): the separate layout
+# at 292 rows per expert, m128-tma-aw 45.43 ms = 53.9%, m128t64-aw-y16r-f2 41.22, m128-tma-aw-y16r-f2 39.88 = 61.4%
+# (output vs m128-tma-aw 5.05e-3; cuda test vs moe_sorted 5.08e-3 on the clear rows): the prefill-large default.
 CONFIGS = {"decode": TILINGS["decode"][_DECODE], "grouped": TILINGS["prefill"]["old"],
            "prefill": TILINGS["prefill"]["m64t32-n128-aw8-y16r-f2"],
-           "prefill-mid": TILINGS["prefill"]["m128t64-aw-y16r-f2"], "prefill-large": TILINGS["prefill"]["m128-tma-aw"]}
+           "prefill-mid": TILINGS["prefill"]["m128t64-aw-y16r-f2"],
+           "prefill-large": TILINGS["prefill"]["m128-tma-aw-y16r-f2"]}
 # Gate/up rows paired in one tensor (`interleave_gate_up`; the `compile` backend's layout), H200 2026-11-30 09:19
 # (`bench moe --paired`, K3 shapes; stage times summed, gemm1 alone in brackets): every tiling bit-identical to
 # its separate-layout run; at 8192 tokens m128t64-aw 25.3 ms (gemm1 17.96 -> 16.30), at 16384 m128t64-aw 43.7 ms
