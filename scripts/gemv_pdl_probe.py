@@ -1,7 +1,7 @@
 """Does loading the weights before the PDL wait hide a decode GEMV's launch and ramp? (k3-small, B = 1, bf16, GPU.)
 
-The 52 GEMVs + lm_head of one k3-small decode step, in step order (9 KDA layers: in, o; 3 MLA: in, q_b, o; the
-dense MLP of layer 0; 11 MoE: in, out), chained as a real step chains them: each reads its x from the previous
+The 52 GEMVs of one k3-small decode step (lm_head included), in step order (9 KDA layers: in, o; 3 MLA: in, q_b,
+o; the dense MLP of layer 0; 11 MoE: in, out; lm_head), chained as a real step chains them: each reads its x from the previous
 output (`y[i-1][:, :K_i]`). The chain is captured as one CUDA graph per variant and replayed after warm-up (CUDA
 events, median of 50):
 

@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
 # What is owed to the GPU, one part per argument, each under its own time limit (device tool, carry [".whl"]; logs
-# under $OUT). Each part below has run at least once (results in docs/perf.md). Owed on 2026-11-30 10:35 UTC (~4 min):
-# `MOEPAIR_LAYOUT=separate MOEPAIR_TILES=m128-tma-aw,m128-tma-aw-y16r-f2,m128t64-aw-y16r-f2 MOEPAIR_TOKENS=16384
-# bash scripts/gpu_pending.sh moepair` (the separate layout's >= 256-rows-per-expert default with the y16r / tanh.approx
-# changes, built and CPU-checked, never timed) and `MODEL_BACKENDS=compile,compile-pdl-inductor MODEL_BATCHES=1,16
-# bash scripts/gpu_pending.sh model` (Inductor's own PDL, never run).
+# under $OUT). Each part below has run at least once (results in docs/perf.md). Owed on 2026-11-30 12:10 UTC (~5 min):
+# `bash scripts/gpu_pending.sh gemvtest fp8c` (the k3-tiny fp32 greedy-token test at B = 1 through k3::gemv + PDL,
+# never run; FP8 vs bf16 with the new bf16 default) and `MODEL_BACKENDS=compile MODEL_BATCHES=1,64 bash
+# scripts/gpu_pending.sh model` (B = 64 under PDL, never timed).
 #   toy      scripts/aoti_toy.py: does any CUDA AOTI package load there, per import context (bare, CUDA
 #            initialised, triton, k3export.plugins)? ~2 min. Decides whether the crash is torch's or ours.
 #   demo     `k3export demo --device cuda`: the main job end to end on the GPU (aoti refused by the load check

@@ -34,7 +34,7 @@ from ..launch import pdl_args
 MAX_TILE = 16384          # weight elements per program (BLOCK_N * BLOCK_K): 32 KB of bf16 in registers
 # Under PDL, signal the dependents' launch before the weight loads (EARLY) instead of after the wait: the next
 # kernel's launch and its own early loads then overlap this one's. Chain of the 52 k3-small decode GEMVs on the
-# H200 (scripts/gemv_pdl_probe.py, 2026-11-30 11:30): 265 us early vs 294 after the wait (cuBLAS 407, floor 233).
+# H200 (scripts/gemv_pdl_probe.py, 2026-11-30 11:25): 265 us early vs 294 after the wait (cuBLAS 407, floor 233).
 EARLY = os.environ.get("K3_GEMV_EARLY", "1") == "1"
 
 
