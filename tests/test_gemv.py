@@ -178,6 +178,34 @@ def test_gemv_linears_swaps_classes_only(tiny):
     assert not any(type(m) is packing.GemvLinear for m in packing._linears(model))
 
 
+def test_kda_decode_inplace_still_folds_f_b_proj_under_gemv(tiny):
+    """KDA's in-place decode folds f_b_proj into its kernel for a plain Linear; the GemvLinear swap (the same
+    F.linear) must not turn the fold off (that would add one GEMV launch per KDA layer): f_b_proj's forward is
+    never called, and the output equals the unswapped model's."""
+    from k3export.model import packing
+    cfg = tiny.config
+    kda = tiny.model.layers[cfg.kda_layers[0]].self_attn
+    x = torch.randn(1, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    st = tiny.new_state(1, 8)
+    st.kda_conv.normal_(generator=torch.Generator().manual_seed(1))
+    st.kda_state.normal_(std=0.1, generator=torch.Generator().manual_seed(2))
+    conv, state = st.kda_conv[0].clone(), st.kda_state[0].clone()
+    ref = kda.decode_(x, conv, state)
+    packing.gemv_linears(tiny)
+    try:
+        assert type(kda.f_b_proj) is packing.GemvLinear
+
+        def refuse(*a):
+            raise AssertionError("f_b_proj ran outside the decode kernel")
+        kda.f_b_proj.forward = refuse
+        conv2, state2 = st.kda_conv[0].clone(), st.kda_state[0].clone()
+        out = kda.decode_(x, conv2, state2)
+    finally:
+        del kda.f_b_proj.forward
+        packing.gemv_linears(tiny, on=False)
+    assert torch.equal(out, ref) and torch.equal(state2, state) and torch.equal(conv2, conv)
+
+
 def test_compile_backend_gemv_only_on_cuda(tiny):
     from k3export.model import packing
     from k3export.runtime import CompileBackend

@@ -75,10 +75,11 @@ class KimiDeltaAttention(nn.Module):
 
     def decode_(self, x, conv_state, state):
         """Serving form of `decode`: conv_state and state are updated in place; returns y `[B, d]`. f_b_proj runs
-        inside the step's kernel when it is a plain Linear (an FP8 recipe may quantize it: then it runs here)."""
+        inside the step's kernel when it is a plain Linear (or the serving `GemvLinear`, the same weight; an FP8
+        recipe may quantize it: then it runs here)."""
         qkv, g, f_a, beta = self.project(x)
         fb = self.f_b_proj
-        plain = type(fb) is nn.Linear and fb.bias is None
+        plain = (type(fb) is nn.Linear or getattr(type(fb), "plain_linear", False)) and fb.bias is None
         o = kda_decode_inplace(qkv, conv_state, self.conv_weight(), f_a if plain else fb(f_a),
                                fb.weight if plain else None, beta, g, self.A_log, self.dt_bias, self.o_norm.weight,
                                state, self.lower_bound, self.eps)

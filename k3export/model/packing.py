@@ -92,7 +92,7 @@ def _pack_conv(kda: nn.Module) -> PackedTensor:
 
 def _kind(members: list[nn.Module]) -> str | None:
     from k3export.fp8 import FP8Linear
-    if all(type(m) is nn.Linear and m.bias is None for m in members):
+    if all((type(m) is nn.Linear or type(m) is GemvLinear) and m.bias is None for m in members):
         return "linear"
     if all(isinstance(m, FP8Linear) for m in members):
         return "fp8"
@@ -304,6 +304,8 @@ class GemvLinear(nn.Linear):
     """A bias-free `nn.Linear` whose one-row calls on CUDA run `k3::gemv` (fp32 accumulation like cuBLAS, another
     summation order); other calls are `F.linear`. Only the class changes (`gemv_linears`): parameters, names and
     `state_dict` are the Linear's."""
+
+    plain_linear = True          # computes F.linear(x, weight): code that folds a plain Linear may fold this one
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and x.numel() == x.shape[-1] and self.bias is None:
