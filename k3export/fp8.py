@@ -14,6 +14,7 @@ as float8_e4m3fn, never fake-quant. On CUDA the implementation depends on M (row
   the activation scale s_x is unused, and y = x @ (W_q * s_w)^T with fp32 accumulation (`fp8_linear_wo_ref`).
   Decode is bound by weight bytes, which this reads once at half the bf16 bytes, in one launch (two when K is
   split), without the activation-quantize launch; its error is the weight rounding alone, smaller than W8A8's.
+  With `K3_FP8_GEMV=1`, one-row calls run `plugins.gemv`'s kernel instead (same contract; opt-in, untimed).
 - larger M (prefill): the contract above, run as a one-launch Triton quantization of x then `torch._scaled_mm`
   (tensor-wise scales, or row-wise when the weight scales are per output channel; K and N must be multiples of
   16, else the reference runs). Output rounding: tensor-wise GEMMs write x.dtype directly; row-wise GEMMs write
@@ -27,6 +28,8 @@ relative per element of x), and an exported engine (TensorRT, Q/DQ) quantizes ac
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import Tensor, nn
@@ -127,8 +130,32 @@ def fp8_linear_scaled_mm(x: Tensor, x_scale: Tensor, w: Tensor, w_scale: Tensor)
     return y.to(x.dtype)
 
 
+# One-row calls (decode at B = 1) on `k3::gemv`'s kernel with E4M3 weights (`plugins.gemv`: whole weight rows
+# loaded before the PDL wait), the weight-only contract above, instead of the split-K weight-only GEMV. Opt-in
+# (`K3_FP8_GEMV=1`, read per call) until it has been timed on the H200: CPU-checked (interpreter) only.
+def one_row_gemv() -> bool:
+    return os.environ.get("K3_FP8_GEMV", "0") == "1"
+
+
+def _fp8_gemv(x: Tensor, w: Tensor, w_scale: Tensor) -> Tensor | None:
+    """The one-row weight-only FP8 GEMV on `plugins.gemv` (PDL flags as the switch gives them), or None when it
+    does not take this call."""
+    from k3export.plugins.gemv import kernels as G
+    from k3export.plugins.launch import pdl_args
+    if x.shape[0] != 1 or not G.supported_fp8(x, w, w_scale):
+        return None
+    flags = pdl_args(x)
+    if flags:
+        flags["EARLY"] = G.EARLY
+    return G.gemv_fwd(x, w, w_scale=w_scale, **flags)
+
+
 @fp8_linear.register_kernel("cuda")
 def _(x, x_scale, w, w_scale):
+    if one_row_gemv():
+        y = _fp8_gemv(x, w, w_scale)
+        if y is not None:
+            return y
     if 0 < x.shape[0] <= WEIGHT_ONLY_M and x.dtype in (torch.bfloat16, torch.float16, torch.float32) \
             and WEIGHT_ONLY_OK["linear"]:
         from k3export.fp8_kernels import fp8_linear_wo_fwd

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # What is owed to the GPU, one part per argument, each under its own time limit (device tool, carry [".whl"]; logs
 # under $OUT). Each part below has run at least once (results in docs/perf.md). Owed on 2026-11-30 12:10 UTC (~5 min):
-# `bash scripts/gpu_pending.sh gemvtest fp8c` (the k3-tiny fp32 greedy-token test at B = 1 through k3::gemv + PDL,
-# never run; FP8 vs bf16 with the new bf16 default) and `MODEL_BACKENDS=compile MODEL_BATCHES=1,64 bash
-# scripts/gpu_pending.sh model` (B = 64 under PDL, never timed).
+# `bash scripts/gpu_pending.sh gemvtest fp8c` (test_gemv's cuda tests: the k3-tiny fp32 greedy-token test at B = 1
+# and the FP8 one-row GEMV, never run; FP8 vs bf16 with the new bf16 default), `K3_FP8_GEMV=1 bash
+# scripts/gpu_pending.sh fp8c` (FP8 one-row linears on k3::gemv's kernel, never timed) and
+# `MODEL_BACKENDS=compile MODEL_BATCHES=1,64 bash scripts/gpu_pending.sh model` (B = 64 under PDL; the f_b_proj
+# fold restored under the GEMV swap, never timed).
 #   toy      scripts/aoti_toy.py: does any CUDA AOTI package load there, per import context (bare, CUDA
 #            initialised, triton, k3export.plugins)? ~2 min. Decides whether the crash is torch's or ours.
 #   demo     `k3export demo --device cuda`: the main job end to end on the GPU (aoti refused by the load check

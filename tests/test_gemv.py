@@ -68,7 +68,25 @@ def _interpreter_cases() -> dict:
     res["strided"] = _worst(G.gemv_fwd(wide[:, 10:266], w), x, w, BF16_ULP)          # rows 300 apart
     y3 = G.gemv_fwd(x.view(2, 1, 256), w)
     res["leading_dims"] = 0.0 if y3.shape == (2, 1, 96) and torch.equal(y3.view(2, 96), G.gemv_fwd(x, w)) else 9.0
+    from k3export.fp8 import _fp8_gemv, fp8_linear_wo_ref
+    for per_channel in (True, False):                  # E4M3 weights, weight-only: vs fp8_linear_wo_ref in fp64
+        x, q, ws = _fp8_inputs(1, 300, 1792, per_channel, seed=7)
+        y = _fp8_gemv(x, q, ws)
+        r = fp8_linear_wo_ref(x.double(), q, ws.double())
+        err = ((y.double() - r).abs() / (BF16_ULP * r.abs() + 1e-6 * r.abs().max())).max().item()
+        res[f"fp8-{'channel' if per_channel else 'tensor'}"] = err
+    x, q, ws = _fp8_inputs(2, 64, 256, True, seed=8)
+    res["fp8-two-rows-declined"] = 0.0 if _fp8_gemv(x, q, ws) is None else 9.0
     return res
+
+
+def _fp8_inputs(M, N, K, per_channel, seed):
+    from k3export.fp8 import quantize
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g).to(torch.bfloat16)
+    w = torch.randn(N, K, generator=g) * K ** -0.5
+    ws = (w.abs().amax(1) / 448) if per_channel else w.abs().max() / 448
+    return x, quantize(w, ws[:, None] if per_channel else ws), ws.float()
 
 
 def _worst(y, x, w, rel) -> float:
@@ -78,8 +96,10 @@ def _worst(y, x, w, rel) -> float:
 
 def test_gemv_interpreter_vs_fp64(interp):
     """Each output within its bound of the fp64 product (bf16: one ulp, the interpreter truncates; fp16: the
-    rounding; fp32: the accumulation): every ratio error / bound <= 1."""
-    assert len(interp) == len(CASES) + 2
+    rounding; fp32: the accumulation), E4M3 weights with per-channel and per-tensor scales against the weight-only
+    FP8 reference in fp64 (`fp8_linear_wo_ref`; the kernel scales after the sum, the reference before: the same
+    value up to fp32 rounding), and the FP8 one-row path declines two rows: every ratio error / bound <= 1."""
+    assert len(interp) == len(CASES) + 5
     bad = {k: v for k, v in interp.items() if not v <= 1.0}
     assert not bad, bad
 
@@ -97,11 +117,15 @@ def test_gemv_tile_rule():
 
 
 # ---------------------------------------------------------------------------------------------- sm_90 PTX
-def _ptx(**cx):
+def _ptx(w="*bf16", **cx):
     from k3export.plugins.aot import compile_ptx
-    sig = dict(x="*bf16", w="*bf16", y="*bf16", M="i32", N="i32", K="i32", stride_xm="i32", stride_ym="i32",
-               BLOCK_N="constexpr", BLOCK_K="constexpr", PDL="constexpr", PREFETCH="constexpr", EARLY="constexpr")
-    return compile_ptx(G.gemv_fwd_kernel, sig, {**dict(BLOCK_N=8, BLOCK_K=2048, PREFETCH=True, EARLY=False), **cx}, 8).ptx
+    sig = dict(x="*bf16", w=w, y="*bf16", M="i32", N="i32", K="i32", stride_xm="i32", stride_ym="i32",
+               BLOCK_N="constexpr", BLOCK_K="constexpr", PDL="constexpr", PREFETCH="constexpr", EARLY="constexpr",
+               w_scale="*fp32" if cx.get("SCALE") else "constexpr", SCALE="constexpr")
+    base = dict(BLOCK_N=8, BLOCK_K=2048, PREFETCH=True, EARLY=False, SCALE=0)
+    if not cx.get("SCALE"):
+        base["w_scale"] = None
+    return compile_ptx(G.gemv_fwd_kernel, sig, {**base, **cx}, 8).ptx
 
 
 def _order(ptx: str) -> list[str]:
@@ -128,6 +152,10 @@ def test_ptx_weight_loads_before_the_wait_x_after():
     assert early[0] == "signal" and early.count("wait") == 1        # signalled before anything else
     late = _order(_ptx(PDL=True, PREFETCH=False))
     assert late[:2] == ["wait", "signal"]                           # PREFETCH off: every load after the wait
+    for scale in (1, 2):                                            # E4M3 weights and their scales: before it too
+        fp8 = _order(_ptx(w="*fp8e4nv", PDL=True, SCALE=scale))
+        wait = fp8.index("wait")
+        assert fp8[:wait] == ["load"] * wait and wait > 0 and "load" in fp8[wait:]
 
 
 # ---------------------------------------------------------------------------------------------- op and swap
@@ -233,6 +261,31 @@ def test_gemv_cuda_vs_fp64(name, N, K):
     cublas = _ref(x, w).new_tensor(0) + (torch.nn.functional.linear(x, w).double() - _ref(x, w)).abs().max() / _ref(
         x, w).abs().max()
     print(f"{name} [{N}, {K}]: rel err {err:.2e} (cuBLAS {cublas.item():.2e})")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("N,K", [(8336, 2048), (2048, 1792), (3072, 768), (14400, 7168)])
+def test_fp8_gemv_cuda_vs_weight_only_reference(N, K, monkeypatch):
+    """E4M3 weights (per-channel scales) through `k3::fp8_linear` with K3_FP8_GEMV=1 (the one-row GEMV) at
+    k3-small and K3 shapes, with PDL: within one bf16 ulp of the fp64 weight-only reference (+1e-5 of the largest,
+    the fp32 sums), and within one ulp of the split-K weight-only kernel it replaces."""
+    from k3export.fp8 import fp8_linear, fp8_linear_wo_ref, quantize
+    from k3export.fp8_kernels import fp8_linear_wo_fwd
+    from k3export.plugins import launch as L
+    g = torch.Generator(device="cuda").manual_seed(N + K)
+    x = torch.randn(1, K, generator=g, device="cuda").to(torch.bfloat16)
+    w = torch.randn(N, K, generator=g, device="cuda") * K ** -0.5
+    ws = (w.abs().amax(1) / 448).float()
+    q = quantize(w, ws[:, None])
+    monkeypatch.setenv("K3_FP8_GEMV", "1")
+    with L.pdl(torch.cuda.get_device_capability()[0] >= 9):
+        y = fp8_linear(x, torch.ones((), device="cuda"), q, ws)
+    r = fp8_linear_wo_ref(x.double(), q, ws.double())
+    old = fp8_linear_wo_fwd(x, q, ws)
+    for other in (r, old.double()):
+        err = (y.double() - other).abs()
+        bound = BF16_ULP * torch.maximum(y.double().abs(), other.abs()) + 1e-5 * other.abs().max()
+        assert (err <= bound).all(), (err / bound).max().item()
 
 
 @pytest.mark.cuda

@@ -40,10 +40,13 @@ EARLY = os.environ.get("K3_GEMV_EARLY", "1") == "1"
 
 @triton.jit
 def gemv_fwd_kernel(x, w, y, M, N, K, stride_xm, stride_ym, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    PDL: tl.constexpr = False, PREFETCH: tl.constexpr = True, EARLY: tl.constexpr = False):
-    """y[m, n] = sum_k x[m, k] w[n, k], rows n of this program, every m < M; w row-major [N, K] (contiguous).
-    PREFETCH: the weight tile is loaded before the PDL wait (else after it); EARLY: the dependents' launch is
-    signalled before anything else (else right after the wait). Both only matter with PDL."""
+                    PDL: tl.constexpr = False, PREFETCH: tl.constexpr = True, EARLY: tl.constexpr = False,
+                    w_scale=None, SCALE: tl.constexpr = 0):
+    """y[m, n] = sum_k x[m, k] w[n, k] (* w_scale), rows n of this program, every m < M; w row-major [N, K]
+    (contiguous; any float type, E4M3 included: widened to fp32 in registers). SCALE 0: none; 1: one fp32 scale;
+    2: fp32 per output row (FP8 weight-only, `fp8.fp8_linear_wo_ref`). PREFETCH: the weight tile (and its scales)
+    is loaded before the PDL wait (else after it); EARLY: the dependents' launch is signalled before anything else
+    (else right after the wait). Both only matter with PDL."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     n_ok = rows < N
@@ -54,17 +57,32 @@ def gemv_fwd_kernel(x, w, y, M, N, K, stride_xm, stride_ym, BLOCK_N: tl.constexp
         gdc_launch_dependents()
     if PREFETCH:
         wv = tl.load(w_ptrs, mask=w_mask, other=0.0)
+        sc = _scales(w_scale, rows, n_ok, SCALE)
     if PDL:
         gdc_wait()
         if not EARLY:
             gdc_launch_dependents()
     if not PREFETCH:
         wv = tl.load(w_ptrs, mask=w_mask, other=0.0)
+        sc = _scales(w_scale, rows, n_ok, SCALE)
     wf = wv.to(tl.float32)
     for m in range(M):
         xv = tl.load(x + m * stride_xm + ks, mask=k_ok, other=0.0).to(tl.float32)
         acc = tl.sum(wf * xv[None, :], 1)
+        if SCALE != 0:
+            acc = acc * sc
         tl.store(y + m * stride_ym + rows, acc.to(y.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _scales(w_scale, rows, n_ok, SCALE: tl.constexpr):
+    """The weight scales of this program's rows (fp32 [BLOCK_N]), or 1.0 without scales."""
+    if SCALE == 2:
+        return tl.load(w_scale + rows, mask=n_ok, other=0.0)
+    elif SCALE == 1:
+        return tl.load(w_scale)
+    else:
+        return 1.0
 
 
 def gemv_tile(N: int, K: int) -> tuple[int, int, int]:
@@ -84,9 +102,19 @@ def supported(x: torch.Tensor, w: torch.Tensor) -> bool:
             and triton.next_power_of_2(w.shape[1]) <= MAX_TILE)
 
 
-def gemv_fwd(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, tile=None, **flags) -> torch.Tensor:
-    """x [..., K] @ w[N, K]^T -> [..., N] in x's dtype (fp32 accumulation). `tile` overrides `gemv_tile`; `flags`
-    (PDL / PREFETCH / EARLY, and launch_pdl) go to the launch as they are (`plugins.launch.pdl_args` gives PDL's)."""
+def supported_fp8(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> bool:
+    """Whether `gemv_fwd(x, w, w_scale=...)` takes an FP8 weight-only call: w [N, K] E4M3 contiguous, x a 16/32-bit
+    float [..., K], w_scale fp32 `[]` or `[N]`, K within the register tile."""
+    return (w.dim() == 2 and w.dtype == torch.float8_e4m3fn and w.is_contiguous() and x.shape[-1] == w.shape[1]
+            and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and w_scale.dtype == torch.float32
+            and tuple(w_scale.shape) in ((), (w.shape[0],)) and triton.next_power_of_2(w.shape[1]) <= MAX_TILE)
+
+
+def gemv_fwd(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, tile=None,
+             w_scale: torch.Tensor | None = None, **flags) -> torch.Tensor:
+    """x [..., K] @ w[N, K]^T (* w_scale: `[]` or `[N]` fp32, for E4M3 weights) -> [..., N] in x's dtype (fp32
+    accumulation). `tile` overrides `gemv_tile`; `flags` (PDL / PREFETCH / EARLY, and launch_pdl) go to the launch
+    as they are (`plugins.launch.pdl_args` gives PDL's)."""
     K = x.shape[-1]
     N = w.shape[0]
     x2 = x.reshape(-1, K)
@@ -95,6 +123,8 @@ def gemv_fwd(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, 
     M = x2.shape[0]
     y = torch.empty(M, N, dtype=x.dtype, device=x.device) if out is None else out.view(M, N)
     bn, bk, nw = tile or gemv_tile(N, K)
+    if w_scale is not None:
+        flags.update(w_scale=w_scale.contiguous(), SCALE=2 if w_scale.dim() else 1)
     gemv_fwd_kernel[(triton.cdiv(N, bn),)](x2, w, y, M, N, K, x2.stride(0), y.stride(0), BLOCK_N=bn, BLOCK_K=bk,
                                             num_warps=nw, **flags)
     return y.view(*x.shape[:-1], N)
