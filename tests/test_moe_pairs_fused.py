@@ -151,7 +151,10 @@ def _ttgir(fn, sig: dict, consts: dict, num_stages: int = 1):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default and p.name not in sig
+                 and p.name not in consts}, **consts}               # e.g. PDL, at its default
     sig = {**sig, **{c: "constexpr" for c in consts}}
+    sig = {n: sig[n] for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t.startswith("*")}
     return triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=4, num_stages=num_stages))

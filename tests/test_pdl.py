@@ -64,6 +64,7 @@ def _kernels():
     from k3export.plugins.attn_res import kernels as ar
     from k3export.plugins.kda import kernels as kda
     from k3export.plugins.mla import kernels as mla
+    from k3export.plugins.moe import kernels as moe
     # (kernel, pointer types (others i32 scalars; eps-like fp32), constexprs, num_warps, num_stages)
     return {
         "attn_res": (ar.attn_res_fwd_kernel, dict(eps="fp32", out_eps="fp32"),
@@ -75,10 +76,24 @@ def _kernels():
                                                        qk_scale="fp32"),
                        dict(BLOCK_H=16, BLOCK_N=32, BLOCK_V=64, BLOCK_PE=16, DOT_PREC="tf32"), 4, 2,
                        ("stride_qb", "stride_qh", "stride_cb", "stride_cl", "H", "num_splits", "V_DIM", "R")),
+        "moe_router": (moe.moe_router_fwd_kernel, dict(s="*fp32"),
+                       dict(BLOCK_M=16, BLOCK_E=16, BLOCK_D=128, SIGMOID=False, DOT_PREC="ieee", DESC=False), 4, 3,
+                       ("N", "E", "D", "stride_xn", "stride_ge", "D_SPLIT")),
+        "moe_topk": (moe.moe_topk_fwd_kernel, dict(s="*fp32", part="*fp32", bias="*fp32", ids="*i32", w="*fp32",
+                                                   scaling="fp32"),
+                     dict(K=8, BLOCK_K=8, BLOCK_E=64, RENORM=True, SPLITS=8, PACKED=True), 4, 1, ("N", "E")),
+        "moe_pair_gemm1": (moe.moe_pair_gemm1_fwd_kernel, dict(ids="*i32", beta="fp32", linear_beta="fp32"),
+                           dict(TOP_K=8, BLOCK_N=8, BLOCK_K=256), 4, 1,
+                           ("L", "I", "stride_zn", "stride_we", "stride_wi", "stride_h")),
+        "moe_pair_gemm2_combine": (moe.moe_pair_gemm2_combine_fwd_kernel,
+                                   dict(ids="*i32", wt="*fp32", y="*fp32", tickets="*i32"),
+                                   dict(TOP_K=8, BLOCK_N=8, BLOCK_K=256), 4, 1,
+                                   ("L", "I", "stride_h", "stride_we", "stride_wl", "stride_y", "stride_u")),
     }
 
 
-@pytest.mark.parametrize("name", ["attn_res", "kda_inplace", "mla_decode"])
+@pytest.mark.parametrize("name", ["attn_res", "kda_inplace", "mla_decode", "moe_router", "moe_topk", "moe_pair_gemm1",
+                                  "moe_pair_gemm2_combine"])
 def test_pdl_constexpr_adds_only_the_two_griddepcontrol_instructions(name):
     from k3export.plugins.aot import compile_ptx
     fn, types, cx, warps, stages, scalars = _kernels()[name]

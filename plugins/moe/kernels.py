@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 from torch._subclasses.fake_tensor import is_fake
 
-from ..launch import INTERPRET, launch, size_bound
+from ..launch import INTERPRET, launch, pdl_args, pdl_wait, size_bound
 from ..triton_common import check, dot_precision, pow2, tickets
 from .op import moe_routed
 
@@ -124,10 +124,12 @@ def _router_partial(x, g, N, E, D, stride_xn, stride_ge, D_SPLIT, BLOCK_M: tl.co
 @triton.jit
 def moe_router_fwd_kernel(x, g, s, N, E, D, stride_xn, stride_ge, D_SPLIT,
                           BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
-                          SIGMOID: tl.constexpr, DOT_PREC: tl.constexpr, DESC: tl.constexpr = False):
+                          SIGMOID: tl.constexpr, DOT_PREC: tl.constexpr, DESC: tl.constexpr = False,
+                          PDL: tl.constexpr = False):
     """s `[N, E]` fp32 = sigmoid(x `[N, D]` @ g `[E, D]`^T); 16-bit products are exact in the fp32 sum.
     Split over D (grid axis 2, D_SPLIT columns each, few tokens: more programs): the raw partial sums go to
-    s `[splits, N, E]` and the top-k kernel adds them in split order."""
+    s `[splits, N, E]` and the top-k kernel adds them in split order. PDL: `launch.pdl_wait` first."""
+    pdl_wait(PDL)
     offs_m, offs_e, acc = _router_partial(x, g, N, E, D, stride_xn, stride_ge, D_SPLIT, BLOCK_M, BLOCK_E, BLOCK_D,
                                           DOT_PREC, DESC)
     if SIGMOID:
@@ -173,12 +175,13 @@ def _topk_store(sc, bias, ids, w, n, E, scaling, K: tl.constexpr, BLOCK_K: tl.co
 @triton.jit
 def moe_topk_fwd_kernel(s, part, bias, ids, w, N, E, scaling, K: tl.constexpr, BLOCK_K: tl.constexpr,
                         BLOCK_E: tl.constexpr, RENORM: tl.constexpr, SPLITS: tl.constexpr,
-                        PACKED: tl.constexpr):
+                        PACKED: tl.constexpr, PDL: tl.constexpr = False):
     """One token: the K largest s + bias (ties -> lowest id), weights from the unbiased s.
 
     SPLITS > 1: s = sigmoid(sum of the router's partial sums `part[SPLITS, N, E]`), stored to s. PACKED: one
     max per round over (order-preserving int of the key) << 32 | (BLOCK_E - 1 - id), weights gathered after
-    the K rounds (else three reductions per round)."""
+    the K rounds (else three reductions per round). PDL: `launch.pdl_wait` first."""
+    pdl_wait(PDL)
     scaling = tl.cast(scaling, tl.float32)  # Inductor passes Python float arguments as fp64 (AOTI packages)
     n = tl.program_id(0)
     offs = tl.arange(0, BLOCK_E)
@@ -229,6 +232,12 @@ def moe_router_topk_fwd_kernel(x, g, bias, part, s, ids, w, tickets, N, E, D, st
 
 
 ROUTE_SPLIT_MAX_N = 64          # lean routing splits the router over D up to this many tokens
+
+
+def moe_pdl(t: torch.Tensor) -> dict:
+    """`launch.pdl_args(t)` for the decode-path MoE kernels (router, top-k, pair GEMVs) when K3_MOE_PDL=1 is set
+    (read per call), else {}: opt-in until timed on the H200 (each kernel waits first, like the other PDL kernels)."""
+    return pdl_args(t) if os.environ.get("K3_MOE_PDL", "0") == "1" else {}
 ROUTE_WIDE_MIN_N = 1024         # wide router tiles (MoeTiles.wide_route) from this many tokens
 
 
@@ -268,9 +277,9 @@ def route_fwd(x, gate_weight, bias, top_k: int, renormalize: bool, scaling: floa
     launch(moe_router_fwd_kernel)[grid](
         xa, ga, part, N, E, D, x.stride(0), gate_weight.stride(0), d_split,
         BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_D=block_d, SIGMOID=splits == 1, DOT_PREC=dot_precision(x.dtype),
-        num_warps=8 if wide else 4, num_stages=3 if x.dtype != torch.float32 else 1, **desc)
+        num_warps=8 if wide else 4, num_stages=3 if x.dtype != torch.float32 else 1, **desc, **moe_pdl(x))
     launch(moe_topk_fwd_kernel)[(N,)](s, part, bias.contiguous(), ids, w, N, E, scaling, BLOCK_E=pow2(E),
-                                      SPLITS=splits, num_warps=4, **topk)
+                                      SPLITS=splits, num_warps=4, **topk, **moe_pdl(x))
     return ids, w, s
 
 
@@ -680,9 +689,12 @@ def _pair_tile(ids, n_cols, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def moe_pair_gemm1_fwd_kernel(z, w1, w3, h, ids, L, I, stride_zn, stride_we, stride_wi, stride_h, beta,
-                              linear_beta, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                              linear_beta, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                              PDL: tl.constexpr = False):
     """Pair p (token p // TOP_K, expert ids[p]), columns [n0, n0 + BLOCK_N) of I: two GEMVs over L,
-    h[p] = SiTU_GLU(z W1_e^T, z W3_e^T) -> h.dtype ("pairs" decode: no row plan, no padding rows)."""
+    h[p] = SiTU_GLU(z W1_e^T, z W3_e^T) -> h.dtype ("pairs" decode: no row plan, no padding rows). PDL: wait
+    first."""
+    pdl_wait(PDL)
     beta = tl.cast(beta, tl.float32)
     linear_beta = tl.cast(linear_beta, tl.float32)
     p, e, offs_n, n_ok = _pair_tile(ids, I, BLOCK_N)
@@ -697,8 +709,10 @@ def moe_pair_gemm1_fwd_kernel(z, w1, w3, h, ids, L, I, stride_zn, stride_we, str
 
 @triton.jit
 def moe_pair_gemm2_fwd_kernel(h, w2, y, ids, L, I, stride_h, stride_we, stride_wl, stride_y,
-                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Pair p, columns [n0, n0 + BLOCK_N) of L: y[p] = h[p] W2_{ids[p]}^T in fp32 (one GEMV over I)."""
+                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    """Pair p, columns [n0, n0 + BLOCK_N) of L: y[p] = h[p] W2_{ids[p]}^T in fp32 (one GEMV over I). PDL: wait
+    first."""
+    pdl_wait(PDL)
     p, e, offs_n, n_ok = _pair_tile(ids, L, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     w_rows = w2 + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wl + offs_k[None, :]
@@ -708,13 +722,15 @@ def moe_pair_gemm2_fwd_kernel(h, w2, y, ids, L, I, stride_h, stride_we, stride_w
 
 @triton.jit
 def moe_pair_gemm2_combine_fwd_kernel(h, w2, ids, wt, y, u, tickets, L, I, stride_h, stride_we, stride_wl, stride_y,
-                                      stride_u, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                                      stride_u, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                      PDL: tl.constexpr = False):
     """`moe_pair_gemm2_fwd_kernel` with the combine folded in. Pair p (token n = p // TOP_K), columns
     [n0, n0 + BLOCK_N) of L: y[p] = h[p] W2_{ids[p]}^T in fp32 to the workspace y `[N k, L]`, then a ticket on
     tickets[n * column tiles + tile]; the program that draws the last of the TOP_K tickets sums its token's TOP_K
     rows as `moe_combine_fwd_kernel` does (u[n] = sum_j wt[n, j] y[n k + j] in fp32, slot order: the same bits)
     -> u.dtype and puts the counter back to 0. Other programs' rows are read through L2 (.cg), after the acq_rel
-    ticket."""
+    ticket. PDL: wait first (the counters too are touched only after the predecessor completed)."""
+    pdl_wait(PDL)
     p, e, offs_n, n_ok = _pair_tile(ids, L, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     w_rows = w2 + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wl + offs_k[None, :]
@@ -976,16 +992,17 @@ def pairs_fwd(z, w1, w3, w2, ids, beta: float, linear_beta: float, cfg: MoeTiles
     (bn1, bk1, warps1), (bn2, bk2, warps2) = cfg.pair_gemm
     launch(moe_pair_gemm1_fwd_kernel)[(P, triton.cdiv(I, bn1))](
         z, w1, w3, h, ids, L, I, z.stride(0), w1.stride(0), w1.stride(1), h.stride(0), beta, linear_beta, TOP_K=top_k,
-        BLOCK_N=bn1, BLOCK_K=bk1, num_warps=warps1)
+        BLOCK_N=bn1, BLOCK_K=bk1, num_warps=warps1, **moe_pdl(z))
     if w is None:
         launch(moe_pair_gemm2_fwd_kernel)[(P, triton.cdiv(L, bn2))](
-            h, w2, y, ids, L, I, h.stride(0), L * I, I, y.stride(0), BLOCK_N=bn2, BLOCK_K=bk2, num_warps=warps2)
+            h, w2, y, ids, L, I, h.stride(0), L * I, I, y.stride(0), BLOCK_N=bn2, BLOCK_K=bk2, num_warps=warps2,
+            **moe_pdl(z))
         return y
     u = torch.empty(N, L, device=z.device, dtype=z.dtype)
     tiles_n = triton.cdiv(L, bn2)
     launch(moe_pair_gemm2_combine_fwd_kernel)[(P, tiles_n)](
         h, w2, ids, w, y, u, tickets(z, N * tiles_n), L, I, h.stride(0), L * I, I, y.stride(0), u.stride(0),
-        TOP_K=top_k, BLOCK_N=bn2, BLOCK_K=bk2, num_warps=warps2)
+        TOP_K=top_k, BLOCK_N=bn2, BLOCK_K=bk2, num_warps=warps2, **moe_pdl(z))
     return u
 
 
