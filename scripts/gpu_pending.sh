@@ -34,8 +34,9 @@
 #   mlawide  the MLA decode wide-tile cuda tests, then scripts/mla_decode_sweep.py (old vs wide tiles, 96 heads)
 #   pdl      scripts/pdl_probe.py: PDL under CUDA-graph capture (time per launch, programmatic edges, same bits);
 #            time it in the model with MODEL_BACKENDS=compile,compile-pdl
-#   gemvpdl  scripts/gemv_pdl_probe.py: the step's 53 GEMVs chained, cuBLAS vs plugins.gemv with and without PDL and
-#            weights loaded before the wait (M = $GEMVPDL_M, default "1 4")
+#   gemvpdl  scripts/gemv_pdl_probe.py: the step's 52 GEMVs chained, cuBLAS vs plugins.gemv with and without PDL and
+#            weights loaded before the wait (M = $GEMVPDL_M, default "1 4"), then the FP8 chain (--fp8: split-K
+#            weight-only GEMV vs plugins.gemv with E4M3 weights)
 #   gemvtest the k3::gemv cuda tests (K3 shapes vs fp64, PDL chain in a CUDA graph, k3-small compile-gemv-pdl tokens)
 #   profile  scripts/profile_decode.py --backend $PROFILE_BACKEND (default compile): kernels per decode step
 set -uo pipefail
@@ -90,7 +91,8 @@ for part in $parts; do
     pdl)   timeout 120 python3 scripts/pdl_probe.py --out "$OUT/pdl" > "$OUT/pdl.log" 2>&1 ;;
     gemvtest) timeout 240 python3 -m pytest -q -m cuda tests/test_gemv.py -s -rs -p no:cacheprovider > "$OUT/gemvtest.log" 2>&1 ;;
     gemvpdl) for m in ${GEMVPDL_M:-1 4}; do timeout 90 python3 scripts/gemv_pdl_probe.py --m $m --out "$OUT/gemvpdl-m$m.json"; done \
-             > "$OUT/gemvpdl.log" 2>&1 ;;
+             > "$OUT/gemvpdl.log" 2>&1
+             timeout 90 python3 scripts/gemv_pdl_probe.py --fp8 --out "$OUT/gemvpdl-fp8.json" >> "$OUT/gemvpdl.log" 2>&1 ;;
     probe) timeout 60 python3 scripts/gemv_pack_probe.py --out "$OUT/probe.json" > "$OUT/probe.log" 2>&1 ;;
     profile) timeout 150 python3 scripts/profile_decode.py --backend ${PROFILE_BACKEND:-compile} ${PROFILE_ARGS:-} \
              > "$OUT/profile.log" 2>&1 ;;
