@@ -27,21 +27,25 @@ GROUPS = {
 }
 
 
-def timed(fn, iters=50):
-    """Median ms of a CUDA-graph replay of fn (captured by the benches' `_graphed`), CUDA events, after warm-up."""
-    from k3export.bench.layer import _graphed
-    replay = _graphed(fn)
+def replay_ms(replay, iters=50) -> list[float]:
+    """ms of each of `iters` calls of replay() (a CUDA-graph replay), CUDA events, after 5 warm-up calls."""
     for _ in range(5):
         replay()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         replay()
         b.record()
         torch.cuda.synchronize()
         times.append(a.elapsed_time(b))
-    times.sort()
+    return times
+
+
+def timed(fn, iters=50):
+    """Median ms of a CUDA-graph replay of fn (captured by the benches' `_graphed`), CUDA events, after warm-up."""
+    from k3export.bench.layer import _graphed
+    times = sorted(replay_ms(_graphed(fn), iters))
     return times[len(times) // 2]
 
 

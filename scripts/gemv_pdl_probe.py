@@ -31,7 +31,7 @@ import statistics
 
 import torch
 
-from gemv_pack_probe import copy_bandwidth, write_json      # scripts/ on sys.path
+from gemv_pack_probe import copy_bandwidth, replay_ms, write_json      # scripts/ on sys.path
 
 SHAPES = {"kda_in": (8336, 2048), "kda_o": (2048, 2048), "mla_in": (3392, 2048), "mla_q_b": (3072, 768),
           "mla_o": (2048, 2048), "moe_in": (2560, 2048), "moe_out": (2048, 1792), "dense_in": (16384, 2048),
@@ -47,20 +47,6 @@ def step_order() -> list[str]:
         names += ["mla_in", "mla_q_b", "mla_o"] if layer % 4 == 3 else ["kda_in", "kda_o"]
         names += ["dense_in", "dense_out"] if layer == 0 else ["moe_in", "moe_out"]
     return names + ["lm_head"]
-
-
-def replay_ms(graph, iters=50) -> list[float]:
-    for _ in range(5):
-        graph.replay()
-    out = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b))
-    return out
 
 
 def main() -> None:
@@ -117,7 +103,7 @@ def main() -> None:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             outs = chain(flags)
-        ms = replay_ms(graph)
+        ms = replay_ms(graph.replay)
         for y in outs:
             y.zero_()
         graph.replay()

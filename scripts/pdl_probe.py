@@ -17,6 +17,8 @@ import statistics
 
 import torch
 
+from gemv_pack_probe import replay_ms      # scripts/ on sys.path
+
 
 def capture(pdl_on: bool, x: dict, launches: int, dot: pathlib.Path | None):
     from k3export.plugins.attn_res.kernels import attn_res_add_norm_fwd
@@ -65,16 +67,7 @@ def main() -> None:
     for on in (False, True):
         dot = a.out / f"graph-pdl-{int(on)}.dot" if a.out else None
         graph, out = capture(on, x, a.launches, dot)
-        ms = []
-        for _ in range(5):
-            graph.replay()
-        for _ in range(a.iters):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            graph.replay()
-            e.record()
-            torch.cuda.synchronize()
-            ms.append(s.elapsed_time(e))
+        ms = replay_ms(graph.replay, a.iters)
         res[on] = [t.clone() for t in out]
         med = statistics.median(ms)
         print(f"PDL {'on ' if on else 'off'}: replay {med:.3f} ms for {a.launches} launches = "
