@@ -127,13 +127,16 @@ class CompileBackend(EagerBackend):
     B = 1 (`bench model`, 2026-11-30 11:39 and 12:00 UTC): cuBLAS without PDL 1.006 / 1.029 ms, GEMV without PDL
     1.002 / 0.964, GEMV + PDL 0.890 / 0.895 (bench backends `compile-cublas-nopdl`, `compile-nopdl`, `compile`);
     B = 16 unchanged (1.70-1.72). Prefill stays without PDL: its 2048-token times with PDL averaged 12.96 ms over
-    four runs, 12.55 without (run-to-run spread ~0.5 ms)."""
+    four runs, 12.55 without (run-to-run spread ~0.5 ms).
+    `glu` (CUDA models, off until timed on the H200): the MoE's down | shared gate | shared up and the dense MLP's
+    gate | up pack with gate / up rows interleaved, and at one row `k3::gemv_glu` applies SiTU-GLU in the GEMV's
+    epilogue (`packing.PackedGlu`: one launch fewer per MoE / MLP layer, 12 per k3-small step)."""
 
     name = "compile"
 
     def __init__(self, model, mode: str | None = None, cache_dir=None, freezing: bool = False, pack: bool = True,
                  fuse_norms: bool = True, inplace: bool = True, fuse_adds: bool = True, options: dict | None = None,
-                 pair_experts: bool = True, gemv: bool = True, pdl: bool = True):
+                 pair_experts: bool = True, gemv: bool = True, pdl: bool = True, glu: bool = False):
         super().__init__(model)
         from k3export.model import packing
         packing.unpack_projections(model)          # the swaps asked for here, no others (in place: later users too)
@@ -142,7 +145,8 @@ class CompileBackend(EagerBackend):
         else:
             packing.unpair_experts(model)
             self.paired = 0
-        self.packed = packing.pack_projections(model) if pack else 0
+        cuda_model = next(model.parameters()).device.type == "cuda"
+        self.packed = packing.pack_projections(model, glu=glu and cuda_model) if pack else 0
         self.fused = packing.fuse_norms(model, adds=fuse_adds) if fuse_norms else 0
         dev = next(model.parameters()).device
         self.gemv = packing.gemv_linears(model) if gemv and dev.type == "cuda" else 0

@@ -77,6 +77,18 @@ def _interpreter_cases() -> dict:
         res[f"fp8-{'channel' if per_channel else 'tensor'}"] = err
     x, q, ws = _fp8_inputs(2, 64, 256, True, seed=8)
     res["fp8-two-rows-declined"] = 0.0 if _fp8_gemv(x, q, ws) is None else 9.0
+    from k3export.plugins.gemv.op import gemv_glu_ref
+    for dtype, n_plain, I, K in ((torch.float32, 64, 40, 256), (torch.bfloat16, 32, 21, 200), (torch.bfloat16, 0, 48, 64)):
+        g = torch.Generator().manual_seed(n_plain + I)
+        x = torch.randn(1, K, generator=g).to(dtype)
+        w = (torch.randn(n_plain + 2 * I, K, generator=g) * K ** -0.5).to(dtype)
+        z, h = G.gemv_glu_fwd(x, w, n_plain, 1.5, 2.0)
+        rz, rh = gemv_glu_ref(x.double(), w.double(), n_plain, 1.5, 2.0)
+        rel = 1e-6 if dtype == torch.float32 else BF16_ULP
+        for name, out, ref in (("z", z, rz), ("h", h, rh)):
+            if out.numel():
+                res[f"glu-{name}-{n_plain}-{I}-{dtype}"] = (
+                    (out.double() - ref).abs() / (rel * ref.abs() + 1e-6 * ref.abs().max())).max().item()
     return res
 
 
@@ -98,8 +110,10 @@ def test_gemv_interpreter_vs_fp64(interp):
     """Each output within its bound of the fp64 product (bf16: one ulp, the interpreter truncates; fp16: the
     rounding; fp32: the accumulation), E4M3 weights with per-channel and per-tensor scales against the weight-only
     FP8 reference in fp64 (`fp8_linear_wo_ref`; the kernel scales after the sum, the reference before: the same
-    value up to fp32 rounding), and the FP8 one-row path declines two rows: every ratio error / bound <= 1."""
-    assert len(interp) == len(CASES) + 5
+    value up to fp32 rounding), the FP8 one-row path declines two rows, and the SiTU-GLU GEMV's plain rows and
+    activations (fp32, bf16; with and without plain rows; an odd pair count) against `gemv_glu_ref` in fp64:
+    every ratio error / bound <= 1."""
+    assert len(interp) == len(CASES) + 5 + 5
     bad = {k: v for k, v in interp.items() if not v <= 1.0}
     assert not bad, bad
 
@@ -234,6 +248,65 @@ def test_kda_decode_inplace_still_folds_f_b_proj_under_gemv(tiny):
     assert torch.equal(out, ref) and torch.equal(state2, state) and torch.equal(conv2, conv)
 
 
+def test_glu_packing_same_model_and_swaps_back(tiny):
+    """`pack_projections(glu=True)`: the MoE's down | shared gate | shared up and the dense MLP's gate | up as one
+    interleaved weight each (`PackedGlu`), the members' weights views of it (gate / up every other row); on CPU the
+    swapped MoE's (z, h) and dense MLP's h equal those of the plain packing (fp32: the same dot products with the
+    rows in another order, which the CPU GEMM may block differently: 1e-6); the whole model's prefill and decode
+    logits stay within 1e-4 of the plain packing's (measured 3.2e-5 / 4.5e-6: the 9 random layers amplify the
+    1e-7-level differences, as they do the plain packing's own difference from the model as written, 4.3e-5 /
+    2.4e-5 on the same inputs); parameter values are unchanged, and `unpack_projections` removes the swaps."""
+    from k3export.model import packing
+    from k3export.model.layers import SituMLP
+    from k3export.model.moe import LatentMoE
+    model = tiny
+    ref_state = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = torch.randint(0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(3))
+    lengths = torch.tensor([7, 5])
+
+    def run():
+        st = model.new_state(2, 16)
+        out = model.forward_prefill(ids, lengths, st.kda_conv, st.kda_state, st.mla_cache,
+                                    torch.zeros(2, dtype=torch.long))
+        logits, conv, rec, rows = out
+        cache = st.mla_cache.clone()
+        cache[:, :, :7] = rows.to(cache.dtype)
+        dec = model.forward_decode(ids[:, -1], conv, rec, cache, lengths)
+        return logits, dec[0]
+    as_written = run()
+    moes = [m for m in model.modules() if isinstance(m, LatentMoE)]
+    dense = [m for m in model.modules() if isinstance(m, SituMLP) and not any(m is x.shared_experts for x in moes)]
+    x = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(4))
+    try:
+        packing.pack_projections(model)
+        want = [moes[0].project_hidden(x), dense[0].hidden(x)]
+        packed = run()
+        n = packing.pack_projections(model, glu=True)
+        glus = [m.__dict__.get(k) for m in model.modules() for k in ("project_hidden", "hidden")
+                if isinstance(m.__dict__.get(k), packing.PackedGlu)]
+        assert len(glus) == len(moes) + len(dense) > 0 and n > len(glus)
+        moe = moes[0]
+        glu = moe.__dict__["project_hidden"]
+        w = glu.linear.weight
+        L = moe.routed_expert_down_proj.out_features
+        assert glu.n_plain == L and moe.shared_experts.gate_proj.weight.data_ptr() == w[L].data_ptr()
+        assert moe.shared_experts.up_proj.weight.data_ptr() == w[L + 1].data_ptr()
+        assert moe.shared_experts.gate_proj.weight.stride(0) == 2 * w.shape[1]
+        got = [*moes[0].project_hidden(x), dense[0].hidden(x)]
+        for a, b in zip([*want[0], want[1]], got):
+            assert ((a - b).abs().max() / a.abs().max()).item() <= 1e-6
+        for a, b in zip(packed, run()):
+            assert ((a - b).abs().max() / a.abs().max()).item() <= 1e-4
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, ref_state[k]), k
+    finally:
+        packing.unpack_projections(model)
+    assert not any(isinstance(m.__dict__.get(k), packing.PackedGlu) for m in model.modules()
+                   for k in ("project_hidden", "hidden"))
+    for a, b in zip(as_written, run()):                           # unswapped: the model as written (gate / up now
+        assert ((a - b).abs().max() / a.abs().max()).item() <= 1e-6   # strided views; equal here on this CPU)
+
+
 def test_compile_backend_gemv_only_on_cuda(tiny):
     from k3export.model import packing
     from k3export.runtime import CompileBackend
@@ -286,6 +359,48 @@ def test_fp8_gemv_cuda_vs_weight_only_reference(N, K, monkeypatch):
         err = (y.double() - other).abs()
         bound = BF16_ULP * torch.maximum(y.double().abs(), other.abs()) + 1e-5 * other.abs().max()
         assert (err <= bound).all(), (err / bound).max().item()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("n_plain,I,K", [(1024, 768, 2048), (0, 4096, 2048), (3584, 3072, 7168)])
+def test_gemv_glu_cuda_vs_reference(n_plain, I, K):
+    """k3-small MoE input (down 1024 | 768 shared gate/up pairs), its dense MLP (4096 pairs), K3's MoE input; bf16,
+    with PDL on sm_90: the plain rows within half a bf16 ulp of the fp64 product (+1e-5 of the largest, the fp32
+    sum), the activations within half an ulp of `gemv_glu_ref` in fp64 on the same bf16 inputs plus 1e-5 of the
+    largest (the fp32 sums and the kernel's tanh, ~3e-7 relative)."""
+    from k3export.plugins import launch as L
+    from k3export.plugins.gemv.op import gemv_glu_ref
+    g = torch.Generator(device="cuda").manual_seed(n_plain + I)
+    x = torch.randn(1, K, generator=g, device="cuda").to(torch.bfloat16)
+    w = (torch.randn(n_plain + 2 * I, K, generator=g, device="cuda") * K ** -0.5).to(torch.bfloat16)
+    assert G.glu_supported(x, w, n_plain)
+    with L.pdl(torch.cuda.get_device_capability()[0] >= 9):
+        z, h = torch.ops.k3.gemv_glu(x, w, n_plain, 1.0, 1.0)
+    rz, rh = gemv_glu_ref(x.double(), w.double(), n_plain, 1.0, 1.0)
+    for out, ref in ((z, rz), (h, rh)):
+        if out.numel():
+            err = (out.double() - ref).abs()
+            assert (err <= 2.0 ** -8 * ref.abs() + 1e-5 * ref.abs().max()).all(), (err / ref.abs().max()).max().item()
+
+
+@pytest.mark.cuda
+def test_k3_tiny_fp32_compile_glu_at_b1_generates_eager_tokens():
+    """k3-tiny fp32, one prompt at B = 1 through `compile-glu` (SiTU-GLU in the one-row GEMV of the MoE and MLP
+    input projections, PDL on sm_90): the greedy tokens of the model as written, run eagerly."""
+    from k3export.bench.model import COMPILE_VARIANTS
+    from k3export.config import K3Config
+    from k3export.generate import generate
+    from k3export.model import packing
+    from k3export.model.weights import random_model
+    from k3export.runtime import CompileBackend, Engine, Generator
+    model = random_model(K3Config.from_name("k3-tiny"), seed=0, device="cuda")
+    prompt = [[5, 17, 3, 99, 42, 7, 1, 64]]
+    ref = generate(model, prompt, 8)
+    backend = CompileBackend(model, **COMPILE_VARIANTS["compile-glu"])
+    assert any(isinstance(m.__dict__.get("project_hidden"), packing.PackedGlu) for m in model.modules())
+    out = Generator(Engine(backend, max_batch=1, max_len=32)).generate(prompt, 8)
+    packing.unpack_projections(model)
+    assert out == ref
 
 
 @pytest.mark.cuda

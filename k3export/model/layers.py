@@ -36,6 +36,10 @@ class SituMLP(nn.Module):
         """x -> (gate(x), up(x)); `model.packing` swaps in one GEMM for the two."""
         return self.gate_proj(x), self.up_proj(x)
 
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """x -> SiTU_GLU(gate(x), up(x)) `[N, hidden]` in x.dtype (computed in at least fp32);
+        `model.packing.pack_projections(glu=True)` swaps in one GEMM with the activation in its epilogue."""
+        return situ_glu(*self.project(x), self.beta, self.linear_beta).to(x.dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = situ_glu(*self.project(x), self.beta, self.linear_beta)                       # [N, hidden], fp32
-        return self.down_proj(h.to(x.dtype))
+        return self.down_proj(self.hidden(x))

@@ -71,10 +71,15 @@ class LatentMoE(nn.Module):
         """x `[N, d]` (router input), z `[N, L]` -> u `[N, L]`, the routed experts' weighted sum."""
         return moe_routed(*self.routed_args(x, z), **self.routing)
 
-    def _mix(self, x, routed):
+    def project_hidden(self, x):
+        """x `[N, d]` -> (z `[N, L]`, h `[N, I_s]` = the shared SiTU-GLU in x.dtype, None without shared experts).
+        `model.packing.pack_projections(glu=True)` swaps in one GEMM with the activation in its epilogue."""
         z, s_gate, s_up = self.project(x)
         s = self.shared_experts
-        h = None if s is None else situ_glu(s_gate, s_up, s.beta, s.linear_beta).to(x.dtype)   # [N, I_s]
+        return z, None if s is None else situ_glu(s_gate, s_up, s.beta, s.linear_beta).to(x.dtype)
+
+    def _mix(self, x, routed):
+        z, h = self.project_hidden(x)
         return self.output(self.routed_expert_norm(routed(x, z)), h)
 
     def forward(self, x):

@@ -24,6 +24,10 @@ of one kind; column packing is bf16/fp32 only, since its two inputs would need o
 `pair_experts` changes a layout, not a method: each expert bank's w1 / w3 become the even / odd rows of one tensor,
 which the MoE prefill kernel reads as one weight tile (`unpair_experts` undoes it).
 
+With `glu=True` the SiTU-GLU projections (the MoE's down | shared gate | shared up, the dense MLP's gate | up)
+pack with gate / up rows interleaved instead, as `PackedGlu` swapped for the owner's `project_hidden` / `hidden`,
+so a one-row call can apply the activation in the GEMV's epilogue (`k3::gemv_glu`).
+
 `gemv_linears` changes a class, not a method: each bias-free `nn.Linear` (the packed ones included) becomes a
 `GemvLinear`, whose one-row calls on CUDA (a decode step at B = 1) run `k3::gemv` (`plugins.gemv`: whole weight
 rows in registers, loaded before the PDL wait) instead of cuBLAS; every other call is `F.linear` as before.
@@ -47,7 +51,7 @@ from torch import nn
 
 from k3export.plugins.attn_res.op import attn_res_add_norm, attn_res_norm
 
-PROJECTION_SWAPS = ("project", "output", "conv_weight")     # the owners' methods a packed module may shadow
+PROJECTION_SWAPS = ("project", "output", "conv_weight", "project_hidden", "hidden")   # owners' methods packs shadow
 SWAPPED = PROJECTION_SWAPS + ("mix_norm", "add_mix_norm")   # ... and every serving swap
 
 
@@ -178,6 +182,60 @@ class PackedRuns(nn.Module):
         return tuple(y for part in self.parts for y in part(x))
 
 
+class PackedGlu(nn.Module):
+    """One GEMM for a projection followed by SiTU-GLU: the weight is [plain rows | gate_0, up_0, gate_1, up_1, ...]
+    (LatentMoE: the routed down projection, then the shared experts' gate / up pairs; SituMLP: only the pairs).
+    `forward(x)` returns (z, h) (`plain` True, for `LatentMoE.project_hidden`) or h (for `SituMLP.hidden`), h in
+    x.dtype. A one-row CUDA call of a `GemvLinear` (`gemv_linears`) runs `k3::gemv_glu`: the activation in the
+    GEMV's epilogue, from the fp32 sums (one launch, not two); otherwise one F.linear, then the activation on the
+    rounded gate / up, as the unpacked owner computes it."""
+
+    def __init__(self, linear: nn.Module, n_plain: int, beta: float, linear_beta: float, plain: bool):
+        super().__init__()
+        self.linear, self.n_plain, self.plain = linear, n_plain, plain
+        self.beta, self.linear_beta = beta, linear_beta
+
+    def forward(self, x: torch.Tensor):
+        w = self.linear.weight
+        if type(self.linear) is GemvLinear and x.is_cuda and x.numel() == x.shape[-1]:
+            from k3export.plugins.gemv.kernels import glu_supported
+            if glu_supported(x, w, self.n_plain):
+                z, h = torch.ops.k3.gemv_glu(x, w, self.n_plain, self.beta, self.linear_beta)
+                return (z, h) if self.plain else h
+        from k3export.plugins.moe.naive import situ_glu
+        y = self.linear(x)
+        gu = y[..., self.n_plain:].unflatten(-1, (-1, 2))
+        h = situ_glu(gu[..., 0], gu[..., 1], self.beta, self.linear_beta).to(x.dtype)
+        return (y[..., :self.n_plain], h) if self.plain else h
+
+    def extra_repr(self) -> str:
+        return f"{self.n_plain} plain rows, then gate/up pairs -> SiTU-GLU"
+
+
+@torch.no_grad()
+def _pack_glu(plain: list[nn.Module], gate: nn.Module, up: nn.Module, beta: float, linear_beta: float,
+              with_plain: bool) -> PackedGlu | None:
+    """[plain members | gate / up rows interleaved] as one weight; the members' weights become views of it (gate
+    and up: every other row, a row stride of 2 K). None when the members are not all bias-free bf16/fp32 linears
+    of one input width, dtype and device (e.g. an FP8 recipe quantized some)."""
+    members = plain + [gate, up]
+    if _kind(members) != "linear" or len({m.in_features for m in members}) != 1 or not _packable("linear", members) \
+            or gate.out_features != up.out_features:
+        return None
+    I, K = gate.weight.shape
+    pairs = torch.stack([gate.weight, up.weight], dim=1).reshape(2 * I, K)
+    w = torch.cat([m.weight for m in plain] + [pairs])
+    n_plain = sum(m.out_features for m in plain)
+    packed = nn.Linear(K, w.shape[0], bias=False, device="meta")
+    packed.weight = nn.Parameter(w, requires_grad=False)
+    for m, (a, b) in zip(plain, _ranges([m.out_features for m in plain])):
+        m.weight = nn.Parameter(w[a:b], requires_grad=False)
+    inter = w[n_plain:].view(I, 2, K)
+    gate.weight = nn.Parameter(inter[:, 0], requires_grad=False)
+    up.weight = nn.Parameter(inter[:, 1], requires_grad=False)
+    return PackedGlu(packed, n_plain, beta, linear_beta, with_plain)
+
+
 @torch.no_grad()
 def _pack_cols(members: list[nn.Module]) -> PackedLinear | None:
     """Concatenate bias-free linears with one output width along the input dim (their outputs are summed)."""
@@ -214,7 +272,7 @@ class FusedMixNorm(nn.Module):
         return op(bank, *ps, res_norm.weight, res_query.weight, self.eps, norm.weight, norm.eps)
 
 
-PACKED = (PackedLinear, PackedRuns, PackedTensor, FusedMixNorm)
+PACKED = (PackedLinear, PackedRuns, PackedTensor, FusedMixNorm, PackedGlu)
 
 
 def _swap(owner: nn.Module, method: str, packed: nn.Module | None) -> int:
@@ -224,9 +282,11 @@ def _swap(owner: nn.Module, method: str, packed: nn.Module | None) -> int:
     return 1
 
 
-def pack_projections(model: nn.Module) -> int:
+def pack_projections(model: nn.Module, glu: bool = False) -> int:
     """Pack every group listed in the module docstring, in place. Returns the number of packed groups (GEMMs and
-    conv kernels; groups already packed are packed again from the current weights)."""
+    conv kernels; groups already packed are packed again from the current weights). `glu`: the LatentMoE's
+    down | shared gate | shared up and the dense SiTU MLP's gate | up pack with gate / up rows interleaved, and
+    the GEMM computes the activation too (`PackedGlu`, swapped for `project_hidden` / `hidden`)."""
     from k3export.model.kda import KimiDeltaAttention
     from k3export.model.layers import SituMLP
     from k3export.model.mla import GatedMLA
@@ -243,10 +303,15 @@ def pack_projections(model: nn.Module) -> int:
             n += _swap(mod, "project", _pack_rows([mod.q_a_proj, mod.kv_a_proj_with_mqa, mod.g_proj]))
         elif isinstance(mod, LatentMoE) and mod.shared_experts is not None:
             s = mod.shared_experts
-            n += _swap(mod, "project", _pack_rows([mod.routed_expert_down_proj, s.gate_proj, s.up_proj]))
+            g = _pack_glu([mod.routed_expert_down_proj], s.gate_proj, s.up_proj, s.beta, s.linear_beta,
+                          with_plain=True) if glu else None
+            n += _swap(mod, "project_hidden", g) if g is not None else \
+                _swap(mod, "project", _pack_rows([mod.routed_expert_down_proj, s.gate_proj, s.up_proj]))
             n += _swap(mod, "output", _pack_cols([mod.routed_expert_up_proj, s.down_proj]))
         elif isinstance(mod, SituMLP) and id(mod) not in shared:
-            n += _swap(mod, "project", _pack_rows([mod.gate_proj, mod.up_proj]))
+            g = _pack_glu([], mod.gate_proj, mod.up_proj, mod.beta, mod.linear_beta, with_plain=False) if glu else None
+            n += _swap(mod, "hidden", g) if g is not None else _swap(mod, "project", _pack_rows([mod.gate_proj,
+                                                                                                  mod.up_proj]))
     return n
 
 
@@ -321,7 +386,7 @@ def _linears(model: nn.Module):
         yield mod
         for method in PROJECTION_SWAPS:
             swap = mod.__dict__.get(method)
-            if isinstance(swap, (PackedLinear, PackedRuns)):
+            if isinstance(swap, (PackedLinear, PackedRuns, PackedGlu)):
                 yield from swap.modules()
 
 

@@ -30,6 +30,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..launch import pdl_args
+from ..moe.kernels import _sigmoid, _tanh
 
 MAX_TILE = 16384          # weight elements per program (BLOCK_N * BLOCK_K): 32 KB of bf16 in registers
 # Under PDL, signal the dependents' launch before the weight loads (EARLY) instead of after the wait: the next
@@ -47,6 +48,42 @@ def gemv_fwd_kernel(x, w, y, M, N, K, stride_xm, stride_ym, BLOCK_N: tl.constexp
     2: fp32 per output row (FP8 weight-only, `fp8.fp8_linear_wo_ref`). PREFETCH: the weight tile (and its scales)
     is loaded before the PDL wait (else after it); EARLY: the dependents' launch is signalled before anything else
     (else right after the wait). Both only matter with PDL."""
+    rows, ks, n_ok, k_ok, wf, sc = _weight_rows(w, w_scale, N, K, BLOCK_N, BLOCK_K, PDL, PREFETCH, EARLY, SCALE)
+    for m in range(M):
+        acc = _row_dot(x + m * stride_xm, ks, k_ok, wf, sc, SCALE)
+        tl.store(y + m * stride_ym + rows, acc.to(y.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def gemv_glu_fwd_kernel(x, w, y, h, M, N, K, N_PLAIN, stride_xm, stride_ym, stride_hm, beta, linear_beta,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
+                        PREFETCH: tl.constexpr = True, EARLY: tl.constexpr = False, w_scale=None,
+                        SCALE: tl.constexpr = 0):
+    """`gemv_fwd_kernel` over a weight whose rows [N_PLAIN, N) are gate / up pairs (gate_i at N_PLAIN + 2i, up_i
+    at N_PLAIN + 2i + 1): rows below N_PLAIN go to y[m, n] as they are, each pair to
+    h[m, i] = beta tanh(g / beta) sigmoid(g) * linear_beta tanh(u / linear_beta) (SiTU-GLU, `moe.naive.situ_glu`)
+    from the fp32 sums. N_PLAIN is a multiple of BLOCK_N (even), so a program is all plain or all pairs."""
+    beta = tl.cast(beta, tl.float32)               # Inductor passes Python floats as fp64
+    linear_beta = tl.cast(linear_beta, tl.float32)
+    rows, ks, n_ok, k_ok, wf, sc = _weight_rows(w, w_scale, N, K, BLOCK_N, BLOCK_K, PDL, PREFETCH, EARLY, SCALE)
+    r0 = tl.program_id(0) * BLOCK_N
+    pair = (r0 - N_PLAIN) // 2 + tl.arange(0, BLOCK_N // 2)
+    for m in range(M):
+        acc = _row_dot(x + m * stride_xm, ks, k_ok, wf, sc, SCALE)
+        if r0 < N_PLAIN:
+            tl.store(y + m * stride_ym + rows, acc.to(y.dtype.element_ty), mask=rows < N_PLAIN)
+        else:
+            g, u = tl.split(tl.reshape(acc, [BLOCK_N // 2, 2]))
+            act = beta * _tanh(g / beta) * _sigmoid(g) * (linear_beta * _tanh(u / linear_beta))
+            tl.store(h + m * stride_hm + pair, act.to(h.dtype.element_ty), mask=pair < (N - N_PLAIN) // 2)
+
+
+@triton.jit
+def _weight_rows(w, w_scale, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+                 PREFETCH: tl.constexpr, EARLY: tl.constexpr, SCALE: tl.constexpr):
+    """This program's BLOCK_N weight rows, whole, widened to fp32, and their scales; with PDL the loads come
+    before `griddepcontrol.wait` (PREFETCH) and the dependents' launch is signalled first (EARLY) or after the
+    wait. Returns (rows, ks, n_ok, k_ok, w fp32 [BLOCK_N, BLOCK_K], scales)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     n_ok = rows < N
@@ -65,13 +102,17 @@ def gemv_fwd_kernel(x, w, y, M, N, K, stride_xm, stride_ym, BLOCK_N: tl.constexp
     if not PREFETCH:
         wv = tl.load(w_ptrs, mask=w_mask, other=0.0)
         sc = _scales(w_scale, rows, n_ok, SCALE)
-    wf = wv.to(tl.float32)
-    for m in range(M):
-        xv = tl.load(x + m * stride_xm + ks, mask=k_ok, other=0.0).to(tl.float32)
-        acc = tl.sum(wf * xv[None, :], 1)
-        if SCALE != 0:
-            acc = acc * sc
-        tl.store(y + m * stride_ym + rows, acc.to(y.dtype.element_ty), mask=n_ok)
+    return rows, ks, n_ok, k_ok, wv.to(tl.float32), sc
+
+
+@triton.jit
+def _row_dot(x_row, ks, k_ok, wf, sc, SCALE: tl.constexpr):
+    """sum_k x_row[k] wf[:, k] in fp32 (* the scales)."""
+    xv = tl.load(x_row + ks, mask=k_ok, other=0.0).to(tl.float32)
+    acc = tl.sum(wf * xv[None, :], 1)
+    if SCALE != 0:
+        acc = acc * sc
+    return acc
 
 
 @triton.jit
@@ -130,6 +171,37 @@ def gemv_fwd(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, 
     return y.view(*x.shape[:-1], N)
 
 
+def glu_supported(x: torch.Tensor, w: torch.Tensor, n_plain: int) -> bool:
+    """Whether `gemv_glu_fwd` takes this call: `supported`, an even pair region, and a tile of >= 2 rows that
+    divides n_plain (no program straddles the plain and the pair rows)."""
+    if not supported(x, w) or (w.shape[0] - n_plain) % 2 or n_plain < 0:
+        return False
+    bn = gemv_tile(*w.shape)[0]
+    return bn >= 2 and n_plain % bn == 0
+
+
+def gemv_glu_fwd(x: torch.Tensor, w: torch.Tensor, n_plain: int, beta: float, linear_beta: float,
+                 tile=None, **flags) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] @ w[N, K]^T with the rows from n_plain on as gate / up pairs: -> (y [..., n_plain], h [...,
+    (N - n_plain) / 2] = SiTU-GLU of each pair), both in x's dtype (`gemv_glu_fwd_kernel`)."""
+    K, N = x.shape[-1], w.shape[0]
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M, I = x2.shape[0], (N - n_plain) // 2
+    y = torch.empty(M, n_plain, dtype=x.dtype, device=x.device)
+    h = torch.empty(M, I, dtype=x.dtype, device=x.device)
+    bn, bk, nw = tile or gemv_tile(N, K)
+    check = n_plain % bn == 0 and bn % 2 == 0 and (N - n_plain) % 2 == 0
+    if not check:
+        raise ValueError(f"gemv_glu: n_plain={n_plain} must be a multiple of the row tile {bn} (even), "
+                         f"N - n_plain={N - n_plain} even")
+    gemv_glu_fwd_kernel[(triton.cdiv(N, bn),)](x2, w, y, h, M, N, K, n_plain, x2.stride(0), y.stride(0), h.stride(0),
+                                                float(beta), float(linear_beta), BLOCK_N=bn, BLOCK_K=bk,
+                                                num_warps=nw, **flags)
+    return y.view(*x.shape[:-1], n_plain), h.view(*x.shape[:-1], I)
+
+
 def _cuda(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if not supported(x, w):
         return (x.float() @ w.float().t()).to(x.dtype)       # the op's contract, for shapes the kernel does not take
@@ -139,9 +211,20 @@ def _cuda(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return gemv_fwd(x, w, **flags)
 
 
+def _cuda_glu(x, w, n_plain: int, beta: float, linear_beta: float):
+    if not glu_supported(x, w, n_plain):
+        from .op import gemv_glu_ref
+        return gemv_glu_ref(x, w, n_plain, beta, linear_beta)
+    flags = pdl_args(x)
+    if flags:
+        flags["EARLY"] = EARLY
+    return gemv_glu_fwd(x, w, n_plain, beta, linear_beta, **flags)
+
+
 def _register() -> None:
-    from .op import gemv
+    from .op import gemv, gemv_glu
     gemv.register_kernel("cuda")(_cuda)
+    gemv_glu.register_kernel("cuda")(_cuda_glu)
 
 
 _register()

@@ -19,6 +19,29 @@ def _(x, w):
     return x.new_empty((*x.shape[:-1], w.shape[0]))
 
 
+def gemv_glu_ref(x: Tensor, w: Tensor, n_plain: int, beta: float, linear_beta: float) -> tuple[Tensor, Tensor]:
+    """The reference of `k3::gemv_glu`: one fp32 product, the plain rows rounded to x.dtype, SiTU-GLU of each
+    (gate, up) row pair from the fp32 sums, rounded to x.dtype."""
+    from k3export.plugins.moe.naive import situ_glu
+    y = x.float() @ w.float().t()
+    gu = y[..., n_plain:].unflatten(-1, (-1, 2))
+    return y[..., :n_plain].to(x.dtype), situ_glu(gu[..., 0], gu[..., 1], beta, linear_beta).to(x.dtype)
+
+
+@torch.library.custom_op("k3::gemv_glu", mutates_args=())
+def gemv_glu(x: Tensor, w: Tensor, n_plain: int, beta: float, linear_beta: float) -> tuple[Tensor, Tensor]:
+    """x `[..., K]`, w `[N, K]` whose rows from n_plain on are interleaved gate / up pairs -> (y `[..., n_plain]`,
+    h `[..., (N - n_plain) / 2]`), h = SiTU-GLU(gate, up) computed from the fp32 sums (serving: the one-row
+    projection of a SiTU MLP or of a LatentMoE with its shared experts, `packing.pack_projections(glu=True)`)."""
+    return gemv_glu_ref(x, w, n_plain, beta, linear_beta)
+
+
+@gemv_glu.register_fake
+def _(x, w, n_plain, beta, linear_beta):
+    lead = x.shape[:-1]
+    return x.new_empty((*lead, n_plain)), x.new_empty((*lead, (w.shape[0] - n_plain) // 2))
+
+
 try:  # the Triton kernel registers itself as the CUDA implementation (kernels.py)
     from . import kernels  # noqa: F401,E402
 except ImportError:
