@@ -7,7 +7,9 @@
 # `MODEL_BACKENDS=compile MODEL_BATCHES=1,64 bash scripts/gpu_pending.sh model` (B = 64 under PDL; the f_b_proj
 # fold restored under the GEMV swap, never timed), then the same at B = 1 with `K3_MOE_PDL=1` (the MoE decode
 # kernels with PDL, never run on a GPU: first `K3_MOE_PDL=1 SERVE_K=cuda_graph bash scripts/gpu_pending.sh serve` and
-# the test_pdl cuda tests) and with `K3_MOE_DECODE=pairs-n8-fused` (top-k in the router launch, under PDL).
+# the test_pdl cuda tests) and with `K3_MOE_DECODE=pairs-n8-fused` (top-k in the router launch, under PDL);
+# `MODEL_BACKENDS=compile,compile-glu MODEL_BATCHES=1` (SiTU-GLU in the one-row GEMV, never run on a GPU; its cuda
+# tests are in `gemvtest`).
 #   toy      scripts/aoti_toy.py: does any CUDA AOTI package load there, per import context (bare, CUDA
 #            initialised, triton, k3export.plugins)? ~2 min. Decides whether the crash is torch's or ours.
 #   demo     `k3export demo --device cuda`: the main job end to end on the GPU (aoti refused by the load check
