@@ -6,8 +6,8 @@
 # scripts/gpu_pending.sh fp8c` (FP8 one-row linears on k3::gemv's kernel, never timed) and
 # `MODEL_BACKENDS=compile MODEL_BATCHES=1,64 bash scripts/gpu_pending.sh model` (B = 64 under PDL; the f_b_proj
 # fold restored under the GEMV swap, never timed), then the same at B = 1 with `K3_MOE_PDL=1` (the MoE decode
-# kernels with PDL, never run on a GPU: first `K3_MOE_PDL=1 SERVE_K=cuda_graph bash scripts/gpu_pending.sh serve` and
-# the test_pdl cuda tests) and with `K3_MOE_DECODE=pairs-n8-fused` (top-k in the router launch, under PDL);
+# kernels with PDL, never run on a GPU: first `K3_MOE_PDL=1 bash scripts/gpu_pending.sh pdltest`, the PDL chain and
+# k3-small bit-identity tests with them on) and with `K3_MOE_DECODE=pairs-n8-fused` (top-k in the router launch, under PDL);
 # `MODEL_BACKENDS=compile,compile-glu MODEL_BATCHES=1` (SiTU-GLU in the one-row GEMV, never run on a GPU; its cuda
 # tests are in `gemvtest`).
 #   toy      scripts/aoti_toy.py: does any CUDA AOTI package load there, per import context (bare, CUDA
@@ -39,6 +39,7 @@
 #   gemvpdl  scripts/gemv_pdl_probe.py: the step's 52 GEMVs chained, cuBLAS vs plugins.gemv with and without PDL and
 #            weights loaded before the wait (M = $GEMVPDL_M, default "1 4"), then the FP8 chain (--fp8: split-K
 #            weight-only GEMV vs plugins.gemv with E4M3 weights)
+#   pdltest  tests/test_pdl.py's cuda tests (PDL chain in a CUDA graph; k3-small compile with / without PDL bit-identical)
 #   gemvtest the k3::gemv cuda tests (K3 shapes vs fp64, PDL chain in a CUDA graph, k3-small compile-gemv-pdl tokens)
 #   profile  scripts/profile_decode.py --backend $PROFILE_BACKEND (default compile): kernels per decode step
 set -uo pipefail
@@ -91,6 +92,7 @@ for part in $parts; do
            timeout ${MLAWIDE_TIMEOUT:-200} python3 scripts/mla_decode_sweep.py "$OUT/mla-decode-wide.json" \
              --budget-s ${MLAWIDE_BUDGET:-140} > "$OUT/mlawide.log" 2>&1 ;;
     pdl)   timeout 120 python3 scripts/pdl_probe.py --out "$OUT/pdl" > "$OUT/pdl.log" 2>&1 ;;
+    pdltest) timeout 300 python3 -m pytest -q -m cuda tests/test_pdl.py -s -rs -p no:cacheprovider > "$OUT/pdltest.log" 2>&1 ;;
     gemvtest) timeout 240 python3 -m pytest -q -m cuda tests/test_gemv.py -s -rs -p no:cacheprovider > "$OUT/gemvtest.log" 2>&1 ;;
     gemvpdl) for m in ${GEMVPDL_M:-1 4}; do timeout 90 python3 scripts/gemv_pdl_probe.py --m $m --out "$OUT/gemvpdl-m$m.json"; done \
              > "$OUT/gemvpdl.log" 2>&1
@@ -98,7 +100,7 @@ for part in $parts; do
     probe) timeout 60 python3 scripts/gemv_pack_probe.py --out "$OUT/probe.json" > "$OUT/probe.log" 2>&1 ;;
     profile) timeout 150 python3 scripts/profile_decode.py --backend ${PROFILE_BACKEND:-compile} ${PROFILE_ARGS:-} \
              > "$OUT/profile.log" 2>&1 ;;
-    *)     echo "unknown part $part (toy demo aoti mla mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest kda fp8c probe profile)"; continue ;;
+    *)     echo "unknown part $part (toy demo aoti mla mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest pdltest kda fp8c probe profile)"; continue ;;
   esac
   echo "$part: exit $? in $((SECONDS - t)) s" | tee -a "$OUT/pending.log"
   tail -4 "$OUT/$part.log" 2>/dev/null
