@@ -18,7 +18,6 @@ commit) is captured once as a CUDA graph for the engine's batch size and replaye
 from __future__ import annotations
 
 import contextlib
-
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
@@ -140,15 +139,14 @@ class CompileBackend(EagerBackend):
         super().__init__(model)
         from k3export.model import packing
         packing.unpack_projections(model)          # the swaps asked for here, no others (in place: later users too)
-        if pair_experts and next(model.parameters()).device.type == "cuda":
+        dev = next(model.parameters()).device
+        if pair_experts and dev.type == "cuda":
             self.paired = packing.pair_experts(model)
         else:
             packing.unpair_experts(model)
             self.paired = 0
-        cuda_model = next(model.parameters()).device.type == "cuda"
-        self.packed = packing.pack_projections(model, glu=glu and cuda_model) if pack else 0
+        self.packed = packing.pack_projections(model, glu=glu and dev.type == "cuda") if pack else 0
         self.fused = packing.fuse_norms(model, adds=fuse_adds) if fuse_norms else 0
-        dev = next(model.parameters()).device
         self.gemv = packing.gemv_linears(model) if gemv and dev.type == "cuda" else 0
         self.pdl = bool(pdl and dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9)
         if cache_dir is not None:

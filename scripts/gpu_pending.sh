@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What is owed to the GPU, one part per argument, each under its own time limit (device tool, carry [".whl"]; logs
-# under $OUT). Each part below has run at least once (results in docs/perf.md). Owed on 2026-11-30 12:50 UTC, in
+# under $OUT). Each part below has run at least once (results in docs/perf.md). Owed on 2026-11-30 12:20 UTC, in
 # this order (~15 min of device time in two calls; everything here is CPU-checked, none of it has run on a GPU):
 #   1. `bash scripts/gpu_pending.sh gemvtest gemvpdl` then `K3_MOE_PDL=1 bash scripts/gpu_pending.sh pdltest`:
 #      test_gemv's cuda tests (k3-tiny fp32 greedy tokens at B = 1 through the GEMV; FP8 one-row GEMV; k3::gemv_glu;

@@ -9,7 +9,7 @@ each hold `context` tokens (`Engine.decode`, state commit included). Backends:
     compile-frozen  the same with Inductor's freezing (weights as constants: folded, shared-input matmuls merged)
     compile-nopdl   `compile` with programmatic dependent launch off (its GEMVs still `k3::gemv`)
     compile-cublas  `compile` with cuBLAS for the one-row linears (PDL on)
-    compile-cublas-nopdl  both off: the `compile` backend until 2026-11-30 12:30 UTC
+    compile-cublas-nopdl  both off: the `compile` backend until 2026-11-30 11:50 UTC
     compile-pdl-inductor  `compile` with Inductor's own kernels launched with PDL too (its `triton.enable_pdl`)
     compile-glu     `compile` with SiTU-GLU in the one-row GEMV of the MoE / MLP input projections (`k3::gemv_glu`)
     aoti      an AOTInductor engine from `k3export build` (built or reused under --engines), CUDA graphs on top
