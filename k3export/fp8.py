@@ -141,13 +141,9 @@ def _fp8_gemv(x: Tensor, w: Tensor, w_scale: Tensor) -> Tensor | None:
     """The one-row weight-only FP8 GEMV on `plugins.gemv` (PDL flags as the switch gives them), or None when it
     does not take this call."""
     from k3export.plugins.gemv import kernels as G
-    from k3export.plugins.launch import pdl_args
     if x.shape[0] != 1 or not G.supported_fp8(x, w, w_scale):
         return None
-    flags = pdl_args(x)
-    if flags:
-        flags["EARLY"] = G.EARLY
-    return G.gemv_fwd(x, w, w_scale=w_scale, **flags)
+    return G.gemv_fwd(x, w, w_scale=w_scale, **G.launch_flags(x))
 
 
 @fp8_linear.register_kernel("cuda")

@@ -202,23 +202,26 @@ def gemv_glu_fwd(x: torch.Tensor, w: torch.Tensor, n_plain: int, beta: float, li
     return y.view(*x.shape[:-1], n_plain), h.view(*x.shape[:-1], I)
 
 
-def _cuda(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    if not supported(x, w):
-        return (x.float() @ w.float().t()).to(x.dtype)       # the op's contract, for shapes the kernel does not take
+def launch_flags(x: torch.Tensor) -> dict:
+    """The PDL launch options for a GEMV on x's device as the switch gives them (`launch.pdl_args`), with EARLY."""
     flags = pdl_args(x)
     if flags:
         flags["EARLY"] = EARLY
-    return gemv_fwd(x, w, **flags)
+    return flags
+
+
+def _cuda(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    if not supported(x, w):
+        from .op import gemv_ref
+        return gemv_ref(x, w)                                # the op's contract, for shapes the kernel does not take
+    return gemv_fwd(x, w, **launch_flags(x))
 
 
 def _cuda_glu(x, w, n_plain: int, beta: float, linear_beta: float):
     if not glu_supported(x, w, n_plain):
         from .op import gemv_glu_ref
         return gemv_glu_ref(x, w, n_plain, beta, linear_beta)
-    flags = pdl_args(x)
-    if flags:
-        flags["EARLY"] = EARLY
-    return gemv_glu_fwd(x, w, n_plain, beta, linear_beta, **flags)
+    return gemv_glu_fwd(x, w, n_plain, beta, linear_beta, **launch_flags(x))
 
 
 def _register() -> None:

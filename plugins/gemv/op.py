@@ -7,11 +7,16 @@ import torch
 from torch import Tensor
 
 
+def gemv_ref(x: Tensor, w: Tensor) -> Tensor:
+    """The reference of `k3::gemv`: one fp32 product rounded to x.dtype."""
+    return (x.float() @ w.float().t()).to(x.dtype)
+
+
 @torch.library.custom_op("k3::gemv", mutates_args=())
 def gemv(x: Tensor, w: Tensor) -> Tensor:
     """x `[..., K]`, w `[N, K]` -> `[..., N]` in x.dtype; the reference (CPU) path accumulates in fp32 like the
     kernel."""
-    return (x.float() @ w.float().t()).to(x.dtype)
+    return gemv_ref(x, w)
 
 
 @gemv.register_fake
