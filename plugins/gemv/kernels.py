@@ -151,16 +151,19 @@ def supported_fp8(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> bo
             and tuple(w_scale.shape) in ((), (w.shape[0],)) and triton.next_power_of_2(w.shape[1]) <= MAX_TILE)
 
 
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x `[..., K]` as `[M, K]` rows with unit stride in K (a view when it can be)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
 def gemv_fwd(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, tile=None,
              w_scale: torch.Tensor | None = None, **flags) -> torch.Tensor:
     """x [..., K] @ w[N, K]^T (* w_scale: `[]` or `[N]` fp32, for E4M3 weights) -> [..., N] in x's dtype (fp32
     accumulation). `tile` overrides `gemv_tile`; `flags` (PDL / PREFETCH / EARLY, and launch_pdl) go to the launch
     as they are (`plugins.launch.pdl_args` gives PDL's)."""
-    K = x.shape[-1]
-    N = w.shape[0]
-    x2 = x.reshape(-1, K)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    K, N = x.shape[-1], w.shape[0]
+    x2 = _rows(x)
     M = x2.shape[0]
     y = torch.empty(M, N, dtype=x.dtype, device=x.device) if out is None else out.view(M, N)
     bn, bk, nw = tile or gemv_tile(N, K)
@@ -185,15 +188,12 @@ def gemv_glu_fwd(x: torch.Tensor, w: torch.Tensor, n_plain: int, beta: float, li
     """x [..., K] @ w[N, K]^T with the rows from n_plain on as gate / up pairs: -> (y [..., n_plain], h [...,
     (N - n_plain) / 2] = SiTU-GLU of each pair), both in x's dtype (`gemv_glu_fwd_kernel`)."""
     K, N = x.shape[-1], w.shape[0]
-    x2 = x.reshape(-1, K)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = _rows(x)
     M, I = x2.shape[0], (N - n_plain) // 2
     y = torch.empty(M, n_plain, dtype=x.dtype, device=x.device)
     h = torch.empty(M, I, dtype=x.dtype, device=x.device)
     bn, bk, nw = tile or gemv_tile(N, K)
-    check = n_plain % bn == 0 and bn % 2 == 0 and (N - n_plain) % 2 == 0
-    if not check:
+    if n_plain % bn or bn % 2 or (N - n_plain) % 2:
         raise ValueError(f"gemv_glu: n_plain={n_plain} must be a multiple of the row tile {bn} (even), "
                          f"N - n_plain={N - n_plain} even")
     gemv_glu_fwd_kernel[(triton.cdiv(N, bn),)](x2, w, y, h, M, N, K, n_plain, x2.stride(0), y.stride(0), h.stride(0),
