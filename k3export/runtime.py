@@ -129,13 +129,15 @@ class CompileBackend(EagerBackend):
     four runs, 12.55 without (run-to-run spread ~0.5 ms).
     `glu` (CUDA models, off until timed on the H200): the MoE's down | shared gate | shared up and the dense MLP's
     gate | up pack with gate / up rows interleaved, and at one row `k3::gemv_glu` applies SiTU-GLU in the GEMV's
-    epilogue (`packing.PackedGlu`: one launch fewer per MoE / MLP layer, 12 per k3-small step)."""
+    epilogue (`packing.PackedGlu`: one launch fewer per MoE / MLP layer, 12 per k3-small step). `moe_pdl` (with
+    `pdl`; off until timed): the MoE decode kernels (router, top-k, pair GEMVs) with PDL too."""
 
     name = "compile"
 
     def __init__(self, model, mode: str | None = None, cache_dir=None, freezing: bool = False, pack: bool = True,
                  fuse_norms: bool = True, inplace: bool = True, fuse_adds: bool = True, options: dict | None = None,
-                 pair_experts: bool = True, gemv: bool = True, pdl: bool = True, glu: bool = False):
+                 pair_experts: bool = True, gemv: bool = True, pdl: bool = True, glu: bool = False,
+                 moe_pdl: bool = False):
         super().__init__(model)
         from k3export.model import packing
         packing.unpack_projections(model)          # the swaps asked for here, no others (in place: later users too)
@@ -149,6 +151,7 @@ class CompileBackend(EagerBackend):
         self.fused = packing.fuse_norms(model, adds=fuse_adds) if fuse_norms else 0
         self.gemv = packing.gemv_linears(model) if gemv and dev.type == "cuda" else 0
         self.pdl = bool(pdl and dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9)
+        self.moe_pdl = moe_pdl
         if cache_dir is not None:
             import os
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(cache_dir).resolve() / "inductor-cache")
@@ -180,7 +183,7 @@ class CompileBackend(EagerBackend):
             if self._freezing is not None:
                 stack.enter_context(self._freezing)
             if self.pdl and decode:
-                stack.enter_context(pdl(True))
+                stack.enter_context(pdl(True, moe=self.moe_pdl or None))
             return fn(*args)
 
     @torch.no_grad()

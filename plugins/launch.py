@@ -13,8 +13,9 @@ symbolic n can take (its export range) otherwise: a tile chosen from it is the t
 the largest shape, and the kernels mask every tile, so it is correct at every smaller shape.
 
 Programmatic dependent launch (PDL; off by default here, on in the `compile` serving backend on sm_90+, which runs
-its calls inside `pdl(True)`): with env `K3_PDL=1` (read here, once, at import) or inside `pdl(True)`, `pdl_args(t)` gives the decode-path launchers `PDL=True, launch_pdl=True` for tensors on a CUDA
-device of compute capability >= 9. The kernel is then launched with the programmatic-stream-serialization
+its decode calls inside `pdl(True)`): with env `K3_PDL=1` (read here, once, at import) or inside `pdl(True)`,
+`pdl_args(t)` gives the decode-path launchers `PDL=True, launch_pdl=True` for tensors on a CUDA device of compute
+capability >= 9 (the MoE decode kernels only with `pdl(True, moe=True)` or env `K3_MOE_PDL=1`: not yet timed). The kernel is then launched with the programmatic-stream-serialization
 attribute (it may start while its predecessor in the stream finishes) and, by its `PDL` constexpr, executes
 `griddepcontrol.wait` (`gdc_wait`) as its very first instruction, then `griddepcontrol.launch_dependents`: so none
 of its loads or stores (in-place state, reused workspaces, ticket counters) runs before the predecessor has
@@ -25,7 +26,9 @@ capture records such a launch as a programmatic graph edge (CUDA >= 12.3 graph e
 4.2 "CUDA Graphs" and 4.5 "Programmatic Dependent Launch and Synchronization"). A successor launched without the
 attribute (cuBLAS; Inductor's kernels unless its `triton.enable_pdl` is on) waits for full completion as before,
 whatever this kernel signals. Since the signal comes after the wait, a kernel that starts on it also starts after
-every earlier launch of the stream has completed.
+every earlier launch of the stream has completed. The one exception, `plugins.gemv`, signals first and loads its
+weights before its wait (nothing in a decode step writes a weight); everything else it touches comes after the
+wait, so completion stays transitive along the stream.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"     # the Triton interpreter at import (CPU): no inline PTX
 _traced = False
 _pdl = os.environ.get("K3_PDL", "0") == "1"
+_pdl_moe = os.environ.get("K3_MOE_PDL", "0") == "1"
 _pdl_capable: dict[int, bool] = {}     # device index -> compute capability >= 9 (queried once per device)
 
 
@@ -101,21 +105,26 @@ def size_bound(n) -> int:
 
 
 @contextmanager
-def pdl(on: bool = True):
-    """Launch the decode kernels with programmatic dependent launch (`on`) or without, inside this block."""
-    global _pdl
-    prev, _pdl = _pdl, bool(on)
+def pdl(on: bool = True, moe: bool | None = None):
+    """Launch the decode kernels with programmatic dependent launch (`on`) or without, inside this block; `moe`
+    (None: as it was) the MoE decode kernels too."""
+    global _pdl, _pdl_moe
+    prev = _pdl, _pdl_moe
+    _pdl = bool(on)
+    _pdl_moe = _pdl_moe if moe is None else bool(moe)
     try:
         yield
     finally:
-        _pdl = prev
+        _pdl, _pdl_moe = prev
 
 
-def pdl_args(t: torch.Tensor) -> dict:
-    """`{"PDL": True, "launch_pdl": True}` for a kernel launched on t's device when the PDL switch is on, t is on
-    a CUDA device of compute capability >= 9 and the launch is eager (not traced, not the interpreter); else {}
-    (the kernel's `PDL` constexpr stays at its default False: unchanged PTX, plain launch)."""
-    if not _pdl or _traced or t.device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+def pdl_args(t: torch.Tensor, moe: bool = False) -> dict:
+    """`{"PDL": True, "launch_pdl": True}` for a kernel launched on t's device when the PDL switch is on (for a MoE
+    kernel, `moe`, its MoE switch too), t is on a CUDA device of compute capability >= 9 and the launch is eager
+    (not traced, not the interpreter); else {} (the kernel's `PDL` constexpr stays at its default False:
+    unchanged PTX, plain launch)."""
+    if not _pdl or (moe and not _pdl_moe) or _traced or t.device.type != "cuda" \
+            or os.environ.get("TRITON_INTERPRET") == "1":
         return {}
     idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
     ok = _pdl_capable.get(idx)

@@ -1,15 +1,14 @@
 #!/usr/bin/env bash
 # What is owed to the GPU, one part per argument, each under its own time limit (device tool, carry [".whl"]; logs
-# under $OUT). Each part below has run at least once (results in docs/perf.md). Owed on 2026-11-30 12:20 UTC, in
+# under $OUT). Each part below has run at least once (results in docs/perf.md). Owed on 2026-11-30 13:00 UTC, in
 # this order (~15 min of device time in two calls; everything here is CPU-checked, none of it has run on a GPU):
-#   1. `bash scripts/gpu_pending.sh gemvtest gemvpdl` then `K3_MOE_PDL=1 bash scripts/gpu_pending.sh pdltest`:
-#      test_gemv's cuda tests (k3-tiny fp32 greedy tokens at B = 1 through the GEMV; FP8 one-row GEMV; k3::gemv_glu;
-#      compile-glu tokens), the GEMV chain probe incl. `--fp8`, and the PDL bit-identity tests with the MoE decode
-#      kernels on PDL too.
-#   2. `MODEL_BACKENDS=compile,compile-glu MODEL_BATCHES=1,64 bash scripts/gpu_pending.sh model`, the same with
-#      `K3_MOE_PDL=1` and `MODEL_BACKENDS=compile`, and once more with `K3_MOE_DECODE=pairs-n8-fused` added: the
+#   1. `bash scripts/gpu_pending.sh gemvtest gemvpdl pdltest`: test_gemv's cuda tests (k3-tiny fp32 greedy tokens
+#      at B = 1 through the GEMV; FP8 one-row GEMV; k3::gemv_glu; compile-glu tokens), the GEMV chain probe incl.
+#      `--fp8`, and the PDL bit-identity tests (incl. `compile-moepdl`: the MoE decode kernels on PDL).
+#   2. `MODEL_BACKENDS=compile,compile-glu,compile-moepdl MODEL_BATCHES=1,64 bash scripts/gpu_pending.sh model`: the
 #      k3-small step with the f_b_proj fold restored under the GEMV swap (the 0.890 ms had it off), B = 64 under
-#      PDL, SiTU-GLU in the GEMV, MoE kernels on PDL, the top-k in the router launch.
+#      PDL, SiTU-GLU in the GEMV, the MoE kernels on PDL; then `K3_MOE_DECODE=pairs-n8-fused` with
+#      `MODEL_BACKENDS=compile-moepdl MODEL_BATCHES=1` (the top-k in the router launch, under PDL).
 #   3. `bash scripts/gpu_pending.sh fp8c` and `K3_FP8_GEMV=1 bash scripts/gpu_pending.sh fp8c`: FP8 vs bf16 with
 #      the GEMV default, and with the FP8 one-row GEMV.
 #   toy      scripts/aoti_toy.py: does any CUDA AOTI package load there, per import context (bare, CUDA

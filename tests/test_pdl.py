@@ -9,7 +9,8 @@ switch.
 GPU (`cuda`): a CUDA graph of a chain of dependent kernel launches (in-place KDA state included) replays to the
 same bits with PDL as without; k3-small through the `compile` backend with CUDA-graph decode gives the same greedy
 tokens and logits with PDL as without (`compile` vs `compile-nopdl` at B = 4 and at B = 1, where the GEMVs run
-`k3::gemv` with their early weight loads, and `compile-pdl-inductor` with Inductor's own PDL too),
+`k3::gemv` with their early weight loads, `compile-pdl-inductor` with Inductor's own PDL too, and
+`compile-moepdl` with the MoE decode kernels on PDL),
 over several replays, and the PDL kernels were really compiled and launched with it."""
 
 from __future__ import annotations
@@ -38,8 +39,12 @@ def test_pdl_args_only_with_the_switch_on_sm90_eager(monkeypatch):
     on = {"PDL": True, "launch_pdl": True}
     with L.pdl(False):
         assert L.pdl_args(_CudaLike(0)) == {}
-    with L.pdl(True):
+    with L.pdl(True, moe=False):
         assert L.pdl_args(_CudaLike(0)) == on
+        assert L.pdl_args(_CudaLike(0), moe=True) == {}                # the MoE kernels: their own switch too
+        with L.pdl(True, moe=True):
+            assert L.pdl_args(_CudaLike(0), moe=True) == on
+        assert L.pdl_args(_CudaLike(0), moe=True) == {}                # restored
         assert L.pdl_args(_CudaLike(1)) == {}                          # below sm_90: plain launch
         assert L.pdl_args(torch.zeros(1)) == {}                        # CPU
         with L.traced_launches():
@@ -47,6 +52,7 @@ def test_pdl_args_only_with_the_switch_on_sm90_eager(monkeypatch):
         monkeypatch.setenv("TRITON_INTERPRET", "1")
         assert L.pdl_args(_CudaLike(0)) == {}
     assert L._pdl is (L.os.environ.get("K3_PDL", "0") == "1")          # restored to the env's setting
+    assert L._pdl_moe is (L.os.environ.get("K3_MOE_PDL", "0") == "1")
 
 
 # ---------------------------------------------------------------------------------------------- sm_90 PTX
@@ -121,8 +127,9 @@ def test_pdl_constexpr_adds_only_the_two_griddepcontrol_instructions(name):
 # ---------------------------------------------------------------------------------------------- the backend switch
 def test_compile_backend_runs_its_calls_inside_the_switch():
     """`CompileBackend(pdl=True)` (the default; on only for sm_90+ CUDA models, so forced here on a CPU model)
-    runs decode and the in-place decode inside `launch.pdl(True)` (prefill without: no gain measured there) and
-    restores the switch after each call; `pdl=False` (bench `compile-nopdl`) leaves it alone."""
+    runs decode and the in-place decode inside `launch.pdl(True)` (prefill without: no gain measured there), with
+    `moe_pdl` the MoE switch on too, and restores both after each call; `pdl=False` (bench `compile-nopdl`) leaves
+    them alone."""
     from k3export.bench.model import BACKENDS, COMPILE_VARIANTS
     from k3export.config import K3Config
     from k3export.model import packing
@@ -133,20 +140,21 @@ def test_compile_backend_runs_its_calls_inside_the_switch():
     seen = []
     try:
         for on in (True, False):
-            b = CompileBackend(model, pdl=on)
+            b = CompileBackend(model, pdl=on, moe_pdl=on)
             assert b.pdl is False                                        # CPU model: never on by itself
             b.pdl = on
-            b._prefill = lambda *a: seen.append(("prefill", on, L._pdl))
-            b._decode = lambda *a: seen.append(("decode", on, L._pdl))
-            b._decode_ = lambda *a: seen.append(("decode_", on, L._pdl))
-            with L.pdl(False):
+            b._prefill = lambda *a: seen.append(("prefill", on, L._pdl, L._pdl_moe))
+            b._decode = lambda *a: seen.append(("decode", on, L._pdl, L._pdl_moe))
+            b._decode_ = lambda *a: seen.append(("decode_", on, L._pdl, L._pdl_moe))
+            with L.pdl(False, moe=False):
                 b.prefill()
                 b.decode()
                 b.decode_()
-                assert L._pdl is False                                   # restored after each call
+                assert L._pdl is False and L._pdl_moe is False           # restored after each call
     finally:
         packing.unpack_projections(model)
-    assert seen == [(k, on, on and k != "prefill") for on in (True, False) for k in ("prefill", "decode", "decode_")]
+    assert seen == [(k, on, on and k != "prefill", on and k != "prefill") for on in (True, False)
+                    for k in ("prefill", "decode", "decode_")]
 
 
 # ---------------------------------------------------------------------------------------------- GPU
@@ -263,7 +271,8 @@ def k3_small_baseline():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("variant,batch", [("compile", 4), ("compile", 1), ("compile-pdl-inductor", 4)])
+@pytest.mark.parametrize("variant,batch", [("compile", 4), ("compile", 1), ("compile-pdl-inductor", 4),
+                                           ("compile-moepdl", 1)])
 def test_k3_small_compile_backend_same_tokens_and_logits_with_pdl(k3_small_baseline, variant, batch):
     """k3-small bf16 through the `compile` backend (CUDA-graph decode), 4 prompts (or 1: the GEMVs on
     `k3::gemv`, weights loaded before the wait) then 8 greedy steps: with PDL the same tokens and logits as
@@ -292,6 +301,11 @@ def test_k3_small_compile_backend_same_tokens_and_logits_with_pdl(k3_small_basel
         if same_tokens:
             assert torch.equal(a.argmax(-1), b.argmax(-1)), (variant, step)
     from k3export.plugins.gemv.kernels import gemv_fwd_kernel
+    from k3export.plugins.moe import kernels as moe
     fns = [attn_res_fwd_kernel, kda_decode_inplace_fwd_kernel, mla_decode_fwd_kernel, mla_decode_combine_kernel]
-    for fn in fns + [gemv_fwd_kernel] * (batch == 1):
+    fns += [gemv_fwd_kernel] * (batch == 1)
+    if variant == "compile-moepdl":
+        fns += [moe.moe_router_fwd_kernel, moe.moe_topk_fwd_kernel, moe.moe_pair_gemm1_fwd_kernel,
+                moe.moe_pair_gemm2_combine_fwd_kernel]
+    for fn in fns:
         assert any(_compiled_with_pdl(fn)), f"{fn.__name__}: no variant compiled with launch_pdl"

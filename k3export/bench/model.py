@@ -12,6 +12,7 @@ each hold `context` tokens (`Engine.decode`, state commit included). Backends:
     compile-cublas-nopdl  both off: the `compile` backend until 2026-11-30 11:50 UTC
     compile-pdl-inductor  `compile` with Inductor's own kernels launched with PDL too (its `triton.enable_pdl`)
     compile-glu     `compile` with SiTU-GLU in the one-row GEMV of the MoE / MLP input projections (`k3::gemv_glu`)
+    compile-moepdl  `compile` with the MoE decode kernels (router, top-k, pair GEMVs) on PDL too
     aoti      an AOTInductor engine from `k3export build` (built or reused under --engines), CUDA graphs on top
 
 Napkin math beside every time. Decode floor = bytes a step must move / measured copy bandwidth: every weight
@@ -42,7 +43,8 @@ COMPILE_VARIANTS = {"compile": {}, "compile-frozen": {"freezing": True}, "compil
                     "compile-copy": {"inplace": False}, "compile-noadd": {"fuse_adds": False},
                     "compile-combo": {"options": {"combo_kernels": True}}, "compile-nopdl": {"pdl": False},
                     "compile-cublas": {"gemv": False}, "compile-cublas-nopdl": {"gemv": False, "pdl": False},
-                    "compile-pdl-inductor": {"options": {"triton.enable_pdl": True}}, "compile-glu": {"glu": True}}
+                    "compile-pdl-inductor": {"options": {"triton.enable_pdl": True}}, "compile-glu": {"glu": True},
+                    "compile-moepdl": {"moe_pdl": True}}
 # Inductor's PDL (TORCHINDUCTOR_ENABLE_PDL) waits in a kernel only where it reads or overwrites what the previous
 # scheduler node wrote, and lets the next kernel start after its last load; a torch without the option refuses the
 # variant (reported as not run).

@@ -235,9 +235,10 @@ ROUTE_SPLIT_MAX_N = 64          # lean routing splits the router over D up to th
 
 
 def moe_pdl(t: torch.Tensor) -> dict:
-    """`launch.pdl_args(t)` for the decode-path MoE kernels (router, top-k, pair GEMVs) when K3_MOE_PDL=1 is set
-    (read per call), else {}: opt-in until timed on the H200 (each kernel waits first, like the other PDL kernels)."""
-    return pdl_args(t) if os.environ.get("K3_MOE_PDL", "0") == "1" else {}
+    """`launch.pdl_args(t, moe=True)` for the decode-path MoE kernels (router, top-k, pair GEMVs): PDL only with
+    the MoE switch on too (`launch.pdl(True, moe=True)`, `CompileBackend(moe_pdl=True)`, env K3_MOE_PDL=1): opt-in
+    until timed on the H200 (each kernel waits first, like the other PDL kernels)."""
+    return pdl_args(t, moe=True)
 ROUTE_WIDE_MIN_N = 1024         # wide router tiles (MoeTiles.wide_route) from this many tokens
 
 
