@@ -15,8 +15,9 @@ the largest shape, and the kernels mask every tile, so it is correct at every sm
 Programmatic dependent launch (PDL; off by default here, on in the `compile` serving backend on sm_90+, which runs
 its decode calls inside `pdl(True)`): with env `K3_PDL=1` (read here, once, at import) or inside `pdl(True)`,
 `pdl_args(t)` gives the decode-path launchers `PDL=True, launch_pdl=True` for tensors on a CUDA device of compute
-capability >= 9 (the MoE decode kernels only with `pdl(True, moe=True)` or env `K3_MOE_PDL=1`: not yet timed). The kernel is then launched with the programmatic-stream-serialization
-attribute (it may start while its predecessor in the stream finishes) and, by its `PDL` constexpr, executes
+capability >= 9 (the MoE decode kernels only with `pdl(True, moe=True)` or env `K3_MOE_PDL=1`: not yet timed).
+The kernel is then launched with the programmatic-stream-serialization attribute (it may start while its
+predecessor in the stream finishes) and, by its `PDL` constexpr, executes
 `griddepcontrol.wait` (`gdc_wait`) as its very first instruction, then `griddepcontrol.launch_dependents`: so none
 of its loads or stores (in-place state, reused workspaces, ticket counters) runs before the predecessor has
 completed and flushed its writes; what overlaps is the launch, the block scheduling and the predecessor's tail.

@@ -78,7 +78,8 @@ def _interpreter_cases() -> dict:
     x, q, ws = _fp8_inputs(2, 64, 256, True, seed=8)
     res["fp8-two-rows-declined"] = 0.0 if _fp8_gemv(x, q, ws) is None else 9.0
     from k3export.plugins.gemv.op import gemv_glu_ref
-    for dtype, n_plain, I, K in ((torch.float32, 64, 40, 256), (torch.bfloat16, 32, 21, 200), (torch.bfloat16, 0, 48, 64)):
+    glu_cases = ((torch.float32, 64, 40, 256), (torch.bfloat16, 32, 21, 200), (torch.bfloat16, 0, 48, 64))
+    for dtype, n_plain, I, K in glu_cases:
         g = torch.Generator().manual_seed(n_plain + I)
         x = torch.randn(1, K, generator=g).to(dtype)
         w = (torch.randn(n_plain + 2 * I, K, generator=g) * K ** -0.5).to(dtype)

@@ -233,12 +233,6 @@ def moe_router_topk_fwd_kernel(x, g, bias, part, s, ids, w, tickets, N, E, D, st
 
 ROUTE_SPLIT_MAX_N = 64          # lean routing splits the router over D up to this many tokens
 
-
-def moe_pdl(t: torch.Tensor) -> dict:
-    """`launch.pdl_args(t, moe=True)` for the decode-path MoE kernels (router, top-k, pair GEMVs): PDL only with
-    the MoE switch on too (`launch.pdl(True, moe=True)`, `CompileBackend(moe_pdl=True)`, env K3_MOE_PDL=1): opt-in
-    until timed on the H200 (each kernel waits first, like the other PDL kernels)."""
-    return pdl_args(t, moe=True)
 ROUTE_WIDE_MIN_N = 1024         # wide router tiles (MoeTiles.wide_route) from this many tokens
 
 
@@ -278,9 +272,9 @@ def route_fwd(x, gate_weight, bias, top_k: int, renormalize: bool, scaling: floa
     launch(moe_router_fwd_kernel)[grid](
         xa, ga, part, N, E, D, x.stride(0), gate_weight.stride(0), d_split,
         BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_D=block_d, SIGMOID=splits == 1, DOT_PREC=dot_precision(x.dtype),
-        num_warps=8 if wide else 4, num_stages=3 if x.dtype != torch.float32 else 1, **desc, **moe_pdl(x))
+        num_warps=8 if wide else 4, num_stages=3 if x.dtype != torch.float32 else 1, **desc, **pdl_args(x, moe=True))
     launch(moe_topk_fwd_kernel)[(N,)](s, part, bias.contiguous(), ids, w, N, E, scaling, BLOCK_E=pow2(E),
-                                      SPLITS=splits, num_warps=4, **topk, **moe_pdl(x))
+                                      SPLITS=splits, num_warps=4, **topk, **pdl_args(x, moe=True))
     return ids, w, s
 
 
@@ -993,17 +987,17 @@ def pairs_fwd(z, w1, w3, w2, ids, beta: float, linear_beta: float, cfg: MoeTiles
     (bn1, bk1, warps1), (bn2, bk2, warps2) = cfg.pair_gemm
     launch(moe_pair_gemm1_fwd_kernel)[(P, triton.cdiv(I, bn1))](
         z, w1, w3, h, ids, L, I, z.stride(0), w1.stride(0), w1.stride(1), h.stride(0), beta, linear_beta, TOP_K=top_k,
-        BLOCK_N=bn1, BLOCK_K=bk1, num_warps=warps1, **moe_pdl(z))
+        BLOCK_N=bn1, BLOCK_K=bk1, num_warps=warps1, **pdl_args(z, moe=True))
     if w is None:
         launch(moe_pair_gemm2_fwd_kernel)[(P, triton.cdiv(L, bn2))](
             h, w2, y, ids, L, I, h.stride(0), L * I, I, y.stride(0), BLOCK_N=bn2, BLOCK_K=bk2, num_warps=warps2,
-            **moe_pdl(z))
+            **pdl_args(z, moe=True))
         return y
     u = torch.empty(N, L, device=z.device, dtype=z.dtype)
     tiles_n = triton.cdiv(L, bn2)
     launch(moe_pair_gemm2_combine_fwd_kernel)[(P, tiles_n)](
         h, w2, ids, w, y, u, tickets(z, N * tiles_n), L, I, h.stride(0), L * I, I, y.stride(0), u.stride(0),
-        TOP_K=top_k, BLOCK_N=bn2, BLOCK_K=bk2, num_warps=warps2, **moe_pdl(z))
+        TOP_K=top_k, BLOCK_N=bn2, BLOCK_K=bk2, num_warps=warps2, **pdl_args(z, moe=True))
     return u
 
 
