@@ -90,7 +90,35 @@ def _interpreter_cases() -> dict:
             if out.numel():
                 res[f"glu-{name}-{n_plain}-{I}-{dtype}"] = (
                     (out.double() - ref).abs() / (rel * ref.abs() + 1e-6 * ref.abs().max())).max().item()
+    for dtype, M, KA, KB, N in ((torch.bfloat16, 1, 200, 56, 300), (torch.float32, 2, 64, 48, 64),
+                                (torch.bfloat16, 1, 96, 0, 40)):
+        a, b, w, nw = _norm_inputs(M, KA, KB, N, dtype, seed=KA + KB)
+        y = G.gemv_norm_fwd(a, b, w, nw, 1e-5)
+        assert y.shape == (M, N) and y.dtype == dtype
+        res[f"norm-{M}x{KA}+{KB}-{dtype}"] = _norm_worst(y, a, b, w, nw, 1e-5, BF16_ULP if dtype == torch.bfloat16
+                                                          else 1e-6)
     return res
+
+
+def _norm_inputs(M, KA, KB, N, dtype, seed, device="cpu"):
+    g = torch.Generator(device=device).manual_seed(seed)
+    a = (torch.randn(M, KA, generator=g, device=device) * 3).to(dtype)
+    b = torch.randn(M, KB, generator=g, device=device).to(dtype)
+    w = (torch.randn(N, KA + KB, generator=g, device=device) * (KA + KB) ** -0.5).to(dtype)
+    nw = (1 + 0.2 * torch.randn(KA, generator=g, device=device)).to(dtype)
+    return a, b, w, nw
+
+
+def _norm_worst(y, a, b, w, nw, eps, rel) -> float:
+    """max over outputs of |y - ref| / bound. ref: `gemv_norm_ref`'s normalised input (rounded to a's dtype as
+    `RMSNorm` rounds it) times w in fp64. bound: rel |ref| (the output rounding) + 2 rel sum_k |w_nk x_k| (each input
+    element may round one ulp apart twice: another rsqrt / sum order, and the interpreter truncates) + 1e-6 of the
+    largest |ref| (the fp32 sum)."""
+    af = a.float()
+    x = torch.cat([nw * (af * torch.rsqrt(af.pow(2).mean(-1, keepdim=True) + eps)).to(a.dtype), b], -1).double()
+    ref = x @ w.double().t()
+    bound = rel * ref.abs() + 2 * rel * (x.abs() @ w.double().abs().t()) + 1e-6 * ref.abs().max()
+    return ((y.double() - ref).abs() / bound).max().item()
 
 
 def _fp8_inputs(M, N, K, per_channel, seed):
@@ -114,7 +142,7 @@ def test_gemv_interpreter_vs_fp64(interp):
     value up to fp32 rounding), the FP8 one-row path declines two rows, and the SiTU-GLU GEMV's plain rows and
     activations (fp32, bf16; with and without plain rows; an odd pair count) against `gemv_glu_ref` in fp64:
     every ratio error / bound <= 1."""
-    assert len(interp) == len(CASES) + 5 + 5
+    assert len(interp) == len(CASES) + 5 + 5 + 3
     bad = {k: v for k, v in interp.items() if not v <= 1.0}
     assert not bad, bad
 
@@ -308,6 +336,57 @@ def test_glu_packing_same_model_and_swaps_back(tiny):
         assert ((a - b).abs().max() / a.abs().max()).item() <= 1e-6   # strided views; equal here on this CPU)
 
 
+def test_gemv_norm_op_is_the_rmsnorm_module_then_the_gemv():
+    """`k3::gemv_norm`'s CPU path: `RMSNorm` (the model's module, with its weight and eps) of a, b after it, then
+    `gemv_ref`, bit for bit; the fake gives the output's shape and dtype."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from k3export.model.layers import RMSNorm
+    from k3export.plugins.gemv.op import gemv_norm, gemv_ref
+    for dtype in (torch.bfloat16, torch.float32):
+        a, b, w, nw = _norm_inputs(1, 48, 20, 30, dtype, seed=9)
+        norm = RMSNorm(48, 1e-5).to(dtype)
+        norm.weight.data.copy_(nw)
+        with torch.no_grad():
+            want = gemv_ref(torch.cat([norm(a), b], -1), w)
+        assert torch.equal(gemv_norm(a, b, w, nw, 1e-5), want)
+    with FakeTensorMode():
+        fy = torch.ops.k3.gemv_norm(torch.empty(1, 1, 48), torch.empty(1, 1, 20), torch.empty(30, 68), torch.empty(48),
+                                    1e-5)
+    assert fy.shape == (1, 1, 30)
+
+
+def test_fold_norm_packing_same_values_and_swaps_back(tiny):
+    """`pack_projections(fold_norm=True)`: each LatentMoE's `norm_output` becomes a `NormCols` over the packed output
+    GEMM and its latent RMSNorm; on CPU (no one-row GEMV there) it computes exactly what the plain packing does:
+    the whole model's prefill and decode logits are equal bit for bit; `unpack_projections` removes it."""
+    from k3export.model import packing
+    from k3export.model.moe import LatentMoE
+    model = tiny
+    ids = torch.randint(0, model.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(4))
+    lengths = torch.tensor([5, 3])
+
+    def run():
+        st = model.new_state(2, 8)
+        out = model.forward_prefill(ids, lengths, st.kda_conv, st.kda_state, st.mla_cache, torch.zeros(2, dtype=torch.long))
+        cache = st.mla_cache.clone()
+        cache[:, :, :5] = out[3].to(cache.dtype)
+        return out[0], model.forward_decode(ids[:, -1], out[1], out[2], cache, lengths)[0]
+    moes = [m for m in model.modules() if isinstance(m, LatentMoE)]
+    try:
+        packing.pack_projections(model)
+        plain = run()
+        packing.pack_projections(model, fold_norm=True)
+        swaps = [m.__dict__.get("norm_output") for m in moes]
+        assert moes and all(isinstance(x, packing.NormCols) for x in swaps)
+        assert swaps[0].norm is moes[0].routed_expert_norm and swaps[0].packed is moes[0].__dict__["output"]
+        for a, b in zip(plain, run()):
+            assert torch.equal(a, b)
+    finally:
+        packing.unpack_projections(model)
+    assert not any("norm_output" in m.__dict__ for m in moes)
+
+
 def test_compile_backend_gemv_only_on_cuda(tiny):
     from k3export.model import packing
     from k3export.runtime import CompileBackend
@@ -399,6 +478,40 @@ def test_k3_tiny_fp32_compile_glu_at_b1_generates_eager_tokens():
     ref = generate(model, prompt, 8)
     backend = CompileBackend(model, **COMPILE_VARIANTS["compile-glu"])
     assert any(isinstance(m.__dict__.get("project_hidden"), packing.PackedGlu) for m in model.modules())
+    out = Generator(Engine(backend, max_batch=1, max_len=32)).generate(prompt, 8)
+    packing.unpack_projections(model)
+    assert out == ref
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("KA,KB,N", [(1024, 1536, 2048), (3584, 6144, 7168), (1024, 0, 2048)])
+def test_gemv_norm_cuda_vs_reference(KA, KB, N):
+    """k3-small's and K3's MoE output GEMM over [RMSNorm(u) | h] (and one without h), bf16, with PDL on sm_90:
+    every output within `_norm_worst`'s bound of the fp64 product on the RMSNorm-rounded input (GPU: half-ulp
+    roundings, so the bound holds with the half-ulp `rel`)."""
+    from k3export.plugins import launch as L
+    a, b, w, nw = _norm_inputs(1, KA, KB, N, torch.bfloat16, seed=KA + KB, device="cuda")
+    assert G.norm_supported(a, b, w, nw)
+    with L.pdl(torch.cuda.get_device_capability()[0] >= 9):
+        y = torch.ops.k3.gemv_norm(a, b, w, nw, 1e-5)
+    assert _norm_worst(y, a, b, w, nw, 1e-5, 2.0 ** -8) <= 1.0
+
+
+@pytest.mark.cuda
+def test_k3_tiny_fp32_compile_fast_at_b1_generates_eager_tokens():
+    """k3-tiny fp32, one prompt at B = 1 through `compile-fast` (SiTU-GLU and the latent norm in the one-row GEMVs,
+    the MoE kernels on PDL): the greedy tokens of the model as written, run eagerly."""
+    from k3export.bench.model import COMPILE_VARIANTS
+    from k3export.config import K3Config
+    from k3export.generate import generate
+    from k3export.model import packing
+    from k3export.model.weights import random_model
+    from k3export.runtime import CompileBackend, Engine, Generator
+    model = random_model(K3Config.from_name("k3-tiny"), seed=0, device="cuda")
+    prompt = [[5, 17, 3, 99, 42, 7, 1, 64]]
+    ref = generate(model, prompt, 8)
+    backend = CompileBackend(model, **COMPILE_VARIANTS["compile-fast"])
+    assert any(isinstance(m.__dict__.get("norm_output"), packing.NormCols) for m in model.modules())
     out = Generator(Engine(backend, max_batch=1, max_len=32)).generate(prompt, 8)
     packing.unpack_projections(model)
     assert out == ref

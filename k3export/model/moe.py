@@ -78,9 +78,14 @@ class LatentMoE(nn.Module):
         s = self.shared_experts
         return z, None if s is None else situ_glu(s_gate, s_up, s.beta, s.linear_beta).to(x.dtype)
 
+    def norm_output(self, u, h):
+        """output(routed_expert_norm(u), h). `model.packing.pack_projections(fold_norm=True)` swaps in one GEMV that
+        normalises u itself at one decode row (`k3::gemv_norm`)."""
+        return self.output(self.routed_expert_norm(u), h)
+
     def _mix(self, x, routed):
         z, h = self.project_hidden(x)
-        return self.output(self.routed_expert_norm(routed(x, z)), h)
+        return self.norm_output(routed(x, z), h)
 
     def forward(self, x):
         """x `[N, d]` -> `[N, d]`."""

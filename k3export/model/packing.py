@@ -28,6 +28,9 @@ With `glu=True` the SiTU-GLU projections (the MoE's down | shared gate | shared 
 pack with gate / up rows interleaved instead, as `PackedGlu` swapped for the owner's `project_hidden` / `hidden`,
 so a one-row call can apply the activation in the GEMV's epilogue (`k3::gemv_glu`).
 
+With `fold_norm=True` the LatentMoE's latent RMSNorm joins its packed output GEMM (`NormCols`, swapped for
+`norm_output`): a one-row call runs `k3::gemv_norm`, whose programs normalise u while they read [u | h].
+
 `gemv_linears` changes a class, not a method: each bias-free `nn.Linear` (the packed ones included) becomes a
 `GemvLinear`, whose one-row calls on CUDA (a decode step at B = 1) run `k3::gemv` (`plugins.gemv`: whole weight
 rows in registers, loaded before the PDL wait) instead of cuBLAS; every other call is `F.linear` as before.
@@ -51,7 +54,7 @@ from torch import nn
 
 from k3export.plugins.attn_res.op import attn_res_add_norm, attn_res_norm
 
-PROJECTION_SWAPS = ("project", "output", "conv_weight", "project_hidden", "hidden")   # owners' methods packs shadow
+PROJECTION_SWAPS = ("project", "output", "conv_weight", "project_hidden", "hidden", "norm_output")   # owners' methods packs shadow
 SWAPPED = PROJECTION_SWAPS + ("mix_norm", "add_mix_norm")   # ... and every serving swap
 
 
@@ -212,6 +215,27 @@ class PackedGlu(nn.Module):
         return f"{self.n_plain} plain rows, then gate/up pairs -> SiTU-GLU"
 
 
+class NormCols(nn.Module):
+    """`LatentMoE.norm_output(u, h)` = output(norm(u), h) over its column-packed output GEMM ([up | shared down]).
+    A one-row CUDA call of a `GemvLinear` runs `k3::gemv_norm`: every GEMV program normalises u itself (the RMSNorm
+    launch before it goes); otherwise the norm, then the packed GEMM, as the owner computes them."""
+
+    def __init__(self, packed: PackedLinear, norm: nn.Module):
+        super().__init__()
+        self.packed, self.norm = packed, norm
+
+    def forward(self, u: torch.Tensor, h: torch.Tensor):
+        lin = self.packed.linear
+        if type(lin) is GemvLinear and u.is_cuda and u.numel() == u.shape[-1]:
+            from k3export.plugins.gemv.kernels import norm_supported
+            if norm_supported(u, h, lin.weight, self.norm.weight):
+                return torch.ops.k3.gemv_norm(u, h, lin.weight, self.norm.weight, self.norm.eps)
+        return self.packed(self.norm(u), h)
+
+    def extra_repr(self) -> str:
+        return "RMSNorm of the first input inside the one-row GEMM"
+
+
 @torch.no_grad()
 def _pack_glu(plain: list[nn.Module], gate: nn.Module, up: nn.Module, beta: float, linear_beta: float,
               with_plain: bool) -> PackedGlu | None:
@@ -272,7 +296,7 @@ class FusedMixNorm(nn.Module):
         return op(bank, *ps, res_norm.weight, res_query.weight, self.eps, norm.weight, norm.eps)
 
 
-PACKED = (PackedLinear, PackedRuns, PackedTensor, FusedMixNorm, PackedGlu)
+PACKED = (PackedLinear, PackedRuns, PackedTensor, FusedMixNorm, PackedGlu, NormCols)
 
 
 def _swap(owner: nn.Module, method: str, packed: nn.Module | None) -> int:
@@ -282,13 +306,15 @@ def _swap(owner: nn.Module, method: str, packed: nn.Module | None) -> int:
     return 1
 
 
-def pack_projections(model: nn.Module, glu: bool = False) -> int:
+def pack_projections(model: nn.Module, glu: bool = False, fold_norm: bool = False) -> int:
     """Pack every group listed in the module docstring, in place. Returns the number of packed groups (GEMMs and
     conv kernels; groups already packed are packed again from the current weights). `glu`: the LatentMoE's
     down | shared gate | shared up and the dense SiTU MLP's gate | up pack with gate / up rows interleaved, and
-    the GEMM computes the activation too (`PackedGlu`, swapped for `project_hidden` / `hidden`)."""
+    the GEMM computes the activation too (`PackedGlu`, swapped for `project_hidden` / `hidden`). `fold_norm`: the
+    LatentMoE's latent RMSNorm and its packed output GEMM as one `NormCols` (swapped for `norm_output`; at one decode
+    row the GEMV normalises its input, `k3::gemv_norm`)."""
     from k3export.model.kda import KimiDeltaAttention
-    from k3export.model.layers import SituMLP
+    from k3export.model.layers import RMSNorm, SituMLP
     from k3export.model.mla import GatedMLA
     from k3export.model.moe import LatentMoE
     _remove_swaps(model, PROJECTION_SWAPS)
@@ -307,7 +333,10 @@ def pack_projections(model: nn.Module, glu: bool = False) -> int:
                           with_plain=True) if glu else None
             n += _swap(mod, "project_hidden", g) if g is not None else \
                 _swap(mod, "project", _pack_rows([mod.routed_expert_down_proj, s.gate_proj, s.up_proj]))
-            n += _swap(mod, "output", _pack_cols([mod.routed_expert_up_proj, s.down_proj]))
+            cols = _pack_cols([mod.routed_expert_up_proj, s.down_proj])
+            n += _swap(mod, "output", cols)
+            if fold_norm and cols is not None and isinstance(mod.routed_expert_norm, RMSNorm):
+                _swap(mod, "norm_output", NormCols(cols, mod.routed_expert_norm))
         elif isinstance(mod, SituMLP) and id(mod) not in shared:
             g = _pack_glu([], mod.gate_proj, mod.up_proj, mod.beta, mod.linear_beta, with_plain=False) if glu else None
             n += _swap(mod, "hidden", g) if g is not None else _swap(mod, "project", _pack_rows([mod.gate_proj,
@@ -386,7 +415,7 @@ def _linears(model: nn.Module):
         yield mod
         for method in PROJECTION_SWAPS:
             swap = mod.__dict__.get(method)
-            if isinstance(swap, (PackedLinear, PackedRuns, PackedGlu)):
+            if isinstance(swap, (PackedLinear, PackedRuns, PackedGlu, NormCols)):
                 yield from swap.modules()
 
 

@@ -79,6 +79,29 @@ def gemv_glu_fwd_kernel(x, w, y, h, M, N, K, N_PLAIN, stride_xm, stride_ym, stri
 
 
 @triton.jit
+def gemv_norm_fwd_kernel(a, b, w, nw, y, M, N, K, KA, stride_am, stride_bm, stride_ym, eps,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
+                         PREFETCH: tl.constexpr = True, EARLY: tl.constexpr = False):
+    """`gemv_fwd_kernel` whose input row is [rmsnorm(a[m]) * nw | b[m]] (a: KA elements, b: K - KA): every program
+    reads the whole input row anyway, so it normalises a itself (a launch fewer than a norm kernel before it).
+    The norm rounds as `RMSNorm` does: a * rsqrt(mean(a^2) + eps) in fp32, rounded to a's dtype, times nw, rounded."""
+    eps = tl.cast(eps, tl.float32)                 # Inductor passes Python floats as fp64
+    rows, ks, n_ok, k_ok, wf, sc = _weight_rows(w, None, N, K, BLOCK_N, BLOCK_K, PDL, PREFETCH, EARLY, 0)
+    in_a = ks < KA
+    in_b = (ks >= KA) & k_ok
+    g = tl.load(nw + ks, mask=in_a, other=0.0).to(tl.float32)
+    for m in range(M):
+        av = tl.load(a + m * stride_am + ks, mask=in_a, other=0.0).to(tl.float32)
+        r = tl.rsqrt(tl.sum(av * av) / KA + eps)
+        t = (av * r).to(a.dtype.element_ty).to(tl.float32)
+        an = (g * t).to(a.dtype.element_ty).to(tl.float32)
+        bv = tl.load(b + m * stride_bm + (ks - KA), mask=in_b, other=0.0).to(tl.float32)
+        xv = tl.where(in_a, an, bv)
+        acc = tl.sum(wf * xv[None, :], 1)
+        tl.store(y + m * stride_ym + rows, acc.to(y.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
 def _weight_rows(w, w_scale, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
                  PREFETCH: tl.constexpr, EARLY: tl.constexpr, SCALE: tl.constexpr):
     """This program's BLOCK_N weight rows, whole, widened to fp32, and their scales; with PDL the loads come
@@ -202,6 +225,30 @@ def gemv_glu_fwd(x: torch.Tensor, w: torch.Tensor, n_plain: int, beta: float, li
     return y.view(*x.shape[:-1], n_plain), h.view(*x.shape[:-1], I)
 
 
+def norm_supported(a: torch.Tensor, b: torch.Tensor, w: torch.Tensor, nw: torch.Tensor) -> bool:
+    """Whether `gemv_norm_fwd` takes this call: a [..., KA] and b [..., KB] with the same leading shape and dtype,
+    nw [KA] of that dtype, w [N, KA + KB] as `supported` wants it."""
+    return (a.shape[:-1] == b.shape[:-1] and a.dtype == b.dtype == nw.dtype and tuple(nw.shape) == (a.shape[-1],)
+            and a.shape[-1] > 0 and w.dim() == 2 and w.shape[1] == a.shape[-1] + b.shape[-1] and w.is_contiguous()
+            and w.dtype == a.dtype and triton.next_power_of_2(w.shape[1]) <= MAX_TILE)
+
+
+def gemv_norm_fwd(a: torch.Tensor, b: torch.Tensor, w: torch.Tensor, nw: torch.Tensor, eps: float, tile=None,
+                  **flags) -> torch.Tensor:
+    """[rmsnorm(a) * nw | b] @ w^T -> [..., N] in a's dtype, the norm inside the GEMV (`gemv_norm_fwd_kernel`)."""
+    KA, N = a.shape[-1], w.shape[0]
+    K = w.shape[1]
+    a2 = _rows(a)
+    M = a2.shape[0]
+    b2 = _rows(b) if b.shape[-1] else a2                     # no b columns: any valid pointer, never read
+    y = torch.empty(M, N, dtype=a.dtype, device=a.device)
+    bn, bk, nw_ = tile or gemv_tile(N, K)
+    gemv_norm_fwd_kernel[(triton.cdiv(N, bn),)](a2, b2, w, nw.contiguous(), y, M, N, K, KA, a2.stride(0),
+                                                 b2.stride(0), y.stride(0), float(eps), BLOCK_N=bn, BLOCK_K=bk,
+                                                 num_warps=nw_, **flags)
+    return y.view(*a.shape[:-1], N)
+
+
 def launch_flags(x: torch.Tensor) -> dict:
     """The PDL launch options for a GEMV on x's device as the switch gives them (`launch.pdl_args`), with EARLY."""
     flags = pdl_args(x)
@@ -224,10 +271,18 @@ def _cuda_glu(x, w, n_plain: int, beta: float, linear_beta: float):
     return gemv_glu_fwd(x, w, n_plain, beta, linear_beta, **launch_flags(x))
 
 
+def _cuda_norm(a, b, w, nw, eps: float):
+    if not norm_supported(a, b, w, nw):
+        from .op import gemv_norm_ref
+        return gemv_norm_ref(a, b, w, nw, eps)
+    return gemv_norm_fwd(a, b, w, nw, eps, **launch_flags(a))
+
+
 def _register() -> None:
-    from .op import gemv, gemv_glu
+    from .op import gemv, gemv_glu, gemv_norm
     gemv.register_kernel("cuda")(_cuda)
     gemv_glu.register_kernel("cuda")(_cuda_glu)
+    gemv_norm.register_kernel("cuda")(_cuda_norm)
 
 
 _register()

@@ -47,6 +47,26 @@ def _(x, w, n_plain, beta, linear_beta):
     return x.new_empty((*lead, n_plain)), x.new_empty((*lead, (w.shape[0] - n_plain) // 2))
 
 
+def gemv_norm_ref(a: Tensor, b: Tensor, w: Tensor, nw: Tensor, eps: float) -> Tensor:
+    """The reference of `k3::gemv_norm`: `RMSNorm` of a (normalised in fp32 or wider, rounded to a.dtype, times nw),
+    b after it, then `gemv_ref`."""
+    af = a.to(torch.promote_types(a.dtype, torch.float32))
+    an = nw * (af * torch.rsqrt(af.pow(2).mean(-1, keepdim=True) + eps)).to(a.dtype)
+    return gemv_ref(torch.cat([an, b], dim=-1), w)
+
+
+@torch.library.custom_op("k3::gemv_norm", mutates_args=())
+def gemv_norm(a: Tensor, b: Tensor, w: Tensor, nw: Tensor, eps: float) -> Tensor:
+    """a `[..., KA]`, b `[..., KB]`, w `[N, KA + KB]`, nw `[KA]` -> [rmsnorm(a) * nw | b] @ w^T `[..., N]` in a.dtype
+    (serving: LatentMoE's latent norm and output GEMM at one decode row, `packing.NormCols`)."""
+    return gemv_norm_ref(a, b, w, nw, eps)
+
+
+@gemv_norm.register_fake
+def _(a, b, w, nw, eps):
+    return a.new_empty((*a.shape[:-1], w.shape[0]))
+
+
 try:  # the Triton kernel registers itself as the CUDA implementation (kernels.py)
     from . import kernels  # noqa: F401,E402
 except ImportError:
