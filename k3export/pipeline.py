@@ -90,7 +90,8 @@ def _pipeline(root: Path, ckpt: Path, device: str, echo, first_step: int, steps:
     cuda = torch.device(device).type == "cuda"
     bw, rate, where = ceilings(cuda)
     pb = param_bytes(model.config, model.dtype)
-    args = {"prefill_lengths": [16, 64], "batches": [1, 2, 4], "contexts": [64], "warmup": 2, "iters": 10}
+    args = {"prefill_lengths": [16, 64], "batches": [1, 2, 4], "contexts": [64], "warmup": 2, "iters": 10,
+            "decode_iters": 20}
     runs = [("eager", EagerBackend(model), False)] + ([("graph", EagerBackend(model), True)] if cuda else []) + \
         [(backend, open_backend(engine_dir, device), cuda)]
 

@@ -42,6 +42,8 @@
 #            weight-only GEMV vs plugins.gemv with E4M3 weights)
 #   pdltest  tests/test_pdl.py's cuda tests (PDL chain in a CUDA graph; k3-small compile with / without PDL bit-identical)
 #   gemvtest the k3::gemv cuda tests (K3 shapes vs fp64, PDL chain in a CUDA graph, k3-small compile-gemv-pdl tokens)
+#   gentest  the runtime's cuda tests (CUDA-graph decode == plain, the pipelined Generator's greedy graph)
+#   normtest k3::gemv_norm's cuda tests (the latent RMSNorm in the MoE output GEMV) and compile-fast's k3-tiny tokens
 #   profile  scripts/profile_decode.py --backend $PROFILE_BACKEND (default compile): kernels per decode step
 set -uo pipefail
 parts=${*:-model profile}
@@ -60,7 +62,8 @@ for part in $parts; do
     model) timeout ${MODEL_TIMEOUT:-300} python3 -m k3export.cli bench model --preset k3-small --dtype bf16 \
              --backends ${MODEL_BACKENDS:-eager,compile,compile-frozen} --prefill-lengths 2048 \
              --batches ${MODEL_BATCHES:-1,8,64} --contexts 1024 \
-             --warmup 2 --iters 5 --out "$OUT/model" > "$OUT/model.log" 2>&1 ;;
+             --warmup 2 --iters 5 --decode-iters ${MODEL_DECODE_ITERS:-40} \
+             --generate-tokens ${MODEL_GEN:-64} --out "$OUT/model" > "$OUT/model.log" 2>&1 ;;
     toy)   timeout 150 python3 scripts/aoti_toy.py /tmp/toy > "$OUT/toy.log" 2>&1 ;;
     fp8c)  timeout ${FP8C_TIMEOUT:-200} python3 -m k3export.cli bench fp8 --preset k3-small --batches ${FP8C_BATCHES:-1} \
              --compiled --no-layer-pair --no-sweep --prefill 0 --report-tokens 0 --noise-dtype none \
@@ -94,6 +97,10 @@ for part in $parts; do
              --budget-s ${MLAWIDE_BUDGET:-140} > "$OUT/mlawide.log" 2>&1 ;;
     pdl)   timeout 120 python3 scripts/pdl_probe.py --out "$OUT/pdl" > "$OUT/pdl.log" 2>&1 ;;
     pdltest) timeout 300 python3 -m pytest -q -m cuda tests/test_pdl.py -s -rs -p no:cacheprovider > "$OUT/pdltest.log" 2>&1 ;;
+    gentest) timeout 150 python3 -m pytest -q -m cuda tests/test_runtime.py -s -rs -k "cuda_graph or generates" \
+             -p no:cacheprovider > "$OUT/gentest.log" 2>&1 ;;
+    normtest) timeout 150 python3 -m pytest -q -m cuda tests/test_gemv.py -s -rs -k "norm or fast" -p no:cacheprovider \
+             > "$OUT/normtest.log" 2>&1 ;;
     gemvtest) timeout 240 python3 -m pytest -q -m cuda tests/test_gemv.py -s -rs -p no:cacheprovider > "$OUT/gemvtest.log" 2>&1 ;;
     gemvpdl) for m in ${GEMVPDL_M:-1 4}; do timeout 90 python3 scripts/gemv_pdl_probe.py --m $m --out "$OUT/gemvpdl-m$m.json"; done \
              > "$OUT/gemvpdl.log" 2>&1
@@ -101,7 +108,7 @@ for part in $parts; do
     probe) timeout 60 python3 scripts/gemv_pack_probe.py --out "$OUT/probe.json" > "$OUT/probe.log" 2>&1 ;;
     profile) timeout 150 python3 scripts/profile_decode.py --backend ${PROFILE_BACKEND:-compile} ${PROFILE_ARGS:-} \
              > "$OUT/profile.log" 2>&1 ;;
-    *)     echo "unknown part $part (toy demo aoti mla mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest pdltest kda fp8c probe profile)"; continue ;;
+    *)     echo "unknown part $part (toy demo aoti mla mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest pdltest kda fp8c probe profile)"; continue ;;
   esac
   echo "$part: exit $? in $((SECONDS - t)) s" | tee -a "$OUT/pending.log"
   tail -4 "$OUT/$part.log" 2>/dev/null

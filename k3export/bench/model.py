@@ -20,7 +20,8 @@ except the routed experts and the embedding table, the routed experts a batch of
 (E (1 - (1 - k/E)^B) per layer; exactly k at B = 1), B embedding rows, the KDA state and conv window read and
 written, the MLA cache rows read and one row written per sequence. Prefill floor = max(that byte count with
 all experts, matmul FLOPs 2 T x active params + causal MLA attention / measured bf16 matmul rate).
-Medians of --iters timed runs after --warmup (CUDA events on GPU), spread as p10..p90.
+Medians of --iters timed runs (decode: --decode-iters, default --iters) after --warmup (CUDA events on GPU), spread
+as p10..p90.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ COMPILE_VARIANTS = {"compile": {}, "compile-frozen": {"freezing": True}, "compil
                     "compile-combo": {"options": {"combo_kernels": True}}, "compile-nopdl": {"pdl": False},
                     "compile-cublas": {"gemv": False}, "compile-cublas-nopdl": {"gemv": False, "pdl": False},
                     "compile-pdl-inductor": {"options": {"triton.enable_pdl": True}}, "compile-glu": {"glu": True},
-                    "compile-moepdl": {"moe_pdl": True}}
+                    "compile-moepdl": {"moe_pdl": True}, "compile-norm": {"fold_norm": True},
+                    "compile-fast": {"glu": True, "moe_pdl": True, "fold_norm": True}}
 # Inductor's PDL (TORCHINDUCTOR_ENABLE_PDL) waits in a kernel only where it reads or overwrites what the previous
 # scheduler node wrote, and lets the next kernel start after its last load; a torch without the option refuses the
 # variant (reported as not run).
@@ -168,13 +170,13 @@ def run_backend(name, backend, graphs, model, args, bw, rate, pb, bar) -> list[d
         bar.update(1)
     ctx_max = max(args["contexts"])
     for B in args["batches"]:
-        steps = args["warmup"] + args["iters"]
+        steps = args["warmup"] + args["decode_iters"]
         eng = Engine(backend, max_batch=B, max_len=ctx_max + len(args["contexts"]) * steps + 2, cuda_graphs=graphs)
         eng.active.fill_(True)
         tok = torch.randint(0, cfg.vocab_size, (B,), generator=g).to(dev)
         for ctx in args["contexts"]:
             eng.state.lengths.fill_(ctx)
-            ms = time_ms(lambda: eng.decode(tok), args["warmup"], args["iters"], cuda)
+            ms = time_ms(lambda: eng.decode(tok), args["warmup"], args["decode_iters"], cuda)
             nbytes = decode_bytes(cfg, dtype, pb, B, ctx)
             s = summary(ms)
             rows.append({"phase": "decode", "backend": name, "batch": B, "context": ctx, **s,
@@ -183,6 +185,38 @@ def run_backend(name, backend, graphs, model, args, bw, rate, pb, bar) -> list[d
                          "graphed": eng.graphed, "graph_error": eng.graph_error})
             bar.update(1)
         del eng
+    if args.get("generate_tokens"):
+        rows += generate_rows(name, backend, graphs, model, args, bw, pb, g)
+        bar.update(2)
+    return rows
+
+
+def generate_rows(name, backend, graphs, model, args, bw, pb, g) -> list[dict]:
+    """Inter-token latency of a greedy `Generator` at B = 1 (host timestamps of the tokens as the loop hands them
+    out, after the prefill and first step), plain and pipelined (`Generator(pipeline=True)`: step t + 1 queued
+    before step t's token is read), from a prompt of the smallest context."""
+    from k3export.runtime import Engine, Generator
+    cfg, cuda = model.config, model.device.type == "cuda"
+    N, ctx = args["generate_tokens"], min(args["contexts"])
+    prompt = torch.randint(0, cfg.vocab_size, (ctx,), generator=g).tolist()
+    nbytes = decode_bytes(cfg, model.dtype, pb, 1, ctx)
+    rows = []
+    for pipe in (False, True):
+        stamps: list[float] = []
+        eng = Engine(backend, max_batch=1, max_len=ctx + N + 2, cuda_graphs=graphs)
+        gen = Generator(eng, on_token=lambda r, t: stamps.append(time.perf_counter()), pipeline=pipe)
+        gen.submit(prompt, N)
+        gen.step()                                               # prefill and the first decode step: not timed
+        gen.run()
+        ms = [(b - a) * 1e3 for a, b in zip(stamps[2:], stamps[3:])]
+        s = summary(ms)
+        rows.append({"phase": "generate" + (" pipelined" if pipe else ""), "backend": name, "batch": 1,
+                     "context": ctx, **s, "tokens_per_s": 1e3 / s["ms"], "gb_s": nbytes / s["ms"] / 1e6,
+                     "floor_ms": nbytes / bw * 1e3, "x_floor": s["ms"] / (nbytes / bw * 1e3),
+                     "graphed": eng.graphed})
+        del gen, eng
+        if cuda:
+            torch.cuda.synchronize()
     return rows
 
 
@@ -199,9 +233,9 @@ def markdown(rows: list[dict]) -> str:
     lines = ["| phase | backend | B | T / context | ms (median) | p10..p90 | tokens/s | GB/s or TFLOP/s | floor ms | x floor | vs eager |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        phys = f"{r['gb_s']:.0f} GB/s" if r["phase"] == "decode" else f"{r['tflops']:.1f} TFLOP/s"
+        phys = f"{r['gb_s']:.0f} GB/s" if "gb_s" in r else f"{r['tflops']:.1f} TFLOP/s"
         sp = f"{r['speedup']:.1f}x" if r.get("speedup") else "-"
-        lines.append(f"| {r['phase']} | {r['backend']} | {r['batch']} | {r.get('tokens', r.get('context'))} | "
+        lines.append(f"| {r['phase']} | {r['backend']} | {r['batch']} | {r.get('tokens') or r.get('context')} | "
                      f"{r['ms']:.3f} | {r['p10']:.3f}..{r['p90']:.3f} | {r['tokens_per_s']:.0f} | {phys} | "
                      f"{r['floor_ms']:.3f} | {r['x_floor']:.1f} | {sp} |")
     return "\n".join(lines) + "\n"
@@ -260,13 +294,18 @@ def _ints(text: str) -> list[int]:
 @click.option("--contexts", default="1024,4096", show_default=True, help="Tokens already in each sequence.")
 @click.option("--warmup", default=3, show_default=True)
 @click.option("--iters", default=10, show_default=True)
+@click.option("--decode-iters", type=int, default=None,
+              help="Timed decode steps per case (default: --iters); a decode step is ~1 ms, so more are cheap.")
+@click.option("--generate-tokens", default=32, show_default=True,
+              help="Greedy tokens per generation timed at B = 1 (inter-token latency, plain and pipelined "
+                   "Generator); 0: none.")
 @click.option("--engines", type=click.Path(file_okay=False, path_type=Path), default=Path("engines"), show_default=True)
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("out/bench/model"), show_default=True)
 @click.option("--threads", type=int, default=None, help="CPU intra-op threads (default: torch's).")
 @click.option("--layer", is_flag=True, help="Instead: one full-width K3 layer pair (`k3export bench layer`).")
 @click.pass_context
-def model_bench(ctx, preset, dtype, device, backends, prefill_lengths, batches, contexts, warmup, iters, engines, out,
-                threads, layer):
+def model_bench(ctx, preset, dtype, device, backends, prefill_lengths, batches, contexts, warmup, iters, decode_iters,
+                generate_tokens, engines, out, threads, layer):
     """Prefill and decode latency per backend against eager PyTorch: JSON, markdown table and PNG plot."""
     if layer:
         from k3export.bench import layer as layer_mod
@@ -287,7 +326,7 @@ def model_bench(ctx, preset, dtype, device, backends, prefill_lengths, batches, 
     # the baselines first: `compile` packs the shared model's projections in place (runtime.CompileBackend)
     names.sort(key=lambda n: n not in ("eager", "graph"))
     args = {"prefill_lengths": _ints(prefill_lengths), "batches": _ints(batches), "contexts": _ints(contexts),
-            "warmup": warmup, "iters": iters}
+            "warmup": warmup, "iters": iters, "decode_iters": decode_iters or iters, "generate_tokens": generate_tokens}
     out.mkdir(parents=True, exist_ok=True)
     cfg = K3Config.from_name(preset)
     t0 = time.perf_counter()
@@ -297,9 +336,10 @@ def model_bench(ctx, preset, dtype, device, backends, prefill_lengths, batches, 
     click.echo(f"measured copy bandwidth {bw / 1e9:.0f} GB/s" + (f", bf16 matmul {rate / 1e12:.0f} TFLOP/s" if rate else ""))
     pb = param_bytes(cfg, PRECISIONS[dtype])
     profiles = profiles_for(max(args["batches"]), max(args["prefill_lengths"]),
-                            max(args["contexts"]) + len(args["contexts"]) * (warmup + iters) + 2)
+                            max(args["contexts"]) + len(args["contexts"]) * (warmup + args["decode_iters"]) + 2)
     rows, builds = [], {}
-    n_cases = len(names) * (len(args["prefill_lengths"]) + len(args["batches"]) * len(args["contexts"]))
+    n_cases = len(names) * (len(args["prefill_lengths"]) + len(args["batches"]) * len(args["contexts"]) +
+                            2 * bool(generate_tokens))
     with tqdm(total=n_cases, desc="bench model", unit="case") as bar:
         for name in names:
             bar.set_postfix_str(name)
