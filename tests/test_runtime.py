@@ -156,6 +156,41 @@ def test_continuous_batching_equals_one_by_one(model):
     assert max_running == 2
 
 
+def _scenario(gen, model):
+    """Two slots, five requests: greedy ones with different budgets and a stop token, one sampled, joins while
+    others decode. Returns the requests (run to the end)."""
+    first_stop = alone(model, PROMPTS[1], 6)[2]                      # a token request 1 really produces
+    reqs = [gen.submit(PROMPTS[0], 7), gen.submit(PROMPTS[1], 6, stop_tokens=(first_stop,))]
+    for _ in range(3):
+        gen.step()
+    reqs.append(gen.submit(PROMPTS[2], 9))
+    reqs.append(gen.submit(PROMPTS[3], 5, Sampling(temperature=0.9, top_k=30, top_p=0.9, seed=5)))
+    reqs.append(gen.submit(PROMPTS[0][:2], 8))
+    gen.run()
+    return reqs
+
+
+def test_pipelined_generator_gives_the_plain_loops_tokens(model):
+    """`Generator(pipeline=True)` (the default): the same requests, finishes and tokens as the plain loop (greedy rows through
+    `Engine.decode_greedy`, whose argmax feeds the next step on the device), with steps really queued ahead
+    (decode_greedy called with no host tokens) and the plain loop taking over around joins and the sampled
+    request; the slots are all released at the end."""
+    plain = _scenario(Generator(Engine(EagerBackend(model), max_batch=2, max_len=24), pipeline=False), model)
+    engine = Engine(EagerBackend(model), max_batch=2, max_len=24)
+    calls = {"host": 0, "device": 0}
+    real = engine.decode_greedy
+
+    def counted(tokens=None):
+        calls["host" if tokens is not None else "device"] += 1
+        return real(tokens)
+    engine.decode_greedy = counted
+    piped = _scenario(Generator(engine, pipeline=True), model)
+    assert [r.tokens for r in piped] == [r.tokens for r in plain]
+    assert [r.finish for r in piped] == [r.finish for r in plain] and "stop" in [r.finish for r in plain]
+    assert calls["device"] >= 5 and calls["host"] >= 2, calls
+    assert not engine.active.any()
+
+
 def test_chunked_prefill_equals_one_shot(model):
     backend = EagerBackend(model)
     backend.max_prefill_tokens = 4                                   # 11-token prompt: chunks of 4, 4, 3
@@ -202,6 +237,9 @@ def test_cuda_graph_decode_equals_plain_decode():
     for _ in range(3):                      # runs 2 and 3 capture and replay the (4, 11) prefill graph
         assert gen.generate(PROMPTS, 6) == ref
     assert list(gen.engine._prefill_graphs) == [(4, 11)]
+    piped = Generator(Engine(EagerBackend(model), max_batch=2, max_len=32), pipeline=True)
+    assert piped.engine._greedy_graph is not None
+    assert piped.generate(PROMPTS, 6) == ref                       # the greedy graph, queued ahead
 
 
 def test_sampled_rows_do_not_depend_on_the_batch_and_generate_equals_the_runtime(model):
