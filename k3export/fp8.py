@@ -14,7 +14,7 @@ as float8_e4m3fn, never fake-quant. On CUDA the implementation depends on M (row
   the activation scale s_x is unused, and y = x @ (W_q * s_w)^T with fp32 accumulation (`fp8_linear_wo_ref`).
   Decode is bound by weight bytes, which this reads once at half the bf16 bytes, in one launch (two when K is
   split), without the activation-quantize launch; its error is the weight rounding alone, smaller than W8A8's.
-  With `K3_FP8_GEMV=1`, one-row calls run `plugins.gemv`'s kernel instead (same contract; opt-in, untimed).
+  One-row calls run `plugins.gemv`'s kernel instead (same contract; `K3_FP8_GEMV=0` keeps the split-K GEMV).
 - larger M (prefill): the contract above, run as a one-launch Triton quantization of x then `torch._scaled_mm`
   (tensor-wise scales, or row-wise when the weight scales are per output channel; K and N must be multiples of
   16, else the reference runs). Output rounding: tensor-wise GEMMs write x.dtype directly; row-wise GEMMs write
@@ -131,10 +131,13 @@ def fp8_linear_scaled_mm(x: Tensor, x_scale: Tensor, w: Tensor, w_scale: Tensor)
 
 
 # One-row calls (decode at B = 1) on `k3::gemv`'s kernel with E4M3 weights (`plugins.gemv`: whole weight rows
-# loaded before the PDL wait), the weight-only contract above, instead of the split-K weight-only GEMV. Opt-in
-# (`K3_FP8_GEMV=1`, read per call) until it has been timed on the H200: CPU-checked (interpreter) only.
+# loaded before the PDL wait), the weight-only contract above, instead of the split-K weight-only GEMV (env
+# K3_FP8_GEMV=0 goes back to it; read per call). H200, 2026-11-30 13:30-13:37 UTC: the 52 k3-small decode GEMVs
+# chained in a CUDA graph (`scripts/gemv_pdl_probe.py --fp8`) 273.0 us split-K, 231.6 this kernel, 189.6 with PDL
+# (floor 113); k3-small FP8 decode step at B = 1 under `compile` (`bench fp8 --compiled`) 0.886 -> 0.823 ms (bf16
+# 0.811 / 0.812 in the same runs); its cuda test vs the weight-only reference passed (4 shapes).
 def one_row_gemv() -> bool:
-    return os.environ.get("K3_FP8_GEMV", "0") == "1"
+    return os.environ.get("K3_FP8_GEMV", "1") == "1"
 
 
 def _fp8_gemv(x: Tensor, w: Tensor, w_scale: Tensor) -> Tensor | None:
