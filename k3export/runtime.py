@@ -127,12 +127,14 @@ class CompileBackend(EagerBackend):
     1.002 / 0.964, GEMV + PDL 0.890 / 0.895 (bench backends `compile-cublas-nopdl`, `compile-nopdl`, `compile`);
     B = 16 unchanged (1.70-1.72). Prefill stays without PDL: its 2048-token times with PDL averaged 12.96 ms over
     four runs, 12.55 without (run-to-run spread ~0.5 ms).
-    `glu` (CUDA models, off until timed on the H200): the MoE's down | shared gate | shared up and the dense MLP's
-    gate | up pack with gate / up rows interleaved, and at one row `k3::gemv_glu` applies SiTU-GLU in the GEMV's
-    epilogue (`packing.PackedGlu`: one launch fewer per MoE / MLP layer, 12 per k3-small step). `moe_pdl` (with
-    `pdl`; off until timed): the MoE decode kernels (router, top-k, pair GEMVs) with PDL too. `fold_norm` (CUDA
-    models, off until timed): the LatentMoE's latent RMSNorm inside its one-row output GEMV (`packing.NormCols`,
-    `k3::gemv_norm`: one launch fewer per MoE layer)."""
+    `glu` (CUDA models): the MoE's down | shared gate | shared up and the dense MLP's gate | up pack with gate / up
+    rows interleaved, and at one row `k3::gemv_glu` applies SiTU-GLU in the GEMV's epilogue (`packing.PackedGlu`:
+    one launch fewer per MoE / MLP layer, 12 per k3-small step). `moe_pdl` (with `pdl`): the MoE decode kernels
+    (router, top-k, pair GEMVs) with PDL too. `fold_norm` (CUDA models): the LatentMoE's latent RMSNorm inside its
+    one-row output GEMV (`packing.NormCols`, `k3::gemv_norm`: one launch fewer per MoE layer). All three are
+    correct on the H200 (tokens / bit-identity tests) and off: none made the k3-small step at B = 1 faster
+    (2026-11-30 13:35-13:49, `bench model`: compile 0.881-0.923 ms, glu 0.892, moe_pdl 0.896, fold_norm 0.886, all
+    three 0.908; docs/perf.md "Fewer kernels per step does not help any more")."""
 
     name = "compile"
 

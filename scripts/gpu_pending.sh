@@ -1,16 +1,7 @@
 #!/usr/bin/env bash
 # What is owed to the GPU, one part per argument, each under its own time limit (device tool, carry [".whl"]; logs
-# under $OUT). Each part below has run at least once (results in docs/perf.md). Owed on 2026-11-30 13:00 UTC, in
-# this order (~15 min of device time in two calls; everything here is CPU-checked, none of it has run on a GPU):
-#   1. `bash scripts/gpu_pending.sh gemvtest gemvpdl pdltest`: test_gemv's cuda tests (k3-tiny fp32 greedy tokens
-#      at B = 1 through the GEMV; FP8 one-row GEMV; k3::gemv_glu; compile-glu tokens), the GEMV chain probe incl.
-#      `--fp8`, and the PDL bit-identity tests (incl. `compile-moepdl`: the MoE decode kernels on PDL).
-#   2. `MODEL_BACKENDS=compile,compile-glu,compile-moepdl MODEL_BATCHES=1,64 bash scripts/gpu_pending.sh model`: the
-#      k3-small step with the f_b_proj fold restored under the GEMV swap (the 0.890 ms had it off), B = 64 under
-#      PDL, SiTU-GLU in the GEMV, the MoE kernels on PDL; then `K3_MOE_DECODE=pairs-n8-fused` with
-#      `MODEL_BACKENDS=compile-moepdl MODEL_BATCHES=1` (the top-k in the router launch, under PDL).
-#   3. `bash scripts/gpu_pending.sh fp8c` and `K3_FP8_GEMV=1 bash scripts/gpu_pending.sh fp8c`: FP8 vs bf16 with
-#      the GEMV default, and with the FP8 one-row GEMV.
+# under $OUT). Each part below has run at least once (results in docs/perf.md). Nothing is owed (2026-11-30 14:10
+# UTC: the GEMV / PDL / gemv_norm / runtime cuda tests, the launch-cutting variants and the pipelined Generator ran).
 #   toy      scripts/aoti_toy.py: does any CUDA AOTI package load there, per import context (bare, CUDA
 #            initialised, triton, k3export.plugins)? ~2 min. Decides whether the crash is torch's or ours.
 #   demo     `k3export demo --device cuda`: the main job end to end on the GPU (aoti refused by the load check

@@ -844,7 +844,9 @@ TILINGS = {
 # graph replay), 1 / 2 tokens: pairs-n8 0.278 / 0.505 ms, pairs-n8-fc 0.278 / 0.507, pairs-n8-fused 0.282 / 0.517
 # (at K3 size the fused router's single last program, which selects for every token in turn, costs more than the
 # launch it saves). Default "pairs-n8-fc"; K3_MOE_DECODE=<name> picks another decode tiling for a process (A/B
-# timing of a whole model, e.g. k3-small, whose 64-expert router is small).
+# timing of a whole model). k3-small (64 experts) decode at B = 1 under `compile` on the H200 (2026-11-30
+# 13:36-13:49, `bench model`): "pairs-n8-fused" 0.888 ms with the MoE kernels on PDL vs 0.896 without it, 0.899
+# vs 0.908 under `compile-fast`: within the run-to-run spread, so the default stays.
 _DECODE = os.environ.get("K3_MOE_DECODE") or "pairs-n8-fc"
 # 2026-11-30 09:34 (`bench moe --layout paired`, K3 shapes, 400 ms per timing; docs/perf.md): y_half and the wide
 # router ("-y16r") take the combine from 0.63 to 0.24 ms and the route from 0.46 to 0.34 ms at 8192 tokens (gemm2
