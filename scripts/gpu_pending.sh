@@ -33,6 +33,8 @@
 #            weight-only GEMV vs plugins.gemv with E4M3 weights)
 #   pdltest  tests/test_pdl.py's cuda tests (PDL chain in a CUDA graph; k3-small compile with / without PDL bit-identical)
 #   gemvtest the k3::gemv cuda tests (K3 shapes vs fp64, PDL chain in a CUDA graph, k3-small compile-gemv-pdl tokens)
+#   ab       scripts/ab_decode.py --env $AB_ENV (e.g. K3_KDA_PREFETCH=0,1): one switch A/B on the k3-small decode step,
+#            settings interleaved over rounds in one process
 #   gentest  the runtime's cuda tests (CUDA-graph decode == plain, the pipelined Generator's greedy graph)
 #   normtest k3::gemv_norm's cuda tests (the latent RMSNorm in the MoE output GEMV) and compile-fast's k3-tiny tokens
 #   profile  scripts/profile_decode.py --backend $PROFILE_BACKEND (default compile): kernels per decode step
@@ -90,6 +92,8 @@ for part in $parts; do
     pdltest) timeout 300 python3 -m pytest -q -m cuda tests/test_pdl.py -s -rs -p no:cacheprovider > "$OUT/pdltest.log" 2>&1 ;;
     gentest) timeout 150 python3 -m pytest -q -m cuda tests/test_runtime.py -s -rs -k "cuda_graph or generates" \
              -p no:cacheprovider > "$OUT/gentest.log" 2>&1 ;;
+    ab)    timeout ${AB_TIMEOUT:-240} python3 scripts/ab_decode.py --env "$AB_ENV" --backend ${AB_BACKEND:-compile} \
+             --out "$OUT/ab.json" > "$OUT/ab.log" 2>&1 ;;
     normtest) timeout 150 python3 -m pytest -q -m cuda tests/test_gemv.py -s -rs -k "norm or fast" -p no:cacheprovider \
              > "$OUT/normtest.log" 2>&1 ;;
     gemvtest) timeout 240 python3 -m pytest -q -m cuda tests/test_gemv.py -s -rs -p no:cacheprovider > "$OUT/gemvtest.log" 2>&1 ;;
@@ -99,7 +103,7 @@ for part in $parts; do
     probe) timeout 60 python3 scripts/gemv_pack_probe.py --out "$OUT/probe.json" > "$OUT/probe.log" 2>&1 ;;
     profile) timeout 150 python3 scripts/profile_decode.py --backend ${PROFILE_BACKEND:-compile} ${PROFILE_ARGS:-} \
              > "$OUT/profile.log" 2>&1 ;;
-    *)     echo "unknown part $part (toy demo aoti mla mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest pdltest kda fp8c probe profile)"; continue ;;
+    *)     echo "unknown part $part (toy demo aoti mla mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe profile)"; continue ;;
   esac
   echo "$part: exit $? in $((SECONDS - t)) s" | tee -a "$OUT/pending.log"
   tail -4 "$OUT/$part.log" 2>/dev/null
