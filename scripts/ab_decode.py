@@ -2,7 +2,7 @@
 once, then an Engine (its CUDA graph captured with the switch set) is timed per setting, the settings interleaved
 over several rounds so that clock and thermal drift fall on all of them alike. GPU only.
 
-    python3 scripts/ab_decode.py --env K3_KDA_PREFETCH=0,1 [--backend compile] [--batch 1] [--context 1024]
+    python3 scripts/ab_decode.py --env NAME=A,B [--backend compile] [--batch 1] [--context 1024]
                                  [--rounds 4] [--steps 200] [--out ab.json]
 
 Per setting: the median of every round's per-call times (CUDA events around `Engine.decode`, as `bench model`

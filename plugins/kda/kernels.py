@@ -434,21 +434,12 @@ def _fold_f(f_a, f_b_weight, i_b, i_h, out_dtype, H: tl.constexpr, K: tl.constex
 
 
 @triton.jit
-def _state_ptrs(i_bh, K: tl.constexpr, BK: tl.constexpr):
-    """Offsets and mask of (sequence, head) i_bh's [K, K] state tile."""
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    return i_bh.to(tl.int64) * K * K + o_k[:, None] * K + o_k[None, :], m_k[:, None] & m_k[None, :]
-
-
-@triton.jit
 def _decode_head(qkv, conv_state, conv_weight, f, f_b_weight, b, g, A_log, dt_bias, o_norm_weight, state,
                  o, conv_out, state_out, H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, W: tl.constexpr,
                  BK: tl.constexpr, BR: tl.constexpr, BW: tl.constexpr, LOWER: tl.constexpr, EPS: tl.constexpr,
-                 FOLD: tl.constexpr, SYNC: tl.constexpr, S_pre=None, PRE: tl.constexpr = False):
+                 FOLD: tl.constexpr, SYNC: tl.constexpr):
     """One (sequence, head) of the decode step; see `kda_decode_fwd_kernel`. FOLD: f is f_a `[B, R]` and the
-    f_b_proj GEMV runs here; SYNC: the outputs are the inputs (in place); PRE: S_pre is this head's state tile,
-    already loaded (`_state_tile`)."""
+    f_b_proj GEMV runs here; SYNC: the outputs are the inputs (in place)."""
     i_bh = tl.program_id(0)
     i_b, i_h = i_bh // H, i_bh % H
     C: tl.constexpr = 3 * H * K
@@ -474,11 +465,9 @@ def _decode_head(qkv, conv_state, conv_weight, f, f_b_weight, b, g, A_log, dt_bi
     # Delta rule on the fp32 state: read once, write once (in place is safe: the tile's every load precedes the
     # reductions that its stores depend on).
     o_v = tl.arange(0, BK)
-    p_s, m_s = _state_ptrs(i_bh, K, BK)
-    if PRE:
-        S = S_pre.to(tl.float32) * alpha[:, None]
-    else:
-        S = tl.load(state + p_s, mask=m_s, other=0.).to(tl.float32) * alpha[:, None]    # [BK(k), BK(v)]
+    p_s = i_bh.to(tl.int64) * K * K + o_k[:, None] * K + o_v[None, :]
+    m_s = m_k[:, None] & m_k[None, :]
+    S = tl.load(state + p_s, mask=m_s, other=0.).to(tl.float32) * alpha[:, None]    # [BK(k), BK(v)]
     err = b_v - tl.sum(S * b_k[:, None], 0)                                         # v - S'^T k
     S += beta * b_k[:, None] * err[None, :]
     b_o = tl.sum(S * b_q[:, None], 0)                                               # read after the write
@@ -513,24 +502,13 @@ def kda_decode_inplace_fwd_kernel(
     state, o,                                                                            # state (in place), output
     H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, W: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
     BW: tl.constexpr, LOWER: tl.constexpr, EPS: tl.constexpr, FOLD: tl.constexpr, PDL: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False,
 ):
     """`k3::kda_decode_inplace`: the same step writing conv_state and state over themselves; FOLD: f is f_a and
     the f_b_proj GEMV runs inside (one launch fewer per KDA layer). PDL: as `kda_decode_fwd_kernel` (the wait
-    also keeps this kernel's in-place writes after everything its predecessors read), except that with PREFETCH
-    the head's state tile is loaded before the wait: in a decode step only this launch writes the state, and the
-    previous step's launch has completed (a step starts after non-PDL work: the engine's input copy, the
-    embedding), so the tile's 64 KB (K = 128, fp32) come in while the kernel before still runs."""
-    if PDL and PREFETCH:
-        p_s, m_s = _state_ptrs(tl.program_id(0), K, BK)
-        S0 = tl.load(state + p_s, mask=m_s, other=0.)
-        pdl_wait(PDL)
-        _decode_head(qkv, conv_state, conv_weight, f, f_b_weight, b, g, A_log, dt_bias, o_norm_weight, state, o,
-                     conv_state, state, H, K, R, W, BK, BR, BW, LOWER, EPS, FOLD, True, S0, True)
-    else:
-        pdl_wait(PDL)
-        _decode_head(qkv, conv_state, conv_weight, f, f_b_weight, b, g, A_log, dt_bias, o_norm_weight, state, o,
-                     conv_state, state, H, K, R, W, BK, BR, BW, LOWER, EPS, FOLD, True)
+    also keeps this kernel's in-place writes after everything its predecessors read)."""
+    pdl_wait(PDL)
+    _decode_head(qkv, conv_state, conv_weight, f, f_b_weight, b, g, A_log, dt_bias, o_norm_weight, state, o,
+                 conv_state, state, H, K, R, W, BK, BR, BW, LOWER, EPS, FOLD, True)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -795,10 +773,7 @@ def kda_decode_inplace_fwd(qkv, conv_state, conv_weight, f, f_b_weight, b, g, A_
     o = qkv.new_empty(B, H * K)
     common = dict(_decode_launch(H, K, conv_weight.shape[-1], lower_bound, eps, config), R=R,
                   BR=max(32, triton.next_power_of_2(R)), FOLD=fold)
-    flags = pdl_args(o)
-    if flags:        # the state tile loaded before the PDL wait (kernel docstring); opt-in until timed on the H200
-        flags["PREFETCH"] = os.environ.get("K3_KDA_PREFETCH", "0") == "1"
-    launch(kda_decode_inplace_fwd_kernel)[(B * H,)](*args, state, o, **common, **flags)
+    launch(kda_decode_inplace_fwd_kernel)[(B * H,)](*args, state, o, **common, **pdl_args(o))
     return o
 
 
