@@ -619,8 +619,11 @@ def _run_command():
                   help="Slots (default: the number of prompts, at most the engine's batch maximum).")
     @click.option("--device", default=None, help="Default: the device the engine was built for.")
     @click.option("--no-cuda-graphs", is_flag=True, help="Decode without CUDA-graph capture.")
+    @click.option("--no-pipeline", is_flag=True,
+                  help="Read each decode step's tokens before queueing the next (by default greedy steps are "
+                       "queued one ahead: the same tokens, the host's work off the GPU's path).")
     def run(engine_dir, ids_text, max_new_tokens, temperature, top_k, top_p, seed, stop_text, max_batch, device,
-            no_cuda_graphs):
+            no_cuda_graphs, no_pipeline):
         """Generate from an engine directory (any backend) with continuous batching: the prompts queue for
         `--max-batch` slots, are prefilled into free slots and decoded together."""
         from k3export.build import EngineError, load_engine
@@ -635,7 +638,7 @@ def _run_command():
             engine = load_engine(engine_dir, max_batch or len(prompts), max_len, device, not no_cuda_graphs,
                                  fit_batch=max_batch is None)
             t_load = time.perf_counter() - t0
-            gen = Generator(engine)
+            gen = Generator(engine, pipeline=not no_pipeline)
             t0 = time.perf_counter()
             out = gen.generate(prompts, max_new_tokens, sampling, stop)
             dt = time.perf_counter() - t0
@@ -644,7 +647,8 @@ def _run_command():
         for p, o in zip(prompts, out):
             click.echo(f"{p} -> {o}")
         click.echo(f"{engine.backend.name} engine {engine_dir} on {engine.device} (loaded in {t_load:.2f}s, "
-                   f"{engine.max_batch} slots, CUDA graph: {engine.graphed or engine.graph_error or 'off'}): "
+                   f"{engine.max_batch} slots, CUDA graph: {engine.graphed or engine.graph_error or 'off'}, "
+                   f"pipelined greedy decode: {'off' if no_pipeline else 'on'}): "
                    f"{sum(map(len, out))} tokens in {dt:.2f}s")
 
     return run

@@ -221,15 +221,20 @@ def test_build_writes_leave_no_temporary_files(eager_dir):
 
 
 def test_run_queues_prompts_beyond_the_profile_batch(eager_dir, reference):
-    """Five prompts, a decode profile of batch <= 4: `run` takes 4 slots and the fifth prompt queues."""
+    """Five prompts, a decode profile of batch <= 4: `run` takes 4 slots and the fifth prompt queues; with
+    `--no-pipeline` (the plain loop) the same tokens."""
     from click.testing import CliRunner
     from k3export.cli import main
     prompts = PROMPTS + [[4, 4], [5]]
     r = CliRunner().invoke(main, ["run", "--engine", str(eager_dir), "--ids", ";".join(",".join(map(str, p))
                                   for p in prompts), "--max-new-tokens", "5", "--device", "cpu"])
     assert r.exit_code == 0, r.output
-    assert "4 slots" in r.output
+    assert "4 slots" in r.output and "pipelined greedy decode: on" in r.output
     assert r.output.splitlines()[:3] == [f"{p} -> {o}" for p, o in zip(PROMPTS, reference)]
+    plain = CliRunner().invoke(main, ["run", "--engine", str(eager_dir), "--ids", ";".join(",".join(map(str, p))
+                                      for p in prompts), "--max-new-tokens", "5", "--device", "cpu", "--no-pipeline"])
+    assert plain.exit_code == 0 and "pipelined greedy decode: off" in plain.output, plain.output
+    assert plain.output.splitlines()[:5] == r.output.splitlines()[:5]            # the same tokens either way
 
 
 def test_engine_built_for_cuda_without_cuda_is_refused_clearly(eager_dir, tmp_path):
