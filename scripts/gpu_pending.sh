@@ -94,7 +94,7 @@ for part in $parts; do
              -p no:cacheprovider > "$OUT/gentest.log" 2>&1 ;;
     ab)    timeout ${AB_TIMEOUT:-240} python3 scripts/ab_decode.py --env "$AB_ENV" --backend ${AB_BACKEND:-compile} \
              --out "$OUT/ab.json" > "$OUT/ab.log" 2>&1 ;;
-    normtest) timeout 150 python3 -m pytest -q -m cuda tests/test_gemv.py -s -rs -k "norm or fast" -p no:cacheprovider \
+    normtest) timeout 150 python3 -m pytest -q -m cuda tests/test_gemv.py -s -rs -k "norm or swaps" -p no:cacheprovider \
              > "$OUT/normtest.log" 2>&1 ;;
     gemvtest) timeout 240 python3 -m pytest -q -m cuda tests/test_gemv.py -s -rs -p no:cacheprovider > "$OUT/gemvtest.log" 2>&1 ;;
     gemvpdl) for m in ${GEMVPDL_M:-1 4}; do timeout 90 python3 scripts/gemv_pdl_probe.py --m $m --out "$OUT/gemvpdl-m$m.json"; done \

@@ -464,9 +464,12 @@ def test_gemv_glu_cuda_vs_reference(n_plain, I, K):
 
 
 @pytest.mark.cuda
-def test_k3_tiny_fp32_compile_glu_at_b1_generates_eager_tokens():
+@pytest.mark.parametrize("variant,method,swap", [("compile-glu", "project_hidden", "PackedGlu"),
+                                                 ("compile-fast", "norm_output", "NormCols")])
+def test_k3_tiny_fp32_compile_swaps_at_b1_generate_eager_tokens(variant, method, swap):
     """k3-tiny fp32, one prompt at B = 1 through `compile-glu` (SiTU-GLU in the one-row GEMV of the MoE and MLP
-    input projections, PDL on sm_90): the greedy tokens of the model as written, run eagerly."""
+    input projections, PDL on sm_90) and `compile-fast` (that, the latent norm in the MoE output GEMV and the MoE
+    kernels on PDL): the greedy tokens of the model as written, run eagerly."""
     from k3export.bench.model import COMPILE_VARIANTS
     from k3export.config import K3Config
     from k3export.generate import generate
@@ -476,8 +479,8 @@ def test_k3_tiny_fp32_compile_glu_at_b1_generates_eager_tokens():
     model = random_model(K3Config.from_name("k3-tiny"), seed=0, device="cuda")
     prompt = [[5, 17, 3, 99, 42, 7, 1, 64]]
     ref = generate(model, prompt, 8)
-    backend = CompileBackend(model, **COMPILE_VARIANTS["compile-glu"])
-    assert any(isinstance(m.__dict__.get("project_hidden"), packing.PackedGlu) for m in model.modules())
+    backend = CompileBackend(model, **COMPILE_VARIANTS[variant])
+    assert any(isinstance(m.__dict__.get(method), getattr(packing, swap)) for m in model.modules())
     out = Generator(Engine(backend, max_batch=1, max_len=32)).generate(prompt, 8)
     packing.unpack_projections(model)
     assert out == ref
@@ -495,26 +498,6 @@ def test_gemv_norm_cuda_vs_reference(KA, KB, N):
     with L.pdl(torch.cuda.get_device_capability()[0] >= 9):
         y = torch.ops.k3.gemv_norm(a, b, w, nw, 1e-5)
     assert _norm_worst(y, a, b, w, nw, 1e-5, 2.0 ** -8) <= 1.0
-
-
-@pytest.mark.cuda
-def test_k3_tiny_fp32_compile_fast_at_b1_generates_eager_tokens():
-    """k3-tiny fp32, one prompt at B = 1 through `compile-fast` (SiTU-GLU and the latent norm in the one-row GEMVs,
-    the MoE kernels on PDL): the greedy tokens of the model as written, run eagerly."""
-    from k3export.bench.model import COMPILE_VARIANTS
-    from k3export.config import K3Config
-    from k3export.generate import generate
-    from k3export.model import packing
-    from k3export.model.weights import random_model
-    from k3export.runtime import CompileBackend, Engine, Generator
-    model = random_model(K3Config.from_name("k3-tiny"), seed=0, device="cuda")
-    prompt = [[5, 17, 3, 99, 42, 7, 1, 64]]
-    ref = generate(model, prompt, 8)
-    backend = CompileBackend(model, **COMPILE_VARIANTS["compile-fast"])
-    assert any(isinstance(m.__dict__.get("norm_output"), packing.NormCols) for m in model.modules())
-    out = Generator(Engine(backend, max_batch=1, max_len=32)).generate(prompt, 8)
-    packing.unpack_projections(model)
-    assert out == ref
 
 
 @pytest.mark.cuda
