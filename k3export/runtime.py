@@ -400,9 +400,9 @@ class Engine:
         return logits
 
     def _capture(self) -> None:
-        """Capture `_step` for this batch size (and `_greedy_step`, `decode_greedy`'s). Warm-up runs touch the state, so it is zeroed afterwards. If the
-        backend cannot be captured (a host sync inside an op), decoding stays uncaptured and `graph_error`
-        says why."""
+        """Capture `_step` for this batch size, and `_greedy_step` (`decode_greedy`'s). Warm-up runs touch the
+        state, so it is zeroed afterwards. If the backend cannot be captured (a host sync inside an op), decoding
+        stays uncaptured and `graph_error` says why."""
         s = self.state
         try:
             side = torch.cuda.Stream()

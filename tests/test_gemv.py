@@ -368,7 +368,8 @@ def test_fold_norm_packing_same_values_and_swaps_back(tiny):
 
     def run():
         st = model.new_state(2, 8)
-        out = model.forward_prefill(ids, lengths, st.kda_conv, st.kda_state, st.mla_cache, torch.zeros(2, dtype=torch.long))
+        out = model.forward_prefill(ids, lengths, st.kda_conv, st.kda_state, st.mla_cache,
+                                    torch.zeros(2, dtype=torch.long))
         cache = st.mla_cache.clone()
         cache[:, :, :5] = out[3].to(cache.dtype)
         return out[0], model.forward_decode(ids[:, -1], out[1], out[2], cache, lengths)[0]

@@ -171,10 +171,10 @@ def _scenario(gen, model):
 
 
 def test_pipelined_generator_gives_the_plain_loops_tokens(model):
-    """`Generator(pipeline=True)` (the default): the same requests, finishes and tokens as the plain loop (greedy rows through
-    `Engine.decode_greedy`, whose argmax feeds the next step on the device), with steps really queued ahead
-    (decode_greedy called with no host tokens) and the plain loop taking over around joins and the sampled
-    request; the slots are all released at the end."""
+    """`Generator(pipeline=True)` (the default): the same requests, finishes and tokens as the plain loop (greedy
+    rows through `Engine.decode_greedy`, whose argmax feeds the next step on the device), with steps really
+    queued ahead (decode_greedy called with no host tokens) and the plain loop taking over around joins and the
+    sampled request; the slots are all released at the end."""
     plain = _scenario(Generator(Engine(EagerBackend(model), max_batch=2, max_len=24), pipeline=False), model)
     engine = Engine(EagerBackend(model), max_batch=2, max_len=24)
     calls = {"host": 0, "device": 0}

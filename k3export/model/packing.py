@@ -54,7 +54,8 @@ from torch import nn
 
 from k3export.plugins.attn_res.op import attn_res_add_norm, attn_res_norm
 
-PROJECTION_SWAPS = ("project", "output", "conv_weight", "project_hidden", "hidden", "norm_output")   # owners' methods packs shadow
+# the owners' methods that packs shadow
+PROJECTION_SWAPS = ("project", "output", "conv_weight", "project_hidden", "hidden", "norm_output")
 SWAPPED = PROJECTION_SWAPS + ("mix_norm", "add_mix_norm")   # ... and every serving swap
 
 
