@@ -37,7 +37,8 @@
 #            settings interleaved over rounds in one process
 #   gentest  the runtime's cuda tests (CUDA-graph decode == plain, the pipelined Generator's greedy graph)
 #   normtest k3::gemv_norm's cuda tests (the latent RMSNorm in the MoE output GEMV) and compile-fast's k3-tiny tokens
-#   profile  scripts/profile_decode.py --backend $PROFILE_BACKEND (default compile): kernels per decode step
+#   profile  scripts/profile_decode.py --backend $PROFILE_BACKEND (default compile): kernels per decode step, and the
+#            graph replay's critical path (what each kernel adds to the span under PDL; not yet run)
 set -uo pipefail
 parts=${*:-model profile}
 source "$(dirname "$0")/gpu_setup.sh"

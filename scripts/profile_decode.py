@@ -1,6 +1,7 @@
 """Where a k3-small decode step's GPU time goes: one step (B sequences, `context` cached tokens) profiled with
 torch.profiler after warm-up; prints the kernel count, the sum of kernel times against the step's wall time
-(the rest is launch gaps), and the top kernels grouped by name. GPU only.
+(the rest is launch gaps), and the top kernels grouped by name; for the CUDA-graph replay also its critical path
+(`bench.ceilings.critical_path`: what each kernel adds to the span once PDL overlaps them). GPU only.
 
     python3 scripts/profile_decode.py [--preset k3-small] [--batch 1] [--context 1024] [--top 25] [--backend graph]
 
@@ -16,6 +17,8 @@ import collections
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+
+from k3export.bench.ceilings import critical_path
 
 
 def main() -> None:
@@ -73,6 +76,14 @@ def main() -> None:
         print(f"{'count':>6} {'ms':>8} {'%':>5}  kernel")
         for name, (n, ms) in sorted(by.items(), key=lambda kv: -kv[1][1])[:a.top]:
             print(f"{n:6d} {ms:8.3f} {100 * ms / busy:5.1f}  {name}")
+        if graphs:                    # under PDL the kernels overlap: what each one adds to the step's span
+            cp = critical_path([(ev.name[:90], ev.time_range.start, ev.time_range.end) for ev in kern])
+            print(f"\n   critical path of the replay: span {cp['span'] / 1e3:.3f} ms = exposed kernel time "
+                  f"{(cp['span'] - cp['idle']) / 1e3:.3f} + idle {cp['idle'] / 1e3:.3f} (kernels busy "
+                  f"{cp['busy'] / 1e3:.3f} ms: {cp['busy'] / max(cp['span'], 1e-9):.2f}x overlapped)")
+            print(f"{'count':>6} {'exposed ms':>11} {'us each':>8}  kernel")
+            for name, (n, us) in list(cp["by_name"].items())[:a.top]:
+                print(f"{n:6d} {us / 1e3:11.3f} {us / n:8.2f}  {name}")
 
 
 if __name__ == "__main__":

@@ -289,3 +289,14 @@ def test_main_job_falls_back_to_compile_when_the_engine_cannot_load(model, tmp_p
     backend, path = build_engine("aoti", model, tmp_path / "engines", tmp_path / "graphs", "w", said.append)
     assert backend == "compile" and path.name == "k3-tiny-fp32-cpu-compile"
     assert any("WARNING" in s and "SIGSEGV" in s for s in said) and any("falling back" in s for s in said)
+
+
+def test_critical_path_charges_each_kernel_what_it_adds_to_the_span():
+    """`bench.ceilings.critical_path` on a constructed timeline: a kernel inside its predecessor adds nothing, one
+    that overlaps adds its tail, a gap is idle; exposed + idle = span."""
+    from k3export.bench.ceilings import critical_path
+    cp = critical_path([("b", 5.0, 12.0), ("a", 0.0, 10.0), ("c", 6.0, 8.0), ("a", 15.0, 16.0)])
+    assert cp["span"] == 16.0 and cp["idle"] == 3.0 and cp["busy"] == 20.0
+    assert cp["by_name"] == {"a": [2, 11.0], "b": [1, 2.0], "c": [1, 0.0]}
+    assert cp["span"] == cp["idle"] + sum(v[1] for v in cp["by_name"].values())
+    assert critical_path([]) == {"span": 0.0, "idle": 0.0, "busy": 0.0, "by_name": {}}

@@ -36,6 +36,31 @@ def kernel_times(call, reps: int = 5, warmup: int = 0) -> list[dict]:
     return sorted(rows, key=lambda r: -r["us"])
 
 
+def critical_path(kernels: list[tuple[str, float, float]]) -> dict:
+    """Where the span of a stream of kernels goes when they may overlap (PDL lets a kernel start before its
+    predecessor ends): kernels (name, start, end), any time unit. Walking them by start, each kernel is charged
+    the part of it that ends past every kernel before it (its exposed time); the time when nothing ran is idle.
+    exposed + idle = span. Returns {"span", "idle", "busy" (sum of durations), "by_name": {name: [count,
+    exposed]}}, by_name largest exposed first."""
+    span = idle = busy = 0.0
+    by: dict[str, list] = {}
+    frontier = None
+    for name, start, end in sorted(kernels, key=lambda k: (k[1], k[2])):
+        busy += end - start
+        if frontier is None:
+            frontier, first = start, start
+        idle += max(0.0, start - frontier)
+        exposed = max(0.0, end - max(start, frontier))
+        frontier = max(frontier, end)
+        c = by.setdefault(name, [0, 0.0])
+        c[0] += 1
+        c[1] += exposed
+    if frontier is not None:
+        span = frontier - first
+    return {"span": span, "idle": idle, "busy": busy,
+            "by_name": dict(sorted(by.items(), key=lambda kv: -kv[1][1]))}
+
+
 @functools.lru_cache(maxsize=None)
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     """Bytes/s of a device-to-device copy (read + write counted) of nbytes."""
