@@ -2,7 +2,8 @@
 # What is owed to the GPU, one part per argument, each under its own time limit (device tool, carry [".whl"]; logs
 # under $OUT). Each part below has run at least once (results in docs/perf.md). Owed (2026-11-30 14:40 UTC, ~2 min):
 # `PROFILE_ARGS="--top 40" bash scripts/gpu_pending.sh profile`, for the decode step's critical path under PDL (new
-# in profile_decode.py, not yet run), and `normtest` once more (its two token tests are now one parametrized test).
+# in profile_decode.py, not yet run), `normtest` once more (its two token tests are now one parametrized test) and
+# `gentest` (its 14:06 run had the plain Generator as default; the pipelined one is the default since 14:10).
 #   toy      scripts/aoti_toy.py: does any CUDA AOTI package load there, per import context (bare, CUDA
 #            initialised, triton, k3export.plugins)? ~2 min. Decides whether the crash is torch's or ours.
 #   demo     `k3export demo --device cuda`: the main job end to end on the GPU (aoti refused by the load check
