@@ -257,6 +257,10 @@ def plot(rows: list[dict], path: Path, title: str) -> Path | None:
             dec = [r for r in rows if r["backend"] == name and r["phase"] == "decode" and r["context"] == ctx]
             b.plot([r["batch"] for r in dec], [r["ms"] for r in dec], "o" + ("-", "--", ":")[i % 3],
                    label=f"{name}, ctx {ctx}", color=a.lines[-1].get_color())
+        gen = [r for r in rows if r["backend"] == name and r["phase"] == "generate pipelined"]
+        if gen:                                                  # inter-token latency of a generation, B = 1
+            b.plot([r["batch"] for r in gen], [r["ms"] for r in gen], "*", markersize=11, linestyle="none",
+                   label=f"{name}, generation (inter-token)", color=a.lines[-1].get_color())
     floor = [r for r in rows if r["backend"] == backends[0] and r["phase"] == "decode"]
     if floor:
         ctx0 = floor[0]["context"]
