@@ -277,6 +277,17 @@ def test_kda_decode_inplace_still_folds_f_b_proj_under_gemv(tiny):
     assert torch.equal(out, ref) and torch.equal(state2, state) and torch.equal(conv2, conv)
 
 
+def _prefill_then_decode(model, ids, lengths, max_len):
+    """Prefill logits of ids `[B, T]` (right padded to `lengths`) from an empty state, then the logits of one decode
+    step fed each sequence's last id."""
+    st = model.new_state(ids.shape[0], max_len)
+    logits, conv, rec, rows = model.forward_prefill(ids, lengths, st.kda_conv, st.kda_state, st.mla_cache,
+                                                    torch.zeros(ids.shape[0], dtype=torch.long))
+    cache = st.mla_cache.clone()
+    cache[:, :, :ids.shape[1]] = rows.to(cache.dtype)
+    return logits, model.forward_decode(ids[:, -1], conv, rec, cache, lengths)[0]
+
+
 def test_glu_packing_same_model_and_swaps_back(tiny):
     """`pack_projections(glu=True)`: the MoE's down | shared gate | shared up and the dense MLP's gate | up as one
     interleaved weight each (`PackedGlu`), the members' weights views of it (gate / up every other row); on CPU the
@@ -294,14 +305,7 @@ def test_glu_packing_same_model_and_swaps_back(tiny):
     lengths = torch.tensor([7, 5])
 
     def run():
-        st = model.new_state(2, 16)
-        out = model.forward_prefill(ids, lengths, st.kda_conv, st.kda_state, st.mla_cache,
-                                    torch.zeros(2, dtype=torch.long))
-        logits, conv, rec, rows = out
-        cache = st.mla_cache.clone()
-        cache[:, :, :7] = rows.to(cache.dtype)
-        dec = model.forward_decode(ids[:, -1], conv, rec, cache, lengths)
-        return logits, dec[0]
+        return _prefill_then_decode(model, ids, lengths, 16)
     as_written = run()
     moes = [m for m in model.modules() if isinstance(m, LatentMoE)]
     dense = [m for m in model.modules() if isinstance(m, SituMLP) and not any(m is x.shared_experts for x in moes)]
@@ -367,12 +371,7 @@ def test_fold_norm_packing_same_values_and_swaps_back(tiny):
     lengths = torch.tensor([5, 3])
 
     def run():
-        st = model.new_state(2, 8)
-        out = model.forward_prefill(ids, lengths, st.kda_conv, st.kda_state, st.mla_cache,
-                                    torch.zeros(2, dtype=torch.long))
-        cache = st.mla_cache.clone()
-        cache[:, :, :5] = out[3].to(cache.dtype)
-        return out[0], model.forward_decode(ids[:, -1], out[1], out[2], cache, lengths)[0]
+        return _prefill_then_decode(model, ids, lengths, 8)
     moes = [m for m in model.modules() if isinstance(m, LatentMoE)]
     try:
         packing.pack_projections(model)
