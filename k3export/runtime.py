@@ -339,16 +339,8 @@ class Engine:
         """tokens `[max_batch]` (inactive slots: any id) -> logits `[max_batch, V]` (inactive rows: junk).
         Active slots write their new MLA row at their position and advance by one; an active slot already
         holding `max_len` rows is refused (ValueError) before anything runs."""
-        if self._graph is not None:
-            full = [b for b in range(self.max_batch) if self._host_active[b] and self._host_lengths[b] >= self.max_len]
-        else:
-            full = torch.nonzero(self.active & (self.state.lengths >= self.max_len)).flatten().tolist()
-        if full:
-            raise ValueError(f"slots {full} are full (max_len={self.max_len} cache rows); a decode step would "
-                             "overwrite their last row: release them or use an engine with a larger max_len")
+        self._advance(host=self._graph is not None)
         self._ids.copy_(tokens)
-        for b in range(self.max_batch):
-            self._host_lengths[b] += self._host_active[b]
         if self._graph is not None:
             self._graph.replay()
             return self._graph_logits
@@ -363,19 +355,27 @@ class Engine:
         which the stream orders before that call). The step's logits are `last_logits`, valid until the next
         `decode` / `decode_greedy` (with CUDA graphs the step is its own graph, captured with the decode graph in
         its memory pool)."""
+        self._advance(host=True)                        # the host copies: reading the device would wait
         if tokens is not None:
             self._ids.copy_(tokens)
-        full = [b for b in range(self.max_batch) if self._host_active[b] and self._host_lengths[b] >= self.max_len]
-        if full:                                        # the host copies: reading the device would wait
-            raise ValueError(f"slots {full} are full (max_len={self.max_len} cache rows); a decode step would "
-                             "overwrite their last row: release them or use an engine with a larger max_len")
-        for b in range(self.max_batch):
-            self._host_lengths[b] += self._host_active[b]
         if self._greedy_graph is not None:
             self._greedy_graph.replay()
         else:
             self.last_logits = self._greedy_step()
         return self._ids
+
+    def _advance(self, host: bool) -> None:
+        """Refuse the step if an active slot already holds max_len rows (checked on the host copies, or on the
+        device tensors when `host` is False), else count it in the host copies."""
+        if host:
+            full = [b for b in range(self.max_batch) if self._host_active[b] and self._host_lengths[b] >= self.max_len]
+        else:
+            full = torch.nonzero(self.active & (self.state.lengths >= self.max_len)).flatten().tolist()
+        if full:
+            raise ValueError(f"slots {full} are full (max_len={self.max_len} cache rows); a decode step would "
+                             "overwrite their last row: release them or use an engine with a larger max_len")
+        for b in range(self.max_batch):
+            self._host_lengths[b] += self._host_active[b]
 
     def _greedy_step(self) -> torch.Tensor:
         logits = self._step()

@@ -159,19 +159,23 @@ def gemv_tile(N: int, K: int) -> tuple[int, int, int]:
     return bn, bk, 4 if bn * bk <= 8192 else 8
 
 
+def _weight_ok(w: torch.Tensor, K: int) -> bool:
+    """w [N, K] contiguous, its rows within the register tile."""
+    return w.dim() == 2 and w.is_contiguous() and w.shape[1] == K and triton.next_power_of_2(K) <= MAX_TILE
+
+
 def supported(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether `gemv_fwd` takes this call: x [..., K] with few rows, w [N, K] contiguous of x's dtype, K within
     the register tile."""
-    return (w.dim() == 2 and w.is_contiguous() and x.dtype == w.dtype and x.shape[-1] == w.shape[1]
-            and triton.next_power_of_2(w.shape[1]) <= MAX_TILE)
+    return _weight_ok(w, x.shape[-1]) and x.dtype == w.dtype
 
 
 def supported_fp8(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> bool:
     """Whether `gemv_fwd(x, w, w_scale=...)` takes an FP8 weight-only call: w [N, K] E4M3 contiguous, x a 16/32-bit
     float [..., K], w_scale fp32 `[]` or `[N]`, K within the register tile."""
-    return (w.dim() == 2 and w.dtype == torch.float8_e4m3fn and w.is_contiguous() and x.shape[-1] == w.shape[1]
+    return (_weight_ok(w, x.shape[-1]) and w.dtype == torch.float8_e4m3fn
             and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and w_scale.dtype == torch.float32
-            and tuple(w_scale.shape) in ((), (w.shape[0],)) and triton.next_power_of_2(w.shape[1]) <= MAX_TILE)
+            and tuple(w_scale.shape) in ((), (w.shape[0],)))
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -228,9 +232,8 @@ def gemv_glu_fwd(x: torch.Tensor, w: torch.Tensor, n_plain: int, beta: float, li
 def norm_supported(a: torch.Tensor, b: torch.Tensor, w: torch.Tensor, nw: torch.Tensor) -> bool:
     """Whether `gemv_norm_fwd` takes this call: a [..., KA] and b [..., KB] with the same leading shape and dtype,
     nw [KA] of that dtype, w [N, KA + KB] as `supported` wants it."""
-    return (a.shape[:-1] == b.shape[:-1] and a.dtype == b.dtype == nw.dtype and tuple(nw.shape) == (a.shape[-1],)
-            and a.shape[-1] > 0 and w.dim() == 2 and w.shape[1] == a.shape[-1] + b.shape[-1] and w.is_contiguous()
-            and w.dtype == a.dtype and triton.next_power_of_2(w.shape[1]) <= MAX_TILE)
+    return (a.shape[:-1] == b.shape[:-1] and a.dtype == b.dtype == nw.dtype == w.dtype and a.shape[-1] > 0
+            and tuple(nw.shape) == (a.shape[-1],) and _weight_ok(w, a.shape[-1] + b.shape[-1]))
 
 
 def gemv_norm_fwd(a: torch.Tensor, b: torch.Tensor, w: torch.Tensor, nw: torch.Tensor, eps: float, tile=None,
