@@ -86,6 +86,13 @@ class EagerBackend:
         return self.model.forward_decode(*args)
 
 
+def early_pdl_ok(requested: bool, pdl_on: bool, options: dict | None) -> bool:
+    """Whether the compile backend's decode kernels may signal their dependents early (`plugins.launch.pdl`):
+    asked for, PDL on, and not Inductor's own kernels under its `triton.enable_pdl` (they may load activations
+    before their wait, which an early signal no longer orders after the grids before their predecessor)."""
+    return bool(requested and pdl_on and not (options or {}).get("triton.enable_pdl"))
+
+
 class CompileBackend(EagerBackend):
     """torch.compile of the two forwards (Inductor). The k3 ops stay opaque calls into their registered kernels.
     Compilation happens on first use per shape; `cache_dir` (the engine directory) keeps Inductor's on-disk
@@ -125,7 +132,10 @@ class CompileBackend(EagerBackend):
     dependent launch, and the GEMV loads its weights before it waits for its predecessor. H200, k3-small decode at
     B = 1 (`bench model`, 2026-11-30 11:39 and 12:00 UTC): cuBLAS without PDL 1.006 / 1.029 ms, GEMV without PDL
     1.002 / 0.964, GEMV + PDL 0.890 / 0.895 (bench backends `compile-cublas-nopdl`, `compile-nopdl`, `compile`);
-    B = 16 unchanged (1.70-1.72). Prefill stays without PDL: its 2048-token times with PDL averaged 12.96 ms over
+    B = 16 unchanged (1.70-1.72). `pdl_early` (default; not with Inductor's `triton.enable_pdl`): our decode
+    kernels signal their dependents' launch before their wait (`launch.EARLY`): k3-small B = 1 (`scripts/ab_decode.py
+    --env K3_PDL_EARLY=0,1`, 4 interleaved rounds of 200 steps) 0.886 -> 0.872 ms (2026-11-30 15:36) and 0.925 ->
+    0.920 (15:49, another machine); tokens and logits bit-identical to without PDL (tests/test_pdl.py). Prefill stays without PDL: its 2048-token times with PDL averaged 12.96 ms over
     four runs, 12.55 without (run-to-run spread ~0.5 ms).
     `glu` (CUDA models): the MoE's down | shared gate | shared up and the dense MLP's gate | up pack with gate / up
     rows interleaved, and at one row `k3::gemv_glu` applies SiTU-GLU in the GEMV's epilogue (`packing.PackedGlu`:
@@ -141,7 +151,7 @@ class CompileBackend(EagerBackend):
     def __init__(self, model, mode: str | None = None, cache_dir=None, freezing: bool = False, pack: bool = True,
                  fuse_norms: bool = True, inplace: bool = True, fuse_adds: bool = True, options: dict | None = None,
                  pair_experts: bool = True, gemv: bool = True, pdl: bool = True, glu: bool = False,
-                 moe_pdl: bool = False, fold_norm: bool = False):
+                 moe_pdl: bool = False, fold_norm: bool = False, pdl_early: bool = True):
         super().__init__(model)
         from k3export.model import packing
         packing.unpack_projections(model)          # the swaps asked for here, no others (in place: later users too)
@@ -157,6 +167,7 @@ class CompileBackend(EagerBackend):
         self.gemv = packing.gemv_linears(model) if gemv and dev.type == "cuda" else 0
         self.pdl = bool(pdl and dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9)
         self.moe_pdl = moe_pdl
+        self.pdl_early = early_pdl_ok(pdl_early, self.pdl, options)
         if cache_dir is not None:
             import os
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(cache_dir).resolve() / "inductor-cache")
@@ -188,7 +199,7 @@ class CompileBackend(EagerBackend):
             if self._freezing is not None:
                 stack.enter_context(self._freezing)
             if self.pdl and decode:
-                stack.enter_context(pdl(True, moe=self.moe_pdl or None))
+                stack.enter_context(pdl(True, moe=self.moe_pdl or None, early=self.pdl_early))
             return fn(*args)
 
     @torch.no_grad()

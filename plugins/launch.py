@@ -46,6 +46,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"     # the Triton interpret
 _traced = False
 _pdl = os.environ.get("K3_PDL", "0") == "1"
 _pdl_moe = os.environ.get("K3_MOE_PDL", "0") == "1"
+_pdl_early = False
 _pdl_capable: dict[int, bool] = {}     # device index -> compute capability >= 9 (queried once per device)
 
 
@@ -106,17 +107,23 @@ def size_bound(n) -> int:
 
 
 @contextmanager
-def pdl(on: bool = True, moe: bool | None = None):
+def pdl(on: bool = True, moe: bool | None = None, early: bool | None = None):
     """Launch the decode kernels with programmatic dependent launch (`on`) or without, inside this block; `moe`
-    (None: as it was) the MoE decode kernels too."""
-    global _pdl, _pdl_moe
-    prev = _pdl, _pdl_moe
+    (None: as it was) the MoE decode kernels too; `early` (None: as it was) with the dependents' launch signalled
+    before the wait (`EARLY`). Only for streams whose PDL-launched kernels all wait before touching anything a
+    predecessor writes (ours do; the GEMV's pre-wait loads are weights): a successor launched on an early signal
+    may start before the grids two launches back have completed, so a kernel that loads activations before its
+    wait (Inductor's own kernels under its `triton.enable_pdl`: wrong logits on the H200, 2026-11-30) must not
+    follow one."""
+    global _pdl, _pdl_moe, _pdl_early
+    prev = _pdl, _pdl_moe, _pdl_early
     _pdl = bool(on)
     _pdl_moe = _pdl_moe if moe is None else bool(moe)
+    _pdl_early = _pdl_early if early is None else bool(early)
     try:
         yield
     finally:
-        _pdl, _pdl_moe = prev
+        _pdl, _pdl_moe, _pdl_early = prev
 
 
 def pdl_args(t: torch.Tensor, moe: bool = False) -> dict:
@@ -131,13 +138,27 @@ def pdl_args(t: torch.Tensor, moe: bool = False) -> dict:
     ok = _pdl_capable.get(idx)
     if ok is None:
         ok = _pdl_capable[idx] = torch.cuda.get_device_capability(idx)[0] >= 9
-    return {"PDL": True, "launch_pdl": True} if ok else {}
+    if not ok:
+        return {}
+    env = os.environ.get("K3_PDL_EARLY")                  # read at each launch: an A/B switch over `pdl(early=)`
+    early = _pdl_early if env is None else env == "1"
+    return {"PDL": EARLY if early else True, "launch_pdl": True}
+
+
+EARLY = 2      # the PDL constexpr's value for "signal the dependents' launch before the wait"
 
 
 @triton.jit
 def pdl_wait(PDL: tl.constexpr):
     """The kernel side of `pdl_args`, called first thing in a kernel: with PDL, wait for the stream predecessor to
-    complete (its writes visible), then let the next PDL launch start its launch. Without PDL, nothing."""
-    if PDL:
+    complete (its writes visible), then let the next PDL launch start its launch. With PDL == EARLY
+    (`pdl(early=True)`; env K3_PDL_EARLY=1 / 0 forces it at each launch) the signal comes first, so the next kernel
+    is launched (and a GEMV streams its weights) while this one still waits: `griddepcontrol.wait` still waits for
+    the predecessor grid's completion, but what a successor does before its own wait is no longer ordered after
+    the grids before this one (see `pdl`). Without PDL, nothing."""
+    if PDL == 2:
+        gdc_launch_dependents()
+        gdc_wait()
+    elif PDL:
         gdc_wait()
         gdc_launch_dependents()

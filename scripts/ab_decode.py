@@ -2,9 +2,13 @@
 once, then an Engine (its CUDA graph captured with the switch set) is timed per setting, the settings interleaved
 over several rounds so that clock and thermal drift fall on all of them alike. GPU only.
 
-    python3 scripts/ab_decode.py --env NAME=A,B [--backend compile] [--batch 1] [--context 1024]
-                                 [--rounds 4] [--steps 200] [--out ab.json]
+    python3 scripts/ab_decode.py --env NAME=A,B [--env NAME2=A,B,C ...] [--config FIELD=A,B]
+                                 [--backend compile] [--batch 1] [--context 1024] [--rounds 4] [--steps 200]
+                                 [--out ab.json]
 
+Each --env is one experiment on the same compiled model, run in turn; --config FIELD=A,B is one experiment over
+models whose K3Config field FIELD (an int field of the preset) takes each value (one model and one compile per
+value: e.g. num_shared_experts=2,0 to see what a part of the step costs on the chain).
 Per setting: the median of every round's per-call times (CUDA events around `Engine.decode`, as `bench model`
 times a decode step) and each round's median. Only switches read at launch time are meaningful here (the engine's
 graph is captured after the switch is set); switches read at import are not."""
@@ -19,9 +23,34 @@ import statistics
 import torch
 
 
+def _time(backend, model, batch: int, context: int, steps: int) -> list[float]:
+    from k3export.bench.model import time_ms
+    from k3export.runtime import Engine
+    tok = torch.randint(0, model.config.vocab_size, (batch,), device="cuda")
+    eng = Engine(backend, max_batch=batch, max_len=context + steps + 16)
+    assert eng.graphed, eng.graph_error
+    eng.active.fill_(True)
+    eng.state.lengths.fill_(context)
+    t = time_ms(lambda: eng.decode(tok), 10, steps, True)
+    del eng
+    return t
+
+
+def _experiment(label: str, values: list[str], run, a) -> dict:
+    """run(value) -> per-call ms of one round; the values interleaved over a.rounds rounds."""
+    times: dict[str, list[list[float]]] = {v: [] for v in values}
+    for r in range(a.rounds):
+        for v in values:
+            times[v].append(run(v))
+            print(f"round {r} {label}={v}: median {statistics.median(times[v][-1]):.4f} ms", flush=True)
+    return {"switch": label, "median_ms": {v: statistics.median(sum(t, [])) for v, t in times.items()},
+            "round_medians_ms": {v: [statistics.median(x) for x in t] for v, t in times.items()}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--env", required=True, help="NAME=V1,V2,...")
+    ap.add_argument("--env", action="append", default=[], help="NAME=V1,V2,... (repeatable)")
+    ap.add_argument("--config", action="append", default=[], help="FIELD=V1,V2,... (int K3Config field)")
     ap.add_argument("--backend", default="compile")
     ap.add_argument("--preset", default="k3-small")
     ap.add_argument("--batch", type=int, default=1)
@@ -30,30 +59,40 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    name, _, values = a.env.partition("=")
-    values = values.split(",")
-    from k3export.bench.model import COMPILE_VARIANTS, time_ms
+    if not a.env and not a.config:
+        ap.error("give at least one --env or --config experiment")
+    from dataclasses import replace
+
+    from k3export.bench.model import COMPILE_VARIANTS
     from k3export.config import K3Config
     from k3export.model.weights import random_model
-    from k3export.runtime import CompileBackend, Engine
-    model = random_model(K3Config.from_name(a.preset), seed=0, dtype=torch.bfloat16, device="cuda")
-    backend = CompileBackend(model, **COMPILE_VARIANTS[a.backend])
-    tok = torch.randint(0, model.config.vocab_size, (a.batch,), device="cuda")
-    times: dict[str, list[list[float]]] = {v: [] for v in values}
-    for r in range(a.rounds):
-        for v in values:
-            os.environ[name] = v
-            eng = Engine(backend, max_batch=a.batch, max_len=a.context + a.steps + 16)
-            assert eng.graphed, eng.graph_error
-            eng.active.fill_(True)
-            eng.state.lengths.fill_(a.context)
-            times[v].append(time_ms(lambda: eng.decode(tok), 10, a.steps, True))
-            del eng
-            print(f"round {r} {name}={v}: median {statistics.median(times[v][-1]):.4f} ms", flush=True)
-    res = {"env": name, "backend": a.backend, "batch": a.batch, "context": a.context, "rounds": a.rounds,
-           "steps": a.steps, "device": torch.cuda.get_device_name(),
-           "median_ms": {v: statistics.median(sum(t, [])) for v, t in times.items()},
-           "round_medians_ms": {v: [statistics.median(x) for x in t] for v, t in times.items()}}
+    from k3export.runtime import CompileBackend
+
+    def build(config):
+        model = random_model(config, seed=0, dtype=torch.bfloat16, device="cuda")
+        return model, CompileBackend(model, **COMPILE_VARIANTS[a.backend])
+
+    base = K3Config.from_name(a.preset)
+    experiments = []
+    if a.env:
+        model, backend = build(base)
+        for spec in a.env:
+            name, _, values = spec.partition("=")
+
+            def run(v, name=name):
+                os.environ[name] = v
+                return _time(backend, model, a.batch, a.context, a.steps)
+            experiments.append(_experiment(name, values.split(","), run, a))
+            os.environ.pop(name, None)
+        del model, backend
+    for spec in a.config:
+        field, _, values = spec.partition("=")
+        built = {v: build(replace(base, **{field: int(v)})) for v in values.split(",")}
+        experiments.append(_experiment(field, list(built), lambda v: _time(built[v][1], built[v][0], a.batch,
+                                                                             a.context, a.steps), a))
+        del built
+    res = {"backend": a.backend, "preset": a.preset, "batch": a.batch, "context": a.context, "rounds": a.rounds,
+           "steps": a.steps, "device": torch.cuda.get_device_name(), "experiments": experiments}
     print(json.dumps(res, indent=1))
     if a.out:
         with open(a.out, "w") as f:

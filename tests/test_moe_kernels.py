@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 
 if __name__ == "__main__":  # the interpreter run (see `interp` in conftest.py): the flag must be set before triton is imported
     os.environ["TRITON_INTERPRET"] = "1"
@@ -136,6 +137,10 @@ def _interpreter_cases() -> dict:
                 n = t.pairs
                 u = moe_routed_fwd(x[:n], z[:n], *w16, k, True, 1.0, tiles=t, **SITU)
                 res[f"tiles-{regime}-{name}"] = max(res[f"tiles-{regime}-{name}"], _rel(u, ref[:n]))
+    # The pairs GEMVs above all take L = 24 in one BLOCK_K (gemm1's ONE path); BK 16 runs their K loops.
+    t = replace(TILINGS["decode"]["pairs-n8-fc"], pair_gemm=((8, 16, 4), (8, 16, 4)))
+    u = moe_routed_fwd(x[:t.pairs], z[:t.pairs], *w16, k, True, 1.0, tiles=t, **SITU)
+    res["tiles-pairs-bk16-loop"] = _rel(u, ref[:t.pairs])
     # The same draw with gate/up rows interleaved in one tensor (`interleave_gate_up`): TMA tilings read one
     # [2 BN, BK] tile per step (PAIRED), pointer tilings and the "pairs" GEMVs read the strided views. I = 40 is
     # not a multiple of any BLOCK_N: a paired tile past I reads the next expert's rows, never stored.
@@ -220,7 +225,7 @@ def _tiling_names():
     return [f"{regime}-{name}" for regime, t in TILINGS.items() for name in t]
 
 
-@pytest.mark.parametrize("tiles", _tiling_names() + ["tma-unaligned-rows"])
+@pytest.mark.parametrize("tiles", _tiling_names() + ["tma-unaligned-rows", "pairs-bk16-loop"])
 def test_interpreted_tilings(interp, tiles):
     assert interp[f"tiles-{tiles}"] < FP16_BOUND, interp
 

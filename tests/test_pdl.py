@@ -23,6 +23,7 @@ import torch
 from k3export.plugins import launch as L
 
 GDC = ("griddepcontrol.wait", "griddepcontrol.launch_dependents")
+EARLY = L.EARLY
 
 
 # ---------------------------------------------------------------------------------------------- the switch
@@ -122,6 +123,43 @@ def test_pdl_constexpr_adds_only_the_two_griddepcontrol_instructions(name):
         return sorted(re.sub(r"\$L__([a-zA-Z_]+?)\d+", r"$L__\1", re.sub(r"%([a-z]+)\d+", r"%\1", i)) for i in ins
                       if not i.startswith(("griddepcontrol", ".reg ")) and not re.fullmatch(r"\$L__tmp\d+:", i))
     assert body(ins_on) == body(_instructions(off))
+    # PDL == EARLY (K3_PDL_EARLY=1): the same two instructions, the signal first, both before any memory access.
+    early = _instructions(compile_ptx(fn, sig, {**cx, "PDL": EARLY}, warps, stages).ptx)
+    gdc_e = [k for k, i in enumerate(early) if i.startswith("griddepcontrol")]
+    assert [early[k].split()[0].rstrip(";") for k in gdc_e] == list(reversed(GDC)), early
+    assert gdc_e[-1] < next(k for k, i in enumerate(early) if re.match(r"(ld|st|atom|red|cp\.async)\.(global|shared)", i))
+    assert body(early) == body(ins_on)
+
+
+def test_pdl_args_early_switch(monkeypatch):
+    """K3_PDL_EARLY=1 (read at each launch) turns the PDL constexpr into EARLY; without the PDL switch, nothing."""
+    t = torch.empty(1)
+    assert L.pdl_args(t) == {}                                   # CPU tensor
+    monkeypatch.setattr(L, "_pdl_capable", {0: True})
+    fake = type("T", (), {"device": torch.device("cuda", 0)})()
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("K3_PDL_EARLY", raising=False)
+    with L.pdl(True):
+        assert L.pdl_args(fake) == {"PDL": True, "launch_pdl": True}
+        with L.pdl(True, early=True):
+            assert L.pdl_args(fake) == {"PDL": EARLY, "launch_pdl": True}
+            monkeypatch.setenv("K3_PDL_EARLY", "0")
+            assert L.pdl_args(fake) == {"PDL": True, "launch_pdl": True}
+        monkeypatch.setenv("K3_PDL_EARLY", "1")
+        assert L.pdl_args(fake) == {"PDL": EARLY, "launch_pdl": True}
+    assert L.pdl_args(fake) == {}
+
+
+def test_compile_backend_signals_early_only_without_inductor_pdl():
+    """`CompileBackend(pdl_early=True)` (the default) signals early only with PDL on and without Inductor's own PDL
+    option (whose kernels may load activations before their wait); on a CPU model PDL is off altogether."""
+    from k3export.config import K3Config
+    from k3export.model.weights import random_model
+    from k3export.runtime import CompileBackend, early_pdl_ok
+    assert not CompileBackend(random_model(K3Config.from_name("k3-tiny"), seed=0)).pdl_early
+    assert early_pdl_ok(True, True, None) and early_pdl_ok(True, True, {"combo_kernels": True})
+    assert not early_pdl_ok(True, True, {"triton.enable_pdl": True})
+    assert not early_pdl_ok(True, False, None) and not early_pdl_ok(False, True, None)
 
 
 # ---------------------------------------------------------------------------------------------- the backend switch

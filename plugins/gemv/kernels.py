@@ -256,7 +256,7 @@ def launch_flags(x: torch.Tensor) -> dict:
     """The PDL launch options for a GEMV on x's device as the switch gives them (`launch.pdl_args`), with EARLY."""
     flags = pdl_args(x)
     if flags:
-        flags["EARLY"] = EARLY
+        flags.update(PDL=True, EARLY=EARLY)          # its own EARLY (the weights stream before the wait)
     return flags
 
 
