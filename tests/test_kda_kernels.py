@@ -176,31 +176,12 @@ def test_decode_inplace_reference_updates_its_arguments():
 
 
 @interpreted
-@pytest.mark.parametrize("split", [None, 16], ids=["per-head", "split16"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_decode_inplace_interpreter(dtype, split):
+def test_decode_inplace_interpreter(dtype):
     """The in-place kernel with the f_b_proj GEMV folded in (R = 24: a partial 32-column block) and without;
-    fp16: f is rounded to fp16 as the Linear's output is, the sum order differs (bound as the pure decode's).
-    split16: the column-split kernel (two 16-column blocks per head, the last program's head norm); its ticket
-    counters must be back at 0 after each call, or the second of check_inplace's two calls would not finish."""
+    fp16: f is rounded to fp16 as the Linear's output is, the sum order differs (bound as the pure decode's)."""
     args, f_a, w = inplace_inputs(3, 2, 32, 24, dtype, "cpu", seed=4)
-    cfg = None if split is None else dict(split=split)
-    check_inplace(args, f_a, w, lambda *a: kernels.kda_decode_inplace_fwd(*a, -5.0, 1e-5, config=cfg),
-                  DECODE_O_BOUND[dtype])
-
-
-def test_decode_split_choice(monkeypatch):
-    """The split width: off by default, from the launch config or K3_KDA_DECODE_SPLIT, refused when it cannot
-    tile K."""
-    monkeypatch.delenv("K3_KDA_DECODE_SPLIT", raising=False)
-    assert kernels.decode_split(1, 16, 128) == 0
-    assert kernels.decode_split(1, 16, 128, 32) == 32
-    monkeypatch.setenv("K3_KDA_DECODE_SPLIT", "16")
-    assert kernels.decode_split(1, 16, 128) == 16
-    assert kernels.decode_split(1, 16, 128, 0) == 0
-    for bad in (8, 24, 256):
-        with pytest.raises(ValueError, match="must be a power of two >= 16 that divides K=128"):
-            kernels.decode_split(1, 16, 128, bad)
+    check_inplace(args, f_a, w, lambda *a: kernels.kda_decode_inplace_fwd(*a, -5.0, 1e-5), DECODE_O_BOUND[dtype])
 
 
 @interpreted
@@ -417,41 +398,6 @@ def test_decode_inplace_cuda(B, H):
     err = check_inplace(args, f_a, w, lambda *a: kda_decode_inplace(*a, -5.0, 1e-5),
                         DECODE_O_BOUND[torch.bfloat16])
     print(f"kda_decode_inplace B={B} H={H}: o rel. RMS {err:.2e}")
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("split", [16, 32, 64])
-@pytest.mark.parametrize("B,H", [(1, 16), (2, 96)])
-def test_decode_split_cuda(B, H, split):
-    """The column-split in-place kernel at K = 128 vs the reference; then against the per-head kernel under a CUDA
-    graph replayed 3 times (the ticket counters reset by the last program each time): same state and conv window
-    to fp32 rounding, o within the decode bound."""
-    args, f_a, w = inplace_inputs(B, H, 128, 128, torch.bfloat16, "cuda", seed=B + split)
-    err = check_inplace(args, f_a, w, lambda *a: kernels.kda_decode_inplace_fwd(*a, -5.0, 1e-5,
-                                                                                 config=dict(split=split)),
-                        DECODE_O_BOUND[torch.bfloat16])
-    qkv, conv, cw, _, b, g, A_log, dt_bias, onw, state = args
-    runs = {}
-    for name, cfg in (("head", dict(split=0)), ("split", dict(split=split))):
-        c, s = conv.clone(), state.clone()
-        step = lambda: kernels.kda_decode_inplace_fwd(qkv, c, cw, f_a, w, b, g, A_log, dt_bias, onw, s, -5.0,
-                                                      1e-5, config=cfg)
-        step()                                                   # compile outside the capture
-        c.copy_(conv)
-        s.copy_(state)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            o = step()
-        for _ in range(3):
-            graph.replay()
-        torch.cuda.synchronize()
-        runs[name] = (o.clone(), c, s)
-    (o1, c1, s1), (o2, c2, s2) = runs["head"], runs["split"]
-    assert torch.equal(c1, c2), "the conv windows after 3 steps are exact"
-    assert rel(s2, s1) < DECODE_STATE_BOUND and rel(o2, o1) < DECODE_O_BOUND[torch.bfloat16]
-    print(f"kda decode split BV={split} B={B} H={H}: o rel. RMS vs reference {err:.2e}, after 3 graph steps vs "
-          f"per-head: o {rel(o2, o1):.2e}, state {rel(s2, s1):.2e}")
 
 
 @pytest.mark.cuda

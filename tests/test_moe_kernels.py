@@ -137,7 +137,7 @@ def _interpreter_cases() -> dict:
                 n = t.pairs
                 u = moe_routed_fwd(x[:n], z[:n], *w16, k, True, 1.0, tiles=t, **SITU)
                 res[f"tiles-{regime}-{name}"] = max(res[f"tiles-{regime}-{name}"], _rel(u, ref[:n]))
-    # The pairs GEMVs above all take L = 24 in one BLOCK_K (gemm1's ONE path); BK 16 runs their K loops.
+    # The pairs GEMVs above take L = 24 in one BLOCK_K step; BK 16 runs their K loops (as K3_MOE_PAIR_BK can).
     t = replace(TILINGS["decode"]["pairs-n8-fc"], pair_gemm=((8, 16, 4), (8, 16, 4)))
     u = moe_routed_fwd(x[:t.pairs], z[:t.pairs], *w16, k, True, 1.0, tiles=t, **SITU)
     res["tiles-pairs-bk16-loop"] = _rel(u, ref[:t.pairs])

@@ -140,7 +140,6 @@ def row_tiling(D: int, n_src: int, block_d: int | None = None, single: bool | No
     one = pow2(D) * n_src <= ONE_ROW_MAX if single is None else single
     bd = block_d or (pow2(D) if one else min(pow2(D), max(64, 4096 // n_src)))
     one = one and bd >= D
-    warps = warps or int(os.environ.get("K3_ATTN_RES_WARPS", "0") or 0)     # A/B timing switch, read per launch
     return bd, one, warps or (8 if one else 4)
 
 

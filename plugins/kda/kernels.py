@@ -17,7 +17,8 @@ Decode is one launch, `kda_decode_fwd_kernel`, one program per (sequence, head) 
 serving form `kda_decode_inplace_fwd_kernel` is the same step (`_decode_head`) writing the state over itself, with
 the f_b_proj GEMV folded in.
 Variants measured on the H200 and dropped for being slower or wrong there (sub-tiled and column-block intra
-kernels, fla's split state pass, column-block decode) are in docs/perf.md ("KDA kernels") and the git history.
+kernels, fla's split state pass, column-block decode, a column-split in-place decode with a ticketed head norm for
+few sequences) are in docs/perf.md ("KDA kernels", "End-to-end") and the git history.
 
 Each op's launch configuration lives in `*_config` functions shared with the AOT contract in `trt.py`.
 """
@@ -32,7 +33,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from ..launch import launch, pdl_args, pdl_wait
-from ..triton_common import check, tickets
+from ..triton_common import check
 from .op import CHUNK, kda_decode, kda_decode_inplace, kda_prefill
 
 # libdevice's approximate division in the akk kernel's gate (GPU); the interpreter has no libdevice.
@@ -434,96 +435,6 @@ def _fold_f(f_a, f_b_weight, i_b, i_h, out_dtype, H: tl.constexpr, K: tl.constex
 
 
 @triton.jit
-def _conv_cols(qkv, conv_state, conv_weight, i_b, c0, C, N: tl.constexpr, W: tl.constexpr, BN: tl.constexpr,
-               BW: tl.constexpr):
-    """`_conv_step` without its store: (SiLU(conv) `[BN]` fp32 rounded as the op does, the next window `[BN, BW]`,
-    its pointers and mask) for channels c0..c0+N-1, so a program that must not write the window yet (the column-
-    split decode: other programs still read it) can store it later."""
-    o_n = tl.arange(0, BN)
-    o_w = tl.arange(0, BW)
-    m_n = o_n < N
-    c = c0 + o_n
-    p_win = (i_b.to(tl.int64) * C + c)[:, None] * (W - 1) + o_w[None, :]
-    m_win = m_n[:, None] & (o_w[None, :] < W - 1)
-    x_new = tl.load(qkv + i_b.to(tl.int64) * C + c, mask=m_n, other=0.)
-    win = tl.load(conv_state + p_win, mask=m_win, other=0.).to(tl.float32)
-    win = tl.where(o_w[None, :] == W - 1, x_new.to(tl.float32)[:, None], win)
-    wt = tl.load(conv_weight + c[:, None] * W + o_w[None, :], mask=m_n[:, None] & (o_w[None, :] < W),
-                 other=0.).to(tl.float32)
-    y = tl.sum(win * wt, 1)
-    nxt = tl.load(conv_state + p_win + 1, mask=m_n[:, None] & (o_w[None, :] < W - 2), other=0.)
-    nxt = tl.where(o_w[None, :] == W - 2, x_new[:, None].to(nxt.dtype), nxt)
-    return (y * tl.sigmoid(y)).to(qkv.dtype.element_ty).to(tl.float32), nxt, p_win, m_win
-
-
-@triton.jit
-def kda_decode_split_fwd_kernel(
-    qkv, conv_state, conv_weight, f, f_b_weight, b, g, A_log, dt_bias, o_norm_weight,   # inputs
-    state, o, tickets,                                                                   # in place, output, counters
-    H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, W: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
-    BW: tl.constexpr, BV: tl.constexpr, LOWER: tl.constexpr, EPS: tl.constexpr, FOLD: tl.constexpr,
-    PDL: tl.constexpr = False,
-):
-    """`k3::kda_decode_inplace` with each head's state split into K / BV column blocks, one program per (sequence *
-    head, block): for few sequences (B * H programs leave most SMs idle and each streams 64 KB of state alone).
-    The delta rule is column-separable (column j of S needs k, q, the decay, beta and v[j] only), so each program
-    recomputes the head's conv'd q, k and gates, updates its [K, BV] state columns in place, and stores its columns
-    of o before the head norm (rounded to o's dtype, as `_decode_head` rounds them) into o itself. Then a ticket on
-    tickets[sequence * head]: the program that draws the last one reads the head's o row back through L2 (.cg),
-    applies the head RMSNorm and the output gate over all K columns, writes the q | k conv windows (no program
-    reads them any more) and puts the counter back to 0. Each program writes its own v channels' window. PDL: wait
-    first (state, windows and counters are touched only after the predecessor completed)."""
-    pdl_wait(PDL)
-    i_bh = tl.program_id(0)
-    i_j = tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    C: tl.constexpr = 3 * H * K
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    v0 = i_j * BV
-    o_v = v0 + tl.arange(0, BV)                          # BV divides K (the host's choice)
-    m_v = o_v < K
-
-    b_q, nxt_q, p_q, m_q = _conv_cols(qkv, conv_state, conv_weight, i_b, 0 * H * K + i_h * K, C, K, W, BK, BW)
-    b_k, nxt_k, p_k, m_kw = _conv_cols(qkv, conv_state, conv_weight, i_b, 1 * H * K + i_h * K, C, K, W, BK, BW)
-    b_v, nxt_v, p_v, m_vw = _conv_cols(qkv, conv_state, conv_weight, i_b, 2 * H * K + i_h * K + v0, C, BV, W,
-                                       BV, BW)
-    b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6) * (K ** -0.5)
-    b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
-    a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
-    if FOLD:
-        b_f = _fold_f(f, f_b_weight, i_b, i_h, qkv.dtype.element_ty, H, K, R, BK, BR)
-    else:
-        b_f = tl.load(f + i_b.to(tl.int64) * H * K + i_h * K + o_k, mask=m_k, other=0.).to(tl.float32)
-    b_bias = tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.).to(tl.float32)
-    alpha = tl.exp(LOWER * tl.sigmoid(a * (b_f + b_bias)))
-    beta = tl.sigmoid(tl.load(b + i_bh).to(tl.float32))
-
-    p_s = i_bh.to(tl.int64) * K * K + o_k[:, None] * K + o_v[None, :]
-    m_s = m_k[:, None] & m_v[None, :]
-    S = tl.load(state + p_s, mask=m_s, other=0.).to(tl.float32) * alpha[:, None]    # [BK(k), BV(v)]
-    err = b_v - tl.sum(S * b_k[:, None], 0)
-    S += beta * b_k[:, None] * err[None, :]
-    b_o = tl.sum(S * b_q[:, None], 0)
-    tl.store(state + p_s, S.to(state.dtype.element_ty), mask=m_s)
-    tl.store(conv_state + p_v, nxt_v.to(conv_state.dtype.element_ty), mask=m_vw)
-    o_row = o + i_b.to(tl.int64) * H * K + i_h * K
-    tl.store(o_row + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
-
-    tl.debug_barrier()                                  # every thread's stores issued before the release
-    if tl.atomic_add(tickets + i_bh, 1, sem="acq_rel") == tl.num_programs(1) - 1:
-        tl.debug_barrier()
-        x = tl.load(o_row + o_k, mask=m_k, other=0., cache_modifier=".cg").to(tl.float32)
-        on = (x * tl.rsqrt(tl.sum(x * x) / K + EPS)).to(o.dtype.element_ty)
-        wn = tl.load(o_norm_weight + o_k, mask=m_k, other=0.) * on
-        b_g = tl.load(g + i_b.to(tl.int64) * H * K + i_h * K + o_k, mask=m_k, other=0.).to(tl.float32)
-        tl.store(o_row + o_k, (wn.to(tl.float32) * tl.sigmoid(b_g)).to(o.dtype.element_ty), mask=m_k)
-        tl.store(conv_state + p_q, nxt_q.to(conv_state.dtype.element_ty), mask=m_q)
-        tl.store(conv_state + p_k, nxt_k.to(conv_state.dtype.element_ty), mask=m_kw)
-        tl.store(tickets + i_bh, 0)
-
-
-@triton.jit
 def _decode_head(qkv, conv_state, conv_weight, f, f_b_weight, b, g, A_log, dt_bias, o_norm_weight, state,
                  o, conv_out, state_out, H: tl.constexpr, K: tl.constexpr, R: tl.constexpr, W: tl.constexpr,
                  BK: tl.constexpr, BR: tl.constexpr, BW: tl.constexpr, LOWER: tl.constexpr, EPS: tl.constexpr,
@@ -863,32 +774,9 @@ def kda_decode_inplace_fwd(qkv, conv_state, conv_weight, f, f_b_weight, b, g, A_
     o = qkv.new_empty(B, H * K)
     common = dict(_decode_launch(H, K, conv_weight.shape[-1], lower_bound, eps, config), R=R,
                   BR=max(32, triton.next_power_of_2(R)), FOLD=fold)
-    bv = decode_split(B, H, K, (config or {}).get("split"))
-    if bv:
-        common.update(BV=bv, num_warps=SPLIT_WARPS)
-        common.pop("maxnreg", None)
-        launch(kda_decode_split_fwd_kernel)[(B * H, K // bv)](*args, state, o, tickets(o, B * H), **common,
-                                                               **pdl_args(o))
-        return o
     launch(kda_decode_inplace_fwd_kernel)[(B * H,)](*args, state, o, **common, **pdl_args(o))
     return o
 
-
-SPLIT_WARPS = 4
-
-
-def decode_split(B: int, H: int, K: int, split: int | None = None) -> int:
-    """Column-block width BV of the in-place decode's split kernel (`kda_decode_split_fwd_kernel`), or 0 for the
-    one-program-per-head kernel. `split` (a launch config's "split"), else env K3_KDA_DECODE_SPLIT (read at each
-    launch, for A/B timing), else 0 (not yet measured in the model): 0 = off, BV = a power of two >= 16 that
-    divides K. Applies to any B, H; meant for B * H well below the SM count."""
-    if split is None:
-        split = int(os.environ.get("K3_KDA_DECODE_SPLIT", "0") or 0)
-    if not split:
-        return 0
-    check(split >= 16 and split & (split - 1) == 0 and K % split == 0,
-          f"kda decode split: BV={split} must be a power of two >= 16 that divides K={K}")
-    return split
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -685,11 +685,10 @@ def _pair_tile(ids, n_cols, BLOCK_N: tl.constexpr):
 @triton.jit
 def moe_pair_gemm1_fwd_kernel(z, w1, w3, h, ids, L, I, stride_zn, stride_we, stride_wi, stride_h, beta,
                               linear_beta, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                              PDL: tl.constexpr = False, ONE: tl.constexpr = False):
+                              PDL: tl.constexpr = False):
     """Pair p (token p // TOP_K, expert ids[p]), columns [n0, n0 + BLOCK_N) of I: two GEMVs over L,
     h[p] = SiTU_GLU(z W1_e^T, z W3_e^T) -> h.dtype ("pairs" decode: no row plan, no padding rows). PDL: wait
-    first. ONE (BLOCK_K >= L): both weight tiles are loaded at once, one memory round trip instead of one per
-    BLOCK_K step of each GEMV in turn."""
+    first."""
     pdl_wait(PDL)
     beta = tl.cast(beta, tl.float32)
     linear_beta = tl.cast(linear_beta, tl.float32)
@@ -697,16 +696,8 @@ def moe_pair_gemm1_fwd_kernel(z, w1, w3, h, ids, L, I, stride_zn, stride_we, str
     offs_k = tl.arange(0, BLOCK_K)
     z_row = z + (p // TOP_K).to(tl.int64) * stride_zn
     w_off = e * stride_we + offs_n[:, None].to(tl.int64) * stride_wi + offs_k[None, :]              # [BN, BK]
-    if ONE:
-        m = n_ok[:, None] & (offs_k < L)[None, :]
-        v1 = tl.load(w1 + w_off, mask=m, other=0.0)
-        v3 = tl.load(w3 + w_off, mask=m, other=0.0)
-        xv = tl.load(z_row + offs_k, mask=offs_k < L, other=0.0).to(tl.float32)
-        y1 = tl.sum(v1.to(tl.float32) * xv[None, :], 1)
-        y3 = tl.sum(v3.to(tl.float32) * xv[None, :], 1)
-    else:
-        y1 = _gemv_rows(z_row, w1 + w_off, n_ok, offs_k, L, BLOCK_N, BLOCK_K)
-        y3 = _gemv_rows(z_row, w3 + w_off, n_ok, offs_k, L, BLOCK_N, BLOCK_K)
+    y1 = _gemv_rows(z_row, w1 + w_off, n_ok, offs_k, L, BLOCK_N, BLOCK_K)
+    y3 = _gemv_rows(z_row, w3 + w_off, n_ok, offs_k, L, BLOCK_N, BLOCK_K)
     act = beta * _tanh(y1 / beta) * _sigmoid(y1) * (linear_beta * _tanh(y3 / linear_beta))
     tl.store(h + p.to(tl.int64) * stride_h + offs_n, act.to(h.dtype.element_ty), mask=n_ok)
 
@@ -996,14 +987,16 @@ def pairs_fwd(z, w1, w3, w2, ids, beta: float, linear_beta: float, cfg: MoeTiles
     h = torch.empty(P, I, device=z.device, dtype=z.dtype)
     y = torch.empty(P, L, device=z.device, dtype=torch.float32)
     (bn1, bk1, warps1), (bn2, bk2, warps2) = cfg.pair_gemm
-    bk_env = int(os.environ.get("K3_MOE_PAIR_BK", "0") or 0)     # A/B switch, read per launch: both GEMVs' BK
+    # A/B switch, read per launch: both GEMVs' BLOCK_K. k3-small decode at B = 1 on the H200 (2026-11-30 15:44 /
+    # 15:49, scripts/ab_decode.py): the default 256 0.914 / 0.917 ms; 1024 0.969 (a one-shot gemm1 loading both
+    # weight tiles at once), 512 0.937, 128 0.945, 64 1.002.
+    bk_env = int(os.environ.get("K3_MOE_PAIR_BK", "0") or 0)
     if bk_env:
         check(bk_env >= 16 and bk_env & (bk_env - 1) == 0, f"K3_MOE_PAIR_BK={bk_env}: a power of two >= 16")
         bk1 = bk2 = bk_env
-    one = dict(ONE=True) if bk1 >= L else {}
     launch(moe_pair_gemm1_fwd_kernel)[(P, triton.cdiv(I, bn1))](
         z, w1, w3, h, ids, L, I, z.stride(0), w1.stride(0), w1.stride(1), h.stride(0), beta, linear_beta, TOP_K=top_k,
-        BLOCK_N=bn1, BLOCK_K=bk1, num_warps=warps1, **one, **pdl_args(z, moe=True))
+        BLOCK_N=bn1, BLOCK_K=bk1, num_warps=warps1, **pdl_args(z, moe=True))
     if w is None:
         launch(moe_pair_gemm2_fwd_kernel)[(P, triton.cdiv(L, bn2))](
             h, w2, y, ids, L, I, h.stride(0), L * I, I, y.stride(0), BLOCK_N=bn2, BLOCK_K=bk2, num_warps=warps2,
