@@ -2,13 +2,14 @@
 once, then an Engine (its CUDA graph captured with the switch set) is timed per setting, the settings interleaved
 over several rounds so that clock and thermal drift fall on all of them alike. GPU only.
 
-    python3 scripts/ab_decode.py --env NAME=A,B [--env NAME2=A,B,C ...] [--config FIELD=A,B]
+    python3 scripts/ab_decode.py --env NAME=A,B [--env NAME2=A,B,C ...] [--config FIELD=A,B] [--backends A,B]
                                  [--backend compile] [--batch 1] [--context 1024] [--rounds 4] [--steps 200]
                                  [--out ab.json]
 
 Each --env is one experiment on the same compiled model, run in turn; --config FIELD=A,B is one experiment over
 models whose K3Config field FIELD (an int field of the preset) takes each value (one model and one compile per
-value: e.g. num_shared_experts=2,0 to see what a part of the step costs on the chain).
+value: e.g. num_shared_experts=2,0 to see what a part of the step costs on the chain); --backends A,B one over
+compile variants (`bench model`'s names), one model each.
 Per setting: the median of every round's per-call times (CUDA events around `Engine.decode`, as `bench model`
 times a decode step) and each round's median. Only switches read at launch time are meaningful here (the engine's
 graph is captured after the switch is set); switches read at import are not."""
@@ -51,6 +52,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--env", action="append", default=[], help="NAME=V1,V2,... (repeatable)")
     ap.add_argument("--config", action="append", default=[], help="FIELD=V1,V2,... (int K3Config field)")
+    ap.add_argument("--backends", default=None, help="B1,B2,...: compile variants, one model each")
     ap.add_argument("--backend", default="compile")
     ap.add_argument("--preset", default="k3-small")
     ap.add_argument("--batch", type=int, default=1)
@@ -59,8 +61,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    if not a.env and not a.config:
-        ap.error("give at least one --env or --config experiment")
+    if not a.env and not a.config and not a.backends:
+        ap.error("give at least one --env, --config or --backends experiment")
     from dataclasses import replace
 
     from k3export.bench.model import COMPILE_VARIANTS
@@ -68,9 +70,9 @@ def main() -> None:
     from k3export.model.weights import random_model
     from k3export.runtime import CompileBackend
 
-    def build(config):
+    def build(config, variant=a.backend):
         model = random_model(config, seed=0, dtype=torch.bfloat16, device="cuda")
-        return model, CompileBackend(model, **COMPILE_VARIANTS[a.backend])
+        return model, CompileBackend(model, **COMPILE_VARIANTS[variant])
 
     base = K3Config.from_name(a.preset)
     experiments = []
@@ -90,6 +92,11 @@ def main() -> None:
         built = {v: build(replace(base, **{field: int(v)})) for v in values.split(",")}
         experiments.append(_experiment(field, list(built), lambda v: _time(built[v][1], built[v][0], a.batch,
                                                                              a.context, a.steps), a))
+        del built
+    if a.backends:
+        built = {v: build(base, v) for v in a.backends.split(",")}
+        experiments.append(_experiment("backend", list(built), lambda v: _time(built[v][1], built[v][0], a.batch,
+                                                                                a.context, a.steps), a))
         del built
     res = {"backend": a.backend, "preset": a.preset, "batch": a.batch, "context": a.context, "rounds": a.rounds,
            "steps": a.steps, "device": torch.cuda.get_device_name(), "experiments": experiments}
