@@ -87,14 +87,9 @@ class LatentMoE(nn.Module):
         z, h = self.project_hidden(x)
         return self.norm_output(routed(x, z), h)
 
-    def mix(self, x):
-        """The sublayer on the packed projections (`forward`'s body). `model.packing.pack_projections(streams=True)`
-        swaps in `k3::moe_decode_streams` at one decode row: the shared experts on a second CUDA stream."""
-        return self._mix(x, self.routed)
-
     def forward(self, x):
         """x `[N, d]` -> `[N, d]`."""
-        return self.mix(x)
+        return self._mix(x, self.routed)
 
     def forward_naive(self, x):
         """The slow twin: every expert runs on every token with a zero-or-weight coefficient."""

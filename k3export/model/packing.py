@@ -55,7 +55,7 @@ from torch import nn
 from k3export.plugins.attn_res.op import attn_res_add_norm, attn_res_norm
 
 # the owners' methods that packs shadow
-PROJECTION_SWAPS = ("project", "output", "conv_weight", "project_hidden", "hidden", "norm_output", "mix")
+PROJECTION_SWAPS = ("project", "output", "conv_weight", "project_hidden", "hidden", "norm_output")
 SWAPPED = PROJECTION_SWAPS + ("mix_norm", "add_mix_norm")   # ... and every serving swap
 
 
@@ -297,44 +297,7 @@ class FusedMixNorm(nn.Module):
         return op(bank, *ps, res_norm.weight, res_query.weight, self.eps, norm.weight, norm.eps)
 
 
-class StreamedMoE(nn.Module):
-    """`LatentMoE.mix` over its glu and fold_norm packs. A one-row CUDA call of their `GemvLinear`s runs
-    `k3::moe_decode_streams`: the shared experts' gate / up GEMV (with its SiTU-GLU) on a second CUDA stream, beside
-    the routed down projection, router, top-k and expert GEMVs, joined at the output GEMV (`plugins.moe.streams`).
-    Otherwise the packs in one stream, as `LatentMoE.mix` computes them."""
-
-    def __init__(self, glu: PackedGlu, cols: NormCols, gate: nn.Module, experts: nn.Module, routing: dict):
-        super().__init__()
-        self.glu, self.cols, self.gate, self.experts, self.routing = glu, cols, gate, experts, dict(routing)
-
-    def _routed_args(self, x, z):
-        e = self.experts
-        return (x, z, self.gate.weight, self.gate.e_score_correction_bias, e.w1, e.w3, e.w2)
-
-    def forward(self, x: torch.Tensor):
-        w, w_out, nw = self.glu.linear.weight, self.cols.packed.linear.weight, self.cols.norm.weight
-        if type(self.glu.linear) is GemvLinear and type(self.cols.packed.linear) is GemvLinear and x.is_cuda \
-                and x.numel() == x.shape[-1]:
-            import k3export.plugins.moe.streams  # noqa: F401  (registers k3::moe_decode_streams)
-            from k3export.plugins.gemv.kernels import _weight_ok, glu_supported, supported
-            n = self.glu.n_plain
-            out_ok = nw.dtype == w_out.dtype == x.dtype and tuple(nw.shape) == (n,) and \
-                _weight_ok(w_out, n + (w.shape[0] - n) // 2)           # as norm_supported([1, n], [1, I_s], ...)
-            if glu_supported(x, w[n:], 0) and supported(x, w[:n]) and out_ok:
-                r = self.routing
-                return torch.ops.k3.moe_decode_streams(
-                    x, w, n, self.gate.weight, self.gate.e_score_correction_bias, self.experts.w1, self.experts.w3,
-                    self.experts.w2, w_out, nw, self.cols.norm.eps, r["top_k"], r["renormalize"], r["scaling"],
-                    r["beta"], r["linear_beta"])
-        from k3export.plugins.moe.op import moe_routed
-        z, h = self.glu(x)
-        return self.cols(moe_routed(*self._routed_args(x, z), **self.routing), h)
-
-    def extra_repr(self) -> str:
-        return "shared experts on a second CUDA stream at one decode row"
-
-
-PACKED = (PackedLinear, PackedRuns, PackedTensor, FusedMixNorm, PackedGlu, NormCols, StreamedMoE)
+PACKED = (PackedLinear, PackedRuns, PackedTensor, FusedMixNorm, PackedGlu, NormCols)
 
 
 def _swap(owner: nn.Module, method: str, packed: nn.Module | None) -> int:
@@ -344,14 +307,13 @@ def _swap(owner: nn.Module, method: str, packed: nn.Module | None) -> int:
     return 1
 
 
-def pack_projections(model: nn.Module, glu: bool = False, fold_norm: bool = False, streams: bool = False) -> int:
+def pack_projections(model: nn.Module, glu: bool = False, fold_norm: bool = False) -> int:
     """Pack every group listed in the module docstring, in place. Returns the number of packed groups (GEMMs and
     conv kernels; groups already packed are packed again from the current weights). `glu`: the LatentMoE's
     down | shared gate | shared up and the dense SiTU MLP's gate | up pack with gate / up rows interleaved, and
     the GEMM computes the activation too (`PackedGlu`, swapped for `project_hidden` / `hidden`). `fold_norm`: the
     LatentMoE's latent RMSNorm and its packed output GEMM as one `NormCols` (swapped for `norm_output`; at one decode
-    row the GEMV normalises its input, `k3::gemv_norm`). `streams` (with glu and fold_norm): the LatentMoE's `mix` as
-    one `StreamedMoE` (at one decode row, the shared experts on a second CUDA stream, `k3::moe_decode_streams`)."""
+    row the GEMV normalises its input, `k3::gemv_norm`)."""
     from k3export.model.kda import KimiDeltaAttention
     from k3export.model.layers import RMSNorm, SituMLP
     from k3export.model.mla import GatedMLA
@@ -376,9 +338,6 @@ def pack_projections(model: nn.Module, glu: bool = False, fold_norm: bool = Fals
             n += _swap(mod, "output", cols)
             if fold_norm and cols is not None and isinstance(mod.routed_expert_norm, RMSNorm):
                 _swap(mod, "norm_output", NormCols(cols, mod.routed_expert_norm))
-                if streams and g is not None:
-                    _swap(mod, "mix", StreamedMoE(g, mod.__dict__["norm_output"], mod.gate, mod.experts,
-                                                  mod.routing))
         elif isinstance(mod, SituMLP) and id(mod) not in shared:
             g = _pack_glu([], mod.gate_proj, mod.up_proj, mod.beta, mod.linear_beta, with_plain=False) if glu else None
             n += _swap(mod, "hidden", g) if g is not None else _swap(mod, "project", _pack_rows([mod.gate_proj,

@@ -211,22 +211,14 @@ def glu_supported(x: torch.Tensor, w: torch.Tensor, n_plain: int) -> bool:
 
 
 def gemv_glu_fwd(x: torch.Tensor, w: torch.Tensor, n_plain: int, beta: float, linear_beta: float,
-                 tile=None, outs: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 **flags) -> tuple[torch.Tensor, torch.Tensor]:
+                 tile=None, **flags) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., K] @ w[N, K]^T with the rows from n_plain on as gate / up pairs: -> (y [..., n_plain], h [...,
-    (N - n_plain) / 2] = SiTU-GLU of each pair), both in x's dtype (`gemv_glu_fwd_kernel`). `outs`: (y, h) as
-    contiguous `[M, n_plain]`, `[M, I]` tensors to write (allocated by a caller on another stream)."""
+    (N - n_plain) / 2] = SiTU-GLU of each pair), both in x's dtype (`gemv_glu_fwd_kernel`)."""
     K, N = x.shape[-1], w.shape[0]
     x2 = _rows(x)
     M, I = x2.shape[0], (N - n_plain) // 2
-    if outs is None:
-        y = torch.empty(M, n_plain, dtype=x.dtype, device=x.device)
-        h = torch.empty(M, I, dtype=x.dtype, device=x.device)
-    else:
-        y, h = outs
-        if tuple(y.shape) != (M, n_plain) or tuple(h.shape) != (M, I) or not h.is_contiguous():
-            raise ValueError(f"gemv_glu: outs must be contiguous [{M}, {n_plain}] and [{M}, {I}], got "
-                             f"{tuple(y.shape)} and {tuple(h.shape)}")
+    y = torch.empty(M, n_plain, dtype=x.dtype, device=x.device)
+    h = torch.empty(M, I, dtype=x.dtype, device=x.device)
     bn, bk, nw = tile or gemv_tile(N, K)
     if n_plain % bn or bn % 2 or (N - n_plain) % 2:
         raise ValueError(f"gemv_glu: n_plain={n_plain} must be a multiple of the row tile {bn} (even), "
