@@ -1,9 +1,7 @@
 #!/usr/bin/env bash
 # What is owed to the GPU, one part per argument, each under its own time limit (device tool, carry [".whl"]; logs
-# under $OUT). Each part below has run at least once (results in docs/perf.md). Owed (2026-11-30 14:40 UTC, ~2 min):
-# `PROFILE_ARGS="--top 40" bash scripts/gpu_pending.sh profile`, for the decode step's critical path under PDL (new
-# in profile_decode.py, not yet run), `normtest` once more (its two token tests are now one parametrized test) and
-# `gentest` (its 14:06 run had the plain Generator as default; the pipelined one is the default since 14:10).
+# under $OUT). Each part below has run at least once (results in docs/perf.md). Nothing is owed (2026-11-30 16:00 UTC:
+# the critical-path profile, normtest and gentest ran at 15:25-15:27, gentest again at 16:00 with early PDL signals).
 #   toy      scripts/aoti_toy.py: does any CUDA AOTI package load there, per import context (bare, CUDA
 #            initialised, triton, k3export.plugins)? ~2 min. Decides whether the crash is torch's or ours.
 #   demo     `k3export demo --device cuda`: the main job end to end on the GPU (aoti refused by the load check
@@ -35,12 +33,13 @@
 #            weight-only GEMV vs plugins.gemv with E4M3 weights)
 #   pdltest  tests/test_pdl.py's cuda tests (PDL chain in a CUDA graph; k3-small compile with / without PDL bit-identical)
 #   gemvtest the k3::gemv cuda tests (K3 shapes vs fp64, PDL chain in a CUDA graph, k3-small compile-gemv-pdl tokens)
-#   ab       scripts/ab_decode.py --env $AB_ENV (NAME=A,B, a switch read at launch time): one switch A/B on the k3-small decode step,
-#            settings interleaved over rounds in one process
+#   ab       scripts/ab_decode.py --env $AB_ENV (NAME=A,B, a switch read at launch time): one switch A/B on the k3-small
+#            decode step, settings interleaved over rounds in one process (the script also takes several --env,
+#            --config FIELD=A,B and --backends A,B experiments per run)
 #   gentest  the runtime's cuda tests (CUDA-graph decode == plain, the pipelined Generator's greedy graph)
 #   normtest k3::gemv_norm's cuda tests (the latent RMSNorm in the MoE output GEMV) and compile-fast's k3-tiny tokens
 #   profile  scripts/profile_decode.py --backend $PROFILE_BACKEND (default compile): kernels per decode step, and the
-#            graph replay's critical path (what each kernel adds to the span under PDL; not yet run)
+#            graph replay's critical path (what each kernel adds to the span under PDL; 15:25: an upper bound only)
 set -uo pipefail
 parts=${*:-model profile}
 source "$(dirname "$0")/gpu_setup.sh"
