@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # What is owed to the GPU, one part per argument, each under its own time limit (device tool, carry [".whl"]; logs
-# under $OUT). Each part below has run at least once (results in docs/perf.md). Nothing is owed (2026-11-30 16:00 UTC:
-# the critical-path profile, normtest and gentest ran at 15:25-15:27, gentest again at 16:00 with early PDL signals).
+# under $OUT). Each part below has run at least once (results in docs/perf.md), except `barrier`. Owed (2026-11-30
+# 16:15 UTC, ~1 min): `bash scripts/gpu_pending.sh barrier`: a grid barrier inside one persistent kernel vs a launch
+# boundary under PDL, per round; decides whether a persistent MoE / KDA sublayer kernel is worth building for #6.
 #   toy      scripts/aoti_toy.py: does any CUDA AOTI package load there, per import context (bare, CUDA
 #            initialised, triton, k3export.plugins)? ~2 min. Decides whether the crash is torch's or ours.
 #   demo     `k3export demo --device cuda`: the main job end to end on the GPU (aoti refused by the load check
@@ -38,6 +39,8 @@
 #            --config FIELD=A,B and --backends A,B experiments per run)
 #   gentest  the runtime's cuda tests (CUDA-graph decode == plain, the pipelined Generator's greedy graph)
 #   normtest k3::gemv_norm's cuda tests (the latent RMSNorm in the MoE output GEMV) and compile-fast's k3-tiny tokens
+#   barrier  scripts/barrier_probe.py: R rounds of neighbour-dependent work on one program per SM (and two), as R
+#            PDL launches in a CUDA graph vs one persistent launch with a grid barrier per round (not yet run)
 #   profile  scripts/profile_decode.py --backend $PROFILE_BACKEND (default compile): kernels per decode step, and the
 #            graph replay's critical path (what each kernel adds to the span under PDL; 15:25: an upper bound only)
 set -uo pipefail
@@ -103,9 +106,11 @@ for part in $parts; do
              > "$OUT/gemvpdl.log" 2>&1
              timeout 90 python3 scripts/gemv_pdl_probe.py --fp8 --out "$OUT/gemvpdl-fp8.json" >> "$OUT/gemvpdl.log" 2>&1 ;;
     probe) timeout 60 python3 scripts/gemv_pack_probe.py --out "$OUT/probe.json" > "$OUT/probe.log" 2>&1 ;;
+    barrier) for g in 0 264; do timeout 60 python3 scripts/barrier_probe.py --programs $g --out "$OUT/barrier-g$g.json"; done \
+             > "$OUT/barrier.log" 2>&1 ;;
     profile) timeout 150 python3 scripts/profile_decode.py --backend ${PROFILE_BACKEND:-compile} ${PROFILE_ARGS:-} \
              > "$OUT/profile.log" 2>&1 ;;
-    *)     echo "unknown part $part (toy demo aoti mla mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe profile)"; continue ;;
+    *)     echo "unknown part $part (toy demo aoti mla mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier profile)"; continue ;;
   esac
   echo "$part: exit $? in $((SECONDS - t)) s" | tee -a "$OUT/pending.log"
   tail -4 "$OUT/$part.log" 2>/dev/null

@@ -347,3 +347,24 @@ def test_k3_small_compile_backend_same_tokens_and_logits_with_pdl(k3_small_basel
                 moe.moe_pair_gemm2_combine_fwd_kernel]
     for fn in fns:
         assert any(_compiled_with_pdl(fn)), f"{fn.__name__}: no variant compiled with launch_pdl"
+
+
+def test_barrier_probe_kernels_compile_for_sm90_on_cpu(monkeypatch):
+    """scripts/barrier_probe.py (GPU planning probe, not run here): its persistent kernel's grid barrier compiles to
+    one release add per program and acquire reads of the counter, bracketed by CTA barriers, and the per-round
+    launch to griddepcontrol with PDL."""
+    import sys
+    from pathlib import Path
+
+    from k3export.plugins.aot import compile_ptx
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts"))
+    sys.modules.pop("barrier_probe", None)
+    import barrier_probe as b
+    ptx = compile_ptx(b.persistent_kernel, {"buf": "*i32", "bar": "*i32", "R": "i32", "G": "i32"}, {},
+                      num_warps=4).ptx
+    assert re.search(r"(atom|red)\.global\.gpu\.release\.add", ptx)      # triton 3.9: red (result unused)
+    assert "ld.global.gpu.acquire" in ptx and "bar.sync" in ptx
+    assert "atom.global.gpu.acq_rel.add" in ptx                  # the last program's reset ticket
+    rnd = compile_ptx(b.round_kernel, {"buf": "*i32", "r": "i32", "G": "i32", "PDL": "constexpr"}, {"PDL": True},
+                      num_warps=4).ptx
+    assert all(g in rnd for g in GDC)
