@@ -23,6 +23,8 @@ import statistics
 
 import torch
 
+from gemv_pack_probe import write_json      # scripts/ on sys.path
+
 
 def _time(backend, model, batch: int, context: int, steps: int) -> list[float]:
     from k3export.bench.model import time_ms
@@ -101,9 +103,7 @@ def main() -> None:
     res = {"backend": a.backend, "preset": a.preset, "batch": a.batch, "context": a.context, "rounds": a.rounds,
            "steps": a.steps, "device": torch.cuda.get_device_name(), "experiments": experiments}
     print(json.dumps(res, indent=1))
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
+    write_json(a.out, res)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gemv_pack_probe import replay_ms      # scripts/ on sys.path
+from gemv_pack_probe import replay_ms, write_json      # scripts/ on sys.path
 from k3export.plugins.launch import pdl_wait
 
 
@@ -75,46 +75,34 @@ def main() -> None:
     def fresh():
         return torch.zeros(2, G, device="cuda", dtype=torch.int32)
 
-    for pdl in (False, True):
-        buf = fresh()
-
-        def chain():
-            for r in range(R):
-                round_kernel[(G,)](buf, r, G, PDL=pdl, num_warps=a.warps, **({"launch_pdl": True} if pdl else {}))
-        chain()                                                   # compile outside the capture
+    def measure(name, run, buf, check):
+        """Capture run() (after an eager call: compiles), replay once from zeros and check, then time replays."""
+        run()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            chain()
+            run()
         buf.zero_()
         graph.replay()
         torch.cuda.synchronize()
-        ok = bool((buf[R % 2] == R).all())
+        ok = bool((buf[R % 2] == R).all()) and check()
         ms = statistics.median(replay_ms(graph.replay, a.iters))
-        name = "chain-pdl" if pdl else "chain"
         res[name] = {"ms": ms, "us_per_round": 1e3 * ms / R, "correct": ok}
-        print(f"{name:11s} {ms:.3f} ms = {1e3 * ms / R:.2f} us per round; values == R: {ok}")
+        print(f"{name:11s} {ms:.3f} ms = {1e3 * ms / R:.2f} us per round; values == R (and the counter at 0): {ok}")
+
+    for pdl in (False, True):
+        buf = fresh()
+
+        def chain(buf=buf, pdl=pdl):
+            for r in range(R):
+                round_kernel[(G,)](buf, r, G, PDL=pdl, num_warps=a.warps, **({"launch_pdl": True} if pdl else {}))
+        measure("chain-pdl" if pdl else "chain", chain, buf, lambda: True)
 
     buf, bar = fresh(), torch.zeros(1, device="cuda", dtype=torch.int32)
-
-    def persistent():
-        persistent_kernel[(G,)](buf, bar, R, G, num_warps=a.warps)
-    persistent()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        persistent()
-    buf.zero_()
-    graph.replay()
-    torch.cuda.synchronize()
-    ok = bool((buf[R % 2] == R).all()) and int(bar.item()) == 0
-    ms = statistics.median(replay_ms(graph.replay, a.iters))
-    res["persistent"] = {"ms": ms, "us_per_round": 1e3 * ms / R, "correct": ok}
-    print(f"persistent  {ms:.3f} ms = {1e3 * ms / R:.2f} us per round; values == R and counter back at 0: {ok}")
+    measure("persistent", lambda: persistent_kernel[(G,)](buf, bar, R, G, num_warps=a.warps), buf,
+            lambda: int(bar.item()) == 0)
     print(json.dumps(res, indent=1))
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
+    write_json(a.out, res)
 
 
 if __name__ == "__main__":
