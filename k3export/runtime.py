@@ -135,8 +135,9 @@ class CompileBackend(EagerBackend):
     B = 16 unchanged (1.70-1.72). `pdl_early` (default; not with Inductor's `triton.enable_pdl`): our decode
     kernels signal their dependents' launch before their wait (`launch.EARLY`): k3-small B = 1 (`scripts/ab_decode.py
     --env K3_PDL_EARLY=0,1`, 4 interleaved rounds of 200 steps) 0.886 -> 0.872 ms (2026-11-30 15:36) and 0.925 ->
-    0.920 (15:49, another machine); tokens and logits bit-identical to without PDL (tests/test_pdl.py). Prefill stays without PDL: its 2048-token times with PDL averaged 12.96 ms over
-    four runs, 12.55 without (run-to-run spread ~0.5 ms).
+    0.920 (15:49, another machine); tokens and logits bit-identical to without PDL (tests/test_pdl.py). Prefill
+    stays without PDL: its 2048-token times with PDL averaged 12.96 ms over four runs, 12.55 without (run-to-run
+    spread ~0.5 ms).
     `glu` (CUDA models): the MoE's down | shared gate | shared up and the dense MLP's gate | up pack with gate / up
     rows interleaved, and at one row `k3::gemv_glu` applies SiTU-GLU in the GEMV's epilogue (`packing.PackedGlu`:
     one launch fewer per MoE / MLP layer, 12 per k3-small step). `moe_pdl` (with `pdl`): the MoE decode kernels
