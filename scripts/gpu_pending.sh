@@ -113,7 +113,7 @@ for part in $parts; do
     moelayer) timeout 200 python3 -m pytest -q -m cuda tests/test_moe_layer.py tests/test_gemv.py -k "persistent or moelayer" \
              -s -rs -p no:cacheprovider > "$OUT/moelayer-test.log" 2>&1
            timeout ${MOELAYER_TIMEOUT:-330} python3 scripts/ab_decode.py --backend compile-moelayer --rounds 3 \
-             --env K3_MOE_LAYER_KERNEL=0,1 --env K3_MOE_LAYER=${MOELAYER_CFGS:-0/8/4/4/4,0/8/2/2/2,0/16/4/4/4} \
+             --env K3_MOE_LAYER_KERNEL=0,1 --env K3_MOE_LAYER=${MOELAYER_CFGS:-0/8/4/4/4,0/16/4/4/4,0/16/8/4/8} \
              --backends compile,compile-moelayer --out "$OUT/ab-moelayer.json" > "$OUT/moelayer.log" 2>&1 ;;
     barrier) for g in 0 264; do timeout 60 python3 scripts/barrier_probe.py --programs $g --out "$OUT/barrier-g$g.json"; done \
              > "$OUT/barrier.log" 2>&1 ;;

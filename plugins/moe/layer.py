@@ -215,7 +215,8 @@ def _counter(like: torch.Tensor) -> torch.Tensor:
 def layer_config() -> dict:
     """programs (0: the SM count), warps and the work-item rows; env K3_MOE_LAYER="programs/warps/bn1/bn2/bn3"
     (read at each launch: an A/B switch). Unmeasured defaults; 8 warps at BN 4 compile to 191 registers without
-    spills (ptxas sm_90a, k3-small shapes), one program per SM; 4 warps or BN 8 spill."""
+    spills (ptxas sm_90a, k3-small shapes), one program per SM; 4 warps or BN 8 spill. More bytes in flight per SM
+    (BN 8 at 16 warps: 128 registers, ~150 B spilled) is the first thing to try if gemm1 is slow."""
     cfg = dict(programs=0, warps=8, bn1=4, bn2=4, bn3=4)
     env = os.environ.get("K3_MOE_LAYER")
     if env:
