@@ -54,7 +54,8 @@ def _rel(out, ref):
 
 def _interpreter_cases() -> dict:
     from k3export.plugins.moe.kernels import interleave_gate_up
-    from k3export.plugins.moe.layer import _counter, moe_layer_decode_fwd
+    from k3export.plugins.moe.layer import moe_layer_decode_fwd
+    from k3export.plugins.triton_common import tickets
     res = {}
     for name, dt in (("fp32", torch.float32), ("fp16", torch.float16)):
         for top_k, renorm in ((4, True), (1, False)):
@@ -74,7 +75,7 @@ def _interpreter_cases() -> dict:
         y = moe_layer_decode_fwd(*paired, 1e-5, 4, True, 2.5, **SITU, phases=True,
                                  config=dict(programs=5, warps=4, bn1=4, bn2=4, bn3=4))
         res[f"paired-{name}"] = _rel(y, _ref(args, 4, True))
-    res["counter-untouched"] = float(int(_counter(torch.empty(1)).item()) == 0)
+    res["counter-untouched"] = float(int(tickets(torch.empty(1), 1)[0].item()) == 0)
     return res
 
 
@@ -161,7 +162,8 @@ def test_persistent_equals_phases_k3_small_cuda():
     counter back at 0 after each), and within 2^-6 of the fp64 reference relative to max |y| (bf16 roundings of
     h, u, the normalised u and y: a few 2^-9 each; near-tie routings excluded by the draw's seed check)."""
     from k3export.plugins import launch as L
-    from k3export.plugins.moe.layer import _counter, moe_layer_decode_fwd
+    from k3export.plugins.moe.layer import moe_layer_decode_fwd
+    from k3export.plugins.triton_common import tickets
     args = _case(torch.bfloat16, E=64, d=2048, L=1024, I=768, IS=1536, seed=3, device="cuda")
     opts = (1e-5, 8, True, 2.5, SITU["beta"], SITU["linear_beta"])
     ref = _ref(args, 8, True)
@@ -169,7 +171,7 @@ def test_persistent_equals_phases_k3_small_cuda():
     with L.pdl(torch.cuda.get_device_capability()[0] >= 9, early=True):
         one = moe_layer_decode_fwd(*args, *opts)
         torch.cuda.synchronize()
-        assert int(_counter(one).item()) == 0
+        assert int(tickets(one, 1)[0].item()) == 0
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = moe_layer_decode_fwd(*args, *opts)
@@ -178,7 +180,7 @@ def test_persistent_equals_phases_k3_small_cuda():
         graph.replay()
         torch.cuda.synchronize()
         reps.append(out.clone())
-        assert int(_counter(one).item()) == 0
+        assert int(tickets(one, 1)[0].item()) == 0
     assert torch.equal(one, phases) and all(torch.equal(r, one) for r in reps)
     err = _rel(one, ref)
     print(f"moe_layer_decode k3-small: persistent == phases (eager, 3 replays); vs fp64 reference {err:.2e}")

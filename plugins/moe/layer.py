@@ -11,7 +11,8 @@ persistent launch (experimental, opt-in; not yet run on a GPU).
     phase 4  y = [RMSNorm(u) * nw | h_s] W_out^T (as `k3::gemv_norm`), row blocks                           [d]
 
 In a decode step the same work is six launches (router, top-k, gemm1, gemm2 + combine, the latent norm, the output
-GEMV), each a dependent launch boundary; here three grid barriers (an arrive counter in global memory, spun on with
+GEMV), each a dependent launch boundary; here three grid barriers (an arrive counter in global memory: the first of
+the device's kept ticket counters, `triton_common.tickets`, left at 0 as its other users leave theirs; spun on with
 acquire reads) stand in for them. `scripts/barrier_probe.py` measures what a barrier costs against a launch. The
 programs must all be resident at once (grid <= SMs x programs per SM), or the first barrier never opens: the host
 launches `programs` <= the SM count, one 4- or 8-warp program per SM by default.
@@ -33,7 +34,7 @@ from torch import Tensor
 
 from ..gemv.op import gemv_norm_ref
 from ..launch import INTERPRET, launch, pdl_args, pdl_wait
-from ..triton_common import check, pow2
+from ..triton_common import check, pow2, tickets
 from .kernels import _sigmoid, _situ_glu, _topk
 from .op import moe_routed
 
@@ -110,7 +111,7 @@ def _out_tile(w_out, r0, D, K_OUT, oo, BN3: tl.constexpr):
 @triton.jit
 def moe_layer_decode_kernel(
     x, z, hs, g, bias, w1, w3, w2, w_out, nw, y,             # inputs, output
-    logits, h, u, bar,                                      # scratch: [E] fp32, [K, I], [L], arrive counter
+    logits, h, u, bar,                                      # scratch: [E] fp32, [K, I], [L]; bar: tickets[0]
     D, E, L, I, IS, stride_we, stride_wi, eps, scaling, beta, linear_beta,
     K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, BD: tl.constexpr, BL: tl.constexpr,
     BI: tl.constexpr, BO: tl.constexpr, BN1: tl.constexpr, BN2: tl.constexpr, BN3: tl.constexpr,
@@ -200,18 +201,6 @@ def moe_layer_decode_kernel(
             tl.store(bar, 0)
 
 
-_BAR: dict[tuple, torch.Tensor] = {}      # (device type, index) -> the arrive counter, zeroed once, left at 0
-
-
-def _counter(like: torch.Tensor) -> torch.Tensor:
-    key = (like.device.type, like.device.index)
-    if key not in _BAR:
-        check(not (like.is_cuda and torch.cuda.is_current_stream_capturing()),
-              "moe_layer_decode: first call inside a CUDA-graph capture; run one call eagerly first")
-        _BAR[key] = torch.zeros(1, device=like.device, dtype=torch.int32)
-    return _BAR[key]
-
-
 def layer_config() -> dict:
     """programs (0: the SM count), warps and the work-item rows; env K3_MOE_LAYER="programs/warps/bn1/bn2/bn3"
     (read at each launch: an A/B switch). Unmeasured defaults; 8 warps at BN 4 compile to 191 registers without
@@ -255,7 +244,7 @@ def moe_layer_decode_fwd(x, z, hs, gate_weight, bias, w1, w3, w2, w_out, norm_we
     u = torch.empty(L, device=dev, dtype=z.dtype)
     y = torch.empty(1, D, device=dev, dtype=z.dtype)
     args = (x.contiguous(), z.contiguous(), hs.contiguous(), gate_weight.contiguous(), bias.contiguous(), w1, w3,
-            w2.contiguous(), w_out.contiguous(), norm_weight.contiguous(), y, logits, h, u, _counter(z),
+            w2.contiguous(), w_out.contiguous(), norm_weight.contiguous(), y, logits, h, u, tickets(z, 1),
             D, E, L, I, IS, w1.stride(0), w1.stride(1), float(eps), float(scaling), float(beta), float(linear_beta))
     cx = dict(K=top_k, BLOCK_K=pow2(top_k, 2), BLOCK_E=pow2(E, 16), BD=pow2(D, 16), BL=pow2(L, 16),
               BI=pow2(I, 16), BO=pow2(L + IS, 16), BN1=cfg["bn1"], BN2=cfg["bn2"], BN3=cfg["bn3"],
