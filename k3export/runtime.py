@@ -146,17 +146,14 @@ class CompileBackend(EagerBackend):
     correct on the H200 (tokens / bit-identity tests) and off: none made the k3-small step at B = 1 faster
     (2026-11-30 13:35-13:49, `bench model`: compile 0.881-0.923 ms, glu 0.892, moe_pdl 0.896, fold_norm 0.886, all
     three 0.908; docs/perf.md "Fewer kernels per step does not help any more"). Neither did the shared experts on
-    a second CUDA stream (graph branches per MoE layer): 0.901 -> 0.922 ms (15:58; git history, perf.md).
-    `moe_layer` (CUDA models, with glu): each bf16 LatentMoE's router .. output GEMM at one decode row as one
-    persistent launch with grid barriers (`k3::moe_layer_decode`, `packing.PersistentMoE`); experimental, not yet
-    run on a GPU (bench `compile-moelayer`)."""
+    a second CUDA stream (graph branches per MoE layer): 0.901 -> 0.922 ms (15:58; git history, perf.md)."""
 
     name = "compile"
 
     def __init__(self, model, mode: str | None = None, cache_dir=None, freezing: bool = False, pack: bool = True,
                  fuse_norms: bool = True, inplace: bool = True, fuse_adds: bool = True, options: dict | None = None,
                  pair_experts: bool = True, gemv: bool = True, pdl: bool = True, glu: bool = False,
-                 moe_pdl: bool = False, fold_norm: bool = False, pdl_early: bool = True, moe_layer: bool = False):
+                 moe_pdl: bool = False, fold_norm: bool = False, pdl_early: bool = True):
         super().__init__(model)
         from k3export.model import packing
         packing.unpack_projections(model)          # the swaps asked for here, no others (in place: later users too)
@@ -166,9 +163,8 @@ class CompileBackend(EagerBackend):
         else:
             packing.unpair_experts(model)
             self.paired = 0
-        cuda = dev.type == "cuda"
-        self.packed = packing.pack_projections(model, glu=(glu or moe_layer) and cuda, fold_norm=fold_norm and cuda,
-                                               persistent=moe_layer and cuda) if pack else 0
+        self.packed = packing.pack_projections(model, glu=glu and dev.type == "cuda",
+                                               fold_norm=fold_norm and dev.type == "cuda") if pack else 0
         self.fused = packing.fuse_norms(model, adds=fuse_adds) if fuse_norms else 0
         self.gemv = packing.gemv_linears(model) if gemv and dev.type == "cuda" else 0
         self.pdl = bool(pdl and dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9)

@@ -1,9 +1,6 @@
 #!/usr/bin/env bash
 # What is owed to the GPU, one part per argument, each under its own time limit (device tool, carry [".whl"]; logs
-# under $OUT). Each part below has run at least once (results in docs/perf.md), except `barrier` and `moelayer`.
-# Owed (2026-11-30 16:40 UTC, ~6 min): `bash scripts/gpu_pending.sh barrier moelayer`: a grid barrier inside one
-# persistent kernel vs a launch boundary under PDL; then the persistent MoE sublayer kernel (`k3::moe_layer_decode`):
-# its cuda tests, and its A/B on the k3-small decode step (#6).
+# under $OUT). Each part below has run at least once (results in docs/perf.md). Nothing is owed.
 #   toy      scripts/aoti_toy.py: does any CUDA AOTI package load there, per import context (bare, CUDA
 #            initialised, triton, k3export.plugins)? ~2 min. Decides whether the crash is torch's or ours.
 #   demo     `k3export demo --device cuda`: the main job end to end on the GPU (aoti refused by the load check
@@ -40,11 +37,8 @@
 #            --config FIELD=A,B and --backends A,B experiments per run)
 #   gentest  the runtime's cuda tests (CUDA-graph decode == plain, the pipelined Generator's greedy graph)
 #   normtest k3::gemv_norm's cuda tests (the latent RMSNorm in the MoE output GEMV) and compile-fast's k3-tiny tokens
-#   moelayer k3::moe_layer_decode (router .. output GEMM as one persistent launch): its cuda tests (persistent ==
-#            phase launches bit for bit, graph replays, k3-tiny compile-moelayer tokens), then scripts/ab_decode.py:
-#            compile vs compile-moelayer, the kernel on / off (K3_MOE_LAYER_KERNEL) and launch configs (K3_MOE_LAYER)
 #   barrier  scripts/barrier_probe.py: R rounds of neighbour-dependent work on one program per SM (and two), as R
-#            PDL launches in a CUDA graph vs one persistent launch with a grid barrier per round (not yet run)
+#            PDL launches in a CUDA graph vs one persistent launch with a grid barrier per round (16:58: 0.86 vs 1.14 us)
 #   profile  scripts/profile_decode.py --backend $PROFILE_BACKEND (default compile): kernels per decode step, and the
 #            graph replay's critical path (what each kernel adds to the span under PDL; 15:25: an upper bound only)
 set -uo pipefail
@@ -110,16 +104,11 @@ for part in $parts; do
              > "$OUT/gemvpdl.log" 2>&1
              timeout 90 python3 scripts/gemv_pdl_probe.py --fp8 --out "$OUT/gemvpdl-fp8.json" >> "$OUT/gemvpdl.log" 2>&1 ;;
     probe) timeout 60 python3 scripts/gemv_pack_probe.py --out "$OUT/probe.json" > "$OUT/probe.log" 2>&1 ;;
-    moelayer) timeout 200 python3 -m pytest -q -m cuda tests/test_moe_layer.py tests/test_gemv.py -k "persistent or moelayer" \
-             -s -rs -p no:cacheprovider > "$OUT/moelayer-test.log" 2>&1
-           timeout ${MOELAYER_TIMEOUT:-330} python3 scripts/ab_decode.py --backend compile-moelayer --rounds 3 \
-             --env K3_MOE_LAYER_KERNEL=0,1 --env K3_MOE_LAYER=${MOELAYER_CFGS:-0/8/4/4/4,0/16/4/4/4,0/16/8/4/8} \
-             --backends compile,compile-moelayer --out "$OUT/ab-moelayer.json" > "$OUT/moelayer.log" 2>&1 ;;
     barrier) for g in 0 264; do timeout 60 python3 scripts/barrier_probe.py --programs $g --out "$OUT/barrier-g$g.json"; done \
              > "$OUT/barrier.log" 2>&1 ;;
     profile) timeout 150 python3 scripts/profile_decode.py --backend ${PROFILE_BACKEND:-compile} ${PROFILE_ARGS:-} \
              > "$OUT/profile.log" 2>&1 ;;
-    *)     echo "unknown part $part (toy demo aoti mla mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier moelayer profile)"; continue ;;
+    *)     echo "unknown part $part (toy demo aoti mla mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier profile)"; continue ;;
   esac
   echo "$part: exit $? in $((SECONDS - t)) s" | tee -a "$OUT/pending.log"
   tail -4 "$OUT/$part.log" 2>/dev/null

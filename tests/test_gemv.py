@@ -465,13 +465,11 @@ def test_gemv_glu_cuda_vs_reference(n_plain, I, K):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("variant,method,swap", [("compile-glu", "project_hidden", "PackedGlu"),
-                                                 ("compile-fast", "norm_output", "NormCols"),
-                                                 ("compile-moelayer", "routed_output", "PersistentMoE")])
+                                                 ("compile-fast", "norm_output", "NormCols")])
 def test_k3_tiny_fp32_compile_swaps_at_b1_generate_eager_tokens(variant, method, swap):
     """k3-tiny fp32, one prompt at B = 1 through `compile-glu` (SiTU-GLU in the one-row GEMV of the MoE and MLP
-    input projections, PDL on sm_90), `compile-fast` (that, the latent norm in the MoE output GEMV and the MoE
-    kernels on PDL) and `compile-moelayer` (glu, and each MoE's router .. output GEMM as one persistent launch
-    with grid barriers, in the Engine's CUDA graph): the greedy tokens of the model as written, run eagerly."""
+    input projections, PDL on sm_90) and `compile-fast` (that, the latent norm in the MoE output GEMV and the MoE
+    kernels on PDL): the greedy tokens of the model as written, run eagerly."""
     from k3export.bench.model import COMPILE_VARIANTS
     from k3export.config import K3Config
     from k3export.generate import generate

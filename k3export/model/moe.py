@@ -83,21 +83,13 @@ class LatentMoE(nn.Module):
         normalises u itself at one decode row (`k3::gemv_norm`)."""
         return self.output(self.routed_expert_norm(u), h)
 
-    def routed_output(self, x, z, h):
-        """norm_output(routed(x, z), h): everything after the input projection. `model.packing.pack_projections(
-        persistent=True)` swaps in `k3::moe_layer_decode` (one persistent launch at one decode row)."""
-        return self.norm_output(self.routed(x, z), h)
-
-    def _mix(self, x, routed=None):
-        """The sublayer with `routed` (default: `routed_output`, the swappable routed part and output)."""
+    def _mix(self, x, routed):
         z, h = self.project_hidden(x)
-        if routed is None:
-            return self.routed_output(x, z, h)
         return self.norm_output(routed(x, z), h)
 
     def forward(self, x):
         """x `[N, d]` -> `[N, d]`."""
-        return self._mix(x)
+        return self._mix(x, self.routed)
 
     def forward_naive(self, x):
         """The slow twin: every expert runs on every token with a zero-or-weight coefficient."""

@@ -55,7 +55,7 @@ from torch import nn
 from k3export.plugins.attn_res.op import attn_res_add_norm, attn_res_norm
 
 # the owners' methods that packs shadow
-PROJECTION_SWAPS = ("project", "output", "conv_weight", "project_hidden", "hidden", "norm_output", "routed_output")
+PROJECTION_SWAPS = ("project", "output", "conv_weight", "project_hidden", "hidden", "norm_output")
 SWAPPED = PROJECTION_SWAPS + ("mix_norm", "add_mix_norm")   # ... and every serving swap
 
 
@@ -297,32 +297,7 @@ class FusedMixNorm(nn.Module):
         return op(bank, *ps, res_norm.weight, res_query.weight, self.eps, norm.weight, norm.eps)
 
 
-class PersistentMoE(nn.Module):
-    """`LatentMoE.routed_output(x, z, h)` (router, top-k, experts, latent norm, output GEMM) over its column-packed
-    output. A one-row CUDA call of a `GemvLinear` output runs `k3::moe_layer_decode`: one persistent launch with
-    grid barriers between the phases (`plugins.moe.layer`; experimental); otherwise the routed op, the norm and
-    the packed GEMM, as the owner computes them."""
-
-    def __init__(self, cols: PackedLinear, norm: nn.Module, gate: nn.Module, experts: nn.Module, routing: dict):
-        super().__init__()
-        self.cols, self.norm, self.gate, self.experts, self.routing = cols, norm, gate, experts, dict(routing)
-
-    def forward(self, x: torch.Tensor, z: torch.Tensor, h: torch.Tensor):
-        g, e = self.gate, self.experts
-        if type(self.cols.linear) is GemvLinear and x.is_cuda and x.numel() == x.shape[-1]:
-            import k3export.plugins.moe.layer  # noqa: F401  (registers k3::moe_layer_decode)
-            return torch.ops.k3.moe_layer_decode(x, z, h, g.weight, g.e_score_correction_bias, e.w1, e.w3, e.w2,
-                                                 self.cols.linear.weight, self.norm.weight, self.norm.eps,
-                                                 **self.routing)
-        from k3export.plugins.moe.op import moe_routed
-        u = moe_routed(x, z, g.weight, g.e_score_correction_bias, e.w1, e.w3, e.w2, **self.routing)
-        return self.cols(self.norm(u), h)
-
-    def extra_repr(self) -> str:
-        return "router .. output GEMM as one persistent launch at one decode row"
-
-
-PACKED = (PackedLinear, PackedRuns, PackedTensor, FusedMixNorm, PackedGlu, NormCols, PersistentMoE)
+PACKED = (PackedLinear, PackedRuns, PackedTensor, FusedMixNorm, PackedGlu, NormCols)
 
 
 def _swap(owner: nn.Module, method: str, packed: nn.Module | None) -> int:
@@ -332,15 +307,13 @@ def _swap(owner: nn.Module, method: str, packed: nn.Module | None) -> int:
     return 1
 
 
-def pack_projections(model: nn.Module, glu: bool = False, fold_norm: bool = False, persistent: bool = False) -> int:
+def pack_projections(model: nn.Module, glu: bool = False, fold_norm: bool = False) -> int:
     """Pack every group listed in the module docstring, in place. Returns the number of packed groups (GEMMs and
     conv kernels; groups already packed are packed again from the current weights). `glu`: the LatentMoE's
     down | shared gate | shared up and the dense SiTU MLP's gate | up pack with gate / up rows interleaved, and
     the GEMM computes the activation too (`PackedGlu`, swapped for `project_hidden` / `hidden`). `fold_norm`: the
     LatentMoE's latent RMSNorm and its packed output GEMM as one `NormCols` (swapped for `norm_output`; at one decode
-    row the GEMV normalises its input, `k3::gemv_norm`). `persistent`: each bf16 LatentMoE's routed part and output
-    as one `PersistentMoE` (swapped for `routed_output`; at one decode row one persistent launch,
-    `k3::moe_layer_decode`; experimental)."""
+    row the GEMV normalises its input, `k3::gemv_norm`)."""
     from k3export.model.kda import KimiDeltaAttention
     from k3export.model.layers import RMSNorm, SituMLP
     from k3export.model.mla import GatedMLA
@@ -365,10 +338,6 @@ def pack_projections(model: nn.Module, glu: bool = False, fold_norm: bool = Fals
             n += _swap(mod, "output", cols)
             if fold_norm and cols is not None and isinstance(mod.routed_expert_norm, RMSNorm):
                 _swap(mod, "norm_output", NormCols(cols, mod.routed_expert_norm))
-            if persistent and cols is not None and isinstance(mod.routed_expert_norm, RMSNorm) \
-                    and type(mod) is LatentMoE:                  # not FP8LatentMoE: its experts are E4M3
-                _swap(mod, "routed_output", PersistentMoE(cols, mod.routed_expert_norm, mod.gate, mod.experts,
-                                                          mod.routing))
         elif isinstance(mod, SituMLP) and id(mod) not in shared:
             g = _pack_glu([], mod.gate_proj, mod.up_proj, mod.beta, mod.linear_beta, with_plain=False) if glu else None
             n += _swap(mod, "hidden", g) if g is not None else _swap(mod, "project", _pack_rows([mod.gate_proj,

@@ -144,16 +144,6 @@ def _topk_store(sc, bias, ids, w, n, E, scaling, K: tl.constexpr, BLOCK_K: tl.co
     """Token n's selection from its scores sc `[BLOCK_E]` fp32: ids[n] = the K largest sc + bias (ties -> lowest
     id), w[n] = their unbiased sc (renormalised) * scaling (`moe_topk_fwd_kernel`, and the fused router's last
     program)."""
-    top, wt = _topk(sc, bias, E, K, BLOCK_K, BLOCK_E, RENORM, PACKED)
-    slots = tl.arange(0, BLOCK_K)
-    tl.store(ids + n * K + slots, top, mask=slots < K)
-    tl.store(w + n * K + slots, wt * scaling, mask=slots < K)
-
-
-@triton.jit
-def _topk(sc, bias, E, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr,
-          PACKED: tl.constexpr):
-    """(ids `[BLOCK_K]` int32, weights `[BLOCK_K]` fp32 before the scaling) of `_topk_store`, in registers."""
     offs = tl.arange(0, BLOCK_E)
     ok = offs < E
     key = tl.where(ok, sc + tl.load(bias + offs, mask=ok, other=0.0).to(tl.float32), float("-inf"))
@@ -178,7 +168,8 @@ def _topk(sc, bias, E, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.const
             key = tl.where(offs == idx, float("-inf"), key)
     if RENORM:
         wt = wt / (tl.sum(wt, 0) + 1e-20)
-    return top, wt
+    tl.store(ids + n * K + slots, top, mask=slots < K)
+    tl.store(w + n * K + slots, wt * scaling, mask=slots < K)
 
 
 @triton.jit
