@@ -634,6 +634,36 @@ def test_gemv_mix_cuda_vs_two_launches(n, N, monkeypatch):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("N,K,fp8", [(8336, 2048, False), (32768, 2048, False), (2048, 2048, False),
+                                     (8336, 2048, True)])
+def test_gemv_l2_prefetch_same_bits(N, K, fp8, monkeypatch):
+    """`K3_GEMV_L2PF=1` (the first programs prefetch the later programs' weight rows into L2 before the PDL wait):
+    the same output bits as without it, eagerly and in a CUDA graph (bf16 weights and E4M3 weight-only)."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm_90+")
+    from k3export.plugins import launch as L
+    x, w = _inputs(1, N, K, torch.bfloat16, seed=N + K, device="cuda")
+    kw = {}
+    if fp8:
+        ws = (w.float().abs().amax(1) / 448).contiguous()
+        w, kw = (w.float() / ws[:, None]).to(torch.float8_e4m3fn), dict(w_scale=ws)
+    outs = {}
+    with L.pdl(True, early=True):
+        for on in ("0", "1"):
+            monkeypatch.setenv("K3_GEMV_L2PF", on)
+            flags = G.launch_flags(x)
+            assert bool(G.l2_flags(x, w, flags)) == (on == "1")
+            y = G.gemv_fwd(x, w, **kw, **flags, **G.l2_flags(x, w, flags))
+            graph, yg = torch.cuda.CUDAGraph(), torch.empty_like(y)
+            with torch.cuda.graph(graph):
+                yg.copy_(G.gemv_fwd(x, w, **kw, **flags, **G.l2_flags(x, w, flags)))
+            graph.replay()
+            torch.cuda.synchronize()
+            outs[on] = (y, yg)
+    assert all(torch.equal(a, b) for a in outs["0"] + outs["1"] for b in outs["0"][:1])
+
+
+@pytest.mark.cuda
 def test_gemv_mix_chain_in_a_cuda_graph_with_pdl_same_bits():
     """Six sublayer boundaries chained through `k3::gemv_mix` (each reads the previous partial sum and output),
     captured with PDL and early signals: outputs zeroed before each of 3 replays, all equal bit for bit to the

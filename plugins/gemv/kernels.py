@@ -43,13 +43,18 @@ EARLY = os.environ.get("K3_GEMV_EARLY", "1") == "1"
 @triton.jit
 def gemv_fwd_kernel(x, w, y, M, N, K, stride_xm, stride_ym, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     PDL: tl.constexpr = False, PREFETCH: tl.constexpr = True, EARLY: tl.constexpr = False,
-                    w_scale=None, SCALE: tl.constexpr = 0):
+                    w_scale=None, SCALE: tl.constexpr = 0, L2_STRIDE: tl.constexpr = 0, L2_LINES: tl.constexpr = 0,
+                    L2_EPL: tl.constexpr = 0):
     """y[m, n] = sum_k x[m, k] w[n, k] (* w_scale), rows n of this program, every m < M; w row-major [N, K]
     (contiguous; any float type, E4M3 included: widened to fp32 in registers). SCALE 0: none; 1: one fp32 scale;
     2: fp32 per output row (FP8 weight-only, `fp8.fp8_linear_wo_ref`). PREFETCH: the weight tile (and its scales)
     is loaded before the PDL wait (else after it); EARLY: the dependents' launch is signalled before anything else
-    (else right after the wait). Both only matter with PDL."""
-    rows, ks, n_ok, k_ok, wf, sc = _weight_rows(w, w_scale, N, K, BLOCK_N, BLOCK_K, PDL, PREFETCH, EARLY, SCALE)
+    (else right after the wait). Both only matter with PDL. L2_STRIDE > 0 (with PDL and PREFETCH; experimental,
+    `l2_prefetch_flags`): programs below L2_STRIDE also prefetch into L2, before the wait, the rows of the blocks
+    that later programs will own (pid + L2_STRIDE, pid + 2 L2_STRIDE, ...), L2_LINES 128-byte lines of L2_EPL
+    elements per block."""
+    rows, ks, n_ok, k_ok, wf, sc = _weight_rows(w, w_scale, N, K, BLOCK_N, BLOCK_K, PDL, PREFETCH, EARLY, SCALE,
+                                                L2_STRIDE, L2_LINES, L2_EPL)
     for m in range(M):
         acc = _row_dot(x + m * stride_xm, ks, k_ok, wf, sc, SCALE)
         tl.store(y + m * stride_ym + rows, acc.to(y.dtype.element_ty), mask=n_ok)
@@ -125,8 +130,24 @@ def gemv_mix_fwd_kernel(bank, p, dp, nw, pw, ow, w, p_out, x_out, y, n, N, K, st
 
 
 @triton.jit
+def _l2_prefetch(w, N, K, BLOCK_N: tl.constexpr, STRIDE: tl.constexpr, LINES: tl.constexpr, EPL: tl.constexpr):
+    """`prefetch.global.L2` of the weight rows of blocks pid + STRIDE, pid + 2 STRIDE, ... (programs pid < STRIDE):
+    one 128-byte line (EPL elements) per thread and LINES lines per block, clamped to the block's rows."""
+    pid = tl.program_id(0)
+    if pid < STRIDE:
+        offs = tl.arange(0, LINES).to(tl.int64) * EPL
+        for b in range(pid + STRIDE, tl.cdiv(N, BLOCK_N), STRIDE):
+            start = b.to(tl.int64) * BLOCK_N * K
+            end = tl.minimum(b.to(tl.int64) * BLOCK_N + BLOCK_N, N) * K
+            addr = (w + tl.where(start + offs < end, start + offs, start)).to(tl.int64, bitcast=True)
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [addr], dtype=tl.int32,
+                                      is_pure=False, pack=1)
+
+
+@triton.jit
 def _weight_rows(w, w_scale, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-                 PREFETCH: tl.constexpr, EARLY: tl.constexpr, SCALE: tl.constexpr):
+                 PREFETCH: tl.constexpr, EARLY: tl.constexpr, SCALE: tl.constexpr, L2_STRIDE: tl.constexpr = 0,
+                 L2_LINES: tl.constexpr = 0, L2_EPL: tl.constexpr = 0):
     """This program's BLOCK_N weight rows, whole, widened to fp32, and their scales; with PDL the loads come
     before `griddepcontrol.wait` (PREFETCH) and the dependents' launch is signalled first (EARLY) or after the
     wait. Returns (rows, ks, n_ok, k_ok, w fp32 [BLOCK_N, BLOCK_K], scales)."""
@@ -141,6 +162,8 @@ def _weight_rows(w, w_scale, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     if PREFETCH:
         wv = tl.load(w_ptrs, mask=w_mask, other=0.0)
         sc = _scales(w_scale, rows, n_ok, SCALE)
+        if L2_STRIDE > 0:
+            _l2_prefetch(w, N, K, BLOCK_N, L2_STRIDE, L2_LINES, L2_EPL)
     if PDL:
         gdc_wait()
         if not EARLY:
@@ -324,11 +347,30 @@ def launch_flags(x: torch.Tensor) -> dict:
     return flags
 
 
+_SMS: dict[int, int] = {}       # device index -> multiprocessor count
+
+
+def l2_flags(x: torch.Tensor, w: torch.Tensor, flags: dict) -> dict:
+    """With env K3_GEMV_L2PF=1 (read at each launch; experimental, off by default) and PDL in `flags`: the
+    `gemv_fwd_kernel` options that make its first programs prefetch the later programs' weight rows into L2 before
+    the wait (`_l2_prefetch`; stride: the programs resident at once, estimated as 2 per SM at 8 warps, 4 at 4);
+    else {}."""
+    if os.environ.get("K3_GEMV_L2PF", "0") != "1" or not flags.get("PDL"):
+        return {}
+    idx = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    if idx not in _SMS:
+        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    bn, bk, nw = gemv_tile(*w.shape)
+    epl = 128 // w.element_size()
+    return dict(L2_STRIDE=_SMS[idx] * (2 if nw == 8 else 4), L2_LINES=max(1, bn * bk // epl), L2_EPL=epl)
+
+
 def _cuda(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if not supported(x, w):
         from .op import gemv_ref
         return gemv_ref(x, w)                                # the op's contract, for shapes the kernel does not take
-    return gemv_fwd(x, w, **launch_flags(x))
+    flags = launch_flags(x)
+    return gemv_fwd(x, w, **flags, **l2_flags(x, w, flags))
 
 
 def _cuda_glu(x, w, n_plain: int, beta: float, linear_beta: float):
