@@ -146,8 +146,7 @@ def _fp8_gemv(x: Tensor, w: Tensor, w_scale: Tensor) -> Tensor | None:
     from k3export.plugins.gemv import kernels as G
     if x.shape[0] != 1 or not G.supported_fp8(x, w, w_scale):
         return None
-    flags = G.launch_flags(x)
-    return G.gemv_fwd(x, w, w_scale=w_scale, **flags, **G.l2_flags(x, w, flags))
+    return G.gemv_fwd(x, w, w_scale=w_scale, **G.launch_flags(x))
 
 
 @fp8_linear.register_kernel("cuda")

@@ -146,18 +146,14 @@ class CompileBackend(EagerBackend):
     correct on the H200 (tokens / bit-identity tests) and off: none made the k3-small step at B = 1 faster
     (2026-11-30 13:35-13:49, `bench model`: compile 0.881-0.923 ms, glu 0.892, moe_pdl 0.896, fold_norm 0.886, all
     three 0.908; docs/perf.md "Fewer kernels per step does not help any more"). Neither did the shared experts on
-    a second CUDA stream (graph branches per MoE layer): 0.901 -> 0.922 ms (15:58; git history, perf.md).
-    `mix_gemv` (CUDA models, with gemv, fuse_norms and fuse_adds; 0 = off): an Inductor graph pass
-    (`graph_passes.MixIntoGemv`) fuses each decode step's `k3::attn_res_add_norm` into the one-row `k3::gemv` that
-    reads its output when that GEMV has at most `mix_gemv` rows (`k3::gemv_mix`: the mix computed inside every GEMV
-    program after its wait; one launch fewer per sublayer). Experimental, bench `compile-mix` / `compile-mix8k`."""
+    a second CUDA stream (graph branches per MoE layer): 0.901 -> 0.922 ms (15:58; git history, perf.md)."""
 
     name = "compile"
 
     def __init__(self, model, mode: str | None = None, cache_dir=None, freezing: bool = False, pack: bool = True,
                  fuse_norms: bool = True, inplace: bool = True, fuse_adds: bool = True, options: dict | None = None,
                  pair_experts: bool = True, gemv: bool = True, pdl: bool = True, glu: bool = False,
-                 moe_pdl: bool = False, fold_norm: bool = False, pdl_early: bool = True, mix_gemv: int = 0):
+                 moe_pdl: bool = False, fold_norm: bool = False, pdl_early: bool = True):
         super().__init__(model)
         from k3export.model import packing
         packing.unpack_projections(model)          # the swaps asked for here, no others (in place: later users too)
@@ -178,13 +174,6 @@ class CompileBackend(EagerBackend):
             import os
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(cache_dir).resolve() / "inductor-cache")
         self._freezing = None
-        self._patches = []                  # Inductor config patches entered around every call (compile time)
-        self.mix_pass = None
-        if mix_gemv and self.gemv and self.fused and fuse_adds:
-            from torch._inductor import config
-            from k3export.graph_passes import MixIntoGemv
-            self.mix_pass = MixIntoGemv(mix_gemv)
-            self._patches.append(config.patch(post_grad_custom_post_pass=self.mix_pass))
         fns = (model.forward_prefill, model.forward_decode, getattr(model, "forward_decode_", None))
         if freezing:
             from torch._inductor import config
@@ -211,8 +200,6 @@ class CompileBackend(EagerBackend):
         with contextlib.ExitStack() as stack:
             if self._freezing is not None:
                 stack.enter_context(self._freezing)
-            for patch in self._patches:
-                stack.enter_context(patch)
             if self.pdl and decode:
                 stack.enter_context(pdl(True, moe=self.moe_pdl or None, early=self.pdl_early))
             return fn(*args)

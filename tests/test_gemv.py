@@ -97,45 +97,7 @@ def _interpreter_cases() -> dict:
         assert y.shape == (M, N) and y.dtype == dtype
         res[f"norm-{M}x{KA}+{KB}-{dtype}"] = _norm_worst(y, a, b, w, nw, 1e-5, BF16_ULP if dtype == torch.bfloat16
                                                           else 1e-6)
-    from k3export.plugins.attn_res.kernels import attn_res_add_norm_fwd
-    for n, D, N, dtype in MIX_CASES:                   # k3::gemv_mix: == attn_res_add_norm's kernel, then the GEMV's
-        args = _mix_inputs(n, D, N, dtype, seed=n * D + N)
-        bank, p, y, nw, pw, ow, w = args
-        assert G.mix_supported(bank, p, y, nw, pw, ow, w)
-        p_new, x, out = G.gemv_mix_fwd(bank, p, y, nw, pw, 1e-6, ow, 1e-5, w)
-        rp, rx = attn_res_add_norm_fwd(bank, p, y, nw, pw, 1e-6, ow, 1e-5, warps=G.gemv_tile(N, D)[2])
-        ro = G.gemv_fwd(rx, w)
-        same = torch.equal(p_new, rp) and torch.equal(x, rx) and torch.equal(out, ro)
-        res[f"mix-{n}x{D}->{N}-{dtype}-same-as-two-launches"] = 0.0 if same else 9.0
-        res[f"mix-{n}x{D}->{N}-{dtype}-vs-fp64"] = _mix_worst(p_new, x, out, args, 1e-6, 1e-5, _bound(dtype))
     return res
-
-
-MIX_CASES = [(1, 256, 96, torch.float32), (3, 200, 300, torch.bfloat16), (2, 2048, 40, torch.bfloat16)]
-
-
-def _mix_inputs(n, D, N, dtype, seed, device="cpu"):
-    """bank rows `[1, n, D]` as the model's view of its `[1, blocks, D]` bank (row stride 2 D), p, y `[1, D]`, the
-    AttnRes norm / query weights, the consumer's norm weight and a GEMV weight `[N, D]`."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    full = torch.randn(1, 2 * n, D, generator=g, device=device).to(dtype)
-    bank = full[:, ::2]
-    p, y = (torch.randn(1, D, generator=g, device=device).to(dtype) for _ in range(2))
-    nw, pw, ow = ((1 + 0.3 * torch.randn(D, generator=g, device=device)).to(dtype) for _ in range(3))
-    w = (torch.randn(N, D, generator=g, device=device) * D ** -0.5).to(dtype)
-    return bank, p, y, nw, pw.view(1, D), ow, w
-
-
-def _mix_worst(p_new, x, out, args, eps, out_eps, rel) -> float:
-    """max of |error| / bound over the three outputs vs `gemv_mix_ref` on the same inputs in fp64: p + y and x
-    within 2 rel of their values (the add's and the norm's roundings, one ulp each way), out within
-    `_worst`'s bound of the product of the kernel's own x with w."""
-    from k3export.plugins.gemv.op import gemv_mix_ref
-    bank, p, y, nw, pw, ow, w = args
-    rp, rx, _ = gemv_mix_ref(*(t.double() for t in (bank, p, y, nw, pw)), eps, ow.double(), out_eps, w.double())
-    errs = [((t.double() - r).abs() / (2 * rel * r.abs() + 1e-6 * r.abs().max())).max().item()
-            for t, r in ((p_new, rp), (x, rx))]
-    return max(errs + [_worst(out, x, w, rel)])
 
 
 def _norm_inputs(M, KA, KB, N, dtype, seed, device="cpu"):
@@ -180,7 +142,7 @@ def test_gemv_interpreter_vs_fp64(interp):
     value up to fp32 rounding), the FP8 one-row path declines two rows, and the SiTU-GLU GEMV's plain rows and
     activations (fp32, bf16; with and without plain rows; an odd pair count) against `gemv_glu_ref` in fp64:
     every ratio error / bound <= 1."""
-    assert len(interp) == len(CASES) + 5 + 5 + 3 + 2 * len(MIX_CASES)
+    assert len(interp) == len(CASES) + 5 + 5 + 3
     bad = {k: v for k, v in interp.items() if not v <= 1.0}
     assert not bad, bad
 
@@ -239,23 +201,6 @@ def test_ptx_weight_loads_before_the_wait_x_after():
         assert fp8[:wait] == ["load"] * wait and wait > 0 and "load" in fp8[wait:]
 
 
-def test_ptx_mix_weight_loads_before_the_wait_sources_after():
-    """`gemv_mix_fwd_kernel` (sm_90, PDL, EARLY): the dependents' launch signalled first, then the weight tile's
-    loads, then `griddepcontrol.wait`, and only after it the loads of the mix's sources (bank rows, p, y: what the
-    predecessors write) and of the norm weights."""
-    from k3export.plugins.aot import compile_ptx
-    sig = dict(bank="*bf16", p="*bf16", dp="*bf16", nw="*bf16", pw="*bf16", ow="*bf16", w="*bf16", p_out="*bf16",
-               x_out="*bf16", y="*bf16", n="i32", N="i32", K="i32", stride_bj="i32", eps="fp32", out_eps="fp32",
-               N_SRC="constexpr", BLOCK_N="constexpr", BLOCK_K="constexpr", PDL="constexpr", PREFETCH="constexpr",
-               EARLY="constexpr")
-    order = _order(compile_ptx(G.gemv_mix_fwd_kernel, sig, dict(N_SRC=4, BLOCK_N=8, BLOCK_K=2048, PDL=True,
-                                                                 PREFETCH=True, EARLY=True), 8).ptx)
-    wait = order.index("wait")
-    assert order[0] == "signal" and order.count("wait") == 1 and order.count("signal") == 1
-    assert wait > 1 and order[1:wait] == ["load"] * (wait - 1)
-    assert order[wait + 1:].count("load") >= 6          # the bank tile, p, y, the three [d] weights
-
-
 # ---------------------------------------------------------------------------------------------- op and swap
 def test_op_reference_and_fake():
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -268,57 +213,6 @@ def test_op_reference_and_fake():
     with FakeTensorMode():
         fy = torch.ops.k3.gemv(torch.empty(2, 3, 64, dtype=torch.bfloat16), torch.empty(40, 64, dtype=torch.bfloat16))
     assert fy.shape == (2, 3, 40) and fy.dtype == torch.bfloat16
-
-
-def test_gemv_mix_op_reference_and_fake():
-    """`k3::gemv_mix` is `k3::attn_res_add_norm`, then `k3::gemv` of its output (CPU: their references, bit for
-    bit); its fake outputs have the real ones' shapes and dtypes."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    import k3export.plugins.attn_res.op  # noqa: F401
-    args = _mix_inputs(3, 64, 48, torch.bfloat16, seed=2)
-    bank, p, y, nw, pw, ow, w = args
-    got = torch.ops.k3.gemv_mix(bank, p, y, nw, pw, 1e-6, ow, 1e-5, w)
-    p2, x = torch.ops.k3.attn_res_add_norm(bank, p, y, nw, pw, 1e-6, ow, 1e-5)
-    for a, b in zip(got, (p2, x, torch.ops.k3.gemv(x, w))):
-        assert torch.equal(a, b)
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        fake = torch.ops.k3.gemv_mix(*(mode.from_tensor(t) for t in (bank, p, y, nw, pw)), 1e-6, mode.from_tensor(ow),
-                                     1e-5, mode.from_tensor(w))
-    assert [(t.shape, t.dtype) for t in fake] == [(t.shape, t.dtype) for t in got]
-
-
-def _mix_step(bank, p, y, nw, pw, ow, w):
-    """A decode sublayer boundary as the compile backend's graph has it: the fused add + mix + norm, p read later,
-    x read by a one-row GEMV and by another reader (as the MoE router reads it)."""
-    p2, x = torch.ops.k3.attn_res_add_norm(bank, p, y, nw, pw, 1e-6, ow, 1e-5)
-    return p2 * 2, torch.ops.k3.gemv(x, w), x
-
-
-def _mix_step_view(bank, p, y, nw, pw, ow, w):
-    """The same with the GEMV on a view of x: not the pattern, left alone."""
-    p2, x = torch.ops.k3.attn_res_add_norm(bank, p, y, nw, pw, 1e-6, ow, 1e-5)
-    return p2, torch.ops.k3.gemv(x[:, :32], w[:, :32].contiguous())
-
-
-@pytest.mark.parametrize("step,max_rows,fused", [(_mix_step, 48, 1), (_mix_step, 47, 0), (_mix_step_view, 48, 0)])
-def test_mix_into_gemv_pass(step, max_rows, fused):
-    """`graph_passes.MixIntoGemv` on a compiled (Inductor, CPU) sublayer boundary: one `k3::gemv_mix` in place of
-    the two ops when the GEMV reads the mix output itself and has at most max_rows rows, none otherwise; the
-    outputs equal the uncompiled function's bit for bit either way (on CPU both forms run the ops' references)."""
-    from torch._inductor import config
-
-    import k3export.plugins.attn_res.op  # noqa: F401
-    from k3export.graph_passes import MixIntoGemv
-    args = _mix_inputs(3, 64, 48, torch.float32, seed=1)
-    expected = step(*args)
-    torch._dynamo.reset()
-    mix = MixIntoGemv(max_rows)
-    with config.patch(post_grad_custom_post_pass=mix, fx_graph_cache=False):
-        got = torch.compile(step, fullgraph=True)(*args)
-    assert mix.fused == fused
-    for a, b in zip(got, expected):
-        assert torch.equal(a, b)
 
 
 @pytest.fixture(scope="module")
@@ -604,128 +498,6 @@ def test_gemv_norm_cuda_vs_reference(KA, KB, N):
     with L.pdl(torch.cuda.get_device_capability()[0] >= 9):
         y = torch.ops.k3.gemv_norm(a, b, w, nw, 1e-5)
     assert _norm_worst(y, a, b, w, nw, 1e-5, 2.0 ** -8) <= 1.0
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("n,N", [(1, 8336), (2, 3392), (3, 4096), (3, 32768)])
-def test_gemv_mix_cuda_vs_two_launches(n, N, monkeypatch):
-    """`k3::gemv_mix` at k3-small's sublayer boundaries (d 2048; the GEMVs of KDA's, MLA's and the MoE's input
-    projections and the LM head; 1-3 sealed bank rows), bf16, PDL on sm_90, vs `k3::attn_res_add_norm`'s kernel
-    then `k3::gemv`'s: p + y bit for bit, x within one bf16 ulp of the two-launch x (the mix's sums may run in
-    another order), the GEMV output within `_worst`'s bound of the fp64 product of the fused x; register cap on
-    and off give the same bits."""
-    from k3export.plugins import launch as L
-    from k3export.plugins.attn_res.kernels import attn_res_add_norm_fwd
-    bank, p, y, nw, pw, ow, w = args = _mix_inputs(n, 2048, N, torch.bfloat16, seed=n + N, device="cuda")
-    assert G.mix_supported(*args[:6], w)
-    with L.pdl(torch.cuda.get_device_capability()[0] >= 9, early=True):
-        p_new, x, out = torch.ops.k3.gemv_mix(bank, p, y, nw, pw, 1e-6, ow, 1e-5, w)
-        monkeypatch.setenv("K3_GEMV_MIX_MAXNREG", "0")
-        uncapped = torch.ops.k3.gemv_mix(bank, p, y, nw, pw, 1e-6, ow, 1e-5, w)
-        rp, rx = attn_res_add_norm_fwd(bank, p, y, nw, pw, 1e-6, ow, 1e-5)
-    torch.cuda.synchronize()
-    assert all(torch.equal(a, b) for a, b in zip((p_new, x, out), uncapped))
-    assert torch.equal(p_new, rp)
-    diff = (x.double() - rx.double()).abs()
-    print(f"gemv_mix n={n} N={N}: x differs from the two-launch x in {int((diff > 0).sum())} of {x.numel()} "
-          f"elements (max {float(diff.max()):.2e})")
-    assert (diff <= BF16_ULP * rx.double().abs()).all()
-    assert _worst(out, x, w, 2.0 ** -8) <= 1.0
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("N,K,fp8", [(8336, 2048, False), (32768, 2048, False), (2048, 2048, False),
-                                     (8336, 2048, True)])
-def test_gemv_l2_prefetch_same_bits(N, K, fp8, monkeypatch):
-    """`K3_GEMV_L2PF=1` (the first programs prefetch the later programs' weight rows into L2 before the PDL wait):
-    the same output bits as without it, eagerly and in a CUDA graph (bf16 weights and E4M3 weight-only)."""
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("programmatic dependent launch needs sm_90+")
-    from k3export.plugins import launch as L
-    x, w = _inputs(1, N, K, torch.bfloat16, seed=N + K, device="cuda")
-    kw = {}
-    if fp8:
-        ws = (w.float().abs().amax(1) / 448).contiguous()
-        w, kw = (w.float() / ws[:, None]).to(torch.float8_e4m3fn), dict(w_scale=ws)
-    outs = {}
-    with L.pdl(True, early=True):
-        for on in ("0", "1"):
-            monkeypatch.setenv("K3_GEMV_L2PF", on)
-            flags = G.launch_flags(x)
-            assert bool(G.l2_flags(x, w, flags)) == (on == "1")
-            y = G.gemv_fwd(x, w, **kw, **flags, **G.l2_flags(x, w, flags))
-            graph, yg = torch.cuda.CUDAGraph(), torch.empty_like(y)
-            with torch.cuda.graph(graph):
-                yg.copy_(G.gemv_fwd(x, w, **kw, **flags, **G.l2_flags(x, w, flags)))
-            graph.replay()
-            torch.cuda.synchronize()
-            outs[on] = (y, yg)
-    assert all(torch.equal(a, b) for a in outs["0"] + outs["1"] for b in outs["0"][:1])
-
-
-@pytest.mark.cuda
-def test_gemv_mix_chain_in_a_cuda_graph_with_pdl_same_bits():
-    """Six sublayer boundaries chained through `k3::gemv_mix` (each reads the previous partial sum and output),
-    captured with PDL and early signals: outputs zeroed before each of 3 replays, all equal bit for bit to the
-    uncaptured launches."""
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("programmatic dependent launch needs sm_90+")
-    from k3export.plugins import launch as L
-    bank, p0, y0, nw, pw, ow, _ = _mix_inputs(3, 2048, 8, torch.bfloat16, seed=11, device="cuda")
-    g = torch.Generator(device="cuda").manual_seed(12)
-    ws = [(torch.randn(2048, 2048, generator=g, device="cuda") * 2048 ** -0.5).to(torch.bfloat16) for _ in range(6)]
-
-    def chain(outs):
-        p, y = p0, y0
-        for i, w in enumerate(ws):
-            for o, r in zip(outs[i], torch.ops.k3.gemv_mix(bank, p, y, nw, pw, 1e-6, ow, 1e-5, w)):
-                o.copy_(r)
-            p, y = outs[i][0], outs[i][2]
-
-    with L.pdl(False):
-        ref, p, y = [], p0, y0
-        for w in ws:
-            res = torch.ops.k3.gemv_mix(bank, p, y, nw, pw, 1e-6, ow, 1e-5, w)
-            ref.append(res)
-            p, y = res[0], res[2]
-    outs = [[torch.zeros_like(t) for t in r] for r in ref]
-    with L.pdl(True, early=True):
-        chain(outs)                                                    # warm-up (compiles the PDL variant)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            chain(outs)
-    for _ in range(3):
-        for r in outs:
-            for t in r:
-                t.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert all(torch.equal(a, b) for r, o in zip(ref, outs) for a, b in zip(r, o))
-
-
-@pytest.mark.cuda
-def test_k3_tiny_fp32_compile_mix_generates_eager_tokens():
-    """k3-tiny fp32, one prompt at B = 1 through `compile-mix` (the graph pass puts `k3::gemv_mix` at every AttnRes
-    mix that feeds a one-row GEMV; PDL on sm_90): the pass fused at least one boundary per layer, and the greedy
-    tokens are those of the model as written, run eagerly."""
-    from torch._inductor import config
-
-    from k3export.bench.model import COMPILE_VARIANTS
-    from k3export.config import K3Config
-    from k3export.generate import generate
-    from k3export.model import packing
-    from k3export.model.weights import random_model
-    from k3export.runtime import CompileBackend, Engine, Generator
-    model = random_model(K3Config.from_name("k3-tiny"), seed=0, device="cuda")
-    prompt = [[5, 17, 3, 99, 42, 7, 1, 64]]
-    ref = generate(model, prompt, 8)
-    backend = CompileBackend(model, **COMPILE_VARIANTS["compile-mix"])
-    with config.patch(fx_graph_cache=False):                           # so the pass runs (and counts) here
-        out = Generator(Engine(backend, max_batch=1, max_len=32)).generate(prompt, 8)
-    packing.unpack_projections(model)
-    print(f"compile-mix on k3-tiny: {backend.mix_pass.fused} boundaries fused")
-    assert backend.mix_pass.fused >= model.config.num_hidden_layers
-    assert out == ref
 
 
 @pytest.mark.cuda

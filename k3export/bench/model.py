@@ -13,8 +13,6 @@ each hold `context` tokens (`Engine.decode`, state commit included). Backends:
     compile-pdl-inductor  `compile` with Inductor's own kernels launched with PDL too (its `triton.enable_pdl`)
     compile-glu     `compile` with SiTU-GLU in the one-row GEMV of the MoE / MLP input projections (`k3::gemv_glu`)
     compile-moepdl  `compile` with the MoE decode kernels (router, top-k, pair GEMVs) on PDL too
-    compile-mix     `compile` with each AttnRes mix inside the one-row GEMV that reads it (`k3::gemv_mix`, B = 1)
-    compile-mix8k   the same for GEMVs of at most 8336 rows (not the dense MLP's and the LM head's)
     aoti      an AOTInductor engine from `k3export build` (built or reused under --engines), CUDA graphs on top
 
 Napkin math beside every time. Decode floor = bytes a step must move / measured copy bandwidth: every weight
@@ -47,8 +45,7 @@ COMPILE_VARIANTS = {"compile": {}, "compile-frozen": {"freezing": True}, "compil
                     "compile-combo": {"options": {"combo_kernels": True}}, "compile-nopdl": {"pdl": False},
                     "compile-cublas": {"gemv": False}, "compile-cublas-nopdl": {"gemv": False, "pdl": False},
                     "compile-pdl-inductor": {"options": {"triton.enable_pdl": True}}, "compile-glu": {"glu": True},
-                    "compile-moepdl": {"moe_pdl": True}, "compile-mix": {"mix_gemv": 1 << 20},
-                    "compile-mix8k": {"mix_gemv": 8336}, "compile-norm": {"fold_norm": True},
+                    "compile-moepdl": {"moe_pdl": True}, "compile-norm": {"fold_norm": True},
                     "compile-fast": {"glu": True, "moe_pdl": True, "fold_norm": True}}
 # Inductor's PDL (TORCHINDUCTOR_ENABLE_PDL) waits in a kernel only where it reads or overwrites what the previous
 # scheduler node wrote, and lets the next kernel start after its last load; a torch without the option refuses the

@@ -45,41 +45,6 @@ def _sources(b_row, p_row, r, D, d0, offs_d, j_ok, ADD: tl.constexpr, dp, p_out,
 
 
 @triton.jit
-def _mix_row(b_row, p_row, dp_row, nw, pw, ow, D, offs_d, j_ok, eps, out_eps, ADD: tl.constexpr, NORM: tl.constexpr,
-             p_ty, out_ty):
-    """One row whose sources fit one chunk (offs_d covers d), kept in registers: -> (the source p in fp32, rounded
-    to p_ty's dtype: p + dp with ADD; the output in fp32, not yet rounded to out_ty's dtype). The passes of
-    `attn_res_fwd_kernel` on one chunk (scores, softmax, mix; with NORM the consumer's RMSNorm of the mix rounded
-    to out_ty's dtype), shared with `plugins.gemv`'s `gemv_mix_fwd_kernel` so the two compute the same values.
-    b_row: `[N_SRC, 1]` pointers to the bank rows, masked by j_ok; p_ty / out_ty: pointers whose element types
-    are p's and the output's."""
-    eps = tl.cast(eps, tl.float32)
-    d_ok = offs_d < D
-    gw = tl.load(nw + offs_d, mask=d_ok, other=0.0).to(tl.float32) * \
-        tl.load(pw + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-    vb = tl.load(b_row + offs_d[None, :], mask=j_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-    vp = tl.load(p_row + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-    if ADD:
-        vy = tl.load(dp_row + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-        vp = (vp + vy).to(p_ty.dtype.element_ty).to(tl.float32)
-    ss_b = tl.sum(vb * vb, 1)
-    dot_b = tl.sum(vb * gw[None, :], 1)
-    s_b = tl.where(j_ok, tl.rsqrt(ss_b / D + eps) * dot_b, float("-inf"))      # [N_SRC]
-    s_p = tl.rsqrt(tl.sum(vp * vp, 0) / D + eps) * tl.sum(vp * gw, 0)
-    m = tl.maximum(tl.max(s_b, 0), s_p)
-    e_b = tl.exp(s_b - m)
-    e_p = tl.exp(s_p - m)
-    z = tl.sum(e_b, 0) + e_p
-    o = tl.sum((e_b / z)[:, None] * vb, 0) + (e_p / z) * vp
-    if NORM:
-        x = o.to(out_ty.dtype.element_ty).to(tl.float32)
-        r_o = tl.rsqrt(tl.sum(x * x, 0) / D + tl.cast(out_eps, tl.float32))
-        y = (x * r_o).to(out_ty.dtype.element_ty).to(tl.float32)
-        o = tl.load(ow + offs_d, mask=d_ok, other=0.0).to(tl.float32) * y
-    return vp, o
-
-
-@triton.jit
 def attn_res_fwd_kernel(bank, p, nw, pw, out, n, D, stride_bn, stride_bj, stride_pn, eps,
                         N_SRC: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr = False, ow=None,
                         out_eps=0.0, ADD: tl.constexpr = False, dp=None, p_out=None, ONE: tl.constexpr = False,
@@ -101,59 +66,66 @@ def attn_res_fwd_kernel(bank, p, nw, pw, out, n, D, stride_bn, stride_bj, stride
     offs_d = tl.arange(0, BLOCK_D)
     b_row = bank + r * stride_bn + offs_j[:, None].to(tl.int64) * stride_bj     # [N_SRC, 1] pointers
     p_row = p + r * stride_pn
-    if ONE:                                                                      # the whole row in registers
-        if ADD:
-            dp_row = dp + r * D
-            p_ty = p_out
-        else:
-            dp_row = p_row                                                       # not read
-            p_ty = p
-        vp1, o = _mix_row(b_row, p_row, dp_row, nw, pw, ow, D, offs_d, j_ok, eps, out_eps, ADD, NORM, p_ty, out)
+    ss_b = tl.zeros([N_SRC], tl.float32)
+    dot_b = tl.zeros([N_SRC], tl.float32)
+    ss_p = tl.zeros([BLOCK_D], tl.float32)
+    dot_p = tl.zeros([BLOCK_D], tl.float32)
+    if ONE:                                                                      # pass 1 on the whole row, kept
         d_ok = offs_d < D
-        if ADD:
-            tl.store(p_out + r * D + offs_d, vp1.to(p_out.dtype.element_ty), mask=d_ok)
-        tl.store(out + r * D + offs_d, o.to(out.dtype.element_ty), mask=d_ok)
-    else:                                                                        # chunks of BLOCK_D
-        ss_b = tl.zeros([N_SRC], tl.float32)
-        dot_b = tl.zeros([N_SRC], tl.float32)
-        ss_p = tl.zeros([BLOCK_D], tl.float32)
-        dot_p = tl.zeros([BLOCK_D], tl.float32)
-        for d0 in range(0, D, BLOCK_D):                                             # pass 1: the scores
-            d_ok = (d0 + offs_d) < D
-            gw = tl.load(nw + d0 + offs_d, mask=d_ok, other=0.0).to(tl.float32) * \
-                tl.load(pw + d0 + offs_d, mask=d_ok, other=0.0).to(tl.float32)       # [BLOCK_D]
-            vb, vp = _sources(b_row, p_row, r, D, d0, offs_d, j_ok, ADD, dp, p_out, True)
-            ss_b += tl.sum(vb * vb, 1)
-            dot_b += tl.sum(vb * gw[None, :], 1)
-            ss_p += vp * vp
-            dot_p += vp * gw
-        s_b = tl.where(j_ok, tl.rsqrt(ss_b / D + eps) * dot_b, float("-inf"))      # [N_SRC]
-        s_p = tl.rsqrt(tl.sum(ss_p, 0) / D + eps) * tl.sum(dot_p, 0)
-        m = tl.maximum(tl.max(s_b, 0), s_p)
-        e_b = tl.exp(s_b - m)
-        e_p = tl.exp(s_p - m)
-        z = tl.sum(e_b, 0) + e_p
-        a_b = e_b / z
-        a_p = e_p / z
-        o_row = out + r * D
-        ss_o = tl.zeros([BLOCK_D], tl.float32)
-        for d0 in range(0, D, BLOCK_D):                                             # pass 2: the mix
-            d_ok = (d0 + offs_d) < D
-            vb, vp = _sources(b_row, p_row, r, D, d0, offs_d, j_ok, ADD, dp, p_out, False)
-            o = tl.sum(a_b[:, None] * vb, 0) + a_p * vp
-            tl.store(o_row + d0 + offs_d, o.to(out.dtype.element_ty), mask=d_ok)
-            if NORM:                                                                 # the norm sees the stored x
-                x = o.to(out.dtype.element_ty).to(tl.float32)
-                ss_o += x * x
-        if NORM:                                                                     # pass 3: the consumer's RMSNorm
+        gw = tl.load(nw + offs_d, mask=d_ok, other=0.0).to(tl.float32) * \
+            tl.load(pw + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+        vb1, vp1 = _sources(b_row, p_row, r, D, 0, offs_d, j_ok, ADD, dp, p_out, True)
+        ss_b += tl.sum(vb1 * vb1, 1)
+        dot_b += tl.sum(vb1 * gw[None, :], 1)
+        ss_p += vp1 * vp1
+        dot_p += vp1 * gw
+    for d0 in range(0, D if not ONE else 0, BLOCK_D):                           # pass 1: the scores
+        d_ok = (d0 + offs_d) < D
+        gw = tl.load(nw + d0 + offs_d, mask=d_ok, other=0.0).to(tl.float32) * \
+            tl.load(pw + d0 + offs_d, mask=d_ok, other=0.0).to(tl.float32)       # [BLOCK_D]
+        vb, vp = _sources(b_row, p_row, r, D, d0, offs_d, j_ok, ADD, dp, p_out, True)
+        ss_b += tl.sum(vb * vb, 1)
+        dot_b += tl.sum(vb * gw[None, :], 1)
+        ss_p += vp * vp
+        dot_p += vp * gw
+    s_b = tl.where(j_ok, tl.rsqrt(ss_b / D + eps) * dot_b, float("-inf"))      # [N_SRC]
+    s_p = tl.rsqrt(tl.sum(ss_p, 0) / D + eps) * tl.sum(dot_p, 0)
+    m = tl.maximum(tl.max(s_b, 0), s_p)
+    e_b = tl.exp(s_b - m)
+    e_p = tl.exp(s_p - m)
+    z = tl.sum(e_b, 0) + e_p
+    a_b = e_b / z
+    a_p = e_p / z
+    o_row = out + r * D
+    ss_o = tl.zeros([BLOCK_D], tl.float32)
+    if ONE:                                                                      # passes 2 and 3 from registers
+        d_ok = offs_d < D
+        o = tl.sum(a_b[:, None] * vb1, 0) + a_p * vp1
+        if NORM:
+            x = o.to(out.dtype.element_ty).to(tl.float32)
+            ss_o += x * x
             r_o = tl.rsqrt(tl.sum(ss_o, 0) / D + tl.cast(out_eps, tl.float32))
-            tl.debug_barrier()                                                       # the row's pass-2 stores
-            for d0 in range(0, D, BLOCK_D):
-                d_ok = (d0 + offs_d) < D
-                x = tl.load(o_row + d0 + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-                y = (x * r_o).to(out.dtype.element_ty).to(tl.float32)
-                w = tl.load(ow + d0 + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-                tl.store(o_row + d0 + offs_d, (w * y).to(out.dtype.element_ty), mask=d_ok)
+            y = (x * r_o).to(out.dtype.element_ty).to(tl.float32)
+            w = tl.load(ow + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+            o = w * y
+        tl.store(o_row + offs_d, o.to(out.dtype.element_ty), mask=d_ok)
+    for d0 in range(0, D if not ONE else 0, BLOCK_D):                           # pass 2: the mix
+        d_ok = (d0 + offs_d) < D
+        vb, vp = _sources(b_row, p_row, r, D, d0, offs_d, j_ok, ADD, dp, p_out, False)
+        o = tl.sum(a_b[:, None] * vb, 0) + a_p * vp
+        tl.store(o_row + d0 + offs_d, o.to(out.dtype.element_ty), mask=d_ok)
+        if NORM:                                                                 # the norm sees the stored x
+            x = o.to(out.dtype.element_ty).to(tl.float32)
+            ss_o += x * x
+    if NORM and not ONE:                                                         # pass 3: the consumer's RMSNorm
+        r_o = tl.rsqrt(tl.sum(ss_o, 0) / D + tl.cast(out_eps, tl.float32))
+        tl.debug_barrier()                                                       # the row's pass-2 stores
+        for d0 in range(0, D, BLOCK_D):
+            d_ok = (d0 + offs_d) < D
+            x = tl.load(o_row + d0 + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+            y = (x * r_o).to(out.dtype.element_ty).to(tl.float32)
+            w = tl.load(ow + d0 + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+            tl.store(o_row + d0 + offs_d, (w * y).to(out.dtype.element_ty), mask=d_ok)
 
 
 ONE_ROW_MAX = 8192     # fp32 bank values a program keeps in registers for the one-chunk path (k3-small: 4 x 2048)

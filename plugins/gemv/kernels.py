@@ -29,7 +29,6 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ..attn_res.kernels import MAX_SOURCES, _mix_row
 from ..launch import pdl_args
 from ..moe.kernels import _sigmoid, _tanh
 
@@ -43,18 +42,13 @@ EARLY = os.environ.get("K3_GEMV_EARLY", "1") == "1"
 @triton.jit
 def gemv_fwd_kernel(x, w, y, M, N, K, stride_xm, stride_ym, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     PDL: tl.constexpr = False, PREFETCH: tl.constexpr = True, EARLY: tl.constexpr = False,
-                    w_scale=None, SCALE: tl.constexpr = 0, L2_STRIDE: tl.constexpr = 0, L2_LINES: tl.constexpr = 0,
-                    L2_EPL: tl.constexpr = 0):
+                    w_scale=None, SCALE: tl.constexpr = 0):
     """y[m, n] = sum_k x[m, k] w[n, k] (* w_scale), rows n of this program, every m < M; w row-major [N, K]
     (contiguous; any float type, E4M3 included: widened to fp32 in registers). SCALE 0: none; 1: one fp32 scale;
     2: fp32 per output row (FP8 weight-only, `fp8.fp8_linear_wo_ref`). PREFETCH: the weight tile (and its scales)
     is loaded before the PDL wait (else after it); EARLY: the dependents' launch is signalled before anything else
-    (else right after the wait). Both only matter with PDL. L2_STRIDE > 0 (with PDL and PREFETCH; experimental,
-    `l2_prefetch_flags`): programs below L2_STRIDE also prefetch into L2, before the wait, the rows of the blocks
-    that later programs will own (pid + L2_STRIDE, pid + 2 L2_STRIDE, ...), L2_LINES 128-byte lines of L2_EPL
-    elements per block."""
-    rows, ks, n_ok, k_ok, wf, sc = _weight_rows(w, w_scale, N, K, BLOCK_N, BLOCK_K, PDL, PREFETCH, EARLY, SCALE,
-                                                L2_STRIDE, L2_LINES, L2_EPL)
+    (else right after the wait). Both only matter with PDL."""
+    rows, ks, n_ok, k_ok, wf, sc = _weight_rows(w, w_scale, N, K, BLOCK_N, BLOCK_K, PDL, PREFETCH, EARLY, SCALE)
     for m in range(M):
         acc = _row_dot(x + m * stride_xm, ks, k_ok, wf, sc, SCALE)
         tl.store(y + m * stride_ym + rows, acc.to(y.dtype.element_ty), mask=n_ok)
@@ -108,46 +102,8 @@ def gemv_norm_fwd_kernel(a, b, w, nw, y, M, N, K, KA, stride_am, stride_bm, stri
 
 
 @triton.jit
-def gemv_mix_fwd_kernel(bank, p, dp, nw, pw, ow, w, p_out, x_out, y, n, N, K, stride_bj, eps, out_eps,
-                        N_SRC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
-                        PREFETCH: tl.constexpr = True, EARLY: tl.constexpr = False):
-    """`gemv_fwd_kernel` for one row whose input is `k3::attn_res_add_norm`'s output, computed by every program
-    itself after the wait (`attn_res.kernels._mix_row`, the AttnRes kernel's one-chunk code): p_new = p + dp,
-    x = RMSNorm_ow(mix(bank rows 0..n-1, p_new)), y = x w^T. Program 0 also stores p_new and x (the sublayer's
-    partial sum and the input its other readers take). The weight tile streams before the PDL wait as in
-    `gemv_fwd_kernel`; bank, p and dp are read after it."""
-    rows, ks, n_ok, k_ok, wf, sc = _weight_rows(w, None, N, K, BLOCK_N, BLOCK_K, PDL, PREFETCH, EARLY, 0)
-    offs_j = tl.arange(0, N_SRC)
-    j_ok = offs_j < n
-    b_row = bank + offs_j[:, None].to(tl.int64) * stride_bj
-    vp, o = _mix_row(b_row, p, dp, nw, pw, ow, K, ks, j_ok, eps, out_eps, True, True, p_out, x_out)
-    xq = o.to(x_out.dtype.element_ty)
-    if tl.program_id(0) == 0:
-        tl.store(p_out + ks, vp.to(p_out.dtype.element_ty), mask=k_ok)
-        tl.store(x_out + ks, xq, mask=k_ok)
-    acc = tl.sum(wf * xq.to(tl.float32)[None, :], 1)
-    tl.store(y + rows, acc.to(y.dtype.element_ty), mask=n_ok)
-
-
-@triton.jit
-def _l2_prefetch(w, N, K, BLOCK_N: tl.constexpr, STRIDE: tl.constexpr, LINES: tl.constexpr, EPL: tl.constexpr):
-    """`prefetch.global.L2` of the weight rows of blocks pid + STRIDE, pid + 2 STRIDE, ... (programs pid < STRIDE):
-    one 128-byte line (EPL elements) per thread and LINES lines per block, clamped to the block's rows."""
-    pid = tl.program_id(0)
-    if pid < STRIDE:
-        offs = tl.arange(0, LINES).to(tl.int64) * EPL
-        for b in range(pid + STRIDE, tl.cdiv(N, BLOCK_N), STRIDE):
-            start = b.to(tl.int64) * BLOCK_N * K
-            end = tl.minimum(b.to(tl.int64) * BLOCK_N + BLOCK_N, N) * K
-            addr = (w + tl.where(start + offs < end, start + offs, start)).to(tl.int64, bitcast=True)
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [addr], dtype=tl.int32,
-                                      is_pure=False, pack=1)
-
-
-@triton.jit
 def _weight_rows(w, w_scale, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-                 PREFETCH: tl.constexpr, EARLY: tl.constexpr, SCALE: tl.constexpr, L2_STRIDE: tl.constexpr = 0,
-                 L2_LINES: tl.constexpr = 0, L2_EPL: tl.constexpr = 0):
+                 PREFETCH: tl.constexpr, EARLY: tl.constexpr, SCALE: tl.constexpr):
     """This program's BLOCK_N weight rows, whole, widened to fp32, and their scales; with PDL the loads come
     before `griddepcontrol.wait` (PREFETCH) and the dependents' launch is signalled first (EARLY) or after the
     wait. Returns (rows, ks, n_ok, k_ok, w fp32 [BLOCK_N, BLOCK_K], scales)."""
@@ -162,8 +118,6 @@ def _weight_rows(w, w_scale, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     if PREFETCH:
         wv = tl.load(w_ptrs, mask=w_mask, other=0.0)
         sc = _scales(w_scale, rows, n_ok, SCALE)
-        if L2_STRIDE > 0:
-            _l2_prefetch(w, N, K, BLOCK_N, L2_STRIDE, L2_LINES, L2_EPL)
     if PDL:
         gdc_wait()
         if not EARLY:
@@ -298,47 +252,6 @@ def gemv_norm_fwd(a: torch.Tensor, b: torch.Tensor, w: torch.Tensor, nw: torch.T
     return y.view(*a.shape[:-1], N)
 
 
-def mix_supported(bank, p, y, norm_weight, proj_weight, out_weight, w) -> bool:
-    """Whether `gemv_mix_fwd` takes this call: one row (bank `[1, n, d]` with 1 <= n <= MAX_SOURCES and unit stride
-    in d, p and y `[1, d]` contiguous), every tensor of p's dtype (bf16 / fp16 / fp32) on p's device, the weights
-    `[d]` (proj_weight `[1, d]` or `[d]`), w as `supported` wants it with K = d, and the bank rows and the weight
-    tile within the register budget of `attn_res.kernels.row_tiling`'s one-chunk path."""
-    from ..attn_res.kernels import ONE_ROW_MAX
-    from ..triton_common import pow2
-    if bank.dim() != 3 or p.dim() != 2 or bank.shape[0] != 1 or p.shape[0] != 1:
-        return False
-    n, D = bank.shape[1], bank.shape[2]
-    dt = p.dtype
-    return (1 <= n <= MAX_SOURCES and bank.stride(-1) == 1 and tuple(p.shape) == (1, D) and p.is_contiguous()
-            and y.shape == p.shape and y.is_contiguous() and dt in (torch.bfloat16, torch.float16, torch.float32)
-            and all(t.dtype == dt and t.device == p.device for t in (bank, y, norm_weight, proj_weight, out_weight, w))
-            and tuple(norm_weight.shape) == (D,) and tuple(out_weight.shape) == (D,)
-            and proj_weight.numel() == D and _weight_ok(w, D) and pow2(D) * pow2(n, 2) <= ONE_ROW_MAX)
-
-
-def gemv_mix_fwd(bank, p, y, norm_weight, proj_weight, eps: float, out_weight, out_eps: float, w, tile=None,
-                 **flags) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`k3::gemv_mix` at one row (`mix_supported`): -> (p + y, x = attn_res_norm(bank, p + y, ...), x w^T), one
-    launch (`gemv_mix_fwd_kernel`). On CUDA the launch caps registers at 128 (env K3_GEMV_MIX_MAXNREG, read at
-    each launch; 0: no cap) unless flags give `maxnreg`: uncapped the kernel takes 171 registers at k3-small's
-    8 x 2048 tile with 4 bank rows (ptxas, sm_90, Triton 3.6), one program per SM instead of the plain GEMV's two
-    (123 registers); capped it spills 44 bytes (none with 2 rows). Which is faster is an A/B on the H200."""
-    from ..triton_common import pow2
-    cap = int(os.environ.get("K3_GEMV_MIX_MAXNREG", "128"))
-    n, D = bank.shape[1], bank.shape[2]
-    N = w.shape[0]
-    p_new, x = torch.empty_like(p), torch.empty_like(p)
-    out = torch.empty(1, N, dtype=p.dtype, device=p.device)
-    bn, bk, nw_ = tile or gemv_tile(N, D)
-    if cap and "maxnreg" not in flags and p.device.type == "cuda":
-        flags["maxnreg"] = cap
-    pw = proj_weight.reshape(-1).contiguous()
-    gemv_mix_fwd_kernel[(triton.cdiv(N, bn),)](bank, p, y, norm_weight.contiguous(), pw, out_weight.contiguous(), w,
-                                                p_new, x, out, n, N, D, bank.stride(1), float(eps), float(out_eps),
-                                                N_SRC=pow2(n, 2), BLOCK_N=bn, BLOCK_K=bk, num_warps=nw_, **flags)
-    return p_new, x, out
-
-
 def launch_flags(x: torch.Tensor) -> dict:
     """The PDL launch options for a GEMV on x's device as the switch gives them (`launch.pdl_args`), with EARLY."""
     flags = pdl_args(x)
@@ -347,30 +260,11 @@ def launch_flags(x: torch.Tensor) -> dict:
     return flags
 
 
-_SMS: dict[int, int] = {}       # device index -> multiprocessor count
-
-
-def l2_flags(x: torch.Tensor, w: torch.Tensor, flags: dict) -> dict:
-    """With env K3_GEMV_L2PF=1 (read at each launch; experimental, off by default) and PDL in `flags`: the
-    `gemv_fwd_kernel` options that make its first programs prefetch the later programs' weight rows into L2 before
-    the wait (`_l2_prefetch`; stride: the programs resident at once, estimated as 2 per SM at 8 warps, 4 at 4);
-    else {}."""
-    if os.environ.get("K3_GEMV_L2PF", "0") != "1" or not flags.get("PDL"):
-        return {}
-    idx = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    if idx not in _SMS:
-        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    bn, bk, nw = gemv_tile(*w.shape)
-    epl = 128 // w.element_size()
-    return dict(L2_STRIDE=_SMS[idx] * (2 if nw == 8 else 4), L2_LINES=max(1, bn * bk // epl), L2_EPL=epl)
-
-
 def _cuda(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if not supported(x, w):
         from .op import gemv_ref
         return gemv_ref(x, w)                                # the op's contract, for shapes the kernel does not take
-    flags = launch_flags(x)
-    return gemv_fwd(x, w, **flags, **l2_flags(x, w, flags))
+    return gemv_fwd(x, w, **launch_flags(x))
 
 
 def _cuda_glu(x, w, n_plain: int, beta: float, linear_beta: float):
@@ -387,17 +281,9 @@ def _cuda_norm(a, b, w, nw, eps: float):
     return gemv_norm_fwd(a, b, w, nw, eps, **launch_flags(a))
 
 
-def _cuda_mix(bank, p, y, norm_weight, proj_weight, eps: float, out_weight, out_eps: float, w):
-    if not mix_supported(bank, p, y, norm_weight, proj_weight, out_weight, w):
-        from .op import gemv_mix_ref
-        return gemv_mix_ref(bank, p, y, norm_weight, proj_weight, eps, out_weight, out_eps, w)
-    return gemv_mix_fwd(bank, p, y, norm_weight, proj_weight, eps, out_weight, out_eps, w, **launch_flags(p))
-
-
 def _register() -> None:
-    from .op import gemv, gemv_glu, gemv_mix, gemv_norm
+    from .op import gemv, gemv_glu, gemv_norm
     gemv.register_kernel("cuda")(_cuda)
-    gemv_mix.register_kernel("cuda")(_cuda_mix)
     gemv_glu.register_kernel("cuda")(_cuda_glu)
     gemv_norm.register_kernel("cuda")(_cuda_norm)
 

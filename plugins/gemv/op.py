@@ -67,30 +67,6 @@ def _(a, b, w, nw, eps):
     return a.new_empty((*a.shape[:-1], w.shape[0]))
 
 
-def gemv_mix_ref(bank: Tensor, p: Tensor, y: Tensor, norm_weight: Tensor, proj_weight: Tensor, eps: float,
-                 out_weight: Tensor, out_eps: float, w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """The reference of `k3::gemv_mix`: `attn_res_add_norm_ref`, then `gemv_ref` of its output."""
-    from k3export.plugins.attn_res.naive import attn_res_add_norm_ref
-    p_new, x = attn_res_add_norm_ref(bank, p, y, norm_weight, proj_weight, eps, out_weight, out_eps)
-    return p_new, x, gemv_ref(x, w)
-
-
-@torch.library.custom_op("k3::gemv_mix", mutates_args=())
-def gemv_mix(bank: Tensor, p: Tensor, y: Tensor, norm_weight: Tensor, proj_weight: Tensor, eps: float,
-             out_weight: Tensor, out_eps: float, w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """`k3::attn_res_add_norm(bank, p, y, ...)` -> (p_new, x), then `k3::gemv(x, w)`, as one op: (p_new `[N, d]`,
-    x `[N, d]`, x w^T `[N, N_out]`). Serving only: the `compile` backend's graph pass (`k3export.graph_passes`) puts
-    it where a decode step's AttnRes mix feeds a one-row GEMV; the CUDA kernel computes the mix inside every GEMV
-    program (one launch instead of two)."""
-    return gemv_mix_ref(bank, p, y, norm_weight, proj_weight, eps, out_weight, out_eps, w)
-
-
-@gemv_mix.register_fake
-def _(bank, p, y, norm_weight, proj_weight, eps, out_weight, out_eps, w):
-    x = p.new_empty(p.shape, dtype=torch.promote_types(out_weight.dtype, p.dtype))
-    return p.new_empty(p.shape), x, x.new_empty((*p.shape[:-1], w.shape[0]))
-
-
 try:  # the Triton kernel registers itself as the CUDA implementation (kernels.py)
     from . import kernels  # noqa: F401,E402
 except ImportError:
