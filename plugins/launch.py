@@ -53,8 +53,33 @@ _pdl_capable: dict[int, bool] = {}     # device index -> compute capability >= 9
 
 
 def launch(kernel):
-    """`kernel`, or its traceable `wrap_triton` form inside `traced_launches()`; index with the grid."""
-    return _Traceable(kernel) if _traced else kernel
+    """`kernel`, or its traceable `wrap_triton` form inside `traced_launches()`; index with the grid. A diagnostic:
+    with env K3_TWICE naming the kernel (comma-separated function names, read at each launch, so at CUDA-graph
+    capture), every launch runs twice in a row, same arguments (`scripts/ab_decode.py --env K3_TWICE=,name`: what
+    one more kernel of that kind costs the decode step; a kernel that updates state in place then updates it
+    twice, so only the timing means anything)."""
+    if _traced:
+        return _Traceable(kernel)
+    twice = os.environ.get("K3_TWICE")
+    if twice and getattr(kernel, "fn", kernel).__name__ in twice.split(","):
+        return _Twice(kernel)
+    return kernel
+
+
+class _Twice:
+    """`kernel[grid](...)` launched twice (K3_TWICE)."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        run = self.kernel[grid]
+
+        def call(*args, **kwargs):
+            run(*args, **kwargs)
+            return run(*args, **kwargs)
+
+        return call
 
 
 class _Traceable:

@@ -150,6 +150,28 @@ def test_pdl_args_early_switch(monkeypatch):
     assert L.pdl_args(fake) == {}
 
 
+def test_twice_switch_launches_the_named_kernels_twice(monkeypatch):
+    """`launch` with env K3_TWICE (the decode-step diagnostic): a named kernel's launch runs twice with the same
+    arguments, other kernels once; read at each launch."""
+    from k3export.plugins import launch as L
+
+    class Kernel:                                    # a stand-in with a JITFunction's `fn` and grid indexing
+        def __init__(self, name):
+            self.fn, self.calls = type(name, (), {})(), []
+            self.fn.__name__ = name
+
+        def __getitem__(self, grid):
+            return lambda *a, **k: self.calls.append((grid, a, k))
+
+    a, b = Kernel("a_kernel"), Kernel("b_kernel")
+    monkeypatch.delenv("K3_TWICE", raising=False)
+    assert L.launch(a) is a
+    monkeypatch.setenv("K3_TWICE", "x_kernel,a_kernel")
+    L.launch(a)[(3,)](1, n=2)
+    L.launch(b)[(3,)](1, n=2)
+    assert a.calls == [((3,), (1,), {"n": 2})] * 2 and b.calls == [((3,), (1,), {"n": 2})]
+
+
 def test_compile_backend_signals_early_only_without_inductor_pdl():
     """`CompileBackend(pdl_early=True)` (the default) signals early only with PDL on and without Inductor's own PDL
     option (whose kernels may load activations before their wait); on a CPU model PDL is off altogether."""

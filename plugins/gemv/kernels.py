@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ..launch import pdl_args
+from ..launch import launch, pdl_args
 from ..moe.kernels import _sigmoid, _tanh
 
 MAX_TILE = 16384          # weight elements per program (BLOCK_N * BLOCK_K): 32 KB of bf16 in registers
@@ -196,8 +196,8 @@ def gemv_fwd(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, 
     bn, bk, nw = tile or gemv_tile(N, K)
     if w_scale is not None:
         flags.update(w_scale=w_scale.contiguous(), SCALE=2 if w_scale.dim() else 1)
-    gemv_fwd_kernel[(triton.cdiv(N, bn),)](x2, w, y, M, N, K, x2.stride(0), y.stride(0), BLOCK_N=bn, BLOCK_K=bk,
-                                            num_warps=nw, **flags)
+    launch(gemv_fwd_kernel)[(triton.cdiv(N, bn),)](x2, w, y, M, N, K, x2.stride(0), y.stride(0), BLOCK_N=bn,
+                                                    BLOCK_K=bk, num_warps=nw, **flags)
     return y.view(*x.shape[:-1], N)
 
 
