@@ -13,8 +13,6 @@ each hold `context` tokens (`Engine.decode`, state commit included). Backends:
     compile-pdl-inductor  `compile` with Inductor's own kernels launched with PDL too (its `triton.enable_pdl`)
     compile-glu     `compile` with SiTU-GLU in the one-row GEMV of the MoE / MLP input projections (`k3::gemv_glu`)
     compile-moepdl  `compile` with the MoE decode kernels (router, top-k, pair GEMVs) on PDL too
-    compile-normpdl `compile-moepdl` with the latent norm in the MoE output GEMV (which then prefetches its weights
-                    while the expert GEMVs run: their PDL launch lets it start early)
     aoti      an AOTInductor engine from `k3export build` (built or reused under --engines), CUDA graphs on top
 
 Napkin math beside every time. Decode floor = bytes a step must move / measured copy bandwidth: every weight
@@ -48,7 +46,6 @@ COMPILE_VARIANTS = {"compile": {}, "compile-frozen": {"freezing": True}, "compil
                     "compile-cublas": {"gemv": False}, "compile-cublas-nopdl": {"gemv": False, "pdl": False},
                     "compile-pdl-inductor": {"options": {"triton.enable_pdl": True}}, "compile-glu": {"glu": True},
                     "compile-moepdl": {"moe_pdl": True}, "compile-norm": {"fold_norm": True},
-                    "compile-normpdl": {"fold_norm": True, "moe_pdl": True},
                     "compile-fast": {"glu": True, "moe_pdl": True, "fold_norm": True}}
 # Inductor's PDL (TORCHINDUCTOR_ENABLE_PDL) waits in a kernel only where it reads or overwrites what the previous
 # scheduler node wrote, and lets the next kernel start after its last load; a torch without the option refuses the
