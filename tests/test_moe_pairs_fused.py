@@ -1,6 +1,8 @@
 """The fused "pairs" MoE decode path (`MoeTiles.fuse_topk` / `fuse_combine` in `plugins/moe/kernels.py`): the top-k in
 the split router's launch and the combine in gemm2's launch, each finished by the program that draws the last
-ticket. 5 launches -> 3 at 1-2 tokens; the results must be the unfused pairs path's, bit for bit.
+ticket. 5 launches -> 3 at 1-2 tokens; the results must be the unfused pairs path's, bit for bit. Also the top-k
+inside gemm1 (`MoeTiles.topk_gemm1`, tiling "pairs-n8-fc-g1": every gemm1 program selects its token's experts
+from the router's partial sums; the top-k launch goes), bit for bit the same.
 
 CPU: the kernels under TRITON_INTERPRET=1 at tiny shapes (fresh random inputs) vs the unfused path (bit-identical:
 `torch.equal`) and vs the fp64 `moe_sorted` (the bounds of tests/test_moe_kernels.py); the new kernels compiled
@@ -25,7 +27,7 @@ import torch
 from k3export.plugins.moe.naive import moe_sorted
 from test_moe_kernels import BF16_BOUND, FP16_BOUND, FP32_BOUND, SITU, _rel, _weights   # bounds with their reasons
 
-UNFUSED, FUSED, COMBINE_ONLY = "pairs-n8", "pairs-n8-fused", "pairs-n8-fc"
+UNFUSED, FUSED, COMBINE_ONLY, IN_GEMM1 = "pairs-n8", "pairs-n8-fused", "pairs-n8-fc", "pairs-n8-fc-g1"
 
 
 def _moe(x, z, w, k, tiling, scaling=2.5):
@@ -38,6 +40,17 @@ def _route_same(x, g, b, k) -> bool:
     from k3export.plugins.moe.kernels import route_fwd
     return all(torch.equal(p, q) for p, q in zip(route_fwd(x, g, b, k, True, 2.5, True, True),
                                                  route_fwd(x, g, b, k, True, 2.5, True)))
+
+
+def _gemm1_routes_same(x, z, w, k) -> bool:
+    """route_fwd(defer=True) + pairs_fwd (gemm1 selecting the experts) writes the ids, weights and scores that
+    route_fwd(lean) computes, bit for bit, and gives the same u."""
+    from k3export.plugins.moe.kernels import TILINGS, pairs_fwd, route_fwd
+    ids, wt, s, route = route_fwd(x, w[0], w[1], k, True, 2.5, True, defer=True)
+    u = pairs_fwd(z, w[2], w[3], w[4], ids, SITU["beta"], SITU["linear_beta"], TILINGS["decode"][IN_GEMM1], wt, route)
+    return route is not None and all(torch.equal(p, q) for p, q in zip((ids, wt, s), route_fwd(x, w[0], w[1], k, True,
+                                                                                              2.5, True))) \
+        and torch.equal(u, _moe(x, z, w, k, UNFUSED))
 
 
 def _tickets_zero() -> bool:
@@ -66,6 +79,8 @@ def _interpreter_cases() -> dict:
                 res[f"equal-{case}"] = float(u.dtype == dt and torch.equal(u, _moe(x, z, w, k, UNFUSED)))
                 if N == 2 and k == 8:
                     res[f"equal-fc-{name}"] = float(torch.equal(_moe(x, z, w, k, COMBINE_ONLY), u))
+                res[f"gemm1-route-equal-{case}"] = float(_gemm1_routes_same(x, z, w, k) and
+                                                         torch.equal(_moe(x, z, w, k, IN_GEMM1), u))
                 res[f"route-equal-{case}"] = float(_route_same(x, w[0], w[1], k))
                 res[f"ref-{case}"] = _rel(u, ref)
     # Ties: experts 2j and 2j+1 are copies (gate row, bias, weights), so their scores tie exactly; experts 4 and 5
@@ -81,7 +96,8 @@ def _interpreter_cases() -> dict:
             x, z = torch.randn(N, d), torch.randn(N, L)
             ids = route_fwd(x, w[0], w[1], k, True, 2.5, True, True)[0]
             ties.append(_route_same(x, w[0], w[1], k) and bool((ids[:, :2] == torch.tensor([4, 5])).all())
-                        and torch.equal(_moe(x, z, w, k, FUSED), _moe(x, z, w, k, UNFUSED)))
+                        and torch.equal(_moe(x, z, w, k, FUSED), _moe(x, z, w, k, UNFUSED))
+                        and _gemm1_routes_same(x, z, w, k))
     res["ties-equal"] = float(all(ties))
     # Two consecutive fused calls on fresh inputs (the counters must be back at 0 after the first), each equal to
     # the unfused path on its own inputs; every counter 0 afterwards.
@@ -94,7 +110,8 @@ def _interpreter_cases() -> dict:
     return res
 
 
-@pytest.mark.parametrize("case", [f"{what}-{dt}-n{n}-k{k}" for what in ("equal", "route-equal")
+@pytest.mark.parametrize("case", [f"{what}-{dt}-n{n}-k{k}"
+                                  for what in ("equal", "route-equal", "gemm1-route-equal")
                                   for dt in ("fp32", "fp16") for n in (1, 2) for k in (2, 8)]
                          + ["equal-fc-fp32", "equal-fc-fp16", "ties-equal", "consecutive-equal", "tickets-zero"])
 def test_interpreted_pairs_fused_bit_identical(interp, case):
@@ -188,6 +205,29 @@ def test_pairs_fused_reductions_match_unfused_sm90(E, k):
     assert _reduce_layouts(fused) == _reduce_layouts(unfused) and len(_reduce_layouts(fused)) == 1
 
 
+@pytest.mark.parametrize("E,k", [(896, 16), (64, 8)])
+def test_gemm1_route_reductions_match_topk_kernel_sm90(E, k):
+    """gemm1 selecting its own experts (ROUTE) gives the top-k kernel's ids and weights on the GPU only if its
+    selection reductions run on the same shapes and layouts: the first k + 2 reductions of its sm_90 TTGIR (the
+    top-k rounds and the renormalising sum) are the top-k kernel's, then its GEMV row sums follow."""
+    from k3export.plugins.moe import kernels as K
+    from k3export.plugins.triton_common import pow2
+    topk = dict(BLOCK_K=pow2(k, 2), RENORM=True, PACKED=True)
+    unfused = _reduce_layouts(_ttgir(K.moe_topk_fwd_kernel, {"s": "*fp32", "part": "*fp32", "bias": "*fp32",
+                                                             "ids": "*i32", "w": "*fp32", "N": "i32", "E": "i32",
+                                                             "scaling": "fp32"},
+                                     dict(topk, K=k, BLOCK_E=pow2(E), SPLITS=8)))
+    bn, bk, _ = K.TILINGS["decode"][IN_GEMM1].pair_gemm[0]
+    sig = {"z": "*bf16", "w1": "*bf16", "w3": "*bf16", "h": "*bf16", "ids": "*i32", "L": "i32", "I": "i32",
+           "stride_zn": "i32", "stride_we": "i32", "stride_wi": "i32", "stride_h": "i32", "beta": "fp32",
+           "linear_beta": "fp32", "part": "*fp32", "bias": "*fp32", "s": "*fp32", "wt": "*fp32", "N": "i32",
+           "E": "i32", "scaling": "fp32"}
+    routed = _reduce_layouts(_ttgir(K.moe_pair_gemm1_fwd_kernel, sig,
+                                    dict(TOP_K=k, BLOCK_N=bn, BLOCK_K=bk, ROUTE=True, SPLITS=8, BLOCK_E=pow2(E),
+                                         BLOCK_TK=pow2(k, 2), RENORM=True, PACKED=True)))
+    assert len(unfused) == k + 2 and routed[:k + 2] == unfused, (routed, unfused)
+
+
 # ---------------------------------------------------------------------------------------------- GPU
 SHAPES = {"k3": (896, 7168, 3584, 3072, 16), "k3-small": (64, 2048, 1024, 768, 8)}   # E, d, L, I, top_k
 
@@ -226,7 +266,8 @@ def _clear_rows(x, g, b, k):
 @pytest.mark.parametrize("N", [1, 2])
 def test_pairs_fused_gpu_bit_identical(experts, name, N):
     """Fused == unfused (u, ids, w, s: bit for bit) over 10 calls each on fresh inputs (a race in the ticket
-    hand-off would show as a call that differs), and within the bf16 bound of moe_sorted on clear rows."""
+    hand-off would show as a call that differs), also with the top-k inside gemm1 (ids, w, s as gemm1 writes them),
+    and within the bf16 bound of moe_sorted on clear rows."""
     w = experts(name)
     k = SHAPES[name][4]
     for seed in range(10):
@@ -234,7 +275,8 @@ def test_pairs_fused_gpu_bit_identical(experts, name, N):
         u = _moe(x, z, w, k, FUSED, 1.0)
         assert torch.equal(u, _moe(x, z, w, k, UNFUSED, 1.0)), (name, N, seed)
         assert torch.equal(_moe(x, z, w, k, COMBINE_ONLY, 1.0), u), (name, N, seed)
-        assert _route_same(x, w[0], w[1], k), (name, N, seed)
+        assert torch.equal(_moe(x, z, w, k, IN_GEMM1, 1.0), u), (name, N, seed)
+        assert _route_same(x, w[0], w[1], k) and _gemm1_routes_same(x, z, w, k), (name, N, seed)
     assert _tickets_zero()
     clear = _clear_rows(x, w[0], w[1], k)
     ref = moe_sorted(x, z, *w, k, True, 1.0, **SITU)
@@ -244,9 +286,10 @@ def test_pairs_fused_gpu_bit_identical(experts, name, N):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("tiling", [FUSED, IN_GEMM1])
 @pytest.mark.parametrize("name", ["k3", "k3-small"])
 @pytest.mark.parametrize("N", [1, 2])
-def test_pairs_fused_gpu_cuda_graph(experts, name, N):
+def test_pairs_fused_gpu_cuda_graph(experts, name, N, tiling):
     """The fused path captured in a CUDA graph (after a warm-up call, as a decode step is) and replayed 3 times on
     fresh inputs copied into the captured buffers: each replay == the unfused path on those inputs, bit for bit
     (the counters go back to 0 inside every replay)."""
@@ -256,11 +299,11 @@ def test_pairs_fused_gpu_cuda_graph(experts, name, N):
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        _moe(x, z, w, k, FUSED, 1.0)
+        _moe(x, z, w, k, tiling, 1.0)
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        u = _moe(x, z, w, k, FUSED, 1.0)
+        u = _moe(x, z, w, k, tiling, 1.0)
     for seed in range(3):
         xn, zn = _inputs(name, N, 100 + seed)
         x.copy_(xn)
@@ -289,6 +332,7 @@ def test_pairs_fused_gpu_ties(N):
         ids = route_fwd(x, w[0], w[1], k, True, 1.0, True, True)[0]
         assert _route_same(x, w[0], w[1], k) and bool((ids[:, :2] == torch.tensor([4, 5], device="cuda")).all())
         assert torch.equal(_moe(x, z, w, k, FUSED, 1.0), _moe(x, z, w, k, UNFUSED, 1.0))
+        assert _gemm1_routes_same(x, z, w, k)
 
 
 if __name__ == "__main__":

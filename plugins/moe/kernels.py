@@ -144,6 +144,17 @@ def _topk_store(sc, bias, ids, w, n, E, scaling, K: tl.constexpr, BLOCK_K: tl.co
     """Token n's selection from its scores sc `[BLOCK_E]` fp32: ids[n] = the K largest sc + bias (ties -> lowest
     id), w[n] = their unbiased sc (renormalised) * scaling (`moe_topk_fwd_kernel`, and the fused router's last
     program)."""
+    top, wt = _topk(sc, bias, E, K, BLOCK_K, BLOCK_E, RENORM, PACKED)
+    slots = tl.arange(0, BLOCK_K)
+    tl.store(ids + n * K + slots, top, mask=slots < K)
+    tl.store(w + n * K + slots, wt * scaling, mask=slots < K)
+
+
+@triton.jit
+def _topk(sc, bias, E, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr,
+          PACKED: tl.constexpr):
+    """`_topk_store`'s selection without the stores: (ids `[BLOCK_K]` int32, weights `[BLOCK_K]` fp32 before the
+    scaling), slots from K on unused. Also gemm1's own routing (`moe_pair_gemm1_fwd_kernel` ROUTE)."""
     offs = tl.arange(0, BLOCK_E)
     ok = offs < E
     key = tl.where(ok, sc + tl.load(bias + offs, mask=ok, other=0.0).to(tl.float32), float("-inf"))
@@ -168,8 +179,7 @@ def _topk_store(sc, bias, ids, w, n, E, scaling, K: tl.constexpr, BLOCK_K: tl.co
             key = tl.where(offs == idx, float("-inf"), key)
     if RENORM:
         wt = wt / (tl.sum(wt, 0) + 1e-20)
-    tl.store(ids + n * K + slots, top, mask=slots < K)
-    tl.store(w + n * K + slots, wt * scaling, mask=slots < K)
+    return top, wt
 
 
 @triton.jit
@@ -237,11 +247,14 @@ ROUTE_WIDE_MIN_N = 1024         # wide router tiles (MoeTiles.wide_route) from t
 
 
 def route_fwd(x, gate_weight, bias, top_k: int, renormalize: bool, scaling: float, lean: bool = False,
-              fused: bool = False, wide: bool = False):
+              fused: bool = False, wide: bool = False, defer: bool = False):
     """x `[N, d]` -> (ids `[N, k]` int32, w `[N, k]` fp32, s `[N, E]` fp32). lean: the router split over d into
     8 parts for N <= ROUTE_SPLIT_MAX_N (few tokens: 8x the programs) and the packed top-k. fused (with a split
     router): the top-k in the router's launch (`moe_router_topk_fwd_kernel`: one launch, the same results).
-    wide: 128 x 128 router tiles on 8 warps from ROUTE_WIDE_MIN_N tokens (prefill; else 64 x 64 on 4)."""
+    wide: 128 x 128 router tiles on 8 warps from ROUTE_WIDE_MIN_N tokens (prefill; else 64 x 64 on 4).
+    defer (with a split router): no top-k launch; returns (ids, w, s, route) with ids / w / s not yet written and
+    route the arguments with which `pairs_fwd` has gemm1 select and write them (`moe_pair_gemm1_fwd_kernel`
+    ROUTE); None for route when the router is not split (then the top-k ran as usual)."""
     N, D = x.shape
     E = gate_weight.shape[0]
     if x.dtype != gate_weight.dtype:
@@ -259,7 +272,8 @@ def route_fwd(x, gate_weight, bias, top_k: int, renormalize: bool, scaling: floa
     grid = (triton.cdiv(N, block_m), triton.cdiv(E, block_e), splits)
     d_split = triton.cdiv(D, splits * block_d) * block_d
     topk = dict(K=top_k, BLOCK_K=pow2(top_k, 2), RENORM=bool(renormalize and top_k > 1), PACKED=lean)
-    if fused and splits > 1:
+    defer = defer and splits > 1
+    if fused and splits > 1 and not defer:
         launch(moe_router_topk_fwd_kernel)[grid](
             x, gate_weight, bias.contiguous(), part, s, ids, w, tickets(x, grid[0]), N, E, D, x.stride(0),
             gate_weight.stride(0), d_split, scaling, BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_D=block_d,
@@ -273,9 +287,14 @@ def route_fwd(x, gate_weight, bias, top_k: int, renormalize: bool, scaling: floa
         xa, ga, part, N, E, D, x.stride(0), gate_weight.stride(0), d_split,
         BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_D=block_d, SIGMOID=splits == 1, DOT_PREC=dot_precision(x.dtype),
         num_warps=8 if wide else 4, num_stages=3 if x.dtype != torch.float32 else 1, **desc, **pdl_args(x, moe=True))
+    if defer:
+        route = dict(part=part, bias=bias.contiguous(), s=s, wt=w, N=N, E=E, scaling=scaling, ROUTE=True,
+                     SPLITS=splits, BLOCK_E=pow2(E), BLOCK_TK=topk["BLOCK_K"], RENORM=topk["RENORM"],
+                     PACKED=topk["PACKED"])
+        return ids, w, s, route
     launch(moe_topk_fwd_kernel)[(N,)](s, part, bias.contiguous(), ids, w, N, E, scaling, BLOCK_E=pow2(E),
                                       SPLITS=splits, num_warps=4, **topk, **pdl_args(x, moe=True))
-    return ids, w, s
+    return (ids, w, s, None) if defer else (ids, w, s)
 
 
 # ---------------------------------------------------------------------------------------------- row plan
@@ -685,14 +704,40 @@ def _pair_tile(ids, n_cols, BLOCK_N: tl.constexpr):
 @triton.jit
 def moe_pair_gemm1_fwd_kernel(z, w1, w3, h, ids, L, I, stride_zn, stride_we, stride_wi, stride_h, beta,
                               linear_beta, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                              PDL: tl.constexpr = False):
+                              PDL: tl.constexpr = False, part=None, bias=None, s=None, wt=None, N=0, E=0,
+                              scaling=1.0, ROUTE: tl.constexpr = False, SPLITS: tl.constexpr = 1,
+                              BLOCK_E: tl.constexpr = 16, BLOCK_TK: tl.constexpr = 2, RENORM: tl.constexpr = False,
+                              PACKED: tl.constexpr = False):
     """Pair p (token p // TOP_K, expert ids[p]), columns [n0, n0 + BLOCK_N) of I: two GEMVs over L,
     h[p] = SiTU_GLU(z W1_e^T, z W3_e^T) -> h.dtype ("pairs" decode: no row plan, no padding rows). PDL: wait
-    first."""
+    first.
+    ROUTE (`MoeTiles.topk_gemm1`: the top-k launch goes): every program selects its token's experts itself from
+    the split router's partial sums part `[SPLITS, N, E]`, as `moe_topk_fwd_kernel` does (same order, same
+    arithmetic: the same ids and weights), and takes expert `ids[p]` from that; the token's first pair's first
+    column tile stores s, ids and wt (scaled) for gemm2 and the combine."""
     pdl_wait(PDL)
     beta = tl.cast(beta, tl.float32)
     linear_beta = tl.cast(linear_beta, tl.float32)
-    p, e, offs_n, n_ok = _pair_tile(ids, I, BLOCK_N)
+    if ROUTE:
+        p = tl.program_id(0)
+        n = p // TOP_K
+        offs_e = tl.arange(0, BLOCK_E)
+        e_ok = offs_e < E
+        acc_e = tl.zeros([BLOCK_E], tl.float32)
+        for sp in tl.static_range(SPLITS):
+            acc_e += tl.load(part + (sp * N + n).to(tl.int64) * E + offs_e, mask=e_ok, other=0.0)
+        sc = _sigmoid(acc_e)
+        top, wtop = _topk(sc, bias, E, TOP_K, BLOCK_TK, BLOCK_E, RENORM, PACKED)
+        slots = tl.arange(0, BLOCK_TK)
+        e = tl.sum(tl.where(slots == p % TOP_K, top, 0), 0).to(tl.int64)
+        if (p % TOP_K == 0) & (tl.program_id(1) == 0):
+            tl.store(s + n.to(tl.int64) * E + offs_e, sc, mask=e_ok)
+            tl.store(ids + n * TOP_K + slots, top, mask=slots < TOP_K)
+            tl.store(wt + n * TOP_K + slots, wtop * tl.cast(scaling, tl.float32), mask=slots < TOP_K)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < I
+    else:
+        p, e, offs_n, n_ok = _pair_tile(ids, I, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     z_row = z + (p // TOP_K).to(tl.int64) * stride_zn
     w_off = e * stride_we + offs_n[:, None].to(tl.int64) * stride_wi + offs_k[None, :]              # [BN, BK]
@@ -758,7 +803,10 @@ class MoeTiles:
     a few tokens whose pairs rarely share an expert. 0: always the row plan. On the pairs path only: fuse_topk, up
     to this many tokens the top-k in the split router's launch (`route_fwd(fused=True)`; its last program selects
     for the tokens one after another); fuse_combine, the combine in gemm2's launch
-    (`moe_pair_gemm2_combine_fwd_kernel`). Both give the unfused path's bits (5 launches -> 3). y_half (row plan):
+    (`moe_pair_gemm2_combine_fwd_kernel`). Both give the unfused path's bits (5 launches -> 3). topk_gemm1
+    (pairs path, split router): up to this many tokens, every gemm1 program selects its token's experts from the
+    router's partial sums itself (`moe_pair_gemm1_fwd_kernel` ROUTE) instead of a top-k launch before it; the
+    same bits (with fuse_combine: 4 launches -> 3, and no program waits on a ticket). y_half (row plan):
     gemm2 stores each pair's expert output in z.dtype, as the reference `moe_sorted` rounds it, instead of fp32
     (half the bytes written by gemm2 and read by the combine, which still sums in fp32). wide_route:
     `route_fwd(wide=True)`. fast_act: the row plan's gemm1 epilogue math (`_situ_glu` FAST; 2 runs as 1 under
@@ -776,6 +824,7 @@ class MoeTiles:
     pair_gemm: tuple = ((16, 256, 4), (16, 256, 4))
     fuse_topk: int = 0
     fuse_combine: bool = False
+    topk_gemm1: int = 0
     y_half: bool = False
     wide_route: bool = False
     fast_act: int = 0
@@ -804,7 +853,9 @@ TILINGS = {
                "pairs-n8-fc": MoeTiles(16, (32, 256, 4, 4), (32, 256, 4, 4), _ALL, "", True, True, pairs=2,
                                        pair_gemm=((8, 256, 4), (8, 256, 4)), fuse_combine=True),
                "pairs-n8-fused": MoeTiles(16, (32, 256, 4, 4), (32, 256, 4, 4), _ALL, "", True, True, pairs=2,
-                                          pair_gemm=((8, 256, 4), (8, 256, 4)), fuse_topk=2, fuse_combine=True)},
+                                          pair_gemm=((8, 256, 4), (8, 256, 4)), fuse_topk=2, fuse_combine=True),
+               "pairs-n8-fc-g1": MoeTiles(16, (32, 256, 4, 4), (32, 256, 4, 4), _ALL, "", True, True, pairs=2,
+                                          pair_gemm=((8, 256, 4), (8, 256, 4)), fuse_combine=True, topk_gemm1=2)},
     # Timed on 2026-11-30 09:19-09:34 and dropped: m128t64-aw with gemm1 in 3 or 5 stages, gemm2 in 5, and y_half
     # without the wide router (no faster, or slower: docs/perf.md).
     "prefill": {"old": MoeTiles(64, (64, 64, 4, 4), (128, 64, 4, 4), _ALL, "", False),
@@ -843,11 +894,12 @@ TILINGS = {
 # passed, incl. 10 calls and 3 graph replays at K3 and k3-small shapes). `bench moe --phases decode` (K3 shapes,
 # graph replay), 1 / 2 tokens: pairs-n8 0.278 / 0.505 ms, pairs-n8-fc 0.278 / 0.507, pairs-n8-fused 0.282 / 0.517
 # (at K3 size the fused router's single last program, which selects for every token in turn, costs more than the
-# launch it saves). Default "pairs-n8-fc"; K3_MOE_DECODE=<name> picks another decode tiling for a process (A/B
-# timing of a whole model). k3-small (64 experts) decode at B = 1 under `compile` on the H200 (2026-11-30
-# 13:36-13:49, `bench model`): "pairs-n8-fused" 0.888 ms with the MoE kernels on PDL vs 0.896 without it, 0.899
-# vs 0.908 under `compile-fast`: within the run-to-run spread, so the default stays.
-_DECODE = os.environ.get("K3_MOE_DECODE") or "pairs-n8-fc"
+# launch it saves). Default "pairs-n8-fc"; K3_MOE_DECODE=<name> picks another decode tiling (`tiles_for` reads it
+# per call, so at CUDA-graph capture: an A/B switch for a whole model). k3-small (64 experts) decode at B = 1 under
+# `compile` on the H200 (2026-11-30 13:36-13:49, `bench model`): "pairs-n8-fused" 0.888 ms with the MoE kernels on
+# PDL vs 0.896 without it, 0.899 vs 0.908 under `compile-fast`: within the run-to-run spread, so the default stays.
+# "pairs-n8-fc-g1": "pairs-n8-fc" with the top-k inside gemm1's programs (`MoeTiles.topk_gemm1`; not yet timed).
+_DECODE = "pairs-n8-fc"
 # 2026-11-30 09:34 (`bench moe --layout paired`, K3 shapes, 400 ms per timing; docs/perf.md): y_half and the wide
 # router ("-y16r") take the combine from 0.63 to 0.24 ms and the route from 0.46 to 0.34 ms at 8192 tokens (gemm2
 # 7.52 -> 7.32): 4096 tokens 18.41 -> 17.99 ms (m64t32-n128-aw8), 8192 25.03 -> 24.83 (m128t64-aw), 16384 43.57
@@ -976,10 +1028,11 @@ def gemm2_fwd(h, w2, plan, n_pairs: int, cfg: MoeTiles):
     return y
 
 
-def pairs_fwd(z, w1, w3, w2, ids, beta: float, linear_beta: float, cfg: MoeTiles, w=None):
+def pairs_fwd(z, w1, w3, w2, ids, beta: float, linear_beta: float, cfg: MoeTiles, w=None, route=None):
     """The "pairs" experts: y `[N k, L]` fp32, row p = pair (token p // k, expert ids.flat[p]); no row plan.
     With w (the router weights `[N, k]`, cfg.fuse_combine): u `[N, L]` in z.dtype, the combine done by gemm2's
-    last program per (token, column tile) (`moe_pair_gemm2_combine_fwd_kernel`; y is its workspace)."""
+    last program per (token, column tile) (`moe_pair_gemm2_combine_fwd_kernel`; y is its workspace). route
+    (`route_fwd(defer=True)`'s): gemm1 selects the experts itself and writes ids, w and s (they are outputs)."""
     N, top_k = ids.shape
     E, I, L = w1.shape
     P = N * top_k
@@ -996,7 +1049,7 @@ def pairs_fwd(z, w1, w3, w2, ids, beta: float, linear_beta: float, cfg: MoeTiles
         bk1 = bk2 = bk_env
     launch(moe_pair_gemm1_fwd_kernel)[(P, triton.cdiv(I, bn1))](
         z, w1, w3, h, ids, L, I, z.stride(0), w1.stride(0), w1.stride(1), h.stride(0), beta, linear_beta, TOP_K=top_k,
-        BLOCK_N=bn1, BLOCK_K=bk1, num_warps=warps1, **pdl_args(z, moe=True))
+        BLOCK_N=bn1, BLOCK_K=bk1, num_warps=warps1, **(route or {}), **pdl_args(z, moe=True))
     if w is None:
         launch(moe_pair_gemm2_fwd_kernel)[(P, triton.cdiv(L, bn2))](
             h, w2, y, ids, L, I, h.stride(0), L * I, I, y.stride(0), BLOCK_N=bn2, BLOCK_K=bk2, num_warps=warps2,
@@ -1026,6 +1079,11 @@ def tiles_for(z, n_pairs: int, E: int, regime: str | None = None, paired: bool =
     if z.dtype == torch.float32:
         return FP32_TILES
     regime = regime or pick_regime(n_pairs, E)
+    env = os.environ.get("K3_MOE_DECODE") if regime == "decode" else None      # read per call: an A/B switch
+    if env:
+        check(env in TILINGS["decode"], f"K3_MOE_DECODE={env!r} is not a decode tiling: "
+              f"{', '.join(TILINGS['decode'])}")
+        return TILINGS["decode"][env]
     return PAIRED_CONFIGS.get(regime, CONFIGS[regime]) if paired else CONFIGS[regime]
 
 
@@ -1051,12 +1109,17 @@ def moe_routed_fwd(x, z, gate_weight, bias, w1, w3, w2, top_k: int, renormalize:
         w1, w3 = w1.contiguous(), w3.contiguous()
     cfg = tiles or tiles_for(z, N * top_k, E, regime, paired)
     pairs = size_bound(N) <= cfg.pairs
-    ids, w, _ = route_fwd(x, gate_weight, bias, top_k, renormalize, scaling, cfg.lean_route,
-                          pairs and size_bound(N) <= cfg.fuse_topk, cfg.wide_route)
+    route = None
+    if pairs and size_bound(N) <= cfg.topk_gemm1:                     # gemm1 selects (if the router is split)
+        ids, w, _, route = route_fwd(x, gate_weight, bias, top_k, renormalize, scaling, cfg.lean_route,
+                                     wide=cfg.wide_route, defer=True)
+    else:
+        ids, w, _ = route_fwd(x, gate_weight, bias, top_k, renormalize, scaling, cfg.lean_route,
+                              pairs and size_bound(N) <= cfg.fuse_topk, cfg.wide_route)
     if pairs and cfg.fuse_combine:
-        return pairs_fwd(z, w1, w3, w2, ids, beta, linear_beta, cfg, w)
+        return pairs_fwd(z, w1, w3, w2, ids, beta, linear_beta, cfg, w, route)
     if pairs:
-        return combine_fwd(pairs_fwd(z, w1, w3, w2, ids, beta, linear_beta, cfg), w, z.dtype)
+        return combine_fwd(pairs_fwd(z, w1, w3, w2, ids, beta, linear_beta, cfg, route=route), w, z.dtype)
     plan = align_rows(ids, E, cfg.rows, cfg.fused_align, cfg.many_align)
     h = gemm1_fwd(z, w1, w3, plan, top_k, beta, linear_beta, cfg)
     y = gemm2_fwd(h, w2, plan, N * top_k, cfg)
