@@ -217,7 +217,7 @@ def test_interpreted(interp, case, bound):
 # TMA tiling, the default pairs GEMVs and a pointer tiling (strided views).
 PAIRED_TILINGS = [("prefill", "m128-tma-aw"), ("prefill", "m128-tma-w"), ("prefill", "m128t64-aw"),
                   ("prefill", "m64t32-n128-aw8"), ("prefill", "old"), ("decode", "fused-lean-tma"),
-                  ("decode", "pairs-n8-fc")]
+                  ("decode", "pairs-n8-fc"), ("decode", "pairs-n8-fc-g1")]
 
 
 def _tiling_names():

@@ -894,12 +894,18 @@ TILINGS = {
 # passed, incl. 10 calls and 3 graph replays at K3 and k3-small shapes). `bench moe --phases decode` (K3 shapes,
 # graph replay), 1 / 2 tokens: pairs-n8 0.278 / 0.505 ms, pairs-n8-fc 0.278 / 0.507, pairs-n8-fused 0.282 / 0.517
 # (at K3 size the fused router's single last program, which selects for every token in turn, costs more than the
-# launch it saves). Default "pairs-n8-fc"; K3_MOE_DECODE=<name> picks another decode tiling (`tiles_for` reads it
-# per call, so at CUDA-graph capture: an A/B switch for a whole model). k3-small (64 experts) decode at B = 1 under
+# launch it saves). The default then "pairs-n8-fc"; K3_MOE_DECODE=<name> picks another decode tiling (read
+# by `tiles_for` per call, so at CUDA-graph capture: an A/B switch for a whole model). k3-small decode at B = 1 under
 # `compile` on the H200 (2026-11-30 13:36-13:49, `bench model`): "pairs-n8-fused" 0.888 ms with the MoE kernels on
 # PDL vs 0.896 without it, 0.899 vs 0.908 under `compile-fast`: within the run-to-run spread, so the default stays.
-# "pairs-n8-fc-g1": "pairs-n8-fc" with the top-k inside gemm1's programs (`MoeTiles.topk_gemm1`; not yet timed).
-_DECODE = "pairs-n8-fc"
+# "pairs-n8-fc-g1" (the default since 2026-11-30 17:38): "pairs-n8-fc" with the top-k inside gemm1's programs
+# (`MoeTiles.topk_gemm1`: 4 launches -> 3 per MoE layer at one token, the same bits; GPU tests 14 passed, 17:36).
+# k3-small decode at B = 1 under `compile` (`scripts/ab_decode.py --env K3_MOE_DECODE=...`, 4 interleaved rounds
+# of 200 steps): pairs-n8-fc 0.901 ms, pairs-n8-fc-g1 0.896 (faster in 4 of 4 rounds), pairs-n8-fused 0.913. Only
+# timed at 64 experts: with more (K3: 896, top-16) every gemm1 program's selection grows (16 rounds over 1024
+# scores), so the top-k stays a launch of its own above TOPK_GEMM1_MAX_E experts.
+_DECODE = "pairs-n8-fc-g1"
+TOPK_GEMM1_MAX_E = 64
 # 2026-11-30 09:34 (`bench moe --layout paired`, K3 shapes, 400 ms per timing; docs/perf.md): y_half and the wide
 # router ("-y16r") take the combine from 0.63 to 0.24 ms and the route from 0.46 to 0.34 ms at 8192 tokens (gemm2
 # 7.52 -> 7.32): 4096 tokens 18.41 -> 17.99 ms (m64t32-n128-aw8), 8192 25.03 -> 24.83 (m128t64-aw), 16384 43.57
@@ -1110,7 +1116,7 @@ def moe_routed_fwd(x, z, gate_weight, bias, w1, w3, w2, top_k: int, renormalize:
     cfg = tiles or tiles_for(z, N * top_k, E, regime, paired)
     pairs = size_bound(N) <= cfg.pairs
     route = None
-    if pairs and size_bound(N) <= cfg.topk_gemm1:                     # gemm1 selects (if the router is split)
+    if pairs and size_bound(N) <= cfg.topk_gemm1 and E <= TOPK_GEMM1_MAX_E:   # gemm1 selects (router split)
         ids, w, _, route = route_fwd(x, gate_weight, bias, top_k, renormalize, scaling, cfg.lean_route,
                                      wide=cfg.wide_route, defer=True)
     else:
