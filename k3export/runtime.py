@@ -144,9 +144,11 @@ class CompileBackend(EagerBackend):
     (router, top-k, pair GEMVs) with PDL too. `fold_norm` (CUDA models): the LatentMoE's latent RMSNorm inside its
     one-row output GEMV (`packing.NormCols`, `k3::gemv_norm`: one launch fewer per MoE layer). All three are
     correct on the H200 (tokens / bit-identity tests) and off: none made the k3-small step at B = 1 faster
-    (2026-11-30 13:35-13:49, `bench model`: compile 0.881-0.923 ms, glu 0.892, moe_pdl 0.896, fold_norm 0.886, all
-    three 0.908; docs/perf.md "Fewer kernels per step does not help any more"). Neither did the shared experts on
-    a second CUDA stream (graph branches per MoE layer): 0.901 -> 0.922 ms (15:58; git history, perf.md)."""
+    (2026-11-30 17:05, `scripts/ab_decode.py --backends`, one process, interleaved rounds: compile 0.866 ms, glu
+    0.881, fold_norm 0.872, moe_pdl 0.887, all three 0.868; fold_norm + moe_pdl 0.895 at 17:26). Neither did the
+    shared experts on a second CUDA stream (graph branches per MoE layer): 0.901 -> 0.922 ms (15:58; git history,
+    perf.md), nor the AttnRes mix inside the next GEMV (an Inductor graph pass, `k3::gemv_mix`: 0.963 -> 0.962 ms,
+    17:12; git history)."""
 
     name = "compile"
 
