@@ -30,6 +30,7 @@ h / s_h in fp32 for torch to round to E4M3 (the interpreter's own E4M3 conversio
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -38,10 +39,10 @@ import triton.language as tl
 
 from k3export.fp8 import WEIGHT_ONLY_OK, weight_only_unavailable
 from k3export.fp8_kernels import INTERPRET, WoTiles, _gemv4, fp8_quant_fwd
-from k3export.plugins.moe.kernels import (_pair_tile, _plan_rows, _sigmoid, _tanh, align_rows,
-                                         moe_combine_fwd_kernel)
+from k3export.plugins.moe.kernels import (_pair_route, _pair_tile, _plan_rows, _sigmoid, _tanh, _ticket_combine,
+                                         align_rows, moe_combine_fwd_kernel)
 from k3export.plugins.moe.naive import route
-from k3export.plugins.triton_common import dot_precision, pow2
+from k3export.plugins.triton_common import dot_precision, pow2, tickets
 
 _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -198,10 +199,19 @@ def moe_fp8_wo_gemm2_fwd_kernel(h, w2, s2, y, row_pair, block_expert, L, I, stri
 def moe_fp8_wo_pair_gemm1_fwd_kernel(z4, w13, s13, h, ids, I, C_L, stride_z4, stride_we4, stride_wn4, stride_se,
                                      stride_h, beta, linear_beta, TOP_K: tl.constexpr, PER_CHANNEL: tl.constexpr,
                                      UNPACK: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr,
-                                     BLOCK_C: tl.constexpr):
+                                     BLOCK_C: tl.constexpr, part=None, bias=None, s=None, wt=None, N=0, E=0,
+                                     scaling=1.0, ROUTE: tl.constexpr = False, SPLITS: tl.constexpr = 1,
+                                     BLOCK_E: tl.constexpr = 16, BLOCK_TK: tl.constexpr = 2,
+                                     RENORM: tl.constexpr = False, PACKED: tl.constexpr = False):
     """Pair p (token p // TOP_K, expert ids[p]), columns [n0, n0 + BLOCK_N) of I: one GEMV per weight,
-    h[p] = SiTU_GLU(z (W1_e s_1)^T, z (W3_e s_3)^T) -> h.dtype. z4 / w13: int64 / int32 words (`_gemv4`)."""
-    p, e, offs_n, n_ok = _pair_tile(ids, I, BLOCK_N)
+    h[p] = SiTU_GLU(z (W1_e s_1)^T, z (W3_e s_3)^T) -> h.dtype. z4 / w13: int64 / int32 words (`_gemv4`).
+    ROUTE (`ExpertWo.fuse`): the program selects its token's experts itself and writes ids, wt and s, as the bf16
+    pairs gemm1 does (`moe.kernels._pair_route`; the top-k launch goes)."""
+    if ROUTE:
+        p, e, offs_n, n_ok = _pair_route(part, bias, s, ids, wt, N, E, scaling, I, TOP_K, SPLITS, BLOCK_E,
+                                         BLOCK_TK, RENORM, PACKED, BLOCK_N)
+    else:
+        p, e, offs_n, n_ok = _pair_tile(ids, I, BLOCK_N)
     offs_c = tl.arange(0, BLOCK_C)
     x4 = z4 + (p // TOP_K).to(tl.int64) * stride_z4
     w1 = w13 + e * stride_we4 + offs_n[:, None].to(tl.int64) * stride_wn4 + offs_c[None, :]        # [BN, BC]
@@ -220,8 +230,12 @@ def moe_fp8_wo_pair_gemm1_fwd_kernel(z4, w13, s13, h, ids, I, C_L, stride_z4, st
 @triton.jit
 def moe_fp8_wo_pair_gemm2_fwd_kernel(h4, w2, s2, y, ids, L, C_I, stride_h4, stride_we4, stride_wn4, stride_se,
                                      stride_y, PER_CHANNEL: tl.constexpr, UNPACK: tl.constexpr,
-                                     PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Pair p, columns [n0, n0 + BLOCK_N) of L: y[p] = h[p] (W2_e s_2)^T in fp32 (one GEMV)."""
+                                     PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+                                     wt=None, u=None, tickets=None, stride_u=0, TOP_K: tl.constexpr = 1,
+                                     COMBINE: tl.constexpr = False):
+    """Pair p, columns [n0, n0 + BLOCK_N) of L: y[p] = h[p] (W2_e s_2)^T in fp32 (one GEMV). COMBINE
+    (`ExpertWo.fuse`): then the token's weighted sum into u by the last of its TOP_K programs per column tile, as
+    the bf16 pairs gemm2 does (`moe.kernels._ticket_combine`; the combine launch goes)."""
     p, e, offs_n, n_ok = _pair_tile(ids, L, BLOCK_N)
     offs_c = tl.arange(0, BLOCK_C)
     w = w2 + e * stride_we4 + offs_n[:, None].to(tl.int64) * stride_wn4 + offs_c[None, :]
@@ -231,6 +245,8 @@ def moe_fp8_wo_pair_gemm2_fwd_kernel(h4, w2, s2, y, ids, L, C_I, stride_h4, stri
     else:
         acc = acc * tl.load(s2 + e)
     tl.store(y + p.to(tl.int64) * stride_y + offs_n, acc, mask=n_ok)
+    if COMBINE:
+        _ticket_combine(y, wt, u, tickets, p, offs_n, n_ok, stride_y, stride_u, TOP_K, BLOCK_N)
 
 
 def _route_cuda(x, gate_weight, bias, top_k, renormalize, scaling, lean=False):
@@ -252,12 +268,14 @@ class ExpertWo:
     "pairs": no row plan, one GEMV per (token, expert) pair and weight (`_gemv4`: int32 words of 4 E4M3, bf16 z),
     taken up to pair_max_tokens tokens (each pair reads its expert's weights, so only one token's pairs are sure to
     be distinct), else "blocks" with BLOCKS. lean_route: `route_fwd(lean=True)` (router split over d, packed top-k),
-    as the bf16 decode default."""
+    as the bf16 decode default. fuse ("pairs" with lean_route, on CUDA): the top-k inside gemm1 and the combine
+    inside gemm2 (`moe_fp8_wo_pairs_fused`: router, gemm1, gemm2, 3 launches instead of 5), the same bits."""
     path: str
     gemm1: WoTiles
     gemm2: WoTiles
     lean_route: bool = False
     pair_max_tokens: int = 1
+    fuse: bool = False
 
 
 BLOCKS = WoTiles(32, 256, 4, 4)             # the bf16 decode kernels' tiles
@@ -275,6 +293,8 @@ EXPERT_WO_TILINGS = {
     "pairs-n16k1024-cvt-pf": ExpertWo("pairs", WoTiles(16, 1024, **_PF), WoTiles(16, 1024, **_PF), True),
     "pairs-n16k512-bits-pf": ExpertWo("pairs", WoTiles(16, 512, unpack="bits", prefetch=True),
                                       WoTiles(16, 512, unpack="bits", prefetch=True), True),
+    "pairs-n16k512-shift-fused": ExpertWo("pairs", WoTiles(16, 512, unpack="shift"),
+                                          WoTiles(16, 512, unpack="shift"), True, fuse=True),
 }
 # The default scheme. H200, 2026-11-30 (`k3export bench fp8 --no-model --variants`, docs/perf.md), full-width bank
 # (896 experts, top-16, L 3584, I 3072), one token, routing and combine included: pairs-n16k512-shift 158.7 us
@@ -282,6 +302,17 @@ EXPERT_WO_TILINGS = {
 # the FP8 layer pair 0.512 / 0.523 ms with it vs 0.589 / 0.600 (MLA + MoE / KDA + MoE, linears unchanged).
 # Above one token it runs "blocks" with lean routing (the bf16 decode default's routing; not timed in FP8 there).
 EXPERT_WO = EXPERT_WO_TILINGS["pairs-n16k512-shift"]
+
+
+def expert_wo() -> ExpertWo:
+    """The weight-only scheme for a call: EXPERT_WO, or the one env K3_FP8_EXPERT_WO names (read per call, so at
+    CUDA-graph capture: an A/B switch, e.g. "pairs-n16k512-shift-fused", the fused scheme not yet timed)."""
+    name = os.environ.get("K3_FP8_EXPERT_WO")
+    if not name:
+        return EXPERT_WO
+    if name not in EXPERT_WO_TILINGS:
+        raise ValueError(f"K3_FP8_EXPERT_WO={name!r} is not a scheme: {', '.join(EXPERT_WO_TILINGS)}")
+    return EXPERT_WO_TILINGS[name]
 
 
 def use_weight_only(n_pairs: int, n_experts: int) -> bool:
@@ -334,8 +365,20 @@ def _pairs_ok(z, w13, w2) -> bool:
             and w2.data_ptr() % 4 == 0)
 
 
-def _moe_fp8_wo_pairs(top, w, z, w13, w2, w13_scale, w2_scale, top_k, beta, linear_beta, cfg: ExpertWo):
-    """The "pairs" scheme: gemm1 `[P, I]` and gemm2 `[P, L]` over pairs p = token * k + slot, then the combine."""
+def moe_fp8_wo_pairs_fused(x, gate_weight, bias, z, w13, w2, w13_scale, w2_scale, top_k, renormalize, scaling,
+                           beta, linear_beta, cfg: ExpertWo):
+    """`ExpertWo.fuse`: the split router (`route_fwd(lean=True, defer=True)`), then the "pairs" gemm1 selecting the
+    experts itself and gemm2 combining (3 launches) -> u `[N, L]` in z.dtype, the bits of route_fwd(lean) and the
+    unfused "pairs" scheme. A router that is not split (more than `ROUTE_SPLIT_MAX_N` tokens) selects as usual."""
+    from k3export.plugins.moe.kernels import route_fwd
+    top, w, _, route = route_fwd(x, gate_weight, bias, top_k, renormalize, scaling, True, defer=True)
+    return _moe_fp8_wo_pairs(top, w, z, w13, w2, w13_scale, w2_scale, top_k, beta, linear_beta, cfg, route)
+
+
+def _moe_fp8_wo_pairs(top, w, z, w13, w2, w13_scale, w2_scale, top_k, beta, linear_beta, cfg: ExpertWo,
+                      route=None):
+    """The "pairs" scheme: gemm1 `[P, I]` and gemm2 `[P, L]` over pairs p = token * k + slot, then the combine.
+    route (`route_fwd(defer=True)`'s): gemm1 selects and writes top / w (outputs then) and gemm2 combines."""
     N, L = z.shape
     I = w2.shape[-1]
     P = N * top_k
@@ -351,12 +394,18 @@ def _moe_fp8_wo_pairs(top, w, z, w13, w2, w13_scale, w2_scale, top_k, beta, line
         z.view(torch.int64), w13_4, s13, h, ids, I, L // 4, z.stride(0) // 4, w13_4.stride(0), w13_4.stride(1),
         s13.stride(0) if pc else 1, h.stride(0), beta, linear_beta, TOP_K=top_k, PER_CHANNEL=pc,
         UNPACK=unpack(t1), PREFETCH=t1.prefetch, BLOCK_N=t1.block_n, BLOCK_C=t1.block_k // 4,
-        num_warps=t1.warps, num_stages=1 if INTERPRET else t1.stages)
+        num_warps=t1.warps, num_stages=1 if INTERPRET else t1.stages, **(route or {}))
+    combine = {}
+    if route is not None:                                   # gemm2's last program per (token, tile) combines
+        u = torch.empty(N, L, dtype=z.dtype, device=z.device)
+        tiles_n = triton.cdiv(L, t2.block_n)
+        combine = dict(wt=w, u=u, tickets=tickets(z, N * tiles_n), stride_u=u.stride(0), TOP_K=top_k, COMBINE=True)
     moe_fp8_wo_pair_gemm2_fwd_kernel[(P, triton.cdiv(L, t2.block_n))](
         h.view(torch.int64), w2_4, s2, y, ids, L, I // 4, h.stride(0) // 4, w2_4.stride(0), w2_4.stride(1),
         s2.stride(0) if pc else 1, y.stride(0), PER_CHANNEL=pc, UNPACK=unpack(t2), PREFETCH=t2.prefetch,
-        BLOCK_N=t2.block_n, BLOCK_C=t2.block_k // 4, num_warps=t2.warps, num_stages=1 if INTERPRET else t2.stages)
-    return _combine(y, w, N, L, top_k, z.dtype)
+        BLOCK_N=t2.block_n, BLOCK_C=t2.block_k // 4, num_warps=t2.warps, num_stages=1 if INTERPRET else t2.stages,
+        **combine)
+    return combine["u"] if combine else _combine(y, w, N, L, top_k, z.dtype)
 
 
 def moe_fp8_grouped(x, z, gate_weight, bias, w13, w2, w13_scale, w2_scale, z_scale, h_scale, top_k, renormalize,
@@ -367,19 +416,29 @@ def moe_fp8_grouped(x, z, gate_weight, bias, w13, w2, w13_scale, w2_scale, z_sca
     N, L = z.shape
     E, I = w13.shape[0], w2.shape[-1]
     P = N * top_k
-    cfg = wo or EXPERT_WO
+    cfg = wo or expert_wo()
     run_wo = weight_only if weight_only is not None else (use_weight_only(P, E) and WEIGHT_ONLY_OK["experts"])
-    if INTERPRET or not z.is_cuda:
-        top, w = route(x, gate_weight, bias, top_k, renormalize, scaling)             # [N, k]
-    else:
-        top, w = _route_cuda(x, gate_weight, bias, top_k, renormalize, scaling, run_wo and cfg.lean_route)
+    fused = run_wo and cfg.fuse and cfg.path == "pairs" and cfg.lean_route and N <= cfg.pair_max_tokens \
+        and _pairs_ok(z, w13, w2)
+
+    def routed():
+        if INTERPRET or not z.is_cuda:
+            return route(x, gate_weight, bias, top_k, renormalize, scaling)           # [N, k]
+        return _route_cuda(x, gate_weight, bias, top_k, renormalize, scaling, run_wo and cfg.lean_route)
+
+    def experts():
+        if fused:
+            return moe_fp8_wo_pairs_fused(x, gate_weight, bias, z, w13, w2, w13_scale, w2_scale, top_k, renormalize,
+                                          scaling, beta, linear_beta, cfg)
+        return moe_fp8_wo(*routed(), z, w13, w2, w13_scale, w2_scale, top_k, beta, linear_beta, cfg)
     if run_wo and weight_only is None:
         try:
-            return moe_fp8_wo(top, w, z, w13, w2, w13_scale, w2_scale, top_k, beta, linear_beta, cfg)
+            return experts()
         except Exception as e:                                                  # noqa: BLE001 (reported)
             weight_only_unavailable("experts", e)
     elif run_wo:
-        return moe_fp8_wo(top, w, z, w13, w2, w13_scale, w2_scale, top_k, beta, linear_beta, cfg)
+        return experts()
+    top, w = routed()
     block_m = 16 if P <= 4 * E else 64
     row_pair, block_expert = align_rows(top.int(), E, block_m)
     MB = block_expert.shape[0]

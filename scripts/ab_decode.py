@@ -4,7 +4,7 @@ over several rounds so that clock and thermal drift fall on all of them alike. G
 
     python3 scripts/ab_decode.py --env NAME=A,B [--env NAME2=A,B,C ...] [--config FIELD=A,B] [--backends A,B]
                                  [--backend compile] [--batch 1] [--context 1024] [--rounds 4] [--steps 200]
-                                 [--out ab.json]
+                                 [--fp8] [--out ab.json]
 
 Each --env is one experiment on the same compiled model, run in turn; --config FIELD=A,B is one experiment over
 models whose K3Config field FIELD (an int field of the preset) takes each value (one model and one compile per
@@ -62,6 +62,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--fp8", action="store_true", help="time the FP8 model (default recipe, calibrated as `bench fp8`)")
     a = ap.parse_args()
     if not a.env and not a.config and not a.backends:
         ap.error("give at least one --env, --config or --backends experiment")
@@ -74,6 +75,11 @@ def main() -> None:
 
     def build(config, variant=a.backend):
         model = random_model(config, seed=0, dtype=torch.bfloat16, device="cuda")
+        if a.fp8:                                     # as `bench fp8` builds its FP8 copy
+            from k3export.calibrate import DEFAULT_RECIPE, Recipe, calibrate, default_batches
+            from k3export.fp8 import quantize_model
+            quantize_model(model, calibrate(model, Recipe.load(DEFAULT_RECIPE), default_batches(config.vocab_size),
+                                            progress=False))
         return model, CompileBackend(model, **COMPILE_VARIANTS[variant])
 
     base = K3Config.from_name(a.preset)
@@ -100,7 +106,7 @@ def main() -> None:
         experiments.append(_experiment("backend", list(built), lambda v: _time(built[v][1], built[v][0], a.batch,
                                                                                 a.context, a.steps), a))
         del built
-    res = {"backend": a.backend, "preset": a.preset, "batch": a.batch, "context": a.context, "rounds": a.rounds,
+    res = {"backend": a.backend, "preset": a.preset, "fp8": a.fp8, "batch": a.batch, "context": a.context, "rounds": a.rounds,
            "steps": a.steps, "device": torch.cuda.get_device_name(), "experiments": experiments}
     print(json.dumps(res, indent=1))
     write_json(a.out, res)

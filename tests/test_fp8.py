@@ -323,6 +323,22 @@ def interp_errors() -> dict:
         out[f"bf16:experts_pairs_{tag}"] = rel(y, _expert_wo(args))
         out[f"same:experts_pairs_vs_blocks_{tag}"] = rel(y, moe_fp8_grouped(*args, weight_only=True,
                                                                             wo=EXPERT_WO_TILINGS["blocks"]))
+    # the fused "pairs" scheme (top-k inside gemm1, combine inside gemm2; lean routing): bit for bit the unfused
+    # scheme on route_fwd(lean)'s routing (the interpreter runs the Triton router here too)
+    from dataclasses import replace
+
+    from k3export.fp8_moe_kernels import _moe_fp8_wo_pairs
+    from k3export.plugins.moe.kernels import route_fwd
+    fused = ExpertWo("pairs", WoTiles(16, 64, unpack="shift", prefetch=True), WoTiles(8, 32, unpack="shift"), True,
+                     pair_max_tokens=2, fuse=True)
+    for N, k, pc in ((1, 3, True), (2, 2, False), (2, 8, True)):
+        args = _expert_case(N, 32, 32, 48, 8, k, pc, seed=N + k, dtype=torch.bfloat16)
+        tag = f"N{N}_k{k}_{'pc' if pc else 'pt'}"
+        y = moe_fp8_grouped(*args, weight_only=True, wo=fused)
+        top, w, _ = route_fwd(args[0], args[2], args[3], k, True, 1.0, True)
+        ref = _moe_fp8_wo_pairs(top, w, args[1], *args[4:8], k, 4.0, 25.0, replace(fused, fuse=False))
+        out[f"exact:experts_pairs_fused_vs_unfused_{tag}_mismatches"] = float((y != ref).sum())
+        out[f"bf16:experts_pairs_fused_{tag}"] = rel(y, _expert_wo(args))
     for N, k, pc in ((3, 2, True), (11, 3, False), (20, 2, True)):      # 20*2 pairs > 4E: 64-row W8A8 blocks
         args = _expert_case(N, 32, 32, 48, 8, k, pc)
         tag = f"N{N}_k{k}_{'pc' if pc else 'pt'}"
@@ -343,9 +359,50 @@ def test_fp8_kernels_interpreter(interp):
     # same arithmetic, other kernel (fp32 sums in another order, then the same truncation): measured 0
     assert max(v for k, v in interp.items() if k.startswith("same:")) < FP32_BOUND, interp
     assert interp["exact:packed_e4m3_bytes_mismatches"] == 0, interp
+    fused = [v for k, v in interp.items() if k.startswith("exact:experts_pairs_fused")]
+    assert len(fused) == 3 and not any(fused), interp
     assert interp["bf16:wo_M3"] < INTERP_BF16_BOUND, interp
     assert all(v < INTERP_BF16_BOUND for k, v in interp.items() if k.startswith("bf16:packed")), interp
     assert all(v < INTERP_BF16_CHAIN_BOUND for k, v in interp.items() if k.startswith("bf16:experts")), interp
+
+
+@pytest.mark.parametrize("E,k", [(64, 8), (896, 16)])
+def test_fused_pair_kernels_compile_sm90(E, k):
+    """The fused FP8 "pairs" kernels (`ExpertWo.fuse`) compile for sm_90 at k3-small and K3 routing: gemm1 with its
+    own top-k (ROUTE), gemm2 with the ticketed combine (one acq_rel gpu-scope atomic, the other slots' rows read
+    through L2)."""
+    from k3export.fp8_moe_kernels import moe_fp8_wo_pair_gemm1_fwd_kernel, moe_fp8_wo_pair_gemm2_fwd_kernel
+    from k3export.plugins.aot import compile_ptx
+    from k3export.plugins.triton_common import pow2
+    i32 = "i32"
+    sig1 = dict(z4="*i64", w13="*i32", s13="*fp32", h="*bf16", ids="*i32", I=i32, C_L=i32, stride_z4=i32,
+                stride_we4=i32, stride_wn4=i32, stride_se=i32, stride_h=i32, beta="fp32", linear_beta="fp32",
+                part="*fp32", bias="*fp32", s="*fp32", wt="*fp32", N=i32, E=i32, scaling="fp32")
+    c1 = dict(TOP_K=k, PER_CHANNEL=True, UNPACK="shift", PREFETCH=False, BLOCK_N=16, BLOCK_C=128, ROUTE=True,
+              SPLITS=8, BLOCK_E=pow2(E), BLOCK_TK=pow2(k, 2), RENORM=True, PACKED=True)
+    fn = moe_fp8_wo_pair_gemm1_fwd_kernel
+    sig1 = {n: sig1.get(n, "constexpr") for n in fn.arg_names}
+    assert "griddepcontrol" not in compile_ptx(fn, sig1, c1, 4).ptx
+    sig2 = dict(h4="*i64", w2="*i32", s2="*fp32", y="*fp32", ids="*i32", L=i32, C_I=i32, stride_h4=i32,
+                stride_we4=i32, stride_wn4=i32, stride_se=i32, stride_y=i32, wt="*fp32", u="*bf16", tickets="*i32",
+                stride_u=i32)
+    c2 = dict(PER_CHANNEL=True, UNPACK="shift", PREFETCH=False, BLOCK_N=16, BLOCK_C=128, TOP_K=k, COMBINE=True)
+    fn = moe_fp8_wo_pair_gemm2_fwd_kernel
+    ptx = compile_ptx(fn, {n: sig2.get(n, "constexpr") for n in fn.arg_names}, c2, 4).ptx
+    assert ptx.count("atom.global.gpu.acq_rel.add") == 1 and ptx.count("ld.global.cg") >= k
+
+
+def test_expert_wo_env_switch(monkeypatch):
+    """K3_FP8_EXPERT_WO picks the weight-only scheme per call (an A/B switch); unset: EXPERT_WO; unknown: an error
+    that lists the schemes."""
+    from k3export.fp8_moe_kernels import EXPERT_WO, EXPERT_WO_TILINGS, expert_wo
+    monkeypatch.delenv("K3_FP8_EXPERT_WO", raising=False)
+    assert expert_wo() is EXPERT_WO
+    monkeypatch.setenv("K3_FP8_EXPERT_WO", "pairs-n16k512-shift-fused")
+    assert expert_wo() is EXPERT_WO_TILINGS["pairs-n16k512-shift-fused"] and expert_wo().fuse
+    monkeypatch.setenv("K3_FP8_EXPERT_WO", "nope")
+    with pytest.raises(ValueError, match="pairs-n16k512-shift-fused"):
+        expert_wo()
 
 
 def test_weight_only_experts_are_closer_to_unquantized_than_w8a8():
@@ -440,7 +497,39 @@ def test_gemv_tilings_match_reference_cuda(name, N, K):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("d,L,I,E,k", [(2048, 1024, 768, 64, 8), (512, 64, 64, 896, 16)])
+def test_fused_pairs_scheme_bit_identical_cuda(d, L, I, E, k):
+    """`ExpertWo.fuse` on the GPU (k3-small experts; K3's 896 experts / top-16 routing on small experts): the
+    fused scheme's u == the unfused "pairs" scheme on route_fwd(lean)'s routing, bit for bit, on 5 fresh inputs,
+    then captured in a CUDA graph and replayed 3 times on fresh inputs copied in (the ticket counters back at 0)."""
+    from dataclasses import replace
+
+    from k3export.fp8_moe_kernels import EXPERT_WO_TILINGS, _moe_fp8_wo_pairs, moe_fp8_grouped
+    from k3export.plugins.moe.kernels import route_fwd
+    fused = EXPERT_WO_TILINGS["pairs-n16k512-shift-fused"]
+
+    def unfused(args):
+        top, w, _ = route_fwd(args[0], args[2], args[3], k, True, 1.0, True)
+        return _moe_fp8_wo_pairs(top, w, args[1], *args[4:8], k, 4.0, 25.0, replace(fused, fuse=False))
+    for seed in range(5):
+        args = _expert_case(1, d, L, I, E, k, True, seed=seed, dtype=torch.bfloat16, device="cuda")
+        assert torch.equal(moe_fp8_grouped(*args, weight_only=True, wo=fused), unfused(args)), seed
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        u = moe_fp8_grouped(*args, weight_only=True, wo=fused)
+    for seed in range(3):
+        fresh = _expert_case(1, d, L, I, E, k, True, seed=100 + seed, dtype=torch.bfloat16, device="cuda")
+        args[0].copy_(fresh[0])
+        args[1].copy_(fresh[1])
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(u, unfused(args)), seed
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("name,N", [("blocks", 1), ("blocks-k512-lean", 1), ("pairs-n16k512-shift", 1),
+                                    ("pairs-n16k512-shift-fused", 1),
                                     ("pairs-n16k512-cvt-pf", 1), ("pairs-n8k512-cvt-pf", 1),
                                     ("pairs-n16k512-bits-pf", 1), ("pairs-n16k512-cvt-pf", 3)])
 def test_expert_wo_schemes_match_reference_cuda(name, N):

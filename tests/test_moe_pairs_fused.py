@@ -228,6 +228,32 @@ def test_gemm1_route_reductions_match_topk_kernel_sm90(E, k):
     assert len(unfused) == k + 2 and routed[:k + 2] == unfused, (routed, unfused)
 
 
+@pytest.mark.parametrize("E,k", [(896, 16), (64, 8)])
+def test_fp8_gemm1_route_reductions_match_topk_kernel_sm90(E, k):
+    """The FP8 "pairs" gemm1 that routes itself (`ExpertWo.fuse`, `_pair_route`): its first k + 2 sm_90 reductions
+    are the top-k kernel's (same shapes and layouts at its default 4 warps), so it writes the same ids and weights."""
+    from k3export.fp8_moe_kernels import EXPERT_WO_TILINGS, moe_fp8_wo_pair_gemm1_fwd_kernel
+    from k3export.plugins.moe import kernels as K
+    from k3export.plugins.triton_common import pow2
+    unfused = _reduce_layouts(_ttgir(K.moe_topk_fwd_kernel, {"s": "*fp32", "part": "*fp32", "bias": "*fp32",
+                                                             "ids": "*i32", "w": "*fp32", "N": "i32", "E": "i32",
+                                                             "scaling": "fp32"},
+                                     dict(K=k, BLOCK_K=pow2(k, 2), RENORM=True, PACKED=True, BLOCK_E=pow2(E),
+                                          SPLITS=8)))
+    t1 = EXPERT_WO_TILINGS["pairs-n16k512-shift-fused"].gemm1
+    assert t1.warps == 4
+    i32 = "i32"
+    sig = {"z4": "*i64", "w13": "*i32", "s13": "*fp32", "h": "*bf16", "ids": "*i32", "I": i32, "C_L": i32,
+           "stride_z4": i32, "stride_we4": i32, "stride_wn4": i32, "stride_se": i32, "stride_h": i32, "beta": "fp32",
+           "linear_beta": "fp32", "part": "*fp32", "bias": "*fp32", "s": "*fp32", "wt": "*fp32", "N": i32, "E": i32,
+           "scaling": "fp32"}
+    routed = _reduce_layouts(_ttgir(moe_fp8_wo_pair_gemm1_fwd_kernel, sig,
+                                    dict(TOP_K=k, PER_CHANNEL=True, UNPACK="shift", PREFETCH=False,
+                                         BLOCK_N=t1.block_n, BLOCK_C=t1.block_k // 4, ROUTE=True, SPLITS=8,
+                                         BLOCK_E=pow2(E), BLOCK_TK=pow2(k, 2), RENORM=True, PACKED=True)))
+    assert routed[:k + 2] == unfused, (routed, unfused)
+
+
 # ---------------------------------------------------------------------------------------------- GPU
 SHAPES = {"k3": (896, 7168, 3584, 3072, 16), "k3-small": (64, 2048, 1024, 768, 8)}   # E, d, L, I, top_k
 

@@ -702,6 +702,53 @@ def _pair_tile(ids, n_cols, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _pair_route(part, bias, s, ids, wt, N, E, scaling, n_cols, TOP_K: tl.constexpr, SPLITS: tl.constexpr,
+                BLOCK_E: tl.constexpr, BLOCK_TK: tl.constexpr, RENORM: tl.constexpr, PACKED: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """`_pair_tile` for a gemm1 that routes itself (ROUTE, here and in the FP8 twin): pair p = program 0 selects its
+    token's experts from the split router's partials part `[SPLITS, N, E]` as `moe_topk_fwd_kernel` does (same
+    order and arithmetic) and takes slot p % TOP_K's; the token's first pair's first column tile stores s, ids and
+    wt (scaled). Returns (p, expert as int64, columns [n0, n0 + BLOCK_N) of n_cols, their mask)."""
+    p = tl.program_id(0)
+    n = p // TOP_K
+    offs_e = tl.arange(0, BLOCK_E)
+    e_ok = offs_e < E
+    acc_e = tl.zeros([BLOCK_E], tl.float32)
+    for sp in tl.static_range(SPLITS):
+        acc_e += tl.load(part + (sp * N + n).to(tl.int64) * E + offs_e, mask=e_ok, other=0.0)
+    sc = _sigmoid(acc_e)
+    top, wtop = _topk(sc, bias, E, TOP_K, BLOCK_TK, BLOCK_E, RENORM, PACKED)
+    slots = tl.arange(0, BLOCK_TK)
+    e = tl.sum(tl.where(slots == p % TOP_K, top, 0), 0).to(tl.int64)
+    if (p % TOP_K == 0) & (tl.program_id(1) == 0):
+        tl.store(s + n.to(tl.int64) * E + offs_e, sc, mask=e_ok)
+        tl.store(ids + n * TOP_K + slots, top, mask=slots < TOP_K)
+        tl.store(wt + n * TOP_K + slots, wtop * tl.cast(scaling, tl.float32), mask=slots < TOP_K)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return p, e, offs_n, offs_n < n_cols
+
+
+@triton.jit
+def _ticket_combine(y, wt, u, tickets, p, offs_n, n_ok, stride_y, stride_u, TOP_K: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
+    """After pair p stored its columns offs_n of y `[N k, L]` fp32: a ticket on its (token, column tile) counter;
+    the program that draws the last of the TOP_K tickets sums the token's rows, u[n] = sum_j wt[n, j] y[n k + j] in
+    fp32 (slot order: `moe_combine_fwd_kernel`'s bits) -> u.dtype, and puts the counter back to 0. Other programs'
+    rows are read through L2 (.cg), after the acq_rel ticket (here and in the FP8 twin)."""
+    tl.debug_barrier()                                  # every thread's columns stored before the release
+    n = p // TOP_K
+    counter = tickets + n * tl.num_programs(1) + tl.program_id(1)
+    if tl.atomic_add(counter, 1, sem="acq_rel") == TOP_K - 1:
+        tl.debug_barrier()
+        out = tl.zeros([BLOCK_N], tl.float32)
+        for j in tl.static_range(TOP_K):
+            out += tl.load(wt + n * TOP_K + j) * tl.load(y + (n * TOP_K + j).to(tl.int64) * stride_y + offs_n,
+                                                         mask=n_ok, other=0.0, cache_modifier=".cg")
+        tl.store(u + n.to(tl.int64) * stride_u + offs_n, out.to(u.dtype.element_ty), mask=n_ok)
+        tl.store(counter, 0)
+
+
+@triton.jit
 def moe_pair_gemm1_fwd_kernel(z, w1, w3, h, ids, L, I, stride_zn, stride_we, stride_wi, stride_h, beta,
                               linear_beta, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                               PDL: tl.constexpr = False, part=None, bias=None, s=None, wt=None, N=0, E=0,
@@ -719,23 +766,8 @@ def moe_pair_gemm1_fwd_kernel(z, w1, w3, h, ids, L, I, stride_zn, stride_we, str
     beta = tl.cast(beta, tl.float32)
     linear_beta = tl.cast(linear_beta, tl.float32)
     if ROUTE:
-        p = tl.program_id(0)
-        n = p // TOP_K
-        offs_e = tl.arange(0, BLOCK_E)
-        e_ok = offs_e < E
-        acc_e = tl.zeros([BLOCK_E], tl.float32)
-        for sp in tl.static_range(SPLITS):
-            acc_e += tl.load(part + (sp * N + n).to(tl.int64) * E + offs_e, mask=e_ok, other=0.0)
-        sc = _sigmoid(acc_e)
-        top, wtop = _topk(sc, bias, E, TOP_K, BLOCK_TK, BLOCK_E, RENORM, PACKED)
-        slots = tl.arange(0, BLOCK_TK)
-        e = tl.sum(tl.where(slots == p % TOP_K, top, 0), 0).to(tl.int64)
-        if (p % TOP_K == 0) & (tl.program_id(1) == 0):
-            tl.store(s + n.to(tl.int64) * E + offs_e, sc, mask=e_ok)
-            tl.store(ids + n * TOP_K + slots, top, mask=slots < TOP_K)
-            tl.store(wt + n * TOP_K + slots, wtop * tl.cast(scaling, tl.float32), mask=slots < TOP_K)
-        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < I
+        p, e, offs_n, n_ok = _pair_route(part, bias, s, ids, wt, N, E, scaling, I, TOP_K, SPLITS, BLOCK_E,
+                                         BLOCK_TK, RENORM, PACKED, BLOCK_N)
     else:
         p, e, offs_n, n_ok = _pair_tile(ids, I, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -776,17 +808,7 @@ def moe_pair_gemm2_combine_fwd_kernel(h, w2, ids, wt, y, u, tickets, L, I, strid
     w_rows = w2 + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wl + offs_k[None, :]
     acc = _gemv_rows(h + p.to(tl.int64) * stride_h, w_rows, n_ok, offs_k, I, BLOCK_N, BLOCK_K)
     tl.store(y + p.to(tl.int64) * stride_y + offs_n, acc, mask=n_ok)
-    tl.debug_barrier()                                  # every thread's columns stored before the release
-    n = p // TOP_K
-    counter = tickets + n * tl.num_programs(1) + tl.program_id(1)
-    if tl.atomic_add(counter, 1, sem="acq_rel") == TOP_K - 1:
-        tl.debug_barrier()
-        out = tl.zeros([BLOCK_N], tl.float32)
-        for j in tl.static_range(TOP_K):
-            out += tl.load(wt + n * TOP_K + j) * tl.load(y + (n * TOP_K + j).to(tl.int64) * stride_y + offs_n,
-                                                         mask=n_ok, other=0.0, cache_modifier=".cg")
-        tl.store(u + n.to(tl.int64) * stride_u + offs_n, out.to(u.dtype.element_ty), mask=n_ok)
-        tl.store(counter, 0)
+    _ticket_combine(y, wt, u, tickets, p, offs_n, n_ok, stride_y, stride_u, TOP_K, BLOCK_N)
 
 
 # ---------------------------------------------------------------------------------------------- launches
