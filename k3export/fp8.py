@@ -165,6 +165,35 @@ def _(x, x_scale, w, w_scale):
     return fp8_linear_scaled_mm(x, x_scale, w, w_scale)
 
 
+def fp8_linear_cols_ref(a: Tensor, b: Tensor, wa: Tensor, sa: Tensor, wb: Tensor, sb: Tensor) -> Tensor:
+    """The reference of `k3::fp8_linear_cols`: both weight-only products in at least fp32, summed, rounded once to
+    a.dtype."""
+    dt = acc_dtype(a)
+    return (a.to(dt) @ dequant_weight(wa, sa, dt).T + b.to(dt) @ dequant_weight(wb, sb, dt).T).to(a.dtype)
+
+
+@torch.library.custom_op("k3::fp8_linear_cols", mutates_args=())
+def fp8_linear_cols(a: Tensor, b: Tensor, wa: Tensor, sa: Tensor, wb: Tensor, sb: Tensor) -> Tensor:
+    """Two weight-only FP8 linears whose outputs are summed, a `[M, KA]` @ (wa sa)^T + b `[M, KB]` @ (wb sb)^T ->
+    `[M, N]` in a.dtype (serving, one decode row: the LatentMoE's up and shared down projections,
+    `packing.Fp8Cols`; CUDA: one launch of `plugins.gemv`'s two-weight GEMV). One fp32 sum rounded once, where the
+    two linears run apart round each output and then their sum (a rounding-level difference)."""
+    return fp8_linear_cols_ref(a, b, wa, sa, wb, sb)
+
+
+@fp8_linear_cols.register_fake
+def _(a, b, wa, sa, wb, sb):
+    return a.new_empty((*a.shape[:-1], wa.shape[0]))
+
+
+@fp8_linear_cols.register_kernel("cuda")
+def _(a, b, wa, sa, wb, sb):
+    from k3export.plugins.gemv import kernels as G
+    if not G.cols_supported(a, b, wa, sa, wb, sb):
+        return fp8_linear_cols_ref(a, b, wa, sa, wb, sb)
+    return G.gemv_cols_fwd(a, b, wa, sa, wb, sb, **G.launch_flags(a))
+
+
 class FP8Linear(nn.Module):
     """Drop-in for a bias-free `nn.Linear`: E4M3 weight `[out, in]`, fp32 weight scale (`[out]` or `[]`) and a
     static fp32 input scale, all buffers (they travel with `state_dict`, `.to()` and export)."""

@@ -148,14 +148,16 @@ class CompileBackend(EagerBackend):
     0.881, fold_norm 0.872, moe_pdl 0.887, all three 0.868; fold_norm + moe_pdl 0.895 at 17:26). Neither did the
     shared experts on a second CUDA stream (graph branches per MoE layer): 0.901 -> 0.922 ms (15:58; git history,
     perf.md), nor the AttnRes mix inside the next GEMV (an Inductor graph pass, `k3::gemv_mix`: 0.963 -> 0.962 ms,
-    17:12; git history)."""
+    17:12; git history). `fp8_cols` (FP8 models on CUDA): the MoE's FP8 up and shared down projections and their
+    add as one one-row launch (`packing.Fp8Cols`, `k3::fp8_linear_cols`); experimental, not yet run on a GPU (bench
+    `compile-fp8cols`, `scripts/ab_decode.py --fp8 --backends compile,compile-fp8cols`)."""
 
     name = "compile"
 
     def __init__(self, model, mode: str | None = None, cache_dir=None, freezing: bool = False, pack: bool = True,
                  fuse_norms: bool = True, inplace: bool = True, fuse_adds: bool = True, options: dict | None = None,
                  pair_experts: bool = True, gemv: bool = True, pdl: bool = True, glu: bool = False,
-                 moe_pdl: bool = False, fold_norm: bool = False, pdl_early: bool = True):
+                 moe_pdl: bool = False, fold_norm: bool = False, pdl_early: bool = True, fp8_cols: bool = False):
         super().__init__(model)
         from k3export.model import packing
         packing.unpack_projections(model)          # the swaps asked for here, no others (in place: later users too)
@@ -165,8 +167,9 @@ class CompileBackend(EagerBackend):
         else:
             packing.unpair_experts(model)
             self.paired = 0
-        self.packed = packing.pack_projections(model, glu=glu and dev.type == "cuda",
-                                               fold_norm=fold_norm and dev.type == "cuda") if pack else 0
+        cuda = dev.type == "cuda"
+        self.packed = packing.pack_projections(model, glu=glu and cuda, fold_norm=fold_norm and cuda,
+                                               fp8_cols=fp8_cols and cuda) if pack else 0
         self.fused = packing.fuse_norms(model, adds=fuse_adds) if fuse_norms else 0
         self.gemv = packing.gemv_linears(model) if gemv and dev.type == "cuda" else 0
         self.pdl = bool(pdl and dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9)

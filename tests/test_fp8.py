@@ -392,6 +392,27 @@ def test_fused_pair_kernels_compile_sm90(E, k):
     assert ptx.count("atom.global.gpu.acq_rel.add") == 1 and ptx.count("ld.global.cg") >= k
 
 
+def test_fp8_linear_cols_op_reference_and_fake():
+    """`k3::fp8_linear_cols` (the FP8 MoE output pair at one row): on CPU its reference, the two weight-only products
+    summed in fp32 and rounded once (within one output rounding of the two linears run apart and added); the fake
+    has the output's shape and dtype."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from k3export.fp8 import fp8_linear_cols, fp8_linear_cols_ref
+    g = torch.Generator().manual_seed(7)
+    a, b = torch.randn(1, 64, generator=g).to(torch.bfloat16), torch.randn(1, 96, generator=g).to(torch.bfloat16)
+    wa, wb = torch.randn(40, 64, generator=g) / 8, torch.randn(40, 96, generator=g) / 10
+    sa, sb = wa.abs().amax(1) / 448, wb.abs().max() / 448
+    qa, qb = quantize(wa, sa[:, None]), quantize(wb, sb)
+    y = fp8_linear_cols(a, b, qa, sa, qb, sb)
+    assert y.shape == (1, 40) and y.dtype == torch.bfloat16 and torch.equal(y, fp8_linear_cols_ref(a, b, qa, sa, qb, sb))
+    apart = (fp8_linear_wo_ref(a, qa, sa) + fp8_linear_wo_ref(b, qb, sb)).float()
+    assert ((y.float() - apart).abs() <= 2 ** -7 * apart.abs() + 1e-3 * apart.abs().max()).all()
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        f = fp8_linear_cols(*(mode.from_tensor(t) for t in (a, b, qa, sa, qb, sb)))
+    assert f.shape == (1, 40) and f.dtype == torch.bfloat16
+
+
 def test_expert_wo_env_switch(monkeypatch):
     """K3_FP8_EXPERT_WO picks the weight-only scheme per call (an A/B switch); unset: EXPERT_WO; unknown: an error
     that lists the schemes."""
@@ -494,6 +515,25 @@ def test_gemv_tilings_match_reference_cuda(name, N, K):
     wq = quantize(w, ws[:, None])
     assert rel(fp8_linear_wo_fwd(x, wq, ws, tiles=GEMV_TILINGS[name]), fp8_linear_wo_ref(x.float(), wq, ws)) \
         < BF16_OUT_BOUND
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("KA,KB,pc", [(1024, 1536, True), (1024, 1536, False), (3584, 6144, True)])
+def test_fp8_linear_cols_cuda(KA, KB, pc):
+    """`k3::fp8_linear_cols` on the GPU (k3-small's and K3's MoE output pair: latent + shared widths into d), one
+    bf16 row, PDL on sm_90: within the output rounding of the fp64 reference (`_cols_worst` of tests/test_gemv.py
+    with half an ulp)."""
+    from test_gemv import _cols_inputs, _cols_worst
+
+    from k3export.fp8 import fp8_linear_cols
+    from k3export.plugins import launch as L
+    from k3export.plugins.gemv import kernels as G
+    N = 2048 if KA == 1024 else 7168
+    a, b, wa, sa, wb, sb = _cols_inputs(N, KA, KB, True, pc, seed=KA, device="cuda")
+    assert G.cols_supported(a, b, wa, sa, wb, sb)
+    with L.pdl(torch.cuda.get_device_capability()[0] >= 9, early=True):
+        y = fp8_linear_cols(a, b, wa, sa, wb, sb)
+    assert _cols_worst(y, a, b, wa, sa, wb, sb, 2.0 ** -8) <= 1.0
 
 
 @pytest.mark.cuda

@@ -97,7 +97,40 @@ def _interpreter_cases() -> dict:
         assert y.shape == (M, N) and y.dtype == dtype
         res[f"norm-{M}x{KA}+{KB}-{dtype}"] = _norm_worst(y, a, b, w, nw, 1e-5, BF16_ULP if dtype == torch.bfloat16
                                                           else 1e-6)
+    for N, KA, KB, fp8, pc in ((40, 100, 60, False, False), (72, 128, 200, True, True), (33, 64, 48, True, False)):
+        a, b, wa, sa, wb, sb = _cols_inputs(N, KA, KB, fp8, pc, seed=N + KA)
+        y = G.gemv_cols_fwd(a, b, wa, sa, wb, sb)
+        res[f"cols-{N}x{KA}+{KB}-{'fp8' if fp8 else 'bf16'}-{'pc' if pc else 'pt'}"] = _cols_worst(y, a, b, wa, sa, wb,
+                                                                                                  sb, BF16_ULP)
     return res
+
+
+def _cols_inputs(N, KA, KB, fp8, per_channel, seed, device="cpu"):
+    """One bf16 row each of a `[1, KA]` and b `[1, KB]`, weights `[N, KA]` / `[N, KB]`: bf16 without scales, or E4M3
+    with fp32 scales per row (per_channel) or per tensor; a few E4M3 zeros, negatives and subnormals in row 0."""
+    from k3export.fp8 import quantize
+    g = torch.Generator(device=device).manual_seed(seed)
+    a, b = (torch.randn(1, k, generator=g, device=device).to(torch.bfloat16) for k in (KA, KB))
+    out = [a, b]
+    for K in (KA, KB):
+        w = torch.randn(N, K, generator=g, device=device) * K ** -0.5
+        if not fp8:
+            out += [w.to(torch.bfloat16), None]
+            continue
+        s = (w.abs().amax(1) / 448) if per_channel else w.abs().max() / 448
+        q = quantize(w, s[:, None] if per_channel else s)
+        q.view(torch.uint8)[0, :8] = torch.tensor([0, 1, 7, 128, 129, 0x40, 0xC0, 0x08], dtype=torch.uint8)
+        out += [q, s.float()]
+    return out
+
+
+def _cols_worst(y, a, b, wa, sa, wb, sb, rel) -> float:
+    """max |y - ref| / bound over outputs, ref = `fp8_linear_cols_ref` in fp64, bound = rel |ref| (the output
+    rounding) + 1e-6 of the largest |ref| (the fp32 sums)."""
+    from k3export.fp8 import fp8_linear_cols_ref
+    ref = fp8_linear_cols_ref(a.double(), b.double(), wa, sa if sa is not None else torch.ones((), dtype=torch.float64),
+                              wb, sb if sb is not None else torch.ones((), dtype=torch.float64))
+    return ((y.double() - ref).abs() / (rel * ref.abs() + 1e-6 * ref.abs().max())).max().item()
 
 
 def _norm_inputs(M, KA, KB, N, dtype, seed, device="cpu"):
@@ -142,7 +175,7 @@ def test_gemv_interpreter_vs_fp64(interp):
     value up to fp32 rounding), the FP8 one-row path declines two rows, and the SiTU-GLU GEMV's plain rows and
     activations (fp32, bf16; with and without plain rows; an odd pair count) against `gemv_glu_ref` in fp64:
     every ratio error / bound <= 1."""
-    assert len(interp) == len(CASES) + 5 + 5 + 3
+    assert len(interp) == len(CASES) + 5 + 5 + 3 + 3
     bad = {k: v for k, v in interp.items() if not v <= 1.0}
     assert not bad, bad
 
@@ -199,6 +232,21 @@ def test_ptx_weight_loads_before_the_wait_x_after():
         fp8 = _order(_ptx(w="*fp8e4nv", PDL=True, SCALE=scale))
         wait = fp8.index("wait")
         assert fp8[:wait] == ["load"] * wait and wait > 0 and "load" in fp8[wait:]
+
+
+def test_ptx_cols_weight_loads_before_the_wait():
+    """`gemv_cols_fwd_kernel` (sm_90, PDL, EARLY, E4M3 weights with per-row scales, k3-small's MoE output pair): the
+    signal first, then both weight tiles' and scales' loads, then the wait, then the a / b loads."""
+    from k3export.plugins.aot import compile_ptx
+    sig = dict(a="*bf16", b="*bf16", wa="*fp8e4nv", wb="*fp8e4nv", sa="*fp32", sb="*fp32", y="*bf16", N="i32",
+               KA="i32", KB="i32", BLOCK_N="constexpr", BLOCK_KA="constexpr", BLOCK_KB="constexpr", SA="constexpr",
+               SB="constexpr", PDL="constexpr", EARLY="constexpr")
+    bn, bka, bkb, nw = G.cols_tile(2048, 1024, 1536)
+    order = _order(compile_ptx(G.gemv_cols_fwd_kernel, sig, dict(BLOCK_N=bn, BLOCK_KA=bka, BLOCK_KB=bkb, SA=2, SB=2,
+                                                                  PDL=True, EARLY=True), nw).ptx)
+    wait = order.index("wait")
+    assert order[0] == "signal" and order.count("wait") == 1 and order[1:wait] == ["load"] * (wait - 1)
+    assert wait > 4 and order[wait + 1:].count("load") >= 2
 
 
 # ---------------------------------------------------------------------------------------------- op and swap

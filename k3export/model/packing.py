@@ -297,7 +297,35 @@ class FusedMixNorm(nn.Module):
         return op(bank, *ps, res_norm.weight, res_query.weight, self.eps, norm.weight, norm.eps)
 
 
-PACKED = (PackedLinear, PackedRuns, PackedTensor, FusedMixNorm, PackedGlu, NormCols)
+class Fp8Cols(nn.Module):
+    """`LatentMoE.output(u, h)` = up(u) + shared_down(h) when both are `FP8Linear`s (column packing is bf16/fp32
+    only): a one-row CUDA call runs `k3::fp8_linear_cols` (both weight-only GEMVs and the add in one launch,
+    `plugins.gemv`'s two-weight kernel); otherwise the two linears and the add, as the owner computes them."""
+
+    def __init__(self, up: nn.Module, down: nn.Module):
+        super().__init__()
+        self.up, self.down = up, down
+
+    def forward(self, u: torch.Tensor, h: torch.Tensor):
+        if u.is_cuda and u.numel() == u.shape[-1] and h.numel() == h.shape[-1]:
+            from k3export.fp8 import fp8_linear_cols
+            return fp8_linear_cols(u.reshape(1, -1), h.reshape(1, -1), self.up.qweight, self.up.weight_scale,
+                                   self.down.qweight, self.down.weight_scale).view(*u.shape[:-1], -1)
+        return self.up(u) + self.down(h)
+
+    def extra_repr(self) -> str:
+        return "two weight-only FP8 linears and their sum in one launch at one decode row"
+
+
+def _fp8_cols(up: nn.Module, down: nn.Module) -> Fp8Cols | None:
+    from k3export.fp8 import FP8Linear
+    if isinstance(up, FP8Linear) and isinstance(down, FP8Linear) and up.out_features == down.out_features \
+            and up.out_dtype == down.out_dtype:
+        return Fp8Cols(up, down)
+    return None
+
+
+PACKED = (PackedLinear, PackedRuns, PackedTensor, FusedMixNorm, PackedGlu, NormCols, Fp8Cols)
 
 
 def _swap(owner: nn.Module, method: str, packed: nn.Module | None) -> int:
@@ -307,13 +335,16 @@ def _swap(owner: nn.Module, method: str, packed: nn.Module | None) -> int:
     return 1
 
 
-def pack_projections(model: nn.Module, glu: bool = False, fold_norm: bool = False) -> int:
+def pack_projections(model: nn.Module, glu: bool = False, fold_norm: bool = False,
+                     fp8_cols: bool = False) -> int:
     """Pack every group listed in the module docstring, in place. Returns the number of packed groups (GEMMs and
     conv kernels; groups already packed are packed again from the current weights). `glu`: the LatentMoE's
     down | shared gate | shared up and the dense SiTU MLP's gate | up pack with gate / up rows interleaved, and
     the GEMM computes the activation too (`PackedGlu`, swapped for `project_hidden` / `hidden`). `fold_norm`: the
     LatentMoE's latent RMSNorm and its packed output GEMM as one `NormCols` (swapped for `norm_output`; at one decode
-    row the GEMV normalises its input, `k3::gemv_norm`)."""
+    row the GEMV normalises its input, `k3::gemv_norm`). `fp8_cols`: a LatentMoE whose up and shared down
+    projections are both `FP8Linear`s (which do not column-pack) gets `Fp8Cols` for `output` (at one decode row
+    one `k3::fp8_linear_cols` launch for the two GEMVs and their add; experimental)."""
     from k3export.model.kda import KimiDeltaAttention
     from k3export.model.layers import RMSNorm, SituMLP
     from k3export.model.mla import GatedMLA
@@ -335,6 +366,8 @@ def pack_projections(model: nn.Module, glu: bool = False, fold_norm: bool = Fals
             n += _swap(mod, "project_hidden", g) if g is not None else \
                 _swap(mod, "project", _pack_rows([mod.routed_expert_down_proj, s.gate_proj, s.up_proj]))
             cols = _pack_cols([mod.routed_expert_up_proj, s.down_proj])
+            if cols is None and fp8_cols:
+                cols = _fp8_cols(mod.routed_expert_up_proj, s.down_proj)
             n += _swap(mod, "output", cols)
             if fold_norm and cols is not None and isinstance(mod.routed_expert_norm, RMSNorm):
                 _swap(mod, "norm_output", NormCols(cols, mod.routed_expert_norm))

@@ -102,6 +102,36 @@ def gemv_norm_fwd_kernel(a, b, w, nw, y, M, N, K, KA, stride_am, stride_bm, stri
 
 
 @triton.jit
+def gemv_cols_fwd_kernel(a, b, wa, wb, sa, sb, y, N, KA, KB, BLOCK_N: tl.constexpr, BLOCK_KA: tl.constexpr,
+                         BLOCK_KB: tl.constexpr, SA: tl.constexpr, SB: tl.constexpr, PDL: tl.constexpr = False,
+                         EARLY: tl.constexpr = False):
+    """One row, two linears whose outputs are summed (their inputs concatenated): y[n] = (sum_k wa[n, k] a[k]) * sa
+    + (sum_k wb[n, k] b[k]) * sb in fp32, rounded once to y's dtype. wa `[N, KA]`, wb `[N, KB]` contiguous, any float
+    type (E4M3 included); SA / SB as `gemv_fwd_kernel`'s SCALE (0 none, 1 one fp32 scale, 2 one per row). Both
+    weight tiles (and their scales) stream before the PDL wait, a and b are read after it."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rows < N
+    ka = tl.arange(0, BLOCK_KA)
+    kb = tl.arange(0, BLOCK_KB)
+    if PDL and EARLY:
+        gdc_launch_dependents()
+    va = tl.load(wa + rows[:, None].to(tl.int64) * KA + ka[None, :], mask=n_ok[:, None] & (ka < KA)[None, :],
+                 other=0.0)
+    vb = tl.load(wb + rows[:, None].to(tl.int64) * KB + kb[None, :], mask=n_ok[:, None] & (kb < KB)[None, :],
+                 other=0.0)
+    s_a = _scales(sa, rows, n_ok, SA)
+    s_b = _scales(sb, rows, n_ok, SB)
+    if PDL:
+        gdc_wait()
+        if not EARLY:
+            gdc_launch_dependents()
+    xa = tl.load(a + ka, mask=ka < KA, other=0.0).to(tl.float32)
+    xb = tl.load(b + kb, mask=kb < KB, other=0.0).to(tl.float32)
+    acc = tl.sum(va.to(tl.float32) * xa[None, :], 1) * s_a + tl.sum(vb.to(tl.float32) * xb[None, :], 1) * s_b
+    tl.store(y + rows, acc.to(y.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
 def _weight_rows(w, w_scale, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
                  PREFETCH: tl.constexpr, EARLY: tl.constexpr, SCALE: tl.constexpr):
     """This program's BLOCK_N weight rows, whole, widened to fp32, and their scales; with PDL the loads come
@@ -250,6 +280,50 @@ def gemv_norm_fwd(a: torch.Tensor, b: torch.Tensor, w: torch.Tensor, nw: torch.T
                                                  b2.stride(0), y.stride(0), float(eps), BLOCK_N=bn, BLOCK_K=bk,
                                                  num_warps=nw_, **flags)
     return y.view(*a.shape[:-1], N)
+
+
+def cols_tile(N: int, KA: int, KB: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_KA, BLOCK_KB, num_warps) for `gemv_cols_fwd_kernel`: whole rows of both weights, as many rows
+    (a power of two, at most 8) as fit MAX_TILE elements together, 4 warps up to 8192 elements, else 8."""
+    bka, bkb = triton.next_power_of_2(KA), triton.next_power_of_2(KB)
+    if bka + bkb > MAX_TILE:
+        raise ValueError(f"gemv_cols: KA + KB = {KA} + {KB} exceed the register tile ({MAX_TILE} elements)")
+    bn = 1
+    while bn < 8 and 2 * bn * (bka + bkb) <= MAX_TILE:
+        bn *= 2
+    return bn, bka, bkb, 4 if bn * (bka + bkb) <= 8192 else 8
+
+
+def _scale_ok(s: torch.Tensor | None, N: int) -> bool:
+    return s is None or (s.dtype == torch.float32 and tuple(s.shape) in ((), (N,)))
+
+
+def cols_supported(a, b, wa, sa, wb, sb) -> bool:
+    """Whether `gemv_cols_fwd` takes this call: one row each of a `[1, KA]` and b `[1, KB]` (16-/32-bit floats of one
+    dtype), wa `[N, KA]` and wb `[N, KB]` contiguous (of a's dtype, or E4M3 with fp32 scales `[]` / `[N]`), both
+    weights' rows together within the register tile."""
+    if a.dim() != 2 or b.dim() != 2 or a.shape[0] != 1 or b.shape[0] != 1 or a.dtype != b.dtype:
+        return False
+    if a.dtype not in (torch.bfloat16, torch.float16, torch.float32) or wa.dim() != 2 or wb.dim() != 2:
+        return False
+    N = wa.shape[0]
+    ok_w = all(w.is_contiguous() and (w.dtype == a.dtype if s is None else w.dtype == torch.float8_e4m3fn)
+               and _scale_ok(s, N) for w, s in ((wa, sa), (wb, sb)))
+    return (ok_w and wb.shape[0] == N and wa.shape[1] == a.shape[1] and wb.shape[1] == b.shape[1]
+            and triton.next_power_of_2(wa.shape[1]) + triton.next_power_of_2(wb.shape[1]) <= MAX_TILE)
+
+
+def gemv_cols_fwd(a, b, wa, sa, wb, sb, tile=None, **flags) -> torch.Tensor:
+    """a @ (wa * sa)^T + b @ (wb * sb)^T for one row -> `[1, N]` in a's dtype, one fp32 sum rounded once
+    (`gemv_cols_fwd_kernel`; sa / sb None: unscaled weights of a's dtype)."""
+    N, KA, KB = wa.shape[0], wa.shape[1], wb.shape[1]
+    y = torch.empty(1, N, dtype=a.dtype, device=a.device)
+    bn, bka, bkb, nw = tile or cols_tile(N, KA, KB)
+    mode = lambda s: 0 if s is None else 2 if s.dim() else 1                       # noqa: E731
+    launch(gemv_cols_fwd_kernel)[(triton.cdiv(N, bn),)](
+        a.contiguous(), b.contiguous(), wa, wb, sa if sa is not None else wa, sb if sb is not None else wb, y, N, KA,
+        KB, BLOCK_N=bn, BLOCK_KA=bka, BLOCK_KB=bkb, SA=mode(sa), SB=mode(sb), num_warps=nw, **flags)
+    return y
 
 
 def launch_flags(x: torch.Tensor) -> dict:
