@@ -106,7 +106,8 @@ def main() -> None:
         experiments.append(_experiment("backend", list(built), lambda v: _time(built[v][1], built[v][0], a.batch,
                                                                                 a.context, a.steps), a))
         del built
-    res = {"backend": a.backend, "preset": a.preset, "fp8": a.fp8, "batch": a.batch, "context": a.context, "rounds": a.rounds,
+    res = {"backend": a.backend, "preset": a.preset, "fp8": a.fp8, "batch": a.batch, "context": a.context,
+           "rounds": a.rounds,
            "steps": a.steps, "device": torch.cuda.get_device_name(), "experiments": experiments}
     print(json.dumps(res, indent=1))
     write_json(a.out, res)

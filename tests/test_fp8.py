@@ -405,7 +405,8 @@ def test_fp8_linear_cols_op_reference_and_fake():
     sa, sb = wa.abs().amax(1) / 448, wb.abs().max() / 448
     qa, qb = quantize(wa, sa[:, None]), quantize(wb, sb)
     y = fp8_linear_cols(a, b, qa, sa, qb, sb)
-    assert y.shape == (1, 40) and y.dtype == torch.bfloat16 and torch.equal(y, fp8_linear_cols_ref(a, b, qa, sa, qb, sb))
+    assert y.shape == (1, 40) and y.dtype == torch.bfloat16
+    assert torch.equal(y, fp8_linear_cols_ref(a, b, qa, sa, qb, sb))
     apart = (fp8_linear_wo_ref(a, qa, sa) + fp8_linear_wo_ref(b, qb, sb)).float()
     assert ((y.float() - apart).abs() <= 2 ** -7 * apart.abs() + 1e-3 * apart.abs().max()).all()
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:

@@ -200,7 +200,8 @@ def test_fp8_model_packs_by_kind_and_matches_unpacked():
     from k3export.model.moe import LatentMoE
     from k3export.model.packing import Fp8Cols
     moes = [mod for mod in m.modules() if isinstance(mod, LatentMoE) and mod.shared_experts is not None
-            and isinstance(mod.routed_expert_up_proj, FP8Linear) and isinstance(mod.shared_experts.down_proj, FP8Linear)]
+            and isinstance(mod.routed_expert_up_proj, FP8Linear)
+            and isinstance(mod.shared_experts.down_proj, FP8Linear)]
     assert moes and all(isinstance(mod.__dict__.get("output"), Fp8Cols) for mod in moes)     # the FP8 output pair
     got = _decode(m, ids, state, cache_len)
     assert max(rel(a, b) for a, b in zip(got, ref)) < DECODE_REL
