@@ -107,8 +107,7 @@ def main() -> None:
                                                                                 a.context, a.steps), a))
         del built
     res = {"backend": a.backend, "preset": a.preset, "fp8": a.fp8, "batch": a.batch, "context": a.context,
-           "rounds": a.rounds,
-           "steps": a.steps, "device": torch.cuda.get_device_name(), "experiments": experiments}
+           "rounds": a.rounds, "steps": a.steps, "device": torch.cuda.get_device_name(), "experiments": experiments}
     print(json.dumps(res, indent=1))
     write_json(a.out, res)
 
