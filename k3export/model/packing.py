@@ -369,7 +369,7 @@ def pack_projections(model: nn.Module, glu: bool = False, fold_norm: bool = Fals
             if cols is None and fp8_cols:
                 cols = _fp8_cols(mod.routed_expert_up_proj, s.down_proj)
             n += _swap(mod, "output", cols)
-            if fold_norm and cols is not None and isinstance(mod.routed_expert_norm, RMSNorm):
+            if fold_norm and isinstance(cols, PackedLinear) and isinstance(mod.routed_expert_norm, RMSNorm):
                 _swap(mod, "norm_output", NormCols(cols, mod.routed_expert_norm))
         elif isinstance(mod, SituMLP) and id(mod) not in shared:
             g = _pack_glu([], mod.gate_proj, mod.up_proj, mod.beta, mod.linear_beta, with_plain=False) if glu else None
