@@ -104,6 +104,8 @@ def _kernels():
 def test_pdl_constexpr_adds_only_the_two_griddepcontrol_instructions(name):
     from k3export.plugins.aot import compile_ptx
     fn, types, cx, warps, stages, scalars = _kernels()[name]
+    cx = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default and p.name not in cx
+             and p.name != "PDL"}, **cx}                           # other constexprs at their defaults (e.g. ROUTE)
     sig = {n: "constexpr" if n in cx or n == "PDL" else "i32" if n in scalars else types.get(n, "*bf16")
            for n in fn.arg_names}
     off = compile_ptx(fn, {n: t for n, t in sig.items() if n != "PDL"}, cx, warps, stages).ptx   # PDL omitted
