@@ -150,14 +150,17 @@ class CompileBackend(EagerBackend):
     perf.md), nor the AttnRes mix inside the next GEMV (an Inductor graph pass, `k3::gemv_mix`: 0.963 -> 0.962 ms,
     17:12; git history). `fp8_cols` (FP8 models on CUDA): the MoE's FP8 up and shared down projections and their
     add as one one-row launch (`packing.Fp8Cols`, `k3::fp8_linear_cols`); experimental, not yet run on a GPU (bench
-    `compile-fp8cols`, `scripts/ab_decode.py --fp8 --backends compile,compile-fp8cols`)."""
+    `compile-fp8cols`, `scripts/ab_decode.py --fp8 --backends compile,compile-fp8cols`); `fp8_runs` the same for
+    a projection packed as an FP8 run and a plain one (KDA's FP8 q|k|v|g and bf16 f_a|b: `k3::fp8_linear_runs`,
+    bench `compile-fp8runs`)."""
 
     name = "compile"
 
     def __init__(self, model, mode: str | None = None, cache_dir=None, freezing: bool = False, pack: bool = True,
                  fuse_norms: bool = True, inplace: bool = True, fuse_adds: bool = True, options: dict | None = None,
                  pair_experts: bool = True, gemv: bool = True, pdl: bool = True, glu: bool = False,
-                 moe_pdl: bool = False, fold_norm: bool = False, pdl_early: bool = True, fp8_cols: bool = False):
+                 moe_pdl: bool = False, fold_norm: bool = False, pdl_early: bool = True, fp8_cols: bool = False,
+                 fp8_runs: bool = False):
         super().__init__(model)
         from k3export.model import packing
         packing.unpack_projections(model)          # the swaps asked for here, no others (in place: later users too)
@@ -169,7 +172,7 @@ class CompileBackend(EagerBackend):
             self.paired = 0
         cuda = dev.type == "cuda"
         self.packed = packing.pack_projections(model, glu=glu and cuda, fold_norm=fold_norm and cuda,
-                                               fp8_cols=fp8_cols and cuda) if pack else 0
+                                               fp8_cols=fp8_cols and cuda, fp8_runs=fp8_runs and cuda) if pack else 0
         self.fused = packing.fuse_norms(model, adds=fuse_adds) if fuse_norms else 0
         self.gemv = packing.gemv_linears(model) if gemv and dev.type == "cuda" else 0
         self.pdl = bool(pdl and dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9)

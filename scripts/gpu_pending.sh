@@ -3,9 +3,9 @@
 # under $OUT). Each part below has run at least once (results in docs/perf.md). Owed (2026-11-30 17:45 UTC, ~3 min):
 # `bash scripts/gpu_pending.sh pdltest gentest fp8fused`: the k3-small `compile` backend end to end with the MoE
 # decode default "pairs-n8-fc-g1" (top-k inside gemm1; its own tests passed at 17:36, the model tests not yet with
-# it); then two FP8 changes built after the device time ran out (#7): the fused FP8 expert scheme (top-k in gemm1,
-# combine in gemm2) and the MoE output pair as one launch (`compile-fp8cols`): their cuda tests and their A/Bs on
-# the FP8 k3-small decode step.
+# it); then three FP8 changes built after the device time ran out (#7): the fused FP8 expert scheme (top-k in
+# gemm1, combine in gemm2), the MoE output pair as one launch (`compile-fp8cols`) and the KDA projection's FP8 and
+# bf16 runs as one launch (`compile-fp8runs`): their cuda tests and their A/Bs on the FP8 k3-small decode step.
 #   toy      scripts/aoti_toy.py: does any CUDA AOTI package load there, per import context (bare, CUDA
 #            initialised, triton, k3export.plugins)? ~2 min. Decides whether the crash is torch's or ours.
 #   demo     `k3export demo --device cuda`: the main job end to end on the GPU (aoti refused by the load check
@@ -44,9 +44,10 @@
 #   normtest k3::gemv_norm's cuda tests (the latent RMSNorm in the MoE output GEMV) and compile-fast's k3-tiny tokens
 #   barrier  scripts/barrier_probe.py: R rounds of neighbour-dependent work on one program per SM (and two), as R
 #            PDL launches in a CUDA graph vs one persistent launch with a grid barrier per round (16:58: 0.86 vs 1.14 us)
-#   fp8fused the fused FP8 "pairs" expert scheme (`ExpertWo.fuse`) and `k3::fp8_linear_cols`: their cuda tests
-#            (== unfused bit for bit, CUDA graph; the pair vs fp64), then scripts/ab_decode.py --fp8 with
-#            K3_FP8_EXPERT_WO=unfused,fused and --backends compile,compile-fp8cols (k3-small FP8, B = 1)
+#   fp8fused the fused FP8 "pairs" expert scheme (`ExpertWo.fuse`), `k3::fp8_linear_cols` and `k3::fp8_linear_runs`:
+#            their cuda tests (== unfused bit for bit, CUDA graph; the one-launch GEMVs vs fp64), then
+#            scripts/ab_decode.py --fp8 with K3_FP8_EXPERT_WO=unfused,fused and --backends
+#            compile,compile-fp8cols,compile-fp8runs (k3-small FP8, B = 1)
 #   profile  scripts/profile_decode.py --backend $PROFILE_BACKEND (default compile): kernels per decode step, and the
 #            graph replay's critical path (what each kernel adds to the span under PDL; 15:25: an upper bound only)
 set -uo pipefail
@@ -114,11 +115,12 @@ for part in $parts; do
     probe) timeout 60 python3 scripts/gemv_pack_probe.py --out "$OUT/probe.json" > "$OUT/probe.log" 2>&1 ;;
     barrier) for g in 0 264; do timeout 60 python3 scripts/barrier_probe.py --programs $g --out "$OUT/barrier-g$g.json"; done \
              > "$OUT/barrier.log" 2>&1 ;;
-    fp8fused) timeout 150 python3 -m pytest -q -m cuda tests/test_fp8.py -k "fused or expert_wo or cols" -s -rs \
+    fp8fused) timeout 150 python3 -m pytest -q -m cuda tests/test_fp8.py -k "fused or expert_wo or cols or runs" -s -rs \
              -p no:cacheprovider > "$OUT/fp8fused-test.log" 2>&1
            timeout 400 python3 scripts/ab_decode.py --fp8 --rounds 4 \
              --env K3_FP8_EXPERT_WO=pairs-n16k512-shift,pairs-n16k512-shift-fused \
-             --backends compile,compile-fp8cols --out "$OUT/ab-fp8fused.json" > "$OUT/fp8fused.log" 2>&1 ;;
+             --backends compile,compile-fp8cols,compile-fp8runs --out "$OUT/ab-fp8fused.json" \
+             > "$OUT/fp8fused.log" 2>&1 ;;
     profile) timeout 150 python3 scripts/profile_decode.py --backend ${PROFILE_BACKEND:-compile} ${PROFILE_ARGS:-} \
              > "$OUT/profile.log" 2>&1 ;;
     *)     echo "unknown part $part (toy demo aoti mla mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8fused profile)"; continue ;;
