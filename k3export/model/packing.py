@@ -108,12 +108,12 @@ def _kind(members: list[nn.Module]) -> str | None:
 
 
 @torch.no_grad()
-def _pack_rows(members: list[nn.Module], merge: list[int] | None = None) -> nn.Module | None:
+def _pack_rows(members: list[nn.Module], merge: list[int] | None = None, fused: bool = False) -> nn.Module | None:
     """Concatenate the members' weights along the output dim; each member's weight becomes a view of the result.
     `merge` groups consecutive members into one output (e.g. [3, 1] -> q|k|v together, then g). Members of two
     kinds (an FP8 model keeps some linears in bf16 by recipe, e.g. KDA's f_a and b) pack as one GEMM per run of
-    one kind. None when that is impossible (a merged output across two kinds, FP8 input scales or weight
-    granularities that differ, different input widths)."""
+    one kind (`PackedRuns`, with `fused` as given). None when that is impossible (a merged output across two kinds,
+    FP8 input scales or weight granularities that differ, different input widths)."""
     merge = merge or [1] * len(members)
     runs: list[tuple[str, list[list[nn.Module]]]] = []           # (kind, merged groups), in member order
     i = 0
@@ -130,7 +130,7 @@ def _pack_rows(members: list[nn.Module], merge: list[int] | None = None) -> nn.M
     if len({m.in_features for m in members}) != 1 or not all(_packable(k, sum(gs, [])) for k, gs in runs):
         return None
     parts = [_pack_run(kind, groups) for kind, groups in runs]
-    return parts[0] if len(parts) == 1 else PackedRuns(parts)
+    return parts[0] if len(parts) == 1 else PackedRuns(parts, fused)
 
 
 def _packable(kind: str, members: list[nn.Module]) -> bool:
@@ -362,26 +362,21 @@ def pack_projections(model: nn.Module, glu: bool = False, fold_norm: bool = Fals
     from k3export.model.mla import GatedMLA
     from k3export.model.moe import LatentMoE
     _remove_swaps(model, PROJECTION_SWAPS)
-
-    def swap(owner, method, packed):
-        if fp8_runs and isinstance(packed, PackedRuns):
-            packed.fused = True
-        return _swap(owner, method, packed)
     shared = {id(m.shared_experts) for m in model.modules() if isinstance(m, LatentMoE)}   # packed with their MoE
     n = 0
     for mod in model.modules():
         if isinstance(mod, KimiDeltaAttention):
-            n += swap(mod, "project", _pack_rows([mod.q_proj, mod.k_proj, mod.v_proj, mod.g_proj, mod.f_a_proj,
-                                                  mod.b_proj], merge=[3, 1, 1, 1]))
+            n += _swap(mod, "project", _pack_rows([mod.q_proj, mod.k_proj, mod.v_proj, mod.g_proj, mod.f_a_proj,
+                                                   mod.b_proj], merge=[3, 1, 1, 1], fused=fp8_runs))
             n += _swap(mod, "conv_weight", _pack_conv(mod))
         elif isinstance(mod, GatedMLA):
-            n += swap(mod, "project", _pack_rows([mod.q_a_proj, mod.kv_a_proj_with_mqa, mod.g_proj]))
+            n += _swap(mod, "project", _pack_rows([mod.q_a_proj, mod.kv_a_proj_with_mqa, mod.g_proj], fused=fp8_runs))
         elif isinstance(mod, LatentMoE) and mod.shared_experts is not None:
             s = mod.shared_experts
             g = _pack_glu([mod.routed_expert_down_proj], s.gate_proj, s.up_proj, s.beta, s.linear_beta,
                           with_plain=True) if glu else None
             n += _swap(mod, "project_hidden", g) if g is not None else \
-                swap(mod, "project", _pack_rows([mod.routed_expert_down_proj, s.gate_proj, s.up_proj]))
+                _swap(mod, "project", _pack_rows([mod.routed_expert_down_proj, s.gate_proj, s.up_proj], fused=fp8_runs))
             cols = _pack_cols([mod.routed_expert_up_proj, s.down_proj])
             if cols is None and fp8_cols:
                 cols = _fp8_cols(mod.routed_expert_up_proj, s.down_proj)
@@ -390,8 +385,8 @@ def pack_projections(model: nn.Module, glu: bool = False, fold_norm: bool = Fals
                 _swap(mod, "norm_output", NormCols(cols, mod.routed_expert_norm))
         elif isinstance(mod, SituMLP) and id(mod) not in shared:
             g = _pack_glu([], mod.gate_proj, mod.up_proj, mod.beta, mod.linear_beta, with_plain=False) if glu else None
-            n += _swap(mod, "hidden", g) if g is not None else swap(mod, "project", _pack_rows([mod.gate_proj,
-                                                                                                 mod.up_proj]))
+            n += _swap(mod, "hidden", g) if g is not None else _swap(mod, "project", _pack_rows(
+                [mod.gate_proj, mod.up_proj], fused=fp8_runs))
     return n
 
 

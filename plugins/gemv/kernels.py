@@ -246,7 +246,7 @@ def gemv_fwd(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, 
     y = torch.empty(M, N, dtype=x.dtype, device=x.device) if out is None else out.view(M, N)
     bn, bk, nw = tile or gemv_tile(N, K)
     if w_scale is not None:
-        flags.update(w_scale=w_scale.contiguous(), SCALE=2 if w_scale.dim() else 1)
+        flags.update(w_scale=w_scale.contiguous(), SCALE=_scale_mode(w_scale))
     launch(gemv_fwd_kernel)[(triton.cdiv(N, bn),)](x2, w, y, M, N, K, x2.stride(0), y.stride(0), BLOCK_N=bn,
                                                     BLOCK_K=bk, num_warps=nw, **flags)
     return y.view(*x.shape[:-1], N)
@@ -309,9 +309,7 @@ def runs_supported(x, wa, sa, wb, sb) -> bool:
     if x.dim() != 2 or x.shape[0] != 1 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return False
     K = x.shape[1]
-    return all(_weight_ok(w, K) and (w.dtype == x.dtype if s is None else
-                                     w.dtype == torch.float8_e4m3fn and _scale_ok(s, w.shape[0]))
-               for w, s in ((wa, sa), (wb, sb)))
+    return all(_weight_ok(w, K) and _kind_ok(w, s, x.dtype) for w, s in ((wa, sa), (wb, sb)))
 
 
 def gemv_runs_fwd(x, wa, sa, wb, sb, tile=None, **flags) -> tuple[torch.Tensor, torch.Tensor]:
@@ -348,8 +346,11 @@ def _scale_mode(s: torch.Tensor | None) -> int:
     return 0 if s is None else 2 if s.dim() else 1
 
 
-def _scale_ok(s: torch.Tensor | None, N: int) -> bool:
-    return s is None or (s.dtype == torch.float32 and tuple(s.shape) in ((), (N,)))
+def _kind_ok(w: torch.Tensor, s: torch.Tensor | None, dtype: torch.dtype) -> bool:
+    """A weight of the activations' dtype without a scale, or E4M3 with an fp32 scale `[]` or `[N]`."""
+    if s is None:
+        return w.dtype == dtype
+    return w.dtype == torch.float8_e4m3fn and s.dtype == torch.float32 and tuple(s.shape) in ((), (w.shape[0],))
 
 
 def cols_supported(a, b, wa, sa, wb, sb) -> bool:
@@ -361,8 +362,7 @@ def cols_supported(a, b, wa, sa, wb, sb) -> bool:
     if a.dtype not in (torch.bfloat16, torch.float16, torch.float32) or wa.dim() != 2 or wb.dim() != 2:
         return False
     N = wa.shape[0]
-    ok_w = all(w.is_contiguous() and (w.dtype == a.dtype if s is None else w.dtype == torch.float8_e4m3fn)
-               and _scale_ok(s, N) for w, s in ((wa, sa), (wb, sb)))
+    ok_w = all(w.is_contiguous() and _kind_ok(w, s, a.dtype) for w, s in ((wa, sa), (wb, sb)))
     return (ok_w and wb.shape[0] == N and wa.shape[1] == a.shape[1] and wb.shape[1] == b.shape[1]
             and triton.next_power_of_2(wa.shape[1]) + triton.next_power_of_2(wb.shape[1]) <= MAX_TILE)
 
