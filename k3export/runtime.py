@@ -86,11 +86,14 @@ class EagerBackend:
         return self.model.forward_decode(*args)
 
 
-def early_pdl_ok(requested: bool, pdl_on: bool, options: dict | None) -> bool:
-    """Whether the compile backend's decode kernels may signal their dependents early (`plugins.launch.pdl`):
-    asked for, PDL on, and not Inductor's own kernels under its `triton.enable_pdl` (they may load activations
-    before their wait, which an early signal no longer orders after the grids before their predecessor)."""
-    return bool(requested and pdl_on and not (options or {}).get("triton.enable_pdl"))
+def check_inductor_options(options: dict | None) -> None:
+    """Refuse Inductor options the k3 graphs are known to break under. `triton.enable_pdl` (Inductor's own kernels
+    launched with PDL, loading what it deems independent of the previous kernel before their wait) gave wrong
+    k3-small prefill logits next to the k3 ops on the H200 (max |diff| 6.6 vs bit-identical without it, 2026-11-30
+    15:39 and 19:08 UTC, tests/test_pdl.py); our own kernels' PDL (`pdl`) is unaffected."""
+    if (options or {}).get("triton.enable_pdl"):
+        raise ValueError("CompileBackend: Inductor's triton.enable_pdl is not supported with the k3 ops (it gave "
+                         "wrong k3-small logits on the H200); the k3 decode kernels use PDL already (pdl=True)")
 
 
 class CompileBackend(EagerBackend):
@@ -132,7 +135,7 @@ class CompileBackend(EagerBackend):
     dependent launch, and the GEMV loads its weights before it waits for its predecessor. H200, k3-small decode at
     B = 1 (`bench model`, 2026-11-30 11:39 and 12:00 UTC): cuBLAS without PDL 1.006 / 1.029 ms, GEMV without PDL
     1.002 / 0.964, GEMV + PDL 0.890 / 0.895 (bench backends `compile-cublas-nopdl`, `compile-nopdl`, `compile`);
-    B = 16 unchanged (1.70-1.72). `pdl_early` (default; not with Inductor's `triton.enable_pdl`): our decode
+    B = 16 unchanged (1.70-1.72). `pdl_early` (default, with `pdl`): our decode
     kernels signal their dependents' launch before their wait (`launch.EARLY`): k3-small B = 1 (`scripts/ab_decode.py
     --env K3_PDL_EARLY=0,1`, 4 interleaved rounds of 200 steps) 0.886 -> 0.872 ms (2026-11-30 15:36) and 0.925 ->
     0.920 (15:49, another machine); tokens and logits bit-identical to without PDL (tests/test_pdl.py). Prefill
@@ -161,6 +164,7 @@ class CompileBackend(EagerBackend):
                  pair_experts: bool = True, gemv: bool = True, pdl: bool = True, glu: bool = False,
                  moe_pdl: bool = False, fold_norm: bool = False, pdl_early: bool = True, fp8_cols: bool = False,
                  fp8_runs: bool = False):
+        check_inductor_options(options)
         super().__init__(model)
         from k3export.model import packing
         packing.unpack_projections(model)          # the swaps asked for here, no others (in place: later users too)
@@ -177,7 +181,7 @@ class CompileBackend(EagerBackend):
         self.gemv = packing.gemv_linears(model) if gemv and dev.type == "cuda" else 0
         self.pdl = bool(pdl and dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9)
         self.moe_pdl = moe_pdl
-        self.pdl_early = early_pdl_ok(pdl_early, self.pdl, options)
+        self.pdl_early = bool(pdl_early and self.pdl)
         if cache_dir is not None:
             import os
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(cache_dir).resolve() / "inductor-cache")

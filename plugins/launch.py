@@ -25,7 +25,7 @@ Off (or CPU, the interpreter, a traced launch): `pdl_args` is {} and the kernels
 to False: the same PTX). The switch is read at launch time, so it must be on while a CUDA graph is captured:
 capture records such a launch as a programmatic graph edge (CUDA >= 12.3 graph edge data; CUDA Programming Guide
 4.2 "CUDA Graphs" and 4.5 "Programmatic Dependent Launch and Synchronization"). A successor launched without the
-attribute (cuBLAS; Inductor's kernels unless its `triton.enable_pdl` is on) waits for full completion as before,
+attribute (cuBLAS; Inductor's kernels: `CompileBackend` refuses its `triton.enable_pdl`) waits for full completion as before,
 whatever this kernel signals. Since the signal comes after the wait, a kernel that starts on it also starts after
 every earlier launch of the stream has completed. The one exception, `plugins.gemv`, signals first and loads its
 weights before its wait (nothing in a decode step writes a weight); everything else it touches comes after the
@@ -140,8 +140,8 @@ def pdl(on: bool = True, moe: bool | None = None, early: bool | None = None):
     before the wait (`EARLY`). Only for streams whose PDL-launched kernels all wait before touching anything a
     predecessor writes (ours do; the GEMV's pre-wait loads are weights): a successor launched on an early signal
     may start before the grids two launches back have completed, so a kernel that loads activations before its
-    wait (Inductor's own kernels under its `triton.enable_pdl`: wrong logits on the H200, 2026-11-30) must not
-    follow one."""
+    wait (Inductor's own kernels under its `triton.enable_pdl`, which `CompileBackend` refuses) must not follow
+    one."""
     global _pdl, _pdl_moe, _pdl_early
     prev = _pdl, _pdl_moe, _pdl_early
     _pdl = bool(on)

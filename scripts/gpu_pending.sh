@@ -44,7 +44,7 @@
 #   normtest k3::gemv_norm's cuda tests (the latent RMSNorm in the MoE output GEMV) and compile-fast's k3-tiny tokens
 #   barrier  scripts/barrier_probe.py: R rounds of neighbour-dependent work on one program per SM (and two), as R
 #            PDL launches in a CUDA graph vs one persistent launch with a grid barrier per round (16:58: 0.86 vs 1.14 us)
-#   fp8fused the fused FP8 "pairs" expert scheme (`ExpertWo.fuse`), `k3::fp8_linear_cols` and `k3::fp8_linear_runs`:
+#   fp8fused (= fp8ftest, then fp8fab) the fused FP8 "pairs" expert scheme (`ExpertWo.fuse`), `k3::fp8_linear_cols` and `k3::fp8_linear_runs`:
 #            their cuda tests (== unfused bit for bit, CUDA graph; the one-launch GEMVs vs fp64), then
 #            scripts/ab_decode.py --fp8 with K3_FP8_EXPERT_WO=unfused,fused and --backends
 #            compile,compile-fp8cols,compile-fp8runs (k3-small FP8, B = 1)
@@ -52,6 +52,7 @@
 #            graph replay's critical path (what each kernel adds to the span under PDL; 15:25: an upper bound only)
 set -uo pipefail
 parts=${*:-model profile}
+parts=${parts//fp8fused/fp8ftest fp8fab}
 source "$(dirname "$0")/gpu_setup.sh"
 for part in $parts; do
   t=$SECONDS
@@ -115,15 +116,15 @@ for part in $parts; do
     probe) timeout 60 python3 scripts/gemv_pack_probe.py --out "$OUT/probe.json" > "$OUT/probe.log" 2>&1 ;;
     barrier) for g in 0 264; do timeout 60 python3 scripts/barrier_probe.py --programs $g --out "$OUT/barrier-g$g.json"; done \
              > "$OUT/barrier.log" 2>&1 ;;
-    fp8fused) timeout 150 python3 -m pytest -q -m cuda tests/test_fp8.py -k "fused or expert_wo or cols or runs" -s -rs \
-             -p no:cacheprovider > "$OUT/fp8fused-test.log" 2>&1
-           timeout 400 python3 scripts/ab_decode.py --fp8 --rounds 4 \
+    fp8ftest) timeout 150 python3 -m pytest -q -m cuda tests/test_fp8.py -k "fused or expert_wo or cols or runs" \
+             -s -rs -p no:cacheprovider > "$OUT/fp8fused-test.log" 2>&1 ;;
+    fp8fab) timeout ${FP8FAB_TIMEOUT:-400} python3 scripts/ab_decode.py --fp8 --rounds ${FP8FAB_ROUNDS:-4} \
              --env K3_FP8_EXPERT_WO=pairs-n16k512-shift,pairs-n16k512-shift-fused \
-             --backends compile,compile-fp8cols,compile-fp8runs --out "$OUT/ab-fp8fused.json" \
+             --backends ${FP8FAB_BACKENDS:-compile,compile-fp8cols,compile-fp8runs} --out "$OUT/ab-fp8fused.json" \
              > "$OUT/fp8fused.log" 2>&1 ;;
     profile) timeout 150 python3 scripts/profile_decode.py --backend ${PROFILE_BACKEND:-compile} ${PROFILE_ARGS:-} \
              > "$OUT/profile.log" 2>&1 ;;
-    *)     echo "unknown part $part (toy demo aoti mla mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8fused profile)"; continue ;;
+    *)     echo "unknown part $part (toy demo aoti mla mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab profile)"; continue ;;
   esac
   echo "$part: exit $? in $((SECONDS - t)) s" | tee -a "$OUT/pending.log"
   tail -4 "$OUT/$part.log" 2>/dev/null

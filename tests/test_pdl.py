@@ -9,8 +9,7 @@ switch.
 GPU (`cuda`): a CUDA graph of a chain of dependent kernel launches (in-place KDA state included) replays to the
 same bits with PDL as without; k3-small through the `compile` backend with CUDA-graph decode gives the same greedy
 tokens and logits with PDL as without (`compile` vs `compile-nopdl` at B = 4 and at B = 1, where the GEMVs run
-`k3::gemv` with their early weight loads, `compile-pdl-inductor` with Inductor's own PDL too, and
-`compile-moepdl` with the MoE decode kernels on PDL),
+`k3::gemv` with their early weight loads, and `compile-moepdl` with the MoE decode kernels on PDL),
 over several replays, and the PDL kernels were really compiled and launched with it."""
 
 from __future__ import annotations
@@ -174,16 +173,20 @@ def test_twice_switch_launches_the_named_kernels_twice(monkeypatch):
     assert a.calls == [((3,), (1,), {"n": 2})] * 2 and b.calls == [((3,), (1,), {"n": 2})]
 
 
-def test_compile_backend_signals_early_only_without_inductor_pdl():
-    """`CompileBackend(pdl_early=True)` (the default) signals early only with PDL on and without Inductor's own PDL
-    option (whose kernels may load activations before their wait); on a CPU model PDL is off altogether."""
+def test_compile_backend_refuses_inductor_pdl_and_signals_early_only_with_pdl():
+    """`CompileBackend` refuses Inductor's own PDL option (its kernels load what they deem independent before their
+    wait: wrong k3-small prefill logits next to the k3 ops on the H200) before touching the model, and names it;
+    `pdl_early=True` (the default) signals early only with PDL on (off altogether on a CPU model)."""
     from k3export.config import K3Config
     from k3export.model.weights import random_model
-    from k3export.runtime import CompileBackend, early_pdl_ok
-    assert not CompileBackend(random_model(K3Config.from_name("k3-tiny"), seed=0)).pdl_early
-    assert early_pdl_ok(True, True, None) and early_pdl_ok(True, True, {"combo_kernels": True})
-    assert not early_pdl_ok(True, True, {"triton.enable_pdl": True})
-    assert not early_pdl_ok(True, False, None) and not early_pdl_ok(False, True, None)
+    from k3export.runtime import CompileBackend
+    model = random_model(K3Config.from_name("k3-tiny"), seed=0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="triton.enable_pdl"):
+        CompileBackend(model, options={"triton.enable_pdl": True})
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not CompileBackend(model).pdl_early
+    assert CompileBackend(model, options={"combo_kernels": True}).pdl is False
 
 
 # ---------------------------------------------------------------------------------------------- the backend switch
@@ -197,7 +200,7 @@ def test_compile_backend_runs_its_calls_inside_the_switch():
     from k3export.model import packing
     from k3export.model.weights import random_model
     from k3export.runtime import CompileBackend
-    assert COMPILE_VARIANTS["compile-nopdl"] == {"pdl": False} and "compile-pdl-inductor" in BACKENDS
+    assert COMPILE_VARIANTS["compile-nopdl"] == {"pdl": False} and "compile-nopdl" in BACKENDS
     model = random_model(K3Config.from_name("k3-tiny"), seed=0)
     seen = []
     try:
@@ -333,8 +336,7 @@ def k3_small_baseline():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("variant,batch", [("compile", 4), ("compile", 1), ("compile-pdl-inductor", 4),
-                                           ("compile-moepdl", 1)])
+@pytest.mark.parametrize("variant,batch", [("compile", 4), ("compile", 1), ("compile-moepdl", 1)])
 def test_k3_small_compile_backend_same_tokens_and_logits_with_pdl(k3_small_baseline, variant, batch):
     """k3-small bf16 through the `compile` backend (CUDA-graph decode), 4 prompts (or 1: the GEMVs on
     `k3::gemv`, weights loaded before the wait) then 8 greedy steps: with PDL the same tokens and logits as
@@ -366,9 +368,8 @@ def test_k3_small_compile_backend_same_tokens_and_logits_with_pdl(k3_small_basel
     from k3export.plugins.moe import kernels as moe
     fns = [attn_res_fwd_kernel, kda_decode_inplace_fwd_kernel, mla_decode_fwd_kernel, mla_decode_combine_kernel]
     fns += [gemv_fwd_kernel] * (batch == 1)
-    if variant == "compile-moepdl":
-        fns += [moe.moe_router_fwd_kernel, moe.moe_topk_fwd_kernel, moe.moe_pair_gemm1_fwd_kernel,
-                moe.moe_pair_gemm2_combine_fwd_kernel]
+    if variant == "compile-moepdl":     # k3-small's 64 experts select their top-k inside gemm1: no top-k launch
+        fns += [moe.moe_router_fwd_kernel, moe.moe_pair_gemm1_fwd_kernel, moe.moe_pair_gemm2_combine_fwd_kernel]
     for fn in fns:
         assert any(_compiled_with_pdl(fn)), f"{fn.__name__}: no variant compiled with launch_pdl"
 

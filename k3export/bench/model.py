@@ -10,7 +10,6 @@ each hold `context` tokens (`Engine.decode`, state commit included). Backends:
     compile-nopdl   `compile` with programmatic dependent launch off (its GEMVs still `k3::gemv`)
     compile-cublas  `compile` with cuBLAS for the one-row linears (PDL on)
     compile-cublas-nopdl  both off: the `compile` backend until 2026-11-30 11:50 UTC
-    compile-pdl-inductor  `compile` with Inductor's own kernels launched with PDL too (its `triton.enable_pdl`)
     compile-glu     `compile` with SiTU-GLU in the one-row GEMV of the MoE / MLP input projections (`k3::gemv_glu`)
     compile-moepdl  `compile` with the MoE decode kernels (router, top-k, pair GEMVs) on PDL too
     compile-fp8cols `compile` with an FP8 model's MoE output pair (FP8 up + shared down) as one one-row launch
@@ -46,7 +45,7 @@ COMPILE_VARIANTS = {"compile": {}, "compile-frozen": {"freezing": True}, "compil
                     "compile-copy": {"inplace": False}, "compile-noadd": {"fuse_adds": False},
                     "compile-combo": {"options": {"combo_kernels": True}}, "compile-nopdl": {"pdl": False},
                     "compile-cublas": {"gemv": False}, "compile-cublas-nopdl": {"gemv": False, "pdl": False},
-                    "compile-pdl-inductor": {"options": {"triton.enable_pdl": True}}, "compile-glu": {"glu": True},
+                    "compile-glu": {"glu": True},
                     "compile-moepdl": {"moe_pdl": True}, "compile-norm": {"fold_norm": True},
                     "compile-fp8cols": {"fp8_cols": True}, "compile-fp8runs": {"fp8_runs": True},
                     "compile-fast": {"glu": True, "moe_pdl": True, "fold_norm": True}}
