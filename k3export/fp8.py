@@ -194,35 +194,6 @@ def _(a, b, wa, sa, wb, sb):
     return G.gemv_cols_fwd(a, b, wa, sa, wb, sb, **G.launch_flags(a))
 
 
-def fp8_linear_runs_ref(x: Tensor, wa: Tensor, sa: Tensor, wb: Tensor) -> tuple[Tensor, Tensor]:
-    """The reference of `k3::fp8_linear_runs`: the weight-only FP8 product and the plain one, each in at least fp32,
-    rounded to x.dtype."""
-    dt = acc_dtype(x)
-    return fp8_linear_wo_ref(x, wa, sa), (x.to(dt) @ wb.to(dt).T).to(x.dtype)
-
-
-@torch.library.custom_op("k3::fp8_linear_runs", mutates_args=())
-def fp8_linear_runs(x: Tensor, wa: Tensor, sa: Tensor, wb: Tensor) -> tuple[Tensor, Tensor]:
-    """One input through an FP8 weight (weight-only, wa `[NA, K]` E4M3 with scales sa) and a plain one (wb `[NB, K]`
-    in x.dtype, a run the recipe keeps high precision): (x (wa sa)^T `[M, NA]`, x wb^T `[M, NB]`) in x.dtype (serving,
-    one decode row: an FP8 KDA projection and its bf16 f_a | b, `packing.PackedRuns(fused=True)`; CUDA: one launch,
-    `plugins.gemv.gemv_runs_fwd`)."""
-    return fp8_linear_runs_ref(x, wa, sa, wb)
-
-
-@fp8_linear_runs.register_fake
-def _(x, wa, sa, wb):
-    return x.new_empty((*x.shape[:-1], wa.shape[0])), x.new_empty((*x.shape[:-1], wb.shape[0]))
-
-
-@fp8_linear_runs.register_kernel("cuda")
-def _(x, wa, sa, wb):
-    from k3export.plugins.gemv import kernels as G
-    if not G.runs_supported(x, wa, sa, wb, None):
-        return fp8_linear_runs_ref(x, wa, sa, wb)
-    return G.gemv_runs_fwd(x, wa, sa, wb, None, **G.launch_flags(x))
-
-
 class FP8Linear(nn.Module):
     """Drop-in for a bias-free `nn.Linear`: E4M3 weight `[out, in]`, fp32 weight scale (`[out]` or `[]`) and a
     static fp32 input scale, all buffers (they travel with `state_dict`, `.to()` and export)."""

@@ -39,8 +39,8 @@ import triton.language as tl
 
 from k3export.fp8 import WEIGHT_ONLY_OK, weight_only_unavailable
 from k3export.fp8_kernels import INTERPRET, WoTiles, _gemv4, fp8_quant_fwd
-from k3export.plugins.moe.kernels import (_pair_route, _pair_tile, _plan_rows, _sigmoid, _tanh, _ticket_combine,
-                                         align_rows, moe_combine_fwd_kernel)
+from k3export.plugins.moe.kernels import (TOPK_GEMM1_MAX_E, _pair_route, _pair_tile, _plan_rows, _sigmoid, _tanh,
+                                         _ticket_combine, align_rows, moe_combine_fwd_kernel)
 from k3export.plugins.moe.naive import route
 from k3export.plugins.triton_common import dot_precision, pow2, tickets
 
@@ -269,7 +269,8 @@ class ExpertWo:
     taken up to pair_max_tokens tokens (each pair reads its expert's weights, so only one token's pairs are sure to
     be distinct), else "blocks" with BLOCKS. lean_route: `route_fwd(lean=True)` (router split over d, packed top-k),
     as the bf16 decode default. fuse ("pairs" with lean_route, on CUDA): the top-k inside gemm1 and the combine
-    inside gemm2 (`moe_fp8_wo_pairs_fused`: router, gemm1, gemm2, 3 launches instead of 5), the same bits."""
+    inside gemm2 (`moe_fp8_wo_pairs_fused`: router, gemm1, gemm2, 3 launches instead of 5), the same bits, for up to
+    TOPK_GEMM1_MAX_E experts (more: the unfused launches)."""
     path: str
     gemm1: WoTiles
     gemm2: WoTiles
@@ -301,12 +302,15 @@ EXPERT_WO_TILINGS = {
 # (pairs-n16k512-cvt-pf 158.8, bits 177.5), blocks 235.4, blocks-lean 216.5 (bf16 `k3::moe_routed` 291.1); in
 # the FP8 layer pair 0.512 / 0.523 ms with it vs 0.589 / 0.600 (MLA + MoE / KDA + MoE, linears unchanged).
 # Above one token it runs "blocks" with lean routing (the bf16 decode default's routing; not timed in FP8 there).
-EXPERT_WO = EXPERT_WO_TILINGS["pairs-n16k512-shift"]
+# Since 2026-11-30 19:30 the fused form of that scheme (top-k in gemm1, combine in gemm2; the same tiles and bits),
+# for up to TOPK_GEMM1_MAX_E experts as the bf16 default (above, e.g. K3's 896, the top-k keeps its launch): k3-small
+# FP8 decode at B = 1 0.855 -> 0.829 ms (19:15, 3 of 4 interleaved rounds; docs/perf.md).
+EXPERT_WO = EXPERT_WO_TILINGS["pairs-n16k512-shift-fused"]
 
 
 def expert_wo() -> ExpertWo:
     """The weight-only scheme for a call: EXPERT_WO, or the one env K3_FP8_EXPERT_WO names (read per call, so at
-    CUDA-graph capture: an A/B switch, e.g. "pairs-n16k512-shift-fused", the fused scheme not yet timed)."""
+    CUDA-graph capture: an A/B switch, e.g. "pairs-n16k512-shift", the unfused default before 2026-11-30 19:30)."""
     name = os.environ.get("K3_FP8_EXPERT_WO")
     if not name:
         return EXPERT_WO
@@ -419,7 +423,7 @@ def moe_fp8_grouped(x, z, gate_weight, bias, w13, w2, w13_scale, w2_scale, z_sca
     cfg = wo or expert_wo()
     run_wo = weight_only if weight_only is not None else (use_weight_only(P, E) and WEIGHT_ONLY_OK["experts"])
     fused = run_wo and cfg.fuse and cfg.path == "pairs" and cfg.lean_route and N <= cfg.pair_max_tokens \
-        and _pairs_ok(z, w13, w2)
+        and E <= TOPK_GEMM1_MAX_E and _pairs_ok(z, w13, w2)
 
     def routed():
         if INTERPRET or not z.is_cuda:

@@ -151,19 +151,18 @@ class CompileBackend(EagerBackend):
     0.881, fold_norm 0.872, moe_pdl 0.887, all three 0.868; fold_norm + moe_pdl 0.895 at 17:26). Neither did the
     shared experts on a second CUDA stream (graph branches per MoE layer): 0.901 -> 0.922 ms (15:58; git history,
     perf.md), nor the AttnRes mix inside the next GEMV (an Inductor graph pass, `k3::gemv_mix`: 0.963 -> 0.962 ms,
-    17:12; git history). `fp8_cols` (FP8 models on CUDA): the MoE's FP8 up and shared down projections and their
-    add as one one-row launch (`packing.Fp8Cols`, `k3::fp8_linear_cols`); experimental, not yet run on a GPU (bench
-    `compile-fp8cols`, `scripts/ab_decode.py --fp8 --backends compile,compile-fp8cols`); `fp8_runs` the same for
-    a projection packed as an FP8 run and a plain one (KDA's FP8 q|k|v|g and bf16 f_a|b: `k3::fp8_linear_runs`,
-    bench `compile-fp8runs`)."""
+    17:12; git history). `fp8_cols` (default; FP8 models on CUDA): the MoE's FP8 up and shared down projections and
+    their add as one one-row launch (`packing.Fp8Cols`, `k3::fp8_linear_cols`): k3-small FP8 at B = 1 0.844 ->
+    0.802 ms (2026-11-30 19:15, `scripts/ab_decode.py --fp8`, 4 of 4 interleaved rounds; bench `compile-nofp8cols`
+    turns it off). The same for KDA's FP8 q|k|v|g and bf16 f_a|b (`k3::fp8_linear_runs`) was no faster (0.846 ms;
+    git history)."""
 
     name = "compile"
 
     def __init__(self, model, mode: str | None = None, cache_dir=None, freezing: bool = False, pack: bool = True,
                  fuse_norms: bool = True, inplace: bool = True, fuse_adds: bool = True, options: dict | None = None,
                  pair_experts: bool = True, gemv: bool = True, pdl: bool = True, glu: bool = False,
-                 moe_pdl: bool = False, fold_norm: bool = False, pdl_early: bool = True, fp8_cols: bool = False,
-                 fp8_runs: bool = False):
+                 moe_pdl: bool = False, fold_norm: bool = False, pdl_early: bool = True, fp8_cols: bool = True):
         check_inductor_options(options)
         super().__init__(model)
         from k3export.model import packing
@@ -176,7 +175,7 @@ class CompileBackend(EagerBackend):
             self.paired = 0
         cuda = dev.type == "cuda"
         self.packed = packing.pack_projections(model, glu=glu and cuda, fold_norm=fold_norm and cuda,
-                                               fp8_cols=fp8_cols and cuda, fp8_runs=fp8_runs and cuda) if pack else 0
+                                               fp8_cols=fp8_cols and cuda) if pack else 0
         self.fused = packing.fuse_norms(model, adds=fuse_adds) if fuse_norms else 0
         self.gemv = packing.gemv_linears(model) if gemv and dev.type == "cuda" else 0
         self.pdl = bool(pdl and dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9)

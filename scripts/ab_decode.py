@@ -4,12 +4,14 @@ over several rounds so that clock and thermal drift fall on all of them alike. G
 
     python3 scripts/ab_decode.py --env NAME=A,B [--env NAME2=A,B,C ...] [--config FIELD=A,B] [--backends A,B]
                                  [--backend compile] [--batch 1] [--context 1024] [--rounds 4] [--steps 200]
-                                 [--fp8] [--out ab.json]
+                                 [--fp8] [--precisions] [--out ab.json]
 
 Each --env is one experiment on the same compiled model, run in turn; --config FIELD=A,B is one experiment over
 models whose K3Config field FIELD (an int field of the preset) takes each value (one model and one compile per
 value: e.g. num_shared_experts=2,0 to see what a part of the step costs on the chain); --backends A,B one over
-compile variants (`bench model`'s names), one model each.
+compile variants (`bench model`'s names), one model each; --precisions one over the bf16 model and its FP8 copy
+(default recipe, calibrated on the embedded set as `bench fp8` does), both through --backend. --fp8 runs the other
+experiments on the FP8 copy.
 Per setting: the median of every round's per-call times (CUDA events around `Engine.decode`, as `bench model`
 times a decode step) and each round's median. Only switches read at launch time are meaningful here (the engine's
 graph is captured after the switch is set); switches read at import are not."""
@@ -63,9 +65,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--out", default=None)
     ap.add_argument("--fp8", action="store_true", help="time the FP8 model (default recipe, calibrated as `bench fp8`)")
+    ap.add_argument("--precisions", action="store_true",
+                    help="one more experiment: the bf16 model vs its FP8 copy, both through --backend")
     a = ap.parse_args()
-    if not a.env and not a.config and not a.backends:
-        ap.error("give at least one --env, --config or --backends experiment")
+    if not a.env and not a.config and not a.backends and not a.precisions:
+        ap.error("give at least one --env, --config, --backends or --precisions experiment")
     from dataclasses import replace
 
     from k3export.bench.model import COMPILE_VARIANTS
@@ -73,9 +77,9 @@ def main() -> None:
     from k3export.model.weights import random_model
     from k3export.runtime import CompileBackend
 
-    def build(config, variant=a.backend):
+    def build(config, variant=a.backend, fp8=a.fp8):
         model = random_model(config, seed=0, dtype=torch.bfloat16, device="cuda")
-        if a.fp8:                                     # as `bench fp8` builds its FP8 copy
+        if fp8:                                       # as `bench fp8` builds its FP8 copy
             from k3export.calibrate import DEFAULT_RECIPE, Recipe, calibrate, default_batches
             from k3export.fp8 import quantize_model
             quantize_model(model, calibrate(model, Recipe.load(DEFAULT_RECIPE), default_batches(config.vocab_size),
@@ -105,6 +109,11 @@ def main() -> None:
         built = {v: build(base, v) for v in a.backends.split(",")}
         experiments.append(_experiment("backend", list(built), lambda v: _time(built[v][1], built[v][0], a.batch,
                                                                                 a.context, a.steps), a))
+        del built
+    if a.precisions:
+        built = {"bf16": build(base, fp8=False), "fp8": build(base, fp8=True)}
+        experiments.append(_experiment("precision", list(built), lambda v: _time(built[v][1], built[v][0], a.batch,
+                                                                                  a.context, a.steps), a))
         del built
     res = {"backend": a.backend, "preset": a.preset, "fp8": a.fp8, "batch": a.batch, "context": a.context,
            "rounds": a.rounds, "steps": a.steps, "device": torch.cuda.get_device_name(), "experiments": experiments}

@@ -1,11 +1,7 @@
 #!/usr/bin/env bash
 # What is owed to the GPU, one part per argument, each under its own time limit (device tool, carry [".whl"]; logs
-# under $OUT). Each part below has run at least once (results in docs/perf.md). Owed (2026-11-30 17:45 UTC, ~3 min):
-# `bash scripts/gpu_pending.sh pdltest gentest fp8fused`: the k3-small `compile` backend end to end with the MoE
-# decode default "pairs-n8-fc-g1" (top-k inside gemm1; its own tests passed at 17:36, the model tests not yet with
-# it); then three FP8 changes built after the device time ran out (#7): the fused FP8 expert scheme (top-k in
-# gemm1, combine in gemm2), the MoE output pair as one launch (`compile-fp8cols`) and the KDA projection's FP8 and
-# bf16 runs as one launch (`compile-fp8runs`): their cuda tests and their A/Bs on the FP8 k3-small decode step.
+# under $OUT). Each part below has run at least once (results in docs/perf.md). Nothing is owed (2026-11-30 19:30
+# UTC): the last owed parts (pdltest gentest fp8fused) ran at 19:02-19:17.
 #   toy      scripts/aoti_toy.py: does any CUDA AOTI package load there, per import context (bare, CUDA
 #            initialised, triton, k3export.plugins)? ~2 min. Decides whether the crash is torch's or ours.
 #   demo     `k3export demo --device cuda`: the main job end to end on the GPU (aoti refused by the load check
@@ -44,10 +40,11 @@
 #   normtest k3::gemv_norm's cuda tests (the latent RMSNorm in the MoE output GEMV) and compile-fast's k3-tiny tokens
 #   barrier  scripts/barrier_probe.py: R rounds of neighbour-dependent work on one program per SM (and two), as R
 #            PDL launches in a CUDA graph vs one persistent launch with a grid barrier per round (16:58: 0.86 vs 1.14 us)
-#   fp8fused (= fp8ftest, then fp8fab) the fused FP8 "pairs" expert scheme (`ExpertWo.fuse`), `k3::fp8_linear_cols` and `k3::fp8_linear_runs`:
-#            their cuda tests (== unfused bit for bit, CUDA graph; the one-launch GEMVs vs fp64), then
-#            scripts/ab_decode.py --fp8 with K3_FP8_EXPERT_WO=unfused,fused and --backends
-#            compile,compile-fp8cols,compile-fp8runs (k3-small FP8, B = 1)
+#   fp8fused (= fp8ftest, then fp8fab) the fused FP8 "pairs" expert scheme (`ExpertWo.fuse`) and
+#            `k3::fp8_linear_cols`: their cuda tests (== unfused bit for bit, CUDA graph; the two-weight GEMV vs
+#            fp64), then scripts/ab_decode.py --fp8 with K3_FP8_EXPERT_WO=unfused,fused (and --backends
+#            $FP8FAB_BACKENDS if set, e.g. compile,compile-nofp8cols), and --precisions: bf16 vs FP8 through
+#            `compile` (k3-small, B = 1)
 #   profile  scripts/profile_decode.py --backend $PROFILE_BACKEND (default compile): kernels per decode step, and the
 #            graph replay's critical path (what each kernel adds to the span under PDL; 15:25: an upper bound only)
 set -uo pipefail
@@ -72,7 +69,7 @@ for part in $parts; do
              --generate-tokens ${MODEL_GEN:-64} --out "$OUT/model" > "$OUT/model.log" 2>&1 ;;
     toy)   timeout 150 python3 scripts/aoti_toy.py /tmp/toy > "$OUT/toy.log" 2>&1 ;;
     fp8c)  timeout ${FP8C_TIMEOUT:-200} python3 -m k3export.cli bench fp8 --preset k3-small --batches ${FP8C_BATCHES:-1} \
-             --compiled --no-layer-pair --no-sweep --prefill 0 --report-tokens 0 --noise-dtype none \
+             --compiled --no-layer-pair --no-sweep --prefill ${FP8C_PREFILL:-0} --report-tokens 0 --noise-dtype none \
              --out "$OUT/fp8c" > "$OUT/fp8c.log" 2>&1 ;;
     mlatest) timeout 120 python3 -m pytest -q -m cuda tests/test_mla_kernels.py tests/test_packing.py -rs \
              -k "${MLATEST_K:-decode or packed}" -p no:cacheprovider > "$OUT/mlatest.log" 2>&1 ;;
@@ -102,7 +99,8 @@ for part in $parts; do
            timeout ${MLAWIDE_TIMEOUT:-200} python3 scripts/mla_decode_sweep.py "$OUT/mla-decode-wide.json" \
              --budget-s ${MLAWIDE_BUDGET:-140} > "$OUT/mlawide.log" 2>&1 ;;
     pdl)   timeout 120 python3 scripts/pdl_probe.py --out "$OUT/pdl" > "$OUT/pdl.log" 2>&1 ;;
-    pdltest) timeout 300 python3 -m pytest -q -m cuda tests/test_pdl.py -s -rs -p no:cacheprovider > "$OUT/pdltest.log" 2>&1 ;;
+    pdltest) timeout 300 python3 -m pytest -q -m cuda tests/test_pdl.py -s -rs -k "${PDLTEST_K:-cuda or k3_small}" \
+             -p no:cacheprovider > "$OUT/pdltest.log" 2>&1 ;;
     gentest) timeout 150 python3 -m pytest -q -m cuda tests/test_runtime.py -s -rs -k "cuda_graph or generates" \
              -p no:cacheprovider > "$OUT/gentest.log" 2>&1 ;;
     ab)    timeout ${AB_TIMEOUT:-240} python3 scripts/ab_decode.py --env "$AB_ENV" --backend ${AB_BACKEND:-compile} \
@@ -120,7 +118,7 @@ for part in $parts; do
              -s -rs -p no:cacheprovider > "$OUT/fp8fused-test.log" 2>&1 ;;
     fp8fab) timeout ${FP8FAB_TIMEOUT:-400} python3 scripts/ab_decode.py --fp8 --rounds ${FP8FAB_ROUNDS:-4} \
              --env K3_FP8_EXPERT_WO=pairs-n16k512-shift,pairs-n16k512-shift-fused \
-             --backends ${FP8FAB_BACKENDS:-compile,compile-fp8cols,compile-fp8runs} --out "$OUT/ab-fp8fused.json" \
+             ${FP8FAB_BACKENDS:+--backends $FP8FAB_BACKENDS} --precisions --out "$OUT/ab-fp8fused.json" \
              > "$OUT/fp8fused.log" 2>&1 ;;
     profile) timeout 150 python3 scripts/profile_decode.py --backend ${PROFILE_BACKEND:-compile} ${PROFILE_ARGS:-} \
              > "$OUT/profile.log" 2>&1 ;;

@@ -414,32 +414,30 @@ def test_fp8_linear_cols_op_reference_and_fake():
     assert f.shape == (1, 40) and f.dtype == torch.bfloat16
 
 
-def test_fp8_linear_runs_op_reference_and_fake():
-    """`k3::fp8_linear_runs` (an FP8 run and a plain run over one input, one decode row): on CPU exactly the
-    weight-only FP8 product and the plain product, each rounded to x.dtype; the fakes have their shapes."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from k3export.fp8 import fp8_linear_runs
-    g = torch.Generator().manual_seed(8)
-    x = torch.randn(1, 64, generator=g).to(torch.bfloat16)
-    wa, wb = torch.randn(40, 64, generator=g) / 8, (torch.randn(9, 64, generator=g) / 8).to(torch.bfloat16)
-    sa = wa.abs().amax(1) / 448
-    qa = quantize(wa, sa[:, None])
-    ya, yb = fp8_linear_runs(x, qa, sa, wb)
-    assert torch.equal(ya, fp8_linear_wo_ref(x, qa, sa)) and torch.equal(yb, (x.float() @ wb.float().T).bfloat16())
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        fa, fb = fp8_linear_runs(*(mode.from_tensor(t) for t in (x, qa, sa, wb)))
-    assert (fa.shape, fb.shape, fa.dtype) == ((1, 40), (1, 9), torch.bfloat16)
+@pytest.mark.parametrize("E,fused", [(8, True), (64, True), (72, False)])
+def test_fused_expert_scheme_only_up_to_topk_gemm1_max_e(monkeypatch, E, fused):
+    """The default fused scheme selects inside gemm1 only up to TOPK_GEMM1_MAX_E experts (as the bf16 default: above,
+    e.g. K3's 896, every gemm1 program would run 16 selection rounds over 1024 scores, not timed); with more experts
+    the same tiles run unfused, routing first. Which path runs, on CPU with the kernels replaced by markers."""
+    from k3export import fp8_moe_kernels as F
+    calls = []
+    monkeypatch.setattr(F, "_pairs_ok", lambda *a: True)
+    monkeypatch.setattr(F, "moe_fp8_wo_pairs_fused", lambda *a: calls.append("fused") or a[3])
+    monkeypatch.setattr(F, "moe_fp8_wo", lambda top, w, z, *a: calls.append("unfused") or z)
+    monkeypatch.delenv("K3_FP8_EXPERT_WO", raising=False)
+    args = _expert_case(1, 32, 16, 8, E, 4, True, dtype=torch.bfloat16)
+    F.moe_fp8_grouped(*args, weight_only=True)
+    assert calls == ["fused" if fused else "unfused"]
 
 
 def test_expert_wo_env_switch(monkeypatch):
-    """K3_FP8_EXPERT_WO picks the weight-only scheme per call (an A/B switch); unset: EXPERT_WO; unknown: an error
-    that lists the schemes."""
+    """K3_FP8_EXPERT_WO picks the weight-only scheme per call (an A/B switch); unset: EXPERT_WO (the fused "pairs"
+    scheme); unknown: an error that lists the schemes."""
     from k3export.fp8_moe_kernels import EXPERT_WO, EXPERT_WO_TILINGS, expert_wo
     monkeypatch.delenv("K3_FP8_EXPERT_WO", raising=False)
-    assert expert_wo() is EXPERT_WO
-    monkeypatch.setenv("K3_FP8_EXPERT_WO", "pairs-n16k512-shift-fused")
-    assert expert_wo() is EXPERT_WO_TILINGS["pairs-n16k512-shift-fused"] and expert_wo().fuse
+    assert expert_wo() is EXPERT_WO and EXPERT_WO.fuse
+    monkeypatch.setenv("K3_FP8_EXPERT_WO", "pairs-n16k512-shift")
+    assert expert_wo() is EXPERT_WO_TILINGS["pairs-n16k512-shift"] and not expert_wo().fuse
     monkeypatch.setenv("K3_FP8_EXPERT_WO", "nope")
     with pytest.raises(ValueError, match="pairs-n16k512-shift-fused"):
         expert_wo()
@@ -553,25 +551,6 @@ def test_fp8_linear_cols_cuda(KA, KB, pc):
     with L.pdl(torch.cuda.get_device_capability()[0] >= 9, early=True):
         y = fp8_linear_cols(a, b, wa, sa, wb, sb)
     assert _cols_worst(y, a, b, wa, sa, wb, sb, 2.0 ** -8) <= 1.0
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("NA,NB,K", [(8192, 144, 2048), (24576, 896, 7168)])
-def test_fp8_linear_runs_cuda(NA, NB, K):
-    """`k3::fp8_linear_runs` on the GPU (k3-small's and K3's KDA projection: E4M3 q|k|v|g, bf16 f_a|b), one bf16 row,
-    PDL on sm_90: each output within one bf16 output rounding of the fp64 products."""
-    from test_gemv import _cols_inputs, _ref
-
-    from k3export.fp8 import fp8_linear_runs
-    from k3export.plugins import launch as L
-    from k3export.plugins.gemv import kernels as G
-    x, _, wa, sa, _, _ = _cols_inputs(NA, K, 16, True, True, seed=NA, device="cuda")
-    wb = (torch.randn(NB, K, device="cuda") * K ** -0.5).to(torch.bfloat16)
-    assert G.runs_supported(x, wa, sa, wb, None)
-    with L.pdl(torch.cuda.get_device_capability()[0] >= 9, early=True):
-        ya, yb = fp8_linear_runs(x, wa, sa, wb)
-    for y, r in ((ya, x.double() @ (wa.double() * sa.double()[:, None]).t()), (yb, _ref(x, wb))):
-        assert ((y.double() - r).abs() <= 2.0 ** -8 * r.abs() + 1e-6 * r.abs().max()).all()
 
 
 @pytest.mark.cuda

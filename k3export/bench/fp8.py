@@ -126,15 +126,27 @@ def _decode_ms(model, B: int, context: int, step) -> tuple[float, str]:
         return bench_ms(lambda: step(*args), rep=50), "eager"
 
 
-def prefill_ms(model, T: int) -> float:
+def prefill_ms(model, T: int, compiled: bool = False) -> float:
+    """Median ms of a T-token prefill of one sequence: eager `forward_prefill`, or (compiled) a prompt into an
+    `Engine` slot through the `compile` backend, as `bench model` times prefill (its serving swaps in place for the
+    timing, undone after, as `decode_ms`)."""
     from k3export.bench.ceilings import bench_ms
     ids = torch.randint(0, model.config.vocab_size, (1, T), device="cuda")
     st = model.new_state(1, T)
     lengths = torch.full((1,), T, device="cuda")
-    fn = lambda: model.forward_prefill(ids, lengths, st.kda_conv, st.kda_state, st.mla_cache[:, :, :0],  # noqa
-                                       st.lengths)
-    fn()
-    return bench_ms(fn, rep=300)
+    args = (ids, lengths, st.kda_conv, st.kda_state, st.mla_cache[:, :, :0], st.lengths)
+    if not compiled:
+        model.forward_prefill(*args)
+        return bench_ms(lambda: model.forward_prefill(*args), rep=300)
+    from k3export.model.packing import unpack_projections
+    from k3export.runtime import CompileBackend, Engine
+    backend = CompileBackend(model)
+    try:
+        eng = Engine(backend, max_batch=1, max_len=T + 1)
+        prompt = ids[0].tolist()
+        return bench_ms(lambda: (eng.prefill([0], [prompt]), eng.release(0)), rep=300)
+    finally:
+        unpack_projections(model)
 
 
 def selfcheck(ref, fp8) -> dict:
@@ -608,7 +620,8 @@ def fp8_bench(preset, batches, context, prefill_tokens, report_tokens, noise_dty
         click.echo("full-width FP8 linear shapes (us per GEMM):")
         _print_linear_sweep(res["linear_sweep"], bw)
     if prefill_tokens and model:
-        p = {"T": prefill_tokens, "bf16_ms": prefill_ms(ref, prefill_tokens), "fp8_ms": prefill_ms(fp8, prefill_tokens)}
+        p = {"T": prefill_tokens, "bf16_ms": prefill_ms(ref, prefill_tokens, compiled),
+             "fp8_ms": prefill_ms(fp8, prefill_tokens, compiled), "how": "compile" if compiled else "eager"}
         p["speedup"] = p["bf16_ms"] / p["fp8_ms"]
         res["prefill"] = p
         save()

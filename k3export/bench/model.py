@@ -12,8 +12,7 @@ each hold `context` tokens (`Engine.decode`, state commit included). Backends:
     compile-cublas-nopdl  both off: the `compile` backend until 2026-11-30 11:50 UTC
     compile-glu     `compile` with SiTU-GLU in the one-row GEMV of the MoE / MLP input projections (`k3::gemv_glu`)
     compile-moepdl  `compile` with the MoE decode kernels (router, top-k, pair GEMVs) on PDL too
-    compile-fp8cols `compile` with an FP8 model's MoE output pair (FP8 up + shared down) as one one-row launch
-    compile-fp8runs `compile` with an FP8 model's KDA projection (FP8 q|k|v|g, bf16 f_a|b) as one one-row launch
+    compile-nofp8cols `compile` with an FP8 model's MoE output pair (FP8 up + shared down) as two launches
     aoti      an AOTInductor engine from `k3export build` (built or reused under --engines), CUDA graphs on top
 
 Napkin math beside every time. Decode floor = bytes a step must move / measured copy bandwidth: every weight
@@ -47,7 +46,7 @@ COMPILE_VARIANTS = {"compile": {}, "compile-frozen": {"freezing": True}, "compil
                     "compile-cublas": {"gemv": False}, "compile-cublas-nopdl": {"gemv": False, "pdl": False},
                     "compile-glu": {"glu": True},
                     "compile-moepdl": {"moe_pdl": True}, "compile-norm": {"fold_norm": True},
-                    "compile-fp8cols": {"fp8_cols": True}, "compile-fp8runs": {"fp8_runs": True},
+                    "compile-nofp8cols": {"fp8_cols": False},
                     "compile-fast": {"glu": True, "moe_pdl": True, "fold_norm": True}}
 # Inductor's PDL (TORCHINDUCTOR_ENABLE_PDL) waits in a kernel only where it reads or overwrites what the previous
 # scheduler node wrote, and lets the next kernel start after its last load; a torch without the option refuses the

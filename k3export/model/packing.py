@@ -108,11 +108,11 @@ def _kind(members: list[nn.Module]) -> str | None:
 
 
 @torch.no_grad()
-def _pack_rows(members: list[nn.Module], merge: list[int] | None = None, fused: bool = False) -> nn.Module | None:
+def _pack_rows(members: list[nn.Module], merge: list[int] | None = None) -> nn.Module | None:
     """Concatenate the members' weights along the output dim; each member's weight becomes a view of the result.
     `merge` groups consecutive members into one output (e.g. [3, 1] -> q|k|v together, then g). Members of two
     kinds (an FP8 model keeps some linears in bf16 by recipe, e.g. KDA's f_a and b) pack as one GEMM per run of
-    one kind (`PackedRuns`, with `fused` as given). None when that is impossible (a merged output across two kinds,
+    one kind (`PackedRuns`). None when that is impossible (a merged output across two kinds,
     FP8 input scales or weight granularities that differ, different input widths)."""
     merge = merge or [1] * len(members)
     runs: list[tuple[str, list[list[nn.Module]]]] = []           # (kind, merged groups), in member order
@@ -130,7 +130,7 @@ def _pack_rows(members: list[nn.Module], merge: list[int] | None = None, fused: 
     if len({m.in_features for m in members}) != 1 or not all(_packable(k, sum(gs, [])) for k, gs in runs):
         return None
     parts = [_pack_run(kind, groups) for kind, groups in runs]
-    return parts[0] if len(parts) == 1 else PackedRuns(parts, fused)
+    return parts[0] if len(parts) == 1 else PackedRuns(parts)
 
 
 def _packable(kind: str, members: list[nn.Module]) -> bool:
@@ -176,23 +176,13 @@ def _pack_run(kind: str, groups: list[list[nn.Module]]) -> PackedLinear:
 
 
 class PackedRuns(nn.Module):
-    """Row-packed GEMMs over one input, one per run of members of one kind; their outputs in member order. `fused`
-    (`pack_projections(fp8_runs=True)`; experimental): an FP8 run then a plain one (an FP8 KDA projection and the
-    f_a | b the recipe keeps high precision) at one CUDA row run as one `k3::fp8_linear_runs` launch."""
+    """Row-packed GEMMs over one input, one per run of members of one kind; their outputs in member order."""
 
-    def __init__(self, parts: list[PackedLinear], fused: bool = False):
+    def __init__(self, parts: list[PackedLinear]):
         super().__init__()
-        self.parts, self.fused = nn.ModuleList(parts), fused
+        self.parts = nn.ModuleList(parts)
 
     def forward(self, x: torch.Tensor):
-        if self.fused and x.is_cuda and x.numel() == x.shape[-1] and len(self.parts) == 2:
-            a, b = (part.linear for part in self.parts)
-            from k3export.fp8 import FP8Linear, fp8_linear_runs
-            if isinstance(a, FP8Linear) and getattr(b, "plain_linear", type(b) is nn.Linear) and b.bias is None:
-                ya, yb = fp8_linear_runs(x.reshape(1, -1), a.qweight, a.weight_scale, b.weight)
-                lead = x.shape[:-1]
-                return (*ya.view(*lead, -1).split(self.parts[0].splits, -1),
-                        *yb.view(*lead, -1).split(self.parts[1].splits, -1))
         return tuple(y for part in self.parts for y in part(x))
 
 
@@ -346,7 +336,7 @@ def _swap(owner: nn.Module, method: str, packed: nn.Module | None) -> int:
 
 
 def pack_projections(model: nn.Module, glu: bool = False, fold_norm: bool = False,
-                     fp8_cols: bool = False, fp8_runs: bool = False) -> int:
+                     fp8_cols: bool = False) -> int:
     """Pack every group listed in the module docstring, in place. Returns the number of packed groups (GEMMs and
     conv kernels; groups already packed are packed again from the current weights). `glu`: the LatentMoE's
     down | shared gate | shared up and the dense SiTU MLP's gate | up pack with gate / up rows interleaved, and
@@ -354,9 +344,7 @@ def pack_projections(model: nn.Module, glu: bool = False, fold_norm: bool = Fals
     LatentMoE's latent RMSNorm and its packed output GEMM as one `NormCols` (swapped for `norm_output`; at one decode
     row the GEMV normalises its input, `k3::gemv_norm`). `fp8_cols`: a LatentMoE whose up and shared down
     projections are both `FP8Linear`s (which do not column-pack) gets `Fp8Cols` for `output` (at one decode row
-    one `k3::fp8_linear_cols` launch for the two GEMVs and their add; experimental). `fp8_runs`: a group that packs
-    as an FP8 run and a plain one (`PackedRuns`: an FP8 KDA projection and its bf16 f_a | b) runs both in one
-    `k3::fp8_linear_runs` launch at one decode row (experimental)."""
+    one `k3::fp8_linear_cols` launch for the two GEMVs and their add; experimental)."""
     from k3export.model.kda import KimiDeltaAttention
     from k3export.model.layers import RMSNorm, SituMLP
     from k3export.model.mla import GatedMLA
@@ -367,16 +355,16 @@ def pack_projections(model: nn.Module, glu: bool = False, fold_norm: bool = Fals
     for mod in model.modules():
         if isinstance(mod, KimiDeltaAttention):
             n += _swap(mod, "project", _pack_rows([mod.q_proj, mod.k_proj, mod.v_proj, mod.g_proj, mod.f_a_proj,
-                                                   mod.b_proj], merge=[3, 1, 1, 1], fused=fp8_runs))
+                                                   mod.b_proj], merge=[3, 1, 1, 1]))
             n += _swap(mod, "conv_weight", _pack_conv(mod))
         elif isinstance(mod, GatedMLA):
-            n += _swap(mod, "project", _pack_rows([mod.q_a_proj, mod.kv_a_proj_with_mqa, mod.g_proj], fused=fp8_runs))
+            n += _swap(mod, "project", _pack_rows([mod.q_a_proj, mod.kv_a_proj_with_mqa, mod.g_proj]))
         elif isinstance(mod, LatentMoE) and mod.shared_experts is not None:
             s = mod.shared_experts
             g = _pack_glu([mod.routed_expert_down_proj], s.gate_proj, s.up_proj, s.beta, s.linear_beta,
                           with_plain=True) if glu else None
             n += _swap(mod, "project_hidden", g) if g is not None else \
-                _swap(mod, "project", _pack_rows([mod.routed_expert_down_proj, s.gate_proj, s.up_proj], fused=fp8_runs))
+                _swap(mod, "project", _pack_rows([mod.routed_expert_down_proj, s.gate_proj, s.up_proj]))
             cols = _pack_cols([mod.routed_expert_up_proj, s.down_proj])
             if cols is None and fp8_cols:
                 cols = _fp8_cols(mod.routed_expert_up_proj, s.down_proj)
@@ -385,8 +373,8 @@ def pack_projections(model: nn.Module, glu: bool = False, fold_norm: bool = Fals
                 _swap(mod, "norm_output", NormCols(cols, mod.routed_expert_norm))
         elif isinstance(mod, SituMLP) and id(mod) not in shared:
             g = _pack_glu([], mod.gate_proj, mod.up_proj, mod.beta, mod.linear_beta, with_plain=False) if glu else None
-            n += _swap(mod, "hidden", g) if g is not None else _swap(mod, "project", _pack_rows(
-                [mod.gate_proj, mod.up_proj], fused=fp8_runs))
+            n += _swap(mod, "hidden", g) if g is not None else _swap(mod, "project", _pack_rows([mod.gate_proj,
+                                                                                                  mod.up_proj]))
     return n
 
 

@@ -48,8 +48,7 @@ def gemv_fwd_kernel(x, w, y, M, N, K, stride_xm, stride_ym, BLOCK_N: tl.constexp
     2: fp32 per output row (FP8 weight-only, `fp8.fp8_linear_wo_ref`). PREFETCH: the weight tile (and its scales)
     is loaded before the PDL wait (else after it); EARLY: the dependents' launch is signalled before anything else
     (else right after the wait). Both only matter with PDL."""
-    rows, ks, n_ok, k_ok, wf, sc = _weight_rows(tl.program_id(0), w, w_scale, N, K, BLOCK_N, BLOCK_K, PDL,
-                                                PREFETCH, EARLY, SCALE)
+    rows, ks, n_ok, k_ok, wf, sc = _weight_rows(w, w_scale, N, K, BLOCK_N, BLOCK_K, PDL, PREFETCH, EARLY, SCALE)
     for m in range(M):
         acc = _row_dot(x + m * stride_xm, ks, k_ok, wf, sc, SCALE)
         tl.store(y + m * stride_ym + rows, acc.to(y.dtype.element_ty), mask=n_ok)
@@ -66,8 +65,7 @@ def gemv_glu_fwd_kernel(x, w, y, h, M, N, K, N_PLAIN, stride_xm, stride_ym, stri
     from the fp32 sums. N_PLAIN is a multiple of BLOCK_N (even), so a program is all plain or all pairs."""
     beta = tl.cast(beta, tl.float32)               # Inductor passes Python floats as fp64
     linear_beta = tl.cast(linear_beta, tl.float32)
-    rows, ks, n_ok, k_ok, wf, sc = _weight_rows(tl.program_id(0), w, w_scale, N, K, BLOCK_N, BLOCK_K, PDL,
-                                                PREFETCH, EARLY, SCALE)
+    rows, ks, n_ok, k_ok, wf, sc = _weight_rows(w, w_scale, N, K, BLOCK_N, BLOCK_K, PDL, PREFETCH, EARLY, SCALE)
     r0 = tl.program_id(0) * BLOCK_N
     pair = (r0 - N_PLAIN) // 2 + tl.arange(0, BLOCK_N // 2)
     for m in range(M):
@@ -88,8 +86,7 @@ def gemv_norm_fwd_kernel(a, b, w, nw, y, M, N, K, KA, stride_am, stride_bm, stri
     reads the whole input row anyway, so it normalises a itself (a launch fewer than a norm kernel before it).
     The norm rounds as `RMSNorm` does: a * rsqrt(mean(a^2) + eps) in fp32, rounded to a's dtype, times nw, rounded."""
     eps = tl.cast(eps, tl.float32)                 # Inductor passes Python floats as fp64
-    rows, ks, n_ok, k_ok, wf, sc = _weight_rows(tl.program_id(0), w, None, N, K, BLOCK_N, BLOCK_K, PDL, PREFETCH,
-                                                EARLY, 0)
+    rows, ks, n_ok, k_ok, wf, sc = _weight_rows(w, None, N, K, BLOCK_N, BLOCK_K, PDL, PREFETCH, EARLY, 0)
     in_a = ks < KA
     in_b = (ks >= KA) & k_ok
     g = tl.load(nw + ks, mask=in_a, other=0.0).to(tl.float32)
@@ -102,24 +99,6 @@ def gemv_norm_fwd_kernel(a, b, w, nw, y, M, N, K, KA, stride_am, stride_bm, stri
         xv = tl.where(in_a, an, bv)
         acc = tl.sum(wf * xv[None, :], 1)
         tl.store(y + m * stride_ym + rows, acc.to(y.dtype.element_ty), mask=n_ok)
-
-
-@triton.jit
-def gemv_runs_fwd_kernel(x, wa, sa, ya, wb, sb, yb, NA, NB, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         SA: tl.constexpr, SB: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = True,
-                         EARLY: tl.constexpr = False):
-    """One row x `[K]` through two weights of different kinds in one launch: the first cdiv(NA, BLOCK_N) programs
-    compute ya = x wa^T (* sa), the rest yb = x wb^T (* sb), each as `gemv_fwd_kernel` computes its rows (SA / SB its
-    SCALE; e.g. a KDA projection's E4M3 rows and its bf16 f_a | b rows, which the recipe keeps high precision)."""
-    nba = tl.cdiv(NA, BLOCK_N)
-    pid = tl.program_id(0)
-    if pid < nba:              # (each branch names its own values: Triton merges same-named ones after an if)
-        ra, ka, na_ok, ka_ok, wfa, sca = _weight_rows(pid, wa, sa, NA, K, BLOCK_N, BLOCK_K, PDL, PREFETCH, EARLY, SA)
-        tl.store(ya + ra, _row_dot(x, ka, ka_ok, wfa, sca, SA).to(ya.dtype.element_ty), mask=na_ok)
-    else:
-        rb, kb, nb_ok, kb_ok, wfb, scb = _weight_rows(pid - nba, wb, sb, NB, K, BLOCK_N, BLOCK_K, PDL, PREFETCH,
-                                                      EARLY, SB)
-        tl.store(yb + rb, _row_dot(x, kb, kb_ok, wfb, scb, SB).to(yb.dtype.element_ty), mask=nb_ok)
 
 
 @triton.jit
@@ -153,12 +132,12 @@ def gemv_cols_fwd_kernel(a, b, wa, wb, sa, sb, y, N, KA, KB, BLOCK_N: tl.constex
 
 
 @triton.jit
-def _weight_rows(blk, w, w_scale, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+def _weight_rows(w, w_scale, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
                  PREFETCH: tl.constexpr, EARLY: tl.constexpr, SCALE: tl.constexpr):
-    """Block blk's BLOCK_N weight rows (the program's), whole, widened to fp32, and their scales; with PDL the loads
-    come before `griddepcontrol.wait` (PREFETCH) and the dependents' launch is signalled first (EARLY) or after the
+    """This program's BLOCK_N weight rows, whole, widened to fp32, and their scales; with PDL the loads come
+    before `griddepcontrol.wait` (PREFETCH) and the dependents' launch is signalled first (EARLY) or after the
     wait. Returns (rows, ks, n_ok, k_ok, w fp32 [BLOCK_N, BLOCK_K], scales)."""
-    rows = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     n_ok = rows < N
     k_ok = ks < K
@@ -303,32 +282,6 @@ def gemv_norm_fwd(a: torch.Tensor, b: torch.Tensor, w: torch.Tensor, nw: torch.T
     return y.view(*a.shape[:-1], N)
 
 
-def runs_supported(x, wa, sa, wb, sb) -> bool:
-    """Whether `gemv_runs_fwd` takes this call: one row x `[1, K]`, wa `[NA, K]` and wb `[NB, K]` each as `gemv_fwd`
-    takes a weight (of x's dtype without a scale, or E4M3 with fp32 scales `[]` / `[N]`)."""
-    if x.dim() != 2 or x.shape[0] != 1 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        return False
-    K = x.shape[1]
-    return all(_weight_ok(w, K) and _kind_ok(w, s, x.dtype) for w, s in ((wa, sa), (wb, sb)))
-
-
-def gemv_runs_fwd(x, wa, sa, wb, sb, tile=None, **flags) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x @ (wa * sa)^T, x @ (wb * sb)^T) for one row `[1, K]`, both in x's dtype, one launch
-    (`gemv_runs_fwd_kernel`; the tile `gemv_tile` picks for the larger weight). On CUDA capped at 128 registers
-    (two programs of 8 warps per SM, as the plain GEMV's 123-127): uncapped ptxas gives the two-branch kernel 134
-    at k3-small's KDA projection (E4M3 + bf16, 8 x 2048 tile), capped 96 without spills (sm_90, Triton 3.6)."""
-    NA, NB, K = wa.shape[0], wb.shape[0], x.shape[1]
-    ya = torch.empty(1, NA, dtype=x.dtype, device=x.device)
-    yb = torch.empty(1, NB, dtype=x.dtype, device=x.device)
-    bn, bk, nw = tile or gemv_tile(max(NA, NB), K)
-    if x.device.type == "cuda" and "maxnreg" not in flags:
-        flags["maxnreg"] = 128
-    launch(gemv_runs_fwd_kernel)[(triton.cdiv(NA, bn) + triton.cdiv(NB, bn),)](
-        x.contiguous(), wa, sa if sa is not None else wa, ya, wb, sb if sb is not None else wb, yb, NA, NB, K,
-        BLOCK_N=bn, BLOCK_K=bk, SA=_scale_mode(sa), SB=_scale_mode(sb), num_warps=nw, **flags)
-    return ya, yb
-
-
 def cols_tile(N: int, KA: int, KB: int) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_KA, BLOCK_KB, num_warps) for `gemv_cols_fwd_kernel`: whole rows of both weights, as many rows
     (a power of two, at most 8) as fit MAX_TILE elements together, 4 warps up to 8192 elements, else 8."""
@@ -373,9 +326,10 @@ def gemv_cols_fwd(a, b, wa, sa, wb, sb, tile=None, **flags) -> torch.Tensor:
     N, KA, KB = wa.shape[0], wa.shape[1], wb.shape[1]
     y = torch.empty(1, N, dtype=a.dtype, device=a.device)
     bn, bka, bkb, nw = tile or cols_tile(N, KA, KB)
+    mode = lambda s: 0 if s is None else 2 if s.dim() else 1                       # noqa: E731
     launch(gemv_cols_fwd_kernel)[(triton.cdiv(N, bn),)](
         a.contiguous(), b.contiguous(), wa, wb, sa if sa is not None else wa, sb if sb is not None else wb, y, N, KA,
-        KB, BLOCK_N=bn, BLOCK_KA=bka, BLOCK_KB=bkb, SA=_scale_mode(sa), SB=_scale_mode(sb), num_warps=nw, **flags)
+        KB, BLOCK_N=bn, BLOCK_KA=bka, BLOCK_KB=bkb, SA=mode(sa), SB=mode(sb), num_warps=nw, **flags)
     return y
 
 
