@@ -302,15 +302,15 @@ EXPERT_WO_TILINGS = {
 # (pairs-n16k512-cvt-pf 158.8, bits 177.5), blocks 235.4, blocks-lean 216.5 (bf16 `k3::moe_routed` 291.1); in
 # the FP8 layer pair 0.512 / 0.523 ms with it vs 0.589 / 0.600 (MLA + MoE / KDA + MoE, linears unchanged).
 # Above one token it runs "blocks" with lean routing (the bf16 decode default's routing; not timed in FP8 there).
-# Since 2026-11-30 19:30 the fused form of that scheme (top-k in gemm1, combine in gemm2; the same tiles and bits),
+# Since 2026-11-30 19:25 the fused form of that scheme (top-k in gemm1, combine in gemm2; the same tiles and bits),
 # for up to TOPK_GEMM1_MAX_E experts as the bf16 default (above, e.g. K3's 896, the top-k keeps its launch): k3-small
-# FP8 decode at B = 1 0.855 -> 0.829 ms (19:15, 3 of 4 interleaved rounds; docs/perf.md).
+# FP8 decode at B = 1 0.808 -> 0.782 ms (19:18, 6 of 6 interleaved rounds; docs/perf.md).
 EXPERT_WO = EXPERT_WO_TILINGS["pairs-n16k512-shift-fused"]
 
 
 def expert_wo() -> ExpertWo:
     """The weight-only scheme for a call: EXPERT_WO, or the one env K3_FP8_EXPERT_WO names (read per call, so at
-    CUDA-graph capture: an A/B switch, e.g. "pairs-n16k512-shift", the unfused default before 2026-11-30 19:30)."""
+    CUDA-graph capture: an A/B switch, e.g. "pairs-n16k512-shift", the unfused default before 2026-11-30 19:25)."""
     name = os.environ.get("K3_FP8_EXPERT_WO")
     if not name:
         return EXPERT_WO

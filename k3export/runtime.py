@@ -153,7 +153,7 @@ class CompileBackend(EagerBackend):
     perf.md), nor the AttnRes mix inside the next GEMV (an Inductor graph pass, `k3::gemv_mix`: 0.963 -> 0.962 ms,
     17:12; git history). `fp8_cols` (default; FP8 models on CUDA): the MoE's FP8 up and shared down projections and
     their add as one one-row launch (`packing.Fp8Cols`, `k3::fp8_linear_cols`): k3-small FP8 at B = 1 0.844 ->
-    0.802 ms (2026-11-30 19:15, `scripts/ab_decode.py --fp8`, 4 of 4 interleaved rounds; bench `compile-nofp8cols`
+    0.802 ms (2026-11-30 19:12, `scripts/ab_decode.py --fp8`, 4 of 4 interleaved rounds; bench `compile-nofp8cols`
     turns it off). The same for KDA's FP8 q|k|v|g and bf16 f_a|b (`k3::fp8_linear_runs`) was no faster (0.846 ms;
     git history)."""
 
@@ -229,13 +229,29 @@ class CompileBackend(EagerBackend):
 
 
 # ---------------------------------------------------------------------------------------------- the engine
+def prefill_bucket(T: int) -> int:
+    """The padded length a first prefill chunk of T tokens runs at when the engine buckets prefill shapes: the next
+    power of two from 16 up to 512, then the next multiple of 256 (at most 12.5% padding from 2048 tokens on)."""
+    if T <= 512:
+        return max(16, 1 << (T - 1).bit_length())
+    return -(-T // 256) * 256
+
+
 class Engine:
     """Preallocated slots + a backend. `prefill` puts prompts into slots; `decode` advances every active slot by
-    one token. All state lives in `self.state` (never reallocated) and `self.active` `[max_batch]` bool."""
+    one token. All state lives in `self.state` (never reallocated) and `self.active` `[max_batch]` bool.
+
+    Prefill shapes: with CUDA graphs, a first chunk of a shape seen before replays a captured graph (the host's
+    ~500 launches of a k3-small prefill cost more than the GPU's work: H200, 2048 tokens, `compile` backend, 12.2 ms
+    replayed vs 29.6 ms launched, 2026-11-30). `prefill_buckets` (default: with CUDA graphs) right-pads that chunk
+    to `prefill_bucket(T)` tokens (never past the backend's `max_prefill_tokens`), so prompts of other lengths
+    reuse a bucket's graph; the padding is masked as any shorter prompt of a batch is (per-sequence lengths), and
+    costs its share of compute."""
 
     MAX_PREFILL_GRAPHS = 8
 
-    def __init__(self, backend: Backend, max_batch: int, max_len: int, cuda_graphs: bool = True):
+    def __init__(self, backend: Backend, max_batch: int, max_len: int, cuda_graphs: bool = True,
+                 prefill_buckets: bool | None = None):
         if max_batch < 1 or max_len < 2:
             raise ValueError(f"need max_batch >= 1 and max_len >= 2, got {max_batch}, {max_len}")
         self.backend, self.config = backend, backend.config
@@ -256,6 +272,7 @@ class Engine:
         self._graphs_on = cuda_graphs and self.device.type == "cuda"
         self._prefill_graphs: dict[tuple[int, int], tuple] = {}
         self._prefill_seen: dict[tuple[int, int], int] = {}
+        self.prefill_buckets = self._graphs_on if prefill_buckets is None else bool(prefill_buckets)
         if self._graphs_on:
             self._capture()
             self._graphs_on = self.graphed
@@ -289,6 +306,8 @@ class Engine:
         for start in range(0, max(map(len, prompts)), chunk):
             parts = [p[start:start + chunk] for p in prompts]
             T = max(map(len, parts))
+            if start == 0 and self.prefill_buckets:
+                T = max(T, min(prefill_bucket(T), chunk if self.backend.max_prefill_tokens else 1 << 62))
             ids = torch.zeros(n, T, dtype=torch.int64, device=dev)
             for i, p in enumerate(parts):
                 ids[i, :len(p)] = torch.tensor(p, dtype=torch.int64)

@@ -155,8 +155,8 @@ def test_tensorrt_engine_matches_eager(tmp_path):
 
 
 def test_bench_model_writes_json_table_and_plot(tmp_path):
-    """Smoke run of `k3export bench model` (eager only, tiny sweep; the generation rows of the default
-    --generate-tokens too): the artifacts exist and the napkin math is consistent (times are never asserted on)."""
+    """Smoke run of `k3export bench model` (eager only, tiny sweep; the new-length prefill and generation rows of
+    the defaults too): the artifacts exist and the napkin math is consistent (times are never asserted on)."""
     from click.testing import CliRunner
     from k3export.cli import main
     out = tmp_path / "bench"
@@ -167,11 +167,12 @@ def test_bench_model_writes_json_table_and_plot(tmp_path):
     torch.set_num_threads(threads)
     assert r.exit_code == 0, r.output
     rows = json.loads((out / "model.json").read_text())["rows"]
-    assert [(x["phase"], x["batch"]) for x in rows] == [("prefill", 1), ("decode", 1), ("decode", 2),
-                                                        ("generate", 1), ("generate pipelined", 1)]
+    assert [(x["phase"], x["batch"]) for x in rows] == [("prefill", 1), ("prefill new length", 1), ("decode", 1),
+                                                        ("decode", 2), ("generate", 1), ("generate pipelined", 1)]
     assert all(x["speedup"] == 1.0 and x["floor_ms"] > 0 for x in rows)
-    assert rows[3]["floor_ms"] == rows[1]["floor_ms"] and rows[4]["ms"] > 0     # --generate-tokens 32 (default)
-    assert rows[2]["floor_ms"] > rows[1]["floor_ms"]                  # more sequences move more bytes
+    assert rows[1]["floor_ms"] == rows[0]["floor_ms"]                 # --new-lengths (default): no buckets on CPU
+    assert rows[4]["floor_ms"] == rows[2]["floor_ms"] and rows[5]["ms"] > 0     # --generate-tokens 32 (default)
+    assert rows[3]["floor_ms"] > rows[2]["floor_ms"]                  # more sequences move more bytes
     assert "| decode | eager | 2 | 8 |" in (out / "model.md").read_text()
     assert (out / "model.png").stat().st_size > 0
 

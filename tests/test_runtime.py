@@ -198,6 +198,40 @@ def test_chunked_prefill_equals_one_shot(model):
     assert out == generate(model, PROMPTS[1:3], 5)
 
 
+def test_prefill_buckets():
+    """Bucket lengths: powers of two from 16 to 512, then multiples of 256; never shorter than the chunk."""
+    from k3export.runtime import prefill_bucket
+    assert [prefill_bucket(t) for t in (1, 16, 17, 37, 64, 65, 500, 512, 513, 1800, 2048, 2049)] == \
+        [16, 16, 32, 64, 64, 128, 512, 512, 768, 2048, 2048, 2304]
+
+
+@pytest.mark.parametrize("max_prefill_tokens", [None, 40])
+def test_bucketed_prefill_equals_unpadded(model, max_prefill_tokens):
+    """A prefill right-padded to its bucket (37 -> 64 tokens, and 20 -> 32 alongside; with a 40-token chunk
+    limit the pad stops at 40) leaves the same state and last logits as the unpadded one (fp32: rounding only) and
+    the same greedy tokens after it; the padding never reaches the state past each prompt's length."""
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in (37, 20)]
+    runs = {}
+    for on in (False, True):
+        backend = EagerBackend(model)
+        backend.max_prefill_tokens = max_prefill_tokens
+        calls = []
+        real = backend.prefill
+        backend.prefill = lambda *a, real=real, calls=calls: calls.append(a[0].shape[1]) or real(*a)
+        eng = Engine(backend, max_batch=2, max_len=80, prefill_buckets=on)
+        last = eng.prefill([0, 1], prompts)
+        runs[on] = (last, {k: getattr(eng.state, k) for k in ("kda_conv", "kda_state", "lengths")},
+                    eng.state.mla_cache[:, :, :37], eng.state.mla_cache[:, :, 37:].abs().max(), calls)
+    (l0, s0, c0, _, calls0), (l1, s1, c1, pad1, calls1) = runs[False], runs[True]
+    assert calls0 == [37] and calls1 == ([64] if max_prefill_tokens is None else [40])
+    assert pad1 == 0                                                    # nothing written past a prompt's rows
+    assert (l1 - l0).abs().max() <= 1e-5 * l0.abs().max()
+    for k in s0:
+        assert torch.allclose(s1[k].float(), s0[k].float(), rtol=1e-5, atol=1e-6), k
+    assert torch.allclose(c1, c0, rtol=1e-5, atol=1e-6)
+
+
 def test_state_is_never_reallocated(model):
     engine = Engine(EagerBackend(model), max_batch=2, max_len=32)
     s = engine.state
@@ -234,12 +268,41 @@ def test_cuda_graph_decode_equals_plain_decode():
     assert torch.equal(graphed.state.lengths, plain.state.lengths)
     ref = generate(model, PROMPTS, 6)
     gen = Generator(Engine(EagerBackend(model), max_batch=4, max_len=32))
-    for _ in range(3):                      # runs 2 and 3 capture and replay the (4, 11) prefill graph
+    for _ in range(3):                      # runs 2 and 3 capture and replay the (4, 16) prefill graph
         assert gen.generate(PROMPTS, 6) == ref
-    assert list(gen.engine._prefill_graphs) == [(4, 11)]
+    assert list(gen.engine._prefill_graphs) == [(4, 16)]             # 11 tokens padded to their bucket
     piped = Generator(Engine(EagerBackend(model), max_batch=2, max_len=32), pipeline=True)
     assert piped.engine._greedy_graph is not None
     assert piped.generate(PROMPTS, 6) == ref                       # the greedy graph, queued ahead
+
+
+@pytest.mark.cuda
+def test_bucketed_prefill_graph_replays_equal_plain_prefills_cuda():
+    """Prompts of 37, 50 and 61 tokens share the 64-token bucket: the first runs launched, the second captures the
+    bucket's prefill graph, the third replays it (lengths differ from the captured ones: masking is on the device).
+    Each leaves the state and last logits of an engine without graphs or buckets (fp32; bound 1e-4 of the largest
+    value: GEMMs of 64 and of 37-61 rows may take different cuBLAS kernels, a rounding-level difference; measured
+    on CPU 3.6e-7), and the three greedy continuations are the same tokens."""
+    model = random_model(K3Config.from_name("k3-tiny"), seed=0, device="cuda")
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in (37, 50, 61)]
+    graphed = Engine(EagerBackend(model), max_batch=1, max_len=80)
+    plain = Engine(EagerBackend(model), max_batch=1, max_len=80, cuda_graphs=False)
+    assert graphed.prefill_buckets and not plain.prefill_buckets
+    for p in prompts:
+        out = {}
+        for name, e in (("graphed", graphed), ("plain", plain)):
+            last = e.prefill([0], [p]).clone()
+            tokens = [int(last.argmax(-1))]
+            for _ in range(4):
+                tokens.append(int(e.decode(torch.tensor(tokens[-1:], device="cuda")).argmax(-1)))
+            out[name] = (last, e.state.kda_state.clone(), e.state.mla_cache[:, :, :len(p)].clone(), tokens)
+            e.release(0)
+        (la, sa, ca, ta), (lb, sb, cb, tb) = out["graphed"], out["plain"]
+        for a, b in ((la, lb), (sa, sb), (ca, cb)):
+            assert (a - b).abs().max() <= 1e-4 * b.abs().max(), len(p)
+        assert ta == tb, len(p)
+    assert list(graphed._prefill_graphs) == [(1, 64)]
 
 
 def test_sampled_rows_do_not_depend_on_the_batch_and_generate_equals_the_runtime(model):

@@ -21,7 +21,10 @@ except the routed experts and the embedding table, the routed experts a batch of
 written, the MLA cache rows read and one row written per sequence. Prefill floor = max(that byte count with
 all experts, matmul FLOPs 2 T x active params + causal MLA attention / measured bf16 matmul rate).
 Medians of --iters timed runs (decode: --decode-iters, default --iters) after --warmup (CUDA events on GPU), spread
-as p10..p90.
+as p10..p90. A repeated prefill shape replays a captured CUDA graph (graph backends); with --new-lengths (default)
+each T also gets "prefill new length" rows, a prompt of a length not seen before at every call (T - 1, T - 2, ...),
+as serving meets them: with the engine's length buckets (`runtime.prefill_bucket`) and, where the engine buckets,
+without them.
 """
 
 from __future__ import annotations
@@ -161,13 +164,26 @@ def run_backend(name, backend, graphs, model, args, bw, rate, pb, bar) -> list[d
         eng = Engine(backend, max_batch=1, max_len=T + 1, cuda_graphs=graphs)
         prompt = torch.randint(0, cfg.vocab_size, (T,), generator=g).tolist()
         ms = time_ms(lambda: (eng.prefill([0], [prompt]), eng.release(0)), args["warmup"], args["iters"], cuda)
-        del eng
         fl = prefill_flops(cfg, dtype, pb, T)
         floor = max(fl / rate if rate else 0.0, (pb["other"] + pb["experts"]) / bw) * 1e3
-        s = summary(ms)
-        rows.append({"phase": "prefill", "backend": name, "batch": 1, "tokens": T, **s,
-                     "tokens_per_s": T / s["ms"] * 1e3, "tflops": fl / s["ms"] / 1e9, "floor_ms": floor,
-                     "x_floor": s["ms"] / floor, "first_call_s": round(time.perf_counter() - t_first, 2)})
+
+        def row(phase, ms, **extra):
+            s = summary(ms)
+            return {"phase": phase, "backend": name, "batch": 1, "tokens": T, **s, "tokens_per_s": T / s["ms"] * 1e3,
+                    "tflops": fl / s["ms"] / 1e9, "floor_ms": floor, "x_floor": s["ms"] / floor, **extra}
+        rows.append(row("prefill", ms, first_call_s=round(time.perf_counter() - t_first, 2)))
+        if args.get("new_lengths"):          # a prompt length not seen before at every call: T - 1, T - 2, ...
+            engines = [(eng, "prefill new length")]
+            if eng.prefill_buckets:          # the same calls without the engine's length buckets, for comparison
+                engines.append((Engine(backend, max_batch=1, max_len=T + 1, cuda_graphs=graphs,
+                                       prefill_buckets=False), "prefill new length, no buckets"))
+            for e, phase in engines:
+                lens = iter(range(T - 1, 0, -1))
+                ms = time_ms(lambda: (e.prefill([0], [prompt[:next(lens)]]), e.release(0)), args["warmup"],
+                             args["iters"], cuda)
+                rows.append(row(phase, ms))
+            del engines, e
+        del eng
         bar.update(1)
     ctx_max = max(args["contexts"])
     for B in args["batches"]:
@@ -304,13 +320,16 @@ def _ints(text: str) -> list[int]:
 @click.option("--generate-tokens", default=32, show_default=True,
               help="Greedy tokens per generation timed at B = 1 (inter-token latency, plain and pipelined "
                    "Generator); 0: none.")
+@click.option("--new-lengths/--no-new-lengths", default=True, show_default=True,
+              help="Also time prefills of a length not seen before at every call (T - 1, T - 2, ...), with and "
+                   "without the engine's length buckets.")
 @click.option("--engines", type=click.Path(file_okay=False, path_type=Path), default=Path("engines"), show_default=True)
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("out/bench/model"), show_default=True)
 @click.option("--threads", type=int, default=None, help="CPU intra-op threads (default: torch's).")
 @click.option("--layer", is_flag=True, help="Instead: one full-width K3 layer pair (`k3export bench layer`).")
 @click.pass_context
 def model_bench(ctx, preset, dtype, device, backends, prefill_lengths, batches, contexts, warmup, iters, decode_iters,
-                generate_tokens, engines, out, threads, layer):
+                generate_tokens, new_lengths, engines, out, threads, layer):
     """Prefill and decode latency per backend against eager PyTorch: JSON, markdown table and PNG plot."""
     if layer:
         from k3export.bench import layer as layer_mod
@@ -331,7 +350,8 @@ def model_bench(ctx, preset, dtype, device, backends, prefill_lengths, batches, 
     # the baselines first: `compile` packs the shared model's projections in place (runtime.CompileBackend)
     names.sort(key=lambda n: n not in ("eager", "graph"))
     args = {"prefill_lengths": _ints(prefill_lengths), "batches": _ints(batches), "contexts": _ints(contexts),
-            "warmup": warmup, "iters": iters, "decode_iters": decode_iters or iters, "generate_tokens": generate_tokens}
+            "warmup": warmup, "iters": iters, "decode_iters": decode_iters or iters, "generate_tokens": generate_tokens,
+            "new_lengths": new_lengths}
     out.mkdir(parents=True, exist_ok=True)
     cfg = K3Config.from_name(preset)
     t0 = time.perf_counter()
