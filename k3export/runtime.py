@@ -90,10 +90,15 @@ def check_inductor_options(options: dict | None) -> None:
     """Refuse Inductor options the k3 graphs are known to break under. `triton.enable_pdl` (Inductor's own kernels
     launched with PDL, loading what it deems independent of the previous kernel before their wait) gave wrong
     k3-small prefill logits next to the k3 ops on the H200 (max |diff| 6.6 vs bit-identical without it, 2026-11-30
-    15:39 and 19:08 UTC, tests/test_pdl.py); our own kernels' PDL (`pdl`) is unaffected."""
-    if (options or {}).get("triton.enable_pdl"):
-        raise ValueError("CompileBackend: Inductor's triton.enable_pdl is not supported with the k3 ops (it gave "
-                         "wrong k3-small logits on the H200); the k3 decode kernels use PDL already (pdl=True)")
+    15:39 and 19:08 UTC, tests/test_pdl.py); our own kernels' PDL (`pdl`) is unaffected. Also refused when on in
+    Inductor's global config (env TORCHINDUCTOR_ENABLE_PDL=1)."""
+    from torch._inductor import config
+    where = "options" if (options or {}).get("triton.enable_pdl") else \
+        "TORCHINDUCTOR_ENABLE_PDL / torch._inductor.config" if getattr(config.triton, "enable_pdl", False) else None
+    if where:
+        raise ValueError(f"CompileBackend: Inductor's triton.enable_pdl (set in {where}) is not supported with the "
+                         "k3 ops (it gave wrong k3-small logits on the H200); the k3 decode kernels use PDL already "
+                         "(pdl=True)")
 
 
 class CompileBackend(EagerBackend):

@@ -184,6 +184,9 @@ def test_compile_backend_refuses_inductor_pdl_and_signals_early_only_with_pdl():
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ValueError, match="triton.enable_pdl"):
         CompileBackend(model, options={"triton.enable_pdl": True})
+    from torch._inductor import config
+    with config.patch({"triton.enable_pdl": True}), pytest.raises(ValueError, match="TORCHINDUCTOR_ENABLE_PDL"):
+        CompileBackend(model)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert not CompileBackend(model).pdl_early
     assert CompileBackend(model, options={"combo_kernels": True}).pdl is False

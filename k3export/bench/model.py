@@ -51,9 +51,6 @@ COMPILE_VARIANTS = {"compile": {}, "compile-frozen": {"freezing": True}, "compil
                     "compile-moepdl": {"moe_pdl": True}, "compile-norm": {"fold_norm": True},
                     "compile-nofp8cols": {"fp8_cols": False},
                     "compile-fast": {"glu": True, "moe_pdl": True, "fold_norm": True}}
-# Inductor's PDL (TORCHINDUCTOR_ENABLE_PDL) waits in a kernel only where it reads or overwrites what the previous
-# scheduler node wrote, and lets the next kernel start after its last load; a torch without the option refuses the
-# variant (reported as not run).
 BACKENDS = ("eager", "graph", *COMPILE_VARIANTS, "aoti")
 
 
