@@ -158,9 +158,13 @@ def generate(checkpoint, preset, ids_text, max_new_tokens, temperature, top_k, t
 @click.option("--out", type=click.Path(file_okay=False), default="out/demo", show_default=True)
 @click.option("--preset", type=click.Choice(["k3-tiny", "k3-small"]), default="k3-tiny", show_default=True)
 @device_option()
-def demo(out: str, preset: str, device: str) -> None:
+@click.option("--backend", type=click.Choice(("best", "eager", "compile", "aoti", "tensorrt")), default="best",
+              show_default=True, help="The engine to build and serve from; best: tensorrt when installed on a GPU, "
+                                      "else aoti (falling back to compile where AOTI packages cannot load).")
+def demo(out: str, preset: str, device: str, backend: str) -> None:
     """The main job on the embedded default: a deterministic random checkpoint and its shape table, then
-    export -> build (best backend here) -> run -> bench against eager PyTorch, saying where each artifact went."""
+    export -> build (best backend here, or --backend) -> run -> bench against eager PyTorch, saying where each
+    artifact went."""
     from k3export.model.weights import random_model, save_checkpoint
     from k3export.shapes import shape_report
     root = Path(out)
@@ -174,6 +178,6 @@ def demo(out: str, preset: str, device: str) -> None:
     click.echo(report)
     click.echo(f"      wrote {root / 'shapes.txt'}")
     from k3export.pipeline import run_pipeline
-    art = run_pipeline(root, ckpt, device, click.echo, first_step=3, steps=6)
+    art = run_pipeline(root, ckpt, device, click.echo, first_step=3, steps=6, backend=backend)
     click.echo(f"done: artifacts under {root}/: checkpoint {ckpt}/, shapes {root / 'shapes.txt'}, "
                + ", ".join(f"{k} {v}" for k, v in art.items()))

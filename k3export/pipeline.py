@@ -14,8 +14,10 @@ from k3export.generate import generate
 PROMPTS = [[1, 2, 3, 4, 5], [7, 7, 7]]
 
 
-def run_pipeline(root: Path, ckpt: Path, device: str, echo, first_step: int = 3, steps: int = 6) -> dict:
-    """Returns {artifact name: path}. Steps are numbered from `first_step` of `steps`."""
+def run_pipeline(root: Path, ckpt: Path, device: str, echo, first_step: int = 3, steps: int = 6,
+                 backend: str = "best") -> dict:
+    """Returns {artifact name: path}. Steps are numbered from `first_step` of `steps`; `backend` is the engine to
+    build ("best": `build.best_backend` for the device)."""
     threads = torch.get_num_threads()
     if torch.device(device).type == "cpu":
         # Tiny shapes gain nothing from intra-op threads, and on a busy CPU OpenMP threads spin against other
@@ -23,7 +25,7 @@ def run_pipeline(root: Path, ckpt: Path, device: str, echo, first_step: int = 3,
         # the AOTI engine took 72 s for 16 tokens with 2 threads at load 7, 0.14 s on a quieter machine).
         torch.set_num_threads(1)
     try:
-        return _pipeline(root, ckpt, device, echo, first_step, steps)
+        return _pipeline(root, ckpt, device, echo, first_step, steps, backend)
     finally:
         torch.set_num_threads(threads)
 
@@ -42,7 +44,7 @@ def build_engine(backend: str, model, out: Path, graphs: Path, weights: str, ech
         return "compile", build("compile", model, out, weights_id=weights, echo=indent)
 
 
-def _pipeline(root: Path, ckpt: Path, device: str, echo, first_step: int, steps: int) -> dict:
+def _pipeline(root: Path, ckpt: Path, device: str, echo, first_step: int, steps: int, backend: str) -> dict:
     from k3export.bench.model import (add_speedups, ceilings, markdown, param_bytes, plot, run_backend)
     from k3export.build import best_backend, load_engine, open_backend, preset_name
     from k3export.export import ExportLimits, export_graphs
@@ -62,9 +64,11 @@ def _pipeline(root: Path, ckpt: Path, device: str, echo, first_step: int, steps:
     echo(f"      {time.perf_counter() - t0:.1f}s; wrote {graphs}/ (prefill.pt2, decode.pt2, manifest.json)")
     art["graphs"] = graphs
 
-    backend = best_backend(device)
-    echo(f"[{next(n)}/{steps}] build: {backend} engine (best backend on {device}; AOTI packages are cached by "
-         "graph hash, so a rerun reuses them)")
+    why = "as asked"
+    if backend == "best":
+        backend, why = best_backend(device), f"best backend on {device}"
+    cached = "; AOTI packages are cached by graph hash, so a rerun reuses them" if backend == "aoti" else ""
+    echo(f"[{next(n)}/{steps}] build: {backend} engine ({why}{cached})")
     t0 = time.perf_counter()
     backend, engine_dir = build_engine(backend, model, root / "engines", graphs, weights, echo)
     secs = json.loads((engine_dir / "manifest.json").read_text())["build"]["seconds"]

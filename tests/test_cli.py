@@ -67,6 +67,16 @@ def test_demo_runs_end_to_end(tmp_path):
     assert json.loads((tmp_path / "demo" / "generate.json").read_text())["tokens"]
 
 
+def test_demo_backend_choices_are_the_build_backends(tmp_path):
+    """`demo --backend` offers exactly `build`'s backends and "best"; an unknown one is refused before any work."""
+    from k3export.build import BACKENDS
+    from k3export.commands import demo
+    opt = next(p for p in demo.params if p.name == "backend")
+    assert tuple(opt.type.choices) == ("best", *BACKENDS) and opt.default == "best"
+    r = run("demo", "--out", str(tmp_path / "d"), "--backend", "nope")
+    assert r.exit_code != 0 and "nope" in r.output and not (tmp_path / "d").exists()
+
+
 def test_more_bad_input_gives_a_message_not_a_traceback(tmp_path):
     cases = [(["generate", "--ids", "1,2", "--stop", "abc"], "expected comma-separated token ids"),
              (["generate", "--ids", "1,2", "--max-new-tokens", "-3"], "must be >= 1, got -3"),
