@@ -56,7 +56,8 @@ source "$(dirname "$0")/gpu_setup.sh"
 for part in $parts; do
   t=$SECONDS
   case "$part" in
-    demo)  timeout 360 python3 -m k3export.cli demo --device cuda --out /tmp/demo > "$OUT/demo.log" 2>&1 ;;
+    demo)  timeout ${DEMO_TIMEOUT:-360} python3 -m k3export.cli demo --device cuda --backend ${DEMO_BACKEND:-best} \
+             --out /tmp/demo > "$OUT/demo.log" 2>&1 ;;
     aoti)  timeout ${AOTI_TIMEOUT:-280} python3 -m pytest -q -m cuda tests/test_aoti_cuda.py -s -rxX -p no:cacheprovider \
              > "$OUT/aoti.log" 2>&1 ;;
     mla)   timeout 60 python3 -m pytest -q -m cuda tests/test_mla_trt.py -rs -p no:cacheprovider > "$OUT/mla.log" 2>&1 ;;
