@@ -354,9 +354,10 @@ def _load_model(path: Path, m: dict, device):
 
 
 def load_engine(path: str | Path, max_batch: int = 1, max_len: int = 1024, device=None, cuda_graphs: bool = True,
-                fit_batch: bool = False):
+                fit_batch: bool = False, **engine_options):
     """An `Engine` over the engine directory's backend, within its decode profile. fit_batch: cap `max_batch`
-    at the profile's batch maximum instead of refusing (more requests than slots then queue)."""
+    at the profile's batch maximum instead of refusing (more requests than slots then queue). engine_options go to
+    `Engine` (prefill_buckets, decode_buckets)."""
     from k3export.runtime import Engine
     backend = open_backend(path, device)
     prof = json.loads((Path(path) / "manifest.json").read_text())["profiles"]["decode"]
@@ -366,7 +367,7 @@ def load_engine(path: str | Path, max_batch: int = 1, max_len: int = 1024, devic
         raise EngineError(f"{path}: asked for batch {max_batch} x {max_len} cache rows, the engine's decode "
                           f"profile allows batch <= {prof['batch'][2]}, cache <= {prof['cache'][2]}; rebuild "
                           "with larger --max-batch/--max-len")
-    return Engine(backend, max_batch, max_len, cuda_graphs=cuda_graphs)
+    return Engine(backend, max_batch, max_len, cuda_graphs=cuda_graphs, **engine_options)
 
 
 # ---------------------------------------------------------------------------------------------- CLI

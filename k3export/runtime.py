@@ -64,12 +64,15 @@ class Backend(Protocol):
 
     # Optional: `decode_(input_ids, kda_conv, kda_state, mla_cache, cache_len) -> (logits, rows)`, as
     # `K3Model.forward_decode_` (KDA state updated in place). The engine uses it when the backend has it.
+    # Optional: `state_views = True`: decode takes the state as strided views of the first n slots (what
+    # `Engine(decode_buckets=True)` passes); programs compiled for contiguous inputs (AOTI, TensorRT) do not.
 
 
 class EagerBackend:
     """The model's own Python forward: the baseline every other backend is compared with."""
 
     name = "eager"
+    state_views = True
 
     def __init__(self, model):
         load_kernels(model.device.type)
@@ -242,6 +245,12 @@ def prefill_bucket(T: int) -> int:
     return -(-T // 256) * 256
 
 
+def batch_bucket(n: int, max_batch: int) -> int:
+    """The slots a decode step runs when the engine buckets decode batches (`Engine(decode_buckets=True)`) and its
+    highest active slot is n - 1: the next power of two from n, at most max_batch."""
+    return min(max_batch, 1 << max(0, n - 1).bit_length())
+
+
 class Engine:
     """Preallocated slots + a backend. `prefill` puts prompts into slots; `decode` advances every active slot by
     one token. All state lives in `self.state` (never reallocated) and `self.active` `[max_batch]` bool.
@@ -251,12 +260,19 @@ class Engine:
     graphs) right-pads that chunk to `prefill_bucket(T)` tokens (never past the backend's `max_prefill_tokens`), so
     prompts of other lengths reuse a bucket's graph; the padding is masked as any shorter prompt of a batch is
     (per-sequence lengths), and costs its share of compute. H200, k3-small `compile`, a new ~2048-token length at
-    every call: 23.65 ms without buckets, 12.65 with (2026-11-30 19:43, `bench model --new-lengths`)."""
+    every call: 23.65 ms without buckets, 12.65 with (2026-11-30 19:43, `bench model --new-lengths`).
+
+    Decode rows: a step runs every slot (inactive rows: junk), so an engine of 64 slots serving one request pays the
+    B = 64 step (k3-small: 2.46 ms vs 0.86 at B = 1). `decode_buckets` (experimental, off; not yet run on a GPU)
+    runs only the first `batch_bucket(highest active slot + 1)` slots (the `Generator` fills the lowest free slots
+    first), on views of the state, with a CUDA graph per bucket captured at its first use (the live slots' state is
+    saved around the capture's warm-up runs and put back; the graphs share the full step's memory pool). It reads
+    the host copies that prefill / release keep: code that writes `active` directly must not use it."""
 
     MAX_PREFILL_GRAPHS = 8
 
     def __init__(self, backend: Backend, max_batch: int, max_len: int, cuda_graphs: bool = True,
-                 prefill_buckets: bool | None = None):
+                 prefill_buckets: bool | None = None, decode_buckets: bool = False):
         if max_batch < 1 or max_len < 2:
             raise ValueError(f"need max_batch >= 1 and max_len >= 2, got {max_batch}, {max_len}")
         self.backend, self.config = backend, backend.config
@@ -272,12 +288,18 @@ class Engine:
         self._graph: torch.cuda.CUDAGraph | None = None
         self._graph_logits: torch.Tensor | None = None
         self._greedy_graph: torch.cuda.CUDAGraph | None = None            # `decode_greedy`'s
+        self._greedy_logits: torch.Tensor | None = None
         self.last_logits: torch.Tensor | None = None                      # `decode_greedy`'s logits
         self.graph_error: str | None = None
         self._graphs_on = cuda_graphs and self.device.type == "cuda"
         self._prefill_graphs: dict[tuple[int, int], tuple] = {}
         self._prefill_seen: dict[tuple[int, int], int] = {}
         self.prefill_buckets = self._graphs_on if prefill_buckets is None else bool(prefill_buckets)
+        self.decode_buckets = bool(decode_buckets)
+        if self.decode_buckets and not getattr(backend, "state_views", False):
+            raise ValueError(f"decode_buckets: the {backend.name} backend's decode program takes the whole state "
+                             "(contiguous inputs), not views of its first slots; use eager or compile")
+        self._bucket_graphs: dict[int, tuple | None] = {}     # rows -> (graph, logits, greedy graph, its logits)
         if self._graphs_on:
             self._capture()
             self._graphs_on = self.graphed
@@ -384,11 +406,19 @@ class Engine:
     # ------------------------------------------------------------------ decode: one token per slot
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens `[max_batch]` (inactive slots: any id) -> logits `[max_batch, V]` (inactive rows: junk).
-        Active slots write their new MLA row at their position and advance by one; an active slot already
-        holding `max_len` rows is refused (ValueError) before anything runs."""
+        """tokens `[max_batch]` (inactive slots: any id) -> logits `[max_batch, V]` (inactive rows: junk; with
+        `decode_buckets`, `[decode_rows(), V]`: every active slot's row). Active slots write their new MLA row at
+        their position and advance by one; an active slot already holding `max_len` rows is refused (ValueError)
+        before anything runs."""
+        n = self.decode_rows()
         self._advance(host=self._graph is not None)
         self._ids.copy_(tokens)
+        if n < self.max_batch:
+            g = self._bucket_graph(n)
+            if g is None:
+                return self._step(n)
+            g[0].replay()
+            return g[1]
         if self._graph is not None:
             self._graph.replay()
             return self._graph_logits
@@ -403,11 +433,20 @@ class Engine:
         which the stream orders before that call). The step's logits are `last_logits`, valid until the next
         `decode` / `decode_greedy` (with CUDA graphs the step is its own graph, captured with the decode graph in
         its memory pool)."""
+        n = self.decode_rows()
         self._advance(host=True)                        # the host copies: reading the device would wait
         if tokens is not None:
             self._ids.copy_(tokens)
-        if self._greedy_graph is not None:
+        if n < self.max_batch:
+            g = self._bucket_graph(n)
+            if g is None:
+                self.last_logits = self._greedy_step(n)
+            else:
+                g[2].replay()
+                self.last_logits = g[3]
+        elif self._greedy_graph is not None:
             self._greedy_graph.replay()
+            self.last_logits = self._greedy_logits
         else:
             self.last_logits = self._greedy_step()
         return self._ids
@@ -425,27 +464,79 @@ class Engine:
         for b in range(self.max_batch):
             self._host_lengths[b] += self._host_active[b]
 
-    def _greedy_step(self) -> torch.Tensor:
-        logits = self._step()
-        self._ids.copy_(logits.argmax(-1))
+    def decode_rows(self) -> int:
+        """The slots the next decode step runs: all, or with `decode_buckets` the bucket of the highest active
+        slot (host copies; no device read)."""
+        if not self.decode_buckets:
+            return self.max_batch
+        hi = max((b for b in range(self.max_batch) if self._host_active[b]), default=0)
+        return batch_bucket(hi + 1, self.max_batch)
+
+    def _greedy_step(self, n: int | None = None) -> torch.Tensor:
+        logits = self._step(n)
+        self._ids[:logits.shape[0]].copy_(logits.argmax(-1))
         return logits
 
-    def _step(self) -> torch.Tensor:
-        """The decode program and its commit; every op here is capturable (no host sync, fixed addresses)."""
+    def _rows(self, n: int | None) -> tuple[torch.Tensor, ...]:
+        """ids, KDA conv, KDA state, MLA cache, lengths, active of the first n slots (the tensors themselves for
+        all slots, so the full step's program sees what it always saw)."""
         s = self.state
+        full = (self._ids, s.kda_conv, s.kda_state, s.mla_cache, s.lengths, self.active)
+        if n is None or n == self.max_batch:
+            return full
+        return tuple(t[:n] if t.dim() == 1 else t[:, :n] for t in full)
+
+    def _step(self, n: int | None = None) -> torch.Tensor:
+        """The decode program and its commit over the first n slots (default all); every op here is capturable
+        (no host sync, fixed addresses)."""
+        ids, conv, rec, cache, lengths, active = self._rows(n)
         if hasattr(self.backend, "decode_"):                       # the KDA state is updated where it lies
-            logits, rows = self.backend.decode_(self._ids, s.kda_conv, s.kda_state, s.mla_cache, s.lengths)
+            logits, rows = self.backend.decode_(ids, conv, rec, cache, lengths)
         else:
-            logits, conv, rec, rows = self.backend.decode(self._ids, s.kda_conv, s.kda_state, s.mla_cache,
-                                                          s.lengths)
-            s.kda_conv.copy_(conv)
-            s.kda_state.copy_(rec)
-        n_mla, B, _, R = s.mla_cache.shape
+            logits, new_conv, new_rec, rows = self.backend.decode(ids, conv, rec, cache, lengths)
+            conv.copy_(new_conv)
+            rec.copy_(new_rec)
+        n_mla, B, _, R = cache.shape
         if n_mla:
-            pos = s.lengths.clamp(max=self.max_len - 1).view(1, B, 1, 1).expand(n_mla, B, 1, R)
-            s.mla_cache.scatter_(2, pos, rows.to(s.mla_cache.dtype))
-        s.lengths.add_(self.active)
+            pos = lengths.clamp(max=self.max_len - 1).view(1, B, 1, 1).expand(n_mla, B, 1, R)
+            cache.scatter_(2, pos, rows.to(cache.dtype))
+        lengths.add_(active)
         return logits
+
+    def _bucket_graph(self, n: int) -> tuple | None:
+        """The CUDA graphs of the n-slot step and its greedy form, captured at first use (None without graphs or
+        when capture fails: the step then runs uncaptured). The warm-up runs advance the state of the first n
+        slots, so it is saved before and put back after."""
+        if not self._graphs_on:
+            return None
+        if n not in self._bucket_graphs:
+            saved = [t.clone() for t in self._rows(n)[:5]]
+            try:
+                self._bucket_graphs[n] = self._capture_step(n, pool=self._graph.pool())
+            except Exception as e:                                                    # noqa: BLE001
+                self._bucket_graphs[n] = None
+                self.graph_error = f"{n} slots: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                torch.cuda.synchronize()
+            for t, v in zip(self._rows(n)[:5], saved):
+                t.copy_(v)
+        return self._bucket_graphs[n]
+
+    def _capture_step(self, n: int | None = None, pool=None) -> tuple:
+        """(graph, logits, greedy graph, greedy logits) of the n-slot step (default all), after warm-up runs on a
+        side stream; the two graphs share one memory pool (never replayed at the same time)."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._step(n)
+            self._greedy_step(n)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            logits = self._step(n)
+        greedy = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(greedy, pool=graph.pool()):
+            greedy_logits = self._greedy_step(n)
+        return graph, logits, greedy, greedy_logits
 
     def _capture(self) -> None:
         """Capture `_step` for this batch size, and `_greedy_step` (`decode_greedy`'s). Warm-up runs touch the
@@ -453,21 +544,11 @@ class Engine:
         stays uncaptured and `graph_error` says why."""
         s = self.state
         try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                self._step()
-                self._greedy_step()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                self._graph_logits = self._step()
-            greedy = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(greedy, pool=graph.pool()):        # never replayed at the same time
-                self.last_logits = self._greedy_step()
-            self._graph, self._greedy_graph = graph, greedy
+            self._graph, self._graph_logits, self._greedy_graph, self._greedy_logits = self._capture_step()
+            self.last_logits = self._greedy_logits
         except Exception as e:                                                        # noqa: BLE001
-            self._graph, self._graph_logits, self._greedy_graph, self.last_logits = None, None, None, None
+            self._graph, self._graph_logits, self._greedy_graph, self._greedy_logits = None, None, None, None
+            self.last_logits = None
             self.graph_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             torch.cuda.synchronize()
         for t in (s.kda_conv, s.kda_state, s.mla_cache, s.lengths):
@@ -670,8 +751,11 @@ def _run_command():
     @click.option("--no-pipeline", is_flag=True,
                   help="Read each decode step's tokens before queueing the next (by default greedy steps are "
                        "queued one ahead: the same tokens, the host's work off the GPU's path).")
+    @click.option("--decode-buckets", is_flag=True,
+                  help="Experimental (eager / compile engines): decode only the slots up to the highest active "
+                       "one, rounded up to a power of two, instead of every slot.")
     def run(engine_dir, ids_text, max_new_tokens, temperature, top_k, top_p, seed, stop_text, max_batch, device,
-            no_cuda_graphs, no_pipeline):
+            no_cuda_graphs, no_pipeline, decode_buckets):
         """Generate from an engine directory (any backend) with continuous batching: the prompts queue for
         `--max-batch` slots, are prefilled into free slots and decoded together."""
         from k3export.build import EngineError, load_engine
@@ -684,7 +768,7 @@ def _run_command():
             max_len = max(map(len, prompts)) + max_new_tokens
             t0 = time.perf_counter()
             engine = load_engine(engine_dir, max_batch or len(prompts), max_len, device, not no_cuda_graphs,
-                                 fit_batch=max_batch is None)
+                                 fit_batch=max_batch is None, decode_buckets=decode_buckets)
             t_load = time.perf_counter() - t0
             gen = Generator(engine, pipeline=not no_pipeline)
             t0 = time.perf_counter()

@@ -236,6 +236,22 @@ def test_run_queues_prompts_beyond_the_profile_batch(eager_dir, reference):
                                       for p in prompts), "--max-new-tokens", "5", "--device", "cpu", "--no-pipeline"])
     assert plain.exit_code == 0 and "pipelined greedy decode: off" in plain.output, plain.output
     assert plain.output.splitlines()[:5] == r.output.splitlines()[:5]            # the same tokens either way
+    buckets = CliRunner().invoke(main, ["run", "--engine", str(eager_dir), "--ids", ";".join(",".join(map(str, p))
+                                        for p in prompts), "--max-new-tokens", "5", "--device", "cpu",
+                                        "--decode-buckets"])
+    assert buckets.exit_code == 0 and buckets.output.splitlines()[:5] == r.output.splitlines()[:5], buckets.output
+
+
+def test_decode_buckets_refused_for_whole_state_programs():
+    """AOTI / TensorRT programs take the whole (contiguous) state: `decode_buckets` is refused, naming the backend."""
+    from types import SimpleNamespace
+
+    from k3export.config import K3Config
+    from k3export.runtime import Engine
+    fake = SimpleNamespace(name="aoti", config=K3Config.from_name("k3-tiny"), dtype=torch.float32,
+                           device=torch.device("cpu"), max_prefill_tokens=None)
+    with pytest.raises(ValueError, match="the aoti backend's decode program takes the whole state"):
+        Engine(fake, max_batch=2, max_len=8, decode_buckets=True)
 
 
 def test_engine_built_for_cuda_without_cuda_is_refused_clearly(eager_dir, tmp_path):

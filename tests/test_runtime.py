@@ -232,6 +232,59 @@ def test_bucketed_prefill_equals_unpadded(model, max_prefill_tokens):
     assert torch.allclose(c1, c0, rtol=1e-5, atol=1e-6)
 
 
+def test_batch_bucket():
+    from k3export.runtime import batch_bucket
+    assert [batch_bucket(n, 64) for n in (1, 2, 3, 5, 9, 33, 64)] == [1, 2, 4, 8, 16, 64, 64]
+    assert [batch_bucket(n, 6) for n in (1, 3, 5, 6)] == [1, 4, 6, 6]
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_decode_buckets_give_the_full_steps_tokens(model, pipeline):
+    """`Engine(decode_buckets=True)`: a step runs only the bucket of the highest active slot (requests join the
+    lowest free slots, leave at their own lengths), and the tokens are eager `generate`'s, plain and pipelined."""
+    prompts, lens = PROMPTS * 2, [3, 9, 5, 7, 2, 6, 8, 4]
+    ref = [generate(model, [p], n)[0] for p, n in zip(prompts, lens)]
+    eng = Engine(EagerBackend(model), max_batch=8, max_len=32, decode_buckets=True)
+    rows = []
+    real = eng._step
+    eng._step = lambda n=None: rows.append(n or eng.max_batch) or real(n)
+    gen = Generator(eng, pipeline=pipeline)
+    reqs = [gen.submit(p, n) for p, n in zip(prompts[:3], lens[:3])]
+    gen.step()
+    reqs += [gen.submit(p, n) for p, n in zip(prompts[3:], lens[3:])]
+    while not gen.idle:
+        gen.step()
+    assert [r.tokens for r in reqs] == ref
+    assert rows[0] == 4 and min(rows) < 8 and max(rows) == 8         # 3 slots, then 8, then fewer as they leave
+
+
+def test_decode_buckets_step_equals_the_full_step(model):
+    """Slots 0-2 of 8 active: the bucketed step runs 4 rows, the logits of the active rows and the first 3 slots'
+    state equal the full step's, and slots past the bucket are left untouched. Bound 1e-4 of the largest value:
+    fp32 rounding of batches of 4 and 8 rows (measured 3e-6..1.2e-5 over 3 steps; two 8-row steps whose inactive
+    rows hold other tokens already differ by 4e-6)."""
+    engines = [Engine(EagerBackend(model), max_batch=8, max_len=32, decode_buckets=b) for b in (False, True)]
+    for e in engines:
+        e.prefill([0, 1, 2], PROMPTS[:3])
+        e.state.kda_state[:, 3:].fill_(7.0)                             # marks the slots past the bucket
+
+    def close(x, y):
+        return (x - y).abs().max() <= 1e-4 * y.abs().max()
+    tok = torch.tensor([5, 6, 7, 0, 0, 0, 0, 0])
+    for _ in range(3):
+        full, part = (e.decode(tok).clone() for e in engines)
+        assert engines[1].decode_rows() == 4 and part.shape[0] == 4 and full.shape[0] == 8
+        assert close(part[:3], full[:3])
+        tok = torch.cat([full[:3].argmax(-1), tok[3:]])
+    a, b = engines[0].state, engines[1].state
+    for name in ("kda_conv", "kda_state", "mla_cache"):
+        assert close(getattr(b, name)[:, :3], getattr(a, name)[:, :3]), name
+    assert torch.equal(a.lengths[:3], b.lengths[:3]) and (b.kda_state[:, 4:] == 7.0).all()
+    engines[1].release(2)
+    engines[1].release(1)
+    assert engines[1].decode_rows() == 1
+
+
 def test_state_is_never_reallocated(model):
     engine = Engine(EagerBackend(model), max_batch=2, max_len=32)
     s = engine.state
@@ -303,6 +356,30 @@ def test_bucketed_prefill_graph_replays_equal_plain_prefills_cuda():
             assert (a - b).abs().max() <= 1e-4 * b.abs().max(), len(p)
         assert ta == tb, len(p)
     assert list(graphed._prefill_graphs) == [(1, 64)]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", ["eager", "compile"])
+def test_decode_bucket_graphs_give_eager_tokens_cuda(backend):
+    """`decode_buckets` on the GPU (k3-tiny fp32; eager ops or the `compile` backend, CUDA graphs): requests join
+    and leave an 8-slot engine, each bucket's graphs are captured at first use in the middle of serving (the live
+    slots' state saved and put back around the warm-up runs), and the tokens are eager `generate`'s."""
+    model = random_model(K3Config.from_name("k3-tiny"), seed=0, device="cuda")
+    prompts, lens = PROMPTS * 2, [3, 9, 5, 7, 2, 6, 8, 4]
+    ref = [generate(model, [p], n)[0] for p, n in zip(prompts, lens)]
+    be = EagerBackend(model) if backend == "eager" else CompileBackend(model)
+    eng = Engine(be, max_batch=8, max_len=32, decode_buckets=True)
+    assert eng.graphed, eng.graph_error
+    for pipeline in (False, True):
+        gen = Generator(eng, pipeline=pipeline)
+        reqs = [gen.submit(p, n) for p, n in zip(prompts[:3], lens[:3])]
+        gen.step()
+        reqs += [gen.submit(p, n) for p, n in zip(prompts[3:], lens[3:])]
+        while not gen.idle:
+            gen.step()
+        assert [r.tokens for r in reqs] == ref, pipeline
+    captured = {n for n, g in eng._bucket_graphs.items() if g is not None}
+    assert 4 in captured and captured <= {1, 2, 4}, (eng._bucket_graphs, eng.graph_error)
 
 
 def test_sampled_rows_do_not_depend_on_the_batch_and_generate_equals_the_runtime(model):
