@@ -64,6 +64,8 @@ class Backend(Protocol):
 
     # Optional: `decode_(input_ids, kda_conv, kda_state, mla_cache, cache_len) -> (logits, rows)`, as
     # `K3Model.forward_decode_` (KDA state updated in place). The engine uses it when the backend has it.
+    # Optional: `prefill_last(...)`: `prefill` returning only each sequence's last new token's logits `[B, V]`
+    # (`K3Model.forward_prefill_last`); the engine uses it when the backend has it.
     # Optional: `state_views = True`: decode takes the state as strided views of the first n slots (what
     # `Engine(decode_buckets=True)` passes); programs compiled for contiguous inputs (AOTI, TensorRT) do not.
 
@@ -79,10 +81,16 @@ class EagerBackend:
         self.model, self.config = model, model.config
         self.dtype, self.device = model.dtype, model.device
         self.max_prefill_tokens = None
+        if hasattr(model, "forward_prefill_last"):
+            self.prefill_last = self._prefill_last
 
     @torch.no_grad()
     def prefill(self, *args):
         return self.model.forward_prefill(*args)
+
+    @torch.no_grad()
+    def _prefill_last(self, *args):
+        return self.model.forward_prefill_last(*args)
 
     @torch.no_grad()
     def decode(self, *args):
@@ -193,7 +201,8 @@ class CompileBackend(EagerBackend):
             import os
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(cache_dir).resolve() / "inductor-cache")
         self._freezing = None
-        fns = (model.forward_prefill, model.forward_decode, getattr(model, "forward_decode_", None))
+        fns = (model.forward_prefill, model.forward_decode, getattr(model, "forward_decode_", None),
+               getattr(model, "forward_prefill_last", None))
         if freezing:
             from torch._inductor import config
             self._freezing = config.patch(freezing=True)          # re-entered around every call
@@ -206,9 +215,14 @@ class CompileBackend(EagerBackend):
 
             def frozen_decode_(*args):
                 return model.forward_decode_(*args)
-            fns = (frozen_prefill, frozen_decode, frozen_decode_)
+
+            def frozen_prefill_last(*args):
+                return model.forward_prefill_last(*args)
+            fns = (frozen_prefill, frozen_decode, frozen_decode_, frozen_prefill_last)
         opts = dict(mode=mode) if options is None else dict(options=options)    # torch.compile takes one of them
         self._prefill = torch.compile(fns[0], dynamic=None, **opts)   # static first, dynamic later
+        if fns[3] is not None:
+            self._prefill_last_fn = torch.compile(fns[3], dynamic=None, **opts)
         self._decode = torch.compile(fns[1], dynamic=False, **opts)
         if inplace and hasattr(model, "forward_decode_"):
             self._decode_ = torch.compile(fns[2], dynamic=False, **opts)
@@ -226,6 +240,10 @@ class CompileBackend(EagerBackend):
     @torch.no_grad()
     def prefill(self, *args):
         return self._call(self._prefill, args, decode=False)
+
+    @torch.no_grad()
+    def _prefill_last(self, *args):
+        return self._call(self._prefill_last_fn, args, decode=False)
 
     @torch.no_grad()
     def decode(self, *args):
@@ -329,6 +347,7 @@ class Engine:
         done = torch.zeros(n, dtype=torch.int64, device=dev)
         total = torch.tensor([len(p) for p in prompts], device=dev)
         chunk = self.backend.max_prefill_tokens or max(map(len, prompts))
+        run = self._prefill_program()
         last = None
         for start in range(0, max(map(len, prompts)), chunk):
             parts = [p[start:start + chunk] for p in prompts]
@@ -343,11 +362,12 @@ class Engine:
                 logits, conv, rec, rows = self._fresh_prefill(ids, lengths)
             else:
                 cache = s.mla_cache[:, idx, :start].contiguous()                      # [n_mla, n, start, R]
-                logits, conv, rec, rows = self.backend.prefill(ids, lengths, conv, rec, cache, done)
+                logits, conv, rec, rows = run(ids, lengths, conv, rec, cache, done)
             for i, (slot, p) in enumerate(zip(slots, parts)):
                 s.mla_cache[:, slot, start:start + len(p)] = rows[:, i, :len(p)].to(s.mla_cache.dtype)
-            ends = (lengths - 1).clamp(min=0)
-            step_last = logits[torch.arange(n, device=dev), ends]                     # [n, V]
+            if logits.dim() == 3:                                                     # all positions' logits
+                logits = logits[torch.arange(n, device=dev), (lengths - 1).clamp(min=0)]
+            step_last = logits                                                        # [n, V]
             last = step_last if last is None else torch.where((lengths > 0)[:, None], step_last, last)
             done = done + lengths
         s.kda_conv[:, idx] = conv.to(s.kda_conv.dtype)
@@ -375,7 +395,12 @@ class Engine:
             graph.replay()
             return outs
         self._prefill_seen[key] = self._prefill_seen.get(key, 0) + 1
-        return self.backend.prefill(ids, lengths, *self._zero_state(n))
+        return self._prefill_program()(ids, lengths, *self._zero_state(n))
+
+    def _prefill_program(self):
+        """The backend's prefill returning only the last tokens' logits when it has one (`prefill_last`: the
+        lm_head on one row per sequence), else its full prefill."""
+        return getattr(self.backend, "prefill_last", None) or self.backend.prefill
 
     def _zero_state(self, n):
         s = self.state
@@ -390,12 +415,13 @@ class Engine:
         zeros = self._zero_state(n)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
+        run = self._prefill_program()
         with torch.cuda.stream(side):
-            self.backend.prefill(ids, lengths, *zeros)
+            run(ids, lengths, *zeros)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            outs = self.backend.prefill(ids, lengths, *zeros)
+            outs = run(ids, lengths, *zeros)
         return graph, ids, lengths, outs, zeros            # zeros too: the graph reads them at every replay
 
     def release(self, slot: int) -> None:

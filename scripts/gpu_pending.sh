@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # What is owed to the GPU, one part per argument, each under its own time limit (device tool, carry [".whl"]; logs
-# under $OUT). Each part below has run at least once (results in docs/perf.md), except dbuckets, which is owed
-# (2026-11-30, ~6 min): `bash scripts/gpu_pending.sh dbuckets` (decode buckets, built after the device time ran out).
+# under $OUT). Each part below has run at least once (results in docs/perf.md), except dbuckets. Owed (2026-11-30,
+# ~9 min, built after the device time ran out): `bash scripts/gpu_pending.sh dbuckets` (all runtime cuda tests: the
+# decode buckets and the engine's prefill through `prefill_last`), then `MODEL_BACKENDS=eager,compile bash
+# scripts/gpu_pending.sh model` (the prefill rows with `prefill_last`: the lm_head on one row per sequence).
 #   toy      scripts/aoti_toy.py: does any CUDA AOTI package load there, per import context (bare, CUDA
 #            initialised, triton, k3export.plugins)? ~2 min. Decides whether the crash is torch's or ours.
 #   demo     `k3export demo --device cuda`: the main job end to end on the GPU (aoti refused by the load check
@@ -48,7 +50,8 @@
 #   bucket   the runtime's prefill length buckets: cuda tests (bucket graph replays == plain prefills), then bench
 #            model (eager, compile; prefill $BUCKET_LENGTHS with the new-length rows, with and without buckets)
 #   dbuckets `Engine(decode_buckets=True)` (decode only the slots up to the highest active one, a CUDA graph per
-#            bucket): its cuda tests (k3-tiny eager / compile tokens == eager with requests joining and leaving),
+#            bucket): the runtime's cuda tests (k3-tiny eager / compile tokens == eager with requests joining and
+#            leaving; prefill graphs through `prefill_last`),
 #            then scripts/decode_buckets_probe.py (k3-small, 64 slots, 1 / 3 / 17 / 64 active, with and without)
 #   profile  scripts/profile_decode.py --backend $PROFILE_BACKEND (default compile): kernels per decode step, and the
 #            graph replay's critical path (what each kernel adds to the span under PDL; 15:25: an upper bound only)
@@ -131,7 +134,7 @@ for part in $parts; do
            timeout ${BUCKET_TIMEOUT:-200} python3 -m k3export.cli bench model --preset k3-small --dtype bf16 \
              --backends compile --prefill-lengths ${BUCKET_LENGTHS:-2048} --batches 1 --contexts 1024 --warmup 2 \
              --iters 5 --decode-iters 10 --generate-tokens 0 --out "$OUT/bucket" > "$OUT/bucket.log" 2>&1 ;;
-    dbuckets) timeout 150 python3 -m pytest -q -m cuda tests/test_runtime.py -s -rs -k "decode_bucket" \
+    dbuckets) timeout 200 python3 -m pytest -q -m cuda tests/test_runtime.py -s -rs \
              -p no:cacheprovider > "$OUT/dbuckets-test.log" 2>&1
            timeout ${DBUCKETS_TIMEOUT:-300} python3 scripts/decode_buckets_probe.py --out "$OUT/dbuckets.json" \
              > "$OUT/dbuckets.log" 2>&1 ;;

@@ -217,8 +217,8 @@ def test_bucketed_prefill_equals_unpadded(model, max_prefill_tokens):
         backend = EagerBackend(model)
         backend.max_prefill_tokens = max_prefill_tokens
         calls = []
-        real = backend.prefill
-        backend.prefill = lambda *a, real=real, calls=calls: calls.append(a[0].shape[1]) or real(*a)
+        real = backend.prefill_last
+        backend.prefill_last = lambda *a, real=real, calls=calls: calls.append(a[0].shape[1]) or real(*a)
         eng = Engine(backend, max_batch=2, max_len=80, prefill_buckets=on)
         last = eng.prefill([0, 1], prompts)
         runs[on] = (last, {k: getattr(eng.state, k) for k in ("kda_conv", "kda_state", "lengths")},
@@ -283,6 +283,28 @@ def test_decode_buckets_step_equals_the_full_step(model):
     engines[1].release(2)
     engines[1].release(1)
     assert engines[1].decode_rows() == 1
+
+
+def test_prefill_last_equals_the_full_prefills_last_rows(model):
+    """`forward_prefill_last` (the engine's prefill: the lm_head on each sequence's last new token only) gives the
+    full prefill's logits at positions lengths - 1 (fp32: the same rows through a smaller GEMM, rounding only) and
+    the same state, bit for bit; with a state to continue and a sequence with no new tokens too."""
+    g = torch.Generator().manual_seed(7)
+    B, T = 3, 9
+    ids = torch.randint(0, model.config.vocab_size, (B, T), generator=g)
+    lengths = torch.tensor([9, 4, 0])
+    st = model.new_state(B, 16)
+    st.kda_state.normal_(generator=g)
+    st.mla_cache.normal_(generator=g)
+    cache_len = torch.tensor([3, 0, 5])
+    args = (ids, lengths, st.kda_conv, st.kda_state, st.mla_cache[:, :, :5], cache_len)
+    with torch.no_grad():
+        full, *state = model.forward_prefill(*args)
+        last, *state_last = model.forward_prefill_last(*args)
+    ref = full[torch.arange(B), (lengths - 1).clamp(min=0)]
+    assert last.shape == (B, model.config.vocab_size) and last.dtype == full.dtype
+    assert (last[:2] - ref[:2]).abs().max() <= 1e-6 * ref[:2].abs().max()
+    assert all(torch.equal(a, b) for a, b in zip(state, state_last))
 
 
 def test_state_is_never_reallocated(model):
