@@ -238,23 +238,28 @@ def test_batch_bucket():
     assert [batch_bucket(n, 6) for n in (1, 3, 5, 6)] == [1, 4, 6, 6]
 
 
-@pytest.mark.parametrize("pipeline", [False, True])
-def test_decode_buckets_give_the_full_steps_tokens(model, pipeline):
-    """`Engine(decode_buckets=True)`: a step runs only the bucket of the highest active slot (requests join the
-    lowest free slots, leave at their own lengths), and the tokens are eager `generate`'s, plain and pipelined."""
+def _join_and_leave(model, gen):
+    """Eight requests through `gen`: three first, five joining after one step, each leaving at its own length.
+    Returns (their tokens, eager `generate`'s tokens for each alone)."""
     prompts, lens = PROMPTS * 2, [3, 9, 5, 7, 2, 6, 8, 4]
-    ref = [generate(model, [p], n)[0] for p, n in zip(prompts, lens)]
-    eng = Engine(EagerBackend(model), max_batch=8, max_len=32, decode_buckets=True)
-    rows = []
-    real = eng._step
-    eng._step = lambda n=None: rows.append(n or eng.max_batch) or real(n)
-    gen = Generator(eng, pipeline=pipeline)
     reqs = [gen.submit(p, n) for p, n in zip(prompts[:3], lens[:3])]
     gen.step()
     reqs += [gen.submit(p, n) for p, n in zip(prompts[3:], lens[3:])]
     while not gen.idle:
         gen.step()
-    assert [r.tokens for r in reqs] == ref
+    return [r.tokens for r in reqs], [generate(model, [p], n)[0] for p, n in zip(prompts, lens)]
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_decode_buckets_give_the_full_steps_tokens(model, pipeline):
+    """`Engine(decode_buckets=True)`: a step runs only the bucket of the highest active slot (requests join the
+    lowest free slots, leave at their own lengths), and the tokens are eager `generate`'s, plain and pipelined."""
+    eng = Engine(EagerBackend(model), max_batch=8, max_len=32, decode_buckets=True)
+    rows = []
+    real = eng._step
+    eng._step = lambda n=None: rows.append(n or eng.max_batch) or real(n)
+    tokens, ref = _join_and_leave(model, Generator(eng, pipeline=pipeline))
+    assert tokens == ref
     assert rows[0] == 4 and min(rows) < 8 and max(rows) == 8         # 3 slots, then 8, then fewer as they leave
 
 
@@ -387,19 +392,12 @@ def test_decode_bucket_graphs_give_eager_tokens_cuda(backend):
     and leave an 8-slot engine, each bucket's graphs are captured at first use in the middle of serving (the live
     slots' state saved and put back around the warm-up runs), and the tokens are eager `generate`'s."""
     model = random_model(K3Config.from_name("k3-tiny"), seed=0, device="cuda")
-    prompts, lens = PROMPTS * 2, [3, 9, 5, 7, 2, 6, 8, 4]
-    ref = [generate(model, [p], n)[0] for p, n in zip(prompts, lens)]
     be = EagerBackend(model) if backend == "eager" else CompileBackend(model)
     eng = Engine(be, max_batch=8, max_len=32, decode_buckets=True)
     assert eng.graphed, eng.graph_error
     for pipeline in (False, True):
-        gen = Generator(eng, pipeline=pipeline)
-        reqs = [gen.submit(p, n) for p, n in zip(prompts[:3], lens[:3])]
-        gen.step()
-        reqs += [gen.submit(p, n) for p, n in zip(prompts[3:], lens[3:])]
-        while not gen.idle:
-            gen.step()
-        assert [r.tokens for r in reqs] == ref, pipeline
+        tokens, ref = _join_and_leave(model, Generator(eng, pipeline=pipeline))
+        assert tokens == ref, pipeline
     captured = {n for n, g in eng._bucket_graphs.items() if g is not None}
     assert 4 in captured and captured <= {1, 2, 4}, (eng._bucket_graphs, eng.graph_error)
 
