@@ -436,19 +436,9 @@ class Engine:
         `decode_buckets`, `[decode_rows(), V]`: every active slot's row). Active slots write their new MLA row at
         their position and advance by one; an active slot already holding `max_len` rows is refused (ValueError)
         before anything runs."""
-        n = self.decode_rows()
         self._advance(host=self._graph is not None)
         self._ids.copy_(tokens)
-        if n < self.max_batch:
-            g = self._bucket_graph(n)
-            if g is None:
-                return self._step(n)
-            g[0].replay()
-            return g[1]
-        if self._graph is not None:
-            self._graph.replay()
-            return self._graph_logits
-        return self._step()
+        return self._run(greedy=False)
 
     @torch.no_grad()
     def decode_greedy(self, tokens: torch.Tensor | None = None) -> torch.Tensor:
@@ -459,23 +449,25 @@ class Engine:
         which the stream orders before that call). The step's logits are `last_logits`, valid until the next
         `decode` / `decode_greedy` (with CUDA graphs the step is its own graph, captured with the decode graph in
         its memory pool)."""
-        n = self.decode_rows()
         self._advance(host=True)                        # the host copies: reading the device would wait
         if tokens is not None:
             self._ids.copy_(tokens)
+        self.last_logits = self._run(greedy=True)
+        return self._ids
+
+    def _run(self, greedy: bool) -> torch.Tensor:
+        """One step over `decode_rows()` slots (its graph's replay when captured) -> its logits."""
+        n = self.decode_rows()
         if n < self.max_batch:
             g = self._bucket_graph(n)
-            if g is None:
-                self.last_logits = self._greedy_step(n)
-            else:
-                g[2].replay()
-                self.last_logits = g[3]
-        elif self._greedy_graph is not None:
-            self._greedy_graph.replay()
-            self.last_logits = self._greedy_logits
         else:
-            self.last_logits = self._greedy_step()
-        return self._ids
+            g = None if self._graph is None else (self._graph, self._graph_logits, self._greedy_graph,
+                                                  self._greedy_logits)
+        if g is None:
+            return self._greedy_step(n) if greedy else self._step(n)
+        graph, logits = g[2:] if greedy else g[:2]
+        graph.replay()
+        return logits
 
     def _advance(self, host: bool) -> None:
         """Refuse the step if an active slot already holds max_len rows (checked on the host copies, or on the
