@@ -751,6 +751,19 @@ class Generator:
 
 
 # ---------------------------------------------------------------------------------------------- CLI
+def latency_line(t0: float, stamps: dict[int, list[float]]) -> str:
+    """What `k3export run` reports about latency: the median time to first token (from t0, when every request was
+    submitted; first tokens wait for the prefill of everything ahead of them) and the median time between tokens
+    of a request, from the host timestamps of the tokens as the generator handed them out."""
+    import statistics
+    first = [s[0] - t0 for s in stamps.values() if s]
+    gaps = [b - a for s in stamps.values() for a, b in zip(s, s[1:])]
+    line = f"time to first token: median {statistics.median(first) * 1e3:.1f} ms" if first else "no tokens"
+    if gaps:
+        line += f"; between tokens: median {statistics.median(gaps) * 1e3:.2f} ms ({len(gaps)} gaps)"
+    return line
+
+
 def _run_command():
     import time
 
@@ -788,7 +801,9 @@ def _run_command():
             engine = load_engine(engine_dir, max_batch or len(prompts), max_len, device, not no_cuda_graphs,
                                  fit_batch=max_batch is None, decode_buckets=decode_buckets)
             t_load = time.perf_counter() - t0
-            gen = Generator(engine, pipeline=not no_pipeline)
+            stamps: dict[int, list[float]] = {}
+            gen = Generator(engine, on_token=lambda r, t: stamps.setdefault(r.id, []).append(time.perf_counter()),
+                            pipeline=not no_pipeline)
             t0 = time.perf_counter()
             out = gen.generate(prompts, max_new_tokens, sampling, stop)
             dt = time.perf_counter() - t0
@@ -800,6 +815,7 @@ def _run_command():
                    f"{engine.max_batch} slots, CUDA graph: {engine.graphed or engine.graph_error or 'off'}, "
                    f"pipelined greedy decode: {'off' if no_pipeline else 'on'}): "
                    f"{sum(map(len, out))} tokens in {dt:.2f}s")
+        click.echo(latency_line(t0, stamps))
 
     return run
 

@@ -445,3 +445,12 @@ def test_packed_compile_backend_generates_eager_tokens_cuda(fuse_norms):
     backend = CompileBackend(model, fuse_norms=fuse_norms)
     assert backend.packed > 0 and backend.fused == 2 * int(fuse_norms)
     assert Generator(Engine(backend, max_batch=3, max_len=32)).generate(PROMPTS[:3], 6) == ref
+
+
+def test_latency_line():
+    """`k3export run`'s latency report: medians of the first tokens' times since submission and of the gaps
+    between a request's tokens."""
+    from k3export.runtime import latency_line
+    line = latency_line(10.0, {1: [10.5, 10.6, 10.8], 2: [10.7, 10.9], 3: []})
+    assert line == "time to first token: median 600.0 ms; between tokens: median 200.00 ms (3 gaps)"
+    assert latency_line(0.0, {}) == "no tokens"
