@@ -107,13 +107,19 @@ def _interpreter_cases() -> dict:
     outs = [_moe(x, z, w, 8, FUSED) for x, z in xs]
     res["consecutive-equal"] = float(all(torch.equal(u, _moe(x, z, w, 8, UNFUSED)) for u, (x, z) in zip(outs, xs)))
     res["tickets-zero"] = float(_tickets_zero())
+    # defer with a router that is not split (lean=False): no route to hand gemm1, the top-k ran as usual
+    x = torch.randn(1, d)
+    ids, wt, sc, none = route_fwd(x, w[0].float(), w[1], 2, True, 2.5, False, defer=True)
+    res["defer-unsplit"] = float(none is None and all(torch.equal(p, q) for p, q in zip(
+        (ids, wt, sc), route_fwd(x, w[0].float(), w[1], 2, True, 2.5, False))))
     return res
 
 
 @pytest.mark.parametrize("case", [f"{what}-{dt}-n{n}-k{k}"
                                   for what in ("equal", "route-equal", "gemm1-route-equal")
                                   for dt in ("fp32", "fp16") for n in (1, 2) for k in (2, 8)]
-                         + ["equal-fc-fp32", "equal-fc-fp16", "ties-equal", "consecutive-equal", "tickets-zero"])
+                         + ["equal-fc-fp32", "equal-fc-fp16", "ties-equal", "consecutive-equal", "tickets-zero",
+                            "defer-unsplit"])
 def test_interpreted_pairs_fused_bit_identical(interp, case):
     assert interp[case] == 1.0, interp
 

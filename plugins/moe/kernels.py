@@ -272,8 +272,8 @@ def route_fwd(x, gate_weight, bias, top_k: int, renormalize: bool, scaling: floa
     grid = (triton.cdiv(N, block_m), triton.cdiv(E, block_e), splits)
     d_split = triton.cdiv(D, splits * block_d) * block_d
     topk = dict(K=top_k, BLOCK_K=pow2(top_k, 2), RENORM=bool(renormalize and top_k > 1), PACKED=lean)
-    defer = defer and splits > 1
-    if fused and splits > 1 and not defer:
+    gemm1_selects = defer and splits > 1
+    if fused and splits > 1 and not gemm1_selects:
         launch(moe_router_topk_fwd_kernel)[grid](
             x, gate_weight, bias.contiguous(), part, s, ids, w, tickets(x, grid[0]), N, E, D, x.stride(0),
             gate_weight.stride(0), d_split, scaling, BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_D=block_d,
@@ -287,7 +287,7 @@ def route_fwd(x, gate_weight, bias, top_k: int, renormalize: bool, scaling: floa
         xa, ga, part, N, E, D, x.stride(0), gate_weight.stride(0), d_split,
         BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_D=block_d, SIGMOID=splits == 1, DOT_PREC=dot_precision(x.dtype),
         num_warps=8 if wide else 4, num_stages=3 if x.dtype != torch.float32 else 1, **desc, **pdl_args(x, moe=True))
-    if defer:
+    if gemm1_selects:
         route = dict(part=part, bias=bias.contiguous(), s=s, wt=w, N=N, E=E, scaling=scaling, ROUTE=True,
                      SPLITS=splits, BLOCK_E=pow2(E), BLOCK_TK=topk["BLOCK_K"], RENORM=topk["RENORM"],
                      PACKED=topk["PACKED"])
