@@ -112,8 +112,8 @@ def _pack_rows(members: list[nn.Module], merge: list[int] | None = None) -> nn.M
     """Concatenate the members' weights along the output dim; each member's weight becomes a view of the result.
     `merge` groups consecutive members into one output (e.g. [3, 1] -> q|k|v together, then g). Members of two
     kinds (an FP8 model keeps some linears in bf16 by recipe, e.g. KDA's f_a and b) pack as one GEMM per run of
-    one kind (`PackedRuns`). None when that is impossible (a merged output across two kinds,
-    FP8 input scales or weight granularities that differ, different input widths)."""
+    one kind (`PackedRuns`). None when that is impossible (a merged output across two kinds, FP8 input scales or
+    weight granularities that differ, different input widths)."""
     merge = merge or [1] * len(members)
     runs: list[tuple[str, list[list[nn.Module]]]] = []           # (kind, merged groups), in member order
     i = 0
@@ -344,7 +344,7 @@ def pack_projections(model: nn.Module, glu: bool = False, fold_norm: bool = Fals
     LatentMoE's latent RMSNorm and its packed output GEMM as one `NormCols` (swapped for `norm_output`; at one decode
     row the GEMV normalises its input, `k3::gemv_norm`). `fp8_cols`: a LatentMoE whose up and shared down
     projections are both `FP8Linear`s (which do not column-pack) gets `Fp8Cols` for `output` (at one decode row
-    one `k3::fp8_linear_cols` launch for the two GEMVs and their add; experimental)."""
+    one `k3::fp8_linear_cols` launch for the two GEMVs and their add; `CompileBackend`'s default)."""
     from k3export.model.kda import KimiDeltaAttention
     from k3export.model.layers import RMSNorm, SituMLP
     from k3export.model.mla import GatedMLA

@@ -326,10 +326,9 @@ def gemv_cols_fwd(a, b, wa, sa, wb, sb, tile=None, **flags) -> torch.Tensor:
     N, KA, KB = wa.shape[0], wa.shape[1], wb.shape[1]
     y = torch.empty(1, N, dtype=a.dtype, device=a.device)
     bn, bka, bkb, nw = tile or cols_tile(N, KA, KB)
-    mode = lambda s: 0 if s is None else 2 if s.dim() else 1                       # noqa: E731
     launch(gemv_cols_fwd_kernel)[(triton.cdiv(N, bn),)](
         a.contiguous(), b.contiguous(), wa, wb, sa if sa is not None else wa, sb if sb is not None else wb, y, N, KA,
-        KB, BLOCK_N=bn, BLOCK_KA=bka, BLOCK_KB=bkb, SA=mode(sa), SB=mode(sb), num_warps=nw, **flags)
+        KB, BLOCK_N=bn, BLOCK_KA=bka, BLOCK_KB=bkb, SA=_scale_mode(sa), SB=_scale_mode(sb), num_warps=nw, **flags)
     return y
 
 
