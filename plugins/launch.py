@@ -29,9 +29,9 @@ attribute (cuBLAS; Inductor's kernels: `CompileBackend` refuses its `triton.enab
 as before, whatever this kernel signals. Since the signal comes after the wait, a kernel that starts on it also
 starts after every earlier launch of the stream has completed. The one exception, `plugins.gemv`, signals first
 and loads its weights before its wait (nothing in a decode step writes a weight); everything else it touches comes
-after the wait, so completion stays transitive along the stream. Inside `pdl(early=True)` (the `compile` backend's default)
-every decode kernel signals first (`EARLY`): a successor may then start before older grids have completed, which
-is safe because each of our kernels touches nothing a predecessor writes before its own wait.
+after the wait, so completion stays transitive along the stream. Inside `pdl(early=True)` (the `compile` backend's
+default) every decode kernel signals first (`EARLY`): a successor may then start before older grids have
+completed, which is safe because each of our kernels touches nothing a predecessor writes before its own wait.
 """
 
 from __future__ import annotations
