@@ -281,16 +281,20 @@ class Engine:
     every call: 23.65 ms without buckets, 12.65 with (2026-11-30 19:43, `bench model --new-lengths`).
 
     Decode rows: a step runs every slot (inactive rows: junk), so an engine of 64 slots serving one request pays the
-    B = 64 step (k3-small: 2.46 ms vs 0.86 at B = 1). `decode_buckets` (experimental, off; not yet run on a GPU)
-    runs only the first `batch_bucket(highest active slot + 1)` slots (the `Generator` fills the lowest free slots
-    first), on views of the state, with a CUDA graph per bucket captured at its first use (the live slots' state is
-    saved around the capture's warm-up runs and put back; the graphs share the full step's memory pool). It reads
-    the host copies that prefill / release keep: code that writes `active` directly must not use it."""
+    B = 64 step (k3-small: 2.46 ms vs 0.86 at B = 1). `decode_buckets` (default: with CUDA graphs, for backends
+    whose decode takes state views, i.e. eager and compile) runs only the first `batch_bucket(highest active slot +
+    1)` slots (the `Generator` fills the lowest free slots first), on views of the state, with a CUDA graph per
+    bucket captured at its first use (the live slots' state is saved around the capture's warm-up runs and put back;
+    the graphs share the full step's memory pool; the first step of a new bucket pays the capture, and under
+    `compile` Inductor's compile of that batch size). H200, k3-small `compile`, 64 slots, 1 / 3 / 17 / 64 of them
+    active: 0.871 / 1.340 / 1.757 / 2.186 ms per step, 2.146-2.188 without (2026-11-30 21:20,
+    `scripts/decode_buckets_probe.py`). It reads the host copies that prefill / release keep: code that writes
+    `active` directly must turn it off."""
 
     MAX_PREFILL_GRAPHS = 8
 
     def __init__(self, backend: Backend, max_batch: int, max_len: int, cuda_graphs: bool = True,
-                 prefill_buckets: bool | None = None, decode_buckets: bool = False):
+                 prefill_buckets: bool | None = None, decode_buckets: bool | None = None):
         if max_batch < 1 or max_len < 2:
             raise ValueError(f"need max_batch >= 1 and max_len >= 2, got {max_batch}, {max_len}")
         self.backend, self.config = backend, backend.config
@@ -313,8 +317,9 @@ class Engine:
         self._prefill_graphs: dict[tuple[int, int], tuple] = {}
         self._prefill_seen: dict[tuple[int, int], int] = {}
         self.prefill_buckets = self._graphs_on if prefill_buckets is None else bool(prefill_buckets)
-        self.decode_buckets = bool(decode_buckets)
-        if self.decode_buckets and not getattr(backend, "state_views", False):
+        views = getattr(backend, "state_views", False)
+        self.decode_buckets = self._graphs_on and views if decode_buckets is None else bool(decode_buckets)
+        if self.decode_buckets and not views:
             raise ValueError(f"decode_buckets: the {backend.name} backend's decode program takes the whole state "
                              "(contiguous inputs), not views of its first slots; use eager or compile")
         self._bucket_graphs: dict[int, tuple | None] = {}     # rows -> (graph, logits, greedy graph, its logits)
@@ -423,6 +428,17 @@ class Engine:
         with torch.cuda.graph(graph):
             outs = run(ids, lengths, *zeros)
         return graph, ids, lengths, outs, zeros            # zeros too: the graph reads them at every replay
+
+    def fill_slots(self, context: int) -> None:
+        """Mark every slot active holding `context` cache rows (whatever they contain): how benchmarks time a full
+        batch at a context length without prefilling it. Keeps the host copies `decode_rows` and the full-slot
+        check read, which writing `active` / `state.lengths` directly would bypass."""
+        if not 0 <= context < self.max_len:
+            raise ValueError(f"context {context}: need 0 <= context < max_len = {self.max_len}")
+        self.active.fill_(True)
+        self.state.lengths.fill_(context)
+        self._host_active = [True] * self.max_batch
+        self._host_lengths = [context] * self.max_batch
 
     def release(self, slot: int) -> None:
         """Free a slot; its state is left as is and overwritten by the next prefill into it."""
@@ -782,9 +798,9 @@ def _run_command():
     @click.option("--no-pipeline", is_flag=True,
                   help="Read each decode step's tokens before queueing the next (by default greedy steps are "
                        "queued one ahead: the same tokens, the host's work off the GPU's path).")
-    @click.option("--decode-buckets", is_flag=True,
-                  help="Experimental (eager / compile engines): decode only the slots up to the highest active "
-                       "one, rounded up to a power of two, instead of every slot.")
+    @click.option("--decode-buckets/--no-decode-buckets", default=None,
+                  help="Decode only the slots up to the highest active one, rounded up to a power of two, instead "
+                       "of every slot (eager / compile engines; default: on with CUDA graphs).")
     def run(engine_dir, ids_text, max_new_tokens, temperature, top_k, top_p, seed, stop_text, max_batch, device,
             no_cuda_graphs, no_pipeline, decode_buckets):
         """Generate from an engine directory (any backend) with continuous batching: the prompts queue for

@@ -34,8 +34,7 @@ def _time(backend, model, batch: int, context: int, steps: int) -> list[float]:
     tok = torch.randint(0, model.config.vocab_size, (batch,), device="cuda")
     eng = Engine(backend, max_batch=batch, max_len=context + steps + 16)
     assert eng.graphed, eng.graph_error
-    eng.active.fill_(True)
-    eng.state.lengths.fill_(context)
+    eng.fill_slots(context)
     t = time_ms(lambda: eng.decode(tok), 10, steps, True)
     del eng
     return t

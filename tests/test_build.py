@@ -177,6 +177,17 @@ def test_bench_model_writes_json_table_and_plot(tmp_path):
     assert (out / "model.png").stat().st_size > 0
 
 
+def test_prefill_flops_count_the_lm_head_the_engine_runs():
+    """The engine's prefill runs the lm_head on the last token only (`prefill_last`): the bench's FLOPs (and so its
+    floor and TFLOP/s) drop by the other T - 1 rows' lm_head, 2 (T - 1) V d, and nothing else."""
+    from k3export.bench.model import param_bytes, prefill_flops
+    from k3export.config import K3Config
+    c = K3Config.from_name("k3-tiny")
+    pb = param_bytes(c, torch.bfloat16)
+    full, last = (prefill_flops(c, torch.bfloat16, pb, 64, last_only=b) for b in (False, True))
+    assert full - last == 2 * 63 * c.vocab_size * c.hidden_size and last > 0
+
+
 def test_bench_compile_variants_say_what_they_turn_off(tmp_path):
     """Each `bench model` compile variant reports its serving swaps (what its JSON and table notes record);
     torch.compile is lazy, so nothing compiles here."""

@@ -290,6 +290,25 @@ def test_decode_buckets_step_equals_the_full_step(model):
     assert engines[1].decode_rows() == 1
 
 
+def test_decode_buckets_default_and_fill_slots(model):
+    """Buckets are on by default only with CUDA graphs (off on CPU) and never for backends whose decode takes the
+    whole state (no error then: only an explicit request is refused). `fill_slots` marks every slot active at a
+    context through the host copies, so a bucketed engine then steps all of its rows (a benchmark of B = 8 that
+    wrote `active` directly would have timed a one-row step)."""
+    from types import SimpleNamespace
+    assert not Engine(EagerBackend(model), max_batch=2, max_len=8).decode_buckets            # CPU: no graphs
+    fake = SimpleNamespace(name="aoti", config=model.config, dtype=torch.float32, device=torch.device("cpu"),
+                           max_prefill_tokens=None)
+    assert not Engine(fake, max_batch=2, max_len=8).decode_buckets
+    eng = Engine(EagerBackend(model), max_batch=8, max_len=32, decode_buckets=True)
+    assert eng.decode_rows() == 1
+    eng.fill_slots(20)
+    assert eng.decode_rows() == 8 and eng.decode(torch.zeros(8, dtype=torch.int64)).shape[0] == 8
+    assert eng.state.lengths.tolist() == [21] * 8 and eng._host_lengths == [21] * 8
+    with pytest.raises(ValueError, match="max_len = 32"):
+        eng.fill_slots(32)
+
+
 def test_prefill_last_equals_the_full_prefills_last_rows(model):
     """`forward_prefill_last` (the engine's prefill: the lm_head on each sequence's last new token only) gives the
     full prefill's logits at positions lengths - 1 (fp32: the same rows through a smaller GEMM, rounding only) and

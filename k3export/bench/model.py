@@ -78,12 +78,15 @@ def decode_bytes(config, dtype, pb: dict, B: int, context: int) -> int:
                B * 2 * (sb["kda_conv_per_seq"] + sb["kda_state_per_seq"]) + B * (context + 1) * sb["mla_cache_per_token"])
 
 
-def prefill_flops(config, dtype, pb: dict, T: int) -> float:
+def prefill_flops(config, dtype, pb: dict, T: int, last_only: bool = False) -> float:
+    """FLOPs of a T-token prefill of one sequence; last_only: the lm_head on the last token only (what the engine's
+    prefill computes through a backend's `prefill_last`)."""
     item = torch.empty(0, dtype=dtype).element_size()
     active = (pb["other"] + pb["experts"] * config.num_experts_per_token / config.num_experts) / item
     H = config.num_attention_heads
     attn = len(config.mla_layers) * H * T * T * (config.qk_head_dim + config.v_head_dim)   # causal: half of 2x
-    return 2 * T * active + attn
+    skipped = (T - 1) * config.vocab_size * config.hidden_size if last_only else 0
+    return 2 * (T * active - skipped) + attn
 
 
 # ---------------------------------------------------------------------------------------------- timing
@@ -161,7 +164,7 @@ def run_backend(name, backend, graphs, model, args, bw, rate, pb, bar) -> list[d
         eng = Engine(backend, max_batch=1, max_len=T + 1, cuda_graphs=graphs)
         prompt = torch.randint(0, cfg.vocab_size, (T,), generator=g).tolist()
         ms = time_ms(lambda: (eng.prefill([0], [prompt]), eng.release(0)), args["warmup"], args["iters"], cuda)
-        fl = prefill_flops(cfg, dtype, pb, T)
+        fl = prefill_flops(cfg, dtype, pb, T, last_only=hasattr(backend, "prefill_last"))
         floor = max(fl / rate if rate else 0.0, (pb["other"] + pb["experts"]) / bw) * 1e3
 
         def row(phase, ms, **extra):
@@ -186,10 +189,9 @@ def run_backend(name, backend, graphs, model, args, bw, rate, pb, bar) -> list[d
     for B in args["batches"]:
         steps = args["warmup"] + args["decode_iters"]
         eng = Engine(backend, max_batch=B, max_len=ctx_max + len(args["contexts"]) * steps + 2, cuda_graphs=graphs)
-        eng.active.fill_(True)
         tok = torch.randint(0, cfg.vocab_size, (B,), generator=g).to(dev)
         for ctx in args["contexts"]:
-            eng.state.lengths.fill_(ctx)
+            eng.fill_slots(ctx)
             ms = time_ms(lambda: eng.decode(tok), args["warmup"], args["decode_iters"], cuda)
             nbytes = decode_bytes(cfg, dtype, pb, B, ctx)
             s = summary(ms)
