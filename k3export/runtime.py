@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol
@@ -291,7 +291,7 @@ class Engine:
     `scripts/decode_buckets_probe.py`). It reads the host copies that prefill / release keep: code that writes
     `active` directly must turn it off."""
 
-    MAX_PREFILL_GRAPHS = 8
+    MAX_PREFILL_GRAPHS = 32
 
     def __init__(self, backend: Backend, max_batch: int, max_len: int, cuda_graphs: bool = True,
                  prefill_buckets: bool | None = None, decode_buckets: bool | None = None):
@@ -314,7 +314,8 @@ class Engine:
         self.last_logits: torch.Tensor | None = None                      # `decode_greedy`'s logits
         self.graph_error: str | None = None
         self._graphs_on = cuda_graphs and self.device.type == "cuda"
-        self._prefill_graphs: dict[tuple[int, int], tuple] = {}
+        self._prefill_graphs: OrderedDict[tuple[int, int], tuple] = OrderedDict()      # least recently used first
+        self._prefill_pool = None                     # one memory pool for every prefill graph (replayed in turn)
         self._prefill_seen: dict[tuple[int, int], int] = {}
         self.prefill_buckets = self._graphs_on if prefill_buckets is None else bool(prefill_buckets)
         views = getattr(backend, "state_views", False)
@@ -381,17 +382,22 @@ class Engine:
         self.active[idx] = True
         for slot, p in zip(slots, prompts):
             self._host_active[slot], self._host_lengths[slot] = True, len(p)
-        return last
+        return last.clone()               # a prefill graph's output buffer is the next prefill graph's memory
 
     def _fresh_prefill(self, ids, lengths):
         """The first prefill chunk (zero state, no cache rows). On a GPU a shape `(n, T)` seen a second time is
-        captured as a CUDA graph (at most `MAX_PREFILL_GRAPHS` of them) and replayed from then on: the inputs
-        other than ids/lengths are zeros, so the graph's static buffers need no refill."""
+        captured as a CUDA graph and replayed from then on: the inputs other than ids/lengths are zeros, so the
+        graph's static buffers need no refill. The graphs share one memory pool (their outputs are consumed before
+        the next prefill), so the memory they hold is about the largest one's, not the sum; past
+        `MAX_PREFILL_GRAPHS` the least recently used is dropped."""
         n, T = ids.shape
         key = (n, T)
         g = self._prefill_graphs.get(key)
-        if g is None and self._graphs_on and self._prefill_seen.get(key, 0) >= 1 \
-                and len(self._prefill_graphs) < self.MAX_PREFILL_GRAPHS:
+        if g is not None:
+            self._prefill_graphs.move_to_end(key)
+        elif self._graphs_on and self._prefill_seen.get(key, 0) >= 1:
+            while len(self._prefill_graphs) >= self.MAX_PREFILL_GRAPHS:
+                self._prefill_graphs.popitem(last=False)
             g = self._prefill_graphs[key] = self._capture_prefill(n, T)
         if g is not None:
             graph, ids_buf, len_buf, outs, _ = g
@@ -425,8 +431,9 @@ class Engine:
             run(ids, lengths, *zeros)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, pool=self._prefill_pool):
             outs = run(ids, lengths, *zeros)
+        self._prefill_pool = graph.pool()
         return graph, ids, lengths, outs, zeros            # zeros too: the graph reads them at every replay
 
     def fill_slots(self, context: int) -> None:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # What is owed to the GPU, one part per argument, each under its own time limit (device tool, carry [".whl"]; logs
 # under $OUT). Each part below has run at least once (results in docs/perf.md). Owed (2026-11-30 21:40, ~4 min):
+# `bash scripts/gpu_pending.sh gentest` (prefill graphs in one pool with LRU eviction: the runtime cuda tests), then
 # `MODEL_BACKENDS=compile MODEL_GEN=0 bash scripts/gpu_pending.sh model` (decode buckets now default: the bench
 # marks its slots active through `Engine.fill_slots`, so B = 8 / 64 must still run 8 / 64 rows: 1.64 / 2.46 ms).
 #   toy      scripts/aoti_toy.py: does any CUDA AOTI package load there, per import context (bare, CUDA
@@ -37,7 +38,8 @@
 #   ab       scripts/ab_decode.py --env $AB_ENV (NAME=A,B, a switch read at launch time): one switch A/B on the k3-small
 #            decode step, settings interleaved over rounds in one process (the script also takes several --env,
 #            --config FIELD=A,B and --backends A,B experiments per run)
-#   gentest  the runtime's cuda tests (CUDA-graph decode == plain, the pipelined Generator's greedy graph)
+#   gentest  the runtime's cuda tests (CUDA-graph decode == plain, the pipelined Generator's greedy graph, prefill and
+#            decode buckets, prefill graphs in one pool with eviction)
 #   normtest k3::gemv_norm's cuda tests (the latent RMSNorm in the MoE output GEMV) and compile-fast's k3-tiny tokens
 #   barrier  scripts/barrier_probe.py: R rounds of neighbour-dependent work on one program per SM (and two), as R
 #            PDL launches in a CUDA graph vs one persistent launch with a grid barrier per round (16:58: 0.86 vs 1.14 us)
@@ -109,7 +111,7 @@ for part in $parts; do
     pdl)   timeout 120 python3 scripts/pdl_probe.py --out "$OUT/pdl" > "$OUT/pdl.log" 2>&1 ;;
     pdltest) timeout 300 python3 -m pytest -q -m cuda tests/test_pdl.py -s -rs -k "${PDLTEST_K:-cuda or k3_small}" \
              -p no:cacheprovider > "$OUT/pdltest.log" 2>&1 ;;
-    gentest) timeout 150 python3 -m pytest -q -m cuda tests/test_runtime.py -s -rs -k "cuda_graph or generates" \
+    gentest) timeout 240 python3 -m pytest -q -m cuda tests/test_runtime.py -s -rs \
              -p no:cacheprovider > "$OUT/gentest.log" 2>&1 ;;
     ab)    timeout ${AB_TIMEOUT:-240} python3 scripts/ab_decode.py --env "$AB_ENV" --backend ${AB_BACKEND:-compile} \
              --out "$OUT/ab.json" > "$OUT/ab.log" 2>&1 ;;

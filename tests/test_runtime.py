@@ -309,6 +309,47 @@ def test_decode_buckets_default_and_fill_slots(model):
         eng.fill_slots(32)
 
 
+def test_prefill_graphs_are_kept_least_recently_used(model):
+    """The engine's prefill graph bookkeeping, on CPU with a stand-in for CUDA-graph capture (a "replay" reruns the
+    program into the captured output buffers, as a graph does): a shape is captured when seen a second time,
+    replayed after, and past `MAX_PREFILL_GRAPHS` the least recently used graph is dropped; every prefill returns
+    the plain engine's logits, in a tensor of its own (graphs share one memory pool, so a graph's output buffer is
+    the next graph's scratch)."""
+    eng = Engine(EagerBackend(model), max_batch=1, max_len=80, prefill_buckets=True)
+    plain = Engine(EagerBackend(model), max_batch=1, max_len=80, prefill_buckets=True)
+    eng._graphs_on, eng.MAX_PREFILL_GRAPHS = True, 2
+    captures, buffers = [], []
+
+    class Replay:
+        def __init__(self, fn):
+            self.replay = fn
+
+    def capture(n, T):
+        ids, lengths, zeros = torch.zeros(n, T, dtype=torch.int64), torch.full((n,), T), eng._zero_state(n)
+        run = eng._prefill_program()
+        outs = run(ids, lengths, *zeros)
+
+        def replay():
+            for o, v in zip(outs, run(ids, lengths, *zeros)):
+                o.copy_(v)
+        captures.append(T)
+        buffers.append(outs[0])
+        return Replay(replay), ids, lengths, outs, zeros
+    eng._capture_prefill = capture
+    g = torch.Generator().manual_seed(3)
+    for n in (10, 12, 20, 21, 11, 40, 33, 22, 9):          # buckets 16, 16, 32, 32, 16, 64, 64, 32, 16
+        p = torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist()
+        a, b = eng.prefill([0], [p]), plain.prefill([0], [p])
+        assert torch.equal(a, b), n
+        assert all(a.data_ptr() != x.data_ptr() for x in buffers)
+        assert torch.equal(eng.state.kda_state, plain.state.kda_state)
+        eng.release(0)
+        plain.release(0)
+    # 64's capture drops 32 (16 was replayed since), 32's drops 16, 16's drops 64: each seen before, so recaptured
+    assert captures == [16, 32, 64, 32, 16]
+    assert list(eng._prefill_graphs) == [(1, 32), (1, 16)]
+
+
 def test_prefill_last_equals_the_full_prefills_last_rows(model):
     """`forward_prefill_last` (the engine's prefill: the lm_head on each sequence's last new token only) gives the
     full prefill's logits at positions lengths - 1 (fp32: the same rows through a smaller GEMM, rounding only) and
@@ -402,6 +443,31 @@ def test_bucketed_prefill_graph_replays_equal_plain_prefills_cuda():
             assert (a - b).abs().max() <= 1e-4 * b.abs().max(), len(p)
         assert ta == tb, len(p)
     assert list(graphed._prefill_graphs) == [(1, 64)]
+
+
+@pytest.mark.cuda
+def test_prefill_graphs_share_a_pool_and_are_evicted_cuda():
+    """Prefill graphs of three buckets (32, 64, 128 tokens) in one memory pool, at most two kept: the 32-token
+    graph is replayed after the others' captures and replays wrote the shared pool, the 64-token one is dropped
+    and captured again, and every prefill leaves the last logits and state of an engine without graphs (bound as
+    in the test above)."""
+    model = random_model(K3Config.from_name("k3-tiny"), seed=0, device="cuda")
+    g = torch.Generator().manual_seed(6)
+    graphed = Engine(EagerBackend(model), max_batch=2, max_len=160)
+    plain = Engine(EagerBackend(model), max_batch=2, max_len=160, cuda_graphs=False)
+    graphed.MAX_PREFILL_GRAPHS = 2
+    kept = set()
+    for n in (20, 20, 40, 40, 21, 70, 70, 22, 41, 23, 71, 24):
+        p = [torch.randint(0, model.config.vocab_size, (m,), generator=g).tolist() for m in (n, n - 7)]
+        a, b = graphed.prefill([0, 1], p), plain.prefill([0, 1], p)
+        for x, y in ((a, b), (graphed.state.kda_state, plain.state.kda_state),
+                     (graphed.state.mla_cache[:, :, :n], plain.state.mla_cache[:, :, :n])):
+            assert (x - y).abs().max() <= 1e-4 * y.abs().max(), n
+        kept |= set(graphed._prefill_graphs)
+        for e in (graphed, plain):
+            e.release(0)
+            e.release(1)
+    assert list(graphed._prefill_graphs) == [(2, 128), (2, 32)] and kept == {(2, 32), (2, 64), (2, 128)}
 
 
 @pytest.mark.cuda
