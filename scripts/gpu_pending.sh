@@ -1,9 +1,6 @@
 #!/usr/bin/env bash
 # What is owed to the GPU, one part per argument, each under its own time limit (device tool, carry [".whl"]; logs
-# under $OUT). Each part below has run at least once (results in docs/perf.md). Owed (2026-11-30 21:40, ~4 min):
-# `bash scripts/gpu_pending.sh gentest` (prefill graphs in one pool with LRU eviction: the runtime cuda tests), then
-# `MODEL_BACKENDS=compile MODEL_GEN=0 bash scripts/gpu_pending.sh model` (decode buckets now default: the bench
-# marks its slots active through `Engine.fill_slots`, so B = 8 / 64 must still run 8 / 64 rows: 1.64 / 2.46 ms).
+# under $OUT). Each part below has run at least once (results in docs/perf.md). Nothing owed (2026-11-30 21:52).
 #   toy      scripts/aoti_toy.py: does any CUDA AOTI package load there, per import context (bare, CUDA
 #            initialised, triton, k3export.plugins)? ~2 min. Decides whether the crash is torch's or ours.
 #   demo     `k3export demo --device cuda`: the main job end to end on the GPU (aoti refused by the load check

@@ -449,25 +449,31 @@ def test_bucketed_prefill_graph_replays_equal_plain_prefills_cuda():
 def test_prefill_graphs_share_a_pool_and_are_evicted_cuda():
     """Prefill graphs of three buckets (32, 64, 128 tokens) in one memory pool, at most two kept: the 32-token
     graph is replayed after the others' captures and replays wrote the shared pool, the 64-token one is dropped
-    and captured again, and every prefill leaves the last logits and state of an engine without graphs (bound as
-    in the test above)."""
+    and captured again, and every prefill leaves the last logits and state of an engine without graphs that pads
+    to the same buckets (the same kernels on the same shapes, launched: bit-identical on the H200, 2026-11-30
+    21:52; bound 1e-4 of the largest value, as above, far below what reading another graph's scratch gives). Against an
+    engine that does not pad, the 70 / 63-token pair padded to 128 gave MLA rows 1.05e-4 apart on the H200,
+    2026-11-30 21:50: fp32 rounding of other tilings, the Triton kernels' dots in TF32)."""
     model = random_model(K3Config.from_name("k3-tiny"), seed=0, device="cuda")
     g = torch.Generator().manual_seed(6)
     graphed = Engine(EagerBackend(model), max_batch=2, max_len=160)
-    plain = Engine(EagerBackend(model), max_batch=2, max_len=160, cuda_graphs=False)
+    plain = Engine(EagerBackend(model), max_batch=2, max_len=160, cuda_graphs=False, prefill_buckets=True)
     graphed.MAX_PREFILL_GRAPHS = 2
-    kept = set()
+    kept, worst = set(), 0.0
     for n in (20, 20, 40, 40, 21, 70, 70, 22, 41, 23, 71, 24):
         p = [torch.randint(0, model.config.vocab_size, (m,), generator=g).tolist() for m in (n, n - 7)]
         a, b = graphed.prefill([0, 1], p), plain.prefill([0, 1], p)
         for x, y in ((a, b), (graphed.state.kda_state, plain.state.kda_state),
                      (graphed.state.mla_cache[:, :, :n], plain.state.mla_cache[:, :, :n])):
-            assert (x - y).abs().max() <= 1e-4 * y.abs().max(), n
+            err = float((x - y).abs().max() / y.abs().max())
+            worst = max(worst, err)
+            assert err <= 1e-4, (n, err)
         kept |= set(graphed._prefill_graphs)
         for e in (graphed, plain):
             e.release(0)
             e.release(1)
     assert list(graphed._prefill_graphs) == [(2, 128), (2, 32)] and kept == {(2, 32), (2, 64), (2, 128)}
+    print(f"prefill graphs in one pool vs launched, same buckets: worst {worst:.2e} of the largest value")
 
 
 @pytest.mark.cuda
