@@ -287,7 +287,7 @@ class Engine:
     bucket captured at its first use (the live slots' state is saved around the capture's warm-up runs and put back;
     the graphs share the full step's memory pool; the first step of a new bucket pays the capture, and under
     `compile` Inductor's compile of that batch size). H200, k3-small `compile`, 64 slots, 1 / 3 / 17 / 64 of them
-    active: 0.871 / 1.340 / 1.757 / 2.186 ms per step, 2.146-2.188 without (2026-11-30 21:20,
+    active: 0.871 / 1.340 / 1.757 / 2.186 ms per step, 2.146-2.188 without (2026-11-30 21:13,
     `scripts/decode_buckets_probe.py`). It reads the host copies that prefill / release keep: code that writes
     `active` directly must turn it off."""
 
