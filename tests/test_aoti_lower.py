@@ -219,7 +219,8 @@ def _float_args_kernels():
     return {
         "mla_decode": (mla_decode_fwd_kernel, ("qk_scale",),
                        dict(BLOCK_H=32, BLOCK_N=32, BLOCK_V=512, BLOCK_PE=64, **bf16_dot)),
-        "mla_combine": (mla_decode_combine_kernel, ("qk_scale",), dict(BLOCK_V=512, BLOCK_PE=64, BLOCK_S=8)),
+        "mla_combine": (mla_decode_combine_kernel, ("qk_scale",), dict(BLOCK_V=512, BLOCK_PE=64, BLOCK_S=8,
+                                                                       BLOCK_C=16, BLOCK_VC=128)),
         "mla_prefill": (mla_prefill_fwd_kernel, ("qk_scale",),
                         dict(BLOCK_M=128, BLOCK_N=64, BLOCK_A=128, BLOCK_B=64, HAS_B=True, BLOCK_V=128, **bf16_dot)),
         "attn_res": (attn_res_fwd_kernel, ("eps",), dict(N_SRC=8, BLOCK_D=256, NORM=False, ow=None, out_eps=0.0,

@@ -47,7 +47,8 @@ def _interpreter_cases() -> dict:
         q, cache, row = (torch.randn(*s).to(dt) for s in ((B, H, R), (B, L, R), (B, R)))
         cache_len = torch.tensor([0, 37, 70])                  # empty cache, partial, full
         ref = mla_decode_attention(q.double(), cache.double(), row.double(), cache_len, SCALE, 512)
-        for splits in (1, 3, 8):                                # 8 splits of 70 rows: some splits are empty
+        # 8 splits of 70 rows: some are empty; 37: more than the combine's 16 per step, most of them empty
+        for splits in (1, 3, 8, 37):
             out = mla_decode_fwd(q, cache, row, cache_len, SCALE, 512, num_splits=splits)
             assert out.dtype == dt and out.shape == (B, H, 512)
             res[f"decode-{name}-splits{splits}"] = _rel(out, ref)
@@ -105,7 +106,7 @@ def _wide_cases() -> dict:
 
 
 @pytest.mark.parametrize("case,bound", [(f"decode-{n}-splits{s}", b) for n, b in (("fp32", FP32_BOUND),
-                                        ("fp16", FP16_BOUND)) for s in (1, 3, 8)]
+                                        ("fp16", FP16_BOUND)) for s in (1, 3, 8, 37)]
                          + [("prefill-fp32", FP32_BOUND), ("prefill-fp16", FP16_BOUND),
                             ("prefill-fp32-no-old", FP32_BOUND)])
 def test_interpreted(interp, case, bound):

@@ -56,7 +56,7 @@ def test_ptx_at_k3_shapes():
         assert {t for _, t in launch.params} <= {"*bf16", "*fp32", "*i64", "i32"}
         assert set(launch.scalars) == {n for n, t in launch.params if t == "i32"}
         assert k.shared_mem <= 227 * 1024
-    assert pre.grid == (3, 24, 1) and comb.grid == (96, 1, 1) and split.grid == (3, S, 1)
+    assert pre.grid == (3, 24, 1) and comb.grid == (96, 1, 4) and split.grid == (3, S, 1)   # 4 x 128 columns
 
 
 def test_prefill_full_block_equals_torch_launcher_above_64_tokens():

@@ -17,6 +17,21 @@ def bench_ms(fn, rep: int = 100) -> float:
     return float(do_bench(fn, warmup=10, rep=rep, return_mode="median"))
 
 
+def graph_ms(fn) -> float:
+    """Median ms of fn replayed as a CUDA graph (captured after a warm-up on a side stream; L2 flushed): the device
+    time without the host's launch overhead, which `bench_ms` of a small call mostly measures. How the runtime's
+    decode runs."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return bench_ms(g.replay)
+
+
 def kernel_times(call, reps: int = 5, warmup: int = 0) -> list[dict]:
     """Device time per CUDA kernel name for one `call` (torch profiler over `reps` calls after `warmup`, L2 not
     flushed), largest first: [{"kernel", "us", "count"}], us and count per call."""

@@ -22,7 +22,7 @@ import click
 import torch
 
 from k3export.bench import bench
-from k3export.bench.ceilings import bench_ms, copy_bandwidth, kernel_times   # median ms, as every bench
+from k3export.bench.ceilings import bench_ms, copy_bandwidth, graph_ms, kernel_times   # median ms
 from k3export.plugins.kda.kernels import INTRA_CONFIGS
 
 
@@ -196,16 +196,6 @@ DECODE_VARIANTS = {                                       # name -> overrides of
 }
 
 
-def _graph_ms(fn) -> float:
-    """Median ms of fn replayed as a CUDA graph (no host overhead: how the runtime's decode runs)."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return bench_ms(g.replay)
-
-
 def _prefill_args(T: int, H: int, K: int = 128):
     g = torch.Generator(device="cuda").manual_seed(0)
     r = lambda *s: torch.randn(*s, device="cuda", generator=g)
@@ -307,7 +297,7 @@ def sweep_decode(batches, H: int, copy_gbs: float, deadline: float, K: int = 128
             out = kernels.kda_decode_fwd(*args, config=cfg)
             err = {"o": _rel(out[0], ref[0]), "state": _rel(out[2], ref[2]), "conv_exact": torch.equal(out[1], ref[1])}
             ok = err["conv_exact"] and err["o"] < DECODE_BOUND["o"] and err["state"] < DECODE_BOUND["state"]
-            ms = _graph_ms(lambda: kernels.kda_decode_fwd(*args, config=cfg))
+            ms = graph_ms(lambda: kernels.kda_decode_fwd(*args, config=cfg))
             return {**err, "ok": ok, "graph_ms": ms, "GBs": nbytes / ms / 1e6, "frac_copy": nbytes / ms / 1e6 / copy_gbs}
 
         for name, cfg in DECODE_VARIANTS.items():

@@ -16,7 +16,7 @@ import click
 import torch
 
 from k3export.bench import bench
-from k3export.bench.ceilings import bench_ms, copy_bandwidth, machine
+from k3export.bench.ceilings import bench_ms, copy_bandwidth, graph_ms, machine
 
 SCALE = 1.0 / math.sqrt(192)
 ERR_BOUND = 1e-2   # a sweep variant counts only within the GPU tests' bf16 bound (P and o rounded once each)
@@ -60,6 +60,8 @@ def sweep_decode(H: int, B: int, L: int) -> list[dict]:
 
 
 def decode_rows(heads, batches, lengths, bw, baselines_up_to: int) -> list[dict]:
+    """Per shape: ms / frac_copy of a plain call (the two launches from Python: host-bound for small shapes) and
+    graph_ms / graph_frac_copy of its CUDA-graph replay (the device time, as the runtime's decode step runs it)."""
     from k3export.plugins.mla.kernels import mla_decode_fwd
     from k3export.plugins.mla.naive import mla_decode_attention
     out = []
@@ -69,10 +71,12 @@ def decode_rows(heads, batches, lengths, bw, baselines_up_to: int) -> list[dict]
                 if B * L * 576 * 2 > 12e9:
                     continue
                 q, cache, row, cl = _decode_inputs(B, H, L)
-                ms = bench_ms(lambda: mla_decode_fwd(q, cache, row, cl, SCALE, 512))
+                call = lambda: mla_decode_fwd(q, cache, row, cl, SCALE, 512)               # noqa: E731
+                ms, gms = bench_ms(call), graph_ms(call)
                 nbytes = cache.numel() * 2
                 r = {"H": H, "B": B, "L": L, "ms": ms, "GB/s": nbytes / ms / 1e6,
-                     "frac_copy": nbytes / (ms * 1e-3) / bw, "TFLOP/s": B * L * H * (576 + 512) * 2 / ms / 1e9}
+                     "frac_copy": nbytes / (ms * 1e-3) / bw, "TFLOP/s": B * L * H * (576 + 512) * 2 / ms / 1e9,
+                     "graph_ms": gms, "graph_frac_copy": nbytes / (gms * 1e-3) / bw}
                 if B * L <= baselines_up_to:
                     r["eager_ms"] = bench_ms(lambda: mla_decode_attention(q, cache, row, cl, SCALE, 512), rep=20)
                     if B * L * H * 320 * 2 <= 16e9:   # expanded per-head K (192) and V (128) for the history
@@ -113,14 +117,18 @@ def prefill_rows(bw_flops=None) -> list[dict]:
 
 @bench.command("mla")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("out/bench"), show_default=True)
-@click.option("--quick", is_flag=True, help="fewer shapes")
-def mla(out: Path, quick: bool) -> None:
-    """MLA decode: B in 1..128, cache 1k..64k, 96 and 12 heads, cache bytes vs copy bandwidth; vs eager and
-    vs SDPA on the expanded (per-head K/V) form. Prefill: TFLOP/s vs SDPA causal."""
+@click.option("--quick", is_flag=True, help="fewer shapes, no tile sweep")
+@click.option("--sweep/--no-sweep", default=True, show_default=True,
+              help="Sweep the base decode tiles at B = 32, L = 16k first and time the rows with the best; "
+                   "--no-sweep times the tiles the runtime uses.")
+def mla(out: Path, quick: bool, sweep: bool) -> None:
+    """MLA decode: B in 1..128, cache 1k..64k, 96 and 12 heads, cache bytes vs copy bandwidth (plain calls and
+    CUDA-graph replays); vs eager and vs SDPA on the expanded (per-head K/V) form. Prefill: TFLOP/s vs SDPA
+    causal."""
     out.mkdir(parents=True, exist_ok=True)
     bw = copy_bandwidth()
     print(f"{machine()}; copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
-    sweep = {H: sweep_decode(H, 32, 16384) for H in (96, 12)} if not quick else {}
+    sweep = {H: sweep_decode(H, 32, 16384) for H in (96, 12)} if sweep and not quick else {}
     print("decode config sweep (B=32, L=16k):", json.dumps(sweep), flush=True)
     from k3export.plugins.mla.kernels import DECODE_CONFIG
     print("decode config used (last sweep):", DECODE_CONFIG, flush=True)
@@ -137,4 +145,20 @@ def mla(out: Path, quick: bool) -> None:
     res["decode"] = rows
     res["prefill"] = prefill_rows()
     (out / "mla.json").write_text(json.dumps(res, indent=1))
-    print(f"wrote {out / 'mla.json'}")
+    (out / "mla.md").write_text(decode_table(res))
+    print(decode_table(res))
+    print(f"wrote {out / 'mla.json'}, {out / 'mla.md'}")
+
+
+def decode_table(res: dict) -> str:
+    """The decode rows as a markdown table (cache bytes B L 576 2 against the run's copy bandwidth)."""
+    lines = [f"{res['date']}, {res['machine']}, copy {res['copy_TBps']:.2f} TB/s", "",
+             "| H | B | L | plain ms | graph ms | graph GB/s | graph % copy | graph TFLOP/s | eager ms | SDPA ms |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in res["decode"]:
+        g = r["graph_ms"]
+        fl = r["B"] * r["L"] * r["H"] * (576 + 512) * 2
+        lines.append(f"| {r['H']} | {r['B']} | {r['L']} | {r['ms']:.3f} | {g:.3f} | "
+                     f"{r['B'] * r['L'] * 1152 / g / 1e6:.0f} | {r['graph_frac_copy']:.1%} | {fl / g / 1e9:.0f} | "
+                     + " | ".join(f"{r[k]:.3f}" if k in r else "" for k in ("eager_ms", "sdpa_expanded_ms")) + " |")
+    return "\n".join(lines) + "\n"

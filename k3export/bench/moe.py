@@ -22,7 +22,7 @@ import click
 import torch
 
 from k3export.bench import bench
-from k3export.bench.ceilings import bench_ms, copy_bandwidth, machine, matmul_rate
+from k3export.bench.ceilings import bench_ms, copy_bandwidth, graph_ms, machine, matmul_rate
 
 E, D, L, I, K = 896, 7168, 3584, 3072, 16
 ARGS = dict(top_k=K, renormalize=True, scaling=1.0, beta=4.0, linear_beta=25.0)
@@ -53,19 +53,6 @@ def _once_ms(fn, n=2):
         fn()
     torch.cuda.synchronize()
     return (time.perf_counter() - t) / n * 1e3
-
-
-def graph_ms(fn) -> float:
-    """Median ms of a CUDA-graph replay of fn (captured after a warm-up on a side stream; L2 flushed)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return bench_ms(g.replay)
 
 
 def _rel(out, ref):

@@ -156,34 +156,56 @@ def mla_decode_combine_kernel(q, new_row, o_part, lse_part,
                               H, num_splits, qk_scale, V_DIM, R,
                               o,
                               BLOCK_V: tl.constexpr, BLOCK_PE: tl.constexpr, BLOCK_S: tl.constexpr,
-                              PDL: tl.constexpr = False):
-    """One (head, sequence): merge the split partials and the always-attended new row. PDL: as the decode kernel."""
+                              PDL: tl.constexpr = False, BLOCK_C: tl.constexpr = 16,
+                              BLOCK_VC: tl.constexpr = 128):
+    """One (head, sequence, block of BLOCK_VC output columns): merge the split partials and the always-attended
+    new row, BLOCK_C splits per step (a [BLOCK_C, BLOCK_VC] tile of o_part: at B = 1 and 64k rows S is in the
+    hundreds, and one split per step was a serial chain of S loads). PDL: as the decode kernel."""
     pdl_wait(PDL)
     qk_scale = tl.cast(qk_scale, tl.float32)  # Inductor passes Python float arguments as fp64 (AOTI packages)
     h = tl.program_id(0)
     b = tl.program_id(1)
-    offs_v = tl.arange(0, BLOCK_V)
+    offs_f = tl.arange(0, BLOCK_V)                                        # the whole latent, for the new score
+    offs_v = tl.program_id(2) * BLOCK_VC + tl.arange(0, BLOCK_VC)         # this program's output columns
     offs_pe = V_DIM + tl.arange(0, BLOCK_PE)
+    f_ok = offs_f < V_DIM
     v_ok = offs_v < V_DIM
     pe_ok = offs_pe < R
-    q_v = tl.load(q + b * stride_qb + h * stride_qh + offs_v, mask=v_ok, other=0.0).to(tl.float32)
-    q_pe = tl.load(q + b * stride_qb + h * stride_qh + offs_pe, mask=pe_ok, other=0.0).to(tl.float32)
-    r_v = tl.load(new_row + b * stride_nb + offs_v, mask=v_ok, other=0.0).to(tl.float32)
-    r_pe = tl.load(new_row + b * stride_nb + offs_pe, mask=pe_ok, other=0.0).to(tl.float32)
-    s_new = (tl.sum(q_v * r_v, 0) + tl.sum(q_pe * r_pe, 0)) * qk_scale
+    q_b = q + b * stride_qb + h * stride_qh
+    r_b = new_row + b * stride_nb
+    q_f = tl.load(q_b + offs_f, mask=f_ok, other=0.0).to(tl.float32)
+    q_pe = tl.load(q_b + offs_pe, mask=pe_ok, other=0.0).to(tl.float32)
+    r_f = tl.load(r_b + offs_f, mask=f_ok, other=0.0).to(tl.float32)
+    r_pe = tl.load(r_b + offs_pe, mask=pe_ok, other=0.0).to(tl.float32)
+    s_new = (tl.sum(q_f * r_f, 0) + tl.sum(q_pe * r_pe, 0)) * qk_scale
 
     base = (b * H + h) * num_splits
     offs_s = tl.arange(0, BLOCK_S)
     lse = tl.load(lse_part + base + offs_s, mask=offs_s < num_splits, other=float("-inf"))
     m = tl.maximum(tl.max(lse, 0), s_new)
-    w = tl.exp2(lse - m)                                                                       # 0 for empty
     w_new = tl.exp2(s_new - m)
-    acc = w_new * r_v
-    for i in range(num_splits):
-        w_i = tl.sum(tl.where(offs_s == i, w, 0.0), 0)
-        acc += w_i * tl.load(o_part + (base + i).to(tl.int64) * BLOCK_V + offs_v)
-    out = acc / (tl.sum(w, 0) + w_new)
-    tl.store(o + b * stride_ob + h * stride_oh + offs_v, out.to(o.dtype.element_ty), mask=v_ok)
+    acc = w_new * tl.load(r_b + offs_v, mask=v_ok, other=0.0).to(tl.float32)
+    den = w_new
+    offs_c = tl.arange(0, BLOCK_C)
+    for s0 in range(0, num_splits, BLOCK_C):
+        sc = s0 + offs_c
+        c_ok = sc < num_splits
+        w = tl.exp2(tl.load(lse_part + base + sc, mask=c_ok, other=float("-inf")) - m)          # 0 for empty
+        part = tl.load(o_part + (base + sc)[:, None].to(tl.int64) * BLOCK_V + offs_v[None, :],
+                       mask=c_ok[:, None] & v_ok[None, :], other=0.0)
+        acc += tl.sum(w[:, None] * part, 0)
+        den += tl.sum(w, 0)
+    tl.store(o + b * stride_ob + h * stride_oh + offs_v, (acc / den).to(o.dtype.element_ty), mask=v_ok)
+
+
+# Columns per combine program: at B = 1 the combine has only H programs; four column blocks of 128 give it 4 H.
+COMBINE_VC = 128
+
+
+def combine_grid(H: int, B, block_v: int) -> tuple:
+    """The combine launch's grid for min(COMBINE_VC, block_v) columns per program (B may be a shape
+    expression)."""
+    return (H, B, max(1, block_v // COMBINE_VC))
 
 
 # The "wide" split kernel for many heads (a DECODE_TILES entry with kernel="wide"; not the default until timed on
@@ -361,9 +383,10 @@ def mla_decode_fwd(q, cache, new_row, cache_len, scale: float, v_dim: int, num_s
             H, S, qk_scale, v_dim, R, o_part, lse_part, BLOCK_H=block_h, BLOCK_N=16 if fp32 else cfg["block_n"],
             BLOCK_V=BV, BLOCK_PE=BPE, DOT_PREC=dot_precision(q.dtype), num_warps=cfg["num_warps"],
             num_stages=1 if fp32 else cfg["num_stages"], **pdl_args(q))
-    launch(mla_decode_combine_kernel)[(H, B)](
+    launch(mla_decode_combine_kernel)[combine_grid(H, B, BV)](
         q, new_row, o_part, lse_part, q.stride(0), q.stride(1), new_row.stride(0), o.stride(0), o.stride(1),
-        H, S, qk_scale, v_dim, R, o, BLOCK_V=BV, BLOCK_PE=BPE, BLOCK_S=pow2(S, 2), num_warps=4, **pdl_args(q))
+        H, S, qk_scale, v_dim, R, o, BLOCK_V=BV, BLOCK_PE=BPE, BLOCK_S=pow2(S, 2),
+        BLOCK_VC=min(COMBINE_VC, BV), num_warps=4, **pdl_args(q))
     return o
 
 

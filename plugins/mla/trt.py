@@ -37,8 +37,9 @@ import triton.language as tl
 from k3export.plugins.aot import Launch, Plan, pointer_type, trt_desc, trt_kernel_result
 from k3export.plugins.triton_common import cdiv, check, dot_precision, pow2
 
-from .kernels import (LOG2E, PREFILL_CONFIG, decode_block_h, decode_tiles, mla_decode_combine_kernel,
-                      mla_decode_fwd_kernel, mla_prefill_fwd_kernel, prefill_head_blocks, split_rule)
+from .kernels import (COMBINE_VC, LOG2E, PREFILL_CONFIG, combine_grid, decode_block_h, decode_tiles,
+                      mla_decode_combine_kernel, mla_decode_fwd_kernel, mla_prefill_fwd_kernel, prefill_head_blocks,
+                      split_rule)
 
 H200_SMS = 132
 
@@ -57,10 +58,11 @@ def mla_decode_split_trt_kernel(q, cache, cache_len, stride_qb, stride_qh, strid
 @triton.jit
 def mla_decode_combine_trt_kernel(q, new_row, o_part, lse_part, stride_qb, stride_qh, stride_nb, stride_ob,
                                   stride_oh, H, num_splits, V_DIM, R, o, qk_scale: tl.constexpr,
-                                  BLOCK_V: tl.constexpr, BLOCK_PE: tl.constexpr, BLOCK_S: tl.constexpr):
+                                  BLOCK_V: tl.constexpr, BLOCK_PE: tl.constexpr, BLOCK_S: tl.constexpr,
+                                  BLOCK_VC: tl.constexpr):
     mla_decode_combine_kernel(q, new_row, o_part, lse_part, stride_qb, stride_qh, stride_nb, stride_ob, stride_oh,
                               H, num_splits, qk_scale, V_DIM, R, o, BLOCK_V=BLOCK_V, BLOCK_PE=BLOCK_PE,
-                              BLOCK_S=BLOCK_S)
+                              BLOCK_S=BLOCK_S, BLOCK_VC=BLOCK_VC)
 
 
 @triton.jit
@@ -108,11 +110,13 @@ def decode_combine_plan(B, H: int, R: int, v_dim: int, dtype: torch.dtype, scale
     """`k3::mla_decode_combine` for q `[B, H, R]`, new_row `[B, R]`, the split's o_part / lse_part -> o
     `[B, H, v_dim]` in dtype. B may be a shape expression."""
     p = pointer_type(dtype)
-    cx = dict(qk_scale=scale * LOG2E, BLOCK_V=pow2(v_dim), BLOCK_PE=pow2(R - v_dim), BLOCK_S=pow2(num_splits, 2))
+    bv = pow2(v_dim)
+    cx = dict(qk_scale=scale * LOG2E, BLOCK_V=bv, BLOCK_PE=pow2(R - v_dim), BLOCK_S=pow2(num_splits, 2),
+              BLOCK_VC=min(COMBINE_VC, bv))
     scalars = dict(stride_qb=H * R, stride_qh=R, stride_nb=R, stride_ob=H * v_dim, stride_oh=v_dim, H=H,
                    num_splits=num_splits, V_DIM=v_dim, R=R)
     return _plan(mla_decode_combine_trt_kernel, dict(q=p, new_row=p, o_part="*fp32", lse_part="*fp32", o=p),
-                 scalars, cx, (H, B, 1), 4, 1)
+                 scalars, cx, combine_grid(H, B, bv), 4, 1)
 
 
 def decode_intermediates(B, H: int, v_dim: int, num_splits: int) -> dict:
