@@ -52,6 +52,9 @@ def _interpreter_cases() -> dict:
             out = mla_decode_fwd(q, cache, row, cache_len, SCALE, 512, num_splits=splits)
             assert out.dtype == dt and out.shape == (B, H, 512)
             res[f"decode-{name}-splits{splits}"] = _rel(out, ref)
+        # one sequence: fewer (head, sequence) pairs than SMs, so the combine splits the 512 columns over 4 programs
+        out = mla_decode_fwd(q[2:], cache[2:], row[2:], cache_len[2:], SCALE, 512, num_splits=37)
+        res[f"decode-{name}-columns"] = _rel(out, ref[2:])
         torch.manual_seed(1)
         B, T, H, D, Dv, Lc = 2, 40, 3, 24, 16, 13              # D = 16 + 8: the split head dim, as 192 = 128 + 64
         q, k, v = (torch.randn(*s).to(dt) for s in ((B, T, H, D), (B, Lc + T, H, D), (B, Lc + T, H, Dv)))
@@ -105,8 +108,8 @@ def _wide_cases() -> dict:
     return res
 
 
-@pytest.mark.parametrize("case,bound", [(f"decode-{n}-splits{s}", b) for n, b in (("fp32", FP32_BOUND),
-                                        ("fp16", FP16_BOUND)) for s in (1, 3, 8, 37)]
+@pytest.mark.parametrize("case,bound", [(f"decode-{n}-{s}", b) for n, b in (("fp32", FP32_BOUND),
+                                        ("fp16", FP16_BOUND)) for s in ("splits1", "splits3", "splits8", "splits37", "columns")]
                          + [("prefill-fp32", FP32_BOUND), ("prefill-fp16", FP16_BOUND),
                             ("prefill-fp32-no-old", FP32_BOUND)])
 def test_interpreted(interp, case, bound):

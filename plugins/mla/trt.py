@@ -37,7 +37,7 @@ import triton.language as tl
 from k3export.plugins.aot import Launch, Plan, pointer_type, trt_desc, trt_kernel_result
 from k3export.plugins.triton_common import cdiv, check, dot_precision, pow2
 
-from .kernels import (COMBINE_VC, LOG2E, PREFILL_CONFIG, combine_grid, decode_block_h, decode_tiles,
+from .kernels import (LOG2E, PREFILL_CONFIG, combine_grid, combine_tile, decode_block_h, decode_tiles,
                       mla_decode_combine_kernel, mla_decode_fwd_kernel, mla_prefill_fwd_kernel, prefill_head_blocks,
                       split_rule)
 
@@ -59,10 +59,10 @@ def mla_decode_split_trt_kernel(q, cache, cache_len, stride_qb, stride_qh, strid
 def mla_decode_combine_trt_kernel(q, new_row, o_part, lse_part, stride_qb, stride_qh, stride_nb, stride_ob,
                                   stride_oh, H, num_splits, V_DIM, R, o, qk_scale: tl.constexpr,
                                   BLOCK_V: tl.constexpr, BLOCK_PE: tl.constexpr, BLOCK_S: tl.constexpr,
-                                  BLOCK_VC: tl.constexpr):
+                                  BLOCK_VC: tl.constexpr, BLOCK_C: tl.constexpr):
     mla_decode_combine_kernel(q, new_row, o_part, lse_part, stride_qb, stride_qh, stride_nb, stride_ob, stride_oh,
                               H, num_splits, qk_scale, V_DIM, R, o, BLOCK_V=BLOCK_V, BLOCK_PE=BLOCK_PE,
-                              BLOCK_S=BLOCK_S, BLOCK_VC=BLOCK_VC)
+                              BLOCK_S=BLOCK_S, BLOCK_VC=BLOCK_VC, BLOCK_C=BLOCK_C)
 
 
 @triton.jit
@@ -106,17 +106,18 @@ def decode_split_plan(B, H: int, L, R: int, v_dim: int, dtype: torch.dtype, scal
                  scalars, cx, (cdiv(H, bh), num_splits, B), cfg["num_warps"], 1 if fp32 else cfg["num_stages"])
 
 
-def decode_combine_plan(B, H: int, R: int, v_dim: int, dtype: torch.dtype, scale: float, num_splits: int) -> Plan:
+def decode_combine_plan(B, H: int, R: int, v_dim: int, dtype: torch.dtype, scale: float, num_splits: int,
+                        sms: int = H200_SMS) -> Plan:
     """`k3::mla_decode_combine` for q `[B, H, R]`, new_row `[B, R]`, the split's o_part / lse_part -> o
-    `[B, H, v_dim]` in dtype. B may be a shape expression."""
+    `[B, H, v_dim]` in dtype. B may be a shape expression (the tile is then the small-batch one)."""
     p = pointer_type(dtype)
     bv = pow2(v_dim)
-    cx = dict(qk_scale=scale * LOG2E, BLOCK_V=bv, BLOCK_PE=pow2(R - v_dim), BLOCK_S=pow2(num_splits, 2),
-              BLOCK_VC=min(COMBINE_VC, bv))
+    ct = combine_tile(H, B, num_splits, bv, sms)
+    cx = dict(qk_scale=scale * LOG2E, BLOCK_V=bv, BLOCK_PE=pow2(R - v_dim), BLOCK_S=pow2(num_splits, 2), **ct)
     scalars = dict(stride_qb=H * R, stride_qh=R, stride_nb=R, stride_ob=H * v_dim, stride_oh=v_dim, H=H,
                    num_splits=num_splits, V_DIM=v_dim, R=R)
     return _plan(mla_decode_combine_trt_kernel, dict(q=p, new_row=p, o_part="*fp32", lse_part="*fp32", o=p),
-                 scalars, cx, combine_grid(H, B, bv), 4, 1)
+                 scalars, cx, combine_grid(H, B, bv, ct["BLOCK_VC"]), 4, 1)
 
 
 def decode_intermediates(B, H: int, v_dim: int, num_splits: int) -> dict:
@@ -135,7 +136,7 @@ def decode_launches(B: int, H: int, L: int, R: int, v_dim: int, dtype: torch.dty
     S = decode_splits(B, H, L, sms) if num_splits is None else num_splits
     inter = decode_intermediates(B, H, v_dim, S)
     split = decode_split_plan(B, H, L, R, v_dim, dtype, scale, S).launch(arch)
-    comb = decode_combine_plan(B, H, R, v_dim, dtype, scale, S).launch(arch)
+    comb = decode_combine_plan(B, H, R, v_dim, dtype, scale, S, sms).launch(arch)
     return split, comb, inter
 
 
