@@ -6,9 +6,11 @@ and the AOTInductor packages all fit that mould, so the engine never asks which 
 
 The engine owns a fixed number of *slots*: one preallocated `K3State` of `max_batch` sequences x `max_len`
 cache rows that is never reallocated (a captured CUDA graph holds its addresses). A request joins by being
-prefilled (in one batch with the other joiners) into a free slot; every decode step runs all slots at once,
-each at its own position, and only the active slots advance. On a GPU the decode step (program + state
-commit) is captured once as a CUDA graph for the engine's batch size and replayed.
+prefilled (in one batch with the other joiners) into a free slot; a decode step runs the slots at once, each at
+its own position, and only the active slots advance. On a GPU the decode step (program + state commit) is
+captured as a CUDA graph for the engine's batch size and replayed; with eager / compile backends a step runs only
+the slots up to the highest active one, rounded up to a power of two, each such bucket with its own graph
+(`decode_buckets`), and prefill shapes are padded to length buckets whose graphs are replayed too.
 
     engine = Engine(EagerBackend(model), max_batch=4, max_len=256)
     gen = Generator(engine)
@@ -836,7 +838,8 @@ def _run_command():
             click.echo(f"{p} -> {o}")
         click.echo(f"{engine.backend.name} engine {engine_dir} on {engine.device} (loaded in {t_load:.2f}s, "
                    f"{engine.max_batch} slots, CUDA graph: {engine.graphed or engine.graph_error or 'off'}, "
-                   f"pipelined greedy decode: {'off' if no_pipeline else 'on'}): "
+                   f"pipelined greedy decode: {'off' if no_pipeline else 'on'}, decode buckets: "
+                   f"{'on' if engine.decode_buckets else 'off'}): "
                    f"{sum(map(len, out))} tokens in {dt:.2f}s")
         click.echo(latency_line(t0, stamps))
 

@@ -10,6 +10,7 @@
 #   mla      the MLA contract's cupy test with its corrected bound (2^-7)
 #   mlabench bench mla --no-sweep: MLA decode (96 / 12 heads, B 1..128, L 1k..64k; plain calls and CUDA-graph
 #            replays) with the runtime's tiles, and prefill
+#   mlasplit scripts/mla_split_probe.py: MLA decode split counts (waves, min_chunk) at B = 1 / 8, 8k / 64k rows
 #   moe      bench moe: every prefill / decode tiling
 #   model    bench model: compile vs compile-frozen (Inductor freezing) at B = 1 and 64, prefill 2048
 #   kda      bench kda: prefill (B=1, T=8192, 96 heads) and decode B=1..256 vs fla-core and eager, one run
@@ -69,6 +70,7 @@ for part in $parts; do
     mla)   timeout 60 python3 -m pytest -q -m cuda tests/test_mla_trt.py -rs -p no:cacheprovider > "$OUT/mla.log" 2>&1 ;;
     mlabench) timeout ${MLABENCH_TIMEOUT:-400} python3 -m k3export.cli bench mla --no-sweep --out "$OUT/mla" \
              > "$OUT/mlabench.log" 2>&1 ;;
+    mlasplit) timeout 150 python3 scripts/mla_split_probe.py --out "$OUT/mla-split.json" > "$OUT/mlasplit.log" 2>&1 ;;
     moe)   timeout 200 python3 -m k3export.cli bench moe --out "$OUT/moe" --budget-s ${MOE_BUDGET:-180} --phases ${MOE_PHASES:-prefill,decode} \
              > "$OUT/moe.log" 2>&1 ;;
     moetest) timeout 150 python3 -m pytest -q -m cuda tests/test_moe_kernels.py tests/test_moe_trt.py -s -rs \
@@ -142,7 +144,7 @@ for part in $parts; do
              > "$OUT/dbuckets.log" 2>&1 ;;
     profile) timeout 150 python3 scripts/profile_decode.py --backend ${PROFILE_BACKEND:-compile} ${PROFILE_ARGS:-} \
              > "$OUT/profile.log" 2>&1 ;;
-    *)     echo "unknown part $part (toy demo aoti mla mlabench mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets profile)"; continue ;;
+    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets profile)"; continue ;;
   esac
   echo "$part: exit $? in $((SECONDS - t)) s" | tee -a "$OUT/pending.log"
   tail -4 "$OUT/$part.log" 2>/dev/null

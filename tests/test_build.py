@@ -241,7 +241,7 @@ def test_run_queues_prompts_beyond_the_profile_batch(eager_dir, reference):
     r = CliRunner().invoke(main, ["run", "--engine", str(eager_dir), "--ids", ";".join(",".join(map(str, p))
                                   for p in prompts), "--max-new-tokens", "5", "--device", "cpu"])
     assert r.exit_code == 0, r.output
-    assert "4 slots" in r.output and "pipelined greedy decode: on" in r.output
+    assert "4 slots" in r.output and "pipelined greedy decode: on" in r.output and "decode buckets: off" in r.output
     assert "time to first token: median" in r.output and "between tokens: median" in r.output
     assert r.output.splitlines()[:3] == [f"{p} -> {o}" for p, o in zip(PROMPTS, reference)]
     plain = CliRunner().invoke(main, ["run", "--engine", str(eager_dir), "--ids", ";".join(",".join(map(str, p))
@@ -252,6 +252,7 @@ def test_run_queues_prompts_beyond_the_profile_batch(eager_dir, reference):
                                         for p in prompts), "--max-new-tokens", "5", "--device", "cpu",
                                         "--decode-buckets"])
     assert buckets.exit_code == 0 and buckets.output.splitlines()[:5] == r.output.splitlines()[:5], buckets.output
+    assert "decode buckets: on" in buckets.output
 
 
 def test_decode_buckets_refused_for_whole_state_programs():

@@ -1,0 +1,58 @@
+"""How many splits the MLA decode should cut a long cache into at small B (planning; GPU only). The split rule
+(`plugins.mla.kernels.split_rule`) asks for `waves` x SMs programs and chunks of at least `min_chunk` rows; every
+split writes a 2 KB fp32 partial per head that the combine reads back (at 96 heads, B = 1, 64k rows: 88 splits,
+34 MB of partials against a 75 MB cache). For each shape and (waves, min_chunk): the split count, the CUDA-graph
+replay time of `mla_decode_fwd` (split + combine) and its error against the default's output.
+
+    python3 scripts/mla_split_probe.py [--out probe.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+
+from gemv_pack_probe import write_json      # scripts/ on sys.path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    from k3export.bench.ceilings import copy_bandwidth, graph_ms
+    from k3export.plugins.mla import kernels as K
+    bw = copy_bandwidth()
+    scale = 1.0 / math.sqrt(192)
+    base = dict(K.DECODE_CONFIG)
+    rows = []
+    for H in (12, 96):
+        for B, L in ((1, 8192), (1, 65536), (8, 65536)):
+            q = torch.randn(B, H, 576, device="cuda", dtype=torch.bfloat16)
+            cache = torch.randn(B, L, 576, device="cuda", dtype=torch.bfloat16)
+            row = torch.randn(B, 576, device="cuda", dtype=torch.bfloat16)
+            cl = torch.full((B,), L, device="cuda", dtype=torch.int64)
+            ref = K.mla_decode_fwd(q, cache, row, cl, scale, 512).float()
+            for waves, min_chunk in ((2, 64), (1, 64), (1, 256), (1, 1024), (2, 256), (4, 64)):
+                K.DECODE_CONFIG.update(waves=waves, min_chunk=min_chunk)
+                try:
+                    cfg = K.decode_tile_for(B, H, L, q.dtype)
+                    S = K.decode_splits(B, H, L, cfg["block_h"], q.device, cfg.get("fill_waves", False))
+                    out = K.mla_decode_fwd(q, cache, row, cl, scale, 512).float()
+                    err = ((out - ref).abs().max() / ref.abs().max()).item()
+                    ms = graph_ms(lambda: K.mla_decode_fwd(q, cache, row, cl, scale, 512))
+                finally:
+                    K.DECODE_CONFIG.clear()
+                    K.DECODE_CONFIG.update(base)
+                r = {"H": H, "B": B, "L": L, "waves": waves, "min_chunk": min_chunk, "splits": S, "graph_ms": ms,
+                     "frac_copy": B * L * 1152 / (ms * 1e-3) / bw, "rel_err_vs_default": err}
+                rows.append(r)
+                print(f"H={H:3d} B={B} L={L:6d} waves={waves} min_chunk={min_chunk:5d} S={S:4d}: {ms:.4f} ms "
+                      f"({r['frac_copy']:.1%} of copy), vs default {err:.1e}", flush=True)
+            del q, cache
+    write_json(a.out, {"device": torch.cuda.get_device_name(), "copy_GBps": bw / 1e9, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
