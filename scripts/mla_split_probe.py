@@ -1,8 +1,10 @@
 """How many splits the MLA decode should cut a long cache into at small B (planning; GPU only). The split rule
 (`plugins.mla.kernels.split_rule`) asks for `waves` x SMs programs and chunks of at least `min_chunk` rows; every
 split writes a 2 KB fp32 partial per head that the combine reads back (at 96 heads, B = 1, 64k rows: 88 splits,
-34 MB of partials against a 75 MB cache). For each shape and (waves, min_chunk): the split count, the CUDA-graph
-replay time of `mla_decode_fwd` (split + combine) and its error against the default's output.
+34 MB of partials against a 75 MB cache). For each shape and setting: the split count, the CUDA-graph
+replay time of `mla_decode_fwd` (split + combine) and its error against the default's output. Settings: waves 2 rounded
+up for every head count (whole_wave_heads 0, the rule until 2026-11-30 22:07) and the default since (up to 16
+heads, the most splits that fit one wave).
 
     python3 scripts/mla_split_probe.py [--out probe.json]
 """
@@ -28,14 +30,15 @@ def main() -> None:
     base = dict(K.DECODE_CONFIG)
     rows = []
     for H in (12, 96):
-        for B, L in ((1, 8192), (1, 65536), (8, 65536)):
+        for B, L in ((1, 8192), (1, 65536), (8, 8192), (8, 65536), (32, 8192), (32, 65536)):
             q = torch.randn(B, H, 576, device="cuda", dtype=torch.bfloat16)
             cache = torch.randn(B, L, 576, device="cuda", dtype=torch.bfloat16)
             row = torch.randn(B, 576, device="cuda", dtype=torch.bfloat16)
             cl = torch.full((B,), L, device="cuda", dtype=torch.int64)
             ref = K.mla_decode_fwd(q, cache, row, cl, scale, 512).float()
-            for waves, min_chunk in ((2, 64), (1, 64), (1, 256), (1, 1024), (2, 256), (4, 64)):
-                K.DECODE_CONFIG.update(waves=waves, min_chunk=min_chunk)
+            for whole in (0, 16):
+                waves, min_chunk = base["waves"], base["min_chunk"]
+                K.DECODE_CONFIG.update(whole_wave_heads=whole)
                 try:
                     cfg = K.decode_tile_for(B, H, L, q.dtype)
                     S = K.decode_splits(B, H, L, cfg["block_h"], q.device, cfg.get("fill_waves", False))
@@ -45,10 +48,11 @@ def main() -> None:
                 finally:
                     K.DECODE_CONFIG.clear()
                     K.DECODE_CONFIG.update(base)
-                r = {"H": H, "B": B, "L": L, "waves": waves, "min_chunk": min_chunk, "splits": S, "graph_ms": ms,
+                r = {"H": H, "B": B, "L": L, "waves": waves, "whole_wave_heads": whole, "min_chunk": min_chunk,
+                     "splits": S, "graph_ms": ms,
                      "frac_copy": B * L * 1152 / (ms * 1e-3) / bw, "rel_err_vs_default": err}
                 rows.append(r)
-                print(f"H={H:3d} B={B} L={L:6d} waves={waves} min_chunk={min_chunk:5d} S={S:4d}: {ms:.4f} ms "
+                print(f"H={H:3d} B={B:3d} L={L:6d} whole_wave_heads={whole:2d} S={S:4d}: {ms:.4f} ms "
                       f"({r['frac_copy']:.1%} of copy), vs default {err:.1e}", flush=True)
             del q, cache
     write_json(a.out, {"device": torch.cuda.get_device_name(), "copy_GBps": bw / 1e9, "rows": rows})

@@ -38,7 +38,11 @@ def _sm_count(device: torch.device) -> int:
 # (docs/perf.md). Keys set in DECODE_CONFIG (the bench's sweep does that) override the tiles.
 # min_chunk: 256 until 2026-11-30; at B = 1 and short caches that left few programs with long serial loops
 # (k3-small, 16 heads, 1024 rows: 4 splits of 256 rows, 13.7 us per call in the compiled decode step).
-DECODE_CONFIG = {"min_chunk": 64, "waves": 2}
+# whole_wave_heads: up to this many heads (the few-heads tile, one program per SM) the splits fill exactly one wave
+# instead of `waves` rounded up: at 12 heads B = 32, 64k rows 0.890 -> 0.652 ms (64% -> 87% of copy), B = 1, 64k
+# 0.070 -> 0.050 ms, B = 1, 8k 0.027 -> 0.028 (H200 2026-11-30 22:07, scripts/mla_split_probe.py). Fewer splits
+# also mean fewer fp32 partials to write and combine. Many heads keep `waves` (96 heads, B = 8, 8k: 20% slower).
+DECODE_CONFIG = {"min_chunk": 64, "waves": 2, "whole_wave_heads": 16}
 DECODE_TILES = {"few_heads": dict(block_h=16, block_n=64, num_warps=4, num_stages=3),    # H <= 16 (12 at TP=8)
                 "many_heads": dict(block_h=32, block_n=32, num_warps=4, num_stages=3)}  # e.g. 96
 # Candidates for many heads, `mla_decode_wide_kernel` (kernel="wide"; 16-bit inputs only, fp32 keeps the base
@@ -290,13 +294,16 @@ def mla_decode_wide_kernel(q, cache, cache_len, kv_desc, pe_desc,
 
 
 def split_rule(B: int, H: int, L: int, block_h: int, sms: int, fill: bool = False) -> int:
-    """Splits of the cache length: enough programs for `waves` per SM, no chunk under `min_chunk` rows (the AOT
+    """Splits of the cache length: enough programs for `waves` per SM (up to `whole_wave_heads` heads: as many as
+    fit one wave), no chunk under `min_chunk` rows (the AOT
     adapter, trt.py, calls it with a fixed SM count). fill (the wide tiles' `fill_waves`, for kernels that run
     one program per SM at a time): of the counts from there up to twice it, the one whose last wave is fullest
     (B = 32, 96 heads in blocks of 64: 6 splits, 384 programs = 2.9 waves of 132, instead of 5 = 2.4 waves)."""
     cfg = DECODE_CONFIG
     programs = B * triton.cdiv(H, block_h)
     want = triton.cdiv(cfg["waves"] * sms, programs)
+    if H <= cfg["whole_wave_heads"]:  # the few-heads tile: the most splits that fit one wave (see DECODE_CONFIG)
+        want = max(1, sms // programs)
     most = triton.cdiv(max(L, 1), cfg["min_chunk"])
     n = max(1, min(want, most))
     if fill:
