@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # What is owed to the GPU, one part per argument, each under its own time limit (device tool, carry [".whl"]; logs
-# under $OUT). Each part below has run at least once (results in docs/perf.md). Nothing owed (2026-11-30 21:29).
+# under $OUT). Each part below has run at least once (results in docs/perf.md). Owed (2026-11-30 22:15, ~2 min):
+# `bash scripts/gpu_pending.sh mlasplit` (the opt-in MLA split rule `whole_wave_heads` = 16 at 12 heads up to
+# B = 128 and at k3-small's 16 heads, B = 16 / 64: if it wins there too, make it the default).
 #   toy      scripts/aoti_toy.py: does any CUDA AOTI package load there, per import context (bare, CUDA
 #            initialised, triton, k3export.plugins)? ~2 min. Decides whether the crash is torch's or ours.
 #   demo     `k3export demo --device cuda`: the main job end to end on the GPU (aoti refused by the load check

@@ -3,8 +3,8 @@
 split writes a 2 KB fp32 partial per head that the combine reads back (at 96 heads, B = 1, 64k rows: 88 splits,
 34 MB of partials against a 75 MB cache). For each shape and setting: the split count, the CUDA-graph
 replay time of `mla_decode_fwd` (split + combine) and its error against the default's output. Settings: waves 2 rounded
-up for every head count (whole_wave_heads 0, the rule until 2026-11-30 22:07) and the default since (up to 16
-heads, the most splits that fit one wave).
+up for every head count (whole_wave_heads 0, the default) and whole_wave_heads 16 (up to 16 heads, the most splits
+that fit one wave; opt-in until this probe covers B = 128 and 16 heads at B = 16 / 64, which it now does).
 
     python3 scripts/mla_split_probe.py [--out probe.json]
 """
@@ -29,14 +29,16 @@ def main() -> None:
     scale = 1.0 / math.sqrt(192)
     base = dict(K.DECODE_CONFIG)
     rows = []
-    for H in (12, 96):
-        for B, L in ((1, 8192), (1, 65536), (8, 8192), (8, 65536), (32, 8192), (32, 65536)):
+    k3 = ((1, 8192), (1, 65536), (8, 8192), (8, 65536), (32, 8192), (32, 65536), (128, 8192), (128, 65536))
+    small = ((1, 1024), (16, 1024), (64, 1024), (64, 8192))     # k3-small's MLA: 16 heads, its bench's caches
+    for H, shapes in ((12, k3), (16, small), (96, k3)):
+        for B, L in shapes:
             q = torch.randn(B, H, 576, device="cuda", dtype=torch.bfloat16)
             cache = torch.randn(B, L, 576, device="cuda", dtype=torch.bfloat16)
             row = torch.randn(B, 576, device="cuda", dtype=torch.bfloat16)
             cl = torch.full((B,), L, device="cuda", dtype=torch.int64)
             ref = K.mla_decode_fwd(q, cache, row, cl, scale, 512).float()
-            for whole in (0, 16):
+            for whole in (0, 16):                     # the default rule, and one wave up to 16 heads
                 waves, min_chunk = base["waves"], base["min_chunk"]
                 K.DECODE_CONFIG.update(whole_wave_heads=whole)
                 try:
