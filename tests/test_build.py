@@ -177,6 +177,20 @@ def test_bench_model_writes_json_table_and_plot(tmp_path):
     assert (out / "model.png").stat().st_size > 0
 
 
+def test_bench_mla_table_and_plot(tmp_path):
+    """`bench mla`'s markdown table and plot from decode rows (the GPU writes the rows; this checks the rendering):
+    cache GB/s and TFLOP/s from the graph-replay time, baselines only where measured."""
+    from k3export.bench.mla import decode_table, plot
+    res = {"date": "2026-11-30", "machine": "test", "copy_TBps": 4.0, "decode": [
+        {"H": 96, "B": 1, "L": 1024, "ms": 0.07, "graph_ms": 0.02, "graph_frac_copy": 0.0138, "eager_ms": 0.2},
+        {"H": 96, "B": 8, "L": 1024, "ms": 0.07, "graph_ms": 0.04, "graph_frac_copy": 0.0552}]}
+    table = decode_table(res)
+    assert "| 96 | 1 | 1024 | 0.070 | 0.020 | 59 | 1.4% | 11 | 0.200 |  |" in table             # 1.18 MB / 20 us
+    assert table.count("\n| 96 |") == 2
+    png = plot(res, tmp_path / "mla.png")
+    assert png is None or png.stat().st_size > 0
+
+
 def test_prefill_flops_count_the_lm_head_the_engine_runs():
     """The engine's prefill runs the lm_head on the last token only (`prefill_last`): the bench's FLOPs (and so its
     floor and TFLOP/s) drop by the other T - 1 rows' lm_head, 2 (T - 1) V d, and nothing else."""

@@ -147,7 +147,38 @@ def mla(out: Path, quick: bool, sweep: bool) -> None:
     (out / "mla.json").write_text(json.dumps(res, indent=1))
     (out / "mla.md").write_text(decode_table(res))
     print(decode_table(res))
-    print(f"wrote {out / 'mla.json'}, {out / 'mla.md'}")
+    png = plot(res, out / "mla.png")
+    print(f"wrote {out / 'mla.json'}, {out / 'mla.md'}" + (f", {png}" if png else " (no matplotlib: no plot)"))
+
+
+def plot(res: dict, path: Path) -> Path | None:
+    """Decode: % of copy bandwidth (CUDA-graph replay) against cache rows per sequence, one line per batch size,
+    one panel per head count, with the 80% line of the target."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    heads = sorted({r["H"] for r in res["decode"]}, reverse=True)
+    fig, axes = plt.subplots(1, len(heads), figsize=(6 * len(heads), 4.5), squeeze=False)
+    for ax, H in zip(axes[0], heads):
+        for B in sorted({r["B"] for r in res["decode"] if r["H"] == H}):
+            rs = sorted((r for r in res["decode"] if r["H"] == H and r["B"] == B), key=lambda r: r["L"])
+            ax.plot([r["L"] for r in rs], [100 * r["graph_frac_copy"] for r in rs], "o-", label=f"B = {B}")
+        ax.axhline(80, color="k", linestyle=":", label="80% (target, large B x L)")
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(0, 100)
+        ax.set_xlabel("cache rows per sequence")
+        ax.set_ylabel("% of copy bandwidth (cache bytes)")
+        ax.set_title(f"MLA decode, {H} heads")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{res['machine']}, copy {res['copy_TBps']:.2f} TB/s, {res['date']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 def decode_table(res: dict) -> str:
