@@ -297,10 +297,10 @@ def mla_decode_wide_kernel(q, cache, cache_len, kv_desc, pe_desc,
 
 def split_rule(B: int, H: int, L: int, block_h: int, sms: int, fill: bool = False) -> int:
     """Splits of the cache length: enough programs for `waves` per SM (up to `whole_wave_heads` heads, opt-in: as
-    many as fit one wave), no chunk under `min_chunk` rows (the AOT
-    adapter, trt.py, calls it with a fixed SM count). fill (the wide tiles' `fill_waves`, for kernels that run
-    one program per SM at a time): of the counts from there up to twice it, the one whose last wave is fullest
-    (B = 32, 96 heads in blocks of 64: 6 splits, 384 programs = 2.9 waves of 132, instead of 5 = 2.4 waves)."""
+    many as fit one wave), no chunk under `min_chunk` rows (the AOT adapter, trt.py, calls it with a fixed SM
+    count). fill (the wide tiles' `fill_waves`, for kernels that run one program per SM at a time): of the counts
+    from there up to twice it, the one whose last wave is fullest (B = 32, 96 heads in blocks of 64: 6 splits, 384
+    programs = 2.9 waves of 132, instead of 5 = 2.4 waves)."""
     cfg = DECODE_CONFIG
     programs = B * triton.cdiv(H, block_h)
     want = triton.cdiv(cfg["waves"] * sms, programs)
