@@ -47,10 +47,7 @@ def main() -> None:
             for s in range(k):
                 eng.prefill([s], [prompt])
             tok = torch.zeros(a.slots, dtype=torch.int64, device="cuda")
-            ms = time_ms(lambda: eng.decode(tok), 5, a.steps, True)
-            for s in range(k):                                      # back to the context length for the next k
-                eng.state.lengths[s] = a.context
-                eng._host_lengths[s] = a.context
+            ms = time_ms(lambda: eng.decode(tok), 5, a.steps, True)      # the next k's prefills reset the lengths
             row = {"buckets": buckets, "active": k, "rows": eng.decode_rows(), "ms": statistics.median(ms)}
             rows.append(row)
             print(f"buckets={buckets!s:5} active={k:3d} rows={row['rows']:3d}: {row['ms']:.3f} ms", flush=True)
