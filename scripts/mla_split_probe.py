@@ -1,10 +1,10 @@
 """How many splits the MLA decode should cut a long cache into at small B (planning; GPU only). The split rule
 (`plugins.mla.kernels.split_rule`) asks for `waves` x SMs programs and chunks of at least `min_chunk` rows; every
 split writes a 2 KB fp32 partial per head that the combine reads back (at 96 heads, B = 1, 64k rows: 88 splits,
-34 MB of partials against a 75 MB cache). For each shape and setting: the split count, the CUDA-graph
-replay time of `mla_decode_fwd` (split + combine) and its error against the default's output. Settings: waves 2 rounded
-up for every head count (whole_wave_heads 0, the default) and whole_wave_heads 16 (up to 16 heads, the most splits
-that fit one wave; opt-in until this probe covers B = 128 and 16 heads at B = 16 / 64, which it now does).
+34 MB of partials against a 75 MB cache). For each shape and setting: the split count, the CUDA-graph replay time
+of `mla_decode_fwd` (split + combine) and its error against the default rule's output. Settings: waves 2 rounded up
+for every head count (whole_wave_heads 0) and whole_wave_heads 16 (up to 16 heads, the most splits that fit one
+wave; the default since this probe's run of 2026-11-30 22:20, docs/perf.md).
 
     python3 scripts/mla_split_probe.py [--out probe.json]
 """
@@ -38,7 +38,7 @@ def main() -> None:
             row = torch.randn(B, 576, device="cuda", dtype=torch.bfloat16)
             cl = torch.full((B,), L, device="cuda", dtype=torch.int64)
             ref = K.mla_decode_fwd(q, cache, row, cl, scale, 512).float()
-            for whole in (0, 16):                     # the default rule, and one wave up to 16 heads
+            for whole in (0, 16):                     # two waves for every head count; one wave up to 16 heads
                 waves, min_chunk = base["waves"], base["min_chunk"]
                 K.DECODE_CONFIG.update(whole_wave_heads=whole)
                 try:

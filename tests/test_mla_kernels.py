@@ -142,17 +142,19 @@ def test_wide_tiles_are_opt_in_and_fill_rule():
     assert K.split_rule(1, 96, 1024, 64, 132, fill=True) == 16        # capped by min_chunk as before
 
 
-def test_whole_wave_split_rule_is_opt_in(monkeypatch):
-    """`whole_wave_heads` (off by default): up to that many heads, the most splits that keep the programs within
-    one wave of SMs; more heads, and the default, keep two waves rounded up."""
+def test_whole_wave_split_rule(monkeypatch):
+    """`whole_wave_heads` (16 by default): up to that many heads, the most splits that keep the programs within one
+    wave of SMs; more heads, or the rule off (0), keep two waves rounded up."""
     from k3export.plugins.mla import kernels as K
-    assert K.DECODE_CONFIG["whole_wave_heads"] == 0
-    assert K.split_rule(1, 12, 65536, 16, 132) == 264 and K.split_rule(32, 12, 65536, 16, 132) == 9
-    monkeypatch.setitem(K.DECODE_CONFIG, "whole_wave_heads", 16)
+    assert K.DECODE_CONFIG["whole_wave_heads"] == 16
     assert K.split_rule(1, 12, 65536, 16, 132) == 132 and K.split_rule(32, 12, 65536, 16, 132) == 4
     assert K.split_rule(200, 12, 65536, 16, 132) == 1                  # more sequences than SMs: one split each
     assert K.split_rule(1, 16, 1024, 16, 132) == 16                    # still capped by min_chunk
-    assert K.split_rule(1, 96, 65536, 32, 132) == 88                   # many heads: as before
+    assert K.split_rule(64, 16, 1024, 16, 132) == 2                    # k3-small's MLA at B = 64 (5 with two waves)
+    assert K.split_rule(1, 96, 65536, 32, 132) == 88                   # many heads: two waves
+    monkeypatch.setitem(K.DECODE_CONFIG, "whole_wave_heads", 0)
+    assert K.split_rule(1, 12, 65536, 16, 132) == 264 and K.split_rule(32, 12, 65536, 16, 132) == 9
+    assert K.split_rule(64, 16, 1024, 16, 132) == 5
 
 
 def test_bad_shapes_are_named(interp):

@@ -38,13 +38,13 @@ def _sm_count(device: torch.device) -> int:
 # (docs/perf.md). Keys set in DECODE_CONFIG (the bench's sweep does that) override the tiles.
 # min_chunk: 256 until 2026-11-30; at B = 1 and short caches that left few programs with long serial loops
 # (k3-small, 16 heads, 1024 rows: 4 splits of 256 rows, 13.7 us per call in the compiled decode step).
-# whole_wave_heads (opt-in, 0 = off): up to this many heads (the few-heads tile, one program per SM) the splits fill
-# exactly one wave instead of `waves` rounded up. At 12 heads (H200 2026-11-30 21:55, scripts/mla_split_probe.py with
-# 16): B = 32, 64k rows 0.890 -> 0.652 ms (64% -> 87% of copy), B = 32, 8k 0.126 -> 0.101, B = 8, 64k 0.191 ->
-# 0.181, B = 1, 64k 0.070 -> 0.050, B = 1, 8k 0.027 -> 0.028 (fewer splits: fewer fp32 partials to write and
-# combine); with many heads it was slower (96 heads, B = 8, 8k: +20%). Not the default until B = 128 and k3-small's
-# 16 heads at B = 16 / 64 (other split counts) are timed: `bash scripts/gpu_pending.sh mlasplit`.
-DECODE_CONFIG = {"min_chunk": 64, "waves": 2, "whole_wave_heads": 0}
+# whole_wave_heads (0 = off): up to this many heads (the few-heads tile, one program per SM) the splits fill exactly
+# one wave instead of `waves` rounded up: fewer fp32 partials to write and combine. H200, scripts/mla_split_probe.py,
+# CUDA-graph replays (2026-11-30 22:20): 12 heads B = 32, 64k rows 0.891 -> 0.657 ms (64% -> 87% of copy), 8k 0.127 ->
+# 0.100; B = 8, 64k 0.190 -> 0.181; B = 1, 64k 0.070 -> 0.051; B = 128 equal (88.0 / 88.3% at 64k); k3-small's 16
+# heads at 1k rows B = 16 0.030 -> 0.026, B = 64 0.054 -> 0.041 (8k: 0.222 -> 0.182); B = 1, 8k 0.027 / 0.029 with
+# the same split count (noise). With many heads it was slower (96 heads, B = 8, 8k: +20%), so 16 heads at most.
+DECODE_CONFIG = {"min_chunk": 64, "waves": 2, "whole_wave_heads": 16}
 DECODE_TILES = {"few_heads": dict(block_h=16, block_n=64, num_warps=4, num_stages=3),    # H <= 16 (12 at TP=8)
                 "many_heads": dict(block_h=32, block_n=32, num_warps=4, num_stages=3)}  # e.g. 96
 # Candidates for many heads, `mla_decode_wide_kernel` (kernel="wide"; 16-bit inputs only, fp32 keeps the base
@@ -296,8 +296,8 @@ def mla_decode_wide_kernel(q, cache, cache_len, kv_desc, pe_desc,
 
 
 def split_rule(B: int, H: int, L: int, block_h: int, sms: int, fill: bool = False) -> int:
-    """Splits of the cache length: enough programs for `waves` per SM (up to `whole_wave_heads` heads, opt-in: as
-    many as fit one wave), no chunk under `min_chunk` rows (the AOT adapter, trt.py, calls it with a fixed SM
+    """Splits of the cache length: enough programs for `waves` per SM (up to `whole_wave_heads` heads: as many as
+    fit one wave), no chunk under `min_chunk` rows (the AOT adapter, trt.py, calls it with a fixed SM
     count). fill (the wide tiles' `fill_waves`, for kernels that run one program per SM at a time): of the counts
     from there up to twice it, the one whose last wave is fullest (B = 32, 96 heads in blocks of 64: 6 splits, 384
     programs = 2.9 waves of 132, instead of 5 = 2.4 waves)."""
