@@ -294,6 +294,7 @@ class Engine:
     `active` directly must turn it off."""
 
     MAX_PREFILL_GRAPHS = 32
+    PREFILL_AGE_EVERY = 256        # prefill calls between halvings of the shapes' sighting counts
 
     def __init__(self, backend: Backend, max_batch: int, max_len: int, cuda_graphs: bool = True,
                  prefill_buckets: bool | None = None, decode_buckets: bool | None = None):
@@ -318,7 +319,8 @@ class Engine:
         self._graphs_on = cuda_graphs and self.device.type == "cuda"
         self._prefill_graphs: OrderedDict[tuple[int, int], tuple] = OrderedDict()      # least recently used first
         self._prefill_pool = None                     # one memory pool for every prefill graph (replayed in turn)
-        self._prefill_seen: dict[tuple[int, int], int] = {}
+        self._prefill_seen: dict[tuple[int, int], int] = {}        # sightings per shape, halved every so often
+        self._prefill_calls = 0
         self.prefill_buckets = self._graphs_on if prefill_buckets is None else bool(prefill_buckets)
         views = getattr(backend, "state_views", False)
         self.decode_buckets = self._graphs_on and views if decode_buckets is None else bool(decode_buckets)
@@ -341,8 +343,7 @@ class Engine:
         bad = [s for s in slots if not 0 <= s < self.max_batch]
         if bad:
             raise ValueError(f"slots {bad} outside [0, {self.max_batch})")
-        active = self.active.tolist()
-        busy = [s for s in slots if active[s]]
+        busy = [s for s in slots if self._host_active[s]]          # the host copy: no wait on queued steps
         if busy:
             raise ValueError(f"slots {busy} hold active sequences; release them first (a prefill would overwrite "
                              "their state)")
@@ -390,24 +391,35 @@ class Engine:
         """The first prefill chunk (zero state, no cache rows). On a GPU a shape `(n, T)` seen a second time is
         captured as a CUDA graph and replayed from then on: the inputs other than ids/lengths are zeros, so the
         graph's static buffers need no refill. The graphs share one memory pool (their outputs are consumed before
-        the next prefill), so the memory they hold is about the largest one's, not the sum; past
-        `MAX_PREFILL_GRAPHS` the least recently used is dropped."""
+        the next prefill), so the memory they hold is about the largest one's, not the sum. At most
+        `MAX_PREFILL_GRAPHS` are kept; when full, a new shape takes the least recently used graph's place only if
+        it has been seen more often (sightings halved every `PREFILL_AGE_EVERY` prefills, so a new workload's
+        shapes get in): shapes cycling through more than the limit then keep a stable set of graphs and run the
+        rest launched, instead of paying a capture (a launched run and more) at every call."""
         n, T = ids.shape
         key = (n, T)
+        seen = self._prefill_seen
+        self._prefill_calls += 1
+        if self._prefill_calls % self.PREFILL_AGE_EVERY == 0:
+            self._prefill_seen = seen = {k: c // 2 for k, c in seen.items() if c // 2}
+        seen[key] = seen.get(key, 0) + 1
         g = self._prefill_graphs.get(key)
         if g is not None:
             self._prefill_graphs.move_to_end(key)
-        elif self._graphs_on and self._prefill_seen.get(key, 0) >= 1:
-            while len(self._prefill_graphs) >= self.MAX_PREFILL_GRAPHS:
-                self._prefill_graphs.popitem(last=False)
-            g = self._prefill_graphs[key] = self._capture_prefill(n, T)
+        elif self._graphs_on and seen[key] >= 2:
+            graphs = self._prefill_graphs
+            if len(graphs) >= self.MAX_PREFILL_GRAPHS:
+                victim = next(iter(graphs))
+                if seen[key] > seen.get(victim, 0):
+                    del graphs[victim]
+            if len(graphs) < self.MAX_PREFILL_GRAPHS:
+                g = graphs[key] = self._capture_prefill(n, T)
         if g is not None:
             graph, ids_buf, len_buf, outs, _ = g
             ids_buf.copy_(ids)
             len_buf.copy_(lengths)
             graph.replay()
             return outs
-        self._prefill_seen[key] = self._prefill_seen.get(key, 0) + 1
         return self._prefill_program()(ids, lengths, *self._zero_state(n))
 
     def _prefill_program(self):

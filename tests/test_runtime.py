@@ -309,15 +309,17 @@ def test_decode_buckets_default_and_fill_slots(model):
         eng.fill_slots(32)
 
 
-def test_prefill_graphs_are_kept_least_recently_used(model):
+def test_prefill_graphs_admission_and_eviction(model):
     """The engine's prefill graph bookkeeping, on CPU with a stand-in for CUDA-graph capture (a "replay" reruns the
-    program into the captured output buffers, as a graph does): a shape is captured when seen a second time,
-    replayed after, and past `MAX_PREFILL_GRAPHS` the least recently used graph is dropped; every prefill returns
-    the plain engine's logits, in a tensor of its own (graphs share one memory pool, so a graph's output buffer is
-    the next graph's scratch)."""
+    program into the captured output buffers, as a graph does): a shape is captured when seen a second time and
+    replayed after; when `MAX_PREFILL_GRAPHS` are kept, a new shape replaces the least recently used graph only if
+    it was seen more often, so shapes cycling through more than the limit keep a stable set instead of a capture
+    per call, and the halving of the counts lets a new workload in. Every prefill returns the plain engine's
+    logits, in a tensor of its own (graphs share one memory pool, so a graph's output buffer is the next graph's
+    scratch)."""
     eng = Engine(EagerBackend(model), max_batch=1, max_len=80, prefill_buckets=True)
     plain = Engine(EagerBackend(model), max_batch=1, max_len=80, prefill_buckets=True)
-    eng._graphs_on, eng.MAX_PREFILL_GRAPHS = True, 2
+    eng._graphs_on, eng.MAX_PREFILL_GRAPHS, eng.PREFILL_AGE_EVERY = True, 2, 16
     captures, buffers = [], []
 
     class Replay:
@@ -337,17 +339,32 @@ def test_prefill_graphs_are_kept_least_recently_used(model):
         return Replay(replay), ids, lengths, outs, zeros
     eng._capture_prefill = capture
     g = torch.Generator().manual_seed(3)
-    for n in (10, 12, 20, 21, 11, 40, 33, 22, 9):          # buckets 16, 16, 32, 32, 16, 64, 64, 32, 16
-        p = torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist()
-        a, b = eng.prefill([0], [p]), plain.prefill([0], [p])
-        assert torch.equal(a, b), n
-        assert all(a.data_ptr() != x.data_ptr() for x in buffers)
-        assert torch.equal(eng.state.kda_state, plain.state.kda_state)
-        eng.release(0)
-        plain.release(0)
-    # 64's capture drops 32 (16 was replayed since), 32's drops 16, 16's drops 64: each seen before, so recaptured
-    assert captures == [16, 32, 64, 32, 16]
-    assert list(eng._prefill_graphs) == [(1, 32), (1, 16)]
+
+    def prefill(lengths):
+        for n in lengths:
+            p = torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist()
+            a, b = eng.prefill([0], [p]), plain.prefill([0], [p])
+            assert torch.equal(a, b), n
+            assert all(a.data_ptr() != x.data_ptr() for x in buffers)
+            assert torch.equal(eng.state.kda_state, plain.state.kda_state)
+            eng.release(0)
+            plain.release(0)
+
+    # buckets 16, 32, 64 in turn, three rounds: 16 and 32 captured at their second sighting; 64 is never seen more
+    # often than the least recently used graph, so it runs launched (a capture per call under plain LRU)
+    prefill([10, 20, 40, 12, 21, 33, 11, 22, 50])
+    assert captures == [16, 32] and list(eng._prefill_graphs) == [(1, 16), (1, 32)]
+    # 64 becomes the hot shape: admitted once seen more often than the least recently used graph (16: 3 sightings)
+    prefill([60, 61])
+    assert captures == [16, 32, 64] and list(eng._prefill_graphs) == [(1, 32), (1, 64)]
+    # 32 and 64 replayed twice more (sightings 5 and 7); the 16th call halves every count (16: 3 -> 1, 32: 5 -> 2,
+    # 64: 7 -> 3) before counting itself, so 16 gets back in at its next sighting (3 > 32's 2), where without the
+    # halving it would need 6
+    prefill([22, 41, 23, 42, 9])
+    assert eng._prefill_seen == {(1, 16): 2, (1, 32): 2, (1, 64): 3}
+    assert captures == [16, 32, 64] and list(eng._prefill_graphs) == [(1, 32), (1, 64)]
+    prefill([10])
+    assert captures == [16, 32, 64, 16] and list(eng._prefill_graphs) == [(1, 64), (1, 16)]
 
 
 def test_prefill_last_equals_the_full_prefills_last_rows(model):
@@ -448,9 +465,9 @@ def test_bucketed_prefill_graph_replays_equal_plain_prefills_cuda():
 @pytest.mark.cuda
 def test_prefill_graphs_share_a_pool_and_are_evicted_cuda():
     """Prefill graphs of three buckets (32, 64, 128 tokens) in one memory pool, at most two kept: the 32-token
-    graph is replayed after the others' captures and replays wrote the shared pool, the 64-token one is dropped
-    and captured again, and every prefill leaves the last logits and state of an engine without graphs that pads
-    to the same buckets (the same kernels on the same shapes, launched: bit-identical on the H200, 2026-11-30
+    graph is replayed after the others' captures and replays wrote the shared pool, the 64-token one makes way
+    for the 128-token one (at its third sighting: seen more often) and comes back in its place, and every prefill
+    leaves the last logits and state of an engine without graphs that pads to the same buckets (the same kernels on the same shapes, launched: bit-identical on the H200, 2026-11-30
     21:28; bound 1e-4 of the largest value, as above, far below what reading another graph's scratch gives).
     Against an engine that does not pad, the 70 / 63-token pair padded to 128 gave MLA rows 1.05e-4 apart on the
     H200, 2026-11-30 21:26: fp32 rounding of other tilings, the Triton kernels' dots in TF32."""
@@ -460,7 +477,7 @@ def test_prefill_graphs_share_a_pool_and_are_evicted_cuda():
     plain = Engine(EagerBackend(model), max_batch=2, max_len=160, cuda_graphs=False, prefill_buckets=True)
     graphed.MAX_PREFILL_GRAPHS = 2
     kept, worst = set(), 0.0
-    for n in (20, 20, 40, 40, 21, 70, 70, 22, 41, 23, 71, 24):
+    for n in (20, 20, 40, 40, 21, 70, 70, 72, 22, 41, 42, 23, 24):
         p = [torch.randint(0, model.config.vocab_size, (m,), generator=g).tolist() for m in (n, n - 7)]
         a, b = graphed.prefill([0, 1], p), plain.prefill([0, 1], p)
         for x, y in ((a, b), (graphed.state.kda_state, plain.state.kda_state),
@@ -472,7 +489,7 @@ def test_prefill_graphs_share_a_pool_and_are_evicted_cuda():
         for e in (graphed, plain):
             e.release(0)
             e.release(1)
-    assert list(graphed._prefill_graphs) == [(2, 128), (2, 32)] and kept == {(2, 32), (2, 64), (2, 128)}
+    assert list(graphed._prefill_graphs) == [(2, 64), (2, 32)] and kept == {(2, 32), (2, 64), (2, 128)}
     print(f"prefill graphs in one pool vs launched, same buckets: worst {worst:.2e} of the largest value")
 
 
