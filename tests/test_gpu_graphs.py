@@ -33,5 +33,7 @@ def test_cuda_graphs_run_the_triton_kernels_and_match(tmp_path):
     del model
     ok, table = verify(tmp_path, run_onnx=False)
     print(table)
-    assert "k3::kda_decode, k3::kda_prefill, k3::mla_decode, k3::mla_prefill, k3::moe_routed" in table
+    registered = table.split("kernels registered for: ")[1].split(";")[0].split(", ")
+    for op in ("k3::kda_decode", "k3::kda_prefill", "k3::mla_decode", "k3::mla_prefill", "k3::moe_routed"):
+        assert op in registered, (op, registered)          # the graphs' ops (the serving-only ones may follow)
     assert ok, table
