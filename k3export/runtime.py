@@ -99,6 +99,21 @@ class EagerBackend:
         return self.model.forward_decode(*args)
 
 
+RECOMPILE_LIMIT = 64
+
+
+def raise_recompile_limit(limit: int = RECOMPILE_LIMIT) -> None:
+    """Let Dynamo keep up to `limit` compiled graphs per function (process-wide; never lowers it). The decode
+    programs compile with static shapes, one graph per (rows, max_len), and Dynamo keeps them on the code object
+    of `K3Model.forward_decode_`, shared by every model and engine in the process: an engine with decode buckets
+    needs 1 + log2(max_batch) of them, each other engine or model adds its own. Past Dynamo's default of 8 it runs
+    the function uncompiled from then on, with a log warning only: on the H200 (2026-11-30 22:45, `bench model`
+    with 9 decode shapes in one process) the 9th, a B = 1 generation, took 1.35 ms per token instead of 0.87."""
+    from torch._dynamo import config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, name, max(getattr(config, name), limit))
+
+
 def check_inductor_options(options: dict | None) -> None:
     """Refuse Inductor options the k3 graphs are known to break under. `triton.enable_pdl` (Inductor's own kernels
     launched with PDL, loading what it deems independent of the previous kernel before their wait) gave wrong
@@ -222,6 +237,7 @@ class CompileBackend(EagerBackend):
                 return model.forward_prefill_last(*args)
             fns = (frozen_prefill, frozen_decode, frozen_decode_, frozen_prefill_last)
         opts = dict(mode=mode) if options is None else dict(options=options)    # torch.compile takes one of them
+        raise_recompile_limit()
         self._prefill = torch.compile(fns[0], dynamic=None, **opts)   # static first, dynamic later
         if fns[3] is not None:
             self._prefill_last_fn = torch.compile(fns[3], dynamic=None, **opts)
