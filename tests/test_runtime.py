@@ -485,8 +485,9 @@ def test_prefill_graphs_share_a_pool_and_are_evicted_cuda():
     """Prefill graphs of three buckets (32, 64, 128 tokens) in one memory pool, at most two kept: the 32-token
     graph is replayed after the others' captures and replays wrote the shared pool, the 64-token one makes way
     for the 128-token one (at its third sighting: seen more often) and comes back in its place, and every prefill
-    leaves the last logits and state of an engine without graphs that pads to the same buckets (the same kernels on the same shapes, launched: bit-identical on the H200, 2026-11-30
-    21:28; bound 1e-4 of the largest value, as above, far below what reading another graph's scratch gives).
+    leaves the last logits and state of an engine without graphs that pads to the same buckets (the same kernels
+    on the same shapes, launched: bit-identical on the H200, 2026-11-30 21:28; passed again 22:29; bound 1e-4 of
+    the largest value, as above, far below what reading another graph's scratch gives).
     Against an engine that does not pad, the 70 / 63-token pair padded to 128 gave MLA rows 1.05e-4 apart on the
     H200, 2026-11-30 21:26: fp32 rounding of other tilings, the Triton kernels' dots in TF32."""
     model = random_model(K3Config.from_name("k3-tiny"), seed=0, device="cuda")
