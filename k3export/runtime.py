@@ -163,7 +163,9 @@ class CompileBackend(EagerBackend):
     (`packing.pair_experts`), which the MoE prefill kernel reads as one weight tile per step (H200, K3 shapes,
     8192 tokens: its gemm1 17.96 -> 16.30 ms, the op's output bit-identical); False unpairs a paired model.
     `gemv` (default, CUDA models): one-row linears (decode at B = 1) run `k3::gemv` instead of cuBLAS
-    (`packing.gemv_linears`). `pdl` (default, sm_90+): the decode calls (and so the CUDA graphs the Engine
+    (`packing.gemv_linears`); `gemv_rows` (opt-in, not yet timed) up to that many rows (2-4: decode at B = 2-4,
+    their x rows loaded in one batch, bench `compile-gemv4`), where cuBLAS runs without the weight prefetch and
+    the k3-small step at B = 2 is 3.1x its bytes floor (1.32 ms vs 0.88 at B = 1, H200 2026-11-30 22:47). `pdl` (default, sm_90+): the decode calls (and so the CUDA graphs the Engine
     captures from them) run inside `plugins.launch.pdl(True)`: our decode kernels are launched with programmatic
     dependent launch, and the GEMV loads its weights before it waits for its predecessor. H200, k3-small decode at
     B = 1 (`bench model`, 2026-11-30 11:39 and 12:00 UTC): cuBLAS without PDL 1.006 / 1.029 ms, GEMV without PDL
@@ -195,7 +197,8 @@ class CompileBackend(EagerBackend):
     def __init__(self, model, mode: str | None = None, cache_dir=None, freezing: bool = False, pack: bool = True,
                  fuse_norms: bool = True, inplace: bool = True, fuse_adds: bool = True, options: dict | None = None,
                  pair_experts: bool = True, gemv: bool = True, pdl: bool = True, glu: bool = False,
-                 moe_pdl: bool = False, fold_norm: bool = False, pdl_early: bool = True, fp8_cols: bool = True):
+                 moe_pdl: bool = False, fold_norm: bool = False, pdl_early: bool = True, fp8_cols: bool = True,
+                 gemv_rows: int = 1):
         check_inductor_options(options)
         super().__init__(model)
         from k3export.model import packing
@@ -210,7 +213,7 @@ class CompileBackend(EagerBackend):
         self.packed = packing.pack_projections(model, glu=glu and cuda, fold_norm=fold_norm and cuda,
                                                fp8_cols=fp8_cols and cuda) if pack else 0
         self.fused = packing.fuse_norms(model, adds=fuse_adds) if fuse_norms else 0
-        self.gemv = packing.gemv_linears(model) if gemv and dev.type == "cuda" else 0
+        self.gemv = packing.gemv_linears(model, rows=gemv_rows) if gemv and dev.type == "cuda" else 0
         self.pdl = bool(pdl and dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9)
         self.moe_pdl = moe_pdl
         self.pdl_early = bool(pdl_early and self.pdl)

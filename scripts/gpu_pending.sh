@@ -36,6 +36,9 @@
 #            weights loaded before the wait (M = $GEMVPDL_M, default "1 4"), then the FP8 chain (--fp8: split-K
 #            weight-only GEMV vs plugins.gemv with E4M3 weights)
 #   pdltest  tests/test_pdl.py's cuda tests (PDL chain in a CUDA graph; k3-small compile with / without PDL bit-identical)
+#   gemv4    k3::gemv at 2-4 rows (x rows loaded in one batch): its cuda tests (vs fp64, == rows in turn; k3-tiny
+#            `CompileBackend(gemv_rows=4)` tokens at B = 2 / 4), then scripts/ab_decode.py --backends
+#            compile,compile-gemv4 at B = $GEMV4_BATCHES (default "2 4"), k3-small
 #   gemvtest the k3::gemv cuda tests (K3 shapes vs fp64, PDL chain in a CUDA graph, k3-small compile-gemv-pdl tokens)
 #   ab       scripts/ab_decode.py --env $AB_ENV (NAME=A,B, a switch read at launch time): one switch A/B on the k3-small
 #            decode step, settings interleaved over rounds in one process (the script also takes several --env,
@@ -122,6 +125,10 @@ for part in $parts; do
              --out "$OUT/ab.json" > "$OUT/ab.log" 2>&1 ;;
     normtest) timeout 150 python3 -m pytest -q -m cuda tests/test_gemv.py -s -rs -k "norm or swaps" -p no:cacheprovider \
              > "$OUT/normtest.log" 2>&1 ;;
+    gemv4) timeout 150 python3 -m pytest -q -m cuda tests/test_gemv.py -s -rs -k "batched or gemv4" -p no:cacheprovider \
+             > "$OUT/test-gemv4.log" 2>&1
+           for b in ${GEMV4_BATCHES:-2 4}; do timeout 200 python3 scripts/ab_decode.py --backends compile,compile-gemv4 \
+             --batch $b --rounds 3 --out "$OUT/ab-gemv4-b$b.json" > "$OUT/ab-gemv4-b$b.log" 2>&1; done ;;
     gemvtest) timeout 240 python3 -m pytest -q -m cuda tests/test_gemv.py -s -rs -p no:cacheprovider > "$OUT/gemvtest.log" 2>&1 ;;
     gemvpdl) for m in ${GEMVPDL_M:-1 4}; do timeout 90 python3 scripts/gemv_pdl_probe.py --m $m --out "$OUT/gemvpdl-m$m.json"; done \
              > "$OUT/gemvpdl.log" 2>&1

@@ -68,6 +68,14 @@ def _interpreter_cases() -> dict:
     res["strided"] = _worst(G.gemv_fwd(wide[:, 10:266], w), x, w, BF16_ULP)          # rows 300 apart
     y3 = G.gemv_fwd(x.view(2, 1, 256), w)
     res["leading_dims"] = 0.0 if y3.shape == (2, 1, 96) and torch.equal(y3.view(2, 96), G.gemv_fwd(x, w)) else 9.0
+    for M, dtype in ((2, torch.bfloat16), (3, torch.float32), (4, torch.float16)):  # x rows in one batch vs in turn
+        x, w = _inputs(M, 40, 300, dtype, seed=M)
+        batched, turn = G.gemv_fwd(x, w), G.gemv_fwd(x, w, BLOCK_M=0)
+        res[f"batched-{M}-{dtype}"] = 0.0 if torch.equal(batched, turn) and _worst(batched, x, w, _bound(dtype)) <= 1 \
+            else 9.0
+    x, q, ws = _fp8_inputs(3, 72, 256, True, seed=9)
+    res["batched-fp8"] = 0.0 if torch.equal(G.gemv_fwd(x, q, w_scale=ws), G.gemv_fwd(x, q, w_scale=ws, BLOCK_M=0)) \
+        else 9.0
     from k3export.fp8 import _fp8_gemv, fp8_linear_wo_ref
     for per_channel in (True, False):                  # E4M3 weights, weight-only: vs fp8_linear_wo_ref in fp64
         x, q, ws = _fp8_inputs(1, 300, 1792, per_channel, seed=7)
@@ -174,8 +182,9 @@ def test_gemv_interpreter_vs_fp64(interp):
     FP8 reference in fp64 (`fp8_linear_wo_ref`; the kernel scales after the sum, the reference before: the same
     value up to fp32 rounding), the FP8 one-row path declines two rows, and the SiTU-GLU GEMV's plain rows and
     activations (fp32, bf16; with and without plain rows; an odd pair count) against `gemv_glu_ref` in fp64:
-    every ratio error / bound <= 1."""
-    assert len(interp) == len(CASES) + 5 + 5 + 3 + 3
+    every ratio error / bound <= 1. 2-4 rows loading their x in one batch (the default there) equal the rows
+    taken in turn bit for bit (bf16, fp32, fp16, E4M3 with scales)."""
+    assert len(interp) == len(CASES) + 5 + 4 + 5 + 3 + 3
     bad = {k: v for k, v in interp.items() if not v <= 1.0}
     assert not bad, bad
 
@@ -197,22 +206,37 @@ def _ptx(w="*bf16", **cx):
     from k3export.plugins.aot import compile_ptx
     sig = dict(x="*bf16", w=w, y="*bf16", M="i32", N="i32", K="i32", stride_xm="i32", stride_ym="i32",
                BLOCK_N="constexpr", BLOCK_K="constexpr", PDL="constexpr", PREFETCH="constexpr", EARLY="constexpr",
-               w_scale="*fp32" if cx.get("SCALE") else "constexpr", SCALE="constexpr")
-    base = dict(BLOCK_N=8, BLOCK_K=2048, PREFETCH=True, EARLY=False, SCALE=0)
+               w_scale="*fp32" if cx.get("SCALE") else "constexpr", SCALE="constexpr", BLOCK_M="constexpr")
+    base = dict(BLOCK_N=8, BLOCK_K=2048, PREFETCH=True, EARLY=False, SCALE=0, BLOCK_M=0)
     if not cx.get("SCALE"):
         base["w_scale"] = None
     return compile_ptx(G.gemv_fwd_kernel, sig, {**base, **cx}, 8).ptx
 
 
-def _order(ptx: str) -> list[str]:
-    """griddepcontrol and global loads, in program order."""
+def _order(ptx: str, stores: bool = False) -> list[str]:
+    """griddepcontrol and global loads (and stores), in program order."""
     out = []
+    pat = r"(griddepcontrol\.\w+|ld\.global[.\w]*" + (r"|st\.global[.\w]*)" if stores else ")")
     for line in ptx.split(".section")[0].splitlines():
         t = line.split("//")[0].strip()
-        m = re.search(r"(griddepcontrol\.\w+|ld\.global[.\w]*)", t)
+        m = re.search(pat, t)
         if m:
-            out.append("wait" if "wait" in m.group(1) else "signal" if "launch" in m.group(1) else "load")
+            g = m.group(1)
+            out.append("wait" if "wait" in g else "signal" if "launch" in g else "store" if g.startswith("st") else
+                       "load")
     return out
+
+
+def test_ptx_batched_rows_load_every_x_row_before_the_first_store():
+    """BLOCK_M = 4 (sm_90, PDL): the weight tile before the wait as with one row, then every x row's loads, then
+    the stores (one dependent round trip for the rows instead of one per row)."""
+    order = _order(_ptx(PDL=True, BLOCK_M=4), stores=True)
+    wait = order.index("wait")
+    assert wait > 0 and order[:wait] == ["load"] * wait
+    after = order[wait + 1:]
+    first_store = after.index("store")
+    assert after[:first_store].count("load") >= 4 and "load" not in after[first_store:]
+    assert after[first_store:].count("store") >= 4
 
 
 def test_ptx_weight_loads_before_the_wait_x_after():
@@ -295,6 +319,26 @@ def test_gemv_linears_swaps_classes_only(tiny):
     finally:
         packing.unpack_projections(model)
     assert not any(type(m) is packing.GemvLinear for m in packing._linears(model))
+
+
+def test_gemv_linears_rows(tiny):
+    """`gemv_linears(rows=)` sets how many rows a GemvLinear sends to `k3::gemv` (1 by default, the class's), kept
+    per module and dropped when the swap is undone; the batched-rows rule of the kernel launcher."""
+    from k3export.model import packing
+    assert [G.batched_rows(m) for m in (1, 2, 3, 4, 5, 16)] == [0, 2, 4, 4, 0, 0]
+    try:
+        packing.gemv_linears(tiny, rows=4)
+        assert {m.gemv_rows for m in packing._linears(tiny) if type(m) is packing.GemvLinear} == {4}
+        packing.gemv_linears(tiny)
+        assert all("gemv_rows" not in m.__dict__ and m.gemv_rows == 1
+                   for m in packing._linears(tiny) if type(m) is packing.GemvLinear)
+        packing.gemv_linears(tiny, rows=2)
+        packing.gemv_linears(tiny, on=False)
+        assert not any("gemv_rows" in m.__dict__ for m in packing._linears(tiny))
+        with pytest.raises(ValueError, match="rows must be >= 1"):
+            packing.gemv_linears(tiny, rows=0)
+    finally:
+        packing.unpack_projections(tiny)
 
 
 def test_kda_decode_inplace_still_folds_f_b_proj_under_gemv(tiny):
@@ -587,6 +631,56 @@ def test_gemv_chain_in_a_cuda_graph_with_pdl_same_bits():
             torch.cuda.synchronize()
             for i, (a, b) in enumerate(zip(ys, ref)):
                 assert torch.equal(a, b), (on, early, i)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("M", [2, 3, 4])
+@pytest.mark.parametrize("name,N,K", [SHAPES[0], SHAPES[4], SHAPES[5]])
+def test_gemv_batched_rows_cuda(name, N, K, M):
+    """2-4 rows with their x loaded in one batch (`batched_rows`): each output within half a bf16 ulp of the fp64
+    product plus the fp32 accumulation, and bit-identical to the same rows taken in turn (BLOCK_M 0)."""
+    x, w = _inputs(M, N, K, torch.bfloat16, seed=N + K + M, device="cuda")
+    y = G.gemv_fwd(x, w)
+    err = _check(y, x, w, 2.0 ** -8 + 1e-5)
+    assert torch.equal(y, G.gemv_fwd(x, w, BLOCK_M=0))
+    print(f"{name} [{N}, {K}] x {M} rows: rel err {err:.2e}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("B", [2, 4])
+def test_k3_tiny_fp32_compile_gemv4_generates_eager_tokens(B):
+    """`CompileBackend(gemv_rows=4)` (bench `compile-gemv4`): B = 2 / 4 prompts decoding together, k3-tiny fp32 on
+    the GPU: the greedy tokens of the eager model. A GemvLinear sends 1-4 rows to `k3::gemv`, 5 to `F.linear`."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from k3export.config import K3Config
+    from k3export.generate import generate
+    from k3export.model import packing
+    from k3export.model.weights import random_model
+    from k3export.runtime import CompileBackend, Engine, Generator
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+    model = random_model(K3Config.from_name("k3-tiny"), seed=0, device="cuda")
+    prompts = [[5, 17, 3, 99, 42, 7, 1, 64], [9, 2, 33], [70, 71, 72, 73, 74], [1]][:B]
+    ref = generate(model, prompts, 8)
+    backend = CompileBackend(model, gemv_rows=4)
+    try:
+        head = model.lm_head
+        assert type(head) is packing.GemvLinear and head.gemv_rows == 4
+        for rows, op in ((1, "k3.gemv"), (4, "k3.gemv"), (5, "aten.mm")):
+            with torch.no_grad(), Ops() as ops:
+                head(torch.randn(rows, model.config.hidden_size, device="cuda"))
+            assert op in ops.seen, (rows, ops.seen)
+        out = Generator(Engine(backend, max_batch=B, max_len=32)).generate(prompts, 8)
+    finally:
+        packing.unpack_projections(model)
+    assert out == ref
 
 
 @pytest.mark.cuda

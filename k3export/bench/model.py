@@ -13,6 +13,7 @@ each hold `context` tokens (`Engine.decode`, state commit included). Backends:
     compile-glu     `compile` with SiTU-GLU in the one-row GEMV of the MoE / MLP input projections (`k3::gemv_glu`)
     compile-moepdl  `compile` with the MoE decode kernels (router, top-k, pair GEMVs) on PDL too
     compile-nofp8cols `compile` with an FP8 model's MoE output pair (FP8 up + shared down) as two launches
+    compile-gemv4   `compile` with linears of up to 4 rows (decode at B = 2-4) on `k3::gemv` too
     aoti      an AOTInductor engine from `k3export build` (built or reused under --engines), CUDA graphs on top
 
 Napkin math beside every time. Decode floor = bytes a step must move / measured copy bandwidth: every weight
@@ -49,7 +50,7 @@ COMPILE_VARIANTS = {"compile": {}, "compile-frozen": {"freezing": True}, "compil
                     "compile-cublas": {"gemv": False}, "compile-cublas-nopdl": {"gemv": False, "pdl": False},
                     "compile-glu": {"glu": True},
                     "compile-moepdl": {"moe_pdl": True}, "compile-norm": {"fold_norm": True},
-                    "compile-nofp8cols": {"fp8_cols": False},
+                    "compile-nofp8cols": {"fp8_cols": False}, "compile-gemv4": {"gemv_rows": 4},
                     "compile-fast": {"glu": True, "moe_pdl": True, "fold_norm": True}}
 BACKENDS = ("eager", "graph", *COMPILE_VARIANTS, "aoti")
 

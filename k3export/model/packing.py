@@ -429,14 +429,15 @@ def unpair_experts(model: nn.Module) -> int:
 
 
 class GemvLinear(nn.Linear):
-    """A bias-free `nn.Linear` whose one-row calls on CUDA run `k3::gemv` (fp32 accumulation like cuBLAS, another
-    summation order); other calls are `F.linear`. Only the class changes (`gemv_linears`): parameters, names and
-    `state_dict` are the Linear's."""
+    """A bias-free `nn.Linear` whose calls of at most `gemv_rows` rows on CUDA (1 unless `gemv_linears(rows=)` set
+    more) run `k3::gemv` (fp32 accumulation like cuBLAS, another summation order); other calls are `F.linear`. Only
+    the class changes (`gemv_linears`): parameters, names and `state_dict` are the Linear's."""
 
     plain_linear = True          # computes F.linear(x, weight): code that folds a plain Linear may fold this one
+    gemv_rows = 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and x.numel() == x.shape[-1] and self.bias is None:
+        if x.is_cuda and x.numel() <= self.gemv_rows * x.shape[-1] and self.bias is None:
             from k3export.plugins.gemv.kernels import supported
             if supported(x, self.weight):
                 return torch.ops.k3.gemv(x, self.weight)
@@ -453,15 +454,23 @@ def _linears(model: nn.Module):
                 yield from swap.modules()
 
 
-def gemv_linears(model: nn.Module, on: bool = True) -> int:
-    """Make every bias-free `nn.Linear` of the model (and of its packed GEMMs: pack first) a `GemvLinear`, or
+def gemv_linears(model: nn.Module, on: bool = True, rows: int = 1) -> int:
+    """Make every bias-free `nn.Linear` of the model (and of its packed GEMMs: pack first) a `GemvLinear` taking
+    calls of up to `rows` rows (1: decode at B = 1; up to `kernels.MAX_BATCHED_ROWS` load their x in one batch), or
     (`on` False) every `GemvLinear` an `nn.Linear` again. Returns how many GemvLinears the model has afterwards."""
     import k3export.plugins.gemv.op  # noqa: F401  (registers k3::gemv)
+    if rows < 1:
+        raise ValueError(f"gemv_linears: rows must be >= 1, got {rows}")
     for m in _linears(model):
-        if on and type(m) is nn.Linear and m.bias is None:
+        if on and type(m) in (nn.Linear, GemvLinear) and m.bias is None:
             m.__class__ = GemvLinear
+            if rows == 1:
+                m.__dict__.pop("gemv_rows", None)
+            else:
+                m.gemv_rows = rows
         elif not on and type(m) is GemvLinear:
             m.__class__ = nn.Linear
+            m.__dict__.pop("gemv_rows", None)
     return sum(type(m) is GemvLinear for m in _linears(model))
 
 

@@ -42,16 +42,30 @@ EARLY = os.environ.get("K3_GEMV_EARLY", "1") == "1"
 @triton.jit
 def gemv_fwd_kernel(x, w, y, M, N, K, stride_xm, stride_ym, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     PDL: tl.constexpr = False, PREFETCH: tl.constexpr = True, EARLY: tl.constexpr = False,
-                    w_scale=None, SCALE: tl.constexpr = 0):
+                    w_scale=None, SCALE: tl.constexpr = 0, BLOCK_M: tl.constexpr = 0):
     """y[m, n] = sum_k x[m, k] w[n, k] (* w_scale), rows n of this program, every m < M; w row-major [N, K]
     (contiguous; any float type, E4M3 included: widened to fp32 in registers). SCALE 0: none; 1: one fp32 scale;
     2: fp32 per output row (FP8 weight-only, `fp8.fp8_linear_wo_ref`). PREFETCH: the weight tile (and its scales)
     is loaded before the PDL wait (else after it); EARLY: the dependents' launch is signalled before anything else
-    (else right after the wait). Both only matter with PDL."""
+    (else right after the wait). Both only matter with PDL.
+    BLOCK_M 0: the x rows one after another, each loaded when its turn comes (M dependent round trips after the
+    wait); BLOCK_M >= M (a power of two): all M rows loaded in one batch, then the same per-row sums (bit-identical
+    to the loop: each row is taken out of the batch exactly)."""
     rows, ks, n_ok, k_ok, wf, sc = _weight_rows(w, w_scale, N, K, BLOCK_N, BLOCK_K, PDL, PREFETCH, EARLY, SCALE)
-    for m in range(M):
-        acc = _row_dot(x + m * stride_xm, ks, k_ok, wf, sc, SCALE)
-        tl.store(y + m * stride_ym + rows, acc.to(y.dtype.element_ty), mask=n_ok)
+    if BLOCK_M == 0:
+        for m in range(M):
+            acc = _row_dot(x + m * stride_xm, ks, k_ok, wf, sc, SCALE)
+            tl.store(y + m * stride_ym + rows, acc.to(y.dtype.element_ty), mask=n_ok)
+    else:
+        ms = tl.arange(0, BLOCK_M)
+        xt = tl.load(x + ms[:, None] * stride_xm + ks[None, :], mask=(ms < M)[:, None] & k_ok[None, :],
+                     other=0.0).to(tl.float32)
+        for m in tl.static_range(BLOCK_M):
+            xm = tl.sum(tl.where(ms[:, None] == m, xt, 0.0), 0)          # row m: one value and zeros per column
+            acc = tl.sum(wf * xm[None, :], 1)
+            if SCALE != 0:
+                acc = acc * sc
+            tl.store(y + m * stride_ym + rows, acc.to(y.dtype.element_ty), mask=n_ok & (rows * 0 + m < M))
 
 
 @triton.jit
@@ -214,11 +228,15 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
+MAX_BATCHED_ROWS = 4      # up to this many x rows are loaded in one batch (`gemv_fwd_kernel` BLOCK_M), more in turn
+
+
 def gemv_fwd(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, tile=None,
              w_scale: torch.Tensor | None = None, **flags) -> torch.Tensor:
     """x [..., K] @ w[N, K]^T (* w_scale: `[]` or `[N]` fp32, for E4M3 weights) -> [..., N] in x's dtype (fp32
     accumulation). `tile` overrides `gemv_tile`; `flags` (PDL / PREFETCH / EARLY, and launch_pdl) go to the launch
-    as they are (`plugins.launch.pdl_args` gives PDL's)."""
+    as they are (`plugins.launch.pdl_args` gives PDL's). 2 to `MAX_BATCHED_ROWS` rows load their x in one batch
+    (BLOCK_M; one row and more than that many: one row at a time, as before)."""
     K, N = x.shape[-1], w.shape[0]
     x2 = _rows(x)
     M = x2.shape[0]
@@ -226,9 +244,15 @@ def gemv_fwd(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, 
     bn, bk, nw = tile or gemv_tile(N, K)
     if w_scale is not None:
         flags.update(w_scale=w_scale.contiguous(), SCALE=_scale_mode(w_scale))
+    flags.setdefault("BLOCK_M", batched_rows(M))
     launch(gemv_fwd_kernel)[(triton.cdiv(N, bn),)](x2, w, y, M, N, K, x2.stride(0), y.stride(0), BLOCK_N=bn,
                                                     BLOCK_K=bk, num_warps=nw, **flags)
     return y.view(*x.shape[:-1], N)
+
+
+def batched_rows(M: int) -> int:
+    """`gemv_fwd_kernel`'s BLOCK_M for M rows: the next power of two for 2..MAX_BATCHED_ROWS, else 0 (in turn)."""
+    return triton.next_power_of_2(M) if 2 <= M <= MAX_BATCHED_ROWS else 0
 
 
 def glu_supported(x: torch.Tensor, w: torch.Tensor, n_plain: int) -> bool:
