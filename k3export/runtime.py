@@ -165,9 +165,10 @@ class CompileBackend(EagerBackend):
     `gemv` (default, CUDA models): one-row linears (decode at B = 1) run `k3::gemv` instead of cuBLAS
     (`packing.gemv_linears`); `gemv_rows` (opt-in, not yet timed) up to that many rows (2-4: decode at B = 2-4,
     their x rows loaded in one batch, bench `compile-gemv4`), where cuBLAS runs without the weight prefetch and
-    the k3-small step at B = 2 is 3.1x its bytes floor (1.32 ms vs 0.88 at B = 1, H200 2026-11-30 22:47). `pdl` (default, sm_90+): the decode calls (and so the CUDA graphs the Engine
-    captures from them) run inside `plugins.launch.pdl(True)`: our decode kernels are launched with programmatic
-    dependent launch, and the GEMV loads its weights before it waits for its predecessor. H200, k3-small decode at
+    the k3-small step at B = 2 is 3.1x its bytes floor (1.32 ms vs 0.88 at B = 1, H200 2026-11-30 22:47).
+    `pdl` (default, sm_90+): the decode calls (and so the CUDA graphs the Engine captures from them) run inside
+    `plugins.launch.pdl(True)`: our decode kernels are launched with programmatic dependent launch, and the GEMV
+    loads its weights before it waits for its predecessor. H200, k3-small decode at
     B = 1 (`bench model`, 2026-11-30 11:39 and 12:00 UTC): cuBLAS without PDL 1.006 / 1.029 ms, GEMV without PDL
     1.002 / 0.964, GEMV + PDL 0.890 / 0.895 (bench backends `compile-cublas-nopdl`, `compile-nopdl`, `compile`);
     B = 16 unchanged (1.70-1.72). `pdl_early` (default, with `pdl`): our decode

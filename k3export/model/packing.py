@@ -437,7 +437,7 @@ class GemvLinear(nn.Linear):
     gemv_rows = 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and x.numel() <= self.gemv_rows * x.shape[-1] and self.bias is None:
+        if x.is_cuda and 0 < x.numel() <= self.gemv_rows * x.shape[-1] and self.bias is None:
             from k3export.plugins.gemv.kernels import supported
             if supported(x, self.weight):
                 return torch.ops.k3.gemv(x, self.weight)
