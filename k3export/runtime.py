@@ -114,6 +114,27 @@ def raise_recompile_limit(limit: int = RECOMPILE_LIMIT) -> None:
     setattr(config, name, max(getattr(config, name), limit))
 
 
+@contextlib.contextmanager
+def dynamo_limit_watch():
+    """Count Dynamo's "hit config.recompile_limit" warnings while the block runs (yields a dict whose "hits" is the
+    count so far): past that limit a compiled function runs uncompiled, so a benchmark row timed after it is not
+    the backend it names (`bench model` reports it per backend)."""
+    import logging
+
+    class Watch(logging.Handler):
+        def emit(self, record):
+            if "hit config." in record.getMessage():
+                seen["hits"] += 1
+
+    seen = {"hits": 0}
+    log, handler = logging.getLogger("torch._dynamo.convert_frame"), Watch(logging.WARNING)
+    log.addHandler(handler)
+    try:
+        yield seen
+    finally:
+        log.removeHandler(handler)
+
+
 def check_inductor_options(options: dict | None) -> None:
     """Refuse Inductor options the k3 graphs are known to break under. `triton.enable_pdl` (Inductor's own kernels
     launched with PDL, loading what it deems independent of the previous kernel before their wait) gave wrong

@@ -137,6 +137,24 @@ def test_compile_backend_keeps_compiling_past_dynamos_default_limit():
     assert counters["stats"]["unique_graphs"] - before == 10
 
 
+def test_dynamo_limit_watch_counts_the_fallbacks():
+    """`dynamo_limit_watch` (what `bench model` reports per backend) counts Dynamo's recompile-limit warnings: a
+    static-shape function under a limit of 2 compiles two shapes, then warns and runs the third uncompiled."""
+    from torch._dynamo import config
+    from k3export.runtime import dynamo_limit_watch
+
+    def f(x):
+        return torch.relu(x) * 2
+    g = torch.compile(f, dynamic=False, backend="eager")
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    with config.patch(**{name: 2}), dynamo_limit_watch() as watch:
+        for n in (3, 4):
+            g(torch.randn(n))
+        assert watch["hits"] == 0
+        torch.testing.assert_close(g(torch.randn(5)).shape, torch.Size([5]))
+        assert watch["hits"] == 1
+
+
 def test_frozen_compile_after_plain_compile_really_freezes():
     """`compile-frozen` after `compile` of the same model in one process compiles its own frozen graph. On the H200
     (torch 2.11) it reused the plain graph before the frozen backend traced its own wrappers; torch 2.13 here did

@@ -376,7 +376,13 @@ def model_bench(ctx, preset, dtype, device, backends, prefill_lengths, batches, 
                 bar.update(len(args["prefill_lengths"]) + len(args["batches"]) * len(args["contexts"]))
                 continue
             builds[name] = info
-            rows += run_backend(name, backend, graphs, model, args, bw, rate, pb, bar)
+            from k3export.runtime import dynamo_limit_watch
+            with dynamo_limit_watch() as watch:
+                rows += run_backend(name, backend, graphs, model, args, bw, rate, pb, bar)
+            if watch["hits"]:                       # Dynamo fell back to running uncompiled: say so, loudly
+                info["dynamo_recompile_limit_hit"] = watch["hits"]
+                bar.write(f"WARNING {name}: Dynamo hit its recompile limit {watch['hits']} time(s): rows timed after "
+                          "that ran uncompiled (raise torch._dynamo.config.recompile_limit)")
             (out / "model.partial.json").write_text(json.dumps({"builds": builds, "rows": rows}, indent=2))
             del backend
             if cuda:
