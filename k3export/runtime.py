@@ -611,11 +611,15 @@ class Engine:
                 self._bucket_graphs[n] = self._capture_step(n, pool=self._graph.pool())
             except Exception as e:                                                    # noqa: BLE001
                 self._bucket_graphs[n] = None
-                self.graph_error = f"{n} slots: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                torch.cuda.synchronize()
+                self._capture_failed(e, f"{n} slots: ")
             for t, v in zip(self._rows(n)[:5], saved):
                 t.copy_(v)
         return self._bucket_graphs[n]
+
+    def _capture_failed(self, e: Exception, where: str = "") -> None:
+        """Record why a capture failed (`graph_error`: its first line) and let the aborted capture's work drain."""
+        self.graph_error = f"{where}{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        torch.cuda.synchronize()
 
     def _capture_step(self, n: int | None = None, pool=None) -> tuple:
         """(graph, logits, greedy graph, greedy logits) of the n-slot step (default all), after warm-up runs on a
@@ -645,8 +649,7 @@ class Engine:
         except Exception as e:                                                        # noqa: BLE001
             self._graph, self._graph_logits, self._greedy_graph, self._greedy_logits = None, None, None, None
             self.last_logits = None
-            self.graph_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            torch.cuda.synchronize()
+            self._capture_failed(e)
         for t in (s.kda_conv, s.kda_state, s.mla_cache, s.lengths):
             t.zero_()
 

@@ -41,6 +41,7 @@ import click
 import torch
 
 from k3export.bench import bench
+from k3export.runtime import dynamo_limit_watch
 
 # The `compile` backend and variants that turn one of its serving choices off (or Inductor freezing on), for
 # measuring what each choice is worth: CompileBackend keyword arguments per name.
@@ -376,7 +377,6 @@ def model_bench(ctx, preset, dtype, device, backends, prefill_lengths, batches, 
                 bar.update(len(args["prefill_lengths"]) + len(args["batches"]) * len(args["contexts"]))
                 continue
             builds[name] = info
-            from k3export.runtime import dynamo_limit_watch
             with dynamo_limit_watch() as watch:
                 rows += run_backend(name, backend, graphs, model, args, bw, rate, pb, bar)
             if watch["hits"]:                       # Dynamo fell back to running uncompiled: say so, loudly
