@@ -184,9 +184,11 @@ class CompileBackend(EagerBackend):
     (`packing.pair_experts`), which the MoE prefill kernel reads as one weight tile per step (H200, K3 shapes,
     8192 tokens: its gemm1 17.96 -> 16.30 ms, the op's output bit-identical); False unpairs a paired model.
     `gemv` (default, CUDA models): one-row linears (decode at B = 1) run `k3::gemv` instead of cuBLAS
-    (`packing.gemv_linears`); `gemv_rows` (opt-in, not yet timed) up to that many rows (2-4: decode at B = 2-4,
-    their x rows loaded in one batch, bench `compile-gemv4`), where cuBLAS runs without the weight prefetch and
-    the k3-small step at B = 2 is 3.1x its bytes floor (1.32 ms vs 0.88 at B = 1, H200 2026-11-30 22:47).
+    (`packing.gemv_linears`); `gemv_rows` (default 2) up to that many rows (their x rows loaded in one batch;
+    decode at B = 2 then runs every linear on the GEMV with its weight prefetch instead of cuBLAS). k3-small at
+    B = 2 (`scripts/ab_decode.py --backends compile,compile-gemv4`, 3 interleaved rounds of 200 steps, H200
+    2026-11-30 23:42): rows 1 1.298 ms, rows 4 1.205 (faster in 3 of 3 rounds); at B = 4 rows 1 1.466, rows 4
+    1.503 (slower in 2 of 3), so 3-4 rows stay on cuBLAS. Bench `compile-gemv1` / `compile-gemv4` for A/B.
     `pdl` (default, sm_90+): the decode calls (and so the CUDA graphs the Engine captures from them) run inside
     `plugins.launch.pdl(True)`: our decode kernels are launched with programmatic dependent launch, and the GEMV
     loads its weights before it waits for its predecessor. H200, k3-small decode at
@@ -220,7 +222,7 @@ class CompileBackend(EagerBackend):
                  fuse_norms: bool = True, inplace: bool = True, fuse_adds: bool = True, options: dict | None = None,
                  pair_experts: bool = True, gemv: bool = True, pdl: bool = True, glu: bool = False,
                  moe_pdl: bool = False, fold_norm: bool = False, pdl_early: bool = True, fp8_cols: bool = True,
-                 gemv_rows: int = 1):
+                 gemv_rows: int = 2):
         check_inductor_options(options)
         super().__init__(model)
         from k3export.model import packing

@@ -1,8 +1,6 @@
 #!/usr/bin/env bash
 # What is owed to the GPU, one part per argument, each under its own time limit (device tool, carry [".whl"]; logs
-# under $OUT). Each part below has run at least once (results in docs/perf.md) except where it says not yet. Owed
-# (2026-11-30 23:10, ~6 min): `bash scripts/gpu_pending.sh gemv4` (k3::gemv at 2-4 rows: cuda tests, then
-# compile vs compile-gemv4 at B = 2 and 4; if it is faster, make CompileBackend's gemv_rows 4 the default).
+# under $OUT). Each part below has run at least once (results in docs/perf.md) except where it says not yet.
 #   toy      scripts/aoti_toy.py: does any CUDA AOTI package load there, per import context (bare, CUDA
 #            initialised, triton, k3export.plugins)? ~2 min. Decides whether the crash is torch's or ours.
 #   demo     `k3export demo --device cuda`: the main job end to end on the GPU (aoti refused by the load check
@@ -36,7 +34,7 @@
 #            weights loaded before the wait (M = $GEMVPDL_M, default "1 4"), then the FP8 chain (--fp8: split-K
 #            weight-only GEMV vs plugins.gemv with E4M3 weights)
 #   pdltest  tests/test_pdl.py's cuda tests (PDL chain in a CUDA graph; k3-small compile with / without PDL bit-identical)
-#   gemv4    (not yet run) k3::gemv at 2-4 rows (x rows loaded in one batch): its cuda tests (vs fp64, == rows in turn; k3-tiny
+#   gemv4    k3::gemv at 2-4 rows (x rows loaded in one batch): its cuda tests (vs fp64, == rows in turn; k3-tiny
 #            `CompileBackend(gemv_rows=4)` tokens at B = 2 / 4), then scripts/ab_decode.py --backends
 #            compile,compile-gemv4 at B = $GEMV4_BATCHES (default "2 4"), k3-small
 #   gemvtest the k3::gemv cuda tests (K3 shapes vs fp64, PDL chain in a CUDA graph, k3-small compile-gemv-pdl tokens)

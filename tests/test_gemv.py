@@ -649,8 +649,9 @@ def test_gemv_batched_rows_cuda(name, N, K, M):
 @pytest.mark.cuda
 @pytest.mark.parametrize("B", [2, 4])
 def test_k3_tiny_fp32_compile_gemv4_generates_eager_tokens(B):
-    """`CompileBackend(gemv_rows=4)` (bench `compile-gemv4`): B = 2 / 4 prompts decoding together, k3-tiny fp32 on
-    the GPU: the greedy tokens of the eager model. A GemvLinear sends 1-4 rows to `k3::gemv`, 5 to `F.linear`."""
+    """B = 2 prompts decoding together through the default `CompileBackend` (`gemv_rows` 2), B = 4 through
+    `gemv_rows=4` (bench `compile-gemv4`), k3-tiny fp32 on the GPU: the greedy tokens of the eager model. A
+    GemvLinear sends up to its rows to `k3::gemv`, one more to `F.linear`."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from k3export.config import K3Config
     from k3export.generate import generate
@@ -669,11 +670,11 @@ def test_k3_tiny_fp32_compile_gemv4_generates_eager_tokens(B):
     model = random_model(K3Config.from_name("k3-tiny"), seed=0, device="cuda")
     prompts = [[5, 17, 3, 99, 42, 7, 1, 64], [9, 2, 33], [70, 71, 72, 73, 74], [1]][:B]
     ref = generate(model, prompts, 8)
-    backend = CompileBackend(model, gemv_rows=4)
+    backend = CompileBackend(model) if B == 2 else CompileBackend(model, gemv_rows=4)
     try:
         head = model.lm_head
-        assert type(head) is packing.GemvLinear and head.gemv_rows == 4
-        for rows, op in ((1, "k3.gemv"), (4, "k3.gemv"), (5, "aten.mm")):
+        assert type(head) is packing.GemvLinear and head.gemv_rows == B
+        for rows, op in ((1, "k3.gemv"), (B, "k3.gemv"), (B + 1, "aten.mm")):
             with torch.no_grad(), Ops() as ops:
                 head(torch.randn(rows, model.config.hidden_size, device="cuda"))
             assert op in ops.seen, (rows, ops.seen)

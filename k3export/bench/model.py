@@ -51,7 +51,8 @@ COMPILE_VARIANTS = {"compile": {}, "compile-frozen": {"freezing": True}, "compil
                     "compile-cublas": {"gemv": False}, "compile-cublas-nopdl": {"gemv": False, "pdl": False},
                     "compile-glu": {"glu": True},
                     "compile-moepdl": {"moe_pdl": True}, "compile-norm": {"fold_norm": True},
-                    "compile-nofp8cols": {"fp8_cols": False}, "compile-gemv4": {"gemv_rows": 4},
+                    "compile-nofp8cols": {"fp8_cols": False}, "compile-gemv1": {"gemv_rows": 1},
+                    "compile-gemv4": {"gemv_rows": 4},
                     "compile-fast": {"glu": True, "moe_pdl": True, "fold_norm": True}}
 BACKENDS = ("eager", "graph", *COMPILE_VARIANTS, "aoti")
 
