@@ -31,7 +31,7 @@ h / s_h in fp32 for torch to round to E4M3 (the interpreter's own E4M3 conversio
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -39,8 +39,9 @@ import triton.language as tl
 
 from k3export.fp8 import WEIGHT_ONLY_OK, weight_only_unavailable
 from k3export.fp8_kernels import INTERPRET, WoTiles, _gemv4, fp8_quant_fwd
-from k3export.plugins.moe.kernels import (TOPK_GEMM1_MAX_E, _pair_route, _pair_tile, _plan_rows, _sigmoid, _tanh,
-                                         _ticket_combine, align_rows, moe_combine_fwd_kernel)
+from k3export.plugins.moe.kernels import (TOPK_GEMM1_MAX_E, _desc, _pair_route, _pair_tile, _plan_rows, _sigmoid,
+                                         _situ_glu, _tanh, _ticket_combine, _tile, _tma_rows_ok, align_rows,
+                                         gather_fwd, moe_combine_fwd_kernel)
 from k3export.plugins.moe.naive import route
 from k3export.plugins.triton_common import dot_precision, pow2, tickets
 
@@ -122,6 +123,156 @@ def moe_fp8_gemm2_fwd_kernel(h, h_scale, w2, s2, y, row_pair, block_expert, L, I
     out = acc * tl.load(h_scale) * s
     tl.store(y + pair[:, None].to(tl.int64) * stride_y + offs_n[None, :], out.to(y.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _fp8_dot(a, b, acc, FP8_DOT: tl.constexpr):
+    """acc + a b with E4M3 operands: on the tensor cores, or (interpreter) both widened to fp32 (the same exact
+    products: the interpreter's 8-bit dot is not)."""
+    if FP8_DOT:
+        return tl.dot(a, b, acc=acc)
+    else:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc=acc, input_precision="ieee")
+
+
+@triton.jit
+def _fp8_tma_gemm1_loop(a, a_tail, w13, row0, w_row, I, L, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, TAIL: tl.constexpr, USE_TAIL: tl.constexpr, FP8_DOT: tl.constexpr):
+    """gemm1's K loop through TMA descriptors: (z W1_e^T, z W3_e^T) of the BLOCK_M rows and, USE_TAIL, the TAIL
+    rows, on one pair of [BLOCK_N, BLOCK_K] weight tiles per step (w1 rows at w_row, w3 rows at w_row + I)."""
+    acc1 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc3 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if TAIL > 0:
+        acc1t = tl.zeros([TAIL, BLOCK_N], tl.float32)
+        acc3t = tl.zeros([TAIL, BLOCK_N], tl.float32)
+    else:
+        acc1t = acc1
+        acc3t = acc3
+    for k0 in range(0, L, BLOCK_K):
+        x = a.load([row0, k0])
+        b1 = w13.load([w_row, k0]).T
+        b3 = w13.load([w_row + I, k0]).T
+        acc1 = _fp8_dot(x, b1, acc1, FP8_DOT)
+        acc3 = _fp8_dot(x, b3, acc3, FP8_DOT)
+        if USE_TAIL:
+            xt = a_tail.load([row0 + BLOCK_M, k0])
+            acc1t = _fp8_dot(xt, b1, acc1t, FP8_DOT)
+            acc3t = _fp8_dot(xt, b3, acc3t, FP8_DOT)
+    return acc1, acc3, acc1t, acc3t
+
+
+@triton.jit
+def _fp8_glu_quant(acc1, acc3, zs, s1, s3, hs, beta, linear_beta, ROUND: tl.constexpr, FAST_ACT: tl.constexpr):
+    """The W8A8 gemm1 epilogue of `moe_fp8_sorted`: y1, y3 scaled and rounded to z.dtype, SiTU-GLU rounded to
+    z.dtype, then h / s_h clamped to the E4M3 range (fp32; the caller converts)."""
+    y1 = (acc1 * zs * s1).to(ROUND).to(tl.float32)
+    y3 = (acc3 * zs * s3).to(ROUND).to(tl.float32)
+    act = _situ_glu(y1, y3, beta, linear_beta, FAST_ACT).to(ROUND).to(tl.float32)
+    return tl.clamp(tl.math.div_rn(act, hs), -448.0, 448.0)
+
+
+@triton.jit
+def moe_fp8_tma_gemm1_fwd_kernel(a, a_tail, w13, s13, h, z_scale, h_scale, row_pair, block_expert, MB, I, L,
+                                 stride_se, stride_h, beta, linear_beta, PER_CHANNEL: tl.constexpr,
+                                 FP8_DOT: tl.constexpr, ROUND: tl.constexpr, BLOCK_M: tl.constexpr,
+                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TAIL: tl.constexpr,
+                                 FAST_ACT: tl.constexpr):
+    """Block pb of BLOCK_M + TAIL rows (one expert e), columns [n0, n0 + BLOCK_N) of I: h[row] = E4M3 of
+    SiTU_GLU(y1, y3) / s_h, rows in row-plan order (gemm2 reads them through a TMA descriptor).
+
+    a / a_tail: TMA descriptors over E4M3(z / s_z) gathered into row-plan order `[MB * (BM + TAIL), L]` ([BLOCK_M,
+    BLOCK_K] / [TAIL, BLOCK_K] boxes); w13: a descriptor over the bank `[E * 2I, L]` ([BLOCK_N, BLOCK_K] boxes; a
+    tile past I reads w3's or the next expert's rows: computed, never stored). Blocks whose tail rows are all
+    padding skip the tail dots (valid rows are a prefix of a block)."""
+    beta = tl.cast(beta, tl.float32)
+    linear_beta = tl.cast(linear_beta, tl.float32)
+    pb, pn = _tile(tl.program_id(0), MB, tl.cdiv(I, BLOCK_N), 1)
+    e = tl.load(block_expert + pb)
+    if e < 0:
+        return
+    row0 = pb * (BLOCK_M + TAIL)
+    offs_n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < I
+    w_row = e * 2 * I + pn * BLOCK_N
+    use_tail = False
+    if TAIL > 0:
+        use_tail = tl.load(row_pair + row0 + BLOCK_M) >= 0
+    if use_tail:
+        acc1, acc3, acc1t, acc3t = _fp8_tma_gemm1_loop(a, a_tail, w13, row0, w_row, I, L, BLOCK_M, BLOCK_N,
+                                                       BLOCK_K, TAIL, True, FP8_DOT)
+    else:
+        acc1, acc3, acc1t, acc3t = _fp8_tma_gemm1_loop(a, a_tail, w13, row0, w_row, I, L, BLOCK_M, BLOCK_N,
+                                                       BLOCK_K, TAIL, False, FP8_DOT)
+    if PER_CHANNEL:
+        s1 = tl.load(s13 + e * stride_se + offs_n, mask=n_ok, other=0.0)[None, :]
+        s3 = tl.load(s13 + e * stride_se + I + offs_n, mask=n_ok, other=0.0)[None, :]
+    else:
+        s1 = tl.load(s13 + e)
+        s3 = s1
+    zs, hs = tl.load(z_scale), tl.load(h_scale)
+    hq = _fp8_glu_quant(acc1, acc3, zs, s1, s3, hs, beta, linear_beta, ROUND, FAST_ACT)
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    tl.store(h + offs_m[:, None].to(tl.int64) * stride_h + offs_n[None, :], hq.to(h.dtype.element_ty),
+             mask=n_ok[None, :])                                # E4M3 (fp32 under the interpreter)
+    if TAIL > 0:                                                # all-padding tail rows: gemm2 stores none of them
+        if use_tail:
+            hqt = _fp8_glu_quant(acc1t, acc3t, zs, s1, s3, hs, beta, linear_beta, ROUND, FAST_ACT)
+            offs_t = row0 + BLOCK_M + tl.arange(0, TAIL)
+            tl.store(h + offs_t[:, None].to(tl.int64) * stride_h + offs_n[None, :], hqt.to(h.dtype.element_ty),
+                     mask=n_ok[None, :])
+
+
+@triton.jit
+def _fp8_tma_gemm2_loop(h, h_tail, w2, row0, w_row, I, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, TAIL: tl.constexpr, USE_TAIL: tl.constexpr, FP8_DOT: tl.constexpr):
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if TAIL > 0:
+        acc_t = tl.zeros([TAIL, BLOCK_N], tl.float32)
+    else:
+        acc_t = acc
+    for k0 in range(0, I, BLOCK_K):
+        b = w2.load([w_row, k0]).T
+        acc = _fp8_dot(h.load([row0, k0]), b, acc, FP8_DOT)
+        if USE_TAIL:
+            acc_t = _fp8_dot(h_tail.load([row0 + BLOCK_M, k0]), b, acc_t, FP8_DOT)
+    return acc, acc_t
+
+
+@triton.jit
+def moe_fp8_tma_gemm2_fwd_kernel(h, h_tail, w2, s2, y, h_scale, row_pair, block_expert, MB, L, I, stride_se,
+                                 stride_y, PER_CHANNEL: tl.constexpr, FP8_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
+                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TAIL: tl.constexpr):
+    """Block pb, columns [n0, n0 + BLOCK_N) of L: y[pair] = (h s_h) (W2_e s_2)^T -> y.dtype, rows back in pair
+    order. h / h_tail: TMA descriptors over gemm1's E4M3 rows `[MB * (BM + TAIL), I]`; w2: over `[E * L, I]`."""
+    pb, pn = _tile(tl.program_id(0), MB, tl.cdiv(L, BLOCK_N), 1)
+    e = tl.load(block_expert + pb)
+    if e < 0:
+        return
+    row0 = pb * (BLOCK_M + TAIL)
+    offs_n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < L
+    w_row = e * L + pn * BLOCK_N
+    use_tail = False
+    if TAIL > 0:
+        use_tail = tl.load(row_pair + row0 + BLOCK_M) >= 0
+    if use_tail:
+        acc, acc_t = _fp8_tma_gemm2_loop(h, h_tail, w2, row0, w_row, I, BLOCK_M, BLOCK_N, BLOCK_K, TAIL, True,
+                                         FP8_DOT)
+    else:
+        acc, acc_t = _fp8_tma_gemm2_loop(h, h_tail, w2, row0, w_row, I, BLOCK_M, BLOCK_N, BLOCK_K, TAIL, False,
+                                         FP8_DOT)
+    if PER_CHANNEL:
+        s = tl.load(s2 + e * stride_se + offs_n, mask=n_ok, other=0.0)[None, :] * tl.load(h_scale)
+    else:
+        s = tl.load(s2 + e) * tl.load(h_scale)
+    pair = tl.load(row_pair + row0 + tl.arange(0, BLOCK_M))
+    tl.store(y + pair[:, None].to(tl.int64) * stride_y + offs_n[None, :], (acc * s).to(y.dtype.element_ty),
+             mask=(pair >= 0)[:, None] & n_ok[None, :])
+    if TAIL > 0:
+        if use_tail:
+            pair_t = tl.load(row_pair + row0 + BLOCK_M + tl.arange(0, TAIL))
+            tl.store(y + pair_t[:, None].to(tl.int64) * stride_y + offs_n[None, :],
+                     (acc_t * s).to(y.dtype.element_ty), mask=(pair_t >= 0)[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -412,11 +563,112 @@ def _moe_fp8_wo_pairs(top, w, z, w13, w2, w13_scale, w2_scale, top_k, beta, line
     return combine["u"] if combine else _combine(y, w, N, L, top_k, z.dtype)
 
 
+@dataclass(frozen=True)
+class Fp8Tiles:
+    """One W8A8 (prefill) expert tiling. tma False: the pointer kernels (`moe_fp8_gemm1/2_fwd_kernel`, 64-row blocks,
+    z gathered by token inside gemm1); True: `moe_fp8_tma_gemm1/2_fwd_kernel`, E4M3(z / s_z) gathered into
+    row-plan order first, every operand through TMA descriptors, blocks of block_m + tail rows (the tail in a
+    second, smaller dot on the same weight tiles, skipped when it is all padding). gemm1 / gemm2: (BLOCK_N,
+    BLOCK_K, num_warps, num_stages). fast_act: the SiTU-GLU epilogue's `_situ_glu` FAST (2: tanh.approx.f32)."""
+    block_m: int
+    gemm1: tuple
+    gemm2: tuple
+    tail: int = 0
+    tma: bool = True
+    fast_act: int = 0
+
+    @property
+    def rows(self) -> int:
+        return self.block_m + self.tail
+
+
+# Named W8A8 tilings (`k3export bench moe --precision fp8` times them at K3 size; the cuda tests check them all).
+# "ptr" is the pointer kernel measured on 2026-11-29 (64-row blocks, BN 64, BK 128, 4 warps, 3 stages); the TMA
+# tilings follow the bf16 prefill tilings' shapes (kernels.TILINGS["prefill"]) with BK 128: 128 bytes of E4M3 per
+# row, the 128-byte swizzle the bf16 tiles get at BK 64.
+FP8_PREFILL_TILINGS = {
+    "ptr": Fp8Tiles(64, (64, 128, 4, 3), (64, 128, 4, 3), tma=False),
+    "m64t32-n128": Fp8Tiles(64, (128, 128, 8, 3), (256, 128, 8, 3), 32),
+    "m64t32-n128-f2": Fp8Tiles(64, (128, 128, 8, 3), (256, 128, 8, 3), 32, fast_act=2),
+    "m64t32-n128-k256": Fp8Tiles(64, (128, 256, 8, 2), (256, 256, 8, 2), 32, fast_act=2),
+    "m128t64-n64-f2": Fp8Tiles(128, (64, 128, 8, 4), (128, 128, 8, 4), 64, fast_act=2),
+    "m128-n128-f2": Fp8Tiles(128, (128, 128, 8, 3), (256, 128, 8, 3), fast_act=2),
+    "m64-n128-f2": Fp8Tiles(64, (128, 128, 4, 4), (128, 128, 4, 4), fast_act=2),
+}
+FP8_PREFILL = FP8_PREFILL_TILINGS["ptr"]
+
+
+def fp8_prefill_tiles() -> Fp8Tiles:
+    """The W8A8 tiling for a call: FP8_PREFILL, or the one env K3_FP8_MOE_PREFILL names (read per call)."""
+    name = os.environ.get("K3_FP8_MOE_PREFILL")
+    if not name:
+        return FP8_PREFILL
+    if name not in FP8_PREFILL_TILINGS:
+        raise ValueError(f"K3_FP8_MOE_PREFILL={name!r} is not a W8A8 tiling: {', '.join(FP8_PREFILL_TILINGS)}")
+    return FP8_PREFILL_TILINGS[name]
+
+
+def moe_fp8_w8a8(top, w, z, w13, w2, w13_scale, w2_scale, z_scale, h_scale, top_k, beta, linear_beta,
+                 t: Fp8Tiles | None = None):
+    """W8A8 experts for routed pairs (top, w `[N, k]`) -> u `[N, L]` in z.dtype (`moe_fp8_sorted`'s steps and
+    roundings, fp32 accumulation); t (default `fp8_prefill_tiles()`) picks the tiling. A TMA tiling whose operands
+    cannot be TMA rows (16-byte aligned bases and row strides) runs the pointer kernels."""
+    t = t or fp8_prefill_tiles()
+    N, L = z.shape
+    E, I = w13.shape[0], w2.shape[-1]
+    P = N * top_k
+    z = z.contiguous()
+    w13, w2 = w13.contiguous(), w2.contiguous()
+    pc = w13_scale.dim() == 2
+    s13, s2 = w13_scale.float().contiguous(), w2_scale.float().contiguous()
+    zs, hs = z_scale.float().reshape(1), h_scale.float().reshape(1)
+    zq, _ = fp8_quant_fwd(z, z_scale)                                               # [N, L] E4M3
+    if t.tma and not _tma_rows_ok(zq, w13.view(-1, L), w2.view(-1, I)):
+        t = FP8_PREFILL_TILINGS["ptr"]
+    bm = t.block_m
+    row_pair, block_expert = align_rows(top.int(), E, t.rows, True, True)
+    MB = block_expert.shape[0]
+    y = torch.empty(P, L, dtype=z.dtype, device=z.device)                           # pair order
+    (bn1, bk1, warps1, stages1), (bn2, bk2, warps2, stages2) = t.gemm1, t.gemm2
+    if not t.tma:
+        h = torch.empty(P, I, dtype=torch.float32 if INTERPRET else w13.dtype, device=z.device)   # pair order
+        moe_fp8_gemm1_fwd_kernel[(MB, triton.cdiv(I, bn1))](
+            zq, zs, w13, s13, h, hs, row_pair, block_expert, I, L, zq.stride(0), w13.stride(0), w13.stride(1),
+            s13.stride(0) if pc else 1, h.stride(0), beta, linear_beta, TOP_K=top_k, PER_CHANNEL=pc,
+            FP8_DOT=not INTERPRET, ROUND=_TL[z.dtype], BLOCK_M=bm, BLOCK_N=bn1, BLOCK_K=bk1, num_warps=warps1,
+            num_stages=1 if INTERPRET else stages1)
+        if INTERPRET:
+            h = h.to(w13.dtype)
+        moe_fp8_gemm2_fwd_kernel[(MB, triton.cdiv(L, bn2))](
+            h, hs, w2, s2, y, row_pair, block_expert, L, I, h.stride(0), w2.stride(0), w2.stride(1),
+            s2.stride(0) if pc else 1, y.stride(0), PER_CHANNEL=pc, FP8_DOT=not INTERPRET, BLOCK_M=bm, BLOCK_N=bn2,
+            BLOCK_K=bk2, num_warps=warps2, num_stages=1 if INTERPRET else stages2)
+        return _combine(y, w, N, L, top_k, z.dtype)
+    zp = gather_fwd(zq.view(torch.uint8), (row_pair, block_expert), top_k, t.rows).view(w13.dtype)   # plan order
+    h = torch.empty(MB * t.rows, I, dtype=torch.float32 if INTERPRET else w13.dtype, device=z.device)
+    tail = t.tail or bm
+    moe_fp8_tma_gemm1_fwd_kernel[(MB * triton.cdiv(I, bn1),)](
+        _desc(zp, [bm, bk1]), _desc(zp, [tail, bk1]), _desc(w13.view(E * 2 * I, L), [bn1, bk1]), s13, h, zs, hs,
+        row_pair, block_expert, MB, I, L, s13.stride(0) if pc else 1, h.stride(0), beta, linear_beta,
+        PER_CHANNEL=pc, FP8_DOT=not INTERPRET, ROUND=_TL[z.dtype], BLOCK_M=bm, BLOCK_N=bn1, BLOCK_K=bk1, TAIL=t.tail,
+        FAST_ACT=min(t.fast_act, 1) if INTERPRET else t.fast_act, num_warps=warps1,
+        num_stages=1 if INTERPRET else stages1)
+    if INTERPRET:
+        h = h.to(w13.dtype)             # the interpreter's own E4M3 conversion is wrong at binade carries
+    moe_fp8_tma_gemm2_fwd_kernel[(MB * triton.cdiv(L, bn2),)](
+        _desc(h, [bm, bk2]), _desc(h, [tail, bk2]), _desc(w2.view(E * L, I), [bn2, bk2]), s2, y, hs, row_pair,
+        block_expert, MB, L, I, s2.stride(0) if pc else 1, y.stride(0), PER_CHANNEL=pc, FP8_DOT=not INTERPRET,
+        BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=bk2, TAIL=t.tail, num_warps=warps2, num_stages=1 if INTERPRET else stages2)
+    return _combine(y, w, N, L, top_k, z.dtype)
+
+
 def moe_fp8_grouped(x, z, gate_weight, bias, w13, w2, w13_scale, w2_scale, z_scale, h_scale, top_k, renormalize,
-                    scaling, beta, linear_beta, weight_only: bool | None = None, wo: ExpertWo | None = None):
+                    scaling, beta, linear_beta, weight_only: bool | None = None, wo: ExpertWo | None = None,
+                    tiles: Fp8Tiles | None = None):
     """`k3::moe_routed_fp8`'s signature; weight-only (`moe_fp8_wo_ref`) when `use_weight_only` (and its kernels
-    work here: `k3export.fp8.WEIGHT_ONLY_OK`), else W8A8 (`moe_fp8_sorted`, static activation scales); weight_only
-    True/False forces a path, wo (default EXPERT_WO) picks the weight-only scheme. fp32 accumulation either way."""
+    work here: `k3export.fp8.WEIGHT_ONLY_OK`), else W8A8 (`moe_fp8_sorted`, static activation scales, `moe_fp8_w8a8`);
+    weight_only True/False forces a path, wo (default EXPERT_WO) picks the weight-only scheme, tiles the W8A8
+    tiling (default `fp8_prefill_tiles()`). fp32 accumulation either way."""
     N, L = z.shape
     E, I = w13.shape[0], w2.shape[-1]
     P = N * top_k
@@ -443,23 +695,6 @@ def moe_fp8_grouped(x, z, gate_weight, bias, w13, w2, w13_scale, w2_scale, z_sca
     elif run_wo:
         return experts()
     top, w = routed()
-    block_m = 16 if P <= 4 * E else 64
-    row_pair, block_expert = align_rows(top.int(), E, block_m)
-    MB = block_expert.shape[0]
-    zq, _ = fp8_quant_fwd(z, z_scale)
-    h = torch.empty(P, I, dtype=torch.float32 if INTERPRET else w13.dtype, device=z.device)   # pair order
-    y = torch.empty(P, L, dtype=z.dtype, device=z.device)
-    pc = w13_scale.dim() == 2
-    s13, s2 = w13_scale.float().contiguous(), w2_scale.float().contiguous()
-    common = dict(FP8_DOT=not INTERPRET, BLOCK_M=block_m, BLOCK_K=128, num_warps=4,
-                  num_stages=1 if INTERPRET else 3)
-    moe_fp8_gemm1_fwd_kernel[(MB, triton.cdiv(I, 64))](
-        zq, z_scale.float().reshape(1), w13, s13, h, h_scale.float().reshape(1), row_pair, block_expert, I,
-        L, zq.stride(0), w13.stride(0), w13.stride(1), s13.stride(0) if pc else 1, h.stride(0),
-        beta, linear_beta, TOP_K=top_k, PER_CHANNEL=pc, ROUND=_TL[z.dtype], BLOCK_N=64, **common)
-    if INTERPRET:
-        h = h.to(w13.dtype)
-    moe_fp8_gemm2_fwd_kernel[(MB, triton.cdiv(L, 64))](
-        h, h_scale.float().reshape(1), w2, s2, y, row_pair, block_expert, L, I, h.stride(0),
-        w2.stride(0), w2.stride(1), s2.stride(0) if pc else 1, y.stride(0), PER_CHANNEL=pc, BLOCK_N=64, **common)
-    return _combine(y, w, N, L, top_k, z.dtype)
+    if P <= 4 * E and tiles is None:                 # few pairs per expert: 16-row blocks of the pointer kernels
+        tiles = replace(FP8_PREFILL_TILINGS["ptr"], block_m=16)
+    return moe_fp8_w8a8(top, w, z, w13, w2, w13_scale, w2_scale, z_scale, h_scale, top_k, beta, linear_beta, tiles)

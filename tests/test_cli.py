@@ -85,7 +85,11 @@ def test_more_bad_input_gives_a_message_not_a_traceback(tmp_path):
              (["generate", "--ids", ";", "--device", "cpu"], "no prompt token ids"),
              (["generate", "--ids", "1", "--device", "nonsense"], "Invalid value for '--device'"),
              (["run", "--engine", str(tmp_path), "--ids", ""], "no prompt token ids"),
-             (["run", "--engine", str(tmp_path), "--ids", "1", "--stop", "x"], "expected comma-separated")]
+             (["run", "--engine", str(tmp_path), "--ids", "1", "--stop", "x"], "expected comma-separated"),
+             (["bench", "moe", "--tiles", "m64t32-n128"], "unknown tiling(s) m64t32-n128"),      # FP8's, bf16 asked
+             (["bench", "moe", "--precision", "fp8", "--phases", "prefill", "--tiles", "m64t32-aw8"],
+              "unknown tiling(s) m64t32-aw8"),                                                # bf16's, FP8 asked
+             (["bench", "moe", "--precision", "fp16"], "Invalid value for '--precision'")]
     if not torch.cuda.is_available():
         cases.append((["generate", "--ids", "1", "--device", "cuda"], "CUDA is not available here"))
     for args, msg in cases:

@@ -344,6 +344,18 @@ def interp_errors() -> dict:
         tag = f"N{N}_k{k}_{'pc' if pc else 'pt'}"
         out[f"experts_w8a8_{tag}"] = rel(moe_fp8_grouped(*args, weight_only=False), moe_fp8_sorted(*args))
         out[f"experts_wo_{tag}"] = rel(moe_fp8_grouped(*args, weight_only=True), _expert_wo(args))
+    # Every named W8A8 tiling (TMA ones: E4M3(z / s_z) gathered into row-plan order, blocks of block_m + tail rows)
+    # and small TMA tilings, against the contract's reference: 150 tokens top-2 over 8 experts, expert 3 hot (150
+    # rows: past a 128-row block into its tail, several 16 + 16-row blocks), the others ~20 rows (tails all padding).
+    from k3export.fp8_moe_kernels import FP8_PREFILL_TILINGS, Fp8Tiles
+    args = _expert_case(150, 32, 32, 48, 8, 2, True, seed=5)
+    args[3][3] = 50.0
+    ref = moe_fp8_sorted(*args)
+    small = {"small-t16": Fp8Tiles(16, (32, 32, 4, 1), (32, 32, 4, 1), 16),
+             "small-t16-f1": Fp8Tiles(16, (16, 32, 4, 1), (32, 16, 4, 1), 16, fast_act=1),
+             "small-t0": Fp8Tiles(32, (32, 32, 4, 1), (16, 32, 4, 1))}
+    for name, t in {**FP8_PREFILL_TILINGS, **small}.items():
+        out[f"experts_w8a8_tiles_{name}"] = rel(moe_fp8_grouped(*args, weight_only=False, tiles=t), ref)
     return out
 
 
@@ -612,6 +624,28 @@ def test_grouped_kernel_matches_sorted_cuda(N, weight_only):
         assert rel(out, _expert_wo(args)) < BF16_OUT_BOUND
     else:
         assert rel(out, moe_fp8_sorted(*args)) < EXPERT_GPU_BOUND
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("N", [256, 2048])
+@pytest.mark.parametrize("name", ["ptr", "m64t32-n128", "m64t32-n128-f2", "m64t32-n128-k256", "m128t64-n64-f2",
+                                  "m128-n128-f2", "m64-n128-f2"])
+def test_w8a8_tilings_match_sorted_cuda(name, N):
+    """Every named W8A8 tiling (`FP8_PREFILL_TILINGS`; the TMA ones gather E4M3(z / s_z) into row-plan order) at
+    k3-small expert shapes (64 experts, top-8: 32 / 256 rows per expert, one expert hot) against the contract's
+    reference, on the tokens whose selection the Triton and torch routers agree on."""
+    from k3export.fp8_moe_kernels import FP8_PREFILL_TILINGS, moe_fp8_grouped
+    from k3export.plugins.moe.kernels import route_fwd
+    from k3export.plugins.moe.naive import route
+    args = _expert_case(N, 2048, 1024, 768, 64, 8, True, dtype=torch.bfloat16, device="cuda")
+    args[3][5] = 3.0                                         # expert 5 in (nearly) every token's selection
+    out = moe_fp8_grouped(*args, weight_only=False, tiles=FP8_PREFILL_TILINGS[name])
+    ref = moe_fp8_sorted(*args)
+    same = (route(*args[:1], *args[2:4], 8, True, 1.0)[0].sort(-1).values ==
+            route_fwd(args[0], args[2], args[3], 8, True, 1.0)[0].sort(-1).values).all(-1)
+    assert same.sum() > 0.9 * N
+    assert rel(out[same], ref[same]) < EXPERT_GPU_BOUND, rel(out[same], ref[same])
+    print(f"{name} N={N}: rel err {rel(out[same], ref[same]):.2e} on {int(same.sum())} tokens")
 
 
 if __name__ == "__main__":

@@ -95,6 +95,15 @@ def matmul_rate(n: int = 8192) -> float:
     return 2 * n ** 3 / (ms * 1e-3)
 
 
+def fp8_matmul_rate(n: int = 8192) -> float:
+    """FLOP/s of an n^3 E4M3 x E4M3 -> bf16 `torch._scaled_mm` (per-tensor scales) on random data."""
+    a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()          # column-major, as _scaled_mm wants
+    one = torch.ones((), device="cuda")
+    ms = bench_ms(lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16))
+    return 2 * n ** 3 / (ms * 1e-3)
+
+
 def machine() -> str:
     p = torch.cuda.get_device_properties(0)
     import triton

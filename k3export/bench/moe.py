@@ -22,7 +22,8 @@ import click
 import torch
 
 from k3export.bench import bench
-from k3export.bench.ceilings import bench_ms, copy_bandwidth, graph_ms, machine, matmul_rate
+from k3export.bench.ceilings import (bench_ms, copy_bandwidth, fp8_matmul_rate, graph_ms, kernel_times, machine,
+                                     matmul_rate)
 
 E, D, L, I, K = 896, 7168, 3584, 3072, 16
 ARGS = dict(top_k=K, renormalize=True, scaling=1.0, beta=4.0, linear_beta=25.0)
@@ -141,6 +142,92 @@ def run_sweep(w, regime: str, tokens, ceiling: float, deadline: float, eager: bo
     return rows
 
 
+def fp8_bank(w):
+    """The routed experts of `k3_weights` in E4M3 as `FP8ExpertBank` stores them (w13 `[E, 2I, L]`, w2 `[E, L, I]`,
+    per-output-channel scales), quantized a few experts at a time (no bank-sized fp32 temporaries)."""
+    from k3export.fp8 import FP8, quantize
+    from k3export.fp8_moe import CHUNK, _expand, expert_weight_scales
+    _, _, w1, w3, w2 = w
+    s = expert_weight_scales(w1, w3, w2, True)
+    w13q = torch.empty(E, 2 * I, L, dtype=FP8, device="cuda")
+    w2q = torch.empty(E, L, I, dtype=FP8, device="cuda")
+    for c in range(0, E, CHUNK):
+        sl = slice(c, c + CHUNK)
+        w13 = torch.cat([w1[sl], w3[sl]], dim=1)
+        w13q[sl] = quantize(w13, _expand(s["w13_scale"][sl], w13))
+        w2q[sl] = quantize(w2[sl], _expand(s["w2_scale"][sl], w2[sl]))
+    return w13q, w2q, s["w13_scale"], s["w2_scale"]
+
+
+def run_fp8_prefill(w, bank, tokens, rate: float, fp8_rate: float, deadline: float, tiles=None) -> list[dict]:
+    """Every W8A8 tiling (`fp8_moe_kernels.FP8_PREFILL_TILINGS`, or those named in tiles) of `k3::moe_routed_fp8`'s
+    CUDA path at every token count on the E4M3 bank: ms, useful FLOPs against the bf16 matmul rate (#5's yardstick)
+    and the E4M3 one, the floors (expert bytes are half of bf16's), error vs the contract's reference
+    (`moe_fp8_sorted`, on the tokens whose selection equals the torch router's) and vs the bf16 kernel on the
+    unquantized weights (the quantization error). Static scales from this draw: s_z = amax(z) / 448, s_h = amax of
+    the bf16 gemm1's h / 448."""
+    from k3export.fp8 import scale_from_amax
+    from k3export.fp8_moe import moe_fp8_sorted
+    from k3export.fp8_moe_kernels import FP8_PREFILL_TILINGS, moe_fp8_grouped
+    from k3export.plugins.moe import kernels as Km
+    from k3export.plugins.moe.naive import route
+    g, b, w1, w3, w2 = w
+    w13q, w2q, s13, s2 = bank
+    chosen = [(n, t) for n, t in FP8_PREFILL_TILINGS.items() if tiles is None or n in tiles]
+    rows = []
+    bw = copy_bandwidth()
+    for N in tokens:
+        torch.manual_seed(N)
+        x = torch.randn(N, D, device="cuda", dtype=torch.bfloat16)
+        z = torch.randn(N, L, device="cuda", dtype=torch.bfloat16)
+        ids, _, _ = Km.route_fwd(x, g, b, K, True, 1.0)
+        cfg = Km.tiles_for(z, N * K, E)
+        plan = Km.align_rows(ids, E, cfg.rows, cfg.fused_align, cfg.many_align)
+        hb = Km.gemm1_fwd(z, w1, w3, plan, K, 4.0, 25.0, cfg)
+        zs, hs = scale_from_amax(z.abs().amax().float()), scale_from_amax(hb[plan[0] >= 0].abs().amax().float())
+        hb = None
+        args = (x, z, g, b, w13q, w2q, s13, s2, zs, hs, K, True, 1.0, 4.0, 25.0)
+        ref = moe_fp8_sorted(*args)
+        bf16 = Km.moe_routed_fwd(x, z, *w, **ARGS)
+        same = (route(x, g, b, K, True, 1.0)[0].sort(-1).values == ids.sort(-1).values).all(-1)
+        flops = N * K * 6 * L * I
+        floors = {"flop_floor_ms": flops / fp8_rate * 1e3, "weights_floor_ms": 3 * E * I * L / bw * 1e3}
+        floors["cap_frac_matmul"] = flops / rate * 1e3 / max(floors.values())      # in bf16-rate terms
+        print(_fmt({"regime": "prefill-fp8", "tokens": N, "rows_same_selection": int(same.sum()), **floors}),
+              flush=True)
+        base = None
+        for name, t in chosen:
+            r = {"regime": "prefill-fp8", "tokens": N, "tiles": name}
+            if time.monotonic() > deadline:
+                rows.append({**r, "error": "skipped: time budget"})
+                print(_fmt(rows[-1]), flush=True)
+                continue
+            try:
+                fn = lambda: moe_fp8_grouped(*args, weight_only=False, tiles=t)  # noqa: E731
+                u = fn()
+                base = u if base is None else base
+                r.update(err_vs_ref=_rel(u[same], ref[same]), err_vs_first=_rel(u, base), err_vs_bf16=_rel(u, bf16))
+                r["ms"] = bench_ms(fn, rep=400)
+                r.update({"TFLOP/s": flops / r["ms"] / 1e9, "frac_matmul": flops / r["ms"] / 1e-3 / rate,
+                          "frac_fp8_matmul": flops / r["ms"] / 1e-3 / fp8_rate,
+                          "weights_GB/s": 3 * E * I * L / r["ms"] / 1e6, **floors})
+                if name == chosen[0][0] or N == tokens[0]:
+                    r["kernels_us"] = {k["kernel"][:48]: round(k["us"], 1) for k in kernel_times(fn, reps=3, warmup=1)
+                                       [:8]}
+            except Exception as e:                                  # a tiling that does not compile / fit
+                r["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            rows.append(r)
+            print(_fmt(r), flush=True)
+        x = z = base = ref = bf16 = args = None
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _subset(names, tilings):
+    """The named tilings among these (None: no names given, i.e. all; an empty set: none of these named)."""
+    return None if names is None else names & set(tilings)
+
+
 @bench.command("moe")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("out/bench"), show_default=True)
 @click.option("--quick", is_flag=True, help="fewer token counts")
@@ -152,20 +239,29 @@ def run_sweep(w, regime: str, tokens, ceiling: float, deadline: float, eager: bo
 @click.option("--layout", type=click.Choice(["separate", "paired", "both"]), default="separate", show_default=True,
               help="prefill expert weights: w1 / w3 as two tensors, gate/up rows interleaved in one (the compile "
                    "backend's layout, `packing.pair_experts`; +39.5 GB of GPU memory), or each tiling on both")
-def moe(out: Path, quick: bool, budget_s: float, phases: str, tiles: str, tokens: str, layout: str) -> None:
+@click.option("--precision", type=click.Choice(["bf16", "fp8", "both"]), default="bf16", show_default=True,
+              help="prefill expert weights: bf16, E4M3 (W8A8 `k3::moe_routed_fp8`, every FP8 tiling; +29.6 GB of "
+                   "GPU memory), or both sweeps")
+def moe(out: Path, quick: bool, budget_s: float, phases: str, tiles: str, tokens: str, layout: str,
+        precision: str) -> None:
     """Routed MoE: every tiling in the sweep at prefill 4096..16384 tokens (TFLOP/s vs the bf16 matmul rate)
     and decode 1..64 tokens (expert bytes vs copy bandwidth, plain call and CUDA-graph replay), each vs the
-    previous default tiling and the eager loop (`moe_sorted`), with per-stage times."""
+    previous default tiling and the eager loop (`moe_sorted`), with per-stage times. --precision fp8: the prefill
+    sweep of the E4M3 experts' tilings (vs the contract's reference and the bf16 kernel)."""
     want = {ph.strip() for ph in phases.split(",") if ph.strip()}
     if want - {"prefill", "decode"}:
         raise click.BadParameter(f"unknown phase(s) {', '.join(sorted(want - {'prefill', 'decode'}))}; choose from "
                                  "prefill, decode")
+    from k3export.fp8_moe_kernels import FP8_PREFILL_TILINGS
     from k3export.plugins.moe import kernels as Km
     names = {t.strip() for t in tiles.split(",") if t.strip()} or None
-    unknown = (names or set()) - {n for ph in want for n in Km.TILINGS[ph]}
+    known = [n for ph in sorted(want) for n in Km.TILINGS[ph]] if precision != "fp8" or "decode" in want else []
+    if precision != "bf16" and "prefill" in want:
+        known += [n for n in FP8_PREFILL_TILINGS if n not in known]
+    unknown = (names or set()) - set(known)
     if unknown:
-        raise click.BadParameter(f"unknown tiling(s) {', '.join(sorted(unknown))}; known: "
-                                 f"{', '.join(n for ph in sorted(want) for n in Km.TILINGS[ph])}", param_hint="--tiles")
+        raise click.BadParameter(f"unknown tiling(s) {', '.join(sorted(unknown))}; known: {', '.join(known)}",
+                                 param_hint="--tiles")
     try:
         counts = tuple(int(t) for t in tokens.split(",") if t.strip()) or ((8192,) if quick else (8192, 4096, 16384))
     except ValueError:
@@ -179,18 +275,29 @@ def moe(out: Path, quick: bool, budget_s: float, phases: str, tiles: str, tokens
            "copy_TBps": bw / 1e12, "matmul_TFLOPs": rate / 1e12}
     res["defaults"] = {k: repr(v) for k, v in Km.CONFIGS.items()}
     res["layout"] = layout
-    if "prefill" in want:
+    if "prefill" in want and precision != "bf16" and _subset(names, FP8_PREFILL_TILINGS) != set():
+        bank, fp8_rate = fp8_bank(w), fp8_matmul_rate()
+        res["fp8_matmul_TFLOPs"] = fp8_rate / 1e12
+        print(f"E4M3 experts: {sum(t.numel() for t in bank[:2]) / 1e9:.1f} GB; E4M3 matmul {fp8_rate / 1e12:.0f} "
+              "TFLOP/s", flush=True)
+        share = 0.5 if precision == "both" else (0.7 if "decode" in want else 1.0)
+        res["prefill_fp8"] = run_fp8_prefill(w, bank, counts, rate, fp8_rate, t0 + share * budget_s,
+                                             _subset(names, FP8_PREFILL_TILINGS))
+        bank = None
+        torch.cuda.empty_cache()
+        (out / "moe.json").write_text(json.dumps(res, indent=1))
+    if "prefill" in want and precision != "fp8" and _subset(names, Km.TILINGS["prefill"]) != set():
         wp = None
         if layout != "separate":         # the same values, gate/up rows interleaved: one weight tile per gemm1 step
             wp = (w[0], w[1], *Km.interleave_gate_up(w[2], w[3])[1:], w[4])
         res["prefill"] = run_sweep(w, "prefill", counts, rate, t0 + (0.7 if "decode" in want else 1.0) * budget_s,
-                                   True, names, wp, layout != "paired")
+                                   True, _subset(names, Km.TILINGS["prefill"]), wp, layout != "paired")
         wp = None
         torch.cuda.empty_cache()
         (out / "moe.json").write_text(json.dumps(res, indent=1))     # written per section: a cut run keeps some
     if "decode" in want:
         res["decode"] = run_sweep(w, "decode", (1, 64) if quick else (1, 2, 4, 16, 64), bw, t0 + budget_s, True,
-                                  names and (names & set(Km.TILINGS["decode"])) or None)
+                                  _subset(names, Km.TILINGS["decode"]) or None)
         (out / "moe.json").write_text(json.dumps(res, indent=1))
     print(f"wrote {out / 'moe.json'}")
     summary(res)
@@ -198,7 +305,8 @@ def moe(out: Path, quick: bool, budget_s: float, phases: str, tiles: str, tokens
 
 def summary(res: dict) -> None:
     """The short table last: ms (and % of the ceiling) per tiling and token count, stage ms where timed."""
-    for sec, key, fig in (("prefill", "ms", "frac_matmul"), ("decode", "graph_ms", "graph_frac_copy")):
+    for sec, key, fig in (("prefill_fp8", "ms", "frac_matmul"), ("prefill", "ms", "frac_matmul"),
+                          ("decode", "graph_ms", "graph_frac_copy")):
         for r in res.get(sec, []):
             if key in r:
                 st = r.get("stages_ms", {})
@@ -207,9 +315,11 @@ def summary(res: dict) -> None:
                       f"  {extra}")
             elif "error" in r:
                 print(f"{sec:7s} {r['tokens']:6d} {r['tiles']:18s} {r['error'][:90]}")
-    best = {}                # fastest tiling per token count whose output agrees with the baseline tiling's
-    for r in res.get("prefill", []):
-        if "ms" in r and r.get("err_vs_old", 1.0) < ERR_VS_OLD_BOUND and r["ms"] < best.get(r["tokens"], (0, 1e9))[1]:
-            best[r["tokens"]] = (r["tiles"], r["ms"])
-    for n, (name, ms) in sorted(best.items()):
-        print(f"fastest prefill tiling at {n} tokens: {name} ({ms:.2f} ms; err vs baseline < {ERR_VS_OLD_BOUND})")
+    for sec, err, what in (("prefill", "err_vs_old", "baseline"), ("prefill_fp8", "err_vs_ref", "moe_fp8_sorted")):
+        best = {}            # fastest tiling per token count whose output agrees with the baseline / the reference
+        for r in res.get(sec, []):
+            if "ms" in r and r.get(err, 1.0) < ERR_VS_OLD_BOUND and r["ms"] < best.get(r["tokens"], (0, 1e9))[1]:
+                best[r["tokens"]] = (r["tiles"], r["ms"], r["frac_matmul"])
+        for n, (name, ms, frac) in sorted(best.items()):
+            print(f"fastest {sec} tiling at {n} tokens: {name} ({ms:.2f} ms, {100 * frac:.1f}% of the bf16 matmul "
+                  f"rate; err vs {what} < {ERR_VS_OLD_BOUND})")
