@@ -595,28 +595,39 @@ FP8_PREFILL_TILINGS = {
     "m128-n128-f2": Fp8Tiles(128, (128, 128, 8, 3), (256, 128, 8, 3), fast_act=2),
     "m64-n128-f2": Fp8Tiles(64, (128, 128, 4, 4), (128, 128, 4, 4), fast_act=2),
 }
-FP8_PREFILL = FP8_PREFILL_TILINGS["ptr"]
+# The defaults by average rows per expert r = pairs / E. H200, 2026-12-01 00:10 UTC (`k3export bench moe --precision
+# fp8 --phases prefill`, K3 shapes: 896 experts top-16, 3584 -> 3072 -> 3584, per-channel E4M3 weights; docs/perf.md):
+# 4096 tokens (r 73) ptr 13.47 ms, m64t32-n128 11.19, m64-n128-f2 11.34, **m128-n128-f2 10.77** (57% of the bf16
+# matmul rate); 8192 (r 146) ptr 21.25, m128-n128-f2 17.49, **m128t64-n64-f2 16.47** (75%); 16384 (r 292) ptr
+# 36.23, m128-n128-f2 26.23, **m128t64-n64-f2 26.03** (95%). Below 64 rows per expert nothing new was measured:
+# the pointer kernels stay (16-row blocks up to 4 rows per expert, as before).
+FP8_PREFILL = {64: FP8_PREFILL_TILINGS["m128-n128-f2"], 128: FP8_PREFILL_TILINGS["m128t64-n64-f2"]}
 
 
-def fp8_prefill_tiles() -> Fp8Tiles:
-    """The W8A8 tiling for a call: FP8_PREFILL, or the one env K3_FP8_MOE_PREFILL names (read per call)."""
+def fp8_prefill_tiles(n_pairs: int, E: int) -> Fp8Tiles:
+    """The W8A8 tiling for a call: the one env K3_FP8_MOE_PREFILL names (read per call: an A/B switch), else by
+    the average rows per expert (FP8_PREFILL's thresholds; the pointer kernels below them)."""
     name = os.environ.get("K3_FP8_MOE_PREFILL")
-    if not name:
-        return FP8_PREFILL
-    if name not in FP8_PREFILL_TILINGS:
-        raise ValueError(f"K3_FP8_MOE_PREFILL={name!r} is not a W8A8 tiling: {', '.join(FP8_PREFILL_TILINGS)}")
-    return FP8_PREFILL_TILINGS[name]
+    if name:
+        if name not in FP8_PREFILL_TILINGS:
+            raise ValueError(f"K3_FP8_MOE_PREFILL={name!r} is not a W8A8 tiling: {', '.join(FP8_PREFILL_TILINGS)}")
+        return FP8_PREFILL_TILINGS[name]
+    r = n_pairs / E
+    chosen = [t for lo, t in sorted(FP8_PREFILL.items()) if r >= lo]
+    if chosen:
+        return chosen[-1]
+    return FP8_PREFILL_TILINGS["ptr"] if r > 4 else replace(FP8_PREFILL_TILINGS["ptr"], block_m=16)
 
 
 def moe_fp8_w8a8(top, w, z, w13, w2, w13_scale, w2_scale, z_scale, h_scale, top_k, beta, linear_beta,
                  t: Fp8Tiles | None = None):
     """W8A8 experts for routed pairs (top, w `[N, k]`) -> u `[N, L]` in z.dtype (`moe_fp8_sorted`'s steps and
-    roundings, fp32 accumulation); t (default `fp8_prefill_tiles()`) picks the tiling. A TMA tiling whose operands
+    roundings, fp32 accumulation); t (default `fp8_prefill_tiles`) picks the tiling. A TMA tiling whose operands
     cannot be TMA rows (16-byte aligned bases and row strides) runs the pointer kernels."""
-    t = t or fp8_prefill_tiles()
     N, L = z.shape
     E, I = w13.shape[0], w2.shape[-1]
     P = N * top_k
+    t = t or fp8_prefill_tiles(P, E)
     z = z.contiguous()
     w13, w2 = w13.contiguous(), w2.contiguous()
     pc = w13_scale.dim() == 2
@@ -668,7 +679,7 @@ def moe_fp8_grouped(x, z, gate_weight, bias, w13, w2, w13_scale, w2_scale, z_sca
     """`k3::moe_routed_fp8`'s signature; weight-only (`moe_fp8_wo_ref`) when `use_weight_only` (and its kernels
     work here: `k3export.fp8.WEIGHT_ONLY_OK`), else W8A8 (`moe_fp8_sorted`, static activation scales, `moe_fp8_w8a8`);
     weight_only True/False forces a path, wo (default EXPERT_WO) picks the weight-only scheme, tiles the W8A8
-    tiling (default `fp8_prefill_tiles()`). fp32 accumulation either way."""
+    tiling (default `fp8_prefill_tiles`). fp32 accumulation either way."""
     N, L = z.shape
     E, I = w13.shape[0], w2.shape[-1]
     P = N * top_k
@@ -695,6 +706,4 @@ def moe_fp8_grouped(x, z, gate_weight, bias, w13, w2, w13_scale, w2_scale, z_sca
     elif run_wo:
         return experts()
     top, w = routed()
-    if P <= 4 * E and tiles is None:                 # few pairs per expert: 16-row blocks of the pointer kernels
-        tiles = replace(FP8_PREFILL_TILINGS["ptr"], block_m=16)
     return moe_fp8_w8a8(top, w, z, w13, w2, w13_scale, w2_scale, z_scale, h_scale, top_k, beta, linear_beta, tiles)

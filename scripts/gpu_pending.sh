@@ -37,9 +37,11 @@
 #   gemv4    k3::gemv at 2-4 rows (x rows loaded in one batch): its cuda tests (vs fp64, == rows in turn; k3-tiny
 #            `CompileBackend(gemv_rows=4)` tokens at B = 2 / 4), then scripts/ab_decode.py --backends
 #            compile,compile-gemv4 at B = $GEMV4_BATCHES (default "2 4"), k3-small
-#   fp8moe   (not yet run) the W8A8 expert tilings (`FP8_PREFILL_TILINGS`, TMA, E4M3 tensor cores): their cuda tests vs
+#   fp8moe   the W8A8 expert tilings (`FP8_PREFILL_TILINGS`, TMA, E4M3 tensor cores): their cuda tests vs
 #            moe_fp8_sorted at k3-small shapes, then `bench moe --precision fp8 --phases prefill` at K3 shapes
 #            ($FP8MOE_TOKENS, default 4096,8192,16384; $FP8MOE_TILES to pick tilings)
+#   fp8prefill (not yet run) the W8A8 tiling defaults through the op (cuda tests), then `bench fp8 --compiled` on
+#            k3-small (decode B = 1, prefill 2048) with the pointer kernels (K3_FP8_MOE_PREFILL=ptr) and the defaults
 #   gemvtest the k3::gemv cuda tests (K3 shapes vs fp64, PDL chain in a CUDA graph, k3-small compile-gemv-pdl tokens)
 #   ab       scripts/ab_decode.py --env $AB_ENV (NAME=A,B, a switch read at launch time): one switch A/B on the k3-small
 #            decode step, settings interleaved over rounds in one process (the script also takes several --env,
@@ -135,6 +137,11 @@ for part in $parts; do
            timeout ${FP8MOE_TIMEOUT:-330} python3 -m k3export.cli bench moe --precision fp8 --phases prefill \
              --tokens ${FP8MOE_TOKENS:-4096,8192,16384} ${FP8MOE_TILES:+--tiles $FP8MOE_TILES} --budget-s 300 \
              --out "$OUT/moe-fp8" > "$OUT/moe-fp8.log" 2>&1 ;;
+    fp8prefill) timeout 150 python3 -m pytest -q -m cuda tests/test_fp8.py tests/test_gemv.py -s -rs \
+             -k "grouped_kernel or w8a8_tiling_rule or compile_gemv4" -p no:cacheprovider > "$OUT/test-fp8prefill.log" 2>&1
+           for t in ptr default; do K3_FP8_MOE_PREFILL=${t/default/} timeout 240 python3 -m k3export.cli bench fp8 \
+             --preset k3-small --batches 1 --compiled --no-layer-pair --no-sweep --prefill 2048 --report-tokens 0 \
+             --noise-dtype none --out "$OUT/fp8p-$t" > "$OUT/fp8p-$t.log" 2>&1; done ;;
     gemvtest) timeout 240 python3 -m pytest -q -m cuda tests/test_gemv.py -s -rs -p no:cacheprovider > "$OUT/gemvtest.log" 2>&1 ;;
     gemvpdl) for m in ${GEMVPDL_M:-1 4}; do timeout 90 python3 scripts/gemv_pdl_probe.py --m $m --out "$OUT/gemvpdl-m$m.json"; done \
              > "$OUT/gemvpdl.log" 2>&1

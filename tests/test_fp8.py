@@ -467,6 +467,23 @@ def test_weight_only_experts_are_closer_to_unquantized_than_w8a8():
     assert all(wo < w8a8 < 2 * FP8_GEMM_BOUND for wo, w8a8 in errs.values()), errs
 
 
+def test_w8a8_tiling_rule(monkeypatch):
+    """W8A8 expert tilings by average rows per expert (measured at K3 size: 73 / 146 / 292 rows), the pointer
+    kernels below 64 (16-row blocks up to 4), and K3_FP8_MOE_PREFILL as an A/B switch with a clear error."""
+    from k3export.fp8_moe_kernels import FP8_PREFILL_TILINGS as T, fp8_prefill_tiles
+    monkeypatch.delenv("K3_FP8_MOE_PREFILL", raising=False)
+    E = 896
+    assert fp8_prefill_tiles(4096 * 16, E) is T["m128-n128-f2"]
+    assert fp8_prefill_tiles(8192 * 16, E) is T["m128t64-n64-f2"] is fp8_prefill_tiles(16384 * 16, E)
+    assert fp8_prefill_tiles(1024 * 16, E) is T["ptr"]                          # 18 rows per expert
+    assert fp8_prefill_tiles(4 * E, E).block_m == 16 and not fp8_prefill_tiles(4 * E, E).tma
+    monkeypatch.setenv("K3_FP8_MOE_PREFILL", "m64t32-n128")
+    assert fp8_prefill_tiles(8, E) is T["m64t32-n128"]
+    monkeypatch.setenv("K3_FP8_MOE_PREFILL", "m65")
+    with pytest.raises(ValueError, match="K3_FP8_MOE_PREFILL='m65' is not a W8A8 tiling: ptr, m64t32-n128"):
+        fp8_prefill_tiles(8, E)
+
+
 # ------------------------------------------------------------------------------------------------ GPU
 # bf16 output vs the fp32 reference: one bf16 rounding (2^-9) apart at most, plus the sums in another order
 # (Hopper's FP8 MMA accumulates with reduced precision). Measured on the H200 with k3-small's q_proj (`bench fp8`
