@@ -594,26 +594,36 @@ FP8_PREFILL_TILINGS = {
     "m128t64-n64-f2": Fp8Tiles(128, (64, 128, 8, 4), (128, 128, 8, 4), 64, fast_act=2),
     "m128-n128-f2": Fp8Tiles(128, (128, 128, 8, 3), (256, 128, 8, 3), fast_act=2),
     "m64-n128-f2": Fp8Tiles(64, (128, 128, 4, 4), (128, 128, 4, 4), fast_act=2),
+    "m64-n128-s2-f2": Fp8Tiles(64, (128, 128, 4, 2), (128, 128, 4, 2), fast_act=2),     # 80 KB: 2 CTAs per SM
+    "m128-n128-s4-f2": Fp8Tiles(128, (128, 128, 8, 4), (256, 128, 8, 4), fast_act=2),
+    "m128-n64-f2": Fp8Tiles(128, (64, 128, 8, 4), (128, 128, 8, 4), fast_act=2),
 }
-# The defaults by average rows per expert r = pairs / E. H200, 2026-12-01 00:10 UTC (`k3export bench moe --precision
-# fp8 --phases prefill`, K3 shapes: 896 experts top-16, 3584 -> 3072 -> 3584, per-channel E4M3 weights; docs/perf.md):
-# 4096 tokens (r 73) ptr 13.47 ms, m64t32-n128 11.19, m64-n128-f2 11.34, **m128-n128-f2 10.77** (57% of the bf16
-# matmul rate); 8192 (r 146) ptr 21.25, m128-n128-f2 17.49, **m128t64-n64-f2 16.47** (75%); 16384 (r 292) ptr
-# 36.23, m128-n128-f2 26.23, **m128t64-n64-f2 26.03** (95%). Below 64 rows per expert nothing new was measured:
-# the pointer kernels stay (16-row blocks up to 4 rows per expert, as before).
-FP8_PREFILL = {64: FP8_PREFILL_TILINGS["m128-n128-f2"], 128: FP8_PREFILL_TILINGS["m128t64-n64-f2"]}
+# The defaults by average rows per expert r = pairs / E, from `k3export bench moe --precision fp8 --phases prefill`
+# on the H200 (K3 shapes: 896 experts top-16, 3584 -> 3072 -> 3584, per-channel E4M3 weights; docs/perf.md).
+# 2026-11-30 23:51: 4096 tokens (r 73) ptr 13.47 ms, m64t32-n128 11.19, m64-n128-f2 11.34, m128-n128-f2 10.77; 8192
+# (r 146) ptr 21.25, m128-n128-f2 17.49, m128t64-n64-f2 16.47; 16384 (r 292) ptr 36.23, m128-n128-f2 26.23,
+# m128t64-n64-f2 26.03. 2026-12-01 00:06 (another H200): 4096 m128-n128-f2 10.37, **m128-n128-s4-f2 9.95**,
+# m64-n128-s2-f2 10.97, m128-n64-f2 11.31, m128t64-n64-f2 11.25; 8192 **m128t64-n64-f2 14.92**, m64-n128-s2-f2
+# 15.95, m128-n128-s4-f2 16.98. Below 64 rows per expert nothing new was measured: the pointer kernels stay there
+# (16-row blocks up to 4 rows per expert, as before).
+# At k3-small's latent (L 1024: 8 K steps of 128 per tile) the pointer kernels measured faster end to end: `bench fp8
+# --compiled --prefill 2048` (11 MoE layers, 256 rows per expert) FP8 10.81 ms with them, 11.35 with m128t64-n64-f2
+# (one run each, 2026-12-01 00:00; bf16 12.34 / 12.00 in the same runs), so the TMA tilings start at K3's latent.
+FP8_PREFILL = {64: FP8_PREFILL_TILINGS["m128-n128-s4-f2"], 128: FP8_PREFILL_TILINGS["m128t64-n64-f2"]}
+FP8_PREFILL_MIN_L = 2048
 
 
-def fp8_prefill_tiles(n_pairs: int, E: int) -> Fp8Tiles:
+def fp8_prefill_tiles(n_pairs: int, E: int, L: int) -> Fp8Tiles:
     """The W8A8 tiling for a call: the one env K3_FP8_MOE_PREFILL names (read per call: an A/B switch), else by
-    the average rows per expert (FP8_PREFILL's thresholds; the pointer kernels below them)."""
+    the average rows per expert (FP8_PREFILL's thresholds) for latents of at least FP8_PREFILL_MIN_L, the pointer
+    kernels otherwise."""
     name = os.environ.get("K3_FP8_MOE_PREFILL")
     if name:
         if name not in FP8_PREFILL_TILINGS:
             raise ValueError(f"K3_FP8_MOE_PREFILL={name!r} is not a W8A8 tiling: {', '.join(FP8_PREFILL_TILINGS)}")
         return FP8_PREFILL_TILINGS[name]
     r = n_pairs / E
-    chosen = [t for lo, t in sorted(FP8_PREFILL.items()) if r >= lo]
+    chosen = [t for lo, t in sorted(FP8_PREFILL.items()) if r >= lo and L >= FP8_PREFILL_MIN_L]
     if chosen:
         return chosen[-1]
     return FP8_PREFILL_TILINGS["ptr"] if r > 4 else replace(FP8_PREFILL_TILINGS["ptr"], block_m=16)
@@ -627,7 +637,7 @@ def moe_fp8_w8a8(top, w, z, w13, w2, w13_scale, w2_scale, z_scale, h_scale, top_
     N, L = z.shape
     E, I = w13.shape[0], w2.shape[-1]
     P = N * top_k
-    t = t or fp8_prefill_tiles(P, E)
+    t = t or fp8_prefill_tiles(P, E, L)
     z = z.contiguous()
     w13, w2 = w13.contiguous(), w2.contiguous()
     pc = w13_scale.dim() == 2

@@ -40,8 +40,8 @@
 #   fp8moe   the W8A8 expert tilings (`FP8_PREFILL_TILINGS`, TMA, E4M3 tensor cores): their cuda tests vs
 #            moe_fp8_sorted at k3-small shapes, then `bench moe --precision fp8 --phases prefill` at K3 shapes
 #            ($FP8MOE_TOKENS, default 4096,8192,16384; $FP8MOE_TILES to pick tilings)
-#   fp8prefill (not yet run) the W8A8 tiling defaults through the op (cuda tests), then `bench fp8 --compiled` on
-#            k3-small (decode B = 1, prefill 2048) with the pointer kernels (K3_FP8_MOE_PREFILL=ptr) and the defaults
+#   fp8prefill the W8A8 tiling defaults through the op (cuda tests), then `bench fp8 --compiled` on k3-small (decode
+#            B = 1, prefill 2048) once per W8A8 tiling in $FP8PREFILL_TILES (default "ptr m128t64-n64-f2")
 #   gemvtest the k3::gemv cuda tests (K3 shapes vs fp64, PDL chain in a CUDA graph, k3-small compile-gemv-pdl tokens)
 #   ab       scripts/ab_decode.py --env $AB_ENV (NAME=A,B, a switch read at launch time): one switch A/B on the k3-small
 #            decode step, settings interleaved over rounds in one process (the script also takes several --env,
@@ -87,7 +87,8 @@ for part in $parts; do
              --backends ${MODEL_BACKENDS:-eager,compile,compile-frozen} --prefill-lengths 2048 \
              --batches ${MODEL_BATCHES:-1,8,64} --contexts 1024 \
              --warmup 2 --iters 5 --decode-iters ${MODEL_DECODE_ITERS:-40} \
-             --generate-tokens ${MODEL_GEN:-64} --out "$OUT/model" > "$OUT/model.log" 2>&1 ;;
+             --generate-tokens ${MODEL_GEN:-64} --out "$OUT/model" > "$OUT/model.log" 2>&1
+           tar -C "$OUT" -czf "$OUT/model.tar.gz" model && rm -rf "$OUT/model" ;;   # the device returns <= 8 files
     toy)   timeout 150 python3 scripts/aoti_toy.py /tmp/toy > "$OUT/toy.log" 2>&1 ;;
     fp8c)  timeout ${FP8C_TIMEOUT:-200} python3 -m k3export.cli bench fp8 --preset k3-small --batches ${FP8C_BATCHES:-1} \
              --compiled --no-layer-pair --no-sweep --prefill ${FP8C_PREFILL:-0} --report-tokens 0 --noise-dtype none \
@@ -139,9 +140,9 @@ for part in $parts; do
              --out "$OUT/moe-fp8" > "$OUT/moe-fp8.log" 2>&1 ;;
     fp8prefill) timeout 150 python3 -m pytest -q -m cuda tests/test_fp8.py tests/test_gemv.py -s -rs \
              -k "grouped_kernel or w8a8_tiling_rule or compile_gemv4" -p no:cacheprovider > "$OUT/test-fp8prefill.log" 2>&1
-           for t in ptr default; do K3_FP8_MOE_PREFILL=${t/default/} timeout 240 python3 -m k3export.cli bench fp8 \
-             --preset k3-small --batches 1 --compiled --no-layer-pair --no-sweep --prefill 2048 --report-tokens 0 \
-             --noise-dtype none --out "$OUT/fp8p-$t" > "$OUT/fp8p-$t.log" 2>&1; done ;;
+           for t in ${FP8PREFILL_TILES:-ptr m128t64-n64-f2}; do K3_FP8_MOE_PREFILL=$t timeout 240 python3 -m k3export.cli \
+             bench fp8 --preset k3-small --batches 1 --compiled --no-layer-pair --no-sweep --prefill 2048 \
+             --report-tokens 0 --noise-dtype none --out "$OUT/fp8p-$t" > "$OUT/fp8p-$t.log" 2>&1; done ;;
     gemvtest) timeout 240 python3 -m pytest -q -m cuda tests/test_gemv.py -s -rs -p no:cacheprovider > "$OUT/gemvtest.log" 2>&1 ;;
     gemvpdl) for m in ${GEMVPDL_M:-1 4}; do timeout 90 python3 scripts/gemv_pdl_probe.py --m $m --out "$OUT/gemvpdl-m$m.json"; done \
              > "$OUT/gemvpdl.log" 2>&1

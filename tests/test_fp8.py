@@ -472,16 +472,17 @@ def test_w8a8_tiling_rule(monkeypatch):
     kernels below 64 (16-row blocks up to 4), and K3_FP8_MOE_PREFILL as an A/B switch with a clear error."""
     from k3export.fp8_moe_kernels import FP8_PREFILL_TILINGS as T, fp8_prefill_tiles
     monkeypatch.delenv("K3_FP8_MOE_PREFILL", raising=False)
-    E = 896
-    assert fp8_prefill_tiles(4096 * 16, E) is T["m128-n128-f2"]
-    assert fp8_prefill_tiles(8192 * 16, E) is T["m128t64-n64-f2"] is fp8_prefill_tiles(16384 * 16, E)
-    assert fp8_prefill_tiles(1024 * 16, E) is T["ptr"]                          # 18 rows per expert
-    assert fp8_prefill_tiles(4 * E, E).block_m == 16 and not fp8_prefill_tiles(4 * E, E).tma
+    E, L = 896, 3584
+    assert fp8_prefill_tiles(4096 * 16, E, L) is T["m128-n128-s4-f2"]
+    assert fp8_prefill_tiles(8192 * 16, E, L) is T["m128t64-n64-f2"] is fp8_prefill_tiles(16384 * 16, E, L)
+    assert fp8_prefill_tiles(1024 * 16, E, L) is T["ptr"]                       # 18 rows per expert
+    assert fp8_prefill_tiles(2048 * 8, 64, 1024) is T["ptr"]                    # k3-small's latent: pointer kernels
+    assert fp8_prefill_tiles(4 * E, E, L).block_m == 16 and not fp8_prefill_tiles(4 * E, E, L).tma
     monkeypatch.setenv("K3_FP8_MOE_PREFILL", "m64t32-n128")
-    assert fp8_prefill_tiles(8, E) is T["m64t32-n128"]
+    assert fp8_prefill_tiles(8, E, L) is T["m64t32-n128"]
     monkeypatch.setenv("K3_FP8_MOE_PREFILL", "m65")
     with pytest.raises(ValueError, match="K3_FP8_MOE_PREFILL='m65' is not a W8A8 tiling: ptr, m64t32-n128"):
-        fp8_prefill_tiles(8, E)
+        fp8_prefill_tiles(8, E, L)
 
 
 # ------------------------------------------------------------------------------------------------ GPU
@@ -646,7 +647,7 @@ def test_grouped_kernel_matches_sorted_cuda(N, weight_only):
 @pytest.mark.cuda
 @pytest.mark.parametrize("N", [256, 2048])
 @pytest.mark.parametrize("name", ["ptr", "m64t32-n128", "m64t32-n128-f2", "m64t32-n128-k256", "m128t64-n64-f2",
-                                  "m128-n128-f2", "m64-n128-f2"])
+                                  "m128-n128-f2", "m64-n128-f2", "m64-n128-s2-f2", "m128-n128-s4-f2", "m128-n64-f2"])
 def test_w8a8_tilings_match_sorted_cuda(name, N):
     """Every named W8A8 tiling (`FP8_PREFILL_TILINGS`; the TMA ones gather E4M3(z / s_z) into row-plan order) at
     k3-small expert shapes (64 experts, top-8: 32 / 256 rows per expert, one expert hot) against the contract's
