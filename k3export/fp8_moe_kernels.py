@@ -49,6 +49,18 @@ _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl
 
 
 @triton.jit
+def _w13_scales(s13, e, stride_se, I, offs_n, n_ok, PER_CHANNEL: tl.constexpr):
+    """Expert e's weight scales of w1 and w3 for output columns offs_n: `[1, BN]` per channel, else scalars."""
+    if PER_CHANNEL:
+        s1 = tl.load(s13 + e * stride_se + offs_n, mask=n_ok, other=0.0)[None, :]
+        s3 = tl.load(s13 + e * stride_se + I + offs_n, mask=n_ok, other=0.0)[None, :]
+    else:
+        s1 = tl.load(s13 + e)
+        s3 = s1
+    return s1, s3
+
+
+@triton.jit
 def moe_fp8_gemm1_fwd_kernel(z, z_scale, w13, s13, h, h_scale, row_pair, block_expert, I, L,
                              stride_z, stride_we, stride_wn, stride_se, stride_h, beta, linear_beta,
                              TOP_K: tl.constexpr, PER_CHANNEL: tl.constexpr, FP8_DOT: tl.constexpr,
@@ -77,12 +89,7 @@ def moe_fp8_gemm1_fwd_kernel(z, z_scale, w13, s13, h, h_scale, row_pair, block_e
         else:
             acc1 = tl.dot(a.to(tl.float32), b1.to(tl.float32), acc=acc1)
             acc3 = tl.dot(a.to(tl.float32), b3.to(tl.float32), acc=acc3)
-    if PER_CHANNEL:
-        s1 = tl.load(s13 + e * stride_se + offs_n, mask=n_ok, other=0.0)[None, :]
-        s3 = tl.load(s13 + e * stride_se + I + offs_n, mask=n_ok, other=0.0)[None, :]
-    else:
-        s1 = tl.load(s13 + e)
-        s3 = s1
+    s1, s3 = _w13_scales(s13, e, stride_se, I, offs_n, n_ok, PER_CHANNEL)
     zs = tl.load(z_scale)
     y1 = (acc1 * zs * s1).to(ROUND).to(tl.float32)
     y3 = (acc3 * zs * s3).to(ROUND).to(tl.float32)
@@ -162,6 +169,14 @@ def _fp8_tma_gemm1_loop(a, a_tail, w13, row0, w_row, I, L, BLOCK_M: tl.constexpr
 
 
 @triton.jit
+def _fp8_tma_block(block_expert, MB, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TAIL: tl.constexpr):
+    """This program's (expert (-1: an unused block), first row, first output column) in the TMA kernels: blocks of
+    BLOCK_M + TAIL rows, all column tiles of a block together."""
+    pb, pn = _tile(tl.program_id(0), MB, tl.cdiv(N, BLOCK_N), 1)
+    return tl.load(block_expert + pb), pb * (BLOCK_M + TAIL), pn * BLOCK_N
+
+
+@triton.jit
 def _fp8_glu_quant(acc1, acc3, zs, s1, s3, hs, beta, linear_beta, ROUND: tl.constexpr, FAST_ACT: tl.constexpr):
     """The W8A8 gemm1 epilogue of `moe_fp8_sorted`: y1, y3 scaled and rounded to z.dtype, SiTU-GLU rounded to
     z.dtype, then h / s_h clamped to the E4M3 range (fp32; the caller converts)."""
@@ -186,14 +201,12 @@ def moe_fp8_tma_gemm1_fwd_kernel(a, a_tail, w13, s13, h, z_scale, h_scale, row_p
     padding skip the tail dots (valid rows are a prefix of a block)."""
     beta = tl.cast(beta, tl.float32)
     linear_beta = tl.cast(linear_beta, tl.float32)
-    pb, pn = _tile(tl.program_id(0), MB, tl.cdiv(I, BLOCK_N), 1)
-    e = tl.load(block_expert + pb)
+    e, row0, n0 = _fp8_tma_block(block_expert, MB, I, BLOCK_M, BLOCK_N, TAIL)
     if e < 0:
         return
-    row0 = pb * (BLOCK_M + TAIL)
-    offs_n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < I
-    w_row = e * 2 * I + pn * BLOCK_N
+    w_row = e * 2 * I + n0
     use_tail = False
     if TAIL > 0:
         use_tail = tl.load(row_pair + row0 + BLOCK_M) >= 0
@@ -203,12 +216,7 @@ def moe_fp8_tma_gemm1_fwd_kernel(a, a_tail, w13, s13, h, z_scale, h_scale, row_p
     else:
         acc1, acc3, acc1t, acc3t = _fp8_tma_gemm1_loop(a, a_tail, w13, row0, w_row, I, L, BLOCK_M, BLOCK_N,
                                                        BLOCK_K, TAIL, False, FP8_DOT)
-    if PER_CHANNEL:
-        s1 = tl.load(s13 + e * stride_se + offs_n, mask=n_ok, other=0.0)[None, :]
-        s3 = tl.load(s13 + e * stride_se + I + offs_n, mask=n_ok, other=0.0)[None, :]
-    else:
-        s1 = tl.load(s13 + e)
-        s3 = s1
+    s1, s3 = _w13_scales(s13, e, stride_se, I, offs_n, n_ok, PER_CHANNEL)
     zs, hs = tl.load(z_scale), tl.load(h_scale)
     hq = _fp8_glu_quant(acc1, acc3, zs, s1, s3, hs, beta, linear_beta, ROUND, FAST_ACT)
     offs_m = row0 + tl.arange(0, BLOCK_M)
@@ -244,14 +252,12 @@ def moe_fp8_tma_gemm2_fwd_kernel(h, h_tail, w2, s2, y, h_scale, row_pair, block_
                                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TAIL: tl.constexpr):
     """Block pb, columns [n0, n0 + BLOCK_N) of L: y[pair] = (h s_h) (W2_e s_2)^T -> y.dtype, rows back in pair
     order. h / h_tail: TMA descriptors over gemm1's E4M3 rows `[MB * (BM + TAIL), I]`; w2: over `[E * L, I]`."""
-    pb, pn = _tile(tl.program_id(0), MB, tl.cdiv(L, BLOCK_N), 1)
-    e = tl.load(block_expert + pb)
+    e, row0, n0 = _fp8_tma_block(block_expert, MB, L, BLOCK_M, BLOCK_N, TAIL)
     if e < 0:
         return
-    row0 = pb * (BLOCK_M + TAIL)
-    offs_n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < L
-    w_row = e * L + pn * BLOCK_N
+    w_row = e * L + n0
     use_tail = False
     if TAIL > 0:
         use_tail = tl.load(row_pair + row0 + BLOCK_M) >= 0
