@@ -18,7 +18,8 @@ decode CUDA graphs capture it) depends on the number of (token, expert) pairs P 
   quantized (z_scale and h_scale unused); each hit expert's E4M3 w1|w3 and w2 stream once, widened in registers
   and scaled per output channel, SiTU-GLU fused into the first GEMM, i.e. `k3::moe_routed` on the dequantized
   experts (h rounded to z.dtype, everything else fp32).
-- larger P (prefill): the contract above, on E4M3 tensor cores (z and h quantized with their static scales).
+- larger P (prefill): the contract above, on E4M3 tensor cores (z and h quantized with their static scales; at
+  K3's latent TMA tilings of 128-row expert blocks, see `k3export.fp8_moe_kernels.FP8_PREFILL_TILINGS`).
 """
 
 from __future__ import annotations
