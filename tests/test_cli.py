@@ -89,6 +89,7 @@ def test_more_bad_input_gives_a_message_not_a_traceback(tmp_path):
              (["bench", "moe", "--tiles", "m64t32-n128"], "unknown tiling(s) m64t32-n128"),      # FP8's, bf16 asked
              (["bench", "moe", "--precision", "fp8", "--phases", "prefill", "--tiles", "m64t32-aw8"],
               "unknown tiling(s) m64t32-aw8"),                                                # bf16's, FP8 asked
+             (["bench", "moe", "--precision", "fp8", "--tiles", "m128-tma-aw"], "unknown tiling(s) m128-tma-aw"),
              (["bench", "moe", "--precision", "fp16"], "Invalid value for '--precision'")]
     if not torch.cuda.is_available():
         cases.append((["generate", "--ids", "1", "--device", "cuda"], "CUDA is not available here"))

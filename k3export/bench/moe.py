@@ -255,9 +255,10 @@ def moe(out: Path, quick: bool, budget_s: float, phases: str, tiles: str, tokens
     from k3export.fp8_moe_kernels import FP8_PREFILL_TILINGS
     from k3export.plugins.moe import kernels as Km
     names = {t.strip() for t in tiles.split(",") if t.strip()} or None
-    known = [n for ph in sorted(want) for n in Km.TILINGS[ph]] if precision != "fp8" or "decode" in want else []
-    if precision != "bf16" and "prefill" in want:
-        known += [n for n in FP8_PREFILL_TILINGS if n not in known]
+    known = list(Km.TILINGS["decode"]) if "decode" in want else []              # what each sweep asked for runs
+    if "prefill" in want:
+        known += list(Km.TILINGS["prefill"]) if precision != "fp8" else []
+        known += [n for n in FP8_PREFILL_TILINGS if n not in known] if precision != "bf16" else []
     unknown = (names or set()) - set(known)
     if unknown:
         raise click.BadParameter(f"unknown tiling(s) {', '.join(sorted(unknown))}; known: {', '.join(known)}",
@@ -274,6 +275,10 @@ def moe(out: Path, quick: bool, budget_s: float, phases: str, tiles: str, tokens
     res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
            "copy_TBps": bw / 1e12, "matmul_TFLOPs": rate / 1e12}
     res["defaults"] = {k: repr(v) for k, v in Km.CONFIGS.items()}
+    if precision != "bf16":
+        from k3export.fp8_moe_kernels import FP8_PREFILL, FP8_PREFILL_MIN_L
+        res["fp8_defaults"] = {f">= {r} rows per expert, L >= {FP8_PREFILL_MIN_L}": repr(t)
+                               for r, t in FP8_PREFILL.items()}
     res["layout"] = layout
     if "prefill" in want and precision != "bf16" and _subset(names, FP8_PREFILL_TILINGS) != set():
         bank, fp8_rate = fp8_bank(w), fp8_matmul_rate()
