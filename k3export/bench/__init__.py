@@ -14,6 +14,14 @@ def bench() -> None:
     """Benchmarks: kernels against their baselines, and end-to-end latency against eager PyTorch."""
 
 
+def require_cuda(name: str) -> None:
+    """Stop a GPU-only benchmark on a machine without CUDA with a message instead of torch's traceback."""
+    import torch
+    if not torch.cuda.is_available():
+        raise click.ClickException(f"bench {name} needs a CUDA GPU (run it on the GPU machine; `k3export bench model "
+                                   "--device cpu` times the CPU backends)")
+
+
 # One entry per benchmark module (k3export/bench/<name>.py defines `@bench.command(...)`).
 BENCH_MODULES = ("kda", "mla", "moe", "layer", "model", "fp8")
 

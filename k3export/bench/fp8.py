@@ -32,7 +32,7 @@ from pathlib import Path
 import click
 import torch
 
-from k3export.bench import bench
+from k3export.bench import bench, require_cuda
 
 
 @torch.no_grad()
@@ -532,6 +532,7 @@ def fp8_bench(preset, batches, context, prefill_tokens, report_tokens, noise_dty
               variants, profile, compiled, out):
     """FP8 vs bf16: accuracy report, decode step at B = 1..64 (CUDA graphs) and prefill, on one GPU; the
     full-width layer pair, its launch variants (--variants) and kernel profile (--profile)."""
+    require_cuda("fp8")
     from k3export.bench.ceilings import copy_bandwidth, machine
     from k3export.calibrate import DEFAULT_RECIPE, HELDOUT_SEED, Recipe, calibrate, default_batches
     from k3export.config import K3Config

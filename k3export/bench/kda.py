@@ -21,7 +21,7 @@ from pathlib import Path
 import click
 import torch
 
-from k3export.bench import bench
+from k3export.bench import bench, require_cuda
 from k3export.bench.ceilings import bench_ms, copy_bandwidth, graph_ms, kernel_times   # median ms
 from k3export.plugins.kda.kernels import INTRA_CONFIGS
 
@@ -447,8 +447,7 @@ def run_sweep(out: Path, T: int, H: int, batches, budget_s: float, res: dict,
 def kda_bench(out_dir: str, T: int, H: int, batches: str, sweep: bool, budget_s: float, phases: str,
               checked: Path | None) -> None:
     """Prefill and decode KDA kernels vs fla-core and eager PyTorch (needs a CUDA GPU)."""
-    if not torch.cuda.is_available():
-        raise click.ClickException("bench kda needs a CUDA GPU (run it on the GPU machine)")
+    require_cuda("kda")
     import sys
 
     import triton

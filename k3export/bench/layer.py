@@ -16,7 +16,7 @@ from pathlib import Path
 import click
 import torch
 
-from k3export.bench import bench
+from k3export.bench import bench, require_cuda
 from k3export.bench.ceilings import bench_ms, copy_bandwidth, machine
 
 
@@ -122,6 +122,7 @@ def kernel_sources() -> dict:
 def layer(out: Path, cache_len: int) -> None:
     """Full-width K3 layer pair (MLA + MoE, KDA + MoE; d = 7168, 896 experts, bf16), one decode step at B = 1,
     vs its weight-bytes floor; eager and CUDA-graph replay."""
+    require_cuda("layer")
     out.mkdir(parents=True, exist_ok=True)
     bw = copy_bandwidth()
     src = kernel_sources()

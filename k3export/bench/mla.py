@@ -15,7 +15,7 @@ from pathlib import Path
 import click
 import torch
 
-from k3export.bench import bench
+from k3export.bench import bench, require_cuda
 from k3export.bench.ceilings import bench_ms, copy_bandwidth, graph_ms, machine
 
 SCALE = 1.0 / math.sqrt(192)
@@ -125,6 +125,7 @@ def mla(out: Path, quick: bool, sweep: bool) -> None:
     """MLA decode: B in 1..128, cache 1k..64k, 96 and 12 heads, cache bytes vs copy bandwidth (plain calls and
     CUDA-graph replays); vs eager and vs SDPA on the expanded (per-head K/V) form. Prefill: TFLOP/s vs SDPA
     causal."""
+    require_cuda("mla")
     out.mkdir(parents=True, exist_ok=True)
     bw = copy_bandwidth()
     print(f"{machine()}; copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)

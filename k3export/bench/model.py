@@ -342,7 +342,8 @@ def model_bench(ctx, preset, dtype, device, backends, prefill_lengths, batches, 
     from k3export.model.weights import random_model
     if threads:
         torch.set_num_threads(threads)
-    cuda = torch.device(device).type == "cuda"
+    from k3export.commands import check_device
+    cuda = check_device(device).type == "cuda"
     dtype = dtype or ("bf16" if cuda else "fp32")
     names = [b.strip() for b in backends.split(",") if b.strip()]
     if not cuda and "graph" in names:

@@ -21,7 +21,7 @@ from pathlib import Path
 import click
 import torch
 
-from k3export.bench import bench
+from k3export.bench import bench, require_cuda
 from k3export.bench.ceilings import (bench_ms, copy_bandwidth, fp8_matmul_rate, graph_ms, kernel_times, machine,
                                      matmul_rate)
 
@@ -267,6 +267,7 @@ def moe(out: Path, quick: bool, budget_s: float, phases: str, tiles: str, tokens
         counts = tuple(int(t) for t in tokens.split(",") if t.strip()) or ((8192,) if quick else (8192, 4096, 16384))
     except ValueError:
         raise click.BadParameter(f"{tokens!r} is not a comma-separated list of token counts", param_hint="--tokens")
+    require_cuda("moe")
     t0 = time.monotonic()
     out.mkdir(parents=True, exist_ok=True)
     bw, rate = copy_bandwidth(), matmul_rate()
