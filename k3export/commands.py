@@ -22,8 +22,13 @@ def dtype_option(default="float32"):
 
 
 def device_option():
+    """--device, checked when parsed (`check_device`): a bad name or CUDA without CUDA stops the command with a
+    message before it loads anything."""
+    def checked(ctx, param, value):
+        check_device(value)
+        return value
     return click.option("--device", default="cuda" if torch.cuda.is_available() else "cpu", show_default=True,
-                        help="Torch device to run on.")
+                        help="Torch device to run on.", callback=checked)
 
 
 def parse_ids(text: str) -> list[list[int]]:

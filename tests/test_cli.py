@@ -94,7 +94,9 @@ def test_more_bad_input_gives_a_message_not_a_traceback(tmp_path):
     if not torch.cuda.is_available():
         cases.append((["generate", "--ids", "1", "--device", "cuda"], "CUDA is not available here"))
         cases += [(["bench", name], f"bench {name} needs a CUDA GPU") for name in ("kda", "mla", "moe", "layer", "fp8")]
-        cases.append((["bench", "model", "--device", "cuda"], "--device cuda: CUDA is not available here"))
+        cases += [([*cmd, "--device", "cuda"], "--device cuda: CUDA is not available here")
+                  for cmd in (["bench", "model"], ["build", "--backend", "eager", "--out", str(tmp_path)],
+                              ["calibrate", "--preset", "k3-tiny"], ["demo", "--out", str(tmp_path)])]
     for args, msg in cases:
         r = CliRunner().invoke(main, args)
         assert r.exit_code in (1, 2) and isinstance(r.exception, SystemExit) and msg in r.output, (args, r.output)
