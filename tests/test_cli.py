@@ -90,7 +90,10 @@ def test_more_bad_input_gives_a_message_not_a_traceback(tmp_path):
              (["bench", "moe", "--precision", "fp8", "--phases", "prefill", "--tiles", "m64t32-aw8"],
               "unknown tiling(s) m64t32-aw8"),                                                # bf16's, FP8 asked
              (["bench", "moe", "--precision", "fp8", "--tiles", "m128-tma-aw"], "unknown tiling(s) m128-tma-aw"),
-             (["bench", "moe", "--precision", "fp16"], "Invalid value for '--precision'")]
+             (["bench", "moe", "--precision", "fp16"], "Invalid value for '--precision'"),
+             (["bench", "model", "--device", "cpu", "--batches", "0"], "Invalid value for '--batches'"),
+             (["bench", "model", "--device", "cpu", "--contexts", "8,x"], "Invalid value for '--contexts'"),
+             (["bench", "model", "--device", "cpu", "--backends", "eager,nope"], "unknown backend(s) nope")]
     if not torch.cuda.is_available():
         cases.append((["generate", "--ids", "1", "--device", "cuda"], "CUDA is not available here"))
         cases += [(["bench", name], f"bench {name} needs a CUDA GPU") for name in ("kda", "mla", "moe", "layer", "fp8")]

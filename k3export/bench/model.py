@@ -300,11 +300,15 @@ def plot(rows: list[dict], path: Path, title: str) -> Path | None:
     return path
 
 
-def _ints(text: str) -> list[int]:
+def _ints(text: str, option: str) -> list[int]:
+    """'1,8,64' -> [1, 8, 64]: positive integers, at least one (else a BadParameter naming the option)."""
     try:
-        return [int(x) for x in text.split(",") if x.strip()]
+        vals = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise click.BadParameter(f"expected comma-separated integers, got {text!r}")
+        raise click.BadParameter(f"expected comma-separated integers, got {text!r}", param_hint=option)
+    if not vals or min(vals) < 1:
+        raise click.BadParameter(f"expected comma-separated integers >= 1, got {text!r}", param_hint=option)
+    return vals
 
 
 @bench.command("model")
@@ -346,13 +350,18 @@ def model_bench(ctx, preset, dtype, device, backends, prefill_lengths, batches, 
     cuda = check_device(device).type == "cuda"
     dtype = dtype or ("bf16" if cuda else "fp32")
     names = [b.strip() for b in backends.split(",") if b.strip()]
+    unknown = [n for n in names if n not in BACKENDS]
+    if unknown:
+        raise click.BadParameter(f"unknown backend(s) {', '.join(unknown)}; choose from {', '.join(BACKENDS)}",
+                                 param_hint="'--backends'")
     if not cuda and "graph" in names:
         names.remove("graph")                                   # CUDA graphs need a GPU: same as eager here
     if "eager" not in names:
         names.insert(0, "eager")
     # the baselines first: `compile` packs the shared model's projections in place (runtime.CompileBackend)
     names.sort(key=lambda n: n not in ("eager", "graph"))
-    args = {"prefill_lengths": _ints(prefill_lengths), "batches": _ints(batches), "contexts": _ints(contexts),
+    args = {"prefill_lengths": _ints(prefill_lengths, "'--prefill-lengths'"), "batches": _ints(batches, "'--batches'"),
+            "contexts": _ints(contexts, "'--contexts'"),
             "warmup": warmup, "iters": iters, "decode_iters": decode_iters or iters, "generate_tokens": generate_tokens,
             "new_lengths": new_lengths}
     out.mkdir(parents=True, exist_ok=True)
