@@ -92,6 +92,7 @@ def test_more_bad_input_gives_a_message_not_a_traceback(tmp_path):
              (["bench", "moe", "--precision", "fp8", "--tiles", "m128-tma-aw"], "unknown tiling(s) m128-tma-aw"),
              (["bench", "moe", "--precision", "fp16"], "Invalid value for '--precision'"),
              (["bench", "model", "--device", "cpu", "--batches", "0"], "Invalid value for '--batches'"),
+             (["bench", "moe", "--tokens", "4096,0"], "token counts must be >= 1"),
              (["bench", "model", "--device", "cpu", "--contexts", "8,x"], "Invalid value for '--contexts'"),
              (["bench", "model", "--device", "cpu", "--backends", "eager,nope"], "unknown backend(s) nope")]
     if not torch.cuda.is_available():

@@ -267,6 +267,8 @@ def moe(out: Path, quick: bool, budget_s: float, phases: str, tiles: str, tokens
         counts = tuple(int(t) for t in tokens.split(",") if t.strip()) or ((8192,) if quick else (8192, 4096, 16384))
     except ValueError:
         raise click.BadParameter(f"{tokens!r} is not a comma-separated list of token counts", param_hint="--tokens")
+    if min(counts) < 1:
+        raise click.BadParameter(f"token counts must be >= 1, got {tokens!r}", param_hint="--tokens")
     require_cuda("moe")
     t0 = time.monotonic()
     out.mkdir(parents=True, exist_ok=True)
