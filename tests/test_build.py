@@ -2,6 +2,7 @@
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -189,6 +190,46 @@ def test_bench_mla_table_and_plot(tmp_path):
     assert table.count("\n| 96 |") == 2
     png = plot(res, tmp_path / "mla.png")
     assert png is None or png.stat().st_size > 0
+
+
+def test_bench_moe_plot_summary_and_merge_script(tmp_path, capsys):
+    """`bench moe`'s plot and summary from bf16 and E4M3 prefill rows and decode rows (the GPU writes them; this
+    checks the rendering): rows without a time (skipped, failed) are left out, the fastest tiling per token count is
+    the one within the error bound, and scripts/plot_moe.py merges two runs' JSON keeping the named tilings."""
+    import json
+    import subprocess
+    import sys
+    from k3export.bench.moe import plot, summary
+    pre = lambda t, n, ms, f, **k: {"tokens": t, "tiles": n, "ms": ms, "frac_matmul": f, **k}  # noqa: E731
+    res = {"date": "2026-12-01", "machine": "test", "copy_TBps": 4.0, "matmul_TFLOPs": 700.0,
+           "prefill": [pre(4096, "a", 17.0, 0.36, err_vs_old=0.0, cap_frac_matmul=0.44),
+                       pre(8192, "a", 22.0, 0.52, err_vs_old=0.0, cap_frac_matmul=0.86),
+                       {"tokens": 4096, "tiles": "b", "error": "skipped: time budget"}],
+           "prefill_fp8": [pre(4096, "ptr", 13.5, 0.46, err_vs_ref=0.014), pre(4096, "t", 9.9, 0.62, err_vs_ref=0.013),
+                           pre(4096, "bad", 5.0, 1.2, err_vs_ref=0.5)],
+           "decode": [{"tokens": 1, "tiles": "d", "graph_ms": 0.28, "graph_frac_copy": 0.9}]}
+    png = plot(res, tmp_path / "moe.png")
+    assert png is None or png.stat().st_size > 0
+    summary(res)
+    out = capsys.readouterr().out
+    assert "fastest prefill_fp8 tiling at 4096 tokens: t (9.90 ms, 62.0% of the bf16 matmul rate" in out
+    assert "fastest prefill tiling at 4096 tokens: a" in out and "skipped: time budget" in out
+    one = {**res, "prefill": res["prefill"][:1], "prefill_fp8": [], "decode": []}
+    paths = []
+    for i, r in enumerate((one, {**res, "prefill": []})):
+        paths.append(tmp_path / f"r{i}.json")
+        paths[-1].write_text(json.dumps(r))
+    script = Path(__file__).resolve().parents[1] / "scripts" / "plot_moe.py"
+    run = subprocess.run([sys.executable, str(script), *map(str, paths), "--out", str(tmp_path / "m.png"),
+                          "--tiles", "a,t"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    from importlib.util import module_from_spec, spec_from_file_location
+    spec = spec_from_file_location("plot_moe", script)
+    mod = module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    merged, title = mod.merged(paths, {"a", "t"})
+    assert [r["tiles"] for r in merged["prefill"]] == ["a"] and [r["tiles"] for r in merged["prefill_fp8"]] == ["t"]
+    assert merged["decode"] == [] and "700 TFLOP/s" in title
 
 
 def test_prefill_flops_count_the_lm_head_the_engine_runs():

@@ -307,8 +307,61 @@ def moe(out: Path, quick: bool, budget_s: float, phases: str, tiles: str, tokens
         res["decode"] = run_sweep(w, "decode", (1, 64) if quick else (1, 2, 4, 16, 64), bw, t0 + budget_s, True,
                                   _subset(names, Km.TILINGS["decode"]) or None)
         (out / "moe.json").write_text(json.dumps(res, indent=1))
-    print(f"wrote {out / 'moe.json'}")
+    png = plot(res, out / "moe.png")
+    print(f"wrote {out / 'moe.json'}" + (f", {png}" if png else ""))
     summary(res)
+
+
+def plot(res: dict, path: Path, title: str | None = None) -> Path | None:
+    """Prefill: % of the bf16 matmul rate against tokens, one line per tiling (bf16 solid, E4M3 experts dashed),
+    with #5's 50% line and the bf16 weight-bytes cap where the rows carry it; decode (if run): % of copy bandwidth
+    of the CUDA-graph replay against tokens per tiling, with the 70% line. None without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    panels = [sec for sec in ("prefill", "decode") if any("ms" in r for r in res.get(sec, []))
+              or (sec == "prefill" and any("ms" in r for r in res.get("prefill_fp8", [])))]
+    if not panels:
+        return None
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4.8), squeeze=False)
+    for ax, sec in zip(axes[0], panels):
+        series = [(sec, "-", "")] + ([("prefill_fp8", "--", "E4M3 ")] if sec == "prefill" else [])
+        fig_key = "frac_matmul" if sec == "prefill" else "graph_frac_copy"
+        for key, style, prefix in series:
+            rows = [r for r in res.get(key, []) if fig_key in r]
+            for name in dict.fromkeys(r["tiles"] for r in rows):
+                pts = sorted((r["tokens"], 100 * r[fig_key]) for r in rows if r["tiles"] == name)
+                ax.plot(*zip(*pts), style, marker="o", label=prefix + name)
+        if sec == "prefill":
+            caps = sorted({(r["tokens"], 100 * min(1.0, r["cap_frac_matmul"])) for r in res.get("prefill", [])
+                           if "cap_frac_matmul" in r})
+            if caps:
+                ax.plot(*zip(*caps), "k-", linewidth=3, alpha=0.25, label="bf16 cap: FLOPs or weight bytes")
+            ax.axhline(50, color="k", linestyle=":", label="50% (#5's target)")
+            ax.set_ylabel("% of the measured bf16 matmul rate (useful FLOPs)")
+            ax.set_title("MoE prefill, K3 size (896 experts, top-16)")
+        else:
+            ax.axhline(70, color="k", linestyle=":", label="70% (#5's target)")
+            ax.set_ylabel("% of copy bandwidth (expert bytes), CUDA-graph replay")
+            ax.set_title("MoE decode, K3 size")
+        ax.set_xscale("log", base=2)
+        ticks = sorted({r["tokens"] for k in ("prefill", "prefill_fp8", "decode") if k.startswith(sec)
+                        for r in res.get(k, []) if fig_key in r})
+        ax.set_xticks(ticks, [str(t) for t in ticks])
+        ax.set_ylim(0, 100)
+        ax.set_xlabel("tokens")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    import textwrap
+    fig.suptitle(textwrap.fill(title or f"{res['machine']}, copy {res['copy_TBps']:.2f} TB/s, bf16 matmul "
+                               f"{res['matmul_TFLOPs']:.0f} TFLOP/s, {res['date']}", 90 * len(panels)), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 def summary(res: dict) -> None:
