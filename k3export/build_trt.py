@@ -2,6 +2,9 @@
 the machines this project has (see docs/deployment-notes.md); everything here except the `trt.*` calls is plain
 data computed and tested without it (`profile_shapes`).
 
+**Incomplete before TensorRT is even reached**: the ONNX carries one node per k3 op while the plugins are one per
+kernel launch, so `build_tensorrt` refuses the graphs with what each op lacks (`plugin_gaps`, `PLUGIN_CHAINS`).
+
 Build, per graph: the ONNX from `k3export onnx` (k3 ops are bare plugin nodes, domain `k3`) -> a strongly typed
 network (precision comes from the tensor dtypes) -> one optimisation profile whose min/opt/max come from the
 graph manifest's named dims -> a serialized engine, with a shared timing cache kept in the engine directory so
@@ -59,6 +62,48 @@ def profile_shapes(inputs: list[dict], profile: dict[str, list[int]], fixed: dic
     return out
 
 
+# What the registered AOT plugins (one per kernel launch, `plugins/<op>/trt.py`) give each k3 node of the ONNX from
+# `k3export onnx` (one bare node per op). TensorRT's ONNX parser makes a node the plugin named by its op_type in
+# its domain, and an AOT one only with the node attribute aot=1 (docs/deployment-notes.md). So a node parses only
+# where its op is that one launch and carries aot=1; the others need the ONNX rewritten into their launch chains
+# (intermediate tensors between the plugin nodes), which is not written yet, and two ops have no chain at all.
+PLUGIN_CHAINS = {
+    "kda_decode": ("kda_decode",),
+    "mla_prefill": ("mla_prefill",),
+    "kda_prefill": ("kda_prefill_intra", "kda_prefill_chunks"),
+    "mla_decode": ("mla_decode_split", "mla_decode_combine"),
+    "moe_routed": ("moe_router", "moe_topk", "moe_align", "moe_gemm1", "moe_gemm2", "moe_combine"),
+}
+NO_CHAIN = {"attn_res": "no AttnRes plugin (one launch, `attn_res_fwd_kernel`: a contract to write, or the mix as "
+                        "standard ONNX ops)",
+            ("moe_routed", "prefill"): "the MoE prefill sorts and aligns with torch ops and host-built TMA "
+                                       "descriptors: no AOT chain (plugins/moe/trt.py: an IPluginV3, or the align "
+                                       "as kernels with explicit intermediates)"}
+
+
+def plugin_gaps(onnx_path: Path, graph: str) -> dict[str, str]:
+    """op -> why TensorRT cannot take that op's nodes from this graph's ONNX as written (empty: every k3 node is
+    one registered AOT plugin with aot=1). Reads the node list only (no weights)."""
+    import onnx
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    gaps = {}
+    for node in model.graph.node:
+        if node.domain != "k3" or node.op_type in gaps:
+            continue
+        op = node.op_type
+        why = NO_CHAIN.get((op, graph)) or NO_CHAIN.get(op)
+        chain = PLUGIN_CHAINS.get(op)
+        if why is None and chain is None:
+            why = "no plugin registered under this name"
+        elif why is None and len(chain) > 1:
+            why = f"{len(chain)} plugins ({', '.join('k3::' + c for c in chain)}): the node must be rewritten into them"
+        elif why is None and not any(a.name == "aot" and a.i == 1 for a in node.attribute):
+            why = "no aot=1 attribute on the node"
+        if why:
+            gaps[op] = why
+    return gaps
+
+
 def register_plugins() -> list[str]:
     """Import every `plugins/<op>/trt.py` that exists (each registers its `tensorrt.plugin` definitions)."""
     done = []
@@ -107,6 +152,10 @@ def build_tensorrt(out: Path, graphs, manifest: dict, log) -> dict[str, str]:
     files = {}
     for g in GRAPHS:
         onnx_path = onnx_files[g]
+        gaps = plugin_gaps(onnx_path, g)
+        if gaps:
+            raise EngineError(f"{onnx_path}: TensorRT cannot take these k3 nodes yet: "
+                              + "; ".join(f"{op}: {why}" for op, why in gaps.items()))
         network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
         parser = trt.OnnxParser(network, logger)
         if not log.step(f"{g}: parse ONNX", parser.parse_from_file, str(onnx_path)):

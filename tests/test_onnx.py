@@ -80,3 +80,26 @@ def test_verify_passes_then_fails_on_a_tampered_graph(onnx_dir, tmp_path):
     assert re.search(r"prefill\s+logits\s.*FAIL", result.output)          # and the numbers show it
     assert not re.search(r"decode\s+logits\s.*FAIL", result.output)
     assert "verify: FAILED" in result.output
+
+
+def test_tensorrt_build_names_what_each_k3_node_lacks(onnx_dir, tmp_path):
+    """The k3-tiny ONNX as `k3export onnx` writes it is refused before TensorRT would parse it, each op with its
+    reason (one node per op against one plugin per kernel launch, no aot=1, no AttnRes / MoE-prefill chain); a node
+    that is its one plugin with aot=1 passes the check (`build_trt.plugin_gaps`; TensorRT itself never runs here)."""
+    import onnx
+    from onnx import helper
+    from k3export.build_trt import plugin_gaps
+    pre, dec = plugin_gaps(onnx_dir / "prefill.onnx", "prefill"), plugin_gaps(onnx_dir / "decode.onnx", "decode")
+    assert set(pre) == {"kda_prefill", "mla_prefill", "moe_routed", "attn_res"}
+    assert set(dec) == {"kda_decode", "mla_decode", "moe_routed", "attn_res"}
+    assert "k3::kda_prefill_intra, k3::kda_prefill_chunks" in pre["kda_prefill"]
+    assert "no AOT chain" in pre["moe_routed"] and "6 plugins" in dec["moe_routed"]
+    assert dec["kda_decode"] == "no aot=1 attribute on the node" and "no AttnRes plugin" in dec["attn_res"]
+    nodes = [helper.make_node("kda_decode", ["a"], ["b"], domain="k3", aot=1),
+             helper.make_node("Relu", ["b"], ["c"]),
+             helper.make_node("mystery", ["c"], ["d"], domain="k3")]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("a", onnx.TensorProto.FLOAT, [1])],
+                          [helper.make_tensor_value_info("d", onnx.TensorProto.FLOAT, [1])])
+    onnx.save(helper.make_model(g), tmp_path / "m.onnx")
+    assert plugin_gaps(tmp_path / "m.onnx", "decode") == {"mystery": "no plugin registered under this name"}
+
