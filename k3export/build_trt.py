@@ -3,7 +3,8 @@ the machines this project has (see docs/deployment-notes.md); everything here ex
 data computed and tested without it (`profile_shapes`).
 
 **Incomplete before TensorRT is even reached**: the ONNX carries one node per k3 op while the plugins are one per
-kernel launch, so `build_tensorrt` refuses the graphs with what each op lacks (`plugin_gaps`, `PLUGIN_CHAINS`).
+kernel launch; `plugin_onnx` rewrites each graph into plugin nodes (`k3export.trt_onnx`: every op of the decode
+graph), and the MoE prefill has no chain, so `build_tensorrt` refuses the prefill graph naming it (`plugin_gaps`).
 
 Build, per graph: the ONNX from `k3export onnx` (k3 ops are bare plugin nodes, domain `k3`) -> a strongly typed
 network (precision comes from the tensor dtypes) -> one optimisation profile whose min/opt/max come from the
@@ -65,8 +66,8 @@ def profile_shapes(inputs: list[dict], profile: dict[str, list[int]], fixed: dic
 # What the registered AOT plugins (one per kernel launch, `plugins/<op>/trt.py`) give each k3 node of the ONNX from
 # `k3export onnx` (one bare node per op). TensorRT's ONNX parser makes a node the plugin named by its op_type in
 # its domain, and an AOT one only with the node attribute aot=1 (docs/deployment-notes.md). So a node parses only
-# where its op is that one launch and carries aot=1; the others need the ONNX rewritten into their launch chains
-# (intermediate tensors between the plugin nodes), which is not written yet, and two ops have no chain at all.
+# as one launch with aot=1: `plugin_onnx` (`k3export.trt_onnx`) rewrites each op node into its launch chain
+# (intermediate tensors between the plugin nodes) and AttnRes into standard ops; the MoE prefill has no chain.
 PLUGIN_CHAINS = {
     "kda_decode": ("kda_decode",),
     "mla_prefill": ("mla_prefill",),
@@ -74,8 +75,8 @@ PLUGIN_CHAINS = {
     "mla_decode": ("mla_decode_split", "mla_decode_combine"),
     "moe_routed": ("moe_router", "moe_topk", "moe_align", "moe_gemm1", "moe_gemm2", "moe_combine"),
 }
-NO_CHAIN = {"attn_res": "no AttnRes plugin (one launch, `attn_res_fwd_kernel`: a contract to write, or the mix as "
-                        "standard ONNX ops)",
+PLUGINS = {p for chain in PLUGIN_CHAINS.values() for p in chain}
+NO_CHAIN = {"attn_res": "no AttnRes plugin (`k3export.trt_onnx` rewrites the mix into standard ONNX ops)",
             ("moe_routed", "prefill"): "the MoE prefill sorts and aligns with torch ops and host-built TMA "
                                        "descriptors: no AOT chain (plugins/moe/trt.py: an IPluginV3, or the align "
                                        "as kernels with explicit intermediates)"}
@@ -93,15 +94,37 @@ def plugin_gaps(onnx_path: Path, graph: str) -> dict[str, str]:
         op = node.op_type
         why = NO_CHAIN.get((op, graph)) or NO_CHAIN.get(op)
         chain = PLUGIN_CHAINS.get(op)
-        if why is None and chain is None:
+        if why is None and op in PLUGINS:
+            if not any(a.name == "aot" and a.i == 1 for a in node.attribute):
+                why = "no aot=1 attribute on the node"
+        elif why is None and chain is None:
             why = "no plugin registered under this name"
-        elif why is None and len(chain) > 1:
+        elif why is None:
             why = f"{len(chain)} plugins ({', '.join('k3::' + c for c in chain)}): the node must be rewritten into them"
-        elif why is None and not any(a.name == "aot" and a.i == 1 for a in node.attribute):
-            why = "no aot=1 attribute on the node"
         if why:
             gaps[op] = why
     return gaps
+
+
+def plugin_onnx(onnx_path: Path, graph: str, manifest: dict, profiles: dict) -> Path:
+    """`<graph>.trt.onnx` beside the ONNX (its weights stay in the same external-data file): the k3 op nodes
+    rewritten into their AOT plugin nodes (`k3export.trt_onnx`), written atomically."""
+    import onnx
+    from k3export.aoti_lower import mla_decode_splits
+    from k3export.manifest import atomic_write
+    from k3export.trt_onnx import rewrite
+    cfg = K3Config.from_dict(manifest["config"])
+    elem = {"fp32": onnx.TensorProto.FLOAT, "bf16": onnx.TensorProto.BFLOAT16,
+            "fp16": onnx.TensorProto.FLOAT16}[manifest["precision"]]
+    splits = mla_decode_splits(cfg.num_attention_heads, profiles["decode"]["cache"][2], torch.device("cuda"))
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    try:
+        out, _ = rewrite(model, graph, elem, profiles["decode"]["batch"][2], splits)
+    except ValueError as e:
+        raise EngineError(f"{onnx_path}: {e}") from None
+    path = onnx_path.with_name(f"{graph}.trt.onnx")
+    atomic_write(path, out.SerializeToString())
+    return path
 
 
 def register_plugins() -> list[str]:
@@ -151,7 +174,8 @@ def build_tensorrt(out: Path, graphs, manifest: dict, log) -> dict[str, str]:
     cache = config0.create_timing_cache(cache_path.read_bytes() if cache_path.exists() else b"")
     files = {}
     for g in GRAPHS:
-        onnx_path = onnx_files[g]
+        onnx_path = log.step(f"{g}: k3 nodes -> AOT plugin nodes", plugin_onnx, onnx_files[g], g, manifest,
+                             profiles)
         gaps = plugin_gaps(onnx_path, g)
         if gaps:
             raise EngineError(f"{onnx_path}: TensorRT cannot take these k3 nodes yet: "

@@ -103,3 +103,93 @@ def test_tensorrt_build_names_what_each_k3_node_lacks(onnx_dir, tmp_path):
     onnx.save(helper.make_model(g), tmp_path / "m.onnx")
     assert plugin_gaps(tmp_path / "m.onnx", "decode") == {"mystery": "no plugin registered under this name"}
 
+
+def _registered_plugins(monkeypatch) -> dict:
+    """name -> (desc fn, tensor params, attribute params, outputs) of every AOT plugin, registered against the
+    `tensorrt.plugin` stand-in (tests/trt_standin.py)."""
+    import importlib
+    import trt_standin
+    _, trtp = trt_standin.install(monkeypatch)
+    for op in ("kda", "mla", "moe"):
+        assert importlib.import_module(f"k3export.plugins.{op}.trt").register_plugins()
+    return trtp.registered
+
+
+def test_trt_rewrite_makes_every_decode_node_a_registered_plugin(onnx_dir, tmp_path, monkeypatch):
+    """The k3-tiny ONNX rewritten for TensorRT (`trt_onnx.rewrite`): decode has no k3 op node left, each plugin
+    node has the inputs, outputs and attributes (plus aot=1) its registration takes; prefill keeps only the MoE
+    node, which `plugin_gaps` names; `build_trt.plugin_onnx` writes the rewritten graph beside the ONNX."""
+    import onnx
+    from k3export.build_trt import plugin_gaps, plugin_onnx
+    from k3export.manifest import load_manifest
+    from k3export.trt_onnx import rewrite
+    reg = _registered_plugins(monkeypatch)
+    F = onnx.TensorProto.FLOAT
+    c = k3_node_counts(onnx.load(str(onnx_dir / "decode.onnx"), load_external_data=False))
+    dec, made = rewrite(onnx.load(str(onnx_dir / "decode.onnx")), "decode", F, 8, 4)
+    a = c["attn_res"]
+    assert made == {"k3::kda_decode": c["kda_decode"], "k3::mla_decode_split": c["mla_decode"],
+                    "k3::mla_decode_combine": c["mla_decode"],
+                    **{f"k3::moe_{s}": c["moe_routed"] for s in ("router", "topk", "align", "gemm1", "gemm2",
+                                                                  "combine")},
+                    "Cast": 5 * a, "Concat": a, "Unsqueeze": 2 * a, "Mul": 5 * a, "Reshape": a, "ReduceMean": a,
+                    "Add": a, "Sqrt": a, "Reciprocal": a, "ReduceSum": 2 * a, "Softmax": a}
+    cp = k3_node_counts(onnx.load(str(onnx_dir / "prefill.onnx"), load_external_data=False))
+    pre, made_p = rewrite(onnx.load(str(onnx_dir / "prefill.onnx")), "prefill", F, 8, 4)
+    assert {k: v for k, v in made_p.items() if k.startswith("k3::")} == {
+        "k3::kda_prefill_intra": cp["kda_prefill"], "k3::kda_prefill_chunks": cp["kda_prefill"],
+        "k3::mla_prefill": cp["mla_prefill"]}
+    assert made_p["Slice"] == made_p["Shape"] == cp["kda_prefill"] and cp["moe_routed"] > 0
+    for m in (dec, pre):
+        for node in m.graph.node:
+            if node.domain != "k3":
+                continue
+            assert node.op_type != "attn_res"
+            if node.op_type == "moe_routed":                     # prefill: no chain
+                continue
+            _, tensors, attrs, n_out = reg[f"k3::{node.op_type}"]
+            names = {a.name for a in node.attribute}
+            assert len(node.input) == len(tensors) and len(node.output) == n_out, node.op_type
+            assert names == set(attrs) | {"aot"} and onnx.helper.get_attribute_value(
+                next(a for a in node.attribute if a.name == "aot")) == 1, (node.op_type, names, attrs)
+    onnx.save(dec, tmp_path / "d.onnx")
+    onnx.save(pre, tmp_path / "p.onnx")
+    assert plugin_gaps(tmp_path / "d.onnx", "decode") == {}
+    assert list(plugin_gaps(tmp_path / "p.onnx", "prefill")) == ["moe_routed"]
+    manifest = {"config": load_manifest(onnx_dir)["config"], "precision": "fp32"}
+    profiles = {"decode": {"batch": [1, 8, 8], "cache": [1, 64, 64]}}
+    copy = shutil.copytree(onnx_dir, tmp_path / "graphs")                 # the fixture's directory stays as it is
+    written = plugin_onnx(copy / "decode.onnx", "decode", manifest, profiles)
+    assert written == copy / "decode.trt.onnx" and plugin_gaps(written, "decode") == {}
+    assert onnx.load(str(written)).graph.initializer                        # the weights resolve from there
+    with pytest.raises(ValueError, match="4096 tokens x top-.* pairs > 4096"):
+        rewrite(onnx.load(str(onnx_dir / "decode.onnx")), "decode", F, 4096, 4)
+
+
+def test_trt_attn_res_as_onnx_ops_matches_the_op():
+    """The AttnRes node rewritten into standard ONNX ops (what TensorRT gets: there is no AttnRes plugin), run by
+    onnxruntime, against `k3::attn_res` in fp32: 3 sealed blocks + p, one source with a 1e3 norm."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+    import k3export.plugins.attn_res.op  # noqa: F401
+    from k3export.trt_onnx import rewrite
+    torch.manual_seed(0)
+    N, n, d = 5, 3, 64
+    bank, p = torch.randn(N, n, d), torch.randn(N, d)
+    bank[:, 1] *= 1e3
+    nw, pw = torch.randn(d), torch.randn(1, d)
+    node = helper.make_node("attn_res", ["bank", "p", "nw", "pw"], ["out"], domain="k3", eps=1e-6)
+    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("bank", TensorProto.FLOAT, [N, n, d]),
+                                        helper.make_tensor_value_info("p", TensorProto.FLOAT, [N, d])],
+                          [helper.make_tensor_value_info("out", TensorProto.FLOAT, [N, d])],
+                          [numpy_helper.from_array(nw.numpy(), "nw"), numpy_helper.from_array(pw.numpy(), "pw")])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("k3", 1)])
+    out, made = rewrite(model, "decode", TensorProto.FLOAT, 1, 1)
+    assert not any(k.startswith("k3::") for k in made)
+    onnx.checker.check_model(out, full_check=True)
+    got = ort.InferenceSession(out.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"bank": bank.numpy(), "p": p.numpy()})[0]
+    ref = torch.ops.k3.attn_res(bank, p, nw, pw, 1e-6)
+    assert (torch.from_numpy(got) - ref).abs().max() / ref.abs().max() < 1e-6
+
