@@ -140,7 +140,10 @@ def rewrite(model, graph: str, dtype: int, max_tokens: int, mla_splits: int) -> 
             if max_tokens * top_k > MOE_MAX_PAIRS:
                 raise ValueError(f"moe_routed: {max_tokens} tokens x top-{top_k} = {max_tokens * top_k} pairs > "
                                  f"{MOE_MAX_PAIRS}: the MoE decode chain's limit (plugins/moe/trt.py)")
-            E = _shape_of(model, gw)[0]
+            E = next((sh[0] for sh in (_shape_of(model, gw), _shape_of(model, w1)) if sh and sh[0] > 0), None)
+            if E is None:
+                raise ValueError(f"moe_routed: the number of experts is not a static shape of {gw} or {w1} "
+                                 "(initializers or graph inputs): the align plugin needs it")
             part, ids, w, s, row_pair, block_expert, off, h, y = (rw.name(n) for n in (
                 "part", "ids", "w", "s", "row_pair", "block_expert", "off", "h", "y"))
             common = dict(max_tokens=int(max_tokens), top_k=top_k)
