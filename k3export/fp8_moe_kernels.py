@@ -45,9 +45,9 @@ import triton.language as tl
 
 from k3export.fp8 import WEIGHT_ONLY_OK, weight_only_unavailable
 from k3export.fp8_kernels import INTERPRET, WoTiles, _gemv4, fp8_quant_fwd
-from k3export.plugins.moe.kernels import (TOPK_GEMM1_MAX_E, _desc, _pair_route, _pair_tile, _plan_rows, _sigmoid,
-                                         _situ_glu, _tanh, _ticket_combine, _tile, _tma_rows_ok, align_rows,
-                                         gather_fwd, moe_combine_fwd_kernel)
+from k3export.plugins.moe.kernels import (TOPK_GEMM1_MAX_E, _desc, _gemm1_accs, _gemm2_accs, _pair_route, _pair_tile,
+                                         _plan_rows, _sigmoid, _situ_glu, _tanh, _ticket_combine, _tile,
+                                         _tma_rows_ok, align_rows, gather_fwd, moe_combine_fwd_kernel)
 from k3export.plugins.moe.naive import route
 from k3export.plugins.triton_common import dot_precision, pow2, tickets
 
@@ -153,14 +153,7 @@ def _fp8_tma_gemm1_loop(a, a_tail, w13, row0, w_row, I, L, BLOCK_M: tl.constexpr
                         BLOCK_K: tl.constexpr, TAIL: tl.constexpr, USE_TAIL: tl.constexpr, FP8_DOT: tl.constexpr):
     """gemm1's K loop through TMA descriptors: (z W1_e^T, z W3_e^T) of the BLOCK_M rows and, USE_TAIL, the TAIL
     rows, on one pair of [BLOCK_N, BLOCK_K] weight tiles per step (w1 rows at w_row, w3 rows at w_row + I)."""
-    acc1 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc3 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    if TAIL > 0:
-        acc1t = tl.zeros([TAIL, BLOCK_N], tl.float32)
-        acc3t = tl.zeros([TAIL, BLOCK_N], tl.float32)
-    else:
-        acc1t = acc1
-        acc3t = acc3
+    acc1, acc3, acc1t, acc3t = _gemm1_accs(BLOCK_M, BLOCK_N, TAIL)
     for k0 in range(0, L, BLOCK_K):
         x = a.load([row0, k0])
         b1 = w13.load([w_row, k0]).T
@@ -239,11 +232,7 @@ def moe_fp8_tma_gemm1_fwd_kernel(a, a_tail, w13, s13, h, z_scale, h_scale, row_p
 @triton.jit
 def _fp8_tma_gemm2_loop(h, h_tail, w2, row0, w_row, I, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, TAIL: tl.constexpr, USE_TAIL: tl.constexpr, FP8_DOT: tl.constexpr):
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    if TAIL > 0:
-        acc_t = tl.zeros([TAIL, BLOCK_N], tl.float32)
-    else:
-        acc_t = acc
+    acc, acc_t = _gemm2_accs(BLOCK_M, BLOCK_N, TAIL)
     for k0 in range(0, I, BLOCK_K):
         b = w2.load([w_row, k0]).T
         acc = _fp8_dot(h.load([row0, k0]), b, acc, FP8_DOT)

@@ -441,6 +441,21 @@ def _a_tile(desc, ptr, row, k0, ok, k_ok, A_DESC: tl.constexpr):
 
 
 @triton.jit
+def _gemm1_accs(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TAIL: tl.constexpr):
+    """gemm1's fp32 zero accumulators (acc1, acc3 [BLOCK_M, BLOCK_N]; acc1t, acc3t [TAIL, BLOCK_N] for the tail
+    rows, aliases of the first two when TAIL = 0). Also used by k3export/fp8_moe_kernels.py."""
+    acc1 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc3 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if TAIL > 0:
+        acc1t = tl.zeros([TAIL, BLOCK_N], tl.float32)
+        acc3t = tl.zeros([TAIL, BLOCK_N], tl.float32)
+    else:
+        acc1t = acc1
+        acc3t = acc3
+    return acc1, acc3, acc1t, acc3t
+
+
+@triton.jit
 def _gemm1_paired_loop(a, a_tail, w13, a_ptr, at_ptr, m_ok, t_ok, e, pn, row0, L, I, offs_k,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TAIL: tl.constexpr,
                        USE_TAIL: tl.constexpr, A_DESC: tl.constexpr, DOT_PREC: tl.constexpr):
@@ -482,14 +497,7 @@ def _gemm1_loop(a, a_tail, w1, w3, a_ptr, at_ptr, m_ok, t_ok, e, pn, row0, L, I,
                                                       offs_k, BLOCK_M, BLOCK_N, BLOCK_K, TAIL, USE_TAIL, A_DESC,
                                                       DOT_PREC)
     else:
-        acc1 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        acc3 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        if TAIL > 0:
-            acc1t = tl.zeros([TAIL, BLOCK_N], tl.float32)
-            acc3t = tl.zeros([TAIL, BLOCK_N], tl.float32)
-        else:
-            acc1t = acc1
-            acc3t = acc3
+        acc1, acc3, acc1t, acc3t = _gemm1_accs(BLOCK_M, BLOCK_N, TAIL)
         for k0 in range(0, L, BLOCK_K):
             k_ok = (k0 + offs_k) < L
             x = _a_tile(a, a_ptr, row0, k0, m_ok, k_ok, A_DESC)
@@ -571,15 +579,23 @@ def moe_gemm1_fwd_kernel(a, w1, w3, h, row_pair, block_expert, MB, L, I, stride_
 
 
 @triton.jit
-def _gemm2_loop(h, a_tail, w2, a_ptr, at_ptr, w_ptr, e, pn, row0, L, I, offs_k, n_ok, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TAIL: tl.constexpr, USE_TAIL: tl.constexpr,
-                A_DESC: tl.constexpr, W_DESC: tl.constexpr, DOT_PREC: tl.constexpr):
-    """gemm2's loop over I: h W2_e^T in fp32 for the BLOCK_M rows and, USE_TAIL, the TAIL rows (as `_gemm1_loop`)."""
+def _gemm2_accs(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TAIL: tl.constexpr):
+    """gemm2's fp32 zero accumulators (acc [BLOCK_M, BLOCK_N], acc_t [TAIL, BLOCK_N], an alias of acc when TAIL =
+    0). Also used by k3export/fp8_moe_kernels.py."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if TAIL > 0:
         acc_t = tl.zeros([TAIL, BLOCK_N], tl.float32)
     else:
         acc_t = acc
+    return acc, acc_t
+
+
+@triton.jit
+def _gemm2_loop(h, a_tail, w2, a_ptr, at_ptr, w_ptr, e, pn, row0, L, I, offs_k, n_ok, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TAIL: tl.constexpr, USE_TAIL: tl.constexpr,
+                A_DESC: tl.constexpr, W_DESC: tl.constexpr, DOT_PREC: tl.constexpr):
+    """gemm2's loop over I: h W2_e^T in fp32 for the BLOCK_M rows and, USE_TAIL, the TAIL rows (as `_gemm1_loop`)."""
+    acc, acc_t = _gemm2_accs(BLOCK_M, BLOCK_N, TAIL)
     for k0 in range(0, I, BLOCK_K):
         k_ok = (k0 + offs_k) < I
         if A_DESC:
