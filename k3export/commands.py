@@ -145,7 +145,6 @@ def generate(checkpoint, preset, ids_text, max_new_tokens, temperature, top_k, t
     stop = parse_stop(stop_text)
     if max_new_tokens < 1:
         raise click.BadParameter(f"must be >= 1, got {max_new_tokens}", param_hint="'--max-new-tokens'")
-    check_device(device)
     try:
         model = load_model(checkpoint, preset, DTYPES[dtype], device)
         t0 = time.perf_counter()

@@ -41,6 +41,7 @@ import click
 import torch
 
 from k3export.bench import bench
+from k3export.commands import device_option
 from k3export.runtime import dynamo_limit_watch
 
 # The `compile` backend and variants that turn one of its serving choices off (or Inductor freezing on), for
@@ -314,7 +315,7 @@ def _ints(text: str, option: str) -> list[int]:
 @bench.command("model")
 @click.option("--preset", type=click.Choice(["k3-tiny", "k3-small"]), default="k3-tiny", show_default=True)
 @click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default=None, help="Default: bf16 on GPU, fp32 on CPU.")
-@click.option("--device", default="cuda" if torch.cuda.is_available() else "cpu", show_default=True)
+@device_option()
 @click.option("--backends", default="eager,graph,aoti", show_default=True, help=f"Any of {','.join(BACKENDS)}.")
 @click.option("--prefill-lengths", default="128,512,2048", show_default=True)
 @click.option("--batches", default="1,2,4,8,16,32,64", show_default=True)
@@ -346,8 +347,7 @@ def model_bench(ctx, preset, dtype, device, backends, prefill_lengths, batches, 
     from k3export.model.weights import random_model
     if threads:
         torch.set_num_threads(threads)
-    from k3export.commands import check_device
-    cuda = check_device(device).type == "cuda"
+    cuda = torch.device(device).type == "cuda"            # checked when parsed (`device_option`)
     dtype = dtype or ("bf16" if cuda else "fp32")
     names = [b.strip() for b in backends.split(",") if b.strip()]
     unknown = [n for n in names if n not in BACKENDS]
