@@ -34,15 +34,19 @@ class Rewriter:
     def __init__(self, model, helper, numpy_helper):
         self.model, self.h, self.nh = model, helper, numpy_helper
         self.n = 0
+        self.consts: dict = {}               # (dtype, values) -> initializer name: one per distinct constant
 
     def name(self, base: str) -> str:
         self.n += 1
         return f"trt_{self.n}_{base}"
 
     def const(self, base: str, values, dtype=np.int64) -> str:
-        name = self.name(base)
-        self.model.graph.initializer.append(self.nh.from_array(np.asarray(values, dtype=dtype), name))
-        return name
+        arr = np.asarray(values, dtype=dtype)
+        key = (arr.dtype.str, arr.shape, arr.tobytes())
+        if key not in self.consts:
+            self.consts[key] = self.name(base)
+            self.model.graph.initializer.append(self.nh.from_array(arr, self.consts[key]))
+        return self.consts[key]
 
     def node(self, op: str, inputs, outputs=None, domain: str = "", **attrs):
         outputs = outputs or [self.name(op.lower())]
