@@ -95,7 +95,9 @@ def compile_launch(fn, params, scalars: dict, constexprs: dict, grid, num_warps:
     kernel's order) with `constexprs` compiled in; grid and scalars are kept as given (ints, or TensorRT shape
     expressions in a plugin's aot_impl)."""
     types = dict(params)
-    sig = {n: "constexpr" if n in constexprs else types[n] for n in fn.arg_names}
+    defaults = {p.name for p in fn.params if p.is_constexpr and p.has_default}     # compile at their defaults
+    sig = {n: "constexpr" if n in constexprs else types[n] for n in fn.arg_names if n in constexprs or n in types
+           or n not in defaults}
     kernel = compile_ptx(fn, sig, constexprs, num_warps, num_stages, arch)
     return Launch(kernel, tuple(grid), tuple(params), dict(scalars))
 

@@ -62,6 +62,10 @@
 #            bucket): the runtime's cuda tests (k3-tiny eager / compile tokens == eager with requests joining and
 #            leaving; prefill graphs through `prefill_last`),
 #            then scripts/decode_buckets_probe.py (k3-small, 64 slots, 1 / 3 / 17 / 64 active, with and without)
+#   trtmoe   the MoE prefill AOT chain (chunked align, pointer-load prefill tilings): the chain's PTX through cupy at
+#            K3 size (decode and prefill cases) and the chunked align / ptr-* tilings' cuda tests, then `bench moe
+#            --phases prefill` of the ptr-* tilings against the TMA defaults ($TRTMOE_TOKENS, default 4096,8192,16384)
+#            (not yet run)
 #   profile  scripts/profile_decode.py --backend $PROFILE_BACKEND (default compile): kernels per decode step, and the
 #            graph replay's critical path (what each kernel adds to the span under PDL; 15:25: an upper bound only)
 set -uo pipefail
@@ -165,9 +169,14 @@ for part in $parts; do
              -p no:cacheprovider > "$OUT/dbuckets-test.log" 2>&1
            timeout ${DBUCKETS_TIMEOUT:-300} python3 scripts/decode_buckets_probe.py --out "$OUT/dbuckets.json" \
              > "$OUT/dbuckets.log" 2>&1 ;;
+    trtmoe) timeout 300 python3 -m pytest -q -m cuda tests/test_moe_trt.py tests/test_moe_kernels.py -s -rs \
+             -k "chain_through_cupy or chunked or ptr" -p no:cacheprovider > "$OUT/test-trtmoe.log" 2>&1
+           timeout ${TRTMOE_TIMEOUT:-280} python3 -m k3export.cli bench moe --phases prefill \
+             --tiles ptr-m64,ptr-m128t64,ptr-m64t32-n128,m64t32-n128-aw8-y16r-f2,m128t64-aw-y16r-f2,m128-tma-aw-y16r-f2 \
+             --tokens ${TRTMOE_TOKENS:-4096,8192,16384} --budget-s 240 --out "$OUT/moe-trt" > "$OUT/trtmoe.log" 2>&1 ;;
     profile) timeout 150 python3 scripts/profile_decode.py --backend ${PROFILE_BACKEND:-compile} ${PROFILE_ARGS:-} \
              > "$OUT/profile.log" 2>&1 ;;
-    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets profile)"; continue ;;
+    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe profile)"; continue ;;
   esac
   echo "$part: exit $? in $((SECONDS - t)) s" | tee -a "$OUT/pending.log"
   tail -4 "$OUT/$part.log" 2>/dev/null

@@ -59,6 +59,11 @@ def _plan_matches_up_to_order(ids, E, bm) -> bool:
             and torch.equal(rp[ok].sort().values.long(), torch.arange(flat.numel(), device=rp.device)))
 
 
+def _interp_tiles(t):
+    """t with the chunked align's chunks shrunk to 64 pairs: the interpreter's `tl.sort` takes seconds at 1024."""
+    return replace(t, chunk_align=64) if t.chunk_align else t
+
+
 def _interpreter_cases() -> dict:
     """Every CPU case, run in this process under TRITON_INTERPRET=1 -> {case: relative error or flag}."""
     from k3export.plugins.moe.kernels import TILINGS, MoeTiles, align_rows, interleave_gate_up, moe_routed_fwd, route_fwd
@@ -131,6 +136,7 @@ def _interpreter_cases() -> dict:
                      **SITU)
     for regime, tilings in TILINGS.items():
         for name, t in tilings.items():
+            t = _interp_tiles(t)
             u = moe_routed_fwd(x, z, *w16, k, True, 1.0, tiles=t, **SITU)
             res[f"tiles-{regime}-{name}"] = _rel(u, ref)
             if t.pairs:                          # the "pairs" path runs only up to t.pairs tokens: those too
@@ -146,7 +152,7 @@ def _interpreter_cases() -> dict:
     # not a multiple of any BLOCK_N: a paired tile past I reads the next expert's rows, never stored.
     wp = (*w16[:2], *interleave_gate_up(w16[2], w16[3])[1:], w16[4])
     for regime, name in PAIRED_TILINGS:
-        t = TILINGS[regime][name]
+        t = _interp_tiles(TILINGS[regime][name])
         n = t.pairs or N
         u = moe_routed_fwd(x[:n], z[:n], *wp, k, True, 1.0, tiles=t, **SITU)
         res[f"paired-{regime}-{name}"] = _rel(u, ref[:n])
@@ -164,6 +170,7 @@ def _interpreter_cases() -> dict:
                          for tma in ("", "w", "aw")})
     wtp = (*wt[:2], *interleave_gate_up(wt[2], wt[3])[1:], wt[4])
     for name, t in tail_tilings.items():
+        t = _interp_tiles(t)
         u = moe_routed_fwd(xt, zt, *wt, 2, True, 1.0, tiles=t, **SITU)
         res[f"tail-{name}"] = _rel(u, ref)
         if t.tma:
@@ -193,6 +200,15 @@ def _interpreter_cases() -> dict:
         ids[: n // 2, 0] = 2
         ok.append(_plan_matches_up_to_order(ids, ee, bm))
     res["align-atomic-valid"] = float(all(ok))
+    # The chunked align (3 launches, no atomics) is stable: the torch plan exactly, incl. chunks of 64 pairs
+    # split inside an expert's rows, an expert hot in every chunk, one that no pair takes, and < 1 chunk.
+    same = []
+    for n, kk, ee, bm in [(103, 4, 12, 192), (110, 4, 13, 128), (150, 3, 7, 96), (5, 2, 9, 16)]:
+        ids = torch.stack([torch.randperm(ee - 1)[:kk] for _ in range(n)]).int()       # expert ee - 1: no pair
+        ids[: n // 2, 0] = 2
+        a, b2 = align_rows(ids, ee, bm, fused=False, chunked=64), align_rows(ids, ee, bm, fused=False)
+        same.append(torch.equal(a[0], b2[0]) and torch.equal(a[1], b2[1]))
+    res["align-chunked-equals-torch"] = float(all(same))
     try:
         moe_routed_fwd(x, z[:, :-1], g, b, w1, w3, w2, k, True, 1.0, **SITU)
         res["bad-shape-named"] = 0.0
@@ -265,7 +281,8 @@ def test_paired_gate_up_layout():
 
 
 @pytest.mark.parametrize("flag", ["route-ids-fp32", "route-ids-fp16", "ties-lower-id-first", "bad-shape-named",
-                                  "align-fused-equals-torch", "align-atomic-valid", "ties-lower-id-first-lean",
+                                  "align-fused-equals-torch", "align-atomic-valid", "align-chunked-equals-torch",
+                                  "ties-lower-id-first-lean",
                                   "route-lean-ids-negative-fp32",
                                   "route-lean-ids-negative-fp16", "route-lean-ids-fp32-7",
                                   "route-lean-ids-fp32-70", "route-lean-ids-fp16-7", "route-lean-ids-fp16-70",
@@ -377,6 +394,19 @@ def test_align_fused_k3_shapes():
         ids = torch.argsort(torch.rand(n, 896, device="cuda", generator=gen), -1)[:, :16].int()
         ids[: n // 2, 0] = 7                                            # a hot expert
         a, b = align_rows(ids, 896, bm, fused=True), align_rows(ids, 896, bm, fused=False)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), (n, bm)
+
+
+@pytest.mark.cuda
+def test_align_chunked_k3_shapes():
+    """The chunked align at 896 experts, 1 .. 16384 tokens top-16 (16 .. 262144 pairs), 16- to 192-row blocks: the
+    torch plan exactly (both stable), a hot expert in every chunk."""
+    from k3export.plugins.moe.kernels import ALIGN_CHUNK, align_rows
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    for n, bm in ((1, 16), (300, 64), (4096, 128), (8192, 192), (16384, 128)):
+        ids = torch.argsort(torch.rand(n, 896, device="cuda", generator=gen), -1)[:, :16].int()
+        ids[: n // 4, 0] = 7                                            # a hot expert
+        a, b = align_rows(ids, 896, bm, fused=False, chunked=ALIGN_CHUNK), align_rows(ids, 896, bm, fused=False)
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), (n, bm)
 
 

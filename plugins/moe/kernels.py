@@ -368,11 +368,100 @@ def moe_scatter_fwd_kernel(ids, rank, start, row_pair, P, BLOCK: tl.constexpr):
     tl.store(row_pair + dst, offs, mask=ok)
 
 
-def align_rows(ids: torch.Tensor, E: int, block_m: int, fused: bool = True, many: bool = False):
+# The chunked align: the stable row plan of any number of pairs in three launches, with no atomics, no zeroed
+# buffer and no fill before the scatter (so each launch is one AOT plugin: `trt.prefill_steps`).
+ALIGN_CHUNK = 1024              # pairs per program of the chunked align's first and last launches
+
+
+@triton.jit
+def moe_chunk_count_fwd_kernel(ids, P, E, hist, rank, CHUNK: tl.constexpr, E_PAD: tl.constexpr):
+    """Chunk c, the pairs [c CHUNK, (c + 1) CHUNK): hist[c, e] = how many of them go to expert e; rank[p] = how many
+    pairs of the chunk before p go to p's expert (a stable sort of the chunk by (expert, pair))."""
+    c = tl.program_id(0)
+    offs = tl.arange(0, CHUNK)
+    p = c * CHUNK + offs
+    e_of = tl.load(ids + p, mask=p < P, other=E)                       # past P: the sentinel expert E
+    cnt = tl.histogram(e_of, E_PAD)
+    offs_e = tl.arange(0, E_PAD)
+    tl.store(hist + c * E + offs_e, cnt, mask=offs_e < E)
+    key = tl.sort(e_of * CHUNK + offs)                                 # expert-major, stable in the pair
+    e_s = key // CHUNK
+    first = tl.gather(tl.cumsum(cnt, 0) - cnt, e_s, 0)                 # sorted place of the expert's first pair
+    tl.store(rank + c * CHUNK + key % CHUNK, offs - first, mask=e_s < E)
+
+
+@triton.jit
+def moe_chunk_plan_fwd_kernel(hist, NC, E, MB, base, block_expert, end, BLOCK_M: tl.constexpr,
+                              E_PAD: tl.constexpr, MB_PAD: tl.constexpr):
+    """One program over the NC chunks' histograms: the block table (as `moe_align_fwd_kernel`); base[c, e] = the
+    row of chunk c's first pair of expert e (its expert's first row plus the pairs of earlier chunks); end[e] =
+    the row after expert e's last pair."""
+    offs_e = tl.arange(0, E_PAD)
+    e_ok = offs_e < E
+    cnt = tl.zeros([E_PAD], tl.int32)
+    for c in range(NC):
+        cnt += tl.load(hist + c * E + offs_e, mask=e_ok, other=0)
+    blk = (cnt + BLOCK_M - 1) // BLOCK_M
+    bend = tl.cumsum(blk, 0)                                           # blocks end (exclusive), <= MB < MB_PAD
+    row = (bend - blk) * BLOCK_M
+    tl.store(end + offs_e, row + cnt, mask=e_ok)
+    offs_b = tl.arange(0, MB_PAD)
+    eb = tl.cumsum(tl.histogram(bend, MB_PAD), 0)                      # expert of block b = #{e: bend[e] <= b}
+    tl.store(block_expert + offs_b, tl.where(eb < E, eb, -1), mask=offs_b < MB)
+    for c in range(NC):
+        tl.store(base + c * E + offs_e, row, mask=e_ok)
+        row += tl.load(hist + c * E + offs_e, mask=e_ok, other=0)
+
+
+@triton.jit
+def moe_chunk_scatter_fwd_kernel(ids, rank, base, block_expert, end, P, E, MB, row_pair, BLOCK_M: tl.constexpr,
+                                 CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """The first cdiv(P, BLOCK) programs: row_pair[base[chunk, e_p] + rank[p]] = p. The others: -1 on every row
+    that no pair takes (past its expert's end, or in an unused block), BLOCK rows each: disjoint stores, so the
+    order of the programs does not matter."""
+    pid = tl.program_id(0)
+    n_pairs = tl.cdiv(P, BLOCK)
+    if pid < n_pairs:
+        p = pid * BLOCK + tl.arange(0, BLOCK)
+        ok = p < P
+        e = tl.load(ids + p, mask=ok, other=0)
+        dst = tl.load(base + (p // CHUNK) * E + e, mask=ok, other=0) + tl.load(rank + p, mask=ok, other=0)
+        tl.store(row_pair + dst, p, mask=ok)
+    else:
+        q = (pid - n_pairs) * BLOCK + tl.arange(0, BLOCK)
+        ok = q < MB * BLOCK_M
+        e = tl.load(block_expert + q // BLOCK_M, mask=ok, other=-1)
+        used = q < tl.load(end + tl.maximum(e, 0), mask=ok & (e >= 0), other=0)
+        tl.store(row_pair + q, tl.full([BLOCK], -1, tl.int32), mask=ok & ~used)
+
+
+def chunked_align(flat: torch.Tensor, E: int, block_m: int, row_pair: torch.Tensor, block_expert: torch.Tensor,
+                  chunk: int = ALIGN_CHUNK):
+    """The chunked align's three launches into row_pair / block_expert (see `align_rows`). chunk: pairs per
+    program, a power of two (tests under the interpreter, whose `tl.sort` takes seconds at 1024, pass 64)."""
+    P, MB = flat.numel(), block_expert.numel()
+    NC = triton.cdiv(P, chunk)
+    hist = torch.empty(NC, E, device=flat.device, dtype=torch.int32)
+    rank = torch.empty(P, device=flat.device, dtype=torch.int32)
+    base = torch.empty(NC, E, device=flat.device, dtype=torch.int32)
+    end = torch.empty(E, device=flat.device, dtype=torch.int32)
+    launch(moe_chunk_count_fwd_kernel)[(NC,)](flat, P, E, hist, rank, CHUNK=chunk, E_PAD=pow2(E + 1),
+                                              num_warps=8)
+    launch(moe_chunk_plan_fwd_kernel)[(1,)](hist, NC, E, MB, base, block_expert, end, BLOCK_M=block_m,
+                                            E_PAD=pow2(E + 1), MB_PAD=pow2(size_bound(MB) + 1), num_warps=8)
+    launch(moe_chunk_scatter_fwd_kernel)[(triton.cdiv(P, chunk) + triton.cdiv(MB * block_m, chunk),)](
+        flat, rank, base, block_expert, end, P, E, MB, row_pair, BLOCK_M=block_m, CHUNK=chunk, BLOCK=chunk,
+        num_warps=4)
+
+
+def align_rows(ids: torch.Tensor, E: int, block_m: int, fused: bool = True, many: bool = False,
+               chunked: int = 0):
     """ids `[N, k]` -> (row_pair `[MB * block_m]` int32, block_expert `[MB]` int32), MB the static bound above
     (block_m need not be a power of two). fused: one Triton program while N k <= ALIGN_FUSED_MAX (stable: rows of
-    an expert in pair order); many: beyond that, Triton count (atomics) / scan / scatter, 5 launches, rows of an
-    expert in atomic arrival order; otherwise torch ops (~20 launches, stable). No host sync either way."""
+    an expert in pair order); beyond that, chunked (pairs per chunk, a power of two, e.g. ALIGN_CHUNK): Triton
+    per-chunk count / one-program plan / scatter, 3 launches, stable; many: Triton count (atomics) / scan /
+    scatter, 5 launches, rows of an expert in atomic arrival order;
+    otherwise torch ops (~20 launches, stable). No host sync either way."""
     flat = ids.reshape(-1)
     P = flat.numel()
     MB = triton.cdiv(P, block_m) + torch.sym_min(E, P)
@@ -383,6 +472,9 @@ def align_rows(ids: torch.Tensor, E: int, block_m: int, fused: bool = True, many
         launch(moe_align_fwd_kernel)[(1,)](flat, row_pair, block_expert, off, P, E, MB, BLOCK_M=block_m,
                                            P_PAD=pow2(size_bound(P)), E_PAD=pow2(E + 1),
                                            MB_PAD=pow2(size_bound(MB) + 1), FILL=1024, num_warps=8)
+        return row_pair, block_expert
+    if chunked:
+        chunked_align(flat, E, block_m, row_pair, block_expert, chunked)
         return row_pair, block_expert
     if many:
         cnt = torch.zeros(E, device=ids.device, dtype=torch.int32)
@@ -833,7 +925,8 @@ class MoeTiles:
     """One tiling of the expert GEMMs. gemm1 / gemm2: (BLOCK_N, BLOCK_K, num_warps, num_stages). group_m: see
     `_tile` (a large value = one column tile across all blocks). tma: "" pointer loads; "w": expert weights
     through TMA descriptors; "aw": the A operand too (z gathered into row-plan order first, one extra pass).
-    fused_align, many_align: `align_rows(fused=, many=)` (Triton kernels, not torch ops, for <= / > 4096 pairs).
+    fused_align, many_align, chunk_align: `align_rows(fused=, many=, chunked=)` (Triton kernels, not torch ops, for
+    <= / > 4096 pairs; chunk_align: pairs per chunk of the chunked align, 0 = not that one).
     lean_route: `route_fwd(lean=True)`.
     tail: rows of each block past block_m, in a second dot on the same weight tiles (kernel docstring).
     pairs: up to this many tokens, no row plan: one GEMV per (token, expert) pair and weight (`moe_pair_gemm*`,
@@ -866,6 +959,7 @@ class MoeTiles:
     y_half: bool = False
     wide_route: bool = False
     fast_act: int = 0
+    chunk_align: int = 0
 
     @property
     def rows(self) -> int:
@@ -878,6 +972,7 @@ class MoeTiles:
 # H200 (docs/perf.md).
 _ALL = 1 << 30
 _AW = dict(tma="aw", lean_route=True, many_align=True)       # the 2026-11-30 prefill candidates' common part
+_PTR = dict(fused_align=False, chunk_align=ALIGN_CHUNK, lean_route=True, y_half=True, wide_route=True, fast_act=2)
 TILINGS = {
     "decode": {"old": MoeTiles(16, (32, 256, 4, 4), (32, 256, 4, 4), _ALL, "", False),
                "fused-align": MoeTiles(16, (32, 256, 4, 4), (32, 256, 4, 4), _ALL, "", True),
@@ -913,7 +1008,11 @@ TILINGS = {
                 "m128-tma-aw-y16r-f2": MoeTiles(128, (128, 64, 8, 3), (256, 64, 8, 3), 1, "aw", False, True,
                                                 y_half=True, wide_route=True, fast_act=2),
                 "m64t32-aw8": MoeTiles(64, (64, 64, 8, 4), (128, 64, 8, 4), 1, **_AW, tail=32),
-                "m64t32-n128-aw8": MoeTiles(64, (128, 64, 8, 3), (256, 64, 8, 3), 1, **_AW, tail=32)},
+                "m64t32-n128-aw8": MoeTiles(64, (128, 64, 8, 3), (256, 64, 8, 3), 1, **_AW, tail=32),
+                # The TensorRT prefill chain's tilings (`trt.PREFILL_TILINGS`): pointer loads, the chunked align.
+                "ptr-m64": MoeTiles(64, (64, 64, 4, 4), (128, 64, 4, 4), _ALL, **_PTR),
+                "ptr-m128t64": MoeTiles(128, (64, 64, 8, 4), (128, 64, 8, 4), 1, tail=64, **_PTR),
+                "ptr-m64t32-n128": MoeTiles(64, (128, 64, 8, 3), (256, 64, 8, 3), 1, tail=32, **_PTR)},
 }
 # Decode at 1-2 tokens, H200 2026-11-30 05:31 (`bench moe --phases decode`, K3 shapes, CUDA-graph replay):
 # "pairs-n8" 0.279 / 0.494 ms = 90% / 98% of copy at 1 / 2 tokens (fused-lean 0.297 / 0.523, pairs 0.282 / 0.512,
@@ -1164,7 +1263,7 @@ def moe_routed_fwd(x, z, gate_weight, bias, w1, w3, w2, top_k: int, renormalize:
         return pairs_fwd(z, w1, w3, w2, ids, beta, linear_beta, cfg, w, route)
     if pairs:
         return combine_fwd(pairs_fwd(z, w1, w3, w2, ids, beta, linear_beta, cfg, route=route), w, z.dtype)
-    plan = align_rows(ids, E, cfg.rows, cfg.fused_align, cfg.many_align)
+    plan = align_rows(ids, E, cfg.rows, cfg.fused_align, cfg.many_align, cfg.chunk_align)
     h = gemm1_fwd(z, w1, w3, plan, top_k, beta, linear_beta, cfg)
     y = gemm2_fwd(h, w2, plan, N * top_k, cfg)
     return combine_fwd(y, w, z.dtype)
