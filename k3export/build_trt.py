@@ -2,9 +2,9 @@
 the machines this project has (see docs/deployment-notes.md); everything here except the `trt.*` calls is plain
 data computed and tested without it (`profile_shapes`).
 
-**Incomplete before TensorRT is even reached**: the ONNX carries one node per k3 op while the plugins are one per
-kernel launch; `plugin_onnx` rewrites each graph into plugin nodes (`k3export.trt_onnx`: every op of the decode
-graph), and the MoE prefill has no chain, so `build_tensorrt` refuses the prefill graph naming it (`plugin_gaps`).
+The ONNX carries one node per k3 op while the plugins are one per kernel launch: `plugin_onnx` rewrites each graph
+into plugin nodes (`k3export.trt_onnx`, every k3 op of both graphs), and `build_tensorrt` refuses a graph that still
+has a node no registered AOT plugin takes, naming it (`plugin_gaps`).
 
 Build, per graph: the ONNX from `k3export onnx` (k3 ops are bare plugin nodes, domain `k3`) -> a strongly typed
 network (precision comes from the tensor dtypes) -> one optimisation profile whose min/opt/max come from the
@@ -67,7 +67,10 @@ def profile_shapes(inputs: list[dict], profile: dict[str, list[int]], fixed: dic
 # `k3export onnx` (one bare node per op). TensorRT's ONNX parser makes a node the plugin named by its op_type in
 # its domain, and an AOT one only with the node attribute aot=1 (docs/deployment-notes.md). So a node parses only
 # as one launch with aot=1: `plugin_onnx` (`k3export.trt_onnx`) rewrites each op node into its launch chain
-# (intermediate tensors between the plugin nodes) and AttnRes into standard ops; the MoE prefill has no chain.
+# (intermediate tensors between the plugin nodes) and AttnRes into standard ops. The MoE has two chains: the decode
+# one below up to 4096 (token, expert) pairs, the prefill one (`MOE_PREFILL_CHAIN`) beyond.
+MOE_PREFILL_CHAIN = ("moe_router", "moe_topk", "moe_count", "moe_plan", "moe_scatter", "moe_gemm1", "moe_gemm2",
+                     "moe_combine")
 PLUGIN_CHAINS = {
     "kda_decode": ("kda_decode",),
     "mla_prefill": ("mla_prefill",),
@@ -75,14 +78,11 @@ PLUGIN_CHAINS = {
     "mla_decode": ("mla_decode_split", "mla_decode_combine"),
     "moe_routed": ("moe_router", "moe_topk", "moe_align", "moe_gemm1", "moe_gemm2", "moe_combine"),
 }
-PLUGINS = {p for chain in PLUGIN_CHAINS.values() for p in chain}
-NO_CHAIN = {"attn_res": "no AttnRes plugin (`k3export.trt_onnx` rewrites the mix into standard ONNX ops)",
-            ("moe_routed", "prefill"): "the MoE prefill sorts and aligns with torch ops and host-built TMA "
-                                       "descriptors: no AOT chain (plugins/moe/trt.py: an IPluginV3, or the align "
-                                       "as kernels with explicit intermediates)"}
+PLUGINS = {p for chain in (*PLUGIN_CHAINS.values(), MOE_PREFILL_CHAIN) for p in chain}
+NO_CHAIN = {"attn_res": "no AttnRes plugin (`k3export.trt_onnx` rewrites the mix into standard ONNX ops)"}
 
 
-def plugin_gaps(onnx_path: Path, graph: str) -> dict[str, str]:
+def plugin_gaps(onnx_path: Path) -> dict[str, str]:
     """op -> why TensorRT cannot take that op's nodes from this graph's ONNX as written (empty: every k3 node is
     one registered AOT plugin with aot=1). Reads the node list only (no weights)."""
     import onnx
@@ -92,7 +92,7 @@ def plugin_gaps(onnx_path: Path, graph: str) -> dict[str, str]:
         if node.domain != "k3" or node.op_type in gaps:
             continue
         op = node.op_type
-        why = NO_CHAIN.get((op, graph)) or NO_CHAIN.get(op)
+        why = NO_CHAIN.get(op)
         chain = PLUGIN_CHAINS.get(op)
         if why is None and op in PLUGINS:
             if not any(a.name == "aot" and a.i == 1 for a in node.attribute):
@@ -101,6 +101,8 @@ def plugin_gaps(onnx_path: Path, graph: str) -> dict[str, str]:
             why = "no plugin registered under this name"
         elif why is None:
             why = f"{len(chain)} plugins ({', '.join('k3::' + c for c in chain)}): the node must be rewritten into them"
+            if op == "moe_routed":
+                why += f" (beyond 4096 (token, expert) pairs the {len(MOE_PREFILL_CHAIN)} of the prefill chain)"
         if why:
             gaps[op] = why
     return gaps
@@ -118,8 +120,10 @@ def plugin_onnx(onnx_path: Path, graph: str, manifest: dict, profiles: dict) -> 
             "fp16": onnx.TensorProto.FLOAT16}[manifest["precision"]]
     splits = mla_decode_splits(cfg.num_attention_heads, profiles["decode"]["cache"][2], torch.device("cuda"))
     model = onnx.load(str(onnx_path), load_external_data=False)
+    p = profiles[graph]
+    max_tokens = p["batch"][2] * (p["tokens"][2] if graph == "prefill" else 1)       # the MoE's largest N
     try:
-        out, _ = rewrite(model, graph, elem, profiles["decode"]["batch"][2], splits)
+        out, _ = rewrite(model, graph, elem, max_tokens, splits)
     except ValueError as e:
         raise EngineError(f"{onnx_path}: {e}") from None
     path = onnx_path.with_name(f"{graph}.trt.onnx")
@@ -176,7 +180,7 @@ def build_tensorrt(out: Path, graphs, manifest: dict, log) -> dict[str, str]:
     for g in GRAPHS:
         onnx_path = log.step(f"{g}: k3 nodes -> AOT plugin nodes", plugin_onnx, onnx_files[g], g, manifest,
                              profiles)
-        gaps = plugin_gaps(onnx_path, g)
+        gaps = plugin_gaps(onnx_path)
         if gaps:
             raise EngineError(f"{onnx_path}: TensorRT cannot take these k3 nodes yet: "
                               + "; ".join(f"{op}: {why}" for op, why in gaps.items()))

@@ -10,13 +10,14 @@ aot=1 (docs/deployment-notes.md). Per op:
                    chunks, final_state) -> Slice of o back to the prompt's T tokens
     mla_decode  -> k3::mla_decode_split (o_part, lse_part; num_splits fixed at build time, the `aoti` rule at the
                    largest cache) -> k3::mla_decode_combine
-    moe_routed  -> k3::moe_router -> moe_topk -> moe_align -> moe_gemm1 -> moe_gemm2 -> moe_combine (decode only:
-                   the chain covers up to 4096 (token, expert) pairs, `max_tokens` = the profile's largest batch)
+    moe_routed  -> up to 4096 (token, expert) pairs at `max_tokens` (the graph's largest token count: decode
+                   batch, or prefill batch x tokens): k3::moe_router -> moe_topk -> moe_align -> moe_gemm1 ->
+                   moe_gemm2 -> moe_combine; beyond: k3::moe_router -> moe_topk -> moe_count -> moe_plan ->
+                   moe_scatter -> moe_gemm1 -> moe_gemm2 -> moe_combine (`plugins/moe/trt.py` `chain_steps`)
     attn_res    -> standard ONNX ops in fp32 (RMS of each source, its dot with norm_weight * proj_weight, softmax
                    over the sources, the weighted sum; cast back to p's dtype): TensorRT fuses such graphs itself
 
-The MoE prefill has no AOT chain (`build_trt.NO_CHAIN`): its node is left as it is, and `build_trt.plugin_gaps`
-names it. Written against TensorRT's rules and checked here against the registrations' signatures (tests, the
+Written against TensorRT's rules and checked here against the registrations' signatures (tests, the
 `tensorrt.plugin` stand-in) and, for the AttnRes ops, with onnxruntime; never parsed by TensorRT (not installable).
 """
 
@@ -25,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 AOT_SAME = {"kda_decode", "mla_prefill"}
-MOE_MAX_PAIRS = 4096         # plugins/moe/trt.py: the decode chain's one-program align
+MOE_DECODE_MAX_PAIRS = 4096  # plugins/moe/trt.py: the decode chain's one-program align; beyond, the prefill chain
 
 
 class Rewriter:
@@ -101,9 +102,10 @@ def _plugin(rw: Rewriter, op: str, inputs, outputs, **attrs):
 
 def rewrite(model, graph: str, dtype: int, max_tokens: int, mla_splits: int) -> tuple[object, dict[str, int]]:
     """(a copy of the ONNX model with its k3 nodes rewritten, plugin or op -> nodes made). graph: "prefill" or
-    "decode"; dtype: the model's ONNX element type (AttnRes output); max_tokens: the decode profile's largest batch
-    (the MoE chain's PTX serves up to it); mla_splits: the MLA decode split count (`aoti_lower.mla_decode_splits`
-    at the largest cache). Raises ValueError where a chain cannot take the graph (more than 4096 MoE pairs)."""
+    "decode"; dtype: the model's ONNX element type (AttnRes output); max_tokens: the most tokens the graph's MoE
+    sees (decode: the profile's largest batch; prefill: largest batch x tokens): the MoE chain's PTX serves up to
+    it, and it picks the chain; mla_splits: the MLA decode split count (`aoti_lower.mla_decode_splits` at the
+    largest cache). Raises ValueError where the experts' count is not a static shape."""
     import onnx
     from onnx import helper, numpy_helper
     out = onnx.ModelProto()
@@ -113,7 +115,7 @@ def rewrite(model, graph: str, dtype: int, max_tokens: int, mla_splits: int) -> 
     new_nodes = []
     for node in model.graph.node:
         op = node.op_type
-        if node.domain != "k3" or (op == "moe_routed" and graph == "prefill"):
+        if node.domain != "k3":
             new_nodes.append(node)
             continue
         at = _attrs(node, helper)
@@ -141,20 +143,25 @@ def rewrite(model, graph: str, dtype: int, max_tokens: int, mla_splits: int) -> 
         elif op == "moe_routed":
             x, z, gw, bias, w1, w3, w2 = node.input
             top_k = int(at["top_k"])
-            if max_tokens * top_k > MOE_MAX_PAIRS:
-                raise ValueError(f"moe_routed: {max_tokens} tokens x top-{top_k} = {max_tokens * top_k} pairs > "
-                                 f"{MOE_MAX_PAIRS}: the MoE decode chain's limit (plugins/moe/trt.py)")
             E = next((sh[0] for sh in (_shape_of(model, gw), _shape_of(model, w1)) if sh and sh[0] > 0), None)
             if E is None:
                 raise ValueError(f"moe_routed: the number of experts is not a static shape of {gw} or {w1} "
                                  "(initializers or graph inputs): the align plugin needs it")
-            part, ids, w, s, row_pair, block_expert, off, h, y = (rw.name(n) for n in (
-                "part", "ids", "w", "s", "row_pair", "block_expert", "off", "h", "y"))
+            part, ids, w, s, row_pair, block_expert, h, y = (rw.name(n) for n in (
+                "part", "ids", "w", "s", "row_pair", "block_expert", "h", "y"))
             common = dict(max_tokens=int(max_tokens), top_k=top_k)
+            experts = dict(**common, num_experts=int(E))
+            if max_tokens * top_k <= MOE_DECODE_MAX_PAIRS:
+                align = [_plugin(rw, "moe_align", [ids], [row_pair, block_expert, rw.name("off")], **experts)]
+            else:
+                hist, rank, base, end = (rw.name(n) for n in ("hist", "rank", "base", "end"))
+                align = [_plugin(rw, "moe_count", [ids], [hist, rank], **experts),
+                         _plugin(rw, "moe_plan", [hist, ids], [base, block_expert, end], **experts),
+                         _plugin(rw, "moe_scatter", [ids, rank, base, block_expert, end], [row_pair], **experts)]
             reps = [_plugin(rw, "moe_router", [x, gw], [part], **common),
                     _plugin(rw, "moe_topk", [part, bias], [ids, w, s], **common,
                             renormalize=int(at["renormalize"]), scaling=float(at["scaling"])),
-                    _plugin(rw, "moe_align", [ids], [row_pair, block_expert, off], **common, num_experts=int(E)),
+                    *align,
                     _plugin(rw, "moe_gemm1", [z, w1, w3, row_pair, block_expert], [h], **common,
                             beta=float(at["beta"]), linear_beta=float(at["linear_beta"])),
                     _plugin(rw, "moe_gemm2", [h, w2, row_pair, block_expert, ids], [y], **common),

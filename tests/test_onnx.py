@@ -84,16 +84,16 @@ def test_verify_passes_then_fails_on_a_tampered_graph(onnx_dir, tmp_path):
 
 def test_tensorrt_build_names_what_each_k3_node_lacks(onnx_dir, tmp_path):
     """The k3-tiny ONNX as `k3export onnx` writes it is refused before TensorRT would parse it, each op with its
-    reason (one node per op against one plugin per kernel launch, no aot=1, no AttnRes / MoE-prefill chain); a node
-    that is its one plugin with aot=1 passes the check (`build_trt.plugin_gaps`; TensorRT itself never runs here)."""
+    reason (one node per op against one plugin per kernel launch, no aot=1, no AttnRes plugin); a node that is its
+    one plugin with aot=1 passes the check (`build_trt.plugin_gaps`; TensorRT itself never runs here)."""
     import onnx
     from onnx import helper
     from k3export.build_trt import plugin_gaps
-    pre, dec = plugin_gaps(onnx_dir / "prefill.onnx", "prefill"), plugin_gaps(onnx_dir / "decode.onnx", "decode")
+    pre, dec = plugin_gaps(onnx_dir / "prefill.onnx"), plugin_gaps(onnx_dir / "decode.onnx")
     assert set(pre) == {"kda_prefill", "mla_prefill", "moe_routed", "attn_res"}
     assert set(dec) == {"kda_decode", "mla_decode", "moe_routed", "attn_res"}
     assert "k3::kda_prefill_intra, k3::kda_prefill_chunks" in pre["kda_prefill"]
-    assert "no AOT chain" in pre["moe_routed"] and "6 plugins" in dec["moe_routed"]
+    assert "6 plugins" in pre["moe_routed"] and "6 plugins" in dec["moe_routed"]
     assert dec["kda_decode"] == "no aot=1 attribute on the node" and "no AttnRes plugin" in dec["attn_res"]
     nodes = [helper.make_node("kda_decode", ["a"], ["b"], domain="k3", aot=1),
              helper.make_node("Relu", ["b"], ["c"]),
@@ -101,7 +101,7 @@ def test_tensorrt_build_names_what_each_k3_node_lacks(onnx_dir, tmp_path):
     g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("a", onnx.TensorProto.FLOAT, [1])],
                           [helper.make_tensor_value_info("d", onnx.TensorProto.FLOAT, [1])])
     onnx.save(helper.make_model(g), tmp_path / "m.onnx")
-    assert plugin_gaps(tmp_path / "m.onnx", "decode") == {"mystery": "no plugin registered under this name"}
+    assert plugin_gaps(tmp_path / "m.onnx") == {"mystery": "no plugin registered under this name"}
 
 
 def _registered_plugins(monkeypatch) -> dict:
@@ -116,9 +116,10 @@ def _registered_plugins(monkeypatch) -> dict:
 
 
 def test_trt_rewrite_makes_every_decode_node_a_registered_plugin(onnx_dir, tmp_path, monkeypatch):
-    """The k3-tiny ONNX rewritten for TensorRT (`trt_onnx.rewrite`): decode has no k3 op node left, each plugin
-    node has the inputs, outputs and attributes (plus aot=1) its registration takes; prefill keeps only the MoE
-    node, which `plugin_gaps` names; `build_trt.plugin_onnx` writes the rewritten graph beside the ONNX."""
+    """The k3-tiny ONNX rewritten for TensorRT (`trt_onnx.rewrite`): no k3 op node is left in either graph, each
+    plugin node has the inputs, outputs and attributes (plus aot=1) its registration takes; the MoE takes the
+    decode chain up to 4096 (token, expert) pairs at the graph's largest token count and the prefill chain beyond;
+    `build_trt.plugin_onnx` writes the rewritten graphs beside the ONNX, each with the chain its profile needs."""
     import onnx
     from k3export.build_trt import plugin_gaps, plugin_onnx
     from k3export.manifest import load_manifest
@@ -135,18 +136,22 @@ def test_trt_rewrite_makes_every_decode_node_a_registered_plugin(onnx_dir, tmp_p
                     "Cast": 5 * a, "Concat": a, "Unsqueeze": 2 * a, "Mul": 5 * a, "Reshape": a, "ReduceMean": a,
                     "Add": a, "Sqrt": a, "Reciprocal": a, "ReduceSum": 2 * a, "Softmax": a}
     cp = k3_node_counts(onnx.load(str(onnx_dir / "prefill.onnx"), load_external_data=False))
-    pre, made_p = rewrite(onnx.load(str(onnx_dir / "prefill.onnx")), "prefill", F, 8, 4)
-    assert {k: v for k, v in made_p.items() if k.startswith("k3::")} == {
+    k = small_tiny().num_experts_per_token
+    max_prefill = 4096 // k + 1                                   # the first token count past 4096 pairs
+    pre, made_p = rewrite(onnx.load(str(onnx_dir / "prefill.onnx")), "prefill", F, max_prefill, 4)
+    moe = cp["moe_routed"]
+    assert moe > 0 and {k: v for k, v in made_p.items() if k.startswith("k3::")} == {
         "k3::kda_prefill_intra": cp["kda_prefill"], "k3::kda_prefill_chunks": cp["kda_prefill"],
-        "k3::mla_prefill": cp["mla_prefill"]}
-    assert made_p["Slice"] == made_p["Shape"] == cp["kda_prefill"] and cp["moe_routed"] > 0
-    for m in (dec, pre):
+        "k3::mla_prefill": cp["mla_prefill"],
+        **{f"k3::moe_{s}": moe for s in ("router", "topk", "count", "plan", "scatter", "gemm1", "gemm2", "combine")}}
+    assert made_p["Slice"] == made_p["Shape"] == cp["kda_prefill"]
+    pre_small, made_s = rewrite(onnx.load(str(onnx_dir / "prefill.onnx")), "prefill", F, 4096 // k, 4)
+    assert made_s["k3::moe_align"] == moe and "k3::moe_count" not in made_s        # 4096 pairs: the decode chain
+    for m in (dec, pre, pre_small):
         for node in m.graph.node:
             if node.domain != "k3":
                 continue
-            assert node.op_type != "attn_res"
-            if node.op_type == "moe_routed":                     # prefill: no chain
-                continue
+            assert node.op_type not in ("attn_res", "moe_routed")
             _, tensors, attrs, n_out = reg[f"k3::{node.op_type}"]
             names = {a.name for a in node.attribute}
             assert len(node.input) == len(tensors) and len(node.output) == n_out, node.op_type
@@ -154,16 +159,21 @@ def test_trt_rewrite_makes_every_decode_node_a_registered_plugin(onnx_dir, tmp_p
                 next(a for a in node.attribute if a.name == "aot")) == 1, (node.op_type, names, attrs)
     onnx.save(dec, tmp_path / "d.onnx")
     onnx.save(pre, tmp_path / "p.onnx")
-    assert plugin_gaps(tmp_path / "d.onnx", "decode") == {}
-    assert list(plugin_gaps(tmp_path / "p.onnx", "prefill")) == ["moe_routed"]
+    assert plugin_gaps(tmp_path / "d.onnx") == {} and plugin_gaps(tmp_path / "p.onnx") == {}
     manifest = {"config": load_manifest(onnx_dir)["config"], "precision": "fp32"}
-    profiles = {"decode": {"batch": [1, 8, 8], "cache": [1, 64, 64]}}
+    profiles = {"decode": {"batch": [1, 8, 8], "cache": [1, 64, 64]},
+                "prefill": {"batch": [1, 1, 4], "tokens": [1, 128, 512], "past": [0, 0, 64]}}
     copy = shutil.copytree(onnx_dir, tmp_path / "graphs")                 # the fixture's directory stays as it is
-    written = plugin_onnx(copy / "decode.onnx", "decode", manifest, profiles)
-    assert written == copy / "decode.trt.onnx" and plugin_gaps(written, "decode") == {}
-    assert onnx.load(str(written)).graph.initializer                        # the weights resolve from there
-    with pytest.raises(ValueError, match="4096 tokens x top-.* pairs > 4096"):
-        rewrite(onnx.load(str(onnx_dir / "decode.onnx")), "decode", F, 4096, 4)
+    for g, chain in (("decode", "k3::moe_align"), ("prefill", "k3::moe_count")):   # 8 / 2048 tokens at most
+        written = plugin_onnx(copy / f"{g}.onnx", g, manifest, profiles)
+        assert written == copy / f"{g}.trt.onnx" and plugin_gaps(written) == {}
+        model = onnx.load(str(written))
+        assert model.graph.initializer                                      # the weights resolve from there
+        moe_nodes = [n for n in model.graph.node if n.domain == "k3" and n.op_type.startswith("moe_")]
+        assert f"k3::{moe_nodes[2].op_type}" == chain
+        max_tokens = {onnx.helper.get_attribute_value(a) for n in moe_nodes for a in n.attribute
+                      if a.name == "max_tokens"}
+        assert max_tokens == ({8} if g == "decode" else {4 * 512})
 
 
 def test_trt_attn_res_as_onnx_ops_matches_the_op():
