@@ -7,7 +7,10 @@ A target is (preset or checkpoint, precision, device, backend); its directory is
                     versions, every file with its size and sha256, the optimisation profiles (named dims
                     min/opt/max), the state layout, build timings and the reuse key
     build.log       what was done, with timings
-    weights.safetensors   the model tensors in the engine's precision (the engine needs no checkpoint)
+    weights.safetensors   the model tensors in the engine's precision (the engine needs no checkpoint); in an FP8
+                    engine (`--scales`, a `k3export calibrate` scales file) the quantized modules' E4M3
+                    weights and fp32 scales, and the manifest's `quant` entry says which modules and from which
+                    scales file, recipe and calibration data
     + backend files: aoti: prefill.aoti.pt2 / decode.aoti.pt2 (AOTInductor packages, weights kept outside
       so prefill and decode share one copy); tensorrt: prefill.engine / decode.engine / timing.cache;
       compile: inductor-cache/ (Inductor's on-disk cache, so a later process skips code generation)
@@ -87,8 +90,53 @@ def precision_name(dtype: torch.dtype) -> str:
     return {v: k for k, v in PRECISIONS.items()}[dtype]
 
 
-def engine_name(config: K3Config, dtype: torch.dtype, device, backend: str) -> str:
-    return f"{preset_name(config)}-{precision_name(dtype)}-{device_slug(device)}-{backend}"
+def engine_name(config: K3Config, dtype: torch.dtype, device, backend: str, fp8: bool = False) -> str:
+    return f"{preset_name(config)}-{precision_name(dtype)}{'-fp8' if fp8 else ''}-{device_slug(device)}-{backend}"
+
+
+# ---------------------------------------------------------------------------------------------- FP8
+FP8_BACKENDS = ("eager", "compile")      # FP8 engines: the k3 FP8 ops run inside the served model
+
+
+def check_fp8_backend(backend: str) -> None:
+    if backend not in FP8_BACKENDS:
+        raise EngineError(f"FP8 engines are built for the {' and '.join(FP8_BACKENDS)} backends, not {backend}: "
+                          "its graphs would need the FP8 expert op compiled in (aoti) or as a plugin (tensorrt: "
+                          "k3::moe_routed_fp8 has none); build --backend compile (on a GPU) or eager")
+
+
+def quantize_for_engine(model, scales_path: str | Path) -> dict:
+    """Swap `model`'s modules for their FP8 forms from a `k3export calibrate` scales file (in place) and return
+    the manifest's `quant` entry. Refused (ValueError) when the file's receipt names other weights or another
+    config, or the file is not a scales file."""
+    from k3export.calibrate import load_scales, model_hash
+    from k3export.fp8 import quantize_model
+    scales_path = Path(scales_path)
+    try:
+        scales, receipt = load_scales(scales_path)
+    except Exception as e:                                        # noqa: BLE001  (safetensors raises its own)
+        raise ValueError(f"--scales {scales_path}: not a readable scales file ({type(e).__name__}: {e}); "
+                         "write one with `k3export calibrate`") from None
+    if not receipt:
+        raise ValueError(f"--scales {scales_path}: no receipt in its metadata; write it with `k3export calibrate`")
+    if receipt.get("config_hash") != model.config.hash():
+        raise ValueError(f"--scales {scales_path}: calibrated for config {receipt.get('config_hash')}, the model "
+                         f"has {model.config.hash()} ({preset_name(model.config)}); recalibrate for this model")
+    if receipt.get("model_dtype") not in (None, str(model.dtype)):
+        dt = {str(v): k for k, v in PRECISIONS.items()}.get(receipt["model_dtype"], receipt["model_dtype"])
+        raise ValueError(f"--scales {scales_path}: calibrated on the {dt} model, this one is "
+                         f"{precision_name(model.dtype)}; build with --dtype {dt}, or recalibrate")
+    if receipt.get("model_sha256") != model_hash(model):
+        raise ValueError(f"--scales {scales_path}: calibrated on other weights (model sha256 "
+                         f"{str(receipt.get('model_sha256'))[:12]}..., this model's {model_hash(model)[:12]}...); "
+                         "recalibrate with `k3export calibrate` on these weights")
+    try:
+        counts = quantize_model(model, scales)
+    except KeyError as e:
+        raise ValueError(f"--scales {scales_path}: {e.args[0]}") from None
+    return {"scheme": "fp8-e4m3", "scales": scales_path.name, "scales_sha256": file_sha256(scales_path),
+            "quantized": counts, **{k: receipt[k] for k in ("recipe_sha256", "data_sha256", "data_source",
+                                                             "model_sha256") if k in receipt}}
 
 
 # ---------------------------------------------------------------------------------------------- building
@@ -113,19 +161,23 @@ class BuildLog:
 
 def build(backend: str, model, out_root: str | Path = "engines", *, graphs: str | Path | None = None,
           weights_id: str = "unknown", profiles: dict | None = None, echo=print,
-          load_check: bool | None = None) -> Path:
+          load_check: bool | None = None, quant: dict | None = None) -> Path:
     """Build `backend` for `model` (its config, dtype and device define the target) under `out_root`.
+    `quant`: the model was quantized to FP8 (`quantize_for_engine`'s entry, recorded in the manifest; eager and
+    compile backends only).
     `graphs`: an export directory (prefill.pt2, decode.pt2, manifest.json) for aoti/tensorrt; exported into
     the engine directory when not given. `load_check`: open the engine in a child process and run one decode
     step (default: aoti engines on CUDA; see the module docstring); raises EngineLoadError when that fails.
     Returns the engine directory."""
     if backend not in BACKENDS:
         raise EngineError(f"unknown backend '{backend}'; choose one of {', '.join(BACKENDS)}")
+    if quant:
+        check_fp8_backend(backend)
     if backend == "tensorrt":
         from k3export.build_trt import import_tensorrt
         import_tensorrt()                                         # fail before any work when it is missing
     config, dtype, device = model.config, model.dtype, model.device
-    out = Path(out_root) / engine_name(config, dtype, device, backend)
+    out = Path(out_root) / engine_name(config, dtype, device, backend, fp8=bool(quant))
     out.mkdir(parents=True, exist_ok=True)
     log = BuildLog([f"k3export build --backend {backend} -> {out}"], {})
     manifest = {
@@ -134,6 +186,8 @@ def build(backend: str, model, out_root: str | Path = "engines", *, graphs: str 
         "device": torch.device(device).type, "gpu": _gpu(device), "versions": _versions(),
         "profiles": profiles or DEFAULT_PROFILES, "state_layout": state_layout(config, dtype, rows="cache"),
     }
+    if quant:
+        manifest["quant"] = quant
     files: dict[str, str] = {}
     weights_key = _weights_key(manifest)
     old = _read_manifest(out)
@@ -246,7 +300,8 @@ def _versions() -> dict[str, str]:
 
 
 def _weights_key(manifest: dict) -> str:
-    return f"{manifest['config_hash']}:{manifest['weights']}:{manifest['precision']}"
+    fp8 = f":fp8:{manifest['quant']['scales_sha256']}" if manifest.get("quant") else ""
+    return f"{manifest['config_hash']}:{manifest['weights']}:{manifest['precision']}{fp8}"
 
 
 def _save_weights(model, path: Path) -> None:
@@ -344,12 +399,20 @@ def open_backend(path: str | Path, device=None, config: K3Config | None = None):
     return EagerBackend(model)
 
 
+# The scales' names in an FP8 model's state dict are those of a scales file (`fp8.quantize_model`'s input).
+SCALE_LEAVES = ("input_scale", "weight_scale", "w13_scale", "w2_scale", "w13_input_scale", "w2_input_scale")
+
+
 def _load_model(path: Path, m: dict, device):
     from safetensors.torch import load_file
     from k3export.model import K3Model
+    state = load_file(str(path / WEIGHTS), device=str(device))
     with torch.device("meta"):
         model = K3Model(K3Config.from_dict(m["config"]))
-    model.load_state_dict(load_file(str(path / WEIGHTS), device=str(device)), assign=True, strict=True)
+        if m.get("quant"):              # the FP8 modules' skeleton (shapes only, on meta), filled by the load
+            from k3export.fp8 import quantize_model
+            quantize_model(model, {k: v for k, v in state.items() if k.rpartition(".")[2] in SCALE_LEAVES})
+    model.load_state_dict(state, assign=True, strict=True)
     return model.eval().requires_grad_(False)
 
 
@@ -406,23 +469,35 @@ def profiles_for(max_batch: int, max_tokens: int, max_len: int) -> dict:
 @click.option("--load-check/--no-load-check", default=None,
               help="Open the engine in a child process and run one decode step before reporting success "
                    "[default: on for aoti engines on CUDA].")
+@click.option("--scales", type=click.Path(exists=True, dir_okay=False),
+              help="An FP8 engine: quantize the recipe's modules with this `k3export calibrate` scales file "
+                   "(calibrated on the same weights and dtype; eager / compile backends).")
 def build_command(backend, checkpoint, preset, seed, dtype, device, graphs, out, max_batch, max_tokens, max_len,
-                  load_check):
+                  load_check, scales):
     """Build an engine directory: engine files, manifest.json (versions, GPU, config hash, file hashes,
     profiles, state layout) and build.log with timings. Unchanged inputs are reused (weights, AOTI packages)."""
     if backend == "best":
-        backend = best_backend(device)
+        backend = "compile" if scales and torch.device(device).type == "cuda" else \
+            "eager" if scales else best_backend(device)
     try:
+        if scales:
+            check_fp8_backend(backend)                         # before loading the model
         model = load_model(checkpoint, preset, PRECISIONS[dtype], device, seed)
         wid = checkpoint_fingerprint(checkpoint) if checkpoint else \
             preset_fingerprint(preset or "k3-tiny", seed, PRECISIONS[dtype])
         t0 = time.perf_counter()
+        quant = quantize_for_engine(model, scales) if scales else None
         path = build(backend, model, out, graphs=graphs, weights_id=wid,
-                     profiles=profiles_for(max_batch, max_tokens, max_len), echo=click.echo, load_check=load_check)
+                     profiles=profiles_for(max_batch, max_tokens, max_len), echo=click.echo, load_check=load_check,
+                     quant=quant)
     except (EngineError, ValueError) as e:
         raise click.ClickException(str(e))
     m = json.loads((path / "manifest.json").read_text())
     click.echo(f"built {backend} engine in {time.perf_counter() - t0:.1f}s -> {path}/")
+    if quant:
+        q = quant["quantized"]
+        click.echo(f"  FP8 (E4M3): {q['linear']} linears and {q['experts']} expert banks quantized with {scales}; "
+                   "the rest stays in the model dtype (the recipe's high-precision modules)")
     for name, rec in m["files"].items():
         click.echo(f"  {name:24s} {rec['bytes'] / 2**20:9.1f} MiB  sha256 {rec['sha256'][:12]}")
     for step, s in m["build"]["seconds"].items():

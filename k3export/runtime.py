@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -894,7 +895,10 @@ def _run_command():
             raise click.ClickException(str(e))
         for p, o in zip(prompts, out):
             click.echo(f"{p} -> {o}")
-        click.echo(f"{engine.backend.name} engine {engine_dir} on {engine.device} (loaded in {t_load:.2f}s, "
+        m = json.loads((Path(engine_dir) / "manifest.json").read_text())       # checked by load_engine
+        precision = m["precision"] + (" + FP8 E4M3 (" + m["quant"]["scales"] + ")" if m.get("quant") else "")
+        click.echo(f"{engine.backend.name} engine {engine_dir} ({precision}) on {engine.device} (loaded in "
+                   f"{t_load:.2f}s, "
                    f"{engine.max_batch} slots, CUDA graph: {engine.graphed or engine.graph_error or 'off'}, "
                    f"pipelined greedy decode: {'off' if no_pipeline else 'on'}, decode buckets: "
                    f"{'on' if engine.decode_buckets else 'off'}): "

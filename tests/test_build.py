@@ -77,6 +77,90 @@ def test_aoti_engine_matches_eager_and_is_reused(model, reference, tmp_path, mon
     assert "reused cached package" in log and "aoti compile" not in log
 
 
+# ---------------------------------------------------------------------------------------------- FP8 engines
+@pytest.fixture(scope="module")
+def fp8_case(tmp_path_factory):
+    """k3-tiny in bf16, a scales file calibrated on it (`k3export calibrate`'s writer) and the greedy tokens of
+    the same model quantized in process."""
+    import copy
+    from k3export.calibrate import DEFAULT_RECIPE, Recipe, calibrate, default_batches, make_receipt, save_scales
+    from k3export.fp8 import quantize_model
+    model = random_model(K3Config.from_name("k3-tiny"), seed=0, dtype=torch.bfloat16)
+    batches = default_batches(model.config.vocab_size)
+    scales = calibrate(model, Recipe.load(DEFAULT_RECIPE), batches, progress=False)
+    path = save_scales(tmp_path_factory.mktemp("scales") / "tiny.safetensors", scales,
+                       make_receipt(model, Recipe.load(DEFAULT_RECIPE), batches, "embedded default", scales))
+    fp8 = copy.deepcopy(model)
+    quantize_model(fp8, scales)
+    return model, path, generate(fp8, PROMPTS, 5)
+
+
+def test_fp8_engine_runs_the_calibrated_model_from_disk(fp8_case, tmp_path):
+    """`build --scales`: the engine stores the E4M3 weights and scales and names the scales file in its manifest;
+    re-loaded from disk (a fresh model skeleton, nothing from the build process) it gives the greedy tokens of
+    the model quantized in process."""
+    import copy
+    from k3export.build import quantize_for_engine
+    model, scales, want = fp8_case
+    m = copy.deepcopy(model)
+    quant = quantize_for_engine(m, scales)
+    path = build("eager", m, tmp_path, profiles=PROFILES, echo=lambda *_: None, quant=quant)
+    assert path.name == "k3-tiny-bf16-fp8-cpu-eager"
+    man = json.loads((path / "manifest.json").read_text())
+    assert man["quant"]["scheme"] == "fp8-e4m3" and man["quant"]["scales"] == scales.name
+    assert man["quant"]["quantized"] == {"linear": 88, "experts": 8} and len(man["quant"]["scales_sha256"]) == 64
+    from safetensors import safe_open
+    with safe_open(str(path / "weights.safetensors"), "pt") as f:
+        dtypes = {f.get_slice(k).get_dtype() for k in f.keys() if k.endswith(("qweight", ".w13", ".w2"))}
+    assert dtypes == {"F8_E4M3"}
+    assert tokens(path) == want
+
+
+@pytest.mark.cuda
+def test_fp8_compile_engine_on_the_gpu(fp8_case, tmp_path):
+    """An FP8 `compile` engine built on the GPU (packed projections, the FP8 GEMV and expert kernels, CUDA-graph
+    decode) gives the greedy tokens of the same FP8 model run eagerly on the GPU."""
+    import copy
+    from k3export.build import quantize_for_engine
+    model, scales, _ = fp8_case
+    m = copy.deepcopy(model).cuda()
+    quant = quantize_for_engine(m, scales)
+    want = generate(m, PROMPTS, 5)
+    path = build("compile", m, tmp_path, profiles=PROFILES, echo=lambda *_: None, quant=quant)
+    assert path.name.startswith("k3-tiny-bf16-fp8-") and path.name.endswith("-compile")
+    assert json.loads((path / "manifest.json").read_text())["device"] == "cuda"
+    assert tokens(path, "cuda") == want
+
+
+def test_fp8_engine_refuses_scales_of_other_weights_dtypes_and_backends(fp8_case, tmp_path):
+    from click.testing import CliRunner
+    from k3export.build import build_command, quantize_for_engine
+    model, scales, _ = fp8_case
+    other = random_model(K3Config.from_name("k3-tiny"), seed=1, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="calibrated on other weights"):
+        quantize_for_engine(other, scales)
+    with pytest.raises(ValueError, match="calibrated on the bf16 model, this one is fp32; build with --dtype bf16"):
+        quantize_for_engine(random_model(K3Config.from_name("k3-tiny"), seed=0), scales)
+    from test_export import small_tiny                            # k3-tiny cut to 4 layers: another config
+    with pytest.raises(ValueError, match="calibrated for config .* recalibrate for this model"):
+        quantize_for_engine(random_model(small_tiny(), seed=0, dtype=torch.bfloat16), scales)
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match="not a readable scales file"):
+        quantize_for_engine(model, junk)
+    for backend in ("aoti", "tensorrt"):
+        r = CliRunner().invoke(build_command, ["--backend", backend, "--dtype", "bf16", "--scales", str(scales),
+                                               "--out", str(tmp_path)])
+        assert r.exit_code == 1 and "FP8 engines are built for the eager and compile backends" in r.output, r.output
+    assert not any(tmp_path.glob("*-fp8-*"))                     # refused before anything was written
+    r = CliRunner().invoke(build_command, ["--backend", "eager", "--scales", str(scales), "--out", str(tmp_path)])
+    assert r.exit_code == 1 and "--dtype bf16" in r.output, r.output                    # the default dtype is fp32
+    r = CliRunner().invoke(build_command, ["--backend", "best", "--dtype", "bf16", "--scales", str(scales),
+                                           "--out", str(tmp_path)])
+    assert r.exit_code == 0 and "88 linears and 8 expert banks" in r.output, r.output
+    assert (tmp_path / "k3-tiny-bf16-fp8-cpu-eager" / "manifest.json").exists()       # best = eager on a CPU
+
+
 def test_engine_name_and_profile_limits(eager_dir):
     cfg = K3Config.from_name("k3-small")
     assert engine_name(cfg, torch.bfloat16, "cpu", "aoti") == "k3-small-bf16-cpu-aoti"
