@@ -66,6 +66,11 @@
 #            K3 size (decode and prefill cases) and the chunked align / ptr-* tilings' cuda tests, then `bench moe
 #            --phases prefill` of the ptr-* tilings against the TMA defaults ($TRTMOE_TOKENS, default 4096,8192,16384)
 #            (not yet run)
+#   fp8eng   FP8 engines: tests/test_build.py's FP8 cuda test (a `compile` engine built with --scales on the GPU gives
+#            the in-process FP8 model's greedy tokens) (not yet run)
+#   grouped  `bench moe --phases prefill` at 16..64 rows per expert ($GROUPED_TOKENS, default 1024,2048,3072 at K3
+#            size), where the "grouped" regime still runs the 2026-11-29 tiling ("old"), against the newer tilings
+#            (not yet run)
 #   profile  scripts/profile_decode.py --backend $PROFILE_BACKEND (default compile): kernels per decode step, and the
 #            graph replay's critical path (what each kernel adds to the span under PDL; 15:25: an upper bound only)
 set -uo pipefail
@@ -174,9 +179,14 @@ for part in $parts; do
            timeout ${TRTMOE_TIMEOUT:-280} python3 -m k3export.cli bench moe --phases prefill \
              --tiles ptr-m64,ptr-m128t64,ptr-m64t32-n128,m64t32-n128-aw8-y16r-f2,m128t64-aw-y16r-f2,m128-tma-aw-y16r-f2 \
              --tokens ${TRTMOE_TOKENS:-4096,8192,16384} --budget-s 240 --out "$OUT/moe-trt" > "$OUT/trtmoe.log" 2>&1 ;;
+    fp8eng) timeout 200 python3 -m pytest -q -m cuda tests/test_build.py -s -rs -k fp8 -p no:cacheprovider \
+             > "$OUT/fp8eng.log" 2>&1 ;;
+    grouped) timeout ${GROUPED_TIMEOUT:-300} python3 -m k3export.cli bench moe --phases prefill \
+             --tiles ${GROUPED_TILES:-old,ptr-m64,m64t32-aw8,m64t32-n128-aw8-y16r-f2,ptr-m64t32-n128,m128t64-aw-y16r-f2} \
+             --tokens ${GROUPED_TOKENS:-1024,2048,3072} --budget-s 260 --out "$OUT/grouped" > "$OUT/grouped.log" 2>&1 ;;
     profile) timeout 150 python3 scripts/profile_decode.py --backend ${PROFILE_BACKEND:-compile} ${PROFILE_ARGS:-} \
              > "$OUT/profile.log" 2>&1 ;;
-    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe profile)"; continue ;;
+    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe fp8eng grouped profile)"; continue ;;
   esac
   echo "$part: exit $? in $((SECONDS - t)) s" | tee -a "$OUT/pending.log"
   tail -4 "$OUT/$part.log" 2>/dev/null
