@@ -71,6 +71,10 @@
 #   grouped  `bench moe --phases prefill` at 16..64 rows per expert ($GROUPED_TOKENS, default 1024,2048,3072 at K3
 #            size), where the "grouped" regime still runs the 2026-11-29 tiling ("old"), against the newer tilings
 #            (not yet run)
+#   grpsmall scripts/moe_grouped_probe.py: the grouped-regime tilings at k3-small's expert shapes (128..512 tokens,
+#            separate and paired gate/up), then the MoE kernel cuda tests (the grouped default changed 12-01)
+#   fp8comp  scripts/fp8_compile_probe.py: FP8 k3-tiny through Engine, compile variants vs eager logits (teacher
+#            forced), bf16 as the yardstick ($FP8COMP_VARIANTS)
 #   profile  scripts/profile_decode.py --backend $PROFILE_BACKEND (default compile): kernels per decode step, and the
 #            graph replay's critical path (what each kernel adds to the span under PDL; 15:25: an upper bound only)
 set -uo pipefail
@@ -184,9 +188,15 @@ for part in $parts; do
     grouped) timeout ${GROUPED_TIMEOUT:-300} python3 -m k3export.cli bench moe --phases prefill \
              --tiles ${GROUPED_TILES:-old,ptr-m64,m64t32-aw8,m64t32-n128-aw8-y16r-f2,ptr-m64t32-n128,m128t64-aw-y16r-f2} \
              --tokens ${GROUPED_TOKENS:-1024,2048,3072} --budget-s 260 --out "$OUT/grouped" > "$OUT/grouped.log" 2>&1 ;;
+    grpsmall) timeout 150 python3 scripts/moe_grouped_probe.py --out "$OUT/grpsmall.json" > "$OUT/grpsmall.log" 2>&1
+           timeout 100 python3 scripts/moe_grouped_probe.py --paired >> "$OUT/grpsmall.log" 2>&1
+           timeout 300 python3 -m pytest -q -m cuda tests/test_moe_kernels.py -rs -p no:cacheprovider \
+             > "$OUT/test-moe-kernels.log" 2>&1 ;;
+    fp8comp) timeout ${FP8COMP_TIMEOUT:-400} python3 scripts/fp8_compile_probe.py \
+             ${FP8COMP_VARIANTS:+--variants $FP8COMP_VARIANTS} > "$OUT/fp8comp.log" 2>&1 ;;
     profile) timeout 150 python3 scripts/profile_decode.py --backend ${PROFILE_BACKEND:-compile} ${PROFILE_ARGS:-} \
              > "$OUT/profile.log" 2>&1 ;;
-    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe fp8eng grouped profile)"; continue ;;
+    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe fp8eng grouped grpsmall fp8comp profile)"; continue ;;
   esac
   echo "$part: exit $? in $((SECONDS - t)) s" | tee -a "$OUT/pending.log"
   tail -4 "$OUT/$part.log" 2>/dev/null

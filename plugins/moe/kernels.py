@@ -1024,8 +1024,8 @@ TILINGS = {
 # 18.45 ms (m128-tma-w, the previous default, 21.46); 8192 (146 rows) "m128t64-aw" 26.79 ms = 45% of the
 # matmul rate (m128-tma-w 30.46); 16384 (292 rows) "m128-tma-aw" 46.69 ms = 52% (m128t64-aw 46.86). The
 # prefill / prefill-mid boundary at 128 rows is where m128t64-aw's 128-row blocks start to fill; the crossover
-# between 73 and 146 rows was not measured. Between 16 and 64 rows per expert (~900..3600 tokens) nothing new
-# was measured, so the previous prefill tiling stays there.
+# between 73 and 146 rows was not measured. Between 16 and 64 rows per expert (~900..3600 tokens) the previous
+# prefill tiling stayed until 2026-12-01 (see CONFIGS).
 # "pairs-n8-fc" / "pairs-n8-fused": "pairs-n8" with the combine in gemm2's launch / and the top-k in the router's,
 # 5 -> 4 / 3 launches at 1-2 tokens, bit-identical (H200 2026-11-30 07:36, tests/test_moe_pairs_fused.py: 15
 # passed, incl. 10 calls and 3 graph replays at K3 and k3-small shapes). `bench moe --phases decode` (K3 shapes,
@@ -1054,7 +1054,11 @@ TOPK_GEMM1_MAX_E = 64
 # 2026-11-30 11:3x (`bench moe --phases prefill --layout separate --tokens 16384`, K3 shapes): the separate layout
 # at 292 rows per expert, m128-tma-aw 45.43 ms = 53.9%, m128t64-aw-y16r-f2 41.22, m128-tma-aw-y16r-f2 39.88 = 61.4%
 # (output vs m128-tma-aw 5.05e-3; cuda test vs moe_sorted 5.08e-3 on the clear rows): the prefill-large default.
-CONFIGS = {"decode": TILINGS["decode"][_DECODE], "grouped": TILINGS["prefill"]["old"],
+# 2026-12-01 01:55 (`bench moe --phases prefill --tokens 1024,2048,3072`, K3 shapes; docs/perf.md): in the grouped
+# regime (16..64 rows per expert) "m64t32-aw8" 15.08 / 15.43 / 15.81 ms against "old" 17.83 / 18.85 / 20.29 (the
+# regime's tiling since 2026-11-29), m64t32-n128-aw8-y16r-f2 15.24 / 15.56 / 16.05, ptr-m64t32-n128 15.87 / 16.69 /
+# 16.67: the grouped default.
+CONFIGS = {"decode": TILINGS["decode"][_DECODE], "grouped": TILINGS["prefill"]["m64t32-aw8"],
            "prefill": TILINGS["prefill"]["m64t32-n128-aw8-y16r-f2"],
            "prefill-mid": TILINGS["prefill"]["m128t64-aw-y16r-f2"],
            "prefill-large": TILINGS["prefill"]["m128-tma-aw-y16r-f2"]}
