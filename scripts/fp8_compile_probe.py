@@ -1,11 +1,12 @@
-"""Does the `compile` backend serve an FP8 model's numbers? k3-tiny (bf16, calibrated on the embedded default set,
-quantized with `quantize_model`) through `Engine` on the GPU: the same prompts prefilled into two slots, then
-decode steps fed the eager backend's greedy tokens (teacher forcing: every backend sees the same inputs), and each
-step's logits compared with the eager backend's (max |diff| / max |eager|). One row per `CompileBackend` variant
-(each serving swap turned off in turn, and the packed model run eagerly), and the same for the bf16 model as the
-yardstick of what compile-vs-eager rounding gives.
+"""Does the `compile` backend serve an FP8 model's numbers? k3-tiny (bf16 or fp32, calibrated on the embedded
+default set, quantized with `quantize_model`) through `Engine` on the GPU: the same prompts prefilled into two
+slots, then decode steps fed the eager backend's greedy tokens (teacher forcing: every backend sees the same
+inputs), and each step's logits compared with the eager backend's (max |diff| / max |eager|). One row per
+`CompileBackend` variant (each serving swap turned off in turn, and the packed model run eagerly), and the same for
+the model without FP8 as the yardstick of what compile-vs-eager rounding gives; in bf16 and in fp32 activations.
 
     python3 scripts/fp8_compile_probe.py [--steps 6] [--preset k3-tiny] [--variants compile,no-pack,...]
+        [--dtypes bfloat16,float32]
 """
 
 from __future__ import annotations
@@ -47,10 +48,10 @@ def compare(model, name: str, steps: int, variants) -> None:
         kw = VARIANTS[var]
         m = copy.deepcopy(model)
         out, _ = run(CompileBackend(m, **kw), steps, toks)
-        print(f"{name} {var:14s} prefill, steps: {rel(out)}", flush=True)
+        print(f"{name:13s} {var:14s} prefill, steps: {rel(out)}", flush=True)
         if var == "compile":                       # the same serving swaps, run eagerly (no Inductor)
             out, _ = run(EagerBackend(m), steps, toks)
-            print(f"{name} {'packed-eager':14s} prefill, steps: {rel(out)}", flush=True)
+            print(f"{name:13s} {'packed-eager':14s} prefill, steps: {rel(out)}", flush=True)
 
 
 def main() -> None:
@@ -60,14 +61,18 @@ def main() -> None:
     ap.add_argument("--variants", default="compile,no-pack,no-fp8-cols,no-gemv,no-inplace",
                     help=f"of {', '.join(VARIANTS)}; the bf16 model runs the first only")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtypes", default="bfloat16,float32", help="model dtypes (activations), each with and "
+                    "without FP8")
     a = ap.parse_args()
     variants = [v for v in a.variants.split(",") if v]
-    model = random_model(K3Config.from_name(a.preset), seed=0, dtype=torch.bfloat16, device=a.device)
-    compare(model, "bf16", a.steps, variants[:1])             # the yardstick: compile vs eager in bf16
-    scales = calibrate(model, Recipe.load(DEFAULT_RECIPE), default_batches(model.config.vocab_size), progress=False)
-    fp8 = copy.deepcopy(model)
-    quantize_model(fp8, scales)
-    compare(fp8, "fp8 ", a.steps, variants)
+    for dt in a.dtypes.split(","):
+        model = random_model(K3Config.from_name(a.preset), seed=0, dtype=getattr(torch, dt), device=a.device)
+        compare(model, dt, a.steps, variants[:1])             # the yardstick: compile vs eager without FP8
+        scales = calibrate(model, Recipe.load(DEFAULT_RECIPE), default_batches(model.config.vocab_size),
+                           progress=False)
+        fp8 = copy.deepcopy(model)
+        quantize_model(fp8, scales)
+        compare(fp8, f"{dt}+fp8", a.steps, variants)
 
 
 if __name__ == "__main__":
