@@ -280,6 +280,26 @@ def test_paired_gate_up_layout():
     assert paired_gate_up(p1.half(), p3.half()) is None
 
 
+def test_default_tiling_by_regime_layout_and_latent():
+    """`tiles_for`: the regime by rows per expert, then the layout (paired gate/up first) and the latent width (the
+    "prefill" regime on 128-row TMA blocks from WIDE_L, measured at K3's 3584 vs k3-small's 1024); fp32 always
+    the exact small tiles."""
+    from k3export.plugins.moe.kernels import (CONFIGS, FP32_TILES, PAIRED_CONFIGS, TILINGS, WIDE_L, pick_regime,
+                                              tiles_for)
+    wide = torch.empty(1, 3584, dtype=torch.bfloat16, device="meta")
+    narrow = torch.empty(1, 1024, dtype=torch.bfloat16, device="meta")
+    P = TILINGS["prefill"]
+    assert [pick_regime(n * 16, 896) for n in (5, 2048, 4096, 8192, 16384)] == [
+        "decode", "grouped", "prefill", "prefill-mid", "prefill-large"]
+    assert tiles_for(wide, 2048 * 16, 896) is P["m64t32-aw8"] is CONFIGS["grouped"]
+    assert tiles_for(wide, 4096 * 16, 896) is P["m128-tma-aw-y16r-f2"] and 3584 >= WIDE_L > 1024
+    assert tiles_for(narrow, 512 * 8, 64) is CONFIGS["prefill"] is P["m64t32-n128-aw8-y16r-f2"]     # 64 rows
+    assert tiles_for(wide, 4096 * 16, 896, paired=True) is CONFIGS["prefill"]
+    assert tiles_for(wide, 16384 * 16, 896, paired=True) is PAIRED_CONFIGS["prefill-large"]
+    assert tiles_for(wide, 16384 * 16, 896) is CONFIGS["prefill-large"]
+    assert tiles_for(wide.float(), 4096 * 16, 896) is FP32_TILES
+
+
 @pytest.mark.parametrize("flag", ["route-ids-fp32", "route-ids-fp16", "ties-lower-id-first", "bad-shape-named",
                                   "align-fused-equals-torch", "align-atomic-valid", "align-chunked-equals-torch",
                                   "ties-lower-id-first-lean",

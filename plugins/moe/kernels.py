@@ -1068,6 +1068,14 @@ CONFIGS = {"decode": TILINGS["decode"][_DECODE], "grouped": TILINGS["prefill"]["
 # = 55% of the matmul rate (gemm1 31.9 -> 28.3) while m128-tma-aw gets slower paired (46.5 -> 55.1 ms: its
 # N = 256 dot spills), at 4096 m64t32-n128-aw8 18.1 ms (gemm1 12.2 -> 11.8).
 PAIRED_CONFIGS = {"prefill-large": TILINGS["prefill"]["m128t64-aw-y16r-f2"]}
+# Wide latents (L >= WIDE_L), separate gate/up layout: the "prefill" regime (64..128 rows per expert) on 128-row TMA
+# blocks. H200 2026-12-01 02:15 (`bench moe`, K3 shapes, L 3584): 4096 tokens (73 rows) m128-tma-aw-y16r-f2 17.47 ms
+# vs m64t32-n128-aw8-y16r-f2 17.87 (01:45, another machine: 16.70 vs 17.15), 6144 (110 rows) 18.86 vs 26.03: the
+# 96-row blocks split most experts in two, each re-reading its weights. At k3-small's L 1024 the other way round
+# (`scripts/moe_grouped_probe.py`, CUDA-graph replays: 96 rows 0.289 vs 0.187 ms, 125 rows 0.310 vs 0.213), so
+# narrow latents keep CONFIGS; the boundary between 1024 and 3584 is not measured.
+WIDE_L = 2048
+WIDE_CONFIGS = {"prefill": TILINGS["prefill"]["m128-tma-aw-y16r-f2"]}
 FP32_TILES = MoeTiles(16, (32, 32, 4, 1), (32, 32, 4, 1))      # exact fp32 dots: small tiles, no pipelining
 
 
@@ -1222,7 +1230,7 @@ def combine_fwd(y, w, dtype):
 
 def tiles_for(z, n_pairs: int, E: int, regime: str | None = None, paired: bool = False) -> MoeTiles:
     """The default tiling for this call: `FP32_TILES` for fp32, else CONFIGS by regime (PAIRED_CONFIGS first when
-    gate/up rows are paired)."""
+    gate/up rows are paired, WIDE_CONFIGS first when they are not and the latent is at least WIDE_L wide)."""
     if z.dtype == torch.float32:
         return FP32_TILES
     regime = regime or pick_regime(n_pairs, E)
@@ -1231,7 +1239,9 @@ def tiles_for(z, n_pairs: int, E: int, regime: str | None = None, paired: bool =
         check(env in TILINGS["decode"], f"K3_MOE_DECODE={env!r} is not a decode tiling: "
               f"{', '.join(TILINGS['decode'])}")
         return TILINGS["decode"][env]
-    return PAIRED_CONFIGS.get(regime, CONFIGS[regime]) if paired else CONFIGS[regime]
+    if paired:
+        return PAIRED_CONFIGS.get(regime, CONFIGS[regime])
+    return WIDE_CONFIGS.get(regime, CONFIGS[regime]) if z.shape[1] >= WIDE_L else CONFIGS[regime]
 
 
 def moe_routed_fwd(x, z, gate_weight, bias, w1, w3, w2, top_k: int, renormalize: bool, scaling: float,
