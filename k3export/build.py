@@ -126,9 +126,10 @@ def quantize_for_engine(model, scales_path: str | Path) -> dict:
         dt = {str(v): k for k, v in PRECISIONS.items()}.get(receipt["model_dtype"], receipt["model_dtype"])
         raise ValueError(f"--scales {scales_path}: calibrated on the {dt} model, this one is "
                          f"{precision_name(model.dtype)}; build with --dtype {dt}, or recalibrate")
-    if receipt.get("model_sha256") != model_hash(model):
+    mine = model_hash(model)                                      # reads every weight once
+    if receipt.get("model_sha256") != mine:
         raise ValueError(f"--scales {scales_path}: calibrated on other weights (model sha256 "
-                         f"{str(receipt.get('model_sha256'))[:12]}..., this model's {model_hash(model)[:12]}...); "
+                         f"{str(receipt.get('model_sha256'))[:12]}..., this model's {mine[:12]}...); "
                          "recalibrate with `k3export calibrate` on these weights")
     try:
         counts = quantize_model(model, scales)

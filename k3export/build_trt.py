@@ -22,6 +22,7 @@ import torch
 
 from k3export.build import PRECISIONS, TENSORRT_INSTALL, EngineError, TensorRTMissing
 from k3export.config import K3Config
+from k3export.trt_onnx import MOE_DECODE_MAX_PAIRS
 
 GRAPHS = ("prefill", "decode")
 TIMING_CACHE = "timing.cache"
@@ -68,7 +69,7 @@ def profile_shapes(inputs: list[dict], profile: dict[str, list[int]], fixed: dic
 # its domain, and an AOT one only with the node attribute aot=1 (docs/deployment-notes.md). So a node parses only
 # as one launch with aot=1: `plugin_onnx` (`k3export.trt_onnx`) rewrites each op node into its launch chain
 # (intermediate tensors between the plugin nodes) and AttnRes into standard ops. The MoE has two chains: the decode
-# one below up to 4096 (token, expert) pairs, the prefill one (`MOE_PREFILL_CHAIN`) beyond.
+# one below up to MOE_DECODE_MAX_PAIRS (token, expert) pairs, the prefill one (`MOE_PREFILL_CHAIN`) beyond.
 MOE_PREFILL_CHAIN = ("moe_router", "moe_topk", "moe_count", "moe_plan", "moe_scatter", "moe_gemm1", "moe_gemm2",
                      "moe_combine")
 PLUGIN_CHAINS = {
@@ -102,7 +103,8 @@ def plugin_gaps(onnx_path: Path) -> dict[str, str]:
         elif why is None:
             why = f"{len(chain)} plugins ({', '.join('k3::' + c for c in chain)}): the node must be rewritten into them"
             if op == "moe_routed":
-                why += f" (beyond 4096 (token, expert) pairs the {len(MOE_PREFILL_CHAIN)} of the prefill chain)"
+                why += (f" (beyond {MOE_DECODE_MAX_PAIRS} (token, expert) pairs the {len(MOE_PREFILL_CHAIN)} of the "
+                        "prefill chain)")
         if why:
             gaps[op] = why
     return gaps

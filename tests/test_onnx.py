@@ -145,6 +145,9 @@ def test_trt_rewrite_makes_every_decode_node_a_registered_plugin(onnx_dir, tmp_p
         "k3::mla_prefill": cp["mla_prefill"],
         **{f"k3::moe_{s}": moe for s in ("router", "topk", "count", "plan", "scatter", "gemm1", "gemm2", "combine")}}
     assert made_p["Slice"] == made_p["Shape"] == cp["kda_prefill"]
+    from k3export.plugins.moe.kernels import ALIGN_FUSED_MAX
+    from k3export.trt_onnx import MOE_DECODE_MAX_PAIRS
+    assert MOE_DECODE_MAX_PAIRS == ALIGN_FUSED_MAX == 4096             # the rewrite picks the chain the plugins do
     pre_small, made_s = rewrite(onnx.load(str(onnx_dir / "prefill.onnx")), "prefill", F, 4096 // k, 4)
     assert made_s["k3::moe_align"] == moe and "k3::moe_count" not in made_s        # 4096 pairs: the decode chain
     for m in (dec, pre, pre_small):

@@ -369,7 +369,7 @@ def moe_scatter_fwd_kernel(ids, rank, start, row_pair, P, BLOCK: tl.constexpr):
 
 
 # The chunked align: the stable row plan of any number of pairs in three launches, with no atomics, no zeroed
-# buffer and no fill before the scatter (so each launch is one AOT plugin: `trt.prefill_steps`).
+# buffer and no fill before the scatter (so each launch is one AOT plugin: `trt.chain_steps`' prefill chain).
 ALIGN_CHUNK = 1024              # pairs per program of the chunked align's first and last launches
 
 
@@ -460,8 +460,8 @@ def align_rows(ids: torch.Tensor, E: int, block_m: int, fused: bool = True, many
     (block_m need not be a power of two). fused: one Triton program while N k <= ALIGN_FUSED_MAX (stable: rows of
     an expert in pair order); beyond that, chunked (pairs per chunk, a power of two, e.g. ALIGN_CHUNK): Triton
     per-chunk count / one-program plan / scatter, 3 launches, stable; many: Triton count (atomics) / scan /
-    scatter, 5 launches, rows of an expert in atomic arrival order;
-    otherwise torch ops (~20 launches, stable). No host sync either way."""
+    scatter, 5 launches, rows of an expert in atomic arrival order; otherwise torch ops (~20 launches, stable).
+    No host sync either way."""
     flat = ids.reshape(-1)
     P = flat.numel()
     MB = triton.cdiv(P, block_m) + torch.sym_min(E, P)
