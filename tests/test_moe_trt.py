@@ -137,8 +137,8 @@ def _torch_launches(N, shape, dtype, monkeypatch, tiles=None):
     meta = dict(device="meta", dtype=dtype)
     kernels.moe_routed_fwd(torch.empty(N, d, **meta), torch.empty(N, L, **meta), torch.empty(E, d, **meta),
                            torch.empty(E, device="meta"), torch.empty(E, I, L, **meta), torch.empty(E, I, L, **meta),
-                           torch.empty(E, L, I, **meta), k, True, 2.5, tiles=trt.chain_tiles(N, k, dtype, tiles),
-                           **SITU)
+                           torch.empty(E, L, I, **meta), k, True, 2.5,
+                           tiles=trt.chain_tiles(N, k, dtype, E, tiles), **SITU)
     return log
 
 
@@ -209,6 +209,11 @@ def test_chain_choice_and_refusals():
     assert [s.plugin for s in _steps(256, K3, torch.bfloat16)] == DECODE_CHAIN
     assert [s.plugin for s in _steps(257, K3, torch.bfloat16)] == PREFILL_CHAIN           # 4112 pairs
     assert [s.plugin for s in _steps(1, K3, torch.bfloat16, max_tokens=257)] == PREFILL_CHAIN
+    E, k = K3["E"], K3["top_k"]                           # the prefill tiling by rows per expert at max_tokens
+    assert trt.chain_tiles(4096, k, torch.bfloat16, E) is trt.PREFILL_TILINGS["m64t32-n128"]       # 73 rows
+    assert trt.chain_tiles(8192, k, torch.bfloat16, E) is trt.PREFILL_TILINGS["m128t64"]           # 146 rows
+    assert trt.chain_tiles(8192, k, torch.float16, E).block_m == 128 and trt.chain_tiles(
+        8192, k, torch.float32, E).chunk_align == 1024
     with pytest.raises(ValueError, match="prefill chain"):
         trt.decode_steps(257, *K3.values(), torch.bfloat16)
     with pytest.raises(ValueError, match="max_tokens"):
@@ -303,7 +308,7 @@ def _interpreter_cases() -> dict:
         # (160 pairs, 5 chunks), and PTX for 40 run on 23 (92 pairs).
         for N, max_tokens, pre in ((1, None, 0), (5, 80, 0), (20, None, 0), (40, None, 1), (23, 40, 1)):
             trt.ALIGN_FUSED_MAX = 64 if pre else ALIGN_FUSED_MAX
-            tiles = replace(trt.chain_tiles(max_tokens or N, s["top_k"], dt), chunk_align=32) if pre else None
+            tiles = replace(trt.chain_tiles(max_tokens or N, s["top_k"], dt, s["E"]), chunk_align=32) if pre else None
             torch.manual_seed(N)
             x, z = torch.randn(N, s["d"], dtype=dt), torch.randn(N, s["L"], dtype=dt)
             g = torch.randn(s["E"], s["d"], dtype=dt) * s["d"] ** -0.5
@@ -376,7 +381,7 @@ def test_chain_through_cupy_k3(k3_weights, N, max_tokens):
     from k3export.plugins.moe import trt
     from k3export.plugins.moe.kernels import moe_routed_fwd
     op = moe_routed_fwd(*args[:7], *args[7:10], beta=args[10], linear_beta=args[11],
-                        tiles=trt.chain_tiles(max_tokens or N, k, x.dtype))
+                        tiles=trt.chain_tiles(max_tokens or N, k, x.dtype, K3["E"]))
     ref = moe_sorted(*args)
     top = torch.topk(torch.sigmoid(x.float() @ wt["gate_weight"].float().T) + wt["bias"], k + 1, dim=-1).values
     clear = (top[:, k - 1] - top[:, k]) > 1e-5

@@ -31,8 +31,9 @@ S = 1 the scores are `part` itself; `off` is the align kernel's scratch; nothing
 Tilings. Decode: `kernels.CONFIGS["decode"]` (`FP32_TILES` for fp32) exactly as `moe_routed_fwd` picks it, on its
 row plan (`decode_tiles`: the op's "pairs" path for <= 2 tokens is not part of the chain) (a model with few
 experts may have >= 16 rows per expert under 4096 pairs: the chain keeps the decode tiling where the torch op
-switches to the grouped one; same result, other speed). Prefill: `PREFILL_TILINGS[PREFILL_TILES]`, pointer loads
-(the op's prefill tilings pass TMA descriptors built on the host); one tiling for every N of the engine.
+switches to the grouped one; same result, other speed). Prefill: `PREFILL_TILINGS` by the rows per expert at
+max_tokens (`chain_tiles`), pointer loads (the op's prefill tilings pass TMA descriptors built on the host); one
+tiling for every N of the engine.
 
 Each launch is a small `@triton.jit` wrapper (`moe_*_trt_kernel`) that calls the kernel of `kernels.py` unchanged
 with its parameters reordered to inputs..., scalars..., outputs... (TensorRT's order) and the float attributes
@@ -165,23 +166,28 @@ def decode_tiles(dtype: torch.dtype):
 # (`moe_routed_fwd(tiles=)`) they run the chain's launches: the chunked align at every pair count (fused_align
 # off), so the op is the chain's twin in the tests.
 PREFILL_TILINGS = {n[4:]: t for n, t in TILINGS["prefill"].items() if n.startswith("ptr-")}
-# H200 2026-12-01 01:45 (`bench moe`, K3 size, docs/perf.md): 4096 / 8192 / 16384 tokens ptr-m128t64 18.63 / 25.40 /
-# 44.02 ms, ptr-m64t32-n128 17.58 / 31.12 / 55.57, ptr-m64 25.26 / 35.03 / 55.69 (the op's TMA defaults 17.15 /
-# 24.47 / 39.62). One tiling serves every N of an engine: the best over the range.
-PREFILL_TILES = "m128t64"
+# H200 2026-12-01 01:45 (`bench moe`, K3 size, docs/perf.md): 4096 / 8192 / 16384 tokens (73 / 146 / 292 rows per
+# expert) ptr-m128t64 18.63 / 25.40 / 44.02 ms, ptr-m64t32-n128 17.58 / 31.12 / 55.57, ptr-m64 25.26 / 35.03 / 55.69
+# (the op's TMA defaults 17.15 / 24.47 / 39.62). One tiling serves every N of an engine, so it is chosen for the
+# engine's largest N: 64 + 32-row blocks while most experts fit one (below PREFILL_SMALL_ROWS rows per expert on
+# average; past 96 they split in two and re-read their weights: the TMA twins at 110 rows 26.03 vs 20.16 ms), else
+# 128 + 64. The crossover between 73 and 110 rows is not measured.
+PREFILL_SMALL_ROWS = 80
 
 
-def chain_tiles(max_tokens: int, top_k: int, dtype: torch.dtype, tiles: MoeTiles | None = None) -> MoeTiles:
+def chain_tiles(max_tokens: int, top_k: int, dtype: torch.dtype, E: int,
+                tiles: MoeTiles | None = None) -> MoeTiles:
     """The chain's expert tiling: the decode one up to ALIGN_FUSED_MAX pairs (one-program align), else the prefill
-    one (the chunked align, `chunk_align` pairs per chunk): `PREFILL_TILINGS[PREFILL_TILES]`, or `FP32_TILES`
-    for fp32 (the op's rule). tiles: an override (prefill only: sweeps, tests)."""
+    one (the chunked align, `chunk_align` pairs per chunk) by the rows per expert at max_tokens: `PREFILL_TILINGS`
+    "m64t32-n128" below PREFILL_SMALL_ROWS, "m128t64" from there; `FP32_TILES` for fp32 (the op's rule). tiles: an
+    override (prefill only: sweeps, tests)."""
     if max_tokens * top_k <= ALIGN_FUSED_MAX:
         return decode_tiles(dtype)
     if tiles is not None:
         return tiles
     if dtype == torch.float32:
         return replace(FP32_TILES, fused_align=False, chunk_align=ALIGN_CHUNK)
-    return PREFILL_TILINGS[PREFILL_TILES]
+    return PREFILL_TILINGS["m64t32-n128" if max_tokens * top_k < PREFILL_SMALL_ROWS * E else "m128t64"]
 
 
 def router_config(max_tokens: int, dtype: torch.dtype, lean: bool, wide: bool = False) -> dict:
@@ -205,7 +211,7 @@ def chain_intermediates(N, E: int, top_k: int, L: int, I: int, dtype: torch.dtyp
     """name -> (shape, dtype) of every tensor between the plugins (contiguous), for the chain `chain_steps` picks.
     Shapes depend on N and the weights' shapes only, never on routing."""
     max_tokens = N if max_tokens is None else max_tokens
-    cfg = chain_tiles(max_tokens, top_k, dtype, tiles)
+    cfg = chain_tiles(max_tokens, top_k, dtype, E, tiles)
     S = router_config(max_tokens, dtype, cfg.lean_route)["splits"]
     P = N * top_k
     MB = plan_blocks(P, E, cfg.rows, minimum)
@@ -248,7 +254,7 @@ def chain_steps(N, d: int, E: int, top_k: int, L: int, I: int, dtype: torch.dtyp
     check(0 < top_k <= E, f"moe trt: top_k {top_k} must be in 1..{E}")
     check(not isinstance(N, int) or N <= max_tokens, f"moe trt: N {N} > max_tokens {max_tokens}")
     prefill = max_tokens * top_k > ALIGN_FUSED_MAX
-    cfg = chain_tiles(max_tokens, top_k, dtype, tiles)
+    cfg = chain_tiles(max_tokens, top_k, dtype, E, tiles)
     chunk = cfg.chunk_align
     check(not prefill or (chunk >= 16 and chunk & (chunk - 1) == 0 and not cfg.fused_align), "moe trt: the "
           f"prefill chain's tiling must name the chunked align (chunk_align a power of two >= 16, got {chunk}; "
@@ -456,7 +462,7 @@ def register_plugins() -> bool:
     def _gemm2_desc(h: trtp.TensorDesc, w2: trtp.TensorDesc, row_pair: trtp.TensorDesc,
                     block_expert: trtp.TensorDesc, ids: trtp.TensorDesc, max_tokens: int, top_k: int
                     ) -> Tuple[trtp.TensorDesc]:
-        y_half = chain_tiles(max_tokens, top_k, torch.bfloat16).y_half      # the same for bf16 and fp16
+        y_half = chain_tiles(max_tokens, top_k, torch.bfloat16, w2.shape[0]).y_half     # the same for bf16 / fp16
         return (desc(h, (ids.shape_expr[0] * top_k, w2.shape[1]), h.dtype if y_half else trt.float32),)
 
     @trtp.aot_impl("k3::moe_gemm2")
