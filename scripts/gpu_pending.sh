@@ -65,12 +65,11 @@
 #   trtmoe   the MoE prefill AOT chain (chunked align, pointer-load prefill tilings): the chain's PTX through cupy at
 #            K3 size (decode and prefill cases) and the chunked align / ptr-* tilings' cuda tests, then `bench moe
 #            --phases prefill` of the ptr-* tilings against the TMA defaults ($TRTMOE_TOKENS, default 4096,8192,16384)
-#            (not yet run)
+#            (ran 12-01 01:45; OWED: its cupy tests again, since the 4096-token case now runs ptr-m64t32-n128)
 #   fp8eng   FP8 engines: tests/test_build.py's FP8 cuda test (a `compile` engine built with --scales on the GPU gives
-#            the in-process FP8 model's greedy tokens) (not yet run)
+#            the eager engine's greedy tokens, fp32 activations)
 #   grouped  `bench moe --phases prefill` at 16..64 rows per expert ($GROUPED_TOKENS, default 1024,2048,3072 at K3
-#            size), where the "grouped" regime still runs the 2026-11-29 tiling ("old"), against the newer tilings
-#            (not yet run)
+#            size), where the "grouped" regime ran the 2026-11-29 tiling ("old") until 12-01, against the newer ones
 #   grpsmall scripts/moe_grouped_probe.py: the grouped-regime tilings at k3-small's expert shapes (128..512 tokens,
 #            separate and paired gate/up), then the MoE kernel cuda tests (the grouped default changed 12-01)
 #   fp8comp  scripts/fp8_compile_probe.py: FP8 k3-tiny through Engine, compile variants vs eager logits (teacher
