@@ -292,6 +292,7 @@ def test_bench_moe_plot_summary_and_merge_script(tmp_path, capsys):
     pre = lambda t, n, ms, f, **k: {"tokens": t, "tiles": n, "ms": ms, "frac_matmul": f, **k}  # noqa: E731
     res = {"date": "2026-12-01", "machine": "test", "copy_TBps": 4.0, "matmul_TFLOPs": 700.0,
            "prefill": [pre(4096, "a", 17.0, 0.36, err_vs_old=0.0, cap_frac_matmul=0.44),
+                       pre(4096, "c", 18.7, 0.33, err_vs_old=0.0, default=True),
                        pre(8192, "a", 22.0, 0.52, err_vs_old=0.0, cap_frac_matmul=0.86),
                        {"tokens": 4096, "tiles": "b", "error": "skipped: time budget"}],
            "prefill_fp8": [pre(4096, "ptr", 13.5, 0.46, err_vs_ref=0.014), pre(4096, "t", 9.9, 0.62, err_vs_ref=0.013),
@@ -303,6 +304,7 @@ def test_bench_moe_plot_summary_and_merge_script(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "fastest prefill_fp8 tiling at 4096 tokens: t (9.90 ms, 62.0% of the bf16 matmul rate" in out
     assert "fastest prefill tiling at 4096 tokens: a" in out and "skipped: time budget" in out
+    assert "default prefill tiling at 4096 tokens: c (18.70 ms, 1.10x the fastest)" in out
     one = {**res, "prefill": res["prefill"][:1], "prefill_fp8": [], "decode": []}
     paths = []
     for i, r in enumerate((one, {**res, "prefill": []})):

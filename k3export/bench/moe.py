@@ -106,13 +106,14 @@ def run_sweep(w, regime: str, tokens, ceiling: float, deadline: float, eager: bo
             floors["cap_frac_matmul"] = floors["flop_floor_ms"] / max(floors.values())
             print(_fmt({"regime": regime, "tokens": N, **floors}), flush=True)
         base = None
+        default = {sfx: Km.tiles_for(z, N * K, E, paired=bool(sfx)) for sfx, _ in layouts}   # what the op runs
         for (name, cfg), (suffix, wl) in ((t, lay) for t in chosen for lay in layouts):
             name += suffix
             if time.monotonic() > deadline:
                 rows.append({"regime": regime, "tokens": N, "tiles": name, "error": "skipped: time budget"})
                 print(_fmt(rows[-1]), flush=True)
                 continue
-            r = {"regime": regime, "tokens": N, "tiles": name}
+            r = {"regime": regime, "tokens": N, "tiles": name, **({"default": True} if cfg == default[suffix] else {})}
             try:
                 fn = lambda: Km.moe_routed_fwd(x, z, *wl, tiles=cfg, **ARGS)  # noqa: E731
                 u = fn()
@@ -384,3 +385,8 @@ def summary(res: dict) -> None:
         for n, (name, ms, frac) in sorted(best.items()):
             print(f"fastest {sec} tiling at {n} tokens: {name} ({ms:.2f} ms, {100 * frac:.1f}% of the bf16 matmul "
                   f"rate; err vs {what} < {ERR_VS_OLD_BOUND})")
+        for r in res.get(sec, []):         # the tiling the op picks by itself, where it was among those timed
+            if r.get("default") and "ms" in r:
+                fast = best.get(r["tokens"], (r["tiles"], r["ms"]))[1]
+                print(f"default {sec} tiling at {r['tokens']} tokens: {r['tiles']} ({r['ms']:.2f} ms, "
+                      f"{r['ms'] / fast:.2f}x the fastest)")
