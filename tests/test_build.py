@@ -78,18 +78,23 @@ def test_aoti_engine_matches_eager_and_is_reused(model, reference, tmp_path, mon
 
 
 # ---------------------------------------------------------------------------------------------- FP8 engines
+def _scales_file(model, path):
+    """`k3export calibrate`'s scales file for `model` on the embedded default set, written to `path`."""
+    from k3export.calibrate import DEFAULT_RECIPE, Recipe, calibrate, default_batches, make_receipt, save_scales
+    batches = default_batches(model.config.vocab_size)
+    scales = calibrate(model, Recipe.load(DEFAULT_RECIPE), batches, progress=False)
+    return save_scales(path, scales, make_receipt(model, Recipe.load(DEFAULT_RECIPE), batches, "embedded default",
+                                                  scales)), scales
+
+
 @pytest.fixture(scope="module")
 def fp8_case(tmp_path_factory):
     """k3-tiny in bf16, a scales file calibrated on it (`k3export calibrate`'s writer) and the greedy tokens of
     the same model quantized in process."""
     import copy
-    from k3export.calibrate import DEFAULT_RECIPE, Recipe, calibrate, default_batches, make_receipt, save_scales
     from k3export.fp8 import quantize_model
     model = random_model(K3Config.from_name("k3-tiny"), seed=0, dtype=torch.bfloat16)
-    batches = default_batches(model.config.vocab_size)
-    scales = calibrate(model, Recipe.load(DEFAULT_RECIPE), batches, progress=False)
-    path = save_scales(tmp_path_factory.mktemp("scales") / "tiny.safetensors", scales,
-                       make_receipt(model, Recipe.load(DEFAULT_RECIPE), batches, "embedded default", scales))
+    path, scales = _scales_file(model, tmp_path_factory.mktemp("scales") / "tiny.safetensors")
     fp8 = copy.deepcopy(model)
     quantize_model(fp8, scales)
     return model, path, generate(fp8, PROMPTS, 5)
@@ -123,12 +128,8 @@ def test_fp8_compile_engine_on_the_gpu(tmp_path):
     activations): random weights are chaotic in 16-bit activations, where compile and eager differ by O(1) in
     the logits within a few steps already in bf16 without FP8 (scripts/fp8_compile_probe.py, docs/perf.md)."""
     from k3export.build import quantize_for_engine
-    from k3export.calibrate import DEFAULT_RECIPE, Recipe, calibrate, default_batches, make_receipt, save_scales
     model = random_model(K3Config.from_name("k3-tiny"), seed=0, device="cuda")
-    batches = default_batches(model.config.vocab_size)
-    scales = calibrate(model, Recipe.load(DEFAULT_RECIPE), batches, progress=False)
-    path = save_scales(tmp_path / "s.safetensors", scales,
-                       make_receipt(model, Recipe.load(DEFAULT_RECIPE), batches, "embedded default", scales))
+    path, _ = _scales_file(model, tmp_path / "s.safetensors")
     quant = quantize_for_engine(model, path)
     eager = build("eager", model, tmp_path, profiles=PROFILES, echo=lambda *_: None, quant=quant)
     comp = build("compile", model, tmp_path, profiles=PROFILES, echo=lambda *_: None, quant=quant)

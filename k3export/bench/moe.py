@@ -65,11 +65,11 @@ def stage_ms(w, x, z, cfg) -> dict:
     from k3export.plugins.moe import kernels as Km
     g, b, w1, w3, w2 = w
     ids, wt, _ = Km.route_fwd(x, g, b, K, True, 1.0, cfg.lean_route, wide=cfg.wide_route)
-    plan = Km.align_rows(ids, E, cfg.rows, cfg.fused_align, cfg.many_align, cfg.chunk_align)
+    plan = Km.tiling_plan(ids, E, cfg)
     h = Km.gemm1_fwd(z, w1, w3, plan, K, 4.0, 25.0, cfg)
     y = Km.gemm2_fwd(h, w2, plan, ids.numel(), cfg)
     r = {"route": bench_ms(lambda: Km.route_fwd(x, g, b, K, True, 1.0, cfg.lean_route, wide=cfg.wide_route)),
-         "align": bench_ms(lambda: Km.align_rows(ids, E, cfg.rows, cfg.fused_align, cfg.many_align, cfg.chunk_align)),
+         "align": bench_ms(lambda: Km.tiling_plan(ids, E, cfg)),
          "gemm1": bench_ms(lambda: Km.gemm1_fwd(z, w1, w3, plan, K, 4.0, 25.0, cfg)),
          "gemm2": bench_ms(lambda: Km.gemm2_fwd(h, w2, plan, ids.numel(), cfg)),
          "combine": bench_ms(lambda: Km.combine_fwd(y, wt, z.dtype))}
@@ -183,7 +183,7 @@ def run_fp8_prefill(w, bank, tokens, rate: float, fp8_rate: float, deadline: flo
         z = torch.randn(N, L, device="cuda", dtype=torch.bfloat16)
         ids, _, _ = Km.route_fwd(x, g, b, K, True, 1.0)
         cfg = Km.tiles_for(z, N * K, E)
-        plan = Km.align_rows(ids, E, cfg.rows, cfg.fused_align, cfg.many_align, cfg.chunk_align)
+        plan = Km.tiling_plan(ids, E, cfg)
         hb = Km.gemm1_fwd(z, w1, w3, plan, K, 4.0, 25.0, cfg)
         zs, hs = scale_from_amax(z.abs().amax().float()), scale_from_amax(hb[plan[0] >= 0].abs().amax().float())
         hb = None

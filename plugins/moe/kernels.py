@@ -454,6 +454,11 @@ def chunked_align(flat: torch.Tensor, E: int, block_m: int, row_pair: torch.Tens
         num_warps=4)
 
 
+def tiling_plan(ids: torch.Tensor, E: int, cfg: "MoeTiles"):
+    """`align_rows` as tiling `cfg` asks for it (its block rows and align kernels)."""
+    return align_rows(ids, E, cfg.rows, cfg.fused_align, cfg.many_align, cfg.chunk_align)
+
+
 def align_rows(ids: torch.Tensor, E: int, block_m: int, fused: bool = True, many: bool = False,
                chunked: int = 0):
     """ids `[N, k]` -> (row_pair `[MB * block_m]` int32, block_expert `[MB]` int32), MB the static bound above
@@ -1277,7 +1282,7 @@ def moe_routed_fwd(x, z, gate_weight, bias, w1, w3, w2, top_k: int, renormalize:
         return pairs_fwd(z, w1, w3, w2, ids, beta, linear_beta, cfg, w, route)
     if pairs:
         return combine_fwd(pairs_fwd(z, w1, w3, w2, ids, beta, linear_beta, cfg, route=route), w, z.dtype)
-    plan = align_rows(ids, E, cfg.rows, cfg.fused_align, cfg.many_align, cfg.chunk_align)
+    plan = tiling_plan(ids, E, cfg)
     h = gemm1_fwd(z, w1, w3, plan, top_k, beta, linear_beta, cfg)
     y = gemm2_fwd(h, w2, plan, N * top_k, cfg)
     return combine_fwd(y, w, z.dtype)

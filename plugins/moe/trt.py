@@ -228,14 +228,6 @@ def chain_intermediates(N, E: int, top_k: int, L: int, I: int, dtype: torch.dtyp
     return out
 
 
-def decode_intermediates(N, E: int, top_k: int, L: int, I: int, dtype: torch.dtype, max_tokens: int | None = None,
-                         minimum=min) -> dict:
-    """`chain_intermediates` of the decode chain (N k <= 4096 pairs)."""
-    check((N if max_tokens is None else max_tokens) * top_k <= ALIGN_FUSED_MAX, "moe trt: decode_intermediates "
-          f"takes up to {ALIGN_FUSED_MAX} pairs")
-    return chain_intermediates(N, E, top_k, L, I, dtype, max_tokens, minimum)
-
-
 def chain_steps(N, d: int, E: int, top_k: int, L: int, I: int, dtype: torch.dtype, renormalize: bool = True,
                 scaling: float = 1.0, beta: float = 4.0, linear_beta: float = 25.0, max_tokens: int | None = None,
                 minimum=min, tiles: MoeTiles | None = None) -> list[Step]:
