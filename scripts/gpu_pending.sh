@@ -65,7 +65,7 @@
 #   trtmoe   the MoE prefill AOT chain (chunked align, pointer-load prefill tilings): the chain's PTX through cupy at
 #            K3 size (decode and prefill cases) and the chunked align / ptr-* tilings' cuda tests, then `bench moe
 #            --phases prefill` of the ptr-* tilings against the TMA defaults ($TRTMOE_TOKENS, default 4096,8192,16384)
-#            (ran 12-01 01:45; OWED: its cupy tests again, since the 4096-token case now runs ptr-m64t32-n128)
+#            (ran 12-01 01:45; the cupy tests again at 03:12 with ptr-m64t32-n128 at 4096 tokens: 9 passed)
 #   fp8eng   FP8 engines: tests/test_build.py's FP8 cuda test (a `compile` engine built with --scales on the GPU gives
 #            the eager engine's greedy tokens, fp32 activations)
 #   grouped  `bench moe --phases prefill` at 16..64 rows per expert ($GROUPED_TOKENS, default 1024,2048,3072 at K3
