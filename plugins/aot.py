@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 import torch
 
 TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
-                torch.int64: "i64", torch.int32: "i32", torch.int8: "i8", torch.uint8: "u8"}
+                torch.int64: "i64", torch.int32: "i32", torch.int8: "i8", torch.uint8: "u8",
+                torch.float8_e4m3fn: "fp8e4nv"}
 
 
 def pointer_type(dtype: torch.dtype) -> str:

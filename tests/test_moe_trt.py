@@ -243,7 +243,8 @@ def test_plugin_registration_against_a_stand_in(monkeypatch, max_tokens):
 
     d, E, k, L, I = (TINY[n] for n in ("d", "E", "top_k", "L", "I"))
     N = _Sym(lambda n: n)
-    attrs = dict(max_tokens=max_tokens, top_k=k, renormalize=True, scaling=2.5, num_experts=E, **SITU)
+    attrs = dict(max_tokens=max_tokens, top_k=k, renormalize=True, scaling=2.5, num_experts=E,
+                 block_rows=moe_trt.chain_tiles(max_tokens, k, torch.float16, E).rows, **SITU)
     T = trtp.TensorDesc
     f16, f32 = fake_trt.float16, fake_trt.float32
     descs = dict(x=T((N, d), f16), gate_weight=T((E, d), f16), bias=T((E,), f32), z=T((N, L), f16),

@@ -55,6 +55,7 @@ def fake_tensorrt():
     trt = types.ModuleType("tensorrt")
     for name in ("bfloat16", "float16", "float32", "int32"):
         setattr(trt, name, f"trt.{name}")
+    trt.DataType = types.SimpleNamespace(FP8="trt.fp8")
 
     class TensorDesc:
         def __init__(self, shape_expr, dtype):

@@ -206,26 +206,122 @@ def plan_blocks(P, E: int, block_m: int, minimum=min):
     return cdiv(P, block_m) + minimum(E, P)
 
 
+def align_intermediates(N, E: int, top_k: int, rows: int, max_tokens: int, minimum=min,
+                        chunk: int = ALIGN_CHUNK) -> dict:
+    """name -> (shape, dtype) of the align launches' tensors for blocks of `rows` rows: the one-program align up to
+    ALIGN_FUSED_MAX pairs at max_tokens (its scratch `off`), else the chunked align (`chunk` pairs per chunk)."""
+    P = N * top_k
+    MB = plan_blocks(P, E, rows, minimum)
+    if max_tokens * top_k <= ALIGN_FUSED_MAX:
+        out = {"off": ((E,), torch.int32)}
+    else:
+        NC = cdiv(P, chunk)
+        out = dict(hist=((NC, E), torch.int32), rank=((P,), torch.int32), base=((NC, E), torch.int32),
+                   end=((E,), torch.int32))
+    return {**out, "row_pair": ((MB * rows,), torch.int32), "block_expert": ((MB,), torch.int32)}
+
+
+def route_intermediates(N, E: int, top_k: int, dtype: torch.dtype, max_tokens: int,
+                        cfg: MoeTiles | None = None) -> dict:
+    """name -> (shape, dtype) of the router / top-k launches' outputs (`route_steps`, same cfg)."""
+    cfg = cfg or chain_tiles(max_tokens, top_k, dtype, E)
+    S = router_config(max_tokens, dtype, cfg.lean_route)["splits"]
+    return {"part": ((S, N, E), torch.float32), "ids": ((N, top_k), torch.int32), "w": ((N, top_k), torch.float32),
+            "s": ((N, E), torch.float32)}
+
+
 def chain_intermediates(N, E: int, top_k: int, L: int, I: int, dtype: torch.dtype, max_tokens: int | None = None,
                         minimum=min, tiles: MoeTiles | None = None) -> dict:
     """name -> (shape, dtype) of every tensor between the plugins (contiguous), for the chain `chain_steps` picks.
     Shapes depend on N and the weights' shapes only, never on routing."""
     max_tokens = N if max_tokens is None else max_tokens
     cfg = chain_tiles(max_tokens, top_k, dtype, E, tiles)
-    S = router_config(max_tokens, dtype, cfg.lean_route)["splits"]
+    MB = plan_blocks(N * top_k, E, cfg.rows, minimum)
+    return {**route_intermediates(N, E, top_k, dtype, max_tokens, cfg),
+            **align_intermediates(N, E, top_k, cfg.rows, max_tokens, minimum, cfg.chunk_align or ALIGN_CHUNK),
+            "h": ((MB * cfg.rows, I), dtype), "y": ((N * top_k, L), dtype if cfg.y_half else torch.float32)}
+
+
+def step_maker(types: dict):
+    """A `Step` builder over `types` (tensor name -> triton pointer type): parameters are the inputs, the scalars
+    (i32) and the outputs, in that order."""
+    def step(plugin, fn, inputs, scalars, outputs, constexprs, grid, warps, stages):
+        params = tuple((n, types[n]) for n in inputs) + tuple((n, "i32") for n in scalars) + \
+            tuple((n, types[n]) for n in outputs)
+        return Step(fn, params, scalars, constexprs, tuple(grid), warps, stages, plugin=plugin, inputs=tuple(inputs),
+                    outputs=tuple(outputs))
+    return step
+
+
+def chain_types(inter: dict, dtype: torch.dtype, **inputs) -> dict:
+    """Pointer types of the intermediates, of x / gate_weight / z / u in `dtype`, bias fp32, and of `inputs`
+    (name -> dtype: the expert weights, scales)."""
+    types = {n: pointer_type(dt) for n, (_, dt) in inter.items()}
+    types.update({n: pointer_type(dtype) for n in ("x", "gate_weight", "z", "u")}, bias="*fp32")
+    types.update({n: pointer_type(dt) for n, dt in inputs.items()})
+    return types
+
+
+def route_steps(N, d: int, E: int, top_k: int, dtype: torch.dtype, max_tokens: int, renormalize: bool,
+                scaling: float, types: dict, cfg: MoeTiles | None = None) -> list[Step]:
+    """k3::moe_router and k3::moe_topk: routing as `kernels.route_fwd` runs it with the lean / wide options of cfg
+    (default: the tiling `chain_tiles` picks at max_tokens), on pointer loads."""
+    cfg = cfg or chain_tiles(max_tokens, top_k, dtype, E)
+    step = step_maker(types)
+    r = router_config(max_tokens, dtype, cfg.lean_route, cfg.wide_route)
+    S = r["splits"]
+    return [step("k3::moe_router", moe_router_trt_kernel, ("x", "gate_weight"),
+                 dict(N=N, E=E, D=d, stride_xn=d, stride_ge=d, D_SPLIT=cdiv(d, S * r["block_d"]) * r["block_d"]),
+                 ("part",), dict(BLOCK_M=r["block_m"], BLOCK_E=r["block_e"], BLOCK_D=r["block_d"], SIGMOID=S == 1,
+                              DOT_PREC=dot_precision(dtype)),
+                 (cdiv(N, r["block_m"]), cdiv(E, r["block_e"]), S), r["warps"], 3 if dtype != torch.float32 else 1),
+            step("k3::moe_topk", moe_topk_trt_kernel, ("part", "bias"), dict(N=N, E=E), ("ids", "w", "s"),
+                 dict(scaling=float(scaling), K=top_k, BLOCK_K=pow2(top_k, 2), BLOCK_E=pow2(E),
+                      RENORM=bool(renormalize and top_k > 1), SPLITS=S, PACKED=cfg.lean_route),
+                 (N, 1, 1), 4, TRITON_DEFAULT_STAGES)]
+
+
+def align_steps(N, E: int, top_k: int, rows: int, max_tokens: int, types: dict, minimum=min,
+                chunk: int = ALIGN_CHUNK) -> list[Step]:
+    """The row plan of blocks of `rows` rows from ids: k3::moe_align (one program) up to ALIGN_FUSED_MAX pairs at
+    max_tokens, else the chunked align's k3::moe_count, k3::moe_plan, k3::moe_scatter (`chunk` pairs per chunk)."""
+    check(chunk >= 16 and chunk & (chunk - 1) == 0, f"moe trt: the chunked align's chunk must be a power of two "
+          f">= 16, got {chunk}")
+    step = step_maker(types)
     P = N * top_k
-    MB = plan_blocks(P, E, cfg.rows, minimum)
-    out = {"part": ((S, N, E), torch.float32), "ids": ((N, top_k), torch.int32), "w": ((N, top_k), torch.float32),
-           "s": ((N, E), torch.float32)}
+    MB = plan_blocks(P, E, rows, minimum)
+    MB_max = plan_blocks(max_tokens * top_k, E, rows)
     if max_tokens * top_k <= ALIGN_FUSED_MAX:
-        out["off"] = ((E,), torch.int32)
-    else:
-        NC = cdiv(P, cfg.chunk_align)
-        out.update(hist=((NC, E), torch.int32), rank=((P,), torch.int32), base=((NC, E), torch.int32),
-                   end=((E,), torch.int32))
-    out.update(row_pair=((MB * cfg.rows,), torch.int32), block_expert=((MB,), torch.int32),
-               h=((MB * cfg.rows, I), dtype), y=((P, L), dtype if cfg.y_half else torch.float32))
-    return out
+        return [step("k3::moe_align", moe_align_trt_kernel, ("ids",), dict(P=P, E=E, MB=MB),
+                     ("row_pair", "block_expert", "off"),
+                     dict(BLOCK_M=rows, P_PAD=pow2(max_tokens * top_k), E_PAD=pow2(E + 1), MB_PAD=pow2(MB_max + 1),
+                          FILL=1024), (1, 1, 1), 8, TRITON_DEFAULT_STAGES)]
+    NC = cdiv(P, chunk)                     # `kernels.chunked_align`'s three launches
+    return [step("k3::moe_count", moe_count_trt_kernel, ("ids",), dict(P=P, E=E), ("hist", "rank"),
+                 dict(CHUNK=chunk, E_PAD=pow2(E + 1)), (NC, 1, 1), 8, TRITON_DEFAULT_STAGES),
+            step("k3::moe_plan", moe_plan_trt_kernel, ("hist", "ids"), dict(NC=NC, E=E, MB=MB),
+                 ("base", "block_expert", "end"), dict(BLOCK_M=rows, E_PAD=pow2(E + 1), MB_PAD=pow2(MB_max + 1)),
+                 (1, 1, 1), 8, TRITON_DEFAULT_STAGES),
+            step("k3::moe_scatter", moe_scatter_trt_kernel, ("ids", "rank", "base", "block_expert", "end"),
+                 dict(P=P, E=E, MB=MB), ("row_pair",), dict(BLOCK_M=rows, CHUNK=chunk, BLOCK=chunk),
+                 (NC + cdiv(MB * rows, chunk), 1, 1), 4, TRITON_DEFAULT_STAGES)]
+
+
+def combine_step(N, L: int, top_k: int, types: dict) -> Step:
+    """k3::moe_combine: u[n] = sum_j w[n, j] y[n k + j] in fp32 (y in whatever dtype `types` gives it)."""
+    block_l = min(1024, pow2(L))
+    return step_maker(types)("k3::moe_combine", moe_combine_trt_kernel, ("y", "w", "z"), dict(L=L), ("u",),
+                             dict(TOP_K=top_k, BLOCK_L=block_l), (N, cdiv(L, block_l), 1), 4, TRITON_DEFAULT_STAGES)
+
+
+def check_max_tokens(N, max_tokens, E: int, top_k: int) -> int:
+    """max_tokens (default N) checked: a positive int (required when N is a shape expression), >= an int N."""
+    max_tokens = N if max_tokens is None else max_tokens
+    check(isinstance(max_tokens, int) and max_tokens >= 1, f"moe trt: max_tokens must be a positive int, got "
+          f"{max_tokens!r} (N is a shape expression: pass the profile's largest N)")
+    check(0 < top_k <= E, f"moe trt: top_k {top_k} must be in 1..{E}")
+    check(not isinstance(N, int) or N <= max_tokens, f"moe trt: N {N} > max_tokens {max_tokens}")
+    return max_tokens
 
 
 def chain_steps(N, d: int, E: int, top_k: int, L: int, I: int, dtype: torch.dtype, renormalize: bool = True,
@@ -240,11 +336,7 @@ def chain_steps(N, d: int, E: int, top_k: int, L: int, I: int, dtype: torch.dtyp
     max_tokens (default N): the largest N the PTX must serve; token-count-dependent constants (and the chain) are
     chosen for it. N may be a TensorRT shape expression (then max_tokens is required, minimum =
     tensorrt.plugin.min). tiles: the prefill chain's tiling (default `chain_tiles`; pointer loads, chunked align)."""
-    max_tokens = N if max_tokens is None else max_tokens
-    check(isinstance(max_tokens, int) and max_tokens >= 1, f"moe trt: max_tokens must be a positive int, got "
-          f"{max_tokens!r} (N is a shape expression: pass the profile's largest N)")
-    check(0 < top_k <= E, f"moe trt: top_k {top_k} must be in 1..{E}")
-    check(not isinstance(N, int) or N <= max_tokens, f"moe trt: N {N} > max_tokens {max_tokens}")
+    max_tokens = check_max_tokens(N, max_tokens, E, top_k)
     prefill = max_tokens * top_k > ALIGN_FUSED_MAX
     cfg = chain_tiles(max_tokens, top_k, dtype, E, tiles)
     chunk = cfg.chunk_align
@@ -254,52 +346,16 @@ def chain_steps(N, d: int, E: int, top_k: int, L: int, I: int, dtype: torch.dtyp
     check(not cfg.tma and not cfg.pairs, "moe trt: an AOT chain takes pointer-load row-plan tilings only (no TMA "
           "descriptor, no pairs path)")
     check(prefill or cfg.tail == 0, "moe trt: the decode chain's one-program align sizes blocks by block_m (no tail)")
-    rows = cfg.rows
-    P = N * top_k
-    MB = plan_blocks(P, E, rows, minimum)
-    MB_max = plan_blocks(max_tokens * top_k, E, rows)
+    MB = plan_blocks(N * top_k, E, cfg.rows, minimum)
     inter = chain_intermediates(N, E, top_k, L, I, dtype, max_tokens, minimum, tiles)
-    types = {n: pointer_type(dt) for n, (_, dt) in inter.items()}
-    types.update(x=pointer_type(dtype), gate_weight=pointer_type(dtype), bias="*fp32", z=pointer_type(dtype),
-                 w1=pointer_type(dtype), w3=pointer_type(dtype), w2=pointer_type(dtype), u=pointer_type(dtype))
-
-    def step(plugin, fn, inputs, scalars, outputs, constexprs, grid, warps, stages):
-        params = tuple((n, types[n]) for n in inputs) + tuple((n, "i32") for n in scalars) + \
-            tuple((n, types[n]) for n in outputs)
-        return Step(fn, params, scalars, constexprs, tuple(grid), warps, stages, plugin=plugin, inputs=tuple(inputs),
-                    outputs=tuple(outputs))
-
-    r = router_config(max_tokens, dtype, cfg.lean_route, cfg.wide_route)
-    S = r["splits"]
-    chain = [step("k3::moe_router", moe_router_trt_kernel, ("x", "gate_weight"),
-                  dict(N=N, E=E, D=d, stride_xn=d, stride_ge=d, D_SPLIT=cdiv(d, S * r["block_d"]) * r["block_d"]),
-                  ("part",), dict(BLOCK_M=r["block_m"], BLOCK_E=r["block_e"], BLOCK_D=r["block_d"], SIGMOID=S == 1,
-                               DOT_PREC=dot_precision(dtype)),
-                  (cdiv(N, r["block_m"]), cdiv(E, r["block_e"]), S), r["warps"], 3 if dtype != torch.float32 else 1),
-             step("k3::moe_topk", moe_topk_trt_kernel, ("part", "bias"), dict(N=N, E=E), ("ids", "w", "s"),
-                  dict(scaling=float(scaling), K=top_k, BLOCK_K=pow2(top_k, 2), BLOCK_E=pow2(E),
-                       RENORM=bool(renormalize and top_k > 1), SPLITS=S, PACKED=cfg.lean_route),
-                  (N, 1, 1), 4, TRITON_DEFAULT_STAGES)]
-    if not prefill:
-        chain.append(step("k3::moe_align", moe_align_trt_kernel, ("ids",), dict(P=P, E=E, MB=MB),
-                          ("row_pair", "block_expert", "off"),
-                          dict(BLOCK_M=rows, P_PAD=pow2(max_tokens * top_k), E_PAD=pow2(E + 1),
-                               MB_PAD=pow2(MB_max + 1), FILL=1024), (1, 1, 1), 8, TRITON_DEFAULT_STAGES))
-    else:                                   # `kernels.chunked_align`'s three launches
-        NC = cdiv(P, chunk)
-        chain += [step("k3::moe_count", moe_count_trt_kernel, ("ids",), dict(P=P, E=E), ("hist", "rank"),
-                       dict(CHUNK=chunk, E_PAD=pow2(E + 1)), (NC, 1, 1), 8, TRITON_DEFAULT_STAGES),
-                  step("k3::moe_plan", moe_plan_trt_kernel, ("hist", "ids"), dict(NC=NC, E=E, MB=MB),
-                       ("base", "block_expert", "end"), dict(BLOCK_M=rows, E_PAD=pow2(E + 1), MB_PAD=pow2(MB_max + 1)),
-                       (1, 1, 1), 8, TRITON_DEFAULT_STAGES),
-                  step("k3::moe_scatter", moe_scatter_trt_kernel, ("ids", "rank", "base", "block_expert", "end"),
-                       dict(P=P, E=E, MB=MB), ("row_pair",), dict(BLOCK_M=rows, CHUNK=chunk, BLOCK=chunk),
-                       (NC + cdiv(MB * rows, chunk), 1, 1), 4, TRITON_DEFAULT_STAGES)]
+    types = chain_types(inter, dtype, w1=dtype, w3=dtype, w2=dtype)
+    step = step_maker(types)
+    chain = route_steps(N, d, E, top_k, dtype, max_tokens, renormalize, scaling, types, cfg)
+    chain += align_steps(N, E, top_k, cfg.rows, max_tokens, types, minimum, chunk or ALIGN_CHUNK)
     tail = dict(TAIL=cfg.tail) if cfg.tail else {}
     fast = dict(FAST_ACT=min(cfg.fast_act, 1 if INTERPRET else 2)) if cfg.fast_act else {}
     bn1, bk1, warps1, stages1 = cfg.gemm1
     bn2, bk2, warps2, stages2 = cfg.gemm2
-    block_l = min(1024, pow2(L))
     chain += [step("k3::moe_gemm1", moe_gemm1_trt_kernel, ("z", "w1", "w3", "row_pair", "block_expert"),
                    dict(MB=MB, L=L, I=I, stride_an=L, stride_we=I * L, stride_wi=L, stride_hm=I,
                         group_m=minimum(cfg.group_m, MB)), ("h",),
@@ -311,8 +367,7 @@ def chain_steps(N, d: int, E: int, top_k: int, L: int, I: int, dtype: torch.dtyp
                         group_m=minimum(cfg.group_m, MB)), ("y",),
                    dict(BLOCK_M=cfg.block_m, BLOCK_N=bn2, BLOCK_K=bk2, A_DESC=False, W_DESC=False,
                         DOT_PREC=dot_precision(dtype), **tail), (MB * cdiv(L, bn2), 1, 1), warps2, stages2),
-              step("k3::moe_combine", moe_combine_trt_kernel, ("y", "w", "z"), dict(L=L), ("u",),
-                   dict(TOP_K=top_k, BLOCK_L=block_l), (N, cdiv(L, block_l), 1), 4, TRITON_DEFAULT_STAGES)]
+              combine_step(N, L, top_k, types)]
     return chain
 
 
@@ -338,7 +393,9 @@ def register_plugins() -> bool:
 
     Attributes: every plugin takes max_tokens (the optimisation profile's largest N: the PTX is compiled for it)
     and top_k; k3::moe_topk also renormalize and scaling, k3::moe_gemm1 beta and linear_beta, the align plugins
-    (k3::moe_align; k3::moe_count, _plan, _scatter) num_experts (ids do not carry E). Registered for 16-bit models
+    (k3::moe_align; k3::moe_count, _plan, _scatter) num_experts (ids do not carry E) and block_rows (the rows per
+    block of the GEMMs that follow: `chain_tiles(...).rows` in this chain, the FP8 chain's own in `trt_fp8`; the
+    combine takes y's dtype from its input, fp32 or the model's, for the same reason). Registered for 16-bit models
     (bf16/fp16: the tiling of every non-GEMM step is the same for both; an fp32 engine would need the fp32 tiling
     passed as an attribute). k3::moe_gemm2 also takes ids as an input for its shape only (y has N k rows, and N is
     not visible in h's shape), as does k3::moe_plan (its block bound depends on N k).
@@ -392,50 +449,56 @@ def register_plugins() -> bool:
         return result("k3::moe_topk", part.shape_expr[1], 16, part.shape[2], top_k, 16, 16, None, max_tokens,
                       renormalize=renormalize, scaling=scaling)
 
-    def inter(ids, max_tokens, top_k, num_experts):
-        return chain_intermediates(ids.shape_expr[0], num_experts, top_k, 16, 16, torch.bfloat16, max_tokens,
-                                   trtp.min)
+    def align_result(plugin, ids, max_tokens, top_k, num_experts, block_rows):
+        N = ids.shape_expr[0]
+        inter = align_intermediates(N, num_experts, top_k, block_rows, max_tokens, trtp.min)
+        types = {**chain_types(inter, torch.bfloat16), "ids": pointer_type(torch.int32)}
+        steps = align_steps(N, num_experts, top_k, block_rows, max_tokens, types, trtp.min)
+        step = next(s for s in steps if s.plugin == plugin)
+        return trt_kernel_result(trtp, step.launch(), step.grid, step.scalars.values())
 
-    def int_outs(like, shapes, names):
-        return tuple(desc(like, shapes[n][0], trt.int32) for n in names)
+    def int_outs(ids, max_tokens, top_k, num_experts, block_rows, names):
+        shapes = align_intermediates(ids.shape_expr[0], num_experts, top_k, block_rows, max_tokens, trtp.min)
+        return tuple(desc(ids, shapes[n][0], trt.int32) for n in names)
 
     @trtp.register("k3::moe_align")
-    def _align_desc(ids: trtp.TensorDesc, max_tokens: int, top_k: int, num_experts: int
+    def _align_desc(ids: trtp.TensorDesc, max_tokens: int, top_k: int, num_experts: int, block_rows: int
                     ) -> Tuple[trtp.TensorDesc, trtp.TensorDesc, trtp.TensorDesc]:
-        return int_outs(ids, inter(ids, max_tokens, top_k, num_experts), ("row_pair", "block_expert", "off"))
+        return int_outs(ids, max_tokens, top_k, num_experts, block_rows, ("row_pair", "block_expert", "off"))
 
     @trtp.aot_impl("k3::moe_align")
-    def _align_aot(ids, max_tokens: int, top_k: int, num_experts: int, outputs, tactic) -> AOT:
-        return result("k3::moe_align", ids.shape_expr[0], 16, num_experts, top_k, 16, 16, None, max_tokens)
+    def _align_aot(ids, max_tokens: int, top_k: int, num_experts: int, block_rows: int, outputs, tactic) -> AOT:
+        return align_result("k3::moe_align", ids, max_tokens, top_k, num_experts, block_rows)
 
     @trtp.register("k3::moe_count")
-    def _count_desc(ids: trtp.TensorDesc, max_tokens: int, top_k: int, num_experts: int
+    def _count_desc(ids: trtp.TensorDesc, max_tokens: int, top_k: int, num_experts: int, block_rows: int
                     ) -> Tuple[trtp.TensorDesc, trtp.TensorDesc]:
-        return int_outs(ids, inter(ids, max_tokens, top_k, num_experts), ("hist", "rank"))
+        return int_outs(ids, max_tokens, top_k, num_experts, block_rows, ("hist", "rank"))
 
     @trtp.aot_impl("k3::moe_count")
-    def _count_aot(ids, max_tokens: int, top_k: int, num_experts: int, outputs, tactic) -> AOT:
-        return result("k3::moe_count", ids.shape_expr[0], 16, num_experts, top_k, 16, 16, None, max_tokens)
+    def _count_aot(ids, max_tokens: int, top_k: int, num_experts: int, block_rows: int, outputs, tactic) -> AOT:
+        return align_result("k3::moe_count", ids, max_tokens, top_k, num_experts, block_rows)
 
     @trtp.register("k3::moe_plan")
-    def _plan_desc(hist: trtp.TensorDesc, ids: trtp.TensorDesc, max_tokens: int, top_k: int, num_experts: int
-                   ) -> Tuple[trtp.TensorDesc, trtp.TensorDesc, trtp.TensorDesc]:
-        return int_outs(ids, inter(ids, max_tokens, top_k, num_experts), ("base", "block_expert", "end"))
+    def _plan_desc(hist: trtp.TensorDesc, ids: trtp.TensorDesc, max_tokens: int, top_k: int, num_experts: int,
+                   block_rows: int) -> Tuple[trtp.TensorDesc, trtp.TensorDesc, trtp.TensorDesc]:
+        return int_outs(ids, max_tokens, top_k, num_experts, block_rows, ("base", "block_expert", "end"))
 
     @trtp.aot_impl("k3::moe_plan")
-    def _plan_aot(hist, ids, max_tokens: int, top_k: int, num_experts: int, outputs, tactic) -> AOT:
-        return result("k3::moe_plan", ids.shape_expr[0], 16, num_experts, top_k, 16, 16, None, max_tokens)
+    def _plan_aot(hist, ids, max_tokens: int, top_k: int, num_experts: int, block_rows: int, outputs,
+                  tactic) -> AOT:
+        return align_result("k3::moe_plan", ids, max_tokens, top_k, num_experts, block_rows)
 
     @trtp.register("k3::moe_scatter")
     def _scatter_desc(ids: trtp.TensorDesc, rank: trtp.TensorDesc, base: trtp.TensorDesc,
                       block_expert: trtp.TensorDesc, end: trtp.TensorDesc, max_tokens: int, top_k: int,
-                      num_experts: int) -> Tuple[trtp.TensorDesc]:
-        return int_outs(ids, inter(ids, max_tokens, top_k, num_experts), ("row_pair",))
+                      num_experts: int, block_rows: int) -> Tuple[trtp.TensorDesc]:
+        return int_outs(ids, max_tokens, top_k, num_experts, block_rows, ("row_pair",))
 
     @trtp.aot_impl("k3::moe_scatter")
-    def _scatter_aot(ids, rank, base, block_expert, end, max_tokens: int, top_k: int, num_experts: int, outputs,
-                     tactic) -> AOT:
-        return result("k3::moe_scatter", ids.shape_expr[0], 16, num_experts, top_k, 16, 16, None, max_tokens)
+    def _scatter_aot(ids, rank, base, block_expert, end, max_tokens: int, top_k: int, num_experts: int,
+                     block_rows: int, outputs, tactic) -> AOT:
+        return align_result("k3::moe_scatter", ids, max_tokens, top_k, num_experts, block_rows)
 
     @trtp.register("k3::moe_gemm1")
     def _gemm1_desc(z: trtp.TensorDesc, w1: trtp.TensorDesc, w3: trtp.TensorDesc, row_pair: trtp.TensorDesc,
@@ -469,6 +532,10 @@ def register_plugins() -> bool:
 
     @trtp.aot_impl("k3::moe_combine")
     def _combine_aot(y, w, z, max_tokens: int, top_k: int, outputs, tactic) -> AOT:
-        return result("k3::moe_combine", w.shape_expr[0], 16, top_k, top_k, y.shape[1], 16, z.dtype, max_tokens)
+        y_type = {trt.float32: torch.float32, **to_torch}[y.dtype]      # fp32, or z.dtype (y_half, FP8 W8A8)
+        step = combine_step(w.shape_expr[0], y.shape[1], top_k, {"y": pointer_type(y_type), "w": "*fp32",
+                                                                 "z": pointer_type(to_torch[z.dtype]),
+                                                                 "u": pointer_type(to_torch[z.dtype])})
+        return trt_kernel_result(trtp, step.launch(), step.grid, step.scalars.values())
 
     return True
