@@ -26,7 +26,7 @@ from k3export.trt_onnx import MOE_DECODE_MAX_PAIRS
 
 GRAPHS = ("prefill", "decode")
 TIMING_CACHE = "timing.cache"
-PLUGIN_OPS = ("kda", "mla", "moe", "attn_res")
+PLUGIN_MODULES = ("kda.trt", "mla.trt", "moe.trt", "moe.trt_fp8")     # AttnRes: standard ONNX ops, no plugin
 
 
 def import_tensorrt():
@@ -78,8 +78,12 @@ PLUGIN_CHAINS = {
     "kda_prefill": ("kda_prefill_intra", "kda_prefill_chunks"),
     "mla_decode": ("mla_decode_split", "mla_decode_combine"),
     "moe_routed": ("moe_router", "moe_topk", "moe_align", "moe_gemm1", "moe_gemm2", "moe_combine"),
+    "moe_routed_fp8": ("moe_router", "moe_topk", "moe_align", "moe_fp8_wo_gemm1", "moe_fp8_wo_gemm2",
+                       "moe_combine"),
 }
-PLUGINS = {p for chain in (*PLUGIN_CHAINS.values(), MOE_PREFILL_CHAIN) for p in chain}
+# The FP8 experts' other regime (W8A8, past 4 pairs per expert at max_tokens: `plugins/moe/trt_fp8.py`).
+MOE_FP8_W8A8 = ("moe_fp8_quant", "moe_fp8_gemm1", "moe_fp8_gemm2")
+PLUGINS = {p for chain in (*PLUGIN_CHAINS.values(), MOE_PREFILL_CHAIN, MOE_FP8_W8A8) for p in chain}
 NO_CHAIN = {"attn_res": "no AttnRes plugin (`k3export.trt_onnx` rewrites the mix into standard ONNX ops)"}
 
 
@@ -102,7 +106,7 @@ def plugin_gaps(onnx_path: Path) -> dict[str, str]:
             why = "no plugin registered under this name"
         elif why is None:
             why = f"{len(chain)} plugins ({', '.join('k3::' + c for c in chain)}): the node must be rewritten into them"
-            if op == "moe_routed":
+            if op in ("moe_routed", "moe_routed_fp8"):
                 why += (f" (beyond {MOE_DECODE_MAX_PAIRS} (token, expert) pairs the {len(MOE_PREFILL_CHAIN)} of the "
                         "prefill chain)")
         if why:
@@ -134,13 +138,13 @@ def plugin_onnx(onnx_path: Path, graph: str, manifest: dict, profiles: dict) -> 
 
 
 def register_plugins() -> list[str]:
-    """Import every `plugins/<op>/trt.py` that exists (each registers its `tensorrt.plugin` definitions)."""
+    """Register the `tensorrt.plugin` definitions of every `plugins/<op>/trt*.py` (each module's
+    `register_plugins()`: importing one registers nothing); returns the modules that registered."""
     done = []
-    for op in PLUGIN_OPS:
-        name = f"k3export.plugins.{op}.trt"
-        if importlib.util.find_spec(name) is not None:
-            importlib.import_module(name)
-            done.append(op)
+    for name in PLUGIN_MODULES:
+        module = importlib.import_module(f"k3export.plugins.{name}")
+        if module.register_plugins():
+            done.append(name)
     return done
 
 

@@ -13,7 +13,13 @@ aot=1 (docs/deployment-notes.md). Per op:
     moe_routed  -> up to 4096 (token, expert) pairs at `max_tokens` (the graph's largest token count: decode
                    batch, or prefill batch x tokens): k3::moe_router -> moe_topk -> moe_align -> moe_gemm1 ->
                    moe_gemm2 -> moe_combine; beyond: k3::moe_router -> moe_topk -> moe_count -> moe_plan ->
-                   moe_scatter -> moe_gemm1 -> moe_gemm2 -> moe_combine (`plugins/moe/trt.py` `chain_steps`)
+                   moe_scatter -> moe_gemm1 -> moe_gemm2 -> moe_combine (`plugins/moe/trt.py` `chain_steps`); the
+                   align plugins carry the GEMMs' block rows (block_rows)
+    moe_routed_fp8 (E4M3 experts, `k3export fp8` graphs) -> the same routing and align plugins, then up to 4
+                   pairs per expert at max_tokens (weight-only) k3::moe_fp8_wo_gemm1 -> moe_fp8_wo_gemm2, beyond
+                   (W8A8) k3::moe_fp8_quant -> moe_fp8_gemm1 -> moe_fp8_gemm2; then k3::moe_combine
+                   (`plugins/moe/trt_fp8.py` `fp8_chain_steps`)
+    fp8_linear  -> nothing to rewrite: the FP8 export writes Q/DQ nodes, which TensorRT takes natively
     attn_res    -> standard ONNX ops in fp32 (RMS of each source, its dot with norm_weight * proj_weight, softmax
                    over the sources, the weighted sum; cast back to p's dtype): TensorRT fuses such graphs itself
 
@@ -100,6 +106,64 @@ def _plugin(rw: Rewriter, op: str, inputs, outputs, **attrs):
     return n
 
 
+ONNX_TORCH = {1: "float32", 16: "bfloat16", 10: "float16"}     # onnx.TensorProto element types -> torch dtype names
+
+
+def _moe_chain(rw: Rewriter, model, node, at: dict, dtype: int, max_tokens: int) -> list:
+    """The plugin nodes of one `moe_routed` (bf16 / fp16 experts: `plugins/moe/trt.py`) or `moe_routed_fp8` (E4M3
+    experts: `plugins/moe/trt_fp8.py`) node: routing, the align plugins (one-program up to MOE_DECODE_MAX_PAIRS
+    pairs at max_tokens, chunked beyond) with the expert GEMMs' block rows, the expert GEMMs, the combine."""
+    import torch
+    from k3export.plugins.moe import trt, trt_fp8
+    fp8 = node.op_type == "moe_routed_fp8"
+    if fp8:
+        x, z, gw, bias, w13, w2, s13, s2, z_scale, h_scale = node.input
+        w_first = w13
+    else:
+        x, z, gw, bias, w1, w3, w2 = node.input
+        w_first = w1
+    top_k = int(at["top_k"])
+    E = next((sh[0] for sh in (_shape_of(model, gw), _shape_of(model, w_first)) if sh and sh[0] > 0), None)
+    if E is None:
+        raise ValueError(f"{node.op_type}: the number of experts is not a static shape of {gw} or {w_first} "
+                         "(initializers or graph inputs): the align plugin needs it")
+    if fp8:
+        rows = trt_fp8.block_rows(max_tokens, top_k, E)
+    else:
+        rows = trt.chain_tiles(max_tokens, top_k, getattr(torch, ONNX_TORCH.get(dtype, "bfloat16")), E).rows
+    part, ids, w, s, row_pair, block_expert, y = (rw.name(n) for n in (
+        "part", "ids", "w", "s", "row_pair", "block_expert", "y"))
+    common = dict(max_tokens=max_tokens, top_k=top_k)
+    experts = dict(**common, num_experts=int(E), block_rows=int(rows))
+    act = dict(beta=float(at["beta"]), linear_beta=float(at["linear_beta"]))
+    if max_tokens * top_k <= MOE_DECODE_MAX_PAIRS:
+        align = [_plugin(rw, "moe_align", [ids], [row_pair, block_expert, rw.name("off")], **experts)]
+    else:
+        hist, rank, base, end = (rw.name(n) for n in ("hist", "rank", "base", "end"))
+        align = [_plugin(rw, "moe_count", [ids], [hist, rank], **experts),
+                 _plugin(rw, "moe_plan", [hist, ids], [base, block_expert, end], **experts),
+                 _plugin(rw, "moe_scatter", [ids, rank, base, block_expert, end], [row_pair], **experts)]
+    if not fp8:
+        h = rw.name("h")
+        gemms = [_plugin(rw, "moe_gemm1", [z, w1, w3, row_pair, block_expert], [h], **common, **act),
+                 _plugin(rw, "moe_gemm2", [h, w2, row_pair, block_expert, ids], [y], **common)]
+    elif trt_fp8.weight_only(max_tokens, top_k, E):
+        h = rw.name("h")
+        gemms = [_plugin(rw, "moe_fp8_wo_gemm1", [z, w13, s13, row_pair, block_expert], [h], **common, **act),
+                 _plugin(rw, "moe_fp8_wo_gemm2", [h, w2, s2, row_pair, block_expert, ids], [y], **common)]
+    else:
+        zq, z_rows, hq = rw.name("zq"), rw.name("z_rows"), rw.name("hq")
+        gemms = [_plugin(rw, "moe_fp8_quant", [z, z_scale], [zq, z_rows], **common),
+                 _plugin(rw, "moe_fp8_gemm1", [zq, z_scale, w13, s13, h_scale, row_pair, block_expert, z], [hq],
+                         **common, **act),
+                 _plugin(rw, "moe_fp8_gemm2", [hq, h_scale, w2, s2, row_pair, block_expert, z], [y], **common)]
+    return [_plugin(rw, "moe_router", [x, gw], [part], **common),
+            _plugin(rw, "moe_topk", [part, bias], [ids, w, s], **common, renormalize=int(at["renormalize"]),
+                    scaling=float(at["scaling"])),
+            *align, *gemms,
+            _plugin(rw, "moe_combine", [y, w, z], node.output, **common)]
+
+
 def rewrite(model, graph: str, dtype: int, max_tokens: int, mla_splits: int) -> tuple[object, dict[str, int]]:
     """(a copy of the ONNX model with its k3 nodes rewritten, plugin or op -> nodes made). graph: "prefill" or
     "decode"; dtype: the model's ONNX element type (AttnRes output); max_tokens: the most tokens the graph's MoE
@@ -140,32 +204,8 @@ def rewrite(model, graph: str, dtype: int, max_tokens: int, mla_splits: int) -> 
                             v_dim=at["v_dim"], num_splits=int(mla_splits)),
                     _plugin(rw, "mla_decode_combine", [q, new_row, *parts], node.output, scale=at["scale"],
                             v_dim=at["v_dim"])]
-        elif op == "moe_routed":
-            x, z, gw, bias, w1, w3, w2 = node.input
-            top_k = int(at["top_k"])
-            E = next((sh[0] for sh in (_shape_of(model, gw), _shape_of(model, w1)) if sh and sh[0] > 0), None)
-            if E is None:
-                raise ValueError(f"moe_routed: the number of experts is not a static shape of {gw} or {w1} "
-                                 "(initializers or graph inputs): the align plugin needs it")
-            part, ids, w, s, row_pair, block_expert, h, y = (rw.name(n) for n in (
-                "part", "ids", "w", "s", "row_pair", "block_expert", "h", "y"))
-            common = dict(max_tokens=int(max_tokens), top_k=top_k)
-            experts = dict(**common, num_experts=int(E))
-            if max_tokens * top_k <= MOE_DECODE_MAX_PAIRS:
-                align = [_plugin(rw, "moe_align", [ids], [row_pair, block_expert, rw.name("off")], **experts)]
-            else:
-                hist, rank, base, end = (rw.name(n) for n in ("hist", "rank", "base", "end"))
-                align = [_plugin(rw, "moe_count", [ids], [hist, rank], **experts),
-                         _plugin(rw, "moe_plan", [hist, ids], [base, block_expert, end], **experts),
-                         _plugin(rw, "moe_scatter", [ids, rank, base, block_expert, end], [row_pair], **experts)]
-            reps = [_plugin(rw, "moe_router", [x, gw], [part], **common),
-                    _plugin(rw, "moe_topk", [part, bias], [ids, w, s], **common,
-                            renormalize=int(at["renormalize"]), scaling=float(at["scaling"])),
-                    *align,
-                    _plugin(rw, "moe_gemm1", [z, w1, w3, row_pair, block_expert], [h], **common,
-                            beta=float(at["beta"]), linear_beta=float(at["linear_beta"])),
-                    _plugin(rw, "moe_gemm2", [h, w2, row_pair, block_expert, ids], [y], **common),
-                    _plugin(rw, "moe_combine", [y, w, z], node.output, **common)]
+        elif op in ("moe_routed", "moe_routed_fp8"):
+            reps = _moe_chain(rw, model, node, at, dtype, int(max_tokens))
         else:
             new_nodes.append(node)                  # unknown k3 op: left for plugin_gaps to name
             continue

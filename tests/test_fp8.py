@@ -245,6 +245,51 @@ def test_whole_fp8_decode_graph_pt2_reloads_and_onnx_has_qdq_where_the_recipe_sa
     onnx.checker.check_model(model)
 
 
+def test_fp8_onnx_rewritten_for_tensorrt(tmp_path, fp8_model, monkeypatch):
+    """The FP8 decode graph's ONNX rewritten for TensorRT (`trt_onnx.rewrite`): each `moe_routed_fp8` node becomes
+    the FP8 plugin chain of max_tokens' regime (k3-tiny: 8 experts, top-3; 8 tokens = 24 pairs: weight-only; 64:
+    W8A8; 2048: W8A8 with the chunked align), no k3 op node is left, every plugin node has exactly the inputs,
+    outputs and attributes (and aot=1) of its registration (`build_trt.register_plugins` on the `tensorrt.plugin`
+    stand-in, which registers every plugin `build_trt.PLUGINS` names), the Q/DQ nodes stay as exported (TensorRT
+    takes them natively), and `plugin_gaps` finds nothing."""
+    import collections
+
+    import onnx
+
+    import trt_standin
+    from k3export import build_trt
+    from k3export.fp8_onnx import export_fp8_graph, qdq_census
+    from k3export.trt_onnx import rewrite
+    _, trtp = trt_standin.install(monkeypatch)
+    assert build_trt.register_plugins() == list(build_trt.PLUGIN_MODULES)
+    assert set(trtp.registered) == {f"k3::{p}" for p in build_trt.PLUGINS}
+    r = export_fp8_graph(fp8_model, tmp_path)
+    model = onnx.load(str(r["onnx"]))
+    n_moe = sum(n.op_type == "moe_routed_fp8" for n in model.graph.node)
+    assert n_moe == CFG.num_hidden_layers - CFG.first_k_dense_replace > 0
+    chains = {8: ["moe_align", "moe_fp8_wo_gemm1", "moe_fp8_wo_gemm2"],
+              64: ["moe_align", "moe_fp8_quant", "moe_fp8_gemm1", "moe_fp8_gemm2"],
+              2048: ["moe_count", "moe_plan", "moe_scatter", "moe_fp8_quant", "moe_fp8_gemm1", "moe_fp8_gemm2"]}
+    for max_tokens, middle in chains.items():
+        out, made = rewrite(model, "decode", onnx.TensorProto.FLOAT, max_tokens, 1)
+        plugins = {k: v for k, v in made.items() if k.startswith("k3::moe")}
+        assert plugins == {f"k3::{p}": n_moe for p in ["moe_router", "moe_topk", *middle, "moe_combine"]}
+        assert qdq_census(out) == qdq_census(model)
+        k3 = collections.Counter(n.op_type for n in out.graph.node if n.domain == "k3")
+        assert not {"moe_routed_fp8", "moe_routed", "attn_res"} & set(k3)
+        for node in out.graph.node:
+            if node.domain != "k3":
+                continue
+            _, tensors, attrs, n_out = trtp.registered[f"k3::{node.op_type}"]
+            assert len(node.input) == len(tensors) and len(node.output) == n_out, node.op_type
+            assert {a.name for a in node.attribute} == set(attrs) | {"aot"}, node.op_type
+            if node.op_type == "moe_align":
+                rows = onnx.helper.get_attribute_value(next(a for a in node.attribute if a.name == "block_rows"))
+                assert rows == (16 if max_tokens == 8 else 64)
+        onnx.save(out, tmp_path / f"d{max_tokens}.onnx")
+        assert build_trt.plugin_gaps(tmp_path / f"d{max_tokens}.onnx") == {}
+
+
 # ------------------------------------------------------------------------------------------------ expert kernel
 def _expert_case(N, d, L, I, E, k, per_channel, seed=0, dtype=torch.float32, device="cpu", unquantized=False):
     """The op's arguments (random routing inputs, E4M3 experts, scales); with unquantized, also (w1, w3, w2)."""
