@@ -10,7 +10,8 @@ A target is (preset or checkpoint, precision, device, backend); its directory is
     weights.safetensors   the model tensors in the engine's precision (the engine needs no checkpoint); in an FP8
                     engine (`--scales`, a `k3export calibrate` scales file) the quantized modules' E4M3
                     weights and fp32 scales, and the manifest's `quant` entry says which modules and from which
-                    scales file, recipe and calibration data
+                    scales file, recipe and calibration data (eager and compile; tensorrt builds FP8 from the
+                    FP8 ONNX graphs of `k3export export --scales` + `k3export onnx`; aoti: refused)
     + backend files: aoti: prefill.aoti.pt2 / decode.aoti.pt2 (AOTInductor packages, weights kept outside
       so prefill and decode share one copy); tensorrt: prefill.engine / decode.engine / timing.cache;
       compile: inductor-cache/ (Inductor's on-disk cache, so a later process skips code generation)
@@ -95,14 +96,32 @@ def engine_name(config: K3Config, dtype: torch.dtype, device, backend: str, fp8:
 
 
 # ---------------------------------------------------------------------------------------------- FP8
-FP8_BACKENDS = ("eager", "compile")      # FP8 engines: the k3 FP8 ops run inside the served model
+FP8_BACKENDS = ("eager", "compile")      # FP8 engines whose k3 FP8 ops run inside the served model
 
 
-def check_fp8_backend(backend: str) -> None:
-    if backend not in FP8_BACKENDS:
-        raise EngineError(f"FP8 engines are built for the {' and '.join(FP8_BACKENDS)} backends, not {backend}: "
-                          "its graphs would need the FP8 expert op compiled in (aoti) or as a plugin (tensorrt: "
-                          "k3::moe_routed_fp8 has none); build --backend compile (on a GPU) or eager")
+def check_fp8_backend(backend: str, graphs=None, scales_sha256: str | None = None) -> None:
+    """Refuse an FP8 build the backend cannot take: aoti (the FP8 expert op is not compiled in), and tensorrt
+    without FP8 ONNX graphs (`graphs`, an export directory whose manifest's `quant` entry comes from the same
+    scales file, sha256 `scales_sha256` when known): TensorRT builds what the ONNX carries."""
+    if backend in FP8_BACKENDS:
+        return
+    if backend != "tensorrt":
+        raise EngineError(f"FP8 engines are built for the {', '.join(FP8_BACKENDS)} and tensorrt backends, not "
+                          f"{backend}: its graphs would need the FP8 expert op compiled in; build --backend compile "
+                          "(on a GPU) or eager")
+    how = ("`k3export export --scales FILE ...`, then `k3export onnx --graphs DIR`, and pass that DIR as --graphs")
+    if graphs is None:
+        raise EngineError(f"an FP8 TensorRT engine is built from FP8 ONNX graphs: {how}")
+    from k3export.manifest import load_manifest
+    try:
+        quant = load_manifest(Path(graphs)).get("quant")
+    except ValueError as e:
+        raise EngineError(str(e)) from None
+    if not quant:
+        raise EngineError(f"--graphs {graphs} holds unquantized graphs; for an FP8 TensorRT engine: {how}")
+    if scales_sha256 and quant.get("scales_sha256") != scales_sha256:
+        raise EngineError(f"--graphs {graphs} was quantized with another scales file ({quant.get('scales')}, "
+                          f"sha256 {str(quant.get('scales_sha256'))[:12]}...) than --scales; re-export with it")
 
 
 def quantize_for_engine(model, scales_path: str | Path) -> dict:
@@ -135,7 +154,8 @@ def quantize_for_engine(model, scales_path: str | Path) -> dict:
         counts = quantize_model(model, scales)
     except KeyError as e:
         raise ValueError(f"--scales {scales_path}: {e.args[0]}") from None
-    return {"scheme": "fp8-e4m3", "scales": scales_path.name, "scales_sha256": file_sha256(scales_path),
+    return {"scheme": "fp8-e4m3", "scales": scales_path.name, "scales_path": str(scales_path.resolve()),
+            "scales_sha256": file_sha256(scales_path),
             "quantized": counts, **{k: receipt[k] for k in ("recipe_sha256", "data_sha256", "data_source",
                                                              "model_sha256") if k in receipt}}
 
@@ -173,7 +193,7 @@ def build(backend: str, model, out_root: str | Path = "engines", *, graphs: str 
     if backend not in BACKENDS:
         raise EngineError(f"unknown backend '{backend}'; choose one of {', '.join(BACKENDS)}")
     if quant:
-        check_fp8_backend(backend)
+        check_fp8_backend(backend, graphs, quant["scales_sha256"])
     if backend == "tensorrt":
         from k3export.build_trt import import_tensorrt
         import_tensorrt()                                         # fail before any work when it is missing
@@ -482,7 +502,7 @@ def build_command(backend, checkpoint, preset, seed, dtype, device, graphs, out,
             "eager" if scales else best_backend(device)
     try:
         if scales:
-            check_fp8_backend(backend)                         # before loading the model
+            check_fp8_backend(backend, graphs, file_sha256(scales))     # before loading the model
         model = load_model(checkpoint, preset, PRECISIONS[dtype], device, seed)
         wid = checkpoint_fingerprint(checkpoint) if checkpoint else \
             preset_fingerprint(preset or "k3-tiny", seed, PRECISIONS[dtype])

@@ -163,6 +163,9 @@ def onnx_inputs(graphs, manifest: dict) -> tuple[dict, dict[str, Path]]:
         raise EngineError(str(e)) from None
     if "onnx" not in gm:
         raise EngineError(f"{graphs} has no ONNX graphs; run `k3export onnx --graphs {graphs}`")
+    if gm.get("quant") and not manifest.get("quant"):
+        raise EngineError(f"{graphs} holds FP8 graphs (scales {gm['quant'].get('scales')}): build with --scales "
+                          "and that scales file")
     files = {g: graphs / gm["onnx"]["graphs"][g]["file"] for g in GRAPHS}
     missing = [str(f) for f in files.values() if not f.exists()]
     if missing:

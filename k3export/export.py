@@ -179,8 +179,10 @@ def guard_nodes(ep: torch.export.ExportedProgram) -> list[str]:
 
 
 def export_graphs(model: K3Model, out: str | Path, limits: ExportLimits = ExportLimits(),
-                  source: dict | None = None, log=print) -> dict:
+                  source: dict | None = None, log=print, quant: dict | None = None) -> dict:
     """Export prefill and decode of `model` (any device, meta included) into `out`; returns the manifest.
+    quant: the model was quantized to FP8 (`build.quantize_for_engine`'s entry, recorded in the manifest): the
+    graphs then carry `k3::fp8_linear` and `k3::moe_routed_fp8` nodes (`fp8_k3_ops`).
 
     Re-exporting over an existing directory is safe to interrupt: its manifest is removed first and written
     last, each graph file is replaced atomically, and the previous export's ONNX files (which belong to the old
@@ -193,10 +195,22 @@ def export_graphs(model: K3Model, out: str | Path, limits: ExportLimits = Export
     for stale in out.glob("*.onnx*"):
         stale.unlink()
     with unpacked(model):                 # the graphs carry the model as written (one GEMM per checkpoint linear)
-        return _export_graphs(model, out, limits, source, log)
+        return _export_graphs(model, out, limits, source, log, quant)
 
 
-def _export_graphs(model: K3Model, out: Path, limits: ExportLimits, source: dict | None, log) -> dict:
+def fp8_k3_ops(model: K3Model, want: dict[str, int]) -> dict[str, int]:
+    """`want` (`expected_k3_ops`) for a model `fp8.quantize_model` has quantized: one `fp8_linear` per FP8
+    linear, and `moe_routed_fp8` in place of `moe_routed` for each FP8 expert bank."""
+    from k3export.fp8 import FP8Linear
+    from k3export.fp8_moe import FP8LatentMoE
+    n_lin = sum(isinstance(m, FP8Linear) for m in model.modules())
+    n_exp = sum(isinstance(m, FP8LatentMoE) for m in model.modules())
+    out = {**want, "fp8_linear": n_lin, "moe_routed_fp8": n_exp, "moe_routed": want.get("moe_routed", 0) - n_exp}
+    return dict(sorted((k, v) for k, v in out.items() if v))
+
+
+def _export_graphs(model: K3Model, out: Path, limits: ExportLimits, source: dict | None, log,
+                   quant: dict | None = None) -> dict:
     cfg = model.config
     specs = io_specs(cfg, model.dtype)
     meta = model.device.type == "meta"
@@ -210,6 +224,8 @@ def _export_graphs(model: K3Model, out: Path, limits: ExportLimits, source: dict
                                      dynamic_shapes=dynamic_shapes(spec["inputs"], limits))
         export_s = time.perf_counter() - t0
         ops, want, guards = k3_op_counts(ep), expected_k3_ops(cfg, name), guard_nodes(ep)
+        if quant:
+            want = fp8_k3_ops(model, want)
         if ops != want or guards:
             raise RuntimeError(f"{name} graph is not what the contract says: k3 ops {ops} (expected {want}), "
                                f"guard nodes {guards}")
@@ -237,6 +253,8 @@ def _export_graphs(model: K3Model, out: Path, limits: ExportLimits, source: dict
         "device": model.device.type,
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
     }
+    if quant:
+        manifest["quant"] = quant
     write_manifest(out, manifest)
     return manifest
 
@@ -291,7 +309,10 @@ def _check_device(device: str, meta: bool) -> torch.device:
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
 @click.option("--device", default="cpu", show_default=True,
               help="Where the weights live and the graphs run (cuda: the k3 ops run their Triton kernels there).")
-def export_cmd(checkpoint, preset, out, seed, meta, max_batch, max_tokens, max_cache, dtype, device):
+@click.option("--scales", type=click.Path(exists=True, dir_okay=False),
+              help="FP8 graphs: quantize with this `k3export calibrate` scales file first (E4M3 weights and scales "
+                   "in the graphs, `k3::fp8_linear` / `k3::moe_routed_fp8` nodes; `k3export onnx` then writes Q/DQ).")
+def export_cmd(checkpoint, preset, out, seed, meta, max_batch, max_tokens, max_cache, dtype, device, scales):
     """Export prefill.pt2 and decode.pt2 (torch.export around the k3 ops) and manifest.json."""
     from k3export.manifest import checkpoint_fingerprint, preset_fingerprint
     from k3export.model.weights import random_model
@@ -315,11 +336,19 @@ def export_cmd(checkpoint, preset, out, seed, meta, max_batch, max_tokens, max_c
         else:
             model = random_model(K3Config.from_name(preset), seed=seed, dtype=dt, device=device)
             source = {"weights": preset_fingerprint(preset, seed, dt), "preset": preset, "seed": seed}
+        quant = None
+        if scales:
+            if meta:
+                raise ValueError("--scales quantizes the weights: it needs a model with weights (not --meta, not k3)")
+            from k3export.build import quantize_for_engine
+            quant = quantize_for_engine(model, scales)
     except ValueError as e:
         raise click.ClickException(str(e))
     load_s = time.perf_counter() - t0
     click.echo(f"model: {checkpoint or preset} ({'meta device, no weights' if meta else dtype}), "
                f"{sum(p.numel() for p in model.parameters()) / 1e9:.3f}B parameters, built in {load_s:.1f}s")
-    man = export_graphs(model, out, limits, source, log=click.echo)
+    if quant:
+        click.echo(f"FP8: quantized {quant['quantized']} from {scales}")
+    man = export_graphs(model, out, limits, source, log=click.echo, quant=quant)
     click.echo(f"wrote {Path(out) / 'manifest.json'} (config {man['config_hash']}); total "
                f"{time.perf_counter() - t0:.1f}s, peak RSS {man['peak_rss_mib'] / 1024:.2f} GiB")

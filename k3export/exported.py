@@ -84,6 +84,8 @@ class ExportedK3:
             from k3export.runtime import load_kernels
             self.kernels = load_kernels("cuda")
         self.dtype = getattr(torch, self.manifest["dtype"])
+        if self.manifest.get("quant"):      # FP8 graphs call k3::fp8_linear / k3::moe_routed_fp8: register them
+            import k3export.fp8_moe  # noqa: F401
         self.programs = {g: torch.export.load(self.dir / self.manifest["graphs"][g]["file"])
                          for g in ("prefill", "decode")}
         self._modules = {g: ep.module() for g, ep in self.programs.items()}

@@ -27,6 +27,8 @@ import onnx
 import torch
 from onnxscript import opset19 as op
 
+import k3export.fp8_moe  # noqa: F401  (registers k3::fp8_linear and k3::moe_routed_fp8)
+
 OPSET = 20      # as the export stage; Q/DQ-19 carries float8e4m3fn (zero point, per-axis scales)
 
 
@@ -101,6 +103,13 @@ def moe_routed_fp8_onnx(x, z, gate_weight, bias, w13, w2, w13_scale, w2_scale, z
                              renormalize=int(renormalize), scaling=scaling, beta=beta, linear_beta=linear_beta)
 
 
+def fp8_translations() -> dict:
+    """The FP8 ops' entries of a `torch.onnx.export` translation table (`k3::fp8_linear` as Q/DQ + MatMul,
+    `k3::moe_routed_fp8` as one bare `k3` node); registers the node schema for the ONNX checker."""
+    register_fp8_schemas()
+    return {**TRANSLATIONS, torch.ops.k3.moe_routed_fp8.default: moe_routed_fp8_onnx}
+
+
 def export_fp8_graph(model: torch.nn.Module, out: str | Path, graph: str = "decode") -> dict:
     """Export `graph` ('prefill' or 'decode') of an FP8 model (after `quantize_model`) to `<out>/<graph>_fp8.pt2`
     and `<out>/<graph>_fp8.onnx`. Returns {'pt2', 'onnx', 'args' (the example inputs), 'census'}."""
@@ -116,8 +125,7 @@ def export_fp8_graph(model: torch.nn.Module, out: str | Path, graph: str = "deco
         ep = torch.export.export(wrapper, args, dynamic_shapes=dynamic_shapes(spec, ExportLimits()))
     pt2 = out / f"{graph}_fp8.pt2"
     torch.export.save(ep, pt2)
-    register_fp8_schemas()
-    table = {**translation_table(), **TRANSLATIONS, torch.ops.k3.moe_routed_fp8.default: moe_routed_fp8_onnx}
+    table = {**translation_table(), **fp8_translations()}
     prog = torch.onnx.export(ep, dynamo=True, opset_version=OPSET, custom_translation_table=table, optimize=False,
                              verbose=False)
     path = out / f"{graph}_fp8.onnx"

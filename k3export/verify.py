@@ -64,12 +64,28 @@ def eager_model(manifest: dict, checkpoint: str | None = None):
     if checkpoint is None and "checkpoint" in src:
         checkpoint = src["checkpoint"]
     if checkpoint is not None:
-        return K3Model.from_pretrained(checkpoint, dtype=dtype).to(device), checkpoint_fingerprint(checkpoint)
-    if "preset" in src:
+        model, weights = K3Model.from_pretrained(checkpoint, dtype=dtype).to(device), checkpoint_fingerprint(checkpoint)
+    elif "preset" in src:
         from k3export.manifest import preset_fingerprint
-        return (random_model(K3Config.from_dict(manifest["config"]), seed=src["seed"], dtype=dtype, device=device),
-                preset_fingerprint(src["preset"], src["seed"], dtype))
-    raise ManifestError("the manifest names no checkpoint or preset; pass --checkpoint")
+        model = random_model(K3Config.from_dict(manifest["config"]), seed=src["seed"], dtype=dtype, device=device)
+        weights = preset_fingerprint(src["preset"], src["seed"], dtype)
+    else:
+        raise ManifestError("the manifest names no checkpoint or preset; pass --checkpoint")
+    if manifest.get("quant"):
+        fp8_model(model, manifest["quant"])
+    return model, weights
+
+
+def fp8_model(model, quant: dict) -> None:
+    """Quantize `model` in place as FP8 graphs were (`export --scales`): the scales file the manifest's `quant`
+    entry names, refused when it is gone or no longer the file the graphs were made from."""
+    from k3export.build import quantize_for_engine
+    path = Path(quant.get("scales_path", quant["scales"]))
+    if not path.is_file():
+        raise ManifestError(f"FP8 graphs: their scales file {path} is gone; the eager reference needs it")
+    if file_sha256(path) != quant["scales_sha256"]:
+        raise ManifestError(f"FP8 graphs: {path} changed since the export (sha256 differs); re-export with it")
+    quantize_for_engine(model, path)
 
 
 def graph_device(manifest: dict) -> torch.device:
@@ -191,7 +207,12 @@ def verify(graph_dir: str | Path, checkpoint: str | None = None, run_onnx: bool 
     exported = ExportedK3(graph_dir, config_hash=model.config.hash(), weights=weights, versions=versions,
                           check_files=False)                   # a changed file is reported in the table below
     cuda = exported.device.type == "cuda"
-    run_onnx = ("onnx" in manifest) if run_onnx is None else run_onnx
+    fp8 = bool(manifest.get("quant"))
+    run_onnx = ("onnx" in manifest and not fp8) if run_onnx is None else run_onnx
+    if run_onnx and fp8:
+        raise ManifestError("FP8 graphs: onnxruntime has no kernel for their k3.moe_routed_fp8 node, so the FP8 "
+                            "ONNX is not run here (its Q/DQ numerics: `k3export calibrate --report`); verify with "
+                            "--no-onnx")
     if run_onnx and cuda:
         raise ManifestError("ONNX graphs run in onnxruntime on the CPU; verify cuda graphs with --no-onnx")
     if run_onnx and "onnx" not in manifest:
@@ -264,6 +285,11 @@ def verify(graph_dir: str | Path, checkpoint: str | None = None, run_onnx: bool 
     cases = CASES_CUDA if cuda else CASES
     lines.append(f"tolerance (relative, max-abs / max|eager|): {tol or '1e-2'}; inputs: " +
                  "; ".join(f"{g} {cases[g][0]} {cases[g][1]}" for g in cases))
+    if fp8:
+        q = manifest["quant"]
+        lines.append(f"FP8 graphs: the eager reference is the model quantized with {q['scales']} (sha256 "
+                     f"{q['scales_sha256'][:12]}...)" + ("; the ONNX is not run (no onnxruntime kernel for "
+                                                          "k3.moe_routed_fp8)" if "onnx" in manifest else ""))
     if cuda:
         lines.append(f"device {exported.device}, kernels registered for: {', '.join(sorted(_kernel_ops('cuda'))) or 'none'}; "
                      f"'kernel vs twin' rows: every call of the op inside the .pt2 against its naive twin on the "

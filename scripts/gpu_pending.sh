@@ -66,6 +66,10 @@
 #            K3 size (decode and prefill cases) and the chunked align / ptr-* tilings' cuda tests, then `bench moe
 #            --phases prefill` of the ptr-* tilings against the TMA defaults ($TRTMOE_TOKENS, default 4096,8192,16384)
 #            (ran 12-01 01:45; the cupy tests again at 03:12 with ptr-m64t32-n128 at 4096 tokens: 9 passed)
+#   trtfp8   the FP8 MoE AOT chain (plugins/moe/trt_fp8.py): its PTX through cupy at K3 size (weight-only and W8A8,
+#            one-program and chunked align) and the bf16 chains' cupy tests again (their routing / align / combine
+#            steps were refactored into shared helpers), then `bench moe --precision fp8` of the chain's W8A8 tiling
+#            ("ptr") against the op's TMA default at $TRTFP8_TOKENS (default 4096)
 #   fp8eng   FP8 engines: tests/test_build.py's FP8 cuda test (a `compile` engine built with --scales on the GPU gives
 #            the eager engine's greedy tokens, fp32 activations)
 #   grouped  `bench moe --phases prefill` at 16..64 rows per expert ($GROUPED_TOKENS, default 1024,2048,3072 at K3
@@ -182,6 +186,11 @@ for part in $parts; do
            timeout ${TRTMOE_TIMEOUT:-280} python3 -m k3export.cli bench moe --phases prefill \
              --tiles ptr-m64,ptr-m128t64,ptr-m64t32-n128,m64t32-n128-aw8-y16r-f2,m128t64-aw-y16r-f2,m128-tma-aw-y16r-f2 \
              --tokens ${TRTMOE_TOKENS:-4096,8192,16384} --budget-s 240 --out "$OUT/moe-trt" > "$OUT/trtmoe.log" 2>&1 ;;
+    trtfp8) timeout 400 python3 -m pytest -q -m cuda tests/test_moe_trt_fp8.py tests/test_moe_trt.py -s -rs \
+             -k "cupy" -p no:cacheprovider > "$OUT/test-trtfp8.log" 2>&1
+           timeout ${TRTFP8_TIMEOUT:-150} python3 -m k3export.cli bench moe --precision fp8 --phases prefill \
+             --tiles ptr,m128-n128-s4-f2 --tokens ${TRTFP8_TOKENS:-4096} --budget-s 120 --out "$OUT/moe-fp8-trt" \
+             > "$OUT/trtfp8.log" 2>&1 ;;
     fp8eng) timeout 200 python3 -m pytest -q -m cuda tests/test_build.py -s -rs -k fp8 -p no:cacheprovider \
              > "$OUT/fp8eng.log" 2>&1 ;;
     grouped) timeout ${GROUPED_TIMEOUT:-300} python3 -m k3export.cli bench moe --phases prefill \
@@ -195,7 +204,7 @@ for part in $parts; do
              ${FP8COMP_VARIANTS:+--variants $FP8COMP_VARIANTS} > "$OUT/fp8comp.log" 2>&1 ;;
     profile) timeout 150 python3 scripts/profile_decode.py --backend ${PROFILE_BACKEND:-compile} ${PROFILE_ARGS:-} \
              > "$OUT/profile.log" 2>&1 ;;
-    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe fp8eng grouped grpsmall fp8comp profile)"; continue ;;
+    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe trtfp8 fp8eng grouped grpsmall fp8comp profile)"; continue ;;
   esac
   echo "$part: exit $? in $((SECONDS - t)) s" | tee -a "$OUT/pending.log"
   tail -4 "$OUT/$part.log" 2>/dev/null

@@ -154,10 +154,12 @@ def test_fp8_engine_refuses_scales_of_other_weights_dtypes_and_backends(fp8_case
     junk.write_bytes(b"not a safetensors file")
     with pytest.raises(ValueError, match="not a readable scales file"):
         quantize_for_engine(model, junk)
-    for backend in ("aoti", "tensorrt"):
+    for backend, why in (("aoti", "FP8 engines are built for the eager, compile and tensorrt backends, not aoti"),
+                         ("tensorrt", "an FP8 TensorRT engine is built from FP8 ONNX graphs: `k3export export "
+                                      "--scales FILE ...`, then `k3export onnx")):
         r = CliRunner().invoke(build_command, ["--backend", backend, "--dtype", "bf16", "--scales", str(scales),
                                                "--out", str(tmp_path)])
-        assert r.exit_code == 1 and "FP8 engines are built for the eager and compile backends" in r.output, r.output
+        assert r.exit_code == 1 and why in " ".join(r.output.split()), r.output
     assert not any(tmp_path.glob("*-fp8-*"))                     # refused before anything was written
     r = CliRunner().invoke(build_command, ["--backend", "eager", "--scales", str(scales), "--out", str(tmp_path)])
     assert r.exit_code == 1 and "--dtype bf16" in r.output, r.output                    # the default dtype is fp32
@@ -165,6 +167,69 @@ def test_fp8_engine_refuses_scales_of_other_weights_dtypes_and_backends(fp8_case
                                            "--out", str(tmp_path)])
     assert r.exit_code == 0 and "88 linears and 8 expert banks" in r.output, r.output
     assert (tmp_path / "k3-tiny-bf16-fp8-cpu-eager" / "manifest.json").exists()       # best = eager on a CPU
+
+
+def test_fp8_graphs_for_tensorrt(fp8_case, tmp_path):
+    """The FP8 TensorRT path up to TensorRT itself: `export --scales` writes FP8 graphs (`k3::fp8_linear` and
+    `k3::moe_routed_fp8` nodes, the manifest's `quant` entry); `onnx` turns them into Q/DQ + one bare
+    `k3.moe_routed_fp8` node per MoE layer; `verify` re-quantizes the eager reference from the recorded scales
+    file and the re-loaded .pt2 matches it; the builder's ONNX rewrite leaves no node TensorRT could not take in
+    either graph; `build --backend tensorrt --scales` passes its FP8 checks and stops only at the missing
+    TensorRT, and refuses unquantized graphs, graphs of other scales, and FP8 graphs without --scales."""
+    import onnx
+    from click.testing import CliRunner
+    from k3export.build_trt import onnx_inputs, plugin_gaps, plugin_onnx
+    from k3export.cli import main
+    from k3export.fp8_onnx import qdq_census
+    from k3export.manifest import file_sha256, load_manifest
+    _, scales, _ = fp8_case
+    d = tmp_path / "graphs"
+    common = ["--preset", "k3-tiny", "--dtype", "bfloat16", "--max-batch", "4", "--max-tokens", "64",
+              "--max-cache", "128"]
+    r = CliRunner().invoke(main, ["export", *common, "--scales", str(scales), "--out", str(d)])
+    assert r.exit_code == 0 and "FP8: quantized {'linear': 88, 'experts': 8}" in r.output, r.output
+    gm = load_manifest(d)
+    assert gm["quant"]["scales_sha256"] == file_sha256(scales) and gm["quant"]["quantized"]["experts"] == 8
+    for g in ("prefill", "decode"):
+        ops = gm["graphs"][g]["k3_ops"]
+        assert ops["fp8_linear"] == 88 and ops["moe_routed_fp8"] == 8 and "moe_routed" not in ops, ops
+    r = CliRunner().invoke(main, ["onnx", "--graphs", str(d)])
+    assert r.exit_code == 0, r.output
+    dec = onnx.load(str(d / "decode.onnx"), load_external_data=False)
+    c = qdq_census(dec)
+    assert (c["QuantizeLinear"], c["DequantizeLinear"], len(c["fp8_weights"])) == (88, 176, 88 + 2 * 8)
+    assert sum(n.op_type == "moe_routed_fp8" for n in dec.graph.node) == 8
+    r = CliRunner().invoke(main, ["verify", "--graphs", str(d), "--no-onnx"])
+    assert r.exit_code == 0 and "FAIL" not in r.output, r.output
+    r = CliRunner().invoke(main, ["verify", "--graphs", str(d), "--onnx"])
+    assert r.exit_code != 0 and "no kernel for their k3.moe_routed_fp8" in r.output, r.output
+    engine = {"config": gm["config"], "precision": "bf16", "config_hash": gm["config_hash"], "quant": gm["quant"]}
+    profiles = {"decode": {"batch": [1, 4, 4], "cache": [1, 64, 128]},
+                "prefill": {"batch": [1, 1, 4], "tokens": [1, 32, 64], "past": [0, 0, 64]}}
+    _, files = onnx_inputs(d, engine)
+    # decode: 4 tokens x top-3 = 12 pairs over 8 experts (weight-only); prefill: 4 x 64 tokens (W8A8)
+    for g, gemm in (("prefill", "moe_fp8_gemm1"), ("decode", "moe_fp8_wo_gemm1")):
+        written = plugin_onnx(files[g], g, engine, profiles)
+        assert plugin_gaps(written) == {}
+        ops = {n.op_type for n in onnx.load(str(written), load_external_data=False).graph.node if n.domain == "k3"}
+        assert "moe_routed_fp8" not in ops and gemm in ops, ops
+    with pytest.raises(EngineError, match="holds FP8 graphs .* build with --scales"):
+        onnx_inputs(d, {**engine, "quant": None})
+    build_args = ["build", "--backend", "tensorrt", "--dtype", "bf16", "--scales", str(scales), "--out",
+                  str(tmp_path / "engines")]
+    r = CliRunner().invoke(main, [*build_args, "--graphs", str(d)])
+    try:
+        import tensorrt  # noqa: F401
+    except ImportError:
+        assert r.exit_code == 1 and "TensorRT is not installed" in r.output, r.output   # past the FP8 checks
+    plain = tmp_path / "plain"
+    assert CliRunner().invoke(main, ["export", *common, "--out", str(plain)]).exit_code == 0
+    r = CliRunner().invoke(main, [*build_args, "--graphs", str(plain)])
+    assert r.exit_code == 1 and "holds unquantized graphs" in r.output, r.output
+    from k3export.build import check_fp8_backend
+    with pytest.raises(EngineError, match="quantized with another scales file"):
+        check_fp8_backend("tensorrt", d, "0" * 64)
+    assert not (tmp_path / "engines").exists() or not any((tmp_path / "engines").iterdir())
 
 
 def test_engine_name_and_profile_limits(eager_dir):

@@ -33,6 +33,12 @@ from trt_standin import Sym, ev, install, sym_min
 # vs the contract's references on the GPU: those of tests/test_fp8.py, with their reasons there (same kernels).
 BF16_OUT_BOUND = 4e-3            # weight-only vs `moe_fp8_wo_ref`
 EXPERT_GPU_BOUND = 2e-2          # W8A8 vs `moe_fp8_sorted`
+# With max_tokens > N the chain's router may run unsplit where the op's is split over d (lean routing up to
+# ROUTE_SPLIT_MAX_N = 64 tokens): the routing weights then differ by fp32 ulps, which can flip the final bf16
+# rounding of an element of u, at most one bf16 ulp: 2^-7 of max|u|. Measured on the H200 (2026-12-01 03:30):
+# (5, PTX for 224) 1.49e-3, (64, PTX for 256) 2.75e-3; with max_tokens = N, and at (300, PTX for 16384) where both
+# routers are unsplit, 0 (bit-equal).
+ROUTE_ORDER_BOUND = 2.0 ** -7
 WO_CHAIN = ["k3::moe_router", "k3::moe_topk", "k3::moe_align", "k3::moe_fp8_wo_gemm1", "k3::moe_fp8_wo_gemm2",
             "k3::moe_combine"]
 W8A8_CHAIN = ["k3::moe_router", "k3::moe_topk", "k3::moe_align", "k3::moe_fp8_quant", "k3::moe_fp8_gemm1",
@@ -352,7 +358,7 @@ def test_fp8_chain_through_cupy_k3(k3_fp8, N, max_tokens):
     err_ref = ((u.double() - ref.double())[clear].abs().max() / ref.double().abs().max()).item()
     print(f"moe fp8 trt chain N={N} max_tokens={max_tokens} ({'weight-only' if wo else 'W8A8'}): vs op "
           f"{err_op:.2e}, vs reference {err_ref:.2e} on {int(clear.sum())}/{N} clear tokens")
-    assert u.shape == z.shape and err_op < CHAIN_BOUND
+    assert u.shape == z.shape and err_op < (CHAIN_BOUND if max_tokens is None else ROUTE_ORDER_BOUND)
     assert err_ref < (BF16_OUT_BOUND if wo else EXPERT_GPU_BOUND)
 
 
