@@ -598,6 +598,11 @@ FP8_PREFILL_TILINGS = {
     "m64-n128-s2-f2": Fp8Tiles(64, (128, 128, 4, 2), (128, 128, 4, 2), fast_act=2),     # 80 KB: 2 CTAs per SM
     "m128-n128-s4-f2": Fp8Tiles(128, (128, 128, 8, 4), (256, 128, 8, 4), fast_act=2),
     "m128-n64-f2": Fp8Tiles(128, (64, 128, 8, 4), (128, 128, 8, 4), fast_act=2),
+    # pointer-load candidates for the TensorRT chain (`plugins/moe/trt_fp8.py`: no host-built TMA descriptors)
+    "ptr-m64-n128": Fp8Tiles(64, (128, 128, 4, 3), (128, 128, 4, 3), tma=False),
+    "ptr-m128-n64": Fp8Tiles(128, (64, 128, 8, 4), (128, 128, 8, 4), tma=False),
+    "ptr-m128-n128": Fp8Tiles(128, (128, 128, 8, 3), (256, 128, 8, 3), tma=False),
+    "ptr-m64-n128-k256": Fp8Tiles(64, (128, 256, 8, 2), (128, 256, 8, 2), tma=False),
 }
 # The defaults by average rows per expert r = pairs / E, from `k3export bench moe --precision fp8 --phases prefill`
 # on the H200 (K3 shapes: 896 experts top-16, 3584 -> 3072 -> 3584, per-channel E4M3 weights; docs/perf.md).

@@ -692,7 +692,8 @@ def test_grouped_kernel_matches_sorted_cuda(N, weight_only):
 @pytest.mark.cuda
 @pytest.mark.parametrize("N", [256, 2048])
 @pytest.mark.parametrize("name", ["ptr", "m64t32-n128", "m64t32-n128-f2", "m64t32-n128-k256", "m128t64-n64-f2",
-                                  "m128-n128-f2", "m64-n128-f2", "m64-n128-s2-f2", "m128-n128-s4-f2", "m128-n64-f2"])
+                                  "m128-n128-f2", "m64-n128-f2", "m64-n128-s2-f2", "m128-n128-s4-f2", "m128-n64-f2",
+                                  "ptr-m64-n128", "ptr-m128-n64", "ptr-m128-n128", "ptr-m64-n128-k256"])
 def test_w8a8_tilings_match_sorted_cuda(name, N):
     """Every named W8A8 tiling (`FP8_PREFILL_TILINGS`; the TMA ones gather E4M3(z / s_z) into row-plan order) at
     k3-small expert shapes (64 experts, top-8: 32 / 256 rows per expert, one expert hot) against the contract's

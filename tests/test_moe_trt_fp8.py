@@ -137,7 +137,7 @@ def _op_launches(N, shape, dtype, monkeypatch, max_tokens=None):
         F.moe_fp8_wo(ids, w, *experts, k, SITU["beta"], SITU["linear_beta"], F.EXPERT_WO_TILINGS["blocks"])
     else:
         F.moe_fp8_w8a8(ids, w, *experts, t["z_scale"], t["h_scale"], k, SITU["beta"], SITU["linear_beta"],
-                       trt_fp8.W8A8_TILES)
+                       trt_fp8.w8a8_tiles(mt, k, E))
     return log
 
 
@@ -182,7 +182,8 @@ def test_regime_and_block_rows_follow_max_tokens():
     E, k = K3["E"], K3["top_k"]
     assert [s.plugin for s in _steps(224, K3, torch.bfloat16)][3] == "k3::moe_fp8_wo_gemm1"
     assert [s.plugin for s in _steps(1, K3, torch.bfloat16, max_tokens=225)][3] == "k3::moe_fp8_quant"
-    assert trt_fp8.block_rows(224, k, E) == 16 and trt_fp8.block_rows(225, k, E) == trt_fp8.W8A8_TILES.rows == 64
+    assert trt_fp8.block_rows(224, k, E) == 16 and trt_fp8.block_rows(225, k, E) == 64        # "ptr"
+    assert trt_fp8.block_rows(3583, k, E) == 64 and trt_fp8.block_rows(3584, k, E) == 128     # 64 rows per expert
     align = _steps(1, K3, torch.bfloat16, max_tokens=256)[2]
     assert align.plugin == "k3::moe_align" and align.constexprs["BLOCK_M"] == 64
     per_tensor = _steps(5, TINY, torch.float16, per_channel=False)
@@ -267,7 +268,8 @@ def _twin(t: dict, top_k: int, max_tokens: int):
     experts = (t["z"], t["w13"], t["w2"], t["w13_scale"], t["w2_scale"])
     if trt_fp8.weight_only(max_tokens, top_k, E):
         return F.moe_fp8_wo(ids, w, *experts, top_k, 4.0, 25.0, F.EXPERT_WO_TILINGS["blocks"])
-    return F.moe_fp8_w8a8(ids, w, *experts, t["z_scale"], t["h_scale"], top_k, 4.0, 25.0, trt_fp8.W8A8_TILES)
+    return F.moe_fp8_w8a8(ids, w, *experts, t["z_scale"], t["h_scale"], top_k, 4.0, 25.0,
+                          trt_fp8.w8a8_tiles(max_tokens, top_k, E))
 
 
 def _interpreter_cases() -> dict:

@@ -16,9 +16,10 @@ sequence, so an engine computes every N as the op computes its largest N):
     k3::moe_fp8_wo_gemm2 (h, w2, w2_scale, row_pair, block_expert, ids)         -> y [N*k, L] fp32  (ids: shape)
     k3::moe_combine (y, w, z)                                                   -> u [N, L] z.dtype
 
-  W8A8 (more pairs: E4M3 tensor cores, static activation scales; the op's pointer tiling "ptr", 64-row blocks; its
-  TMA tilings need descriptors built on the host, which an AOT plugin cannot):
-    router, topk, align (64-row blocks; the chunked align past 4096 pairs)
+  W8A8 (more pairs: E4M3 tensor cores, static activation scales; pointer tilings, `w8a8_tiles`: "ptr" (64-row
+  blocks), from 64 rows per expert "ptr-m128-n128"; the op's TMA tilings need descriptors built on the host,
+  which an AOT plugin cannot):
+    router, topk, align (the tiling's block rows; the chunked align past 4096 pairs)
     k3::moe_fp8_quant (z, z_scale)                                    -> zq [N, L] e4m3, z_rows [N, 1] fp32 (unused)
     k3::moe_fp8_gemm1 (zq, z_scale, w13, w13_scale, h_scale, row_pair, block_expert, z) -> hq [N*k, I] e4m3
     k3::moe_fp8_gemm2 (hq, h_scale, w2, w2_scale, row_pair, block_expert, z)  -> y [N*k, L] z.dtype
@@ -47,7 +48,16 @@ from .trt import (TRITON_DEFAULT_STAGES, Step, align_intermediates, align_steps,
                   combine_step, plan_blocks, route_intermediates, route_steps, step_maker)
 
 WO_ROWS = 16                        # `moe_fp8_wo`'s blocks (the bf16 decode kernels')
-W8A8_TILES = FP8_PREFILL_TILINGS["ptr"]
+# The W8A8 tiling by the average rows per expert at max_tokens (pointer loads only). H200, K3 shapes, 2026-12-01
+# 03:34 (`bench moe --precision fp8 --phases prefill`, docs/perf.md): 4096 / 8192 tokens (73 / 146 rows) "ptr"
+# 13.72 / 21.15 ms, ptr-m128-n128 11.80 / 19.77, ptr-m128-n64 13.26 / 23.60, ptr-m64-n128 14.47 / 22.23 (the op's
+# TMA defaults 9.98 / 16.22); below 64 rows per expert "ptr", the op's pointer tiling there.
+W8A8_LARGE_ROWS = 64
+
+
+def w8a8_tiles(max_tokens: int, top_k: int, E: int):
+    """The chain's W8A8 expert tiling (`fp8_moe_kernels.FP8_PREFILL_TILINGS`) for an engine's largest N."""
+    return FP8_PREFILL_TILINGS["ptr-m128-n128" if max_tokens * top_k >= W8A8_LARGE_ROWS * E else "ptr"]
 QUANT_BLOCK = 1024                  # `fp8_quant_fwd`'s BLOCK_K
 
 
@@ -110,7 +120,7 @@ def weight_only(max_tokens: int, top_k: int, E: int) -> bool:
 
 def block_rows(max_tokens: int, top_k: int, E: int) -> int:
     """Rows per block of the chain's row plan (the align plugins' `block_rows` attribute)."""
-    return WO_ROWS if weight_only(max_tokens, top_k, E) else W8A8_TILES.rows
+    return WO_ROWS if weight_only(max_tokens, top_k, E) else w8a8_tiles(max_tokens, top_k, E).rows
 
 
 def fp8_chain_intermediates(N, E: int, top_k: int, L: int, I: int, dtype: torch.dtype,
@@ -172,7 +182,8 @@ def fp8_chain_steps(N, d: int, E: int, top_k: int, L: int, I: int, dtype: torch.
                        ("y",), dict(**common, BLOCK_N=t2.block_n, BLOCK_K=t2.block_k),
                        (MB, cdiv(L, t2.block_n), 1), t2.warps, stages(t2.stages))]
     else:
-        (bn1, bk1, warps1, stages1), (bn2, bk2, warps2, stages2) = W8A8_TILES.gemm1, W8A8_TILES.gemm2
+        t = w8a8_tiles(max_tokens, top_k, E)
+        (bn1, bk1, warps1, stages1), (bn2, bk2, warps2, stages2) = t.gemm1, t.gemm2
         common = dict(PER_CHANNEL=per_channel, FP8_DOT=not INTERPRET, BLOCK_M=rows)
         chain += [quant_step(N, L, types),
                   step("k3::moe_fp8_gemm1", moe_fp8_gemm1_trt_kernel,
