@@ -164,19 +164,27 @@ def test_contract_equals_torch_launcher(N, shape, dtype, tiles, monkeypatch):
     chain = {n: (s, dt) for n, (s, dt) in trt.chain_intermediates(N, E, k, L, I, dtype, tiles=tiles).items()}
     chain.update(x=((N, d), dtype), gate_weight=((E, d), dtype), bias=((E,), torch.float32), z=((N, L), dtype),
                  w1=((E, I, L), dtype), w3=((E, I, L), dtype), w2=((E, L, I), dtype), u=((N, L), dtype))
-    for (kname, grid, args, opts), step in zip(log, steps):
-        assert step.grid == grid + (1,) * (3 - len(grid)), (kname, step.grid, grid)
-        assert step.num_warps == opts["num_warps"] and step.num_stages == opts.get("num_stages", 3), kname
-        mine = {**step.scalars, **step.constexprs}
-        for name, value in args.items():
-            if isinstance(value, torch.Tensor):
-                if kname == "moe_topk_fwd_kernel" and step.constexprs["SPLITS"] == 1 and name == "s":
-                    name = "part"                      # unsplit router: s and part are the same tensor
-                shp, dt = chain[_TENSOR_NAMES.get(kname, {}).get(name, name)]
-                assert value.numel() == torch.Size(shp).numel() and value.dtype == dt, (kname, name)
-            else:
-                assert mine[name] == value, (kname, name, mine[name], value)
-        assert set(mine) >= {n for n, v in args.items() if not isinstance(v, torch.Tensor)}
+    for launch, step in zip(log, steps):
+        check_launch(launch, step, chain, _TENSOR_NAMES)
+
+
+def check_launch(launch, step, chain: dict, tensor_names: dict) -> None:
+    """One recorded launch (kernel name, grid, arguments by name, options) against its contract `step`: grid,
+    warps / stages, every scalar and constant, each tensor's numel and dtype as `chain` (name -> (shape, dtype))
+    declares it (`tensor_names`: kernel param -> chain name, per kernel, where they differ)."""
+    kname, grid, args, opts = launch
+    assert step.grid == grid + (1,) * (3 - len(grid)), (kname, step.grid, grid)
+    assert step.num_warps == opts["num_warps"] and step.num_stages == opts.get("num_stages", 3), kname
+    mine = {**step.scalars, **step.constexprs}
+    for name, value in args.items():
+        if isinstance(value, torch.Tensor):
+            if kname == "moe_topk_fwd_kernel" and step.constexprs["SPLITS"] == 1 and name == "s":
+                name = "part"                      # unsplit router: s and part are the same tensor
+            shp, dt = chain[tensor_names.get(kname, {}).get(name, name)]
+            assert value.numel() == torch.Size(shp).numel() and value.dtype == dt, (kname, name)
+        else:
+            assert mine[name] == value, (kname, name, mine[name], value)
+    assert set(mine) >= {n for n, v in args.items() if not isinstance(v, torch.Tensor)}
 
 
 @pytest.mark.parametrize("shape,dtype,max_tokens", [(K3, torch.bfloat16, 64), (K3, torch.bfloat16, 256),
@@ -249,9 +257,22 @@ def test_plugin_registration_against_a_stand_in(monkeypatch, max_tokens):
     f16, f32 = fake_trt.float16, fake_trt.float32
     descs = dict(x=T((N, d), f16), gate_weight=T((E, d), f16), bias=T((E,), f32), z=T((N, L), f16),
                  w1=T((E, I, L), f16), w3=T((E, I, L), f16), w2=T((E, L, I), f16))
+    built = build_on_stand_in(trtp, _steps(1, TINY, torch.float16, max_tokens=max_tokens), descs, attrs)
+    dtypes = {torch.float16: f16, torch.float32: f32, torch.int32: fake_trt.int32}
+    for n in (1, max_tokens):
+        inter = moe_trt.chain_intermediates(n, E, k, L, I, torch.float16, max_tokens)
+        inter["u"] = ((n, L), torch.float16)
+        check_built(built, _steps(n, TINY, torch.float16, max_tokens=max_tokens, scaling=2.5, **SITU), inter, n,
+                    dtypes)
+
+
+def build_on_stand_in(trtp, steps, descs: dict, attrs: dict) -> dict:
+    """The chain built on the stand-in: each step's registered descriptor function (its outputs feed the next) and
+    aot_impl, with the attributes each takes; plugin -> (aot_impl's result, output descriptors)."""
     built = {}
-    for step in _steps(1, TINY, torch.float16, max_tokens=max_tokens):
+    for step in steps:
         fn, tensors, attr_names, n_out = trtp.registered[step.plugin]
+        assert tensors == list(step.inputs), step.plugin
         ins = [descs[t] for t in tensors]
         outs = fn(*ins, **{a: attrs[a] for a in attr_names})
         assert len(outs) == n_out == len(step.outputs), step.plugin
@@ -259,31 +280,40 @@ def test_plugin_registration_against_a_stand_in(monkeypatch, max_tokens):
         aot_fn = trtp.aot[step.plugin]
         used = [a for a in attr_names if a in aot_fn.__code__.co_varnames]
         built[step.plugin] = (aot_fn(*ins, **{a: attrs[a] for a in used}, outputs=outs, tactic=0), outs)
-    dtypes = {torch.float16: f16, torch.float32: f32, torch.int32: fake_trt.int32}
-    for n in (1, max_tokens):
-        inter = moe_trt.chain_intermediates(n, E, k, L, I, torch.float16, max_tokens)
-        inter["u"] = ((n, L), torch.float16)
-        for step in _steps(n, TINY, torch.float16, max_tokens=max_tokens, scaling=2.5, **SITU):
-            (name, ptx, params, extra), outs = built[step.plugin]
-            launch = step.launch()
-            assert (name, ptx) == (launch.kernel.name, launch.kernel.ptx), step.plugin
-            assert tuple(_ev(g, n) for g in (params.grid_x, params.grid_y, params.grid_z)) == step.grid
-            assert (params.block_x, params.shared_mem) == (launch.block[0], launch.kernel.shared_mem)
-            assert [_ev(v, n) for v in extra] == list(step.scalars.values()), step.plugin
-            for o, out in zip(step.outputs, outs):
-                shape, dt = inter[o]
-                assert tuple(_ev(x, n) for x in out.shape_expr) == tuple(shape) and out.dtype == dtypes[dt], o
+    return built
+
+
+def check_built(built: dict, steps, inter: dict, n: int, dtypes: dict) -> None:
+    """At N = n, every plugin's kernel name / PTX, grid, block, shared memory, extra arguments and output shapes /
+    dtypes equal the int contract `steps` (`inter`: name -> (shape, dtype) of the outputs at n)."""
+    for step in steps:
+        (name, ptx, params, extra), outs = built[step.plugin]
+        launch = step.launch()
+        assert (name, ptx) == (launch.kernel.name, launch.kernel.ptx), step.plugin
+        assert tuple(_ev(g, n) for g in (params.grid_x, params.grid_y, params.grid_z)) == step.grid
+        assert (params.block_x, params.shared_mem) == (launch.block[0], launch.kernel.shared_mem)
+        assert [_ev(v, n) for v in extra] == list(step.scalars.values()), step.plugin
+        for o, out in zip(step.outputs, outs):
+            shape, dt = inter[o]
+            assert tuple(_ev(x, n) for x in out.shape_expr) == tuple(shape) and out.dtype == dtypes[dt], o
 
 
 # ---------------------------------------------------------------------------------------------- interpreter
 def _run_chain(steps, tensors: dict, max_tokens, launch, tiles=None) -> torch.Tensor:
-    """Allocate the intermediates (as the contract declares them, uninitialised) and u, run the steps with
-    `launch(step, tensors bound to its pointer params)`, return u."""
     from k3export.plugins.moe import trt
     N, L = tensors["z"].shape
     E, I = tensors["w1"].shape[:2]
+    inter = trt.chain_intermediates(N, E, steps[1].constexprs["K"], L, I, tensors["z"].dtype, max_tokens,
+                                    tiles=tiles)
+    return run_chain(steps, tensors, inter, launch)
+
+
+def run_chain(steps, tensors: dict, inter: dict, launch) -> torch.Tensor:
+    """Allocate the intermediates `inter` (as the contract declares them, uninitialised) and u, run the steps with
+    `launch(step, tensors bound to its pointer params)`, return u."""
+    from k3export.plugins.moe import trt
+    N, L = tensors["z"].shape
     dev, dtype = tensors["z"].device, tensors["z"].dtype
-    inter = trt.chain_intermediates(N, E, steps[1].constexprs["K"], L, I, dtype, max_tokens, tiles=tiles)
     bufs = {n: torch.empty(shp, device=dev, dtype=dt) for n, (shp, dt) in inter.items()}
     bufs["u"] = torch.empty(N, L, device=dev, dtype=dtype)
     for step in steps:

@@ -27,8 +27,9 @@ import pytest
 import torch
 
 from test_moe_kernels import FP16_BOUND, FP32_BOUND, SITU
-from test_moe_trt import CHAIN_BOUND, K3, TINY, TRT_SKIP, _Recorder, _rel
-from trt_standin import Sym, ev, install, sym_min
+from test_moe_trt import (CHAIN_BOUND, K3, TINY, TRT_SKIP, _Recorder, _rel, build_on_stand_in, check_built,
+                           check_launch, run_chain)
+from trt_standin import Sym, install
 
 # vs the contract's references on the GPU: those of tests/test_fp8.py, with their reasons there (same kernels).
 BF16_OUT_BOUND = 4e-3            # weight-only vs `moe_fp8_wo_ref`
@@ -159,20 +160,8 @@ def test_contract_equals_the_op_launchers(N, shape, dtype, monkeypatch):
     assert list(steps)[3 if N * k <= 4096 else 2] == ("k3::moe_fp8_wo_gemm1" if N * k <= 4 * E else "k3::moe_fp8_quant")
     assert sorted(_PLUGIN[e[0]] for e in log) == sorted(steps), ([e[0] for e in log], list(steps))
     chain = {**trt_fp8.fp8_chain_intermediates(N, E, k, L, I, dtype), **_inputs(N, shape, dtype)}
-    for kname, grid, args, opts in log:
-        step = steps[_PLUGIN[kname]]
-        assert step.grid == grid + (1,) * (3 - len(grid)), (kname, step.grid, grid)
-        assert step.num_warps == opts["num_warps"] and step.num_stages == opts.get("num_stages", 3), kname
-        mine = {**step.scalars, **step.constexprs}
-        for name, value in args.items():
-            if isinstance(value, torch.Tensor):
-                if kname == "moe_topk_fwd_kernel" and step.constexprs["SPLITS"] == 1 and name == "s":
-                    name = "part"                      # unsplit router: s and part are the same tensor
-                shp, dt = chain[_TENSOR_NAMES.get(kname, {}).get(name, name)]
-                assert value.numel() == torch.Size(shp).numel() and value.dtype == dt, (kname, name)
-            else:
-                assert mine[name] == value, (kname, name, mine[name], value)
-        assert set(mine) >= {n for n, v in args.items() if not isinstance(v, torch.Tensor)}
+    for launch in log:
+        check_launch(launch, steps[_PLUGIN[launch[0]]], chain, _TENSOR_NAMES)
 
 
 def test_regime_and_block_rows_follow_max_tokens():
@@ -215,45 +204,21 @@ def test_plugin_registration_against_a_stand_in(monkeypatch, max_tokens):
               torch.float8_e4m3fn: fake_trt.DataType.FP8}
     descs = {n: T(tuple(N if x == "N" else x for x in shp), dtypes[dt]) for n, (shp, dt) in
              _inputs("N", TINY, torch.float16).items()}
-    built = {}
-    for step in _steps(1, TINY, torch.float16, max_tokens=max_tokens):
-        fn, tensors, attr_names, n_out = trtp.registered[step.plugin]
-        assert tensors == list(step.inputs), step.plugin
-        ins = [descs[t] for t in tensors]
-        outs = fn(*ins, **{a: attrs[a] for a in attr_names})
-        assert len(outs) == n_out == len(step.outputs), step.plugin
-        descs.update(zip(step.outputs, outs))
-        aot_fn = trtp.aot[step.plugin]
-        used = [a for a in attr_names if a in aot_fn.__code__.co_varnames]
-        built[step.plugin] = (aot_fn(*ins, **{a: attrs[a] for a in used}, outputs=outs, tactic=0), outs)
+    built = build_on_stand_in(trtp, _steps(1, TINY, torch.float16, max_tokens=max_tokens), descs, attrs)
     for n in (1, max_tokens):
         inter = {**trt_fp8.fp8_chain_intermediates(n, E, k, L, I, torch.float16, max_tokens),
                  "u": ((n, L), torch.float16)}
-        for step in _steps(n, TINY, torch.float16, max_tokens=max_tokens, scaling=2.5, **SITU):
-            (name, ptx, params, extra), outs = built[step.plugin]
-            launch = step.launch()
-            assert (name, ptx) == (launch.kernel.name, launch.kernel.ptx), step.plugin
-            assert tuple(ev(g, n) for g in (params.grid_x, params.grid_y, params.grid_z)) == step.grid
-            assert (params.block_x, params.shared_mem) == (launch.block[0], launch.kernel.shared_mem)
-            assert [ev(v, n) for v in extra] == list(step.scalars.values()), step.plugin
-            for o, out in zip(step.outputs, outs):
-                shape, dt = inter[o]
-                assert tuple(ev(x, n) for x in out.shape_expr) == tuple(shape) and out.dtype == dtypes[dt], o
+        check_built(built, _steps(n, TINY, torch.float16, max_tokens=max_tokens, scaling=2.5, **SITU), inter, n,
+                    dtypes)
 
 
 # ---------------------------------------------------------------------------------------------- running it
 def _run_chain(steps, tensors: dict, max_tokens, launch) -> torch.Tensor:
-    """Allocate the intermediates (uninitialised) and u, run the steps with `launch(step, bound tensors)`."""
-    from k3export.plugins.moe import trt, trt_fp8
+    from k3export.plugins.moe import trt_fp8
     N, L = tensors["z"].shape
     E, I = tensors["w13"].shape[0], tensors["w2"].shape[-1]
-    dev, dtype = tensors["z"].device, tensors["z"].dtype
-    inter = trt_fp8.fp8_chain_intermediates(N, E, steps[1].constexprs["K"], L, I, dtype, max_tokens)
-    bufs = {n: torch.empty(shp, device=dev, dtype=dt) for n, (shp, dt) in inter.items()}
-    bufs["u"] = torch.empty(N, L, device=dev, dtype=dtype)
-    for step in steps:
-        launch(step, trt.bind(step, {**tensors, **bufs}))
-    return bufs["u"]
+    inter = trt_fp8.fp8_chain_intermediates(N, E, steps[1].constexprs["K"], L, I, tensors["z"].dtype, max_tokens)
+    return run_chain(steps, tensors, inter, launch)
 
 
 def _twin(t: dict, top_k: int, max_tokens: int):
@@ -319,7 +284,8 @@ def k3_fp8():
     w = dict(gate_weight=(torch.randn(E, d, **c) * d ** -0.5).bfloat16(), bias=torch.randn(E, **c) * 0.1,
              w13=torch.empty(E, 2 * I, L, device="cuda", dtype=torch.float8_e4m3fn),
              w2=torch.empty(E, L, I, device="cuda", dtype=torch.float8_e4m3fn),
-             w13_scale=(0.5 + torch.rand(E, 2 * I, **c)) * L ** -0.5, w2_scale=(0.5 + torch.rand(E, L, **c)) * I ** -0.5,
+             w13_scale=(0.5 + torch.rand(E, 2 * I, **c)) * L ** -0.5,
+             w2_scale=(0.5 + torch.rand(E, L, **c)) * I ** -0.5,
              h_scale=torch.tensor(0.05, device="cuda"))
     for e in range(0, E, 64):
         w["w13"][e:e + 64] = torch.randn(min(64, E - e), 2 * I, L, dtype=torch.bfloat16, **c).to(torch.float8_e4m3fn)
