@@ -336,6 +336,7 @@ def export_cmd(checkpoint, preset, out, seed, meta, max_batch, max_tokens, max_c
         else:
             model = random_model(K3Config.from_name(preset), seed=seed, dtype=dt, device=device)
             source = {"weights": preset_fingerprint(preset, seed, dt), "preset": preset, "seed": seed}
+        n_params = sum(p.numel() for p in model.parameters())
         quant = None
         if scales:
             if meta:
@@ -346,7 +347,7 @@ def export_cmd(checkpoint, preset, out, seed, meta, max_batch, max_tokens, max_c
         raise click.ClickException(str(e))
     load_s = time.perf_counter() - t0
     click.echo(f"model: {checkpoint or preset} ({'meta device, no weights' if meta else dtype}), "
-               f"{sum(p.numel() for p in model.parameters()) / 1e9:.3f}B parameters, built in {load_s:.1f}s")
+               f"{n_params / 1e9:.3f}B parameters, built in {load_s:.1f}s")
     if quant:
         click.echo(f"FP8: quantized {quant['quantized']} from {scales}")
     man = export_graphs(model, out, limits, source, log=click.echo, quant=quant)

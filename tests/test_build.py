@@ -181,7 +181,7 @@ def test_fp8_graphs_for_tensorrt(fp8_case, tmp_path):
     from k3export.build_trt import onnx_inputs, plugin_gaps, plugin_onnx
     from k3export.cli import main
     from k3export.fp8_onnx import qdq_census
-    from k3export.manifest import file_sha256, load_manifest
+    from k3export.manifest import file_sha256, load_manifest, write_manifest
     _, scales, _ = fp8_case
     d = tmp_path / "graphs"
     common = ["--preset", "k3-tiny", "--dtype", "bfloat16", "--max-batch", "4", "--max-tokens", "64",
@@ -203,6 +203,16 @@ def test_fp8_graphs_for_tensorrt(fp8_case, tmp_path):
     assert r.exit_code == 0 and "FAIL" not in r.output, r.output
     r = CliRunner().invoke(main, ["verify", "--graphs", str(d), "--onnx"])
     assert r.exit_code != 0 and "no kernel for their k3.moe_routed_fp8" in r.output, r.output
+    moved = tmp_path / "moved"                                  # the scales file gone: the reference cannot be built
+    shutil.copytree(d, moved)
+    gm_moved = load_manifest(moved)
+    gm_moved["quant"]["scales_path"] = str(tmp_path / "nowhere.safetensors")
+    write_manifest(moved, gm_moved)
+    r = CliRunner().invoke(main, ["verify", "--graphs", str(moved), "--no-onnx"])
+    assert r.exit_code != 0 and "nowhere.safetensors is gone" in r.output, r.output
+    r = CliRunner().invoke(main, ["export", "--preset", "k3-tiny", "--meta", "--scales", str(scales), "--out",
+                                  str(tmp_path / "meta")])
+    assert r.exit_code == 1 and "--scales quantizes the weights" in r.output, r.output
     engine = {"config": gm["config"], "precision": "bf16", "config_hash": gm["config_hash"], "quant": gm["quant"]}
     profiles = {"decode": {"batch": [1, 4, 4], "cache": [1, 64, 128]},
                 "prefill": {"batch": [1, 1, 4], "tokens": [1, 32, 64], "past": [0, 0, 64]}}
