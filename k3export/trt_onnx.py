@@ -15,7 +15,7 @@ aot=1 (docs/deployment-notes.md). Per op:
                    moe_gemm2 -> moe_combine; beyond: k3::moe_router -> moe_topk -> moe_count -> moe_plan ->
                    moe_scatter -> moe_gemm1 -> moe_gemm2 -> moe_combine (`plugins/moe/trt.py` `chain_steps`); the
                    align plugins carry the GEMMs' block rows (block_rows)
-    moe_routed_fp8 (E4M3 experts, `k3export fp8` graphs) -> the same routing and align plugins, then up to 4
+    moe_routed_fp8 (E4M3 experts, `export --scales` graphs) -> the same routing and align plugins, then up to 4
                    pairs per expert at max_tokens (weight-only) k3::moe_fp8_wo_gemm1 -> moe_fp8_wo_gemm2, beyond
                    (W8A8) k3::moe_fp8_quant -> moe_fp8_gemm1 -> moe_fp8_gemm2; then k3::moe_combine
                    (`plugins/moe/trt_fp8.py` `fp8_chain_steps`)
