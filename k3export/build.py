@@ -492,11 +492,27 @@ def profiles_for(max_batch: int, max_tokens: int, max_len: int) -> dict:
                    "[default: on for aoti engines on CUDA].")
 @click.option("--scales", type=click.Path(exists=True, dir_okay=False),
               help="An FP8 engine: quantize the recipe's modules with this `k3export calibrate` scales file "
-                   "(calibrated on the same weights and dtype; eager / compile backends).")
+                   "(calibrated on the same weights and dtype; eager / compile, or tensorrt from FP8 graphs).")
+@click.option("--dry-run", is_flag=True,
+              help="tensorrt only, needs no TensorRT: rewrite --graphs' ONNX into plugin nodes and build every "
+                   "plugin node against its registration (PTX compiled, shapes checked); writes trt-plan.json "
+                   "beside the graphs, no engine.")
 def build_command(backend, checkpoint, preset, seed, dtype, device, graphs, out, max_batch, max_tokens, max_len,
-                  load_check, scales):
+                  load_check, scales, dry_run):
     """Build an engine directory: engine files, manifest.json (versions, GPU, config hash, file hashes,
     profiles, state layout) and build.log with timings. Unchanged inputs are reused (weights, AOTI packages)."""
+    if dry_run:
+        if backend != "tensorrt":
+            raise click.UsageError("--dry-run is for --backend tensorrt")
+        from k3export.build_trt import dry_run as trt_dry_run
+        t0 = time.perf_counter()
+        try:
+            plan = trt_dry_run(graphs, file_sha256(scales) if scales else None, echo=click.echo)
+        except (EngineError, ValueError) as e:
+            raise click.ClickException(str(e))
+        click.echo(f"dry run: every plugin node builds and compiles ({time.perf_counter() - t0:.1f}s); no TensorRT "
+                   f"engine was built -> {plan}")
+        return
     if backend == "best":
         backend = "compile" if scales and torch.device(device).type == "cuda" else \
             "eager" if scales else best_backend(device)

@@ -137,6 +137,129 @@ def plugin_onnx(onnx_path: Path, graph: str, manifest: dict, profiles: dict) -> 
     return path
 
 
+def _dim(expr: str):
+    """A named ONNX dim ('batch', 'batch*tokens', 'past + tokens', ...) as a stand-in shape expression over a dict of
+    the profile's named dims."""
+    import re
+    from k3export.trt_standin import Sym
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z_0-9]*|[A-Za-z_0-9 +*\-()]+", expr):
+        raise EngineError(f"unsupported dim expression {expr!r} in the ONNX")
+    code = compile(expr, "<dim>", "eval")
+    return Sym(lambda env: eval(code, {"__builtins__": {}}, dict(env)))      # noqa: S307 (names and + - * only)
+
+
+def plan_check(onnx_path: Path, dims: dict[str, int]) -> dict[str, dict]:
+    """What a TensorRT build of a rewritten graph (`plugin_onnx`) does with its plugin nodes, without TensorRT: each
+    node is built against its registration on the `tensorrt.plugin` stand-in (`k3export.trt_standin`, with the
+    registration checks of TensorRT 11.4's plugin module), inputs described from the ONNX's shapes as expressions
+    of the profile's named dims, outputs from the plugin's descriptor function (and checked against the ONNX's
+    shape for that tensor where it has one), then its aot_impl run: the launch contract's PTX compiled for sm_90.
+    `dims`: the named dims' values at which grids and shapes are evaluated (the profile's largest). Returns plugin
+    -> {"nodes", "kernels", "max_shared_mem", "max_grid"}; EngineError names the first node that fails."""
+    import onnx
+    from onnx import helper
+    from k3export.trt_standin import ev, standin
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    with standin() as (trt, trtp):
+        register_plugins()
+        types = {onnx.TensorProto.FLOAT: trt.float32, onnx.TensorProto.FLOAT16: trt.float16,
+                 onnx.TensorProto.BFLOAT16: trt.bfloat16, onnx.TensorProto.INT32: trt.int32,
+                 onnx.TensorProto.INT64: trt.int64, onnx.TensorProto.FLOAT8E4M3FN: trt.DataType.FP8}
+        known = {}
+        for v in (*model.graph.input, *model.graph.value_info, *model.graph.output):
+            tt = v.type.tensor_type
+            known[v.name] = trtp.TensorDesc(tuple(_dim(d.dim_param) if d.dim_param else d.dim_value
+                                                  for d in tt.shape.dim), types.get(tt.elem_type))
+        for t in model.graph.initializer:
+            known[t.name] = trtp.TensorDesc(tuple(t.dims), types.get(t.data_type))
+        onnx_shapes = dict(known)
+        plan: dict[str, dict] = {}
+        for node in model.graph.node:
+            if node.domain != "k3":
+                continue
+            name = f"k3::{node.op_type}"
+            where = f"{onnx_path.name}: node {node.name} ({name})"
+            if name not in trtp.registered:
+                raise EngineError(f"{where}: no plugin registered under this name")
+            fn, tensors, attr_types, n_out = trtp.registered[name]
+            missing = [i for i in node.input if i not in known]
+            if len(node.input) != len(tensors) or len(node.output) != n_out or missing:
+                raise EngineError(f"{where}: {len(node.input)} inputs / {len(node.output)} outputs for the "
+                                  f"registration's {len(tensors)} / {n_out}" + (f"; no shape for {missing}"
+                                                                                if missing else ""))
+            given = {a.name: helper.get_attribute_value(a) for a in node.attribute if a.name != "aot"}
+            attrs = {a: attr_types[a](given[a]) for a in attr_types if a in given}
+            if set(attrs) != set(attr_types):
+                raise EngineError(f"{where}: attributes {sorted(given)}, the registration takes {sorted(attr_types)}")
+            ins = [known[i] for i in node.input]
+            try:
+                outs = fn(*ins, **attrs)
+                aot = trtp.aot[name]
+                used = {a: v for a, v in attrs.items() if a in aot.__code__.co_varnames}
+                kernel, ptx, params, _ = aot(*ins, **used, outputs=outs, tactic=0)
+            except Exception as e:                                       # noqa: BLE001 (named and re-raised)
+                raise EngineError(f"{where}: {type(e).__name__}: {e}") from None
+            for o, desc in zip(node.output, outs):
+                ref = onnx_shapes.get(o)
+                if ref is not None and ([ev(x, dims) for x in ref.shape_expr] != [ev(x, dims) for x in desc.shape_expr]
+                                        or ref.dtype != desc.dtype):
+                    raise EngineError(f"{where}: output {o} would be {[ev(x, dims) for x in desc.shape_expr]} "
+                                      f"{desc.dtype}, the ONNX has {[ev(x, dims) for x in ref.shape_expr]} {ref.dtype}")
+                known[o] = desc
+            grid = tuple(ev(g, dims) for g in (params.grid_x, params.grid_y, params.grid_z))
+            rec = plan.setdefault(node.op_type, {"nodes": 0, "kernels": [], "max_shared_mem": 0, "max_grid": grid})
+            rec["nodes"] += 1
+            if kernel not in rec["kernels"]:
+                rec["kernels"].append(kernel)
+            rec["max_shared_mem"] = max(rec["max_shared_mem"], params.shared_mem)
+            rec["max_grid"] = max(rec["max_grid"], grid, key=lambda g: g[0] * g[1] * g[2])
+            if ".target sm_90" not in ptx:
+                raise EngineError(f"{where}: its PTX does not target sm_90")
+    return plan
+
+
+def dry_run(graphs, scales_sha256: str | None = None, echo=print) -> Path:
+    """`build --backend tensorrt --dry-run`: everything of the TensorRT build up to TensorRT itself, for the ONNX
+    graphs of an export directory: each graph rewritten into plugin nodes (`<graph>.trt.onnx` beside it), no node
+    left that no plugin takes (`plugin_gaps`), and every plugin node built and compiled (`plan_check`) at the
+    profile the build would use (`build_aoti.profiles_from_dims`). Writes `trt-plan.json` there; returns its path."""
+    import json
+    from k3export.build_aoti import profiles_from_dims
+    from k3export.manifest import atomic_write, load_manifest
+    if graphs is None:
+        raise EngineError("--dry-run checks the ONNX graphs of an export directory: pass --graphs DIR")
+    graphs = Path(graphs)
+    try:
+        gm = load_manifest(graphs)
+    except ValueError as e:
+        raise EngineError(str(e)) from None
+    quant = gm.get("quant")
+    if quant and scales_sha256 and quant.get("scales_sha256") != scales_sha256:
+        raise EngineError(f"--graphs {graphs} was quantized with another scales file than --scales")
+    precision = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[gm["dtype"]]
+    manifest = {"config": gm["config"], "config_hash": gm["config_hash"], "precision": precision,
+                "quant": quant if quant else None}
+    gm, files = onnx_inputs(graphs, manifest)
+    profiles = profiles_from_dims(gm)
+    report = {"graphs": str(graphs), "precision": precision, "fp8": bool(quant), "profiles": profiles, "plugins": {}}
+    for g in GRAPHS:
+        path = plugin_onnx(files[g], g, manifest, profiles)
+        gaps = plugin_gaps(path)
+        if gaps:
+            raise EngineError(f"{path}: TensorRT cannot take these k3 nodes: "
+                              + "; ".join(f"{op}: {why}" for op, why in gaps.items()))
+        dims = {d: v[2] for d, v in profiles[g].items()}
+        plan = plan_check(path, dims)
+        report["plugins"][g] = plan
+        echo(f"{g}: {path.name}, {sum(r['nodes'] for r in plan.values())} plugin nodes at {dims}")
+        for op, r in plan.items():
+            echo(f"  k3::{op:20s} x{r['nodes']:<3d} {', '.join(r['kernels'])}  smem {r['max_shared_mem']} B, "
+                 f"largest grid {r['max_grid']}")
+    out = graphs / "trt-plan.json"
+    atomic_write(out, json.dumps(report, indent=2) + "\n")
+    return out
+
+
 def register_plugins() -> list[str]:
     """Register the `tensorrt.plugin` definitions of every `plugins/<op>/trt*.py` (each module's
     `register_plugins()`: importing one registers nothing); returns the modules that registered."""

@@ -174,8 +174,9 @@ def test_fp8_graphs_for_tensorrt(fp8_case, tmp_path):
     `k3::moe_routed_fp8` nodes, the manifest's `quant` entry); `onnx` turns them into Q/DQ + one bare
     `k3.moe_routed_fp8` node per MoE layer; `verify` re-quantizes the eager reference from the recorded scales
     file and the re-loaded .pt2 matches it; the builder's ONNX rewrite leaves no node TensorRT could not take in
-    either graph; `build --backend tensorrt --scales` passes its FP8 checks and stops only at the missing
-    TensorRT, and refuses unquantized graphs, graphs of other scales, and FP8 graphs without --scales."""
+    either graph, and `build --dry-run` builds every plugin node (FP8 and bf16 graphs); `build --backend tensorrt
+    --scales` passes its FP8 checks and stops only at the missing TensorRT, and refuses unquantized graphs, graphs
+    of other scales, and FP8 graphs without --scales."""
     import onnx
     from click.testing import CliRunner
     from k3export.build_trt import onnx_inputs, plugin_gaps, plugin_onnx
@@ -225,6 +226,15 @@ def test_fp8_graphs_for_tensorrt(fp8_case, tmp_path):
         assert "moe_routed_fp8" not in ops and gemm in ops, ops
     with pytest.raises(EngineError, match="holds FP8 graphs .* build with --scales"):
         onnx_inputs(d, {**engine, "quant": None})
+    # --dry-run: everything but TensorRT, on both graphs: every plugin node built against its registration on the
+    # stand-in and its PTX compiled; trt-plan.json beside the graphs
+    r = CliRunner().invoke(main, ["build", "--backend", "tensorrt", "--dry-run", "--graphs", str(d), "--scales",
+                                  str(scales)])
+    assert r.exit_code == 0 and "every plugin node builds and compiles" in r.output, r.output
+    plan = json.loads((d / "trt-plan.json").read_text())
+    assert plan["fp8"] and plan["plugins"]["prefill"]["moe_fp8_gemm1"]["nodes"] == 8
+    assert plan["plugins"]["decode"]["moe_fp8_wo_gemm1"]["kernels"] == ["moe_fp8_wo_gemm1_trt_kernel"]
+    assert plan["plugins"]["decode"]["kda_decode"]["nodes"] == len(K3Config.from_name("k3-tiny").kda_layers)
     build_args = ["build", "--backend", "tensorrt", "--dtype", "bf16", "--scales", str(scales), "--out",
                   str(tmp_path / "engines")]
     r = CliRunner().invoke(main, [*build_args, "--graphs", str(d)])
@@ -236,6 +246,14 @@ def test_fp8_graphs_for_tensorrt(fp8_case, tmp_path):
     assert CliRunner().invoke(main, ["export", *common, "--out", str(plain)]).exit_code == 0
     r = CliRunner().invoke(main, [*build_args, "--graphs", str(plain)])
     assert r.exit_code == 1 and "holds unquantized graphs" in r.output, r.output
+    r = CliRunner().invoke(main, ["build", "--backend", "tensorrt", "--dry-run", "--graphs", str(plain)])
+    assert r.exit_code == 1 and "has no ONNX graphs; run `k3export onnx" in r.output, r.output
+    assert CliRunner().invoke(main, ["onnx", "--graphs", str(plain)]).exit_code == 0
+    r = CliRunner().invoke(main, ["build", "--backend", "tensorrt", "--dry-run", "--graphs", str(plain)])
+    assert r.exit_code == 0, r.output
+    assert "moe_gemm1" in json.loads((plain / "trt-plan.json").read_text())["plugins"]["prefill"]
+    r = CliRunner().invoke(main, ["build", "--backend", "eager", "--dry-run", "--graphs", str(plain)])
+    assert r.exit_code == 2 and "--dry-run is for --backend tensorrt" in r.output, r.output
     from k3export.build import check_fp8_backend
     with pytest.raises(EngineError, match="quantized with another scales file"):
         check_fp8_backend("tensorrt", d, "0" * 64)

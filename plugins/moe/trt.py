@@ -416,7 +416,7 @@ def register_plugins() -> bool:
         """dtype: the model dtype where the plugin sees it, None where it does not (top-k, align: their
         constants are the same for bf16 and fp16)."""
         check(dtype is None or dtype in to_torch, f"{plugin}: the TensorRT MoE plugins are registered for bf16 / "
-              f"fp16 models, got {dtype}")
+              f"fp16 models, got {dtype} (export the graphs with --dtype bfloat16 or float16)")
         chain = chain_steps(N, d, E, top_k, L, I, to_torch.get(dtype, torch.bfloat16), max_tokens=max_tokens,
                             minimum=trtp.min, **attrs)
         step = next(s for s in chain if s.plugin == plugin)
