@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from k3export.build import PRECISIONS, TENSORRT_INSTALL, EngineError, TensorRTMissing
+from k3export.build import PRECISIONS, TENSORRT_INSTALL, EngineError, TensorRTMissing, check_fp8_backend
 from k3export.config import K3Config
 from k3export.trt_onnx import MOE_DECODE_MAX_PAIRS
 
@@ -233,9 +233,9 @@ def dry_run(graphs, scales_sha256: str | None = None, echo=print) -> Path:
         gm = load_manifest(graphs)
     except ValueError as e:
         raise EngineError(str(e)) from None
+    if scales_sha256:
+        check_fp8_backend("tensorrt", graphs, scales_sha256)           # FP8 graphs of these scales
     quant = gm.get("quant")
-    if quant and scales_sha256 and quant.get("scales_sha256") != scales_sha256:
-        raise EngineError(f"--graphs {graphs} was quantized with another scales file than --scales")
     precision = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[gm["dtype"]]
     manifest = {"config": gm["config"], "config_hash": gm["config_hash"], "precision": precision,
                 "quant": quant if quant else None}

@@ -165,7 +165,6 @@ def fp8_chain_steps(N, d: int, E: int, top_k: int, L: int, I: int, dtype: torch.
     chain += align_steps(N, E, top_k, rows, max_tokens, types, minimum)
     MB = plan_blocks(N * top_k, E, rows, minimum)
     se13, se2 = (2 * I, L) if per_channel else (1, 1)
-    stages = (lambda s: 1) if INTERPRET else (lambda s: s)                   # noqa: E731 (the op's rule)
     if weight_only(max_tokens, top_k, E):
         t1 = t2 = BLOCKS
         common = dict(PER_CHANNEL=per_channel, DOT_PREC="ieee" if INTERPRET else dot_precision(dtype),
@@ -175,12 +174,12 @@ def fp8_chain_steps(N, d: int, E: int, top_k: int, L: int, I: int, dtype: torch.
                        dict(I=I, L=L, stride_z=L, stride_we=2 * I * L, stride_wn=L, stride_se=se13, stride_h=I),
                        ("h",), dict(beta=float(beta), linear_beta=float(linear_beta), TOP_K=top_k, **common,
                                     BLOCK_N=t1.block_n, BLOCK_K=t1.block_k),
-                       (MB, cdiv(I, t1.block_n), 1), t1.warps, stages(t1.stages)),
+                       (MB, cdiv(I, t1.block_n), 1), t1.warps, 1 if INTERPRET else t1.stages),
                   step("k3::moe_fp8_wo_gemm2", moe_fp8_wo_gemm2_trt_kernel,
                        ("h", "w2", "w2_scale", "row_pair", "block_expert", "ids"),
                        dict(L=L, I=I, stride_h=I, stride_we=L * I, stride_wn=I, stride_se=se2, stride_y=L),
                        ("y",), dict(**common, BLOCK_N=t2.block_n, BLOCK_K=t2.block_k),
-                       (MB, cdiv(L, t2.block_n), 1), t2.warps, stages(t2.stages))]
+                       (MB, cdiv(L, t2.block_n), 1), t2.warps, 1 if INTERPRET else t2.stages)]
     else:
         t = w8a8_tiles(max_tokens, top_k, E)
         (bn1, bk1, warps1, stages1), (bn2, bk2, warps2, stages2) = t.gemm1, t.gemm2
@@ -191,12 +190,12 @@ def fp8_chain_steps(N, d: int, E: int, top_k: int, L: int, I: int, dtype: torch.
                        dict(I=I, L=L, stride_z=L, stride_we=2 * I * L, stride_wn=L, stride_se=se13, stride_h=I),
                        ("hq",), dict(beta=float(beta), linear_beta=float(linear_beta), TOP_K=top_k,
                                      ROUND=_TL[dtype], **common, BLOCK_N=bn1, BLOCK_K=bk1),
-                       (MB, cdiv(I, bn1), 1), warps1, stages(stages1)),
+                       (MB, cdiv(I, bn1), 1), warps1, 1 if INTERPRET else stages1),
                   step("k3::moe_fp8_gemm2", moe_fp8_gemm2_trt_kernel,
                        ("hq", "h_scale", "w2", "w2_scale", "row_pair", "block_expert", "z"),
                        dict(L=L, I=I, stride_h=I, stride_we=L * I, stride_wn=I, stride_se=se2, stride_y=L),
                        ("y",), dict(**common, BLOCK_N=bn2, BLOCK_K=bk2), (MB, cdiv(L, bn2), 1), warps2,
-                       stages(stages2))]
+                       1 if INTERPRET else stages2)]
     return chain + [combine_step(N, L, top_k, types)]
 
 
@@ -215,7 +214,6 @@ def register_plugins() -> bool:
     except ImportError:
         return False
     from typing import Tuple
-
 
     AOT = Tuple[str, str, trtp.KernelLaunchParams, trtp.SymIntExprs]     # aot_impl must annotate its result
     to_torch = {trt.bfloat16: torch.bfloat16, trt.float16: torch.float16}
