@@ -170,6 +170,10 @@ def _compile_one(pt2: str, package: str, device_type: str) -> None:
     """Worker: load one exported graph, lower its k3 ops into Triton launches (CUDA), compile it into `package`
     (written atomically) and write the lowering report beside it (`report_name`)."""
     import time
+    import warnings
+    # torch's own unpickling of the graph's tree specs (torch 2.13) warns that LeafSpec is deprecated: nothing a
+    # user of the build can act on, printed once per worker
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
     import k3export.plugins  # noqa: F401  (registers the k3 ops the graph calls)
     from k3export.aoti_lower import k3_nodes, lower_k3_ops, op_name
     from k3export.manifest import atomic_write, replacing

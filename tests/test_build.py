@@ -428,6 +428,13 @@ def test_prefill_flops_count_the_lm_head_the_engine_runs():
     assert full - last == 2 * 63 * c.vocab_size * c.hidden_size and last > 0
 
 
+def test_bench_table_rates_keep_their_digits():
+    """The table's GB/s / TFLOP/s column: whole numbers for large rates, significant digits for a tiny preset's
+    (which printed as "0 GB/s" and "0.0 TFLOP/s")."""
+    from k3export.bench.model import _rate
+    assert [_rate(v) for v in (3412.4, 41.66, 5.23, 0.00342, 0.0)] == ["3412", "41.7", "5.2", "0.0034", "0"]
+
+
 def test_bench_compile_variants_say_what_they_turn_off(tmp_path):
     """Each `bench model` compile variant reports its serving swaps (what its JSON and table notes record);
     torch.compile is lazy, so nothing compiles here."""

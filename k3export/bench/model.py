@@ -249,11 +249,16 @@ def add_speedups(rows: list[dict]) -> None:
         r["speedup"] = b / r["ms"] if b else None
 
 
+def _rate(v: float) -> str:
+    """A rate with its useful digits: 3412, 41.7, 5.2, 0.0034 (a tiny preset's rates are far below 1)."""
+    return f"{v:.0f}" if v >= 100 else f"{v:.1f}" if v >= 10 else f"{v:.2g}"
+
+
 def markdown(rows: list[dict]) -> str:
     lines = ["| phase | backend | B | T / context | ms (median) | p10..p90 | tokens/s | GB/s or TFLOP/s | floor ms | x floor | vs eager |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        phys = f"{r['gb_s']:.0f} GB/s" if "gb_s" in r else f"{r['tflops']:.1f} TFLOP/s"
+        phys = f"{_rate(r['gb_s'])} GB/s" if "gb_s" in r else f"{_rate(r['tflops'])} TFLOP/s"
         sp = f"{r['speedup']:.1f}x" if r.get("speedup") else "-"
         lines.append(f"| {r['phase']} | {r['backend']} | {r['batch']} | {r.get('tokens') or r.get('context')} | "
                      f"{r['ms']:.3f} | {r['p10']:.3f}..{r['p90']:.3f} | {r['tokens_per_s']:.0f} | {phys} | "
