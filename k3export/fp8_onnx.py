@@ -14,8 +14,9 @@ passes to `torch.onnx.export(..., custom_translation_table=...)`; `export_qdq` e
 Whole FP8 graphs (`export_fp8_graph`): the export stage's prefill/decode wrappers around an FP8 model give a
 `.pt2` (torch.export, k3 ops opaque, `k3::fp8_linear` and `k3::moe_routed_fp8` among them) and an ONNX file whose
 linears are Q/DQ and whose FP8 expert banks feed one bare `k3.moe_routed_fp8` node with E4M3 weight inputs (the
-TensorRT plugin's contract; onnxruntime has no kernel for it, so the full graph is checked structurally and the
-Q/DQ numerics on the MLP sub-graph).
+TensorRT plugin's contract). onnxruntime has no kernel for that node: `onnx_export.OrtGraph` runs it as a Python
+op on the torch reference (E4M3 weights handed over as bytes), so `k3export verify` checks a float32 FP8 export's
+whole ONNX against the re-quantized eager model.
 """
 
 from __future__ import annotations

@@ -210,26 +210,75 @@ def _name_axes(model, ep, input_specs: list[dict]) -> int:
 
 # ---------------------------------------------------------------------------------------------- CPU execution
 _PYOPS: set[str] = set()
+# FP8 graphs' one k3 node (`k3export.fp8_onnx`): its expert weights are E4M3 ("Q"), a type onnxruntime-extensions'
+# Python ops cannot receive, so `OrtGraph` hands them over as uint8 (the same bytes) and the op views them back.
+FP8_SIGNATURES = {
+    "moe_routed_fp8": (["x:T", "z:Z", "gate_weight:T", "bias:F", "w13:Q", "w2:Q", "w13_scale:F", "w2_scale:F",
+                        "z_scale:F", "h_scale:F"], ["u:Z"],
+                       {"top_k": int, "renormalize": int, "scaling": float, "beta": float, "linear_beta": float}),
+}
 
 
-def _register_pyops() -> None:
-    """Declare each k3 op to onnxruntime-extensions once per process (fp32 tensors, int64 lengths)."""
+def _register_pyops(fp8: bool = False) -> None:
+    """Declare each k3 op to onnxruntime-extensions once per process (fp32 tensors, int64 lengths; with fp8 also
+    `moe_routed_fp8`, its E4M3 weights as uint8)."""
     from onnxruntime_extensions import PyCustomOpDef, onnx_op
-    for op, (ins, outs, attrs) in SIGNATURES.items():
+    sigs = dict(SIGNATURES)
+    if fp8:
+        import k3export.fp8_moe  # noqa: F401  (registers k3::moe_routed_fp8)
+        sigs.update(FP8_SIGNATURES)
+    kinds = {"I": PyCustomOpDef.dt_int64, "Q": PyCustomOpDef.dt_uint8}
+    for op, (ins, outs, attrs) in sigs.items():
         if op in _PYOPS:
             continue
-        ttype = [PyCustomOpDef.dt_int64 if p.endswith(":I") else PyCustomOpDef.dt_float for p in ins]
+        ttype = [kinds.get(p.split(":")[1], PyCustomOpDef.dt_float) for p in ins]
         atype = {a: PyCustomOpDef.dt_int64 if t is int else PyCustomOpDef.dt_float for a, t in attrs.items()}
+        e4m3 = [p.endswith(":Q") for p in ins]
         torch_op = getattr(torch.ops.k3, op)
         bools = {"renormalize"}
 
-        def impl(*arrays, _op=torch_op, **kw):
+        def impl(*arrays, _op=torch_op, _e4m3=e4m3, **kw):
             kw = {k: bool(v) if k in bools else v for k, v in kw.items()}
-            out = _op(*(torch.from_numpy(a.copy()) for a in arrays), **kw)
+            args = [torch.from_numpy(a.copy()) for a in arrays]
+            args = [a.view(torch.float8_e4m3fn) if q else a for a, q in zip(args, _e4m3)]
+            out = _op(*args, **kw)
             return tuple(o.numpy() for o in out) if isinstance(out, (tuple, list)) else out.numpy()
 
         onnx_op(op_type=op, inputs=ttype, outputs=[PyCustomOpDef.dt_float] * len(outs), attrs=atype)(impl)
         _PYOPS.add(op)
+
+
+def _e4m3_inputs_as_uint8(model, path) -> int:
+    """Rewire every E4M3 weight input of the k3 FP8 nodes to a uint8 initializer of the same bytes (see
+    FP8_SIGNATURES); returns how many weights were handed over that way."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, numpy_helper
+    inits = {t.name: t for t in model.graph.initializer}
+    made: dict[str, str] = {}
+    for n in model.graph.node:
+        if n.domain != DOMAIN or n.op_type not in FP8_SIGNATURES:
+            continue
+        for i, p in enumerate(FP8_SIGNATURES[n.op_type][0]):
+            if not p.endswith(":Q"):
+                continue
+            name = n.input[i]
+            t = inits.get(name)
+            if t is None or t.data_type != TensorProto.FLOAT8E4M3FN:
+                raise ValueError(f"{path}: {n.name} input {p.split(':')[0]} ({name}) is not an E4M3 initializer; "
+                                 "the CPU check runs FP8 graphs as `k3export onnx` writes them")
+            if name not in made:
+                raw = (np.frombuffer(t.raw_data, dtype=np.uint8) if t.raw_data else
+                       np.asarray(t.int32_data, dtype=np.uint8))
+                u8 = numpy_helper.from_array(raw.reshape(tuple(t.dims)), f"{name}__e4m3_bytes")
+                model.graph.initializer.append(u8)
+                made[name] = u8.name
+            n.input[i] = made[name]
+    used = {i for n in model.graph.node for i in n.input}
+    keep = [t for t in model.graph.initializer if t.name in used or t.name not in made]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(keep)                   # the E4M3 originals: now unused (onnxruntime warns)
+    return len(made)
 
 
 class OrtGraph:
@@ -239,8 +288,11 @@ class OrtGraph:
         import onnx
         import onnxruntime as ort
         from onnxruntime_extensions import default_opset_domain, get_library_path
-        _register_pyops()
         model = onnx.load(str(path))
+        fp8 = any(n.domain == DOMAIN and n.op_type in FP8_SIGNATURES for n in model.graph.node)
+        _register_pyops(fp8)
+        if fp8:
+            _e4m3_inputs_as_uint8(model, path)
         for t in list(model.graph.input) + list(model.graph.output):
             et = t.type.tensor_type.elem_type
             if et not in (onnx.TensorProto.FLOAT, onnx.TensorProto.INT64):
@@ -253,6 +305,7 @@ class OrtGraph:
             if imp.domain == DOMAIN:
                 imp.domain = default_opset_domain()
         so = ort.SessionOptions()
+        so.log_severity_level = 3      # errors only: its constant folding warns of every CastLike it cannot fold
         so.register_custom_ops_library(get_library_path())
         self.session = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
         self.inputs = [i.name for i in self.session.get_inputs()]

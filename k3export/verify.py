@@ -7,6 +7,7 @@ over its tolerance fails the run (non-zero exit from the CLI).
 Graphs exported on cuda (`k3export export --device cuda`) run there with the k3 ops on their Triton kernels;
 the table then also has one row per k3 op: every call of it inside the .pt2 run, checked against its naive twin
 on the same inputs (`OpChecker`). Larger inputs are used there (CASES_CUDA) so the kernels' real paths run.
+The ONNX runs in onnxruntime on the CPU, for float32 exports (FP8 ones included: `onnx_export.OrtGraph`).
 """
 
 from __future__ import annotations
@@ -208,16 +209,20 @@ def verify(graph_dir: str | Path, checkpoint: str | None = None, run_onnx: bool 
                           check_files=False)                   # a changed file is reported in the table below
     cuda = exported.device.type == "cuda"
     fp8 = bool(manifest.get("quant"))
-    run_onnx = ("onnx" in manifest and not fp8) if run_onnx is None else run_onnx
-    if run_onnx and fp8:
-        raise ManifestError("FP8 graphs: onnxruntime has no kernel for their k3.moe_routed_fp8 node, so the FP8 "
-                            "ONNX is not run here (its Q/DQ numerics: `k3export calibrate --report`); verify with "
-                            "--no-onnx")
+    dt = manifest["dtype"]
+    # onnxruntime runs the ONNX here on the CPU, in float32 (FP8 graphs too: their Q/DQ in onnxruntime's kernels,
+    # `k3.moe_routed_fp8` as a Python op on the torch reference); by default only where that can run
+    onnx_skip = ("" if "onnx" not in manifest or (not cuda and dt == "float32") else
+                 f"the ONNX is not run: onnxruntime runs it on the CPU in float32, these graphs are {dt} on "
+                 f"{exported.device.type} (`--onnx` on a float32 CPU export)")
+    run_onnx = ("onnx" in manifest and not onnx_skip) if run_onnx is None else run_onnx
     if run_onnx and cuda:
         raise ManifestError("ONNX graphs run in onnxruntime on the CPU; verify cuda graphs with --no-onnx")
     if run_onnx and "onnx" not in manifest:
         raise ManifestError(f"{graph_dir} has no ONNX graphs; run `k3export onnx --graphs {graph_dir}` first")
-    dt = manifest["dtype"]
+    if run_onnx and dt != "float32":
+        raise ManifestError(f"ONNX graphs run in onnxruntime on the CPU in float32; these are {dt}: verify with "
+                            "--no-onnx, or export with --dtype float32 to check the ONNX")
     paths = ["pt2", "onnx"] if run_onnx else ["pt2"]
     rows, ok, op_rows = [], True, []
     f32 = copy.deepcopy(model).float() if cuda else None       # the float32 twin, built once for both graphs
@@ -288,8 +293,11 @@ def verify(graph_dir: str | Path, checkpoint: str | None = None, run_onnx: bool 
     if fp8:
         q = manifest["quant"]
         lines.append(f"FP8 graphs: the eager reference is the model quantized with {q['scales']} (sha256 "
-                     f"{q['scales_sha256'][:12]}...)" + ("; the ONNX is not run (no onnxruntime kernel for "
-                                                          "k3.moe_routed_fp8)" if "onnx" in manifest else ""))
+                     f"{q['scales_sha256'][:12]}...)" + ("; the ONNX's Q/DQ nodes run in onnxruntime's kernels, "
+                                                          "its k3.moe_routed_fp8 nodes on the torch reference"
+                                                          if run_onnx else ""))
+    if onnx_skip and not run_onnx:
+        lines.append(onnx_skip)
     if cuda:
         lines.append(f"device {exported.device}, kernels registered for: {', '.join(sorted(_kernel_ops('cuda'))) or 'none'}; "
                      f"'kernel vs twin' rows: every call of the op inside the .pt2 against its naive twin on the "
@@ -303,7 +311,8 @@ def verify(graph_dir: str | Path, checkpoint: str | None = None, run_onnx: bool 
               help="Graph directory written by `k3export export`.")
 @click.option("--checkpoint", type=click.Path(exists=True, file_okay=False),
               help="Checkpoint to compare against (default: the manifest's source).")
-@click.option("--onnx/--no-onnx", "run_onnx", default=None, help="Also run the ONNX graphs (default: if present).")
+@click.option("--onnx/--no-onnx", "run_onnx", default=None,
+              help="Also run the ONNX graphs in onnxruntime on the CPU (default: when present and a float32 CPU export).")
 def verify_cmd(graph_dir, checkpoint, run_onnx):
     """Eager vs exported programs (from disk) vs ONNX on the same inputs; exits 1 on any failure."""
     try:
