@@ -252,7 +252,6 @@ def _e4m3_inputs_as_uint8(model, path) -> int:
     """Rewire every E4M3 weight input of the k3 FP8 nodes to a uint8 initializer of the same bytes (see
     FP8_SIGNATURES); returns how many weights were handed over that way."""
     import numpy as np
-    import onnx
     from onnx import TensorProto, numpy_helper
     inits = {t.name: t for t in model.graph.initializer}
     made: dict[str, str] = {}

@@ -214,7 +214,7 @@ def verify(graph_dir: str | Path, checkpoint: str | None = None, run_onnx: bool 
     # `k3.moe_routed_fp8` as a Python op on the torch reference); by default only where that can run
     onnx_skip = ("" if "onnx" not in manifest or (not cuda and dt == "float32") else
                  f"the ONNX is not run: onnxruntime runs it on the CPU in float32, these graphs are {dt} on "
-                 f"{exported.device.type} (`--onnx` on a float32 CPU export)")
+                 f"{exported.device.type} (export with --device cpu --dtype float32 to check the ONNX)")
     run_onnx = ("onnx" in manifest and not onnx_skip) if run_onnx is None else run_onnx
     if run_onnx and cuda:
         raise ManifestError("ONNX graphs run in onnxruntime on the CPU; verify cuda graphs with --no-onnx")
@@ -312,7 +312,8 @@ def verify(graph_dir: str | Path, checkpoint: str | None = None, run_onnx: bool 
 @click.option("--checkpoint", type=click.Path(exists=True, file_okay=False),
               help="Checkpoint to compare against (default: the manifest's source).")
 @click.option("--onnx/--no-onnx", "run_onnx", default=None,
-              help="Also run the ONNX graphs in onnxruntime on the CPU (default: when present and a float32 CPU export).")
+              help="Also run the ONNX graphs in onnxruntime on the CPU (default: when present and a float32 CPU "
+                   "export).")
 def verify_cmd(graph_dir, checkpoint, run_onnx):
     """Eager vs exported programs (from disk) vs ONNX on the same inputs; exits 1 on any failure."""
     try:

@@ -28,7 +28,7 @@
 #   moepair  MoE prefill with gate/up rows paired in one tensor: its cuda tests, then `bench moe --layout
 #            $MOEPAIR_LAYOUT` (default both) over the prefill tilings $MOEPAIR_TILES at $MOEPAIR_TOKENS
 #   mlawide  the MLA decode wide-tile cuda tests, then scripts/mla_decode_sweep.py (old vs wide tiles, 96 heads;
-#            $MLAWIDE_VARIANTS picks the tiles, e.g. wide64-tma-fill,wide64-tma-p)
+#            $MLAWIDE_VARIANTS picks the tiles, e.g. wide64-tma-fill,trans128-tma)
 #   pdl      scripts/pdl_probe.py: PDL under CUDA-graph capture (time per launch, programmatic edges, same bits);
 #            time it in the model with MODEL_BACKENDS=compile,compile-pdl
 #   gemvpdl  scripts/gemv_pdl_probe.py: the step's 52 GEMVs chained, cuBLAS vs plugins.gemv with and without PDL and
@@ -133,8 +133,8 @@ for part in $parts; do
              --tiles ${MOEPAIR_TILES:-m128t64-aw,m128t64-aw-y16r-f2,m128-tma-aw,m64t32-n128-aw8,m64t32-n128-aw8-y16r-f2} \
              --tokens ${MOEPAIR_TOKENS:-8192,16384,4096} --budget-s ${MOEPAIR_BUDGET:-240} --out "$OUT/moepair" \
              > "$OUT/moepair.log" 2>&1 ;;
-    mlawide) timeout ${MLAWIDE_TEST_TIMEOUT:-150} python3 -m pytest -q -m cuda tests/test_mla_kernels.py -s -rs -k "wide or fp32" -p no:cacheprovider \
-             > "$OUT/mlawide-test.log" 2>&1
+    mlawide) timeout ${MLAWIDE_TEST_TIMEOUT:-150} python3 -m pytest -q -m cuda tests/test_mla_kernels.py -s -rs \
+             -k "wide or fp32" -p no:cacheprovider > "$OUT/mlawide-test.log" 2>&1
            timeout ${MLAWIDE_TIMEOUT:-200} python3 scripts/mla_decode_sweep.py "$OUT/mla-decode-wide.json" \
              --budget-s ${MLAWIDE_BUDGET:-140} ${MLAWIDE_VARIANTS:+--variants $MLAWIDE_VARIANTS} \
              > "$OUT/mlawide.log" 2>&1 ;;
