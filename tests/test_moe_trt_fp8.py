@@ -28,7 +28,7 @@ import torch
 
 from test_moe_kernels import FP16_BOUND, FP32_BOUND, SITU
 from test_moe_trt import (CHAIN_BOUND, K3, TINY, TRT_SKIP, _Recorder, _rel, build_on_stand_in, check_built,
-                           check_launch, run_chain)
+                           check_launch, clear_token_errors, run_chain)
 from trt_standin import Sym, install
 
 # vs the contract's references on the GPU: those of tests/test_fp8.py, with their reasons there (same kernels).
@@ -319,11 +319,7 @@ def test_fp8_chain_through_cupy_k3(k3_fp8, N, max_tokens):
     wo = trt_fp8.weight_only(max_tokens or N, k, K3["E"])
     ref = moe_fp8_wo_ref(*args, k, True, 1.0, **SITU) if wo else moe_fp8_sorted(*args, t["z_scale"], t["h_scale"], k,
                                                                                  True, 1.0, **SITU)
-    top = torch.topk(torch.sigmoid(x.float() @ t["gate_weight"].float().T) + t["bias"], k + 1, dim=-1).values
-    clear = (top[:, k - 1] - top[:, k]) > 1e-5
-    assert clear.any(), "every token has a near-tie on this draw"
-    err_op = ((u.double() - op.double())[clear].abs().max() / op.double().abs().max()).item()
-    err_ref = ((u.double() - ref.double())[clear].abs().max() / ref.double().abs().max()).item()
+    clear, err_op, err_ref = clear_token_errors(u, op, ref, x, t["gate_weight"], t["bias"], k)
     print(f"moe fp8 trt chain N={N} max_tokens={max_tokens} ({'weight-only' if wo else 'W8A8'}): vs op "
           f"{err_op:.2e}, vs reference {err_ref:.2e} on {int(clear.sum())}/{N} clear tokens")
     assert u.shape == z.shape and err_op < (CHAIN_BOUND if max_tokens is None else ROUTE_ORDER_BOUND)
