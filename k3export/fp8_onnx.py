@@ -80,20 +80,19 @@ def register_fp8_schemas() -> None:
     """The `k3.moe_routed_fp8` node schema (idempotent): floats T (activations), Z (latent), F (fp32 router bias,
     scales), E4M3 Q (expert weights)."""
     from onnx.defs import OpSchema
+    from k3export.onnx_export import FP8_SIGNATURES
     if onnx.defs.has("moe_routed_fp8", "k3"):
         return
     floats = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)", "tensor(double)"]
     P = OpSchema.FormalParameter
     AT = OpSchema.AttrType
-    ins = [("x", "T"), ("z", "Z"), ("gate_weight", "T"), ("bias", "F"), ("w13", "Q"), ("w2", "Q"),
-           ("w13_scale", "F"), ("w2_scale", "F"), ("z_scale", "F"), ("h_scale", "F")]
+    ins, outs, attrs = FP8_SIGNATURES["moe_routed_fp8"]
     onnx.defs.register_schema(OpSchema(
         "moe_routed_fp8", "k3", 1, doc="k3::moe_routed_fp8; see k3export/fp8_moe.py",
-        inputs=[P(n, t) for n, t in ins], outputs=[P("u", "Z")],
+        inputs=[P(*p.split(":")) for p in ins], outputs=[P(*p.split(":")) for p in outs],
         type_constraints=[("T", floats, ""), ("Z", floats, ""), ("F", floats, ""),
                           ("Q", ["tensor(float8e4m3fn)"], "E4M3 weights")],
-        attributes=[OpSchema.Attribute("top_k", AT.INT, ""), OpSchema.Attribute("renormalize", AT.INT, ""),
-                    *(OpSchema.Attribute(a, AT.FLOAT, "") for a in ("scaling", "beta", "linear_beta"))]))
+        attributes=[OpSchema.Attribute(a, AT.INT if t is int else AT.FLOAT, "") for a, t in attrs.items()]))
 
 
 def moe_routed_fp8_onnx(x, z, gate_weight, bias, w13, w2, w13_scale, w2_scale, z_scale, h_scale, top_k: int,

@@ -210,8 +210,9 @@ def _name_axes(model, ep, input_specs: list[dict]) -> int:
 
 # ---------------------------------------------------------------------------------------------- CPU execution
 _PYOPS: set[str] = set()
-# FP8 graphs' one k3 node (`k3export.fp8_onnx`): its expert weights are E4M3 ("Q"), a type onnxruntime-extensions'
-# Python ops cannot receive, so `OrtGraph` hands them over as uint8 (the same bytes) and the op views them back.
+# FP8 graphs' one k3 node (its ONNX schema: `fp8_onnx.register_fp8_schemas`): its expert weights are E4M3 ("Q"), a
+# type onnxruntime-extensions' Python ops cannot receive, so `OrtGraph` hands them over as uint8 (the same bytes)
+# and the op views them back.
 FP8_SIGNATURES = {
     "moe_routed_fp8": (["x:T", "z:Z", "gate_weight:T", "bias:F", "w13:Q", "w2:Q", "w13_scale:F", "w2_scale:F",
                         "z_scale:F", "h_scale:F"], ["u:Z"],
