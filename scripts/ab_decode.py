@@ -2,11 +2,13 @@
 once, then an Engine (its CUDA graph captured with the switch set) is timed per setting, the settings interleaved
 over several rounds so that clock and thermal drift fall on all of them alike. GPU only.
 
-    python3 scripts/ab_decode.py --env NAME=A,B [--env NAME2=A,B,C ...] [--config FIELD=A,B] [--backends A,B]
+    python3 scripts/ab_decode.py --env NAME=A,B [--env NAME2=A,B,C ...] [--set NAME3=V] [--config FIELD=A,B]
+                                 [--backends A,B]
                                  [--backend compile] [--batch 1] [--context 1024] [--rounds 4] [--steps 200]
                                  [--fp8] [--precisions] [--out ab.json]
 
-Each --env is one experiment on the same compiled model, run in turn; --config FIELD=A,B is one experiment over
+Each --env is one experiment on the same compiled model, run in turn (--set: variables set for all of them);
+--config FIELD=A,B is one experiment over
 models whose K3Config field FIELD (an int field of the preset) takes each value (one model and one compile per
 value: e.g. num_shared_experts=2,0 to see what a part of the step costs on the chain); --backends A,B one over
 compile variants (`bench model`'s names), one model each; --precisions one over the bf16 model and its FP8 copy
@@ -54,6 +56,8 @@ def _experiment(label: str, values: list[str], run, a) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--env", action="append", default=[], help="NAME=V1,V2,... (repeatable)")
+    ap.add_argument("--set", action="append", default=[], help="NAME=VALUE set for every --env experiment (except "
+                    "one over NAME itself, which sets it per setting), e.g. the tiling whose own switch is A/B'd")
     ap.add_argument("--config", action="append", default=[], help="FIELD=V1,V2,... (int K3Config field)")
     ap.add_argument("--backends", default=None, help="B1,B2,...: compile variants, one model each")
     ap.add_argument("--backend", default="compile")
@@ -89,6 +93,8 @@ def main() -> None:
     experiments = []
     if a.env:
         model, backend = build(base)
+        fixed = dict(spec.split("=", 1) for spec in a.set)
+        os.environ.update(fixed)
         for spec in a.env:
             name, _, values = spec.partition("=")
 
@@ -96,7 +102,10 @@ def main() -> None:
                 os.environ[name] = v
                 return _time(backend, model, a.batch, a.context, a.steps)
             experiments.append(_experiment(name, values.split(","), run, a))
-            os.environ.pop(name, None)
+            if name in fixed:
+                os.environ[name] = fixed[name]
+            else:
+                os.environ.pop(name, None)
         del model, backend
     for spec in a.config:
         field, _, values = spec.partition("=")
