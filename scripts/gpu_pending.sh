@@ -21,11 +21,6 @@
 #   probe    scripts/gemv_pack_probe.py: separate vs packed projections sharing an input (k3-small, B = 1)
 #   serve    the serving path's cuda tests: kda_decode_inplace, attn_res_add_norm / attn_res_norm at K3 shape, the
 #            compile backend (packed, fused, in place) vs eager under CUDA graphs, packing on the GPU
-#   moeone   the routed experts of a decode token as one launch (`MoeTiles.one_launch`): its cuda tests (== the
-#            three-launch path bit for bit, CUDA graphs), then scripts/ab_decode.py over K3_MOE_DECODE=$MOEONE_TILINGS
-#            (default pairs-n8-fc-g1,pairs-n8-one,pairs-n8-one-pf) and K3_MOE_ONE=$MOEONE_OPTS (polling and
-#            ordering switches of the one launch), then the k3-small compile tokens and the pairs / FP8 pairs cuda
-#            tests (their shared helpers changed)
 #   moefused the MoE pairs path with top-k in the router launch and the combine in gemm2's (pairs-n8-fused): cuda tests
 #   fp8split the FP8 GEMV's split-K sum inside its launch: cuda tests (bit-identical to the two-launch sum, CUDA
 #            graphs), then scripts/fp8_split_sum.py (per-GEMM times, k3-small and K3 shapes)
@@ -125,17 +120,6 @@ for part in $parts; do
     serve) timeout ${SERVE_TIMEOUT:-200} python3 -m pytest -q -m cuda tests/test_kda_kernels.py tests/test_attn_res_kernels.py \
              tests/test_runtime.py tests/test_packing.py -s -rs -k "${SERVE_K:-inplace or decode_k3 or norm or runtime or packed or cuda_graph or generates}" \
              -p no:cacheprovider > "$OUT/serve.log" 2>&1 ;;
-    moeone) timeout 150 python3 -m pytest -q -m cuda tests/test_moe_one_launch.py -k "bit_identical or cuda_graph" -s -rs \
-             -p no:cacheprovider > "$OUT/moeone-test.log" 2>&1
-           K3_MOE_ONE=sleep=200 timeout 100 python3 -m pytest -q -m cuda tests/test_moe_one_launch.py -k "bit_identical" \
-             -p no:cacheprovider > "$OUT/moeone-test-sleep.log" 2>&1
-           timeout ${AB_TIMEOUT:-300} python3 scripts/ab_decode.py --set K3_MOE_DECODE=pairs-n8-one-pf \
-             --env K3_MOE_DECODE=${MOEONE_TILINGS:-pairs-n8-fc-g1,pairs-n8-one,pairs-n8-one-pf} \
-             --env K3_MOE_ONE=${MOEONE_OPTS:-,sleep=100,sleep=500,pid,sleep=100+pid} --rounds 4 \
-             --out "$OUT/ab-moeone.json" > "$OUT/ab-moeone.log" 2>&1
-           timeout 240 python3 -m pytest -q -m cuda tests/test_moe_one_launch.py tests/test_moe_pairs_fused.py \
-             tests/test_fp8.py -k "compile_tokens or k3-small or ties or pair or fused" -s -rs -p no:cacheprovider \
-             > "$OUT/moeone-test2.log" 2>&1 ;;
     moefused) timeout 150 python3 -m pytest -q -m cuda tests/test_moe_pairs_fused.py tests/test_moe_kernels.py -k pairs -s -rs \
              -p no:cacheprovider > "$OUT/moefused.log" 2>&1 ;;
     fp8split) timeout 200 python3 -m pytest -q -m cuda tests/test_fp8_kernels_split.py tests/test_fp8.py -rs -p no:cacheprovider \

@@ -789,21 +789,16 @@ def moe_combine_fwd_kernel(y, w, u, L, TOP_K: tl.constexpr, BLOCK_L: tl.constexp
 
 
 @triton.jit
-def _gemv_rows(x_row, w_rows, n_ok, offs_k, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               X_CG: tl.constexpr = False):
+def _gemv_rows(x_row, w_rows, n_ok, offs_k, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """[BLOCK_N] fp32: W[n, :] . x over K, with w_rows `[BN, BK]` pointers (K contiguous) and x_row a pointer to
     one row. Accumulates `[BN, BK]` in fp32, reduced once; the next weight tile is loaded before this one is used
-    (the pipeliner stages no load that feeds no tl.dot). X_CG: x loaded through L2 (.cg: programs of the same
-    launch wrote it)."""
+    (the pipeliner stages no load that feeds no tl.dot)."""
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     v = tl.load(w_rows, mask=n_ok[:, None] & (offs_k < K)[None, :], other=0.0)
     for k0 in range(0, K, BLOCK_K):
         k_next = k0 + BLOCK_K + offs_k
         v_next = tl.load(w_rows + k0 + BLOCK_K, mask=n_ok[:, None] & (k_next < K)[None, :], other=0.0)
-        if X_CG:
-            xv = tl.load(x_row + k0 + offs_k, mask=(k0 + offs_k) < K, other=0.0, cache_modifier=".cg").to(tl.float32)
-        else:
-            xv = tl.load(x_row + k0 + offs_k, mask=(k0 + offs_k) < K, other=0.0).to(tl.float32)
+        xv = tl.load(x_row + k0 + offs_k, mask=(k0 + offs_k) < K, other=0.0).to(tl.float32)
         acc += v.to(tl.float32) * xv[None, :]
         v = v_next
     return tl.sum(acc, 1)
@@ -828,64 +823,40 @@ def _pair_route(part, bias, s, ids, wt, N, E, scaling, n_cols, TOP_K: tl.constex
     order and arithmetic) and takes slot p % TOP_K's; the token's first pair's first column tile stores s, ids and
     wt (scaled). Returns (p, expert as int64, columns [n0, n0 + BLOCK_N) of n_cols, their mask)."""
     p = tl.program_id(0)
-    e = _route_select(part, bias, s, ids, wt, N, E, scaling, p, (p % TOP_K == 0) & (tl.program_id(1) == 0),
-                      TOP_K, SPLITS, BLOCK_E, BLOCK_TK, RENORM, PACKED, False)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    return p, e, offs_n, offs_n < n_cols
-
-
-@triton.jit
-def _route_select(part, bias, s, ids, wt, N, E, scaling, p, store, TOP_K: tl.constexpr, SPLITS: tl.constexpr,
-                  BLOCK_E: tl.constexpr, BLOCK_TK: tl.constexpr, RENORM: tl.constexpr, PACKED: tl.constexpr,
-                  CG: tl.constexpr):
-    """Pair p's expert (int64): its token's selection from the router partials (`_pair_route`); with store, s, ids
-    and wt (scaled) of the token too. CG: the partials loaded through L2 (.cg: other programs of the same launch
-    wrote them)."""
     n = p // TOP_K
     offs_e = tl.arange(0, BLOCK_E)
     e_ok = offs_e < E
     acc_e = tl.zeros([BLOCK_E], tl.float32)
     for sp in tl.static_range(SPLITS):
-        if CG:
-            acc_e += tl.load(part + (sp * N + n).to(tl.int64) * E + offs_e, mask=e_ok, other=0.0, cache_modifier=".cg")
-        else:
-            acc_e += tl.load(part + (sp * N + n).to(tl.int64) * E + offs_e, mask=e_ok, other=0.0)
+        acc_e += tl.load(part + (sp * N + n).to(tl.int64) * E + offs_e, mask=e_ok, other=0.0)
     sc = _sigmoid(acc_e)
     top, wtop = _topk(sc, bias, E, TOP_K, BLOCK_TK, BLOCK_E, RENORM, PACKED)
     slots = tl.arange(0, BLOCK_TK)
     e = tl.sum(tl.where(slots == p % TOP_K, top, 0), 0).to(tl.int64)
-    if store:
+    if (p % TOP_K == 0) & (tl.program_id(1) == 0):
         tl.store(s + n.to(tl.int64) * E + offs_e, sc, mask=e_ok)
         tl.store(ids + n * TOP_K + slots, top, mask=slots < TOP_K)
         tl.store(wt + n * TOP_K + slots, wtop * tl.cast(scaling, tl.float32), mask=slots < TOP_K)
-    return e
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return p, e, offs_n, offs_n < n_cols
 
 
 @triton.jit
 def _ticket_combine(y, wt, u, tickets, p, offs_n, n_ok, stride_y, stride_u, TOP_K: tl.constexpr,
-                    BLOCK_N: tl.constexpr, tile=None, n_tiles=None, WT_CG: tl.constexpr = False):
+                    BLOCK_N: tl.constexpr):
     """After pair p stored its columns offs_n of y `[N k, L]` fp32: a ticket on its (token, column tile) counter;
     the program that draws the last of the TOP_K tickets sums the token's rows, u[n] = sum_j wt[n, j] y[n k + j] in
     fp32 (slot order: `moe_combine_fwd_kernel`'s bits) -> u.dtype, and puts the counter back to 0. Other programs'
-    rows are read through L2 (.cg), after the acq_rel ticket (here and in the FP8 twin). tile / n_tiles: the column
-    tile and the tiles per token (default: program 1 and the grid's axis 1); WT_CG: wt loaded through L2 (.cg:
-    programs of the same launch wrote it)."""
+    rows are read through L2 (.cg), after the acq_rel ticket (here and in the FP8 twin)."""
     tl.debug_barrier()                                  # every thread's columns stored before the release
     n = p // TOP_K
-    if tile is None:
-        counter = tickets + n * tl.num_programs(1) + tl.program_id(1)
-    else:
-        counter = tickets + n * n_tiles + tile
+    counter = tickets + n * tl.num_programs(1) + tl.program_id(1)
     if tl.atomic_add(counter, 1, sem="acq_rel") == TOP_K - 1:
         tl.debug_barrier()
         out = tl.zeros([BLOCK_N], tl.float32)
         for j in tl.static_range(TOP_K):
-            yj = tl.load(y + (n * TOP_K + j).to(tl.int64) * stride_y + offs_n, mask=n_ok, other=0.0,
-                         cache_modifier=".cg")
-            if WT_CG:
-                out += tl.load(wt + n * TOP_K + j, cache_modifier=".cg") * yj
-            else:
-                out += tl.load(wt + n * TOP_K + j) * yj
+            out += tl.load(wt + n * TOP_K + j) * tl.load(y + (n * TOP_K + j).to(tl.int64) * stride_y + offs_n,
+                                                         mask=n_ok, other=0.0, cache_modifier=".cg")
         tl.store(u + n.to(tl.int64) * stride_u + offs_n, out.to(u.dtype.element_ty), mask=n_ok)
         tl.store(counter, 0)
 
@@ -953,138 +924,6 @@ def moe_pair_gemm2_combine_fwd_kernel(h, w2, ids, wt, y, u, tickets, L, I, strid
     _ticket_combine(y, wt, u, tickets, p, offs_n, n_ok, stride_y, stride_u, TOP_K, BLOCK_N)
 
 
-@triton.jit
-def _prefetch_l2(base, n_elems, part, parts, LINES: tl.constexpr, EPL: tl.constexpr):
-    """`prefetch.global.L2` of part `part` of `parts` of the n_elems elements at base (EPL elements per 128-byte
-    line, LINES lines per part, one per thread and round): bytes a later phase reads, fetched while this one
-    streams its own (`MoeTiles.w2_l2`)."""
-    total = tl.cdiv(n_elems, EPL)
-    lines = part * tl.cdiv(total, parts) + tl.arange(0, LINES)
-    offs = tl.where(lines < total, lines, 0).to(tl.int64) * EPL
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
-                              [(base + offs).to(tl.int64, bitcast=True)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _spin_until(counter, target, SLEEP: tl.constexpr = 0):
-    """Wait until the int32 counter reaches target (programs of this launch add to it with release semantics);
-    what they stored before their adds is then visible to this program. Triton compiles the add of 0 with acquire
-    semantics to a polled `ld.global.gpu.acquire` (sm_90 PTX): no atomic traffic while waiting. (An acquire add
-    whose result goes unused is removed altogether, so the loop tests it.) SLEEP > 0: `nanosleep` of that many
-    ns between polls (fewer L2 requests while other programs stream)."""
-    while tl.atomic_add(counter, 0, sem="acquire") < target:
-        if SLEEP > 0:
-            tl.inline_asm_elementwise(f"nanosleep.u32 {SLEEP};\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32,
-                                      is_pure=False, pack=1)
-
-
-@triton.jit
-def moe_pair_layer_fwd_kernel(x, g, bias, part, s, ids, wt, z, w1, w3, h, w2, y, u, tickets, N, E, D, L, I,
-                              stride_xn, stride_ge, D_SPLIT, stride_zn, stride_we1, stride_wi, stride_h, stride_we2,
-                              stride_wl, stride_y, stride_u, scaling, beta, linear_beta, TOP_K: tl.constexpr,
-                              SPLITS: tl.constexpr, BLOCK_RM: tl.constexpr, BLOCK_RE: tl.constexpr,
-                              BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_E: tl.constexpr,
-                              BLOCK_TK: tl.constexpr, RENORM: tl.constexpr, PACKED: tl.constexpr,
-                              BLOCK_N1: tl.constexpr, BLOCK_K1: tl.constexpr, BLOCK_N2: tl.constexpr,
-                              BLOCK_K2: tl.constexpr, W2_LINES: tl.constexpr = 0, W2_EPL: tl.constexpr = 64,
-                              SLEEP: tl.constexpr = 0, PID_ORDER: tl.constexpr = False, PDL: tl.constexpr = False):
-    """The routed experts of a few tokens as ONE launch (`MoeTiles.one_launch`): the split router, gemm1 (with
-    its own top-k, as `moe_pair_gemm1_fwd_kernel` ROUTE), gemm2 and the combine (`_ticket_combine`), the phases
-    ordered by counters instead of launch boundaries. Each program first draws its place v from a counter
-    (tickets[0]), so places are handed out in the order programs start: v < R router tiles, then P * T1 gemm1
-    tiles, then P * T2 gemm2 tiles (P pairs, T1 / T2 column tiles of I / L). A program waits only on places
-    before its own, whose programs have started and wait on nothing later, so the waits cannot deadlock
-    whatever order the hardware starts programs in.
-      router tile: partial sums of x @ g^T over D_SPLIT columns to part `[SPLITS, N, E]`; then tickets[2] += 1.
-      gemm1 tile (pair p, columns of I): waits for tickets[2] == R; selects p's expert from the partials; the
-        token's first pair's first tile stores s, ids and wt; h[p] tile; then tickets[3 + p] += 1.
-        W2_LINES > 0: the tile also prefetches its share (1 / T1) of expert e's w2 into L2, W2_LINES lines of 128
-        bytes (W2_EPL elements each), so gemm2 reads w2 from L2: its bytes stream while gemm1 runs.
-      gemm2 tile (pair p, BLOCK_N2 rows of L): waits for the token's first pair (which stores ids and wt) and for
-        p to be complete (tickets[3 + q] == T1), then y[p] tile in fp32 as `moe_pair_gemm2_fwd_kernel`; the
-        token's last pair per column tile combines into u (`_ticket_combine`).
-    The last gemm2 tile to finish (tickets[1] counts them) puts tickets[0..3 + P) back to 0: by then every program
-    has drawn its place, every gemm1 tile has passed its wait on the router, and every gemm2 tile its waits. The
-    combine's counters (from 3 + P) are reset by their own last programs. Outputs: u, and s / ids / wt as the
-    routing outputs, all with the separate launches' arithmetic (same helpers, same tiles): the same bits."""
-    pdl_wait(PDL)
-    scaling = tl.cast(scaling, tl.float32)
-    beta = tl.cast(beta, tl.float32)
-    linear_beta = tl.cast(linear_beta, tl.float32)
-    P = N * TOP_K
-    RT = tl.cdiv(E, BLOCK_RE)
-    R = tl.cdiv(N, BLOCK_RM) * RT * SPLITS
-    T1 = tl.cdiv(I, BLOCK_N1)
-    T2 = tl.cdiv(L, BLOCK_N2)
-    G1 = R + P * T1
-    total = G1 + P * T2
-    if PID_ORDER:           # experiment: places = program ids (relies on the hardware starting them in order)
-        v = tl.program_id(0)
-    else:
-        v = tl.atomic_add(tickets, 1, sem="relaxed")
-    if v < R:
-        m = v // (RT * SPLITS)
-        et = (v // SPLITS) % RT
-        sp = v % SPLITS
-        offs_m = m * BLOCK_RM + tl.arange(0, BLOCK_RM)
-        offs_e = et * BLOCK_RE + tl.arange(0, BLOCK_RE)
-        offs_d = tl.arange(0, BLOCK_D)
-        d_lo = sp * D_SPLIT
-        d_hi = tl.minimum(D, d_lo + D_SPLIT)
-        acc = tl.zeros([BLOCK_RM, BLOCK_RE], tl.float32)
-        for d0 in range(d_lo, d_hi, BLOCK_D):
-            d_ok = (d0 + offs_d) < d_hi
-            a = tl.load(x + offs_m[:, None].to(tl.int64) * stride_xn + d0 + offs_d[None, :],
-                        mask=(offs_m[:, None] < N) & d_ok[None, :], other=0.0)
-            b = tl.load(g + offs_e[:, None].to(tl.int64) * stride_ge + d0 + offs_d[None, :],
-                        mask=(offs_e[:, None] < E) & d_ok[None, :], other=0.0)
-            acc = tl.dot(a, tl.trans(b), acc=acc, input_precision=DOT_PREC)
-        tl.store(part + sp.to(tl.int64) * N * E + offs_m[:, None].to(tl.int64) * E + offs_e[None, :], acc,
-                 mask=(offs_m[:, None] < N) & (offs_e[None, :] < E))
-        tl.debug_barrier()                              # every thread's partials stored before the release
-        tl.atomic_add(tickets + 2, 1, sem="release")
-    elif v < G1:
-        p = (v - R) // T1
-        tile = (v - R) % T1
-        _spin_until(tickets + 2, R, SLEEP)
-        e = _route_select(part, bias, s, ids, wt, N, E, scaling, p, (p % TOP_K == 0) & (tile == 0), TOP_K, SPLITS,
-                          BLOCK_E, BLOCK_TK, RENORM, PACKED, True)
-        offs_n = tile * BLOCK_N1 + tl.arange(0, BLOCK_N1)
-        n_ok = offs_n < I
-        offs_k = tl.arange(0, BLOCK_K1)
-        z_row = z + (p // TOP_K).to(tl.int64) * stride_zn
-        w_off = e * stride_we1 + offs_n[:, None].to(tl.int64) * stride_wi + offs_k[None, :]
-        y1 = _gemv_rows(z_row, w1 + w_off, n_ok, offs_k, L, BLOCK_N1, BLOCK_K1)
-        y3 = _gemv_rows(z_row, w3 + w_off, n_ok, offs_k, L, BLOCK_N1, BLOCK_K1)
-        act = beta * _tanh(y1 / beta) * _sigmoid(y1) * (linear_beta * _tanh(y3 / linear_beta))
-        if W2_LINES > 0:
-            _prefetch_l2(w2 + e * stride_we2, L * I, tile, T1, W2_LINES, W2_EPL)
-        tl.store(h + p.to(tl.int64) * stride_h + offs_n, act.to(h.dtype.element_ty), mask=n_ok)
-        tl.debug_barrier()                              # every thread's columns stored before the release
-        tl.atomic_add(tickets + 3 + p, 1, sem="release")
-    else:
-        p = (v - G1) // T2
-        tile = (v - G1) % T2
-        _spin_until(tickets + 3 + (p // TOP_K) * TOP_K, T1, SLEEP)
-        _spin_until(tickets + 3 + p, T1, SLEEP)
-        e = tl.load(ids + p, cache_modifier=".cg").to(tl.int64)
-        offs_n = tile * BLOCK_N2 + tl.arange(0, BLOCK_N2)
-        n_ok = offs_n < L
-        offs_k = tl.arange(0, BLOCK_K2)
-        w_rows = w2 + e * stride_we2 + offs_n[:, None].to(tl.int64) * stride_wl + offs_k[None, :]
-        acc = _gemv_rows(h + p.to(tl.int64) * stride_h, w_rows, n_ok, offs_k, I, BLOCK_N2, BLOCK_K2, True)
-        tl.store(y + p.to(tl.int64) * stride_y + offs_n, acc, mask=n_ok)
-        _ticket_combine(y, wt, u, tickets + 3 + P, p, offs_n, n_ok, stride_y, stride_u, TOP_K, BLOCK_N2, tile, T2,
-                        True)
-        tl.debug_barrier()
-        if tl.atomic_add(tickets + 1, 1, sem="acq_rel") == total - G1 - 1:     # the last gemm2 tile: reset
-            tl.store(tickets, 0)
-            tl.store(tickets + 2, 0)
-            for q in range(P):
-                tl.store(tickets + 3 + q, 0)
-            tl.store(tickets + 1, 0)
-
-
 # ---------------------------------------------------------------------------------------------- launches
 @dataclass(frozen=True)
 class MoeTiles:
@@ -1107,10 +946,7 @@ class MoeTiles:
     gemm2 stores each pair's expert output in z.dtype, as the reference `moe_sorted` rounds it, instead of fp32
     (half the bytes written by gemm2 and read by the combine, which still sums in fp32). wide_route:
     `route_fwd(wide=True)`. fast_act: the row plan's gemm1 epilogue math (`_situ_glu` FAST; 2 runs as 1 under
-    the interpreter, which has no inline PTX). one_launch (with topk_gemm1 and fuse_combine, up to topk_gemm1
-    tokens): the router, gemm1, gemm2 and the combine as one launch (`moe_pair_layer_fwd_kernel`), 3 launches ->
-    1. w2_l2 (one_launch): gemm1's programs prefetch the selected experts' w2 into L2, so gemm2's weight bytes
-    stream while gemm1 runs."""
+    the interpreter, which has no inline PTX)."""
     block_m: int
     gemm1: tuple
     gemm2: tuple
@@ -1129,8 +965,6 @@ class MoeTiles:
     wide_route: bool = False
     fast_act: int = 0
     chunk_align: int = 0
-    one_launch: bool = False
-    w2_l2: bool = False
 
     @property
     def rows(self) -> int:
@@ -1159,13 +993,7 @@ TILINGS = {
                "pairs-n8-fused": MoeTiles(16, (32, 256, 4, 4), (32, 256, 4, 4), _ALL, "", True, True, pairs=2,
                                           pair_gemm=((8, 256, 4), (8, 256, 4)), fuse_topk=2, fuse_combine=True),
                "pairs-n8-fc-g1": MoeTiles(16, (32, 256, 4, 4), (32, 256, 4, 4), _ALL, "", True, True, pairs=2,
-                                          pair_gemm=((8, 256, 4), (8, 256, 4)), fuse_combine=True, topk_gemm1=2),
-               "pairs-n8-one": MoeTiles(16, (32, 256, 4, 4), (32, 256, 4, 4), _ALL, "", True, True, pairs=2,
-                                        pair_gemm=((8, 256, 4), (8, 256, 4)), fuse_combine=True, topk_gemm1=2,
-                                        one_launch=True),
-               "pairs-n8-one-pf": MoeTiles(16, (32, 256, 4, 4), (32, 256, 4, 4), _ALL, "", True, True, pairs=2,
-                                           pair_gemm=((8, 256, 4), (8, 256, 4)), fuse_combine=True, topk_gemm1=2,
-                                           one_launch=True, w2_l2=True)},
+                                          pair_gemm=((8, 256, 4), (8, 256, 4)), fuse_combine=True, topk_gemm1=2)},
     # Timed on 2026-11-30 09:19-09:34 and dropped: m128t64-aw with gemm1 in 3 or 5 stages, gemm2 in 5, and y_half
     # without the wide router (no faster, or slower: docs/perf.md).
     "prefill": {"old": MoeTiles(64, (64, 64, 4, 4), (128, 64, 4, 4), _ALL, "", False),
@@ -1395,51 +1223,6 @@ def pairs_fwd(z, w1, w3, w2, ids, beta: float, linear_beta: float, cfg: MoeTiles
     return u
 
 
-def pairs_layer_fwd(x, z, gate_weight, bias, w1, w3, w2, top_k: int, renormalize: bool, scaling: float,
-                    beta: float, linear_beta: float, cfg: MoeTiles):
-    """u `[N, L]` in z.dtype from one `moe_pair_layer_fwd_kernel` launch (`MoeTiles.one_launch`): the split
-    router of `route_fwd(lean=True)` (the same tiles and split), gemm1 with its own top-k, gemm2 and the combine.
-    Returns (u, ids, w, s) like the separate launches' outputs."""
-    N, D = x.shape
-    E, I, L = w1.shape
-    if x.dtype != gate_weight.dtype:
-        x, gate_weight = x.float(), gate_weight.float()
-    x, gate_weight = x.contiguous(), gate_weight.contiguous()
-    block_d = 128 if x.dtype != torch.float32 else 32
-    splits = 8
-    d_split = triton.cdiv(D, splits * block_d) * block_d
-    P = N * top_k
-    (bn1, bk1, warps1), (bn2, bk2, warps2) = cfg.pair_gemm
-    check(warps1 == warps2, f"one_launch: gemm1 / gemm2 warps differ ({warps1}, {warps2})")
-    part = torch.empty(splits, N, E, device=x.device, dtype=torch.float32)
-    s = torch.empty(N, E, device=x.device, dtype=torch.float32)
-    ids = torch.empty(N, top_k, device=x.device, dtype=torch.int32)
-    w = torch.empty(N, top_k, device=x.device, dtype=torch.float32)
-    h = torch.empty(P, I, device=z.device, dtype=z.dtype)
-    y = torch.empty(P, L, device=z.device, dtype=torch.float32)
-    u = torch.empty(N, L, device=z.device, dtype=z.dtype)
-    R = triton.cdiv(N, 16) * triton.cdiv(E, 16) * splits
-    tiles1, tiles2 = triton.cdiv(I, bn1), triton.cdiv(L, bn2)
-    programs = R + P * (tiles1 + tiles2)
-    epl = 128 // w2.element_size()
-    w2_lines = pow2(triton.cdiv(triton.cdiv(L * I, epl), tiles1), 1) if cfg.w2_l2 and not INTERPRET else 0
-    # A/B switch, read per launch (so at CUDA-graph capture): K3_MOE_ONE="sleep=<ns>", "pid" or both ("sleep=100+pid"):
-    # a nanosleep between polls; places from the program id instead of the counter (an experiment: it relies on the
-    # hardware starting programs in id order, which CUDA does not promise).
-    opts = dict(o.split("=") if "=" in o else (o, "1") for o in os.environ.get("K3_MOE_ONE", "").split("+") if o)
-    check(set(opts) <= {"sleep", "pid"}, f"K3_MOE_ONE={os.environ.get('K3_MOE_ONE')!r}: use sleep=<ns> and / or pid")
-    sleep = 0 if INTERPRET else int(opts.get("sleep", 0))
-    launch(moe_pair_layer_fwd_kernel)[(programs,)](
-        x, gate_weight, bias.contiguous(), part, s, ids, w, z, w1, w3, h, w2, y, u,
-        tickets(z, 3 + P + N * tiles2), N, E, D, L, I, x.stride(0), gate_weight.stride(0), d_split, z.stride(0),
-        w1.stride(0), w1.stride(1), h.stride(0), L * I, I, y.stride(0), u.stride(0), scaling, beta, linear_beta,
-        TOP_K=top_k, SPLITS=splits, BLOCK_RM=16, BLOCK_RE=16, BLOCK_D=block_d, DOT_PREC=dot_precision(x.dtype),
-        BLOCK_E=pow2(E), BLOCK_TK=pow2(top_k, 2), RENORM=bool(renormalize and top_k > 1), PACKED=cfg.lean_route,
-        BLOCK_N1=bn1, BLOCK_K1=bk1, BLOCK_N2=bn2, BLOCK_K2=bk2, W2_LINES=w2_lines, W2_EPL=epl, SLEEP=sleep,
-        PID_ORDER="pid" in opts, num_warps=warps1, num_stages=1, **pdl_args(z, moe=True))
-    return u, ids, w, s
-
-
 def combine_fwd(y, w, dtype):
     """u `[N, L]` = sum_j w[:, j] y[n k + j] in fp32 -> dtype."""
     N, top_k = w.shape
@@ -1489,10 +1272,6 @@ def moe_routed_fwd(x, z, gate_weight, bias, w1, w3, w2, top_k: int, renormalize:
     cfg = tiles or tiles_for(z, N * top_k, E, regime, paired)
     pairs = size_bound(N) <= cfg.pairs
     route = None
-    if (pairs and cfg.one_launch and cfg.fuse_combine and cfg.lean_route and size_bound(N) <= cfg.topk_gemm1
-            and size_bound(N) <= 16 and E <= TOPK_GEMM1_MAX_E):                    # one launch for all of it
-        return pairs_layer_fwd(x, z, gate_weight, bias, w1, w3, w2, top_k, renormalize, scaling, beta, linear_beta,
-                               cfg)[0]
     if pairs and size_bound(N) <= cfg.topk_gemm1 and E <= TOPK_GEMM1_MAX_E:   # gemm1 selects (router split)
         ids, w, _, route = route_fwd(x, gate_weight, bias, top_k, renormalize, scaling, cfg.lean_route,
                                      wide=cfg.wide_route, defer=True)
