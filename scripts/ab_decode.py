@@ -2,16 +2,15 @@
 once, then an Engine (its CUDA graph captured with the switch set) is timed per setting, the settings interleaved
 over several rounds so that clock and thermal drift fall on all of them alike. GPU only.
 
-    python3 scripts/ab_decode.py --env NAME=A,B [--env NAME2=A,B,C ...] [--set NAME3=V] [--config FIELD=A,B]
-                                 [--backends A,B]
-                                 [--backend compile] [--batch 1] [--context 1024] [--rounds 4] [--steps 200]
-                                 [--fp8] [--precisions] [--out ab.json]
+    python3 scripts/ab_decode.py --env NAME=A,B [--env NAME2=A,B,C ...] [--set NAME3=V ...] [--config FIELD=A,B]
+                                 [--backends A,B] [--backend compile] [--batch 1] [--context 1024] [--rounds 4]
+                                 [--steps 200] [--fp8] [--precisions] [--out ab.json]
 
-Each --env is one experiment on the same compiled model, run in turn (--set: variables set for all of them);
---config FIELD=A,B is one experiment over
-models whose K3Config field FIELD (an int field of the preset) takes each value (one model and one compile per
-value: e.g. num_shared_experts=2,0 to see what a part of the step costs on the chain); --backends A,B one over
-compile variants (`bench model`'s names), one model each; --precisions one over the bf16 model and its FP8 copy
+Each --env is one experiment on the same compiled model, run in turn (each --set NAME=V holds a variable for all of
+them, except an experiment over NAME itself); --config FIELD=A,B is one experiment over models whose K3Config
+field FIELD (an int field of the preset) takes each value (one model and one compile per value: e.g.
+num_shared_experts=2,0 to see what a part of the step costs on the chain); --backends A,B one over compile
+variants (`bench model`'s names), one model each; --precisions one over the bf16 model and its FP8 copy
 (default recipe, calibrated on the embedded set as `bench fp8` does), both through --backend. --fp8 runs the other
 experiments on the FP8 copy.
 Per setting: the median of every round's per-call times (CUDA events around `Engine.decode`, as `bench model`
@@ -93,6 +92,8 @@ def main() -> None:
     experiments = []
     if a.env:
         model, backend = build(base)
+        if any("=" not in spec for spec in a.set):
+            ap.error(f"--set takes NAME=VALUE, got {a.set}")
         fixed = dict(spec.split("=", 1) for spec in a.set)
         os.environ.update(fixed)
         for spec in a.env:
