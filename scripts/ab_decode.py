@@ -4,15 +4,16 @@ over several rounds so that clock and thermal drift fall on all of them alike. G
 
     python3 scripts/ab_decode.py --env NAME=A,B [--env NAME2=A,B,C ...] [--set NAME3=V ...] [--config FIELD=A,B]
                                  [--backends A,B] [--backend compile] [--batch 1] [--context 1024] [--rounds 4]
-                                 [--steps 200] [--fp8] [--precisions] [--out ab.json]
+                                 [--steps 200] [--fp8] [--precisions] [--skeleton] [--on-skeleton] [--out ab.json]
 
 Each --env is one experiment on the same compiled model, run in turn (each --set NAME=V holds a variable for all of
 them, except an experiment over NAME itself); --config FIELD=A,B is one experiment over models whose K3Config
 field FIELD (an int field of the preset) takes each value (one model and one compile per value: e.g.
 num_shared_experts=2,0 to see what a part of the step costs on the chain); --backends A,B one over compile
 variants (`bench model`'s names), one model each; --precisions one over the bf16 model and its FP8 copy
-(default recipe, calibrated on the embedded set as `bench fp8` does), both through --backend. --fp8 runs the other
-experiments on the FP8 copy.
+(default recipe, calibrated on the embedded set as `bench fp8` does), both through --backend; --skeleton one over
+the preset and its skeleton (SKELETON below), with each one's bytes floor. --fp8 runs the other experiments on the
+FP8 copy, --on-skeleton on the skeleton.
 Per setting: the median of every round's per-call times (CUDA events around `Engine.decode`, as `bench model`
 times a decode step) and each round's median. Only switches read at launch time are meaningful here (the engine's
 graph is captured after the switch is set); switches read at import are not."""
@@ -27,6 +28,14 @@ import statistics
 import torch
 
 from gemv_pack_probe import write_json      # scripts/ on sys.path
+
+
+# --skeleton: k3-small's widths cut down (d 2048 -> 256, q latent 768 -> 64, expert latent 1024 -> 128, expert and
+# dense MLP widths 768 / 8192 -> 64 / 256, vocab 32768 -> 1024), every layer, head, expert count, head dim and kernel
+# kept: a decode step at B = 1 moves ~106 MB instead of ~1458 MB, so its time is what the chain of dependent
+# kernels costs without the bytes.
+SKELETON = dict(hidden_size=256, q_lora_rank=64, routed_expert_hidden_size=128, moe_intermediate_size=64,
+                intermediate_size=256, vocab_size=1024)
 
 
 def _time(backend, model, batch: int, context: int, steps: int) -> list[float]:
@@ -69,9 +78,15 @@ def main() -> None:
     ap.add_argument("--fp8", action="store_true", help="time the FP8 model (default recipe, calibrated as `bench fp8`)")
     ap.add_argument("--precisions", action="store_true",
                     help="one more experiment: the bf16 model vs its FP8 copy, both through --backend")
+    ap.add_argument("--on-skeleton", action="store_true",
+                    help="run the --env / --config / --backends / --precisions experiments on the preset's skeleton "
+                         "(SKELETON): what each change does to the chain of kernels alone")
+    ap.add_argument("--skeleton", action="store_true",
+                    help="one more experiment: the preset vs its skeleton (SKELETON: the same layers, heads, experts "
+                         "and kernels at narrow widths, so its step moves almost no bytes), each with its bytes floor")
     a = ap.parse_args()
-    if not a.env and not a.config and not a.backends and not a.precisions:
-        ap.error("give at least one --env, --config, --backends or --precisions experiment")
+    if not a.env and not a.config and not a.backends and not a.precisions and not a.skeleton:
+        ap.error("give at least one --env, --config, --backends, --precisions or --skeleton experiment")
     from dataclasses import replace
 
     from k3export.bench.model import COMPILE_VARIANTS
@@ -89,6 +104,9 @@ def main() -> None:
         return model, CompileBackend(model, **COMPILE_VARIANTS[variant])
 
     base = K3Config.from_name(a.preset)
+    preset_config = base
+    if a.on_skeleton:
+        base = replace(base, **SKELETON)
     experiments = []
     if a.env:
         model, backend = build(base)
@@ -124,7 +142,22 @@ def main() -> None:
         experiments.append(_experiment("precision", list(built), lambda v: _time(built[v][1], built[v][0], a.batch,
                                                                                   a.context, a.steps), a))
         del built
-    res = {"backend": a.backend, "preset": a.preset, "fp8": a.fp8, "batch": a.batch, "context": a.context,
+    if a.skeleton:
+        from k3export.bench.ceilings import copy_bandwidth
+        from k3export.bench.model import decode_bytes, param_bytes
+        configs = {a.preset: preset_config, "skeleton": replace(preset_config, **SKELETON)}
+        built = {v: build(c) for v, c in configs.items()}
+        exp = _experiment("model", list(built), lambda v: _time(built[v][1], built[v][0], a.batch, a.context,
+                                                                   a.steps), a)
+        bw = copy_bandwidth()
+        exp["floor_ms"] = {v: decode_bytes(c, torch.bfloat16, param_bytes(c, torch.bfloat16), a.batch, a.context)
+                           / bw * 1e3 for v, c in configs.items()}
+        exp["skeleton_fields"] = SKELETON
+        print(f"bytes floors (copy {bw / 1e12:.2f} TB/s): {exp['floor_ms']}", flush=True)
+        experiments.append(exp)
+        del built
+    res = {"backend": a.backend, "preset": a.preset, "on_skeleton": a.on_skeleton, "fp8": a.fp8, "batch": a.batch,
+           "context": a.context,
            "rounds": a.rounds, "steps": a.steps, "device": torch.cuda.get_device_name(), "experiments": experiments}
     print(json.dumps(res, indent=1))
     write_json(a.out, res)
