@@ -30,10 +30,10 @@ import torch
 from gemv_pack_probe import write_json      # scripts/ on sys.path
 
 
-# --skeleton: k3-small's widths cut down (d 2048 -> 256, q latent 768 -> 64, expert latent 1024 -> 128, expert and
-# dense MLP widths 768 / 8192 -> 64 / 256, vocab 32768 -> 1024), every layer, head, expert count, head dim and kernel
-# kept: a decode step at B = 1 moves ~106 MB instead of ~1458 MB, so its time is what the chain of dependent
-# kernels costs without the bytes.
+# --skeleton / --on-skeleton: the preset with these widths (made for k3-small: d 2048 -> 256, q latent 768 -> 64,
+# expert latent 1024 -> 128, expert and dense MLP widths 768 / 8192 -> 64 / 256, vocab 32768 -> 1024), every layer,
+# head, expert count, head dim and kernel kept: k3-small's decode step at B = 1 then moves ~106 MB instead of
+# ~1458 MB, so its time is what the chain of dependent kernels costs without the bytes.
 SKELETON = dict(hidden_size=256, q_lora_rank=64, routed_expert_hidden_size=128, moe_intermediate_size=64,
                 intermediate_size=256, vocab_size=1024)
 
@@ -87,6 +87,12 @@ def main() -> None:
     a = ap.parse_args()
     if not a.env and not a.config and not a.backends and not a.precisions and not a.skeleton:
         ap.error("give at least one --env, --config, --backends, --precisions or --skeleton experiment")
+    if a.set and not a.env:
+        ap.error("--set holds variables for --env experiments: give at least one --env")
+    if any("=" not in spec for spec in a.set):
+        ap.error(f"--set takes NAME=VALUE, got {a.set}")
+    if a.skeleton and a.fp8:
+        ap.error("--skeleton's bytes floors are bf16 ones: run it without --fp8")
     from dataclasses import replace
 
     from k3export.bench.model import COMPILE_VARIANTS
@@ -110,8 +116,6 @@ def main() -> None:
     experiments = []
     if a.env:
         model, backend = build(base)
-        if any("=" not in spec for spec in a.set):
-            ap.error(f"--set takes NAME=VALUE, got {a.set}")
         fixed = dict(spec.split("=", 1) for spec in a.set)
         os.environ.update(fixed)
         for spec in a.env:
