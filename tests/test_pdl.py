@@ -396,3 +396,41 @@ def test_barrier_probe_kernels_compile_for_sm90_on_cpu(monkeypatch):
     rnd = compile_ptx(b.round_kernel, {"buf": "*i32", "r": "i32", "G": "i32", "PDL": "constexpr"}, {"PDL": True},
                       num_warps=4).ptx
     assert all(g in rnd for g in GDC)
+
+
+def _ab_decode(monkeypatch):
+    import sys
+    from pathlib import Path
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts"))
+    sys.modules.pop("ab_decode", None)
+    import ab_decode
+    return ab_decode
+
+
+@pytest.mark.parametrize("argv,msg", [(["--set", "A=1", "--backends", "compile"], "--set holds variables"),
+                                      (["--env", "X=1", "--set", "Y"], "--set takes NAME=VALUE"),
+                                      (["--skeleton", "--fp8"], "bf16 ones"),
+                                      ([], "give at least one")])
+def test_ab_decode_refuses_bad_arguments_before_building(monkeypatch, capsys, argv, msg):
+    """scripts/ab_decode.py (GPU only) stops on bad arguments before it builds a model: usage error, exit 2."""
+    ab = _ab_decode(monkeypatch)
+    monkeypatch.setattr("sys.argv", ["ab_decode.py", *argv])
+    with pytest.raises(SystemExit) as e:
+        ab.main()
+    assert e.value.code == 2 and msg in capsys.readouterr().err
+
+
+def test_ab_decode_skeleton_keeps_the_kernel_chain_and_drops_the_bytes(monkeypatch):
+    """`--skeleton`'s config: k3-small's layers, layer kinds, heads, head dims and experts, at widths where a B = 1
+    decode step moves under 8% of k3-small's bytes (1458 -> 106 MB at context 1024)."""
+    from dataclasses import replace
+    from k3export.bench.model import decode_bytes, param_bytes
+    from k3export.config import K3Config
+    ab = _ab_decode(monkeypatch)
+    base = K3Config.from_name("k3-small")
+    sk = replace(base, **ab.SKELETON)
+    for field in ("num_hidden_layers", "mla_layers", "num_experts", "num_experts_per_token", "num_shared_experts",
+                  "num_attention_heads", "qk_head_dim", "v_head_dim", "kv_lora_rank", "linear_attn_config"):
+        assert getattr(sk, field) == getattr(base, field), field
+    full, small = (decode_bytes(c, torch.bfloat16, param_bytes(c, torch.bfloat16), 1, 1024) for c in (base, sk))
+    assert 1.4e9 < full < 1.5e9 and small < 0.08 * full, (full, small)
