@@ -61,6 +61,12 @@ def _experiment(label: str, values: list[str], run, a) -> dict:
             "round_medians_ms": {v: [statistics.median(x) for x in t] for v, t in times.items()}}
 
 
+def _over_models(label: str, built: dict, a) -> dict:
+    """`_experiment` over built {value: (model, backend)}: each value times its own model."""
+    return _experiment(label, list(built), lambda v: _time(built[v][1], built[v][0], a.batch, a.context, a.steps),
+                       a)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--env", action="append", default=[], help="NAME=V1,V2,... (repeatable)")
@@ -133,26 +139,22 @@ def main() -> None:
     for spec in a.config:
         field, _, values = spec.partition("=")
         built = {v: build(replace(base, **{field: int(v)})) for v in values.split(",")}
-        experiments.append(_experiment(field, list(built), lambda v: _time(built[v][1], built[v][0], a.batch,
-                                                                             a.context, a.steps), a))
+        experiments.append(_over_models(field, built, a))
         del built
     if a.backends:
         built = {v: build(base, v) for v in a.backends.split(",")}
-        experiments.append(_experiment("backend", list(built), lambda v: _time(built[v][1], built[v][0], a.batch,
-                                                                                a.context, a.steps), a))
+        experiments.append(_over_models("backend", built, a))
         del built
     if a.precisions:
         built = {"bf16": build(base, fp8=False), "fp8": build(base, fp8=True)}
-        experiments.append(_experiment("precision", list(built), lambda v: _time(built[v][1], built[v][0], a.batch,
-                                                                                  a.context, a.steps), a))
+        experiments.append(_over_models("precision", built, a))
         del built
     if a.skeleton:
         from k3export.bench.ceilings import copy_bandwidth
         from k3export.bench.model import decode_bytes, param_bytes
         configs = {a.preset: preset_config, "skeleton": replace(preset_config, **SKELETON)}
         built = {v: build(c) for v, c in configs.items()}
-        exp = _experiment("model", list(built), lambda v: _time(built[v][1], built[v][0], a.batch, a.context,
-                                                                   a.steps), a)
+        exp = _over_models("model", built, a)
         bw = copy_bandwidth()
         exp["floor_ms"] = {v: decode_bytes(c, torch.bfloat16, param_bytes(c, torch.bfloat16), a.batch, a.context)
                            / bw * 1e3 for v, c in configs.items()}
