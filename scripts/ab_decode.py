@@ -4,7 +4,8 @@ over several rounds so that clock and thermal drift fall on all of them alike. G
 
     python3 scripts/ab_decode.py --env NAME=A,B [--env NAME2=A,B,C ...] [--set NAME3=V ...] [--config FIELD=A,B]
                                  [--backends A,B] [--backend compile] [--batch 1] [--context 1024] [--rounds 4]
-                                 [--steps 200] [--fp8] [--precisions] [--skeleton] [--on-skeleton] [--out ab.json]
+                                 [--steps 200] [--fp8] [--precisions] [--skeleton] [--on-skeleton]
+                                 [--background 0,32,66] [--out ab.json]
 
 Each --env is one experiment on the same compiled model, run in turn (each --set NAME=V holds a variable for all of
 them, except an experiment over NAME itself); --config FIELD=A,B is one experiment over models whose K3Config
@@ -13,7 +14,8 @@ num_shared_experts=2,0 to see what a part of the step costs on the chain); --bac
 variants (`bench model`'s names), one model each; --precisions one over the bf16 model and its FP8 copy
 (default recipe, calibrated on the embedded set as `bench fp8` does), both through --backend; --skeleton one over
 the preset and its skeleton (SKELETON below), with each one's bytes floor. --fp8 runs the other experiments on the
-FP8 copy, --on-skeleton on the skeleton.
+FP8 copy, --on-skeleton on the skeleton. --background N1,N2 one over a concurrent HBM reader (`hbm_background.py`)
+of N programs on a side stream, with the rate it achieved beside the step and alone.
 Per setting: the median of every round's per-call times (CUDA events around `Engine.decode`, as `bench model`
 times a decode step) and each round's median. Only switches read at launch time are meaningful here (the engine's
 graph is captured after the switch is set); switches read at import are not."""
@@ -21,6 +23,7 @@ graph is captured after the switch is set); switches read at import are not."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -38,14 +41,19 @@ SKELETON = dict(hidden_size=256, q_lora_rank=64, routed_expert_hidden_size=128, 
                 intermediate_size=256, vocab_size=1024)
 
 
-def _time(backend, model, batch: int, context: int, steps: int) -> list[float]:
+def _time(backend, model, batch: int, context: int, steps: int, around=contextlib.nullcontext) -> list[float]:
+    """Per-call ms of `steps` decode steps (after 10 warm-up steps) of a fresh Engine, its graph captured first;
+    the warm-up and timing run inside `around()`."""
     from k3export.bench.model import time_ms
     from k3export.runtime import Engine
     tok = torch.randint(0, model.config.vocab_size, (batch,), device="cuda")
     eng = Engine(backend, max_batch=batch, max_len=context + steps + 16)
     assert eng.graphed, eng.graph_error
     eng.fill_slots(context)
-    t = time_ms(lambda: eng.decode(tok), 10, steps, True)
+    eng.decode(tok)
+    torch.cuda.synchronize()
+    with around():
+        t = time_ms(lambda: eng.decode(tok), 10, steps, True)
     del eng
     return t
 
@@ -90,9 +98,20 @@ def main() -> None:
     ap.add_argument("--skeleton", action="store_true",
                     help="one more experiment: the preset vs its skeleton (SKELETON: the same layers, heads, experts "
                          "and kernels at narrow widths, so its step moves almost no bytes), each with its bytes floor")
+    ap.add_argument("--background", default=None,
+                    help="N1,N2,...: one more experiment: the step with a concurrent HBM reader of N programs "
+                         "(0: none) on a side stream, and the read rate it achieved")
     a = ap.parse_args()
-    if not a.env and not a.config and not a.backends and not a.precisions and not a.skeleton:
-        ap.error("give at least one --env, --config, --backends, --precisions or --skeleton experiment")
+    if not (a.env or a.config or a.backends or a.precisions or a.skeleton or a.background):
+        ap.error("give at least one --env, --config, --backends, --precisions, --skeleton or --background "
+                 "experiment")
+    if a.background is not None:
+        try:
+            programs = [int(v) for v in a.background.split(",")]
+        except ValueError:
+            ap.error(f"--background takes program counts N1,N2,..., got {a.background!r}")
+        if any(n < 0 for n in programs):
+            ap.error(f"--background program counts must be >= 0, got {a.background!r}")
     if a.set and not a.env:
         ap.error("--set holds variables for --env experiments: give at least one --env")
     if any("=" not in spec for spec in a.set):
@@ -162,6 +181,23 @@ def main() -> None:
         print(f"bytes floors (copy {bw / 1e12:.2f} TB/s): {exp['floor_ms']}", flush=True)
         experiments.append(exp)
         del built
+    if a.background is not None:
+        from hbm_background import Background, alone
+        model, backend = build(base)
+        rates: dict[str, list[float]] = {v: [] for v in a.background.split(",")}
+
+        def run_bg(v):
+            bg = Background(int(v))
+            t = _time(backend, model, a.batch, a.context, a.steps, around=lambda: bg)
+            rates[v].append(bg.bandwidth)
+            return t
+        exp = _experiment("background_programs", list(rates), run_bg, a)
+        exp["reader_gbps_beside_step"] = {v: [r / 1e9 for r in rs] for v, rs in rates.items()}
+        exp["reader_gbps_alone"] = {v: alone(int(v)) / 1e9 for v in rates}
+        print(f"reader GB/s beside the step: {exp['reader_gbps_beside_step']}; alone: {exp['reader_gbps_alone']}",
+              flush=True)
+        experiments.append(exp)
+        del model, backend
     res = {"backend": a.backend, "preset": a.preset, "on_skeleton": a.on_skeleton, "fp8": a.fp8, "batch": a.batch,
            "context": a.context,
            "rounds": a.rounds, "steps": a.steps, "device": torch.cuda.get_device_name(), "experiments": experiments}

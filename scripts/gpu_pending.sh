@@ -79,6 +79,8 @@
 #            separate and paired gate/up), then the MoE kernel cuda tests (the grouped default changed 12-01)
 #   fp8comp  scripts/fp8_compile_probe.py: FP8 k3-tiny through Engine, compile variants vs eager logits (teacher
 #            forced), bf16 as the yardstick ($FP8COMP_VARIANTS)
+#   overlap  scripts/ab_decode.py --background: the skeleton's and k3-small's B = 1 step beside a concurrent HBM reader
+#            of $OVERLAP_PROGRAMS programs (scripts/hbm_background.py), with the reader's rate beside it and alone
 #   profile  scripts/profile_decode.py --backend $PROFILE_BACKEND (default compile): kernels per decode step, and the
 #            graph replay's critical path (what each kernel adds to the span under PDL; 15:25: an upper bound only)
 set -uo pipefail
@@ -202,11 +204,16 @@ for part in $parts; do
            timeout 100 python3 scripts/moe_grouped_probe.py --paired >> "$OUT/grpsmall.log" 2>&1
            timeout 300 python3 -m pytest -q -m cuda tests/test_moe_kernels.py -rs -p no:cacheprovider \
              > "$OUT/test-moe-kernels.log" 2>&1 ;;
+    overlap) timeout ${OVERLAP_TIMEOUT:-300} python3 scripts/ab_decode.py --on-skeleton --rounds 3 \
+             --background ${OVERLAP_PROGRAMS:-0,16,33,66,132} --out "$OUT/overlap-skeleton.json" \
+             > "$OUT/overlap-skeleton.log" 2>&1
+           timeout ${OVERLAP_TIMEOUT:-300} python3 scripts/ab_decode.py --rounds 3 --background 0,33 \
+             --out "$OUT/overlap-small.json" > "$OUT/overlap-small.log" 2>&1 ;;
     fp8comp) timeout ${FP8COMP_TIMEOUT:-400} python3 scripts/fp8_compile_probe.py \
              ${FP8COMP_VARIANTS:+--variants $FP8COMP_VARIANTS} > "$OUT/fp8comp.log" 2>&1 ;;
     profile) timeout 150 python3 scripts/profile_decode.py --backend ${PROFILE_BACKEND:-compile} ${PROFILE_ARGS:-} \
              > "$OUT/profile.log" 2>&1 ;;
-    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe trtfp8 fp8eng grouped grpsmall fp8comp profile)"; continue ;;
+    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe trtfp8 fp8eng grouped grpsmall fp8comp overlap profile)"; continue ;;
   esac
   echo "$part: exit $? in $((SECONDS - t)) s" | tee -a "$OUT/pending.log"
   tail -4 "$OUT/$part.log" 2>/dev/null

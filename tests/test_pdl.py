@@ -410,6 +410,8 @@ def _ab_decode(monkeypatch):
 @pytest.mark.parametrize("argv,msg", [(["--set", "A=1", "--backends", "compile"], "--set holds variables"),
                                       (["--env", "X=1", "--set", "Y"], "--set takes NAME=VALUE"),
                                       (["--skeleton", "--fp8"], "bf16 ones"),
+                                      (["--background", "0,x"], "takes program counts"),
+                                      (["--background", "-1"], "must be >= 0"),
                                       ([], "give at least one")])
 def test_ab_decode_refuses_bad_arguments_before_building(monkeypatch, capsys, argv, msg):
     """scripts/ab_decode.py (GPU only) stops on bad arguments before it builds a model: usage error, exit 2."""
