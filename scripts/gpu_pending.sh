@@ -80,7 +80,8 @@
 #   fp8comp  scripts/fp8_compile_probe.py: FP8 k3-tiny through Engine, compile variants vs eager logits (teacher
 #            forced), bf16 as the yardstick ($FP8COMP_VARIANTS)
 #   overlap  scripts/ab_decode.py --background: the skeleton's and k3-small's B = 1 step beside a concurrent HBM reader
-#            of $OVERLAP_PROGRAMS programs (scripts/hbm_background.py), with the reader's rate beside it and alone
+#            of $OVERLAP_PROGRAMS ($OVERLAP_SMALL for k3-small) programs (scripts/hbm_background.py), with the
+#            reader's rate beside the step and alone
 #   profile  scripts/profile_decode.py --backend $PROFILE_BACKEND (default compile): kernels per decode step, and the
 #            graph replay's critical path (what each kernel adds to the span under PDL; 15:25: an upper bound only)
 set -uo pipefail
@@ -207,7 +208,7 @@ for part in $parts; do
     overlap) timeout ${OVERLAP_TIMEOUT:-300} python3 scripts/ab_decode.py --on-skeleton --rounds 3 \
              --background ${OVERLAP_PROGRAMS:-0,16,33,66,132} --out "$OUT/overlap-skeleton.json" \
              > "$OUT/overlap-skeleton.log" 2>&1
-           timeout ${OVERLAP_TIMEOUT:-300} python3 scripts/ab_decode.py --rounds 3 --background 0,33 \
+           timeout ${OVERLAP_TIMEOUT:-300} python3 scripts/ab_decode.py --rounds 3 --background ${OVERLAP_SMALL:-0,33} \
              --out "$OUT/overlap-small.json" > "$OUT/overlap-small.log" 2>&1 ;;
     fp8comp) timeout ${FP8COMP_TIMEOUT:-400} python3 scripts/fp8_compile_probe.py \
              ${FP8COMP_VARIANTS:+--variants $FP8COMP_VARIANTS} > "$OUT/fp8comp.log" 2>&1 ;;
