@@ -206,7 +206,7 @@ for part in $parts; do
            timeout 300 python3 -m pytest -q -m cuda tests/test_moe_kernels.py -rs -p no:cacheprovider \
              > "$OUT/test-moe-kernels.log" 2>&1 ;;
     overlap) timeout ${OVERLAP_TIMEOUT:-300} python3 scripts/ab_decode.py --on-skeleton --rounds 3 \
-             --background ${OVERLAP_PROGRAMS:-0,16,33,66,132} --out "$OUT/overlap-skeleton.json" \
+             --background ${OVERLAP_PROGRAMS:-0,16,33,66} --out "$OUT/overlap-skeleton.json" \
              > "$OUT/overlap-skeleton.log" 2>&1
            timeout ${OVERLAP_TIMEOUT:-300} python3 scripts/ab_decode.py --rounds 3 --background ${OVERLAP_SMALL:-0,33} \
              --out "$OUT/overlap-small.json" > "$OUT/overlap-small.log" 2>&1 ;;
