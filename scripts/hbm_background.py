@@ -45,12 +45,15 @@ def _reader_kernel(buf, n_chunks, flag, out, BLOCK: tl.constexpr, UNROLL: tl.con
 
 
 class Background:
-    """`programs` reader programs on their own stream while the block runs (0: none); `bandwidth` afterwards."""
+    """`programs` reader programs on their own stream while the block runs (0: none); `bandwidth` afterwards (of
+    the last run: the block may be entered again). `buf` (bf16, a multiple of BLOCK elements): the buffer to read,
+    e.g. one shared by readers of several sizes; by default its own of `gib` GiB."""
 
-    def __init__(self, programs: int, gib: float = 4.0, num_warps: int = 16):
+    def __init__(self, programs: int, gib: float = 4.0, num_warps: int = 16, buf: torch.Tensor | None = None):
         self.programs, self.num_warps = programs, num_warps
-        n = int(gib * 2**30) // 2 // BLOCK * BLOCK
-        self.buf = torch.ones(n, dtype=torch.bfloat16, device="cuda") if programs else None
+        if programs and buf is None:
+            buf = new_buffer(gib)
+        self.buf = buf if programs else None
         self.flag = torch.zeros(1, dtype=torch.int32, device="cuda")
         self.out = torch.zeros(2 * max(programs, 1), dtype=torch.float32, device="cuda")
         self.stream = torch.cuda.Stream()
@@ -92,9 +95,14 @@ class Background:
         return False
 
 
-def alone(programs: int, seconds: float = 0.05, **kw) -> float:
-    """The reader's rate with nothing else running (bytes/s)."""
+def new_buffer(gib: float = 4.0) -> torch.Tensor:
+    """A bf16 buffer of ~`gib` GiB for the readers, a whole number of BLOCK-element chunks."""
+    return torch.ones(int(gib * 2**30) // 2 // BLOCK * BLOCK, dtype=torch.bfloat16, device="cuda")
+
+
+def alone(bg: Background, seconds: float = 0.05) -> float:
+    """bg's rate with nothing else running (bytes/s)."""
     import time
-    with Background(programs, **kw) as bg:
+    with bg:
         time.sleep(seconds)
     return bg.bandwidth
