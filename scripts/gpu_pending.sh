@@ -82,6 +82,9 @@
 #   overlap  scripts/ab_decode.py --background: the skeleton's and k3-small's B = 1 step beside a concurrent HBM reader
 #            of $OVERLAP_PROGRAMS ($OVERLAP_SMALL for k3-small) programs (scripts/hbm_background.py), with the
 #            reader's rate beside the step and alone
+#   chain    milestone 1 of docs/megakernel.md: tests/test_megakernel_chain.py's cuda tests, then
+#            scripts/megakernel_chain.py (k3-small's step as a synthetic chain in one persistent launch; stream,
+#            serial and nodeps modes; rings $CHAIN_RINGS, default 3x65536), JSON and plot in $OUT
 #   profile  scripts/profile_decode.py --backend $PROFILE_BACKEND (default compile): kernels per decode step, and the
 #            graph replay's critical path (what each kernel adds to the span under PDL; 15:25: an upper bound only)
 set -uo pipefail
@@ -212,9 +215,13 @@ for part in $parts; do
              --out "$OUT/overlap-small.json" > "$OUT/overlap-small.log" 2>&1 ;;
     fp8comp) timeout ${FP8COMP_TIMEOUT:-400} python3 scripts/fp8_compile_probe.py \
              ${FP8COMP_VARIANTS:+--variants $FP8COMP_VARIANTS} > "$OUT/fp8comp.log" 2>&1 ;;
+    chain) timeout 200 python3 -m pytest -q -m cuda tests/test_megakernel_chain.py -s -rs -p no:cacheprovider \
+             > "$OUT/chain.log" 2>&1
+           timeout ${CHAIN_TIMEOUT:-300} python3 scripts/megakernel_chain.py --rings ${CHAIN_RINGS:-3x65536} \
+             ${CHAIN_ARGS:-} --out "$OUT/chain.json" --plot "$OUT/chain.png" >> "$OUT/chain.log" 2>&1 ;;
     profile) timeout 150 python3 scripts/profile_decode.py --backend ${PROFILE_BACKEND:-compile} ${PROFILE_ARGS:-} \
              > "$OUT/profile.log" 2>&1 ;;
-    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe trtfp8 fp8eng grouped grpsmall fp8comp overlap profile)"; continue ;;
+    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe trtfp8 fp8eng grouped grpsmall fp8comp overlap chain profile)"; continue ;;
   esac
   echo "$part: exit $? in $((SECONDS - t)) s" | tee -a "$OUT/pending.log"
   tail -4 "$OUT/$part.log" 2>/dev/null

@@ -1,0 +1,442 @@
+// Milestone 1 of docs/megakernel.md: a synthetic decode chain as ONE persistent launch.
+//
+// A chain of phases, each a GEMV y_p = W_p x_p (bf16 weights; x rounded to bf16 as a bf16 model feeds it; fp32
+// sums and y) whose input x_p is the output of an earlier phase (plus, elementwise, a second one's), a top-k over a
+// router's output, or a GEMV over the rows of the experts that top-k chose. The tiles of all phases (ordered by
+// phase) are dealt round robin to one block per SM. In each block:
+//   - a producer warp streams the weight rows of the block's tiles, in order, into a ring of shared-memory slots
+//     (NSLOT x SLOT_BYTES, 3 x 64 KB) with bulk copies (cp.async.bulk, completion on an mbarrier). It waits for
+//     nothing but a free slot, except for routed tiles, which need the chosen expert (mode SERIAL also waits
+//     until each tile's input phases are done: the launch-per-phase order without launch costs);
+//   - CONSUMER_WARPS (16) consumer warps take x from L2 once per (phase, slot), take the tile from the ring and
+//     write its rows of y. Outputs are 8-byte words {value, epoch}, written in one store: a consumer polls the
+//     words it reads until they carry this launch's epoch, so the data is its own ready flag (no fence, no
+//     counter, one L2 round trip from the writer's store to the reader's use). Per-phase counters (a block adds
+//     its tile count after its last tile of the phase) serve only mode SERIAL and the timeline.
+// Every wait is bounded; a wait that runs out writes what it waited for to err[] and the kernel stops (the host
+// reads err after the launch).
+
+#include <cstdint>
+#include <cuda_bf16.h>
+
+#ifndef NSLOT
+#define NSLOT 3                        // ring slots per block (-DNSLOT=...)
+#endif
+#ifndef SLOT_BYTES
+#define SLOT_BYTES 65536               // bytes per slot: the largest tile
+#endif
+#ifndef PREFETCH_TILES
+#define PREFETCH_TILES 0               // GEMV tiles past the ring the producer asks L2 to fetch (-DPREFETCH_TILES=...)
+#endif
+// -DSKIP_COMPUTE: consumers take each tile and write zeros (a diagnostic: the streaming alone)
+#define XMAX 8192                      // longest x of a GEMV (bf16 in shared memory, as a bf16 model feeds it)
+#define XBYTES (XMAX * 2)              // (a top-k's x is fp32: XMAX / 2 values at most)
+#ifndef CONSUMER_WARPS
+#define CONSUMER_WARPS 16              // (-DCONSUMER_WARPS=...)
+#endif
+#ifndef STEPS
+#define STEPS 4                        // 16-byte steps per thread and row, at most (even; x kept in registers)
+#endif
+#define CONSUMERS (32 * CONSUMER_WARPS)
+#define THREADS (CONSUMERS + 32)       // + the producer warp
+#ifndef SPIN_LIMIT
+#define SPIN_LIMIT (1u << 24)          // polls before a wait gives up (-DSPIN_LIMIT=...)
+#endif
+
+enum Kind : int64_t { GEMV = 0, TOPK = 1, ROUTED = 2 };
+enum Mode : int { STREAM = 0, SERIAL = 1, NODEPS = 2 };
+
+struct Phase {                          // 16 int64 fields, built by megakernel_chain.py (`Buffers.table`)
+    int64_t kind, n, k, rows, ntiles, tile0;   // tile0: index of the phase's first tile in the global order
+    int64_t src;                        // phase whose y is x (-1: the external input vector)
+    int64_t xlen, xstride;              // x[j] = y_src[slot * xstride + j % xlen] (+ y_dep2[j % xlen2])
+    int64_t route, ne;                  // ROUTED: the TOPK phase, rows per expert; TOPK: k in `ne`
+    int64_t w, y;                       // addresses: weights (bf16) and output ({fp32 value, u32 epoch} words)
+    int64_t n_experts;                  // ROUTED: experts in w (ids are clamped to it)
+    int64_t dep2, xlen2;                // a second input phase, added to x elementwise (-1: none)
+};
+
+struct PhaseC {                         // the table as the kernel keeps it in shared memory (72 bytes a phase)
+    int64_t w, y;
+    int32_t kind, n, k, rows, ntiles, tile0, src, xlen, xstride, route, ne, n_experts, dep2, xlen2;
+};
+__device__ __forceinline__ PhaseC compact(const Phase& f) {
+    return PhaseC{f.w, f.y, (int32_t)f.kind, (int32_t)f.n, (int32_t)f.k, (int32_t)f.rows, (int32_t)f.ntiles,
+                  (int32_t)f.tile0, (int32_t)f.src, (int32_t)f.xlen, (int32_t)f.xstride, (int32_t)f.route,
+                  (int32_t)f.ne, (int32_t)f.n_experts, (int32_t)f.dep2, (int32_t)f.xlen2};
+}
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count));
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
+__device__ __forceinline__ bool mbar_test(uint64_t* bar, uint32_t parity) {
+    uint32_t ok;
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(ok) : "r"(smem_u32(bar)), "r"(parity) : "memory");
+    return ok != 0;
+}
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar,
+                                          uint64_t policy) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
+        ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)), "l"(policy) : "memory");
+}
+__device__ __forceinline__ void prefetch_l2(const void* src, uint32_t bytes, uint64_t policy) {
+    asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;" ::"l"(src), "r"(bytes), "l"(policy)
+                 : "memory");
+}
+__device__ __forceinline__ uint32_t load_acquire(const uint32_t* p) {
+    uint32_t v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ uint64_t load_word(const uint64_t* p) {      // from L2, never a stale L1 line
+    uint64_t v;
+    asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void store_word(uint64_t* p, float value, uint32_t epoch) {
+    const uint64_t v = (static_cast<uint64_t>(epoch) << 32) | __float_as_uint(value);
+    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ uint32_t epoch_of(uint64_t v) { return static_cast<uint32_t>(v >> 32); }
+__device__ __forceinline__ float value_of(uint64_t v) { return __uint_as_float(static_cast<uint32_t>(v)); }
+__device__ __forceinline__ void add_release(uint32_t* p, uint32_t v) {
+    asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void add_relaxed(uint32_t* p, uint32_t v) {
+    asm volatile("red.relaxed.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ uint64_t now_ns() {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+    return t;
+}
+__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" ::"n"(CONSUMERS) : "memory"); }
+
+// err[0] = what ran out (1 an input word, 2 a filled slot, 3 a free slot, 4 the top-k's words, 5 an input
+// phase's counter), err[1..3] = block, phase, tile
+__device__ bool give_up(uint32_t* err, uint32_t what, int64_t phase, int64_t tile) {
+    if (atomicCAS(err, 0u, what) == 0u) {
+        err[1] = blockIdx.x;
+        err[2] = static_cast<uint32_t>(phase);
+        err[3] = static_cast<uint32_t>(tile);
+    }
+    return false;
+}
+__device__ __forceinline__ bool stopped(const uint32_t* err) { return *(volatile const uint32_t*)err != 0u; }
+// Called on every poll of a wait: true once the wait must end (it ran out: recorded; or another one did).
+__device__ __forceinline__ bool out_of_time(uint32_t spin, uint32_t* err, uint32_t what, int64_t phase, int64_t tile) {
+    if ((spin & 1023u) != 1023u) return false;
+    if (spin >= SPIN_LIMIT) {
+        give_up(err, what, phase, tile);
+        return true;
+    }
+    return stopped(err);
+}
+
+__device__ bool wait_counter(const uint32_t* counter, uint32_t target, uint32_t* err, int64_t phase, int64_t tile) {
+    for (uint32_t spin = 0; load_acquire(counter) < target; ++spin)
+        if (out_of_time(spin, err, 5, phase, tile)) return false;
+    return true;
+}
+__device__ bool wait_slot(uint64_t* bar, uint32_t parity, uint32_t* err, uint32_t what, int64_t phase, int64_t tile) {
+    for (uint32_t spin = 0; !mbar_test(bar, parity); ++spin)
+        if (out_of_time(spin, err, what, phase, tile)) return false;
+    return true;
+}
+// The word at p once it carries `epoch` (any word if !wait). false: gave up.
+__device__ __forceinline__ bool poll_word(const uint64_t* p, uint64_t& v, uint32_t epoch, bool wait, uint32_t* err,
+                                          uint32_t what, int64_t phase, int64_t tile) {
+    for (uint32_t spin = 0; wait && epoch_of(v) != epoch; ++spin) {
+        if (out_of_time(spin, err, what, phase, tile)) return false;
+        v = load_word(p);
+    }
+    return true;
+}
+
+// Wait until phase f's input phases (src, dep2) are done in this launch (mode SERIAL's producer).
+__device__ bool wait_inputs(const PhaseC* ph, const PhaseC& f, const uint32_t* counters, uint32_t epoch, uint32_t* err,
+                            int64_t p, int64_t t) {
+    if (f.src >= 0 && !wait_counter(counters + f.src, epoch * (uint32_t)ph[f.src].ntiles, err, p, t)) return false;
+    if (f.dep2 >= 0 && !wait_counter(counters + f.dep2, epoch * (uint32_t)ph[f.dep2].ntiles, err, p, t)) return false;
+    return true;
+}
+
+// x[j] = y_src[slot * xstride + j % xlen] (+ y_dep2[j % xlen2]) for j < xn, each word polled until it is this
+// launch's; into xs as bf16 (a top-k's as fp32). Eight loads in flight per thread before the first poll.
+// false: gave up.
+__device__ bool load_x(__nv_bfloat16* xs, const PhaseC& f, const PhaseC* ph, const float* x_in, int64_t slot,
+                       uint32_t epoch, bool wait, uint32_t* err, int64_t p, int64_t t) {
+    const int tid = threadIdx.x;
+    const bool top = f.kind == TOPK;
+    const int xn = top ? f.xlen : f.k;
+    const uint64_t* src = f.src >= 0 ? reinterpret_cast<const uint64_t*>(ph[f.src].y) + slot * f.xstride : nullptr;
+    const uint64_t* src2 = f.dep2 >= 0 ? reinterpret_cast<const uint64_t*>(ph[f.dep2].y) : nullptr;
+    for (int j0 = tid; j0 < xn; j0 += 8 * CONSUMERS) {
+        uint64_t v[8], v2[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            const int j = j0 + u * CONSUMERS;
+            v[u] = j < xn && src ? load_word(src + j % f.xlen) : 0;
+            v2[u] = j < xn && src2 ? load_word(src2 + j % f.xlen2) : 0;
+        }
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            const int j = j0 + u * CONSUMERS;
+            if (j >= xn) continue;
+            float x;
+            if (src) {
+                if (!poll_word(src + j % f.xlen, v[u], epoch, wait, err, 1, p, t)) return false;
+                x = value_of(v[u]);
+            } else {
+                x = x_in[j % f.xlen];
+            }
+            if (src2) {
+                if (!poll_word(src2 + j % f.xlen2, v2[u], epoch, wait, err, 1, p, t)) return false;
+                x += value_of(v2[u]);
+            }
+            if (top) reinterpret_cast<float*>(xs)[j] = x;
+            else xs[j] = __float2bfloat16_rn(x);
+        }
+    }
+    return true;
+}
+
+__device__ __forceinline__ float dot8(uint4 w, float4 a, float4 b) {
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&w);
+    float2 f0 = __bfloat1622float2(h[0]), f1 = __bfloat1622float2(h[1]);
+    float2 f2 = __bfloat1622float2(h[2]), f3 = __bfloat1622float2(h[3]);
+    return f0.x * a.x + f0.y * a.y + f1.x * a.z + f1.y * a.w + f2.x * b.x + f2.y * b.y + f3.x * b.z + f3.y * b.w;
+}
+
+// This block's first tile of phase f (tiles are dealt round robin: tile g goes to block g % gridDim.x).
+__device__ __forceinline__ int64_t first_tile(const PhaseC& f, int64_t nblk) {
+    return f.tile0 + ((static_cast<int64_t>(blockIdx.x) - f.tile0) % nblk + nblk) % nblk;
+}
+
+// This block's tiles in order (phase p, global tile g; p == nphase past the last), for the L2 prefetches.
+struct Cursor {
+    int64_t p, g;
+    __device__ void settle(const PhaseC* ph, int64_t nphase, int64_t nblk) {
+        while (p < nphase && g >= ph[p].tile0 + ph[p].ntiles)
+            if (++p < nphase) g = first_tile(ph[p], nblk);
+    }
+    __device__ void next(const PhaseC* ph, int64_t nphase, int64_t nblk) {
+        g += nblk;
+        settle(ph, nphase, nblk);
+    }
+};
+
+// Shared memory: the ring (NSLOT x SLOT_BYTES), x (XBYTES), the phase table (nphase x 72 bytes), the
+// barriers (2 x NSLOT). Producer and consumers walk the same tiles in the same order: phase by phase, this
+// block's tiles of each phase.
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* __restrict__ x_in,
+             uint32_t* counters, uint32_t epoch, int mode, uint32_t* err, unsigned long long* t_done,
+             unsigned long long* t_start) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    unsigned char* ring = smem;
+    __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem + NSLOT * SLOT_BYTES);   // (top-k: fp32)
+    PhaseC* ph = reinterpret_cast<PhaseC*>(smem + NSLOT * SLOT_BYTES + XBYTES);
+    uint64_t* full = reinterpret_cast<uint64_t*>(ph + nphase);
+    uint64_t* empty = full + NSLOT;
+    __shared__ int gave_up;
+    __shared__ float red[CONSUMERS / 32];
+    const int tid = threadIdx.x;
+    const int64_t nblk = gridDim.x;
+    const bool wait = mode != NODEPS;
+
+    for (int64_t p = tid; p < nphase; p += THREADS) ph[p] = compact(ph_global[p]);
+    if (tid == 0) {
+        for (int s = 0; s < NSLOT; ++s) {
+            mbar_init(&full[s], 1);                 // the producer's arrive (with the tile's bytes)
+            mbar_init(&empty[s], CONSUMERS / 32);   // one arrive per consumer warp
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        gave_up = 0;
+        if (blockIdx.x == 0) *t_start = now_ns();
+    }
+    __syncthreads();
+
+    if (tid >= CONSUMERS) {                 // ---------------------------------------------- producer warp
+        if (tid != CONSUMERS) return;
+        uint64_t policy, keep;
+        asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+        asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(keep));
+        uint32_t i = 0;
+        Cursor ahead{0, first_tile(ph[0], nblk)};               // the next tile to prefetch: NSLOT tiles on
+        ahead.settle(ph, nphase, nblk);
+        for (int q = 0; q < NSLOT; ++q) ahead.next(ph, nphase, nblk);
+        uint32_t fetched = NSLOT;                               // tiles prefetched or loaded by the ring so far
+        for (int64_t p = 0; p < nphase; ++p) {
+            const PhaseC& f = ph[p];
+            const __nv_bfloat16* w = reinterpret_cast<const __nv_bfloat16*>(f.w);
+            int64_t have_slot = -1, e = 0;
+            bool inputs_done = mode != SERIAL;
+            for (int64_t g = first_tile(f, nblk); g < f.tile0 + f.ntiles; g += nblk, ++i) {
+                const int64_t t = g - f.tile0, row0 = t * f.rows;
+                const uint32_t s = i % NSLOT;
+                // keep PREFETCH_TILES tiles past the ring on their way into L2 (GEMV tiles: routed ones wait for
+                // their expert), so that HBM keeps streaming while the ring is full
+                for (; PREFETCH_TILES && fetched < i + NSLOT + PREFETCH_TILES && ahead.p < nphase; ++fetched) {
+                    const PhaseC& a = ph[ahead.p];
+                    if (a.kind == GEMV) {
+                        const int64_t r0 = (ahead.g - a.tile0) * a.rows;
+                        prefetch_l2(reinterpret_cast<const __nv_bfloat16*>(a.w) + r0 * a.k,
+                                    static_cast<uint32_t>(min(static_cast<int64_t>(a.rows), a.n - r0) * a.k * 2), keep);
+                    }
+                    ahead.next(ph, nphase, nblk);
+                }
+                if (!wait_slot(&empty[s], ((i / NSLOT) & 1u) ^ 1u, err, 3, p, t)) return;
+                if (!inputs_done && !(inputs_done = wait_inputs(ph, f, counters, epoch, err, p, t))) return;
+                if (f.kind == TOPK) {
+                    mbar_arrive(&full[s]);      // nothing to load
+                    continue;
+                }
+                int64_t wrow = row0;
+                if (f.kind == ROUTED) {         // the expert top-k chose for this tile's slot
+                    if (row0 / f.ne != have_slot) {
+                        have_slot = row0 / f.ne;
+                        const uint64_t* id = reinterpret_cast<const uint64_t*>(ph[f.route].y) + have_slot;
+                        uint64_t v = load_word(id);
+                        if (!poll_word(id, v, epoch, wait, err, 4, p, t)) return;
+                        e = static_cast<int64_t>(value_of(v));
+                        e = e < 0 ? 0 : (e >= f.n_experts ? f.n_experts - 1 : e);
+                    }
+                    wrow = e * f.ne + row0 % f.ne;
+                }
+                const uint32_t bytes =                  // (the last tile may be part of one)
+                    static_cast<uint32_t>(min(static_cast<int64_t>(f.rows), f.n - row0) * f.k * 2);
+                mbar_expect_tx(&full[s], bytes);
+                bulk_load(ring + s * SLOT_BYTES, w + wrow * f.k, bytes, &full[s], policy);
+            }
+        }
+        return;
+    }
+
+    // ------------------------------------------------------------------------------------------ consumer warps
+    const int warp = tid / 32, lane = tid % 32;
+    uint32_t i = 0;
+    for (int64_t p = 0; p < nphase; ++p) {
+        const PhaseC& f = ph[p];
+        const int64_t g0 = first_tile(f, nblk), gend = f.tile0 + f.ntiles;
+        if (g0 >= gend) continue;
+        uint64_t* y = reinterpret_cast<uint64_t*>(f.y);
+        // T threads per row, each ceil(k / 8 / T) <= STEPS 16-byte steps; G = CONSUMERS / T rows in flight
+        const int chunks = static_cast<int>(f.k / 8), rows = static_cast<int>(f.rows);
+        int T = 1;
+        while (T * STEPS < chunks) T *= 2;
+        int G = CONSUMERS / T;
+        if (G > rows) {
+            G = rows;
+            T = CONSUMERS / G;
+        }
+        float4 xa[STEPS], xb[STEPS];        // this thread's x: steps m of chunk tid % T + m T, the same every row
+        int64_t have_slot = -1, done = 0;
+        for (int64_t g = g0; g < gend; g += nblk, ++i, ++done) {
+            const int64_t t = g - f.tile0, row0 = t * f.rows;
+            const int64_t slot = f.kind == ROUTED && f.xstride ? row0 / f.ne : 0;   // whose x (routed: per expert)
+            const uint32_t s = i % NSLOT;
+            if (slot != have_slot) {        // this tile's x (the first sync: every warp is done with the last x)
+                consumers_sync();
+                if (!load_x(xs, f, ph, x_in, slot, epoch, wait, err, p, t)) gave_up = 1;
+                consumers_sync();
+                if (gave_up) return;
+                have_slot = slot;
+                const uint4* x8 = reinterpret_cast<const uint4*>(xs);
+#pragma unroll
+                for (int m = 0; m < STEPS; ++m) {
+                    const int c = tid % T + m * T;
+                    const uint4 u = c < chunks ? x8[c] : make_uint4(0u, 0u, 0u, 0u);
+                    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+                    const float2 a0 = __bfloat1622float2(h[0]), a1 = __bfloat1622float2(h[1]);
+                    const float2 b0 = __bfloat1622float2(h[2]), b1 = __bfloat1622float2(h[3]);
+                    xa[m] = make_float4(a0.x, a0.y, a1.x, a1.y);
+                    xb[m] = make_float4(b0.x, b0.y, b1.x, b1.y);
+                }
+            }
+            if (!wait_slot(&full[s], (i / NSLOT) & 1u, err, 2, p, t)) return;
+
+            if (f.kind == TOPK) {
+                if (warp == 0) {              // k rounds of a warp argmax over xs (taken entries set to -inf)
+                    for (int64_t r = 0; r < f.ne; ++r) {
+                        float best = -INFINITY;
+                        int idx = 0x7fffffff;
+                        const float* xf = reinterpret_cast<const float*>(xs);
+                        for (int j = lane; j < f.xlen; j += 32)
+                            if (xf[j] > best) { best = xf[j]; idx = j; }
+                        for (int off = 16; off; off >>= 1) {
+                            const float ob = __shfl_xor_sync(0xffffffffu, best, off);
+                            const int oi = __shfl_xor_sync(0xffffffffu, idx, off);
+                            if (ob > best || (ob == best && oi < idx)) { best = ob; idx = oi; }
+                        }
+                        if (lane == 0) {
+                            store_word(y + r, static_cast<float>(idx), epoch);
+                            reinterpret_cast<float*>(xs)[idx] = -INFINITY;
+                        }
+                        __syncwarp();
+                    }
+                }
+            } else {
+                const uint4* tile = reinterpret_cast<const uint4*>(ring + s * SLOT_BYTES);
+                const int rows_here = static_cast<int>(min(static_cast<int64_t>(f.rows), f.n - row0));   // (last: part)
+                for (int r0 = 0; r0 < rows_here; r0 += G) {
+                    const int r = r0 + tid / T;
+                    float acc = 0.f;
+#ifndef SKIP_COMPUTE
+                    if (r < rows_here) {
+                        // every step's 16 bytes loaded first (zeros past the row: x is zero there too), then the
+                        // sums in four independent chains
+                        const uint4* wrow = tile + r * chunks;
+                        uint4 wv[STEPS];
+#pragma unroll
+                        for (int m = 0; m < STEPS; ++m) {
+                            const int c = tid % T + m * T;
+                            wv[m] = c < chunks ? wrow[c] : make_uint4(0u, 0u, 0u, 0u);
+                        }
+                        float part[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                        for (int m = 0; m < STEPS; ++m) part[m % 4] += dot8(wv[m], xa[m], xb[m]);
+                        acc = (part[0] + part[1]) + (part[2] + part[3]);
+                    }
+#endif
+                    for (int off = (T < 32 ? T : 32) / 2; off; off >>= 1)
+                        acc += __shfl_xor_sync(0xffffffffu, acc, off);
+                    if (T <= 32) {
+                        if (tid % T == 0 && r < rows_here) store_word(y + row0 + r, acc, epoch);
+                    } else {
+                        if (lane == 0) red[warp] = acc;
+                        consumers_sync();
+                        if (tid < G && r0 + tid < rows_here) {
+                            float sum = 0.f;
+                            for (int w2 = 0; w2 < T / 32; ++w2) sum += red[tid * (T / 32) + w2];
+                            store_word(y + row0 + r0 + tid, sum, epoch);
+                        }
+                        consumers_sync();
+                    }
+                }
+            }
+            __syncwarp();
+            if (lane == 0) mbar_arrive(&empty[s]);     // this warp is done with slot s
+        }
+        // this block's tiles of p are done: add them to p's counter
+        if (mode == SERIAL) consumers_sync();           // (SERIAL's producers wait on it: every row written)
+        if (tid == 0) {
+            if (mode == SERIAL) add_release(counters + p, static_cast<uint32_t>(done));
+            else add_relaxed(counters + p, static_cast<uint32_t>(done));   // (no fence: the timeline only)
+            atomicMax(t_done + p, static_cast<unsigned long long>(now_ns()));
+        }
+    }
+}

@@ -1,0 +1,542 @@
+"""Milestone 1 of docs/megakernel.md: k3-small's B = 1 decode step as a synthetic chain of dependent phases, run as
+ONE persistent launch (scripts/megakernel/chain.cu) that streams every phase's weights into shared memory ahead
+of the phase's input. GPU only (sm_90a, nvcc and cupy on the GPU image); the chain, its reference and the table
+are plain torch and tested on the CPU (tests/test_megakernel_chain.py).
+
+The chain (`k3_small_chain`) has the step's ~180 dependent links and its bytes: per layer the projections at
+their k3-small sizes (KDA in / out, MLA q / kv / absorbed / gate / out, MoE latent down / up, router, shared and
+routed experts, the dense MLP of layer 0, the LM head), the links with few bytes between them (AttnRes + norm,
+KDA conv and state, MLA norms and softmax) as 256 x 256 GEMVs, and the MoE's top-k, whose chosen experts' rows
+the routed phases read. Each phase is y = W x (bf16 W, x rounded to bf16 as a bf16 model feeds a GEMV, fp32
+sums and y) with x the output of its input phase, so the dependencies are real; the numbers are not a model's.
+
+Modes (the same kernel): `stream` (weights streamed ahead, waiting only for free ring slots and, for routed
+experts, for the top-k), `serial` (a tile's weights are fetched only once its inputs are done: the
+launch-per-phase order, without launch costs) and `nodeps` (no waits at all: the bytes and the phase structure
+alone; outputs wrong). Chains: `k3-small`; `skeleton`, the same links at narrow widths (as ab_decode.py's
+SKELETON), whose `stream` time is the chain's latency without the bytes; `*-fused`, without the few-byte links
+(a bound on fusing them); `bandwidth`, k3-small's bytes as one phase.
+
+    python3 scripts/megakernel_chain.py [--chains k3-small,skeleton] [--modes stream,serial,nodeps]
+                                        [--rings 3x65536[:DEFINE+...],...] [--rounds 3] [--iters 50]
+                                        [--out F.json] [--plot F.png]
+
+Checks each mode's outputs against a torch reference first (per phase, from the kernel's own inputs), then
+times interleaved rounds (CUDA events around each launch) and records when each phase finished (%globaltimer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import math
+import os
+import re
+import statistics
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+CU = Path(__file__).resolve().parent / "megakernel" / "chain.cu"
+FIELDS = ("kind", "n", "k", "rows", "ntiles", "tile0", "src", "xlen", "xstride", "route", "ne", "w", "y",
+          "n_experts", "dep2", "xlen2")        # chain.cu's `struct Phase`, one int64 each
+KINDS = {"gemv": 0, "topk": 1, "routed": 2}
+MODES = {"stream": 0, "serial": 1, "nodeps": 2}
+XMAX = 8192                 # chain.cu: the longest x of a GEMV held in shared memory (bf16)
+XMAX_TOPK = XMAX // 2       # ... and of a top-k (fp32)
+MAX_ROWS = 64               # rows per tile at most (few-byte phases still spread over several blocks)
+CHECK_REL = 1e-5            # fp32 sums of the same bf16 products in another order: ~3e-7 measured
+WAITS = {1: "an input word of this launch", 2: "a filled ring slot", 3: "a free ring slot",
+         4: "the top-k's words", 5: "an input phase's counter"}
+
+# k3-small at B = 1, context 1024 (docs/megakernel.md's table); `lat` is the width of the few-byte links.
+WIDTHS = dict(d=2048, q_rank=768, e_lat=1024, e_w=768, dense=8192, vocab=32768, kda_in=8376, heads=16,
+              experts=64, topk=8, shared=2, ctx=1024, layers=12, mla=(3, 7, 11), lat=256)
+# ab_decode.py's SKELETON widths (d 256, q latent 64, expert latent 128, expert / dense widths 64 / 256, vocab 1024)
+SKELETON = dict(WIDTHS, d=256, q_rank=64, e_lat=128, e_w=64, dense=256, vocab=1024)
+
+
+@dataclasses.dataclass
+class Phase:
+    name: str
+    kind: str
+    n: int                  # output rows (routed: top-k x rows per expert)
+    k: int                  # input width (top-k: 0; it reads the n values of its src)
+    src: int                # phase whose output is x (-1: the external input)
+    xlen: int               # x[j] = y_src[slot * xstride + j % xlen] (+ y_dep2[j % xlen2])
+    xstride: int = 0
+    route: int = -1         # routed: the top-k phase
+    ne: int = 0             # routed: rows per expert; top-k: k
+    n_experts: int = 0
+    dep2: int = -1          # a second input phase, added to x elementwise
+    xlen2: int = 0
+    rows: int = 1           # rows per tile
+    ntiles: int = 1
+    tile0: int = 0
+
+    @property
+    def bytes_read(self) -> int:
+        """Weight bytes this phase reads per launch (routed: only the chosen experts' rows)."""
+        return 0 if self.kind == "topk" else self.n * self.k * 2
+
+    @property
+    def weight_elems(self) -> int:
+        """Weight elements stored (routed: every expert)."""
+        return {"gemv": self.n * self.k, "topk": 0, "routed": self.n_experts * self.ne * self.k}[self.kind]
+
+
+class Chain:
+    """Phases in launch order; each phase's inputs come before it, and its tiles follow the previous phase's."""
+
+    def __init__(self, x_len: int, slot_bytes: int = 65536):
+        self.x_len, self.slot_bytes, self.phases = x_len, slot_bytes, []
+
+    def _rows(self, n: int, k: int, ne: int = 0) -> int:
+        """Rows per tile: a power of two that fills a slot (at most MAX_ROWS), no more than n needs; routed tiles
+        stay within one expert. A GEMV's last tile may be part of one."""
+        r = min(MAX_ROWS, 1 << int(math.log2(self.slot_bytes // (2 * k))))
+        while r > 1 and r // 2 >= n:
+            r //= 2
+        while ne and ne % r:
+            r //= 2
+        return r
+
+    def _add(self, ph: Phase) -> int:
+        p = len(self.phases)
+        for dep in (ph.src, ph.dep2, ph.route):
+            if not -1 <= dep < p:
+                raise ValueError(f"{ph.name}: depends on phase {dep}, which is not before it (phase {p})")
+        if ph.kind != "topk" and (ph.k % 8 or not 0 < ph.k <= XMAX or 2 * ph.k > self.slot_bytes):
+            raise ValueError(f"{ph.name}: k = {ph.k} must be a multiple of 8, at most {XMAX} and fit a slot")
+        prev = self.phases[-1] if self.phases else None
+        ph.tile0 = prev.tile0 + prev.ntiles if prev else 0
+        self.phases.append(ph)
+        return p
+
+    def _xlen(self, src: int, name: str) -> int:
+        if not -1 <= src < len(self.phases):
+            raise ValueError(f"{name}: depends on phase {src}, which is not before it (phase {len(self.phases)})")
+        return self.x_len if src < 0 else self.phases[src].n
+
+    def gemv(self, name: str, n: int, k: int, src: int, dep2: int = -1) -> int:
+        rows = self._rows(n, k)
+        xlen2 = self._xlen(dep2, name) if dep2 >= 0 else 0
+        return self._add(Phase(name, "gemv", n, k, src, self._xlen(src, name), dep2=dep2, xlen2=xlen2, rows=rows,
+                               ntiles=-(-n // rows)))
+
+    def topk(self, name: str, k: int, src: int) -> int:
+        n = self._xlen(src, name)
+        if not 0 < k <= n <= XMAX_TOPK:
+            raise ValueError(f"{name}: top-{k} of {n} values")
+        return self._add(Phase(name, "topk", k, 0, src, n, ne=k))
+
+    def routed(self, name: str, route: int, ne: int, k: int, n_experts: int, src: int, per_slot: bool = False) -> int:
+        """The chosen experts' rows: `ne` rows of [n_experts, ne, k] per top-k slot; with per_slot, slot s reads its
+        own part of src's output (src routed too, `k` of its rows per expert)."""
+        self._xlen(route, name)
+        tk = self.phases[route]
+        if tk.kind != "topk":
+            raise ValueError(f"{name}: phase {route} ({tk.name}) is not a top-k")
+        n = tk.ne * ne
+        rows = self._rows(n, k, ne)
+        xstride, xlen = (self.phases[src].ne, k) if per_slot else (0, self._xlen(src, name))
+        return self._add(Phase(name, "routed", n, k, src, xlen, xstride, route, ne, n_experts, rows=rows,
+                               ntiles=n // rows))
+
+    @property
+    def ntiles(self) -> int:
+        return sum(p.ntiles for p in self.phases)
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(p.bytes_read for p in self.phases)
+
+
+def k3_small_chain(w: dict = WIDTHS, slot_bytes: int = 65536, fuse: bool = False) -> Chain:
+    """fuse: without the few-byte links (AttnRes + norm, KDA conv, MLA norms and softmax, final norm), as if each
+    were computed inside the next phase's input load; that extra work is not modelled (a bound on what fusing
+    them can give)."""
+    c = Chain(w["d"], slot_bytes)
+    d, lat, heads = w["d"], w["lat"], w["heads"]
+
+    def mix(name: str, src: int) -> int:
+        return src if fuse else c.gemv(name, lat, lat, src)
+
+    h = -1
+    for layer in range(w["layers"]):
+        L = f"L{layer}."
+        a = mix(L + "attn_res+norm", h)
+        if layer in w["mla"]:
+            qa = c.gemv(L + "mla.q_kv_a", w["q_rank"] + 576, d, a)
+            nq = mix(L + "mla.norms", qa)
+            qb = c.gemv(L + "mla.q_b", heads * 192, w["q_rank"], nq)
+            ak = c.gemv(L + "mla.absorb_k", heads * 512, 128, qb)
+            sc = c.gemv(L + "mla.scores", w["ctx"], 576, ak)
+            sm = mix(L + "mla.softmax", sc)
+            av = c.gemv(L + "mla.absorb_v", heads * 128, 512, sm)
+            gt = c.gemv(L + "mla.gate", heads * 128, d, a)
+            att = c.gemv(L + "mla.o", d, heads * 128, av, dep2=gt)
+        else:
+            i = c.gemv(L + "kda.in", w["kda_in"], d, a)
+            cv = mix(L + "kda.conv+gates", i)
+            st = c.gemv(L + "kda.state", heads * 128, lat, cv)
+            att = c.gemv(L + "kda.out", d, heads * 128, st)
+        m = mix(L + "attn_res+norm.mlp", att)
+        if layer == 0:
+            gu = c.gemv(L + "dense.gate_up", 2 * w["dense"], d, m)
+            h = c.gemv(L + "dense.down", d, w["dense"], gu)
+            continue
+        dn = c.gemv(L + "moe.down", w["e_lat"], d, m)
+        r = c.gemv(L + "moe.router", w["experts"], w["e_lat"], dn)
+        sgu = c.gemv(L + "moe.shared_gate_up", 2 * w["shared"] * w["e_w"], d, m)
+        tk = c.topk(L + "moe.topk", w["topk"], r)
+        # the shared down before the routed experts: its weights stream while the producers wait for the top-k
+        sd = c.gemv(L + "moe.shared_down", d, w["shared"] * w["e_w"], sgu)
+        rgu = c.routed(L + "moe.routed_gate_up", tk, 2 * w["e_w"], w["e_lat"], w["experts"], dn)
+        rd = c.routed(L + "moe.routed_down", tk, w["e_lat"], w["e_w"], w["experts"], rgu, per_slot=True)
+        h = c.gemv(L + "moe.up", d, w["e_lat"], rd, dep2=sd)
+    c.gemv("lm_head", w["vocab"], d, mix("final_norm", h))
+    return c
+
+
+def bandwidth_chain(slot_bytes: int = 65536) -> Chain:
+    """k3-small's bytes (1448 MB) in one GEMV without links: what the kernel streams with no phase to wait for."""
+    c = Chain(2048, slot_bytes)
+    c.gemv("all_bytes", 353536, 2048, -1)
+    return c
+
+
+CHAINS = {"k3-small": lambda sb: k3_small_chain(WIDTHS, sb), "skeleton": lambda sb: k3_small_chain(SKELETON, sb),
+          "k3-small-fused": lambda sb: k3_small_chain(WIDTHS, sb, fuse=True),
+          "skeleton-fused": lambda sb: k3_small_chain(SKELETON, sb, fuse=True), "bandwidth": bandwidth_chain}
+
+
+class Buffers:
+    """Every phase's weights in one bf16 buffer (N(0, 1/k): y stays O(1) along the chain), outputs in one buffer
+    of 8-byte words {fp32 value, u32 epoch of the launch that wrote it}, the external input, and the table the
+    kernel reads (int64 [phases, 16])."""
+
+    def __init__(self, chain: Chain, device: str = "cuda", seed: int = 0):
+        self.chain = chain
+        g = torch.Generator(device=device).manual_seed(seed)
+        self.w_off, self.y_off, nw, ny = [], [], 0, 0
+        for p in chain.phases:
+            self.w_off.append(nw)
+            self.y_off.append(ny)
+            nw += -(-p.weight_elems // 8) * 8          # 16-byte aligned starts
+            ny += -(-p.n // 4) * 4
+        self.w = torch.empty(max(nw, 8), dtype=torch.bfloat16, device=device)
+        for p, off in zip(chain.phases, self.w_off):
+            if p.weight_elems:
+                v = self.w[off:off + p.weight_elems]
+                v.copy_(torch.randn(p.weight_elems, generator=g, device=device) / math.sqrt(p.k))
+        self.y = torch.zeros(max(ny, 4), dtype=torch.int64, device=device)
+        self.values = self.y.view(torch.float32)[0::2]      # the low (little-endian first) half of each word
+        self.x = torch.randn(chain.x_len, generator=g, device=device)
+        rows = []
+        for p, wo, yo in zip(chain.phases, self.w_off, self.y_off):
+            v = dict(dataclasses.asdict(p), kind=KINDS[p.kind], w=self.w.data_ptr() + 2 * wo,
+                     y=self.y.data_ptr() + 8 * yo)
+            rows.append([v[f] for f in FIELDS])
+        self.table = torch.tensor(rows, dtype=torch.int64, device=device)
+
+    def weights(self, p: int) -> torch.Tensor:
+        ph = self.chain.phases[p]
+        shape = (ph.n_experts, ph.ne, ph.k) if ph.kind == "routed" else (ph.n, ph.k)
+        return self.w[self.w_off[p]:self.w_off[p] + ph.weight_elems].view(shape)
+
+    def out(self, p: int) -> torch.Tensor:
+        """Phase p's output values (a view)."""
+        return self.values[self.y_off[p]:self.y_off[p] + self.chain.phases[p].n]
+
+    def clear(self) -> None:
+        """Every output NaN and of no launch (epoch 0), so that an unwritten row shows."""
+        self.y.zero_()
+        self.values.fill_(float("nan"))
+
+    def x_of(self, p: int, slot: int = 0) -> torch.Tensor:
+        """Phase p's input as the kernel reads it: x[j] = y_src[slot * xstride + j % xlen] (+ y_dep2[j % xlen2]),
+        rounded to bf16 for a GEMV."""
+        ph = self.chain.phases[p]
+        src = self.x if ph.src < 0 else self.out(ph.src)
+        j = torch.arange(ph.xlen if ph.kind == "topk" else ph.k, device=src.device)
+        x = src[slot * ph.xstride + j % ph.xlen]
+        if ph.dep2 >= 0:
+            x = x + self.out(ph.dep2)[j % ph.xlen2]
+        return x if ph.kind == "topk" else x.bfloat16().float()     # a GEMV's x as a bf16 model feeds it
+
+    def expected(self, p: int) -> torch.Tensor:
+        """Phase p's output from the inputs now in the buffers (fp32 accumulation; top-k: ids as floats)."""
+        ph, xs = self.chain.phases[p], None
+        if ph.kind == "topk":
+            return torch.topk(self.x_of(p), ph.ne).indices.float()       # (descending, as the kernel's rounds)
+        if ph.kind == "gemv":
+            return self.weights(p).float() @ self.x_of(p)
+        ids = self.out(ph.route).long()
+        xs = [self.x_of(p, s) for s in range(len(ids))]
+        return torch.cat([self.weights(p)[e].float() @ (xs[s] if ph.xstride else xs[0]) for s, e in enumerate(ids)])
+
+    def run_reference(self) -> None:
+        """Fill every output in chain order, as the kernel should."""
+        for p in range(len(self.chain.phases)):
+            self.out(p).copy_(self.expected(p))
+
+    def errors(self) -> dict:
+        """Per kind, the largest |y - expected| / max|expected| over phases (expected from the kernel's own
+        inputs), the top-k phases that differ, and the phases with unwritten (NaN) rows."""
+        worst = {k: 0.0 for k in KINDS}
+        topk_wrong, nan = [], []
+        for p, ph in enumerate(self.chain.phases):
+            got = self.out(p)
+            if torch.isnan(got).any():
+                nan.append(ph.name)
+                continue
+            ref = self.expected(p)
+            if ph.kind == "topk":
+                if not torch.equal(got, ref):
+                    topk_wrong.append(ph.name)
+                continue
+            rel = ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+            worst[ph.kind] = max(worst[ph.kind], rel)
+        return {"max_rel": worst, "topk_wrong": topk_wrong, "unwritten": nan}
+
+
+def compile_cubin(nslot: int, slot_bytes: int, out_dir: str, spin_limit: int | None = None,
+                  defines: tuple[str, ...] = ()) -> tuple[str, str]:
+    """nvcc chain.cu for sm_90a with this ring (and -D`defines`); (cubin path, ptxas's resource report)."""
+    tag = "".join("-" + d.replace("=", "") for d in defines)
+    path = os.path.join(out_dir, f"chain-{nslot}x{slot_bytes}{tag}.cubin")
+    cmd = ["nvcc", "-gencode=arch=compute_90a,code=sm_90a", "-O3", "-cubin", "-Xptxas", "-v",
+           f"-DNSLOT={nslot}", f"-DSLOT_BYTES={slot_bytes}", *(f"-D{d}" for d in defines), "-o", path, str(CU)]
+    if spin_limit:
+        cmd.insert(-3, f"-DSPIN_LIMIT={spin_limit}u")
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    if run.returncode:
+        raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{run.stderr}")
+    return path, run.stderr
+
+
+SMEM_LIMIT = 227 * 1024    # sm_90's dynamic shared memory per block
+
+
+def cu_default(name: str) -> int:
+    """A #define's default in chain.cu."""
+    m = re.search(rf"#define {name} (\d+)", CU.read_text())
+    if m is None:
+        raise ValueError(f"no #define {name} in {CU}")
+    return int(m.group(1))
+
+
+DEFAULT_RING = f"{cu_default('NSLOT')}x{cu_default('SLOT_BYTES')}"
+
+
+def smem_bytes(nslot: int, slot_bytes: int, nphase: int) -> int:
+    """chain.cu's shared memory: the ring, x (bf16), the phase table (72 bytes a phase), the ring's barriers."""
+    return nslot * slot_bytes + XMAX * 2 + nphase * 72 + 2 * nslot * 8
+
+
+class ChainKernel:
+    """chain.cu compiled for one ring, launched through cupy on torch's current stream."""
+
+    def __init__(self, nslot: int = 3, slot_bytes: int = 65536, build_dir: str | None = None,
+                 spin_limit: int | None = None, defines: tuple[str, ...] = ()):
+        import cupy
+        self.cupy, self.nslot, self.slot_bytes, self.defines = cupy, nslot, slot_bytes, defines
+        cubin, self.ptxas = compile_cubin(nslot, slot_bytes, build_dir or tempfile.mkdtemp(prefix="k3chain-"),
+                                          spin_limit, defines)
+        print(f"chain.cu {nslot}x{slot_bytes} {' '.join(defines)}: "
+              + " | ".join(self.ptxas.strip().splitlines()[-2:]), flush=True)
+        self.fn = cupy.RawModule(path=cubin).get_function("chain_kernel")
+        warps = [int(d.split("=")[1]) for d in defines if d.startswith("CONSUMER_WARPS=")]
+        self.threads = 32 * ((warps[0] if warps else cu_default("CONSUMER_WARPS")) + 1)   # + the producer warp
+        self.blocks = torch.cuda.get_device_properties(0).multi_processor_count
+        self.epoch = 0
+        self.counters = self.err = None
+        with warnings.catch_warnings():                      # (cupy 14 prefers Stream.from_external)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            self.stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)   # torch's stream
+
+    def bind(self, bufs: Buffers) -> None:
+        n = len(bufs.chain.phases)
+        if bufs.chain.slot_bytes != self.slot_bytes:
+            raise ValueError(f"the chain's tiles are for {bufs.chain.slot_bytes}-byte slots, the kernel's "
+                             f"{self.slot_bytes}")
+        self.smem = smem_bytes(self.nslot, self.slot_bytes, n)
+        if self.smem > SMEM_LIMIT:
+            raise ValueError(f"ring {self.nslot}x{self.slot_bytes} with {n} phases: {self.smem} bytes of shared "
+                             f"memory, over the {SMEM_LIMIT} a block can have")
+        self.fn.max_dynamic_shared_size_bytes = self.smem
+        self.bufs = bufs
+        self.counters = torch.zeros(n, dtype=torch.int32, device="cuda")
+        self.err = torch.zeros(4, dtype=torch.int32, device="cuda")
+        self.t_done = torch.zeros(n, dtype=torch.int64, device="cuda")
+        self.t_start = torch.zeros(1, dtype=torch.int64, device="cuda")
+        self.epoch = 0
+
+    def launch(self, mode: str) -> None:
+        import numpy as np
+        b, u = self.bufs, np.uint64
+        self.epoch += 1
+        args = (u(b.table.data_ptr()), np.int64(len(b.chain.phases)), u(b.x.data_ptr()),
+                u(self.counters.data_ptr()), np.uint32(self.epoch), np.int32(MODES[mode]), u(self.err.data_ptr()),
+                u(self.t_done.data_ptr()), u(self.t_start.data_ptr()))
+        with self.stream:
+            self.fn((self.blocks,), (self.threads,), args, shared_mem=self.smem)
+
+    def check(self) -> None:
+        """Raise if a wait ran out in any launch so far (then reset counters, outputs and epoch, so that no word of
+        an earlier launch carries a later launch's epoch)."""
+        torch.cuda.synchronize()
+        what, blk, p, t = self.err.tolist()
+        if what:
+            name = self.bufs.chain.phases[p].name if 0 <= p < len(self.bufs.chain.phases) else "?"
+            self.counters.zero_()
+            self.err.zero_()
+            self.bufs.clear()
+            self.epoch = 0
+            raise RuntimeError(f"chain kernel gave up waiting for {WAITS.get(what, what)}: block {blk}, "
+                               f"phase {p} ({name}), tile {t}")
+
+    def timeline_us(self) -> list[float]:
+        """When each phase of the last launch finished, us after block 0 started."""
+        torch.cuda.synchronize()
+        return ((self.t_done - self.t_start).double() / 1e3).tolist()
+
+
+def copy_gbs() -> float:
+    a = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda")
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(10):
+        b.copy_(a)
+    e.record()
+    torch.cuda.synchronize()
+    return 10 * 2 * a.numel() * 2 / (s.elapsed_time(e) * 1e6)
+
+
+def run_chain(name: str, kern: ChainKernel, modes: list[str], rounds: int, iters: int) -> dict:
+    chain = CHAINS[name](kern.slot_bytes)
+    bufs = Buffers(chain)
+    kern.bind(bufs)
+    res = {"phases": len(chain.phases), "tiles": chain.ntiles, "bytes_read": chain.bytes_read, "check": {},
+           "ms": {}, "round_medians_ms": {m: [] for m in modes}, "timeline_us": {}}
+    for m in modes:                              # correctness first: outputs NaN, one launch, every phase checked
+        bufs.clear()
+        kern.launch(m)
+        kern.check()
+        if m == "nodeps" or "SKIP_COMPUTE" in kern.defines:
+            res["check"][m] = "not checked: outputs wrong by design (no waits, or no sums)"
+        else:
+            e = res["check"][m] = bufs.errors()
+            if e["unwritten"] or e["topk_wrong"] or max(e["max_rel"].values()) > CHECK_REL:
+                raise RuntimeError(f"{name} {m}: outputs differ from the torch reference, not timing it: {e}")
+        print(f"{name} {m}: {res['check'][m]}", flush=True)
+    times = {m: [] for m in modes}
+    for _ in range(rounds):
+        for m in modes:
+            for _ in range(5):
+                kern.launch(m)
+            ts = []
+            for _ in range(iters):
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                kern.launch(m)
+                e.record()
+                ts.append((s, e))
+            kern.check()
+            t = [s.elapsed_time(e) for s, e in ts]
+            times[m] += t
+            res["round_medians_ms"][m].append(statistics.median(t))
+        print(f"{name} round: " + ", ".join(f"{m} {res['round_medians_ms'][m][-1]:.4f} ms" for m in modes), flush=True)
+    for m in modes:
+        res["ms"][m] = statistics.median(times[m])
+        kern.launch(m)
+        kern.check()
+        res["timeline_us"][m] = kern.timeline_us()
+    res["phase_names"] = [p.name for p in chain.phases]
+    res["phase_bytes"] = [p.bytes_read for p in chain.phases]
+    return res
+
+
+def plot(result: dict, path: str) -> None:
+    """Per chain: weight bytes of the finished phases against when they finished, per mode, beside the copy rate
+    from the launch (the bytes floor)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    charts = list(result["chains"].items())
+    cols = min(3, len(charts))
+    rows = -(-len(charts) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 4.2 * rows), squeeze=False)
+    for ax in axes.flat[len(charts):]:
+        ax.axis("off")
+    for ax, (name, r) in zip(axes.flat, charts):
+        cum = [b / 1e6 for b in itertools.accumulate(r["phase_bytes"])]
+        for m, t in r["timeline_us"].items():
+            ax.plot([0.0] + t, [0.0] + cum, marker=".", ms=2, lw=1, label=f"{m}: {r['ms'][m]:.3f} ms")
+        gbs = result["copy_gbs"]
+        ax.plot([0, cum[-1] * 1e3 / gbs], [0, cum[-1]], "k--", lw=0.8, label=f"copy rate {gbs / 1e3:.2f} TB/s")
+        ax.set_title(f"{name}: {r['phases']} phases, {r['bytes_read'] / 1e6:.0f} MB", fontsize=10)
+        ax.set_xlabel("phase finished at (us after launch)")
+        ax.set_ylabel("weight bytes of finished phases (MB)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"One persistent launch per step, synthetic k3-small chain ({result['device']})", fontsize=11)
+    fig.tight_layout()
+    tmp = path + ".tmp.png"
+    fig.savefig(tmp, dpi=110)
+    os.replace(tmp, path)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--chains", default="k3-small,skeleton")
+    ap.add_argument("--modes", default="stream,serial,nodeps")
+    ap.add_argument("--rings", default=DEFAULT_RING,
+                    help="NSLOTxSLOT_BYTES[:DEFINE+DEFINE=V],... one kernel build each (defines: CONSUMER_WARPS=n, "
+                         "STEPS=n; SKIP_COMPUTE: a diagnostic; see chain.cu)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--out")
+    ap.add_argument("--plot")
+    a = ap.parse_args()
+    modes = a.modes.split(",")
+    for m in modes:
+        if m not in MODES:
+            raise SystemExit(f"unknown mode {m!r}: choose from {', '.join(MODES)}")
+    for c in a.chains.split(","):
+        if c not in CHAINS:
+            raise SystemExit(f"unknown chain {c!r}: choose from {', '.join(CHAINS)}")
+    result = {"device": torch.cuda.get_device_name(0), "copy_gbs": copy_gbs(), "chains": {}}
+    print(f"copy {result['copy_gbs']:.0f} GB/s", flush=True)
+    for ring in a.rings.split(","):
+        size, _, defs = ring.partition(":")
+        nslot, slot_bytes = (int(v) for v in size.split("x"))
+        kern = ChainKernel(nslot, slot_bytes, defines=tuple(d for d in defs.split("+") if d))
+        for c in a.chains.split(","):
+            key = c if ring == DEFAULT_RING else f"{c}@{ring}"
+            r = run_chain(c, kern, modes, a.rounds, a.iters)
+            floor = r["bytes_read"] / (result["copy_gbs"] * 1e6)
+            r["bytes_floor_ms"] = floor
+            result["chains"][key] = r
+            print(f"{key}: {r['phases']} phases, {r['tiles']} tiles, {r['bytes_read'] / 1e6:.0f} MB "
+                  f"(floor {floor:.3f} ms): " + ", ".join(f"{m} {r['ms'][m]:.4f} ms" for m in modes), flush=True)
+    if a.out:
+        tmp = a.out + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(result, f, indent=1)
+        os.replace(tmp, a.out)
+    if a.plot:
+        plot(result, a.plot)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,203 @@
+"""scripts/megakernel_chain.py (milestone 1 of docs/megakernel.md): the synthetic k3-small chain, its table and
+torch reference on the CPU; chain.cu's sm_90a build where nvcc is present; the kernel itself on the GPU (cuda)."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import megakernel_chain as mc  # noqa: E402
+
+# every kind of link at toy widths: 4 layers (dense layer 0, KDA 1-2, MLA 3), 8 experts, top-2
+TINY = dict(mc.SKELETON, d=64, q_rank=32, e_lat=64, e_w=32, dense=64, vocab=128, kda_in=256, heads=2, experts=8,
+            topk=2, ctx=64, layers=4, mla=(3,), lat=64)
+
+
+def test_k3_small_chain_moves_the_steps_bytes():
+    """The chain reads what docs/megakernel.md counts for k3-small's B = 1 step (1458 MB, ~20 MB of it KDA state
+    and MLA cache modelled here by 1 MB phases) over its ~180 links; the skeleton ~100 MB over the same links."""
+    c = mc.k3_small_chain()
+    s = mc.k3_small_chain(mc.SKELETON)
+    assert len(c.phases) == len(s.phases) == 179
+    assert abs(c.bytes_read / 1e6 - 1458) / 1458 < 0.02, c.bytes_read
+    assert 80e6 < s.bytes_read < 110e6, s.bytes_read
+    assert [p.kind for p in c.phases] == [p.kind for p in s.phases]
+    assert sum(p.kind == "topk" for p in c.phases) == 11                   # one MoE per layer after the dense one
+    routed = sum(p.bytes_read for p in c.phases if p.kind == "routed")
+    assert abs(routed / 1e6 - 11 * 37.7) / (11 * 37.7) < 0.01, routed       # 8 of 64 experts, 4.7 MB each
+
+
+@pytest.mark.parametrize("fuse", [False, True], ids=["links", "fused"])
+@pytest.mark.parametrize("slot", [32768, 65536])
+@pytest.mark.parametrize("widths", [mc.WIDTHS, mc.SKELETON, TINY], ids=["k3-small", "skeleton", "tiny"])
+def test_chain_table_is_what_the_kernel_assumes(widths, slot, fuse):
+    """Inputs before their phase; tiles in phase order, whole rows, one slot each; routed tiles within one expert."""
+    c = mc.k3_small_chain(widths, slot, fuse)
+    tile = 0
+    for p, ph in enumerate(c.phases):
+        assert ph.tile0 == tile
+        tile += ph.ntiles
+        assert -1 <= ph.src < p and -1 <= ph.dep2 < p
+        if ph.kind == "topk":
+            assert ph.ntiles == 1
+        else:                                                            # whole tiles, the last may be part of one
+            assert (ph.ntiles - 1) * ph.rows < ph.n <= ph.ntiles * ph.rows
+        if ph.kind != "topk":
+            assert ph.k % 8 == 0 and ph.k <= mc.XMAX and ph.rows * ph.k * 2 <= c.slot_bytes
+            assert ph.rows & (ph.rows - 1) == 0                              # a power of two (rows in flight)
+        if ph.kind == "routed":
+            assert c.phases[ph.route].kind == "topk" and ph.ne % ph.rows == 0
+            assert ph.n == c.phases[ph.route].ne * ph.ne
+    assert tile == c.ntiles
+
+
+def test_reference_fills_the_chain_and_errors_find_wrong_rows():
+    c = mc.k3_small_chain(TINY)
+    b = mc.Buffers(c, device="cpu")
+    b.run_reference()
+    e = b.errors()
+    assert e == {"max_rel": {"gemv": 0.0, "topk": 0.0, "routed": 0.0}, "topk_wrong": [], "unwritten": []}
+    # the values stay O(1) down the chain, so a relative bound means the same everywhere
+    scales = [b.out(p).abs().max().item() for p, ph in enumerate(c.phases) if ph.kind != "topk"]
+    assert 0.1 < min(scales) and max(scales) < 50, (min(scales), max(scales))
+    rd = next(p for p, ph in enumerate(c.phases) if ph.kind == "routed" and ph.xstride)
+    b.out(rd)[3] += 0.5
+    assert b.errors()["max_rel"]["routed"] > 0.01
+    tk = next(p for p, ph in enumerate(c.phases) if ph.kind == "topk")
+    b.run_reference()
+    ids = b.out(tk).clone()
+    b.out(tk).copy_(ids.flip(0))                  # same experts, other order: the routed rows follow the ids
+    assert b.errors()["topk_wrong"] == [c.phases[tk].name]
+    b.run_reference()
+    b.out(0)[1] = float("nan")
+    assert b.errors()["unwritten"] == [c.phases[0].name]
+
+
+def test_reference_topk_and_second_inputs():
+    """The top-k ranks all of the router's outputs; a phase with a second input adds it to x elementwise; the
+    output words hold the value in their low half and the writer's epoch in the high half."""
+    c = mc.k3_small_chain(TINY)
+    b = mc.Buffers(c, device="cpu")
+    b.run_reference()
+    for p, ph in enumerate(c.phases):
+        if ph.kind == "topk":
+            router = b.out(ph.src)
+            assert len(router) == TINY["experts"] and ph.xlen == TINY["experts"]
+            assert torch.equal(b.out(p), torch.topk(router, TINY["topk"]).indices.float())
+        if ph.dep2 >= 0:
+            j = torch.arange(ph.k)
+            want = (b.out(ph.src)[j % ph.xlen] + b.out(ph.dep2)[j % ph.xlen2]).bfloat16().float()
+            torch.testing.assert_close(b.x_of(p), want, rtol=0, atol=0)
+    assert sum(ph.dep2 >= 0 for ph in c.phases) == 3 + 1                  # moe.up in layers 1-3, mla.o in 3
+    b.clear()
+    assert torch.isnan(b.values).all() and ((b.y >> 32) == 0).all()
+    b.y[0] = (7 << 32) | 0x3FC00000                                         # epoch 7, 1.5
+    assert b.out(0)[0].item() == 1.5
+
+
+def test_routed_reference_reads_the_chosen_experts():
+    c = mc.k3_small_chain(TINY)
+    b = mc.Buffers(c, device="cpu")
+    b.run_reference()
+    rgu = next(p for p, ph in enumerate(c.phases) if ph.kind == "routed")
+    ph = c.phases[rgu]
+    ids = b.out(ph.route).long().tolist()
+    assert len(set(ids)) == len(ids) == TINY["topk"]
+    x = b.x_of(rgu)
+    for s, e in enumerate(ids):
+        want = b.weights(rgu)[e].float() @ x
+        torch.testing.assert_close(b.out(rgu)[s * ph.ne:(s + 1) * ph.ne], want, rtol=0, atol=0)
+
+
+def test_fused_chain_drops_only_the_few_byte_links():
+    c, f = mc.k3_small_chain(), mc.k3_small_chain(fuse=True)
+    dropped = len(c.phases) - len(f.phases)
+    assert dropped == 12 * 2 + 9 + 3 * 2 + 1                              # AttnRes x2, KDA conv, MLA norms / softmax
+    assert c.bytes_read - f.bytes_read == dropped * 256 * 256 * 2
+    b = mc.Buffers(mc.k3_small_chain(TINY, fuse=True), device="cpu")
+    b.run_reference()
+    assert b.errors()["max_rel"] == {"gemv": 0.0, "topk": 0.0, "routed": 0.0}
+
+
+def test_bandwidth_chain_moves_the_same_bytes_without_links():
+    b, c = mc.bandwidth_chain(), mc.k3_small_chain()
+    assert len(b.phases) == 1 and abs(b.bytes_read - c.bytes_read) / c.bytes_read < 0.001
+
+
+def test_default_ring_fits_shared_memory_with_the_table():
+    n = len(mc.k3_small_chain().phases)
+    assert mc.smem_bytes(3, 65536, n) <= mc.SMEM_LIMIT < mc.smem_bytes(4, 65536, n)
+
+
+def test_chain_refuses_bad_links():
+    c = mc.Chain(x_len=64)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        c.gemv("odd", 16, 12, -1)
+    a = c.gemv("a", 64, 64, -1)
+    with pytest.raises(ValueError, match="not before it"):
+        c.gemv("later", 64, 64, a + 1)
+    with pytest.raises(ValueError, match="not a top-k"):
+        c.routed("r", a, 8, 64, 4, a)
+    with pytest.raises(ValueError, match="top-100 of 64"):
+        c.topk("tk", 100, a)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+def test_chain_cu_builds_for_sm90a_without_spills(tmp_path):
+    """chain.cu assembles for sm_90a (mbarrier, bulk copies, ld.acquire / red.release) with every ring the script
+    offers, without local memory."""
+    for nslot, slot in [(3, 65536), (4, 32768), (2, 65536)]:
+        path, report = mc.compile_cubin(nslot, slot, str(tmp_path))
+        assert Path(path).stat().st_size > 0
+        assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("ring", [(4, 32768), (3, 65536)], ids=["4x32k", "3x64k"])
+def test_chain_kernel_matches_reference(tmp_path, ring):
+    """Every phase's output equals its reference from the kernel's own inputs (fp32 sums in another order),
+    the top-k picks the same experts in the same order, no row is left unwritten; in stream and serial mode,
+    over several launches (counters carried across epochs)."""
+    pytest.importorskip("cupy", reason="the chain kernel launches through cupy")
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("sm_90a kernel")
+    kern = mc.ChainKernel(*ring, build_dir=str(tmp_path))
+    for widths, fuse in ((TINY, False), (mc.SKELETON, False), (TINY, True)):
+        b = mc.Buffers(mc.k3_small_chain(widths, ring[1], fuse))
+        kern.bind(b)
+        for mode in ("stream", "serial", "stream", "serial"):
+            b.clear()
+            kern.launch(mode)
+            kern.check()
+            e = b.errors()
+            assert e["unwritten"] == [] and e["topk_wrong"] == [], e
+            assert max(e["max_rel"].values()) < mc.CHECK_REL, e
+        kern.launch("nodeps")                                # the bytes alone: runs to the end, results not checked
+        kern.check()
+
+
+@pytest.mark.cuda
+def test_chain_kernel_gives_up_with_what_it_waited_for(tmp_path):
+    """A wait that can never be met (a phase reading a later one) ends the launch with the block, phase and tile."""
+    pytest.importorskip("cupy", reason="the chain kernel launches through cupy")
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("sm_90a kernel")
+    kern = mc.ChainKernel(build_dir=str(tmp_path), spin_limit=1 << 16)
+    c = mc.k3_small_chain(TINY)
+    b = mc.Buffers(c)
+    kern.bind(b)
+    src = mc.FIELDS.index("src")
+    b.table[1, src] = len(c.phases) - 1          # phase 1 reads the LM head, which needs phase 1: never written
+    kern.launch("stream")
+    with pytest.raises(RuntimeError, match=r"gave up waiting for (an input word of this launch|the top-k's words): "
+                                           r"block \d+, phase \d+ \(\S+\), tile \d+"):
+        kern.check()
+    b.table[1, src] = c.phases[1].src
+    kern.launch("stream")                                    # counters, outputs and epoch were reset: a clean launch
+    kern.check()
+    assert max(b.errors()["max_rel"].values()) < mc.CHECK_REL
