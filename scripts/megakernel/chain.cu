@@ -26,8 +26,12 @@
 #define SLOT_BYTES 65536               // bytes per slot: the largest tile
 #endif
 #ifndef PREFETCH_TILES
-#define PREFETCH_TILES 0               // GEMV tiles past the ring the producer asks L2 to fetch (-DPREFETCH_TILES=...)
+#define PREFETCH_TILES 0               // GEMV tiles past the ring the producer asks L2 to fetch (measured slower)
 #endif
+#ifndef XPREFETCH
+#define XPREFETCH 0                    // next phase's x words per consumer loaded ahead, 0..4 (measured slower)
+#endif
+#define XPREFETCH_N (XPREFETCH > 0 ? XPREFETCH : 1)
 // -DSKIP_COMPUTE: consumers take each tile and write zeros (a diagnostic: the streaming alone)
 #define XMAX 8192                      // longest x of a GEMV (bf16 in shared memory, as a bf16 model feeds it)
 #define XBYTES (XMAX * 2)              // (a top-k's x is fp32: XMAX / 2 values at most)
@@ -177,8 +181,11 @@ __device__ bool wait_inputs(const PhaseC* ph, const PhaseC& f, const uint32_t* c
 // x[j] = y_src[slot * xstride + j % xlen] (+ y_dep2[j % xlen2]) for j < xn, each word polled until it is this
 // launch's; into xs as bf16 (a top-k's as fp32). Eight loads in flight per thread before the first poll.
 // false: gave up.
-__device__ bool load_x(__nv_bfloat16* xs, const PhaseC& f, const PhaseC* ph, const float* x_in, int64_t slot,
-                       uint32_t epoch, bool wait, uint32_t* err, int64_t p, int64_t t) {
+// had: pre / pre2 hold the words of j = tid + u CONSUMERS, u < XPREFETCH, loaded earlier (`prefetch_x`).
+__device__ __forceinline__ bool load_x(__nv_bfloat16* xs, const PhaseC& f, const PhaseC* ph, const float* x_in,
+                                      int64_t slot, uint32_t epoch, bool wait, uint32_t* err, int64_t p, int64_t t,
+                                      bool had, const uint64_t (&pre)[XPREFETCH_N],
+                                      const uint64_t (&pre2)[XPREFETCH_N]) {
     const int tid = threadIdx.x;
     const bool top = f.kind == TOPK;
     const int xn = top ? f.xlen : f.k;
@@ -189,8 +196,12 @@ __device__ bool load_x(__nv_bfloat16* xs, const PhaseC& f, const PhaseC* ph, con
 #pragma unroll
         for (int u = 0; u < 8; ++u) {
             const int j = j0 + u * CONSUMERS;
-            v[u] = j < xn && src ? load_word(src + j % f.xlen) : 0;
-            v2[u] = j < xn && src2 ? load_word(src2 + j % f.xlen2) : 0;
+            // a word loaded ahead is kept if it is already this launch's; the rest are loaded again here, all
+            // together, before any is polled (polling a stale word first would cost a round trip per word)
+            const bool ahead = had && j0 == tid && u < XPREFETCH;
+            const uint64_t a = ahead ? pre[u % XPREFETCH_N] : 0, a2 = ahead ? pre2[u % XPREFETCH_N] : 0;
+            v[u] = j < xn && src ? (epoch_of(a) == epoch ? a : load_word(src + j % f.xlen)) : 0;
+            v2[u] = j < xn && src2 ? (epoch_of(a2) == epoch ? a2 : load_word(src2 + j % f.xlen2)) : 0;
         }
 #pragma unroll
         for (int u = 0; u < 8; ++u) {
@@ -212,6 +223,22 @@ __device__ bool load_x(__nv_bfloat16* xs, const PhaseC& f, const PhaseC* ph, con
         }
     }
     return true;
+}
+
+// Issue the loads of phase f's first XPREFETCH words per thread (slot `slot`) without waiting for them: the words
+// arrive while this block computes its current phase, and load_x polls only those not yet of this launch.
+__device__ __forceinline__ void prefetch_x(uint64_t (&pre)[XPREFETCH_N], uint64_t (&pre2)[XPREFETCH_N],
+                                           const PhaseC& f, const PhaseC* ph, int64_t slot) {
+    const int tid = threadIdx.x;
+    const int xn = f.kind == TOPK ? f.xlen : f.k;
+    const uint64_t* src = reinterpret_cast<const uint64_t*>(ph[f.src].y) + slot * f.xstride;
+    const uint64_t* src2 = f.dep2 >= 0 ? reinterpret_cast<const uint64_t*>(ph[f.dep2].y) : nullptr;
+#pragma unroll
+    for (int u = 0; u < XPREFETCH_N; ++u) {
+        const int j = tid + u * CONSUMERS;
+        pre[u] = u < XPREFETCH && j < xn ? load_word(src + j % f.xlen) : 0;
+        pre2[u] = u < XPREFETCH && j < xn && src2 ? load_word(src2 + j % f.xlen2) : 0;
+    }
 }
 
 __device__ __forceinline__ float dot8(uint4 w, float4 a, float4 b) {
@@ -329,6 +356,8 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
     // ------------------------------------------------------------------------------------------ consumer warps
     const int warp = tid / 32, lane = tid % 32;
     uint32_t i = 0;
+    uint64_t pre[XPREFETCH_N], pre2[XPREFETCH_N];   // the next phase's first x words, loaded ahead
+    int64_t pre_p = -1;                               // ... of this phase (-1: none)
     for (int64_t p = 0; p < nphase; ++p) {
         const PhaseC& f = ph[p];
         const int64_t g0 = first_tile(f, nblk), gend = f.tile0 + f.ntiles;
@@ -351,9 +380,24 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
             const uint32_t s = i % NSLOT;
             if (slot != have_slot) {        // this tile's x (the first sync: every warp is done with the last x)
                 consumers_sync();
-                if (!load_x(xs, f, ph, x_in, slot, epoch, wait, err, p, t)) gave_up = 1;
+                const bool had = XPREFETCH && pre_p == p && have_slot < 0;   // (loaded for the phase's first slot)
+                if (!load_x(xs, f, ph, x_in, slot, epoch, wait, err, p, t, had, pre, pre2)) gave_up = 1;
                 consumers_sync();
                 if (gave_up) return;
+                if (XPREFETCH && have_slot < 0) {          // the next phase this block has tiles in: its x, ahead
+                    pre_p = -1;
+                    for (int64_t q = p + 1; q < nphase; ++q) {
+                        const PhaseC& h = ph[q];
+                        const int64_t hg = first_tile(h, nblk);
+                        if (hg >= h.tile0 + h.ntiles) continue;
+                        if (h.src >= 0) {
+                            const int64_t hr = (hg - h.tile0) * h.rows;
+                            prefetch_x(pre, pre2, h, ph, h.kind == ROUTED && h.xstride ? hr / h.ne : 0);
+                            pre_p = q;
+                        }
+                        break;
+                    }
+                }
                 have_slot = slot;
                 const uint4* x8 = reinterpret_cast<const uint4*>(xs);
 #pragma unroll
