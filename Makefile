@@ -20,11 +20,15 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/k3export demo --out $(OUT)/demo
 
+# Two pytest workers (pytest-xdist), one per core of the CI machine: 8m58s instead of 12m49s for the suite on 2
+# cores (2026-12-02); TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not slow"
 
 # On the GPU machine (device tool): runs the cuda-marked tests and the benchmarks with the image's python3.
 test-gpu:
