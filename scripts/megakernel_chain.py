@@ -47,12 +47,23 @@ FIELDS = ("kind", "n", "k", "rows", "ntiles", "tile0", "src", "xlen", "xstride",
           "n_experts", "dep2", "xlen2")        # chain.cu's `struct Phase`, one int64 each
 KINDS = {"gemv": 0, "topk": 1, "routed": 2}
 MODES = {"stream": 0, "serial": 1, "nodeps": 2}
-XMAX = 8192                 # chain.cu: the longest x of a GEMV held in shared memory (bf16)
-XMAX_TOPK = XMAX // 2       # ... and of a top-k (fp32)
-MAX_ROWS = 64               # rows per tile at most (few-byte phases still spread over several blocks)
-CHECK_REL = 1e-5            # fp32 sums of the same bf16 products in another order: ~3e-7 measured
+
+
+def cu_default(name: str) -> int:
+    """A #define's default in chain.cu."""
+    m = re.search(rf"#define {name} (\d+)", CU.read_text())
+    if m is None:
+        raise ValueError(f"no #define {name} in {CU}")
+    return int(m.group(1))
+
+
+XMAX = cu_default("XMAX")           # chain.cu: the longest x of a GEMV (staged in pieces)
+XWORDS = cu_default("XWORDS")       # ... the x stage, in 8-byte words: the longest x of a top-k (one piece)
+MAX_ROWS = 64                       # rows per tile at most (few-byte phases still spread over several blocks)
+CHECK_REL = 1e-5                    # fp32 sums of the same bf16 products in another order: ~3e-7 measured
 WAITS = {1: "an input word of this launch", 2: "a filled ring slot", 3: "a free ring slot",
-         4: "the top-k's words", 5: "an input phase's counter"}
+         4: "the top-k's words", 5: "an input phase's counter", 6: "the consumers to free the x stage",
+         7: "the loader to stage an x"}
 
 # k3-small at B = 1, context 1024 (docs/megakernel.md's table); `lat` is the width of the few-byte links.
 WIDTHS = dict(d=2048, q_rank=768, e_lat=1024, e_w=768, dense=8192, vocab=32768, kda_in=8376, heads=16,
@@ -111,6 +122,9 @@ class Chain:
         p = len(self.phases)
         if ph.kind != "topk" and (ph.k % 8 or not 0 < ph.k <= XMAX or 2 * ph.k > self.slot_bytes):
             raise ValueError(f"{ph.name}: k = {ph.k} must be a multiple of 8, at most {XMAX} and fit a slot")
+        if ph.xlen % 2 or ph.xstride % 2 or ph.xlen2 % 2:
+            raise ValueError(f"{ph.name}: its inputs are staged in 16-byte pairs of words: xlen {ph.xlen}, "
+                             f"xstride {ph.xstride}, xlen2 {ph.xlen2} must be even")
         prev = self.phases[-1] if self.phases else None
         ph.tile0 = prev.tile0 + prev.ntiles if prev else 0
         self.phases.append(ph)
@@ -129,7 +143,7 @@ class Chain:
 
     def topk(self, name: str, k: int, src: int) -> int:
         n = self._xlen(src, name)
-        if not 0 < k <= n <= XMAX_TOPK:
+        if not 0 < k <= n <= XWORDS:
             raise ValueError(f"{name}: top-{k} of {n} values")
         return self._add(Phase(name, "topk", k, 0, src, n, ne=k))
 
@@ -322,20 +336,13 @@ def compile_cubin(nslot: int, slot_bytes: int, out_dir: str, spin_limit: int | N
 SMEM_LIMIT = 227 * 1024    # sm_90's dynamic shared memory per block
 
 
-def cu_default(name: str) -> int:
-    """A #define's default in chain.cu."""
-    m = re.search(rf"#define {name} (\d+)", CU.read_text())
-    if m is None:
-        raise ValueError(f"no #define {name} in {CU}")
-    return int(m.group(1))
-
-
 DEFAULT_RING = f"{cu_default('NSLOT')}x{cu_default('SLOT_BYTES')}"
 
 
 def smem_bytes(nslot: int, slot_bytes: int, nphase: int) -> int:
-    """chain.cu's shared memory: the ring, x (bf16), the phase table (72 bytes a phase), the ring's barriers."""
-    return nslot * slot_bytes + XMAX * 2 + nphase * 72 + 2 * nslot * 8
+    """chain.cu's shared memory: the ring, the x stage (8-byte words), the phase table (72 bytes a phase), the
+    barriers (ring and stage)."""
+    return nslot * slot_bytes + XWORDS * 8 + nphase * 72 + (2 * nslot + 2) * 8
 
 
 class ChainKernel:
@@ -351,7 +358,7 @@ class ChainKernel:
               + " | ".join(self.ptxas.strip().splitlines()[-2:]), flush=True)
         self.fn = cupy.RawModule(path=cubin).get_function("chain_kernel")
         warps = [int(d.split("=")[1]) for d in defines if d.startswith("CONSUMER_WARPS=")]
-        self.threads = 32 * ((warps[0] if warps else cu_default("CONSUMER_WARPS")) + 1)   # + the producer warp
+        self.threads = 32 * ((warps[0] if warps else cu_default("CONSUMER_WARPS")) + 2)   # + producer and loader
         self.blocks = torch.cuda.get_device_properties(0).multi_processor_count
         self.epoch = 0
         self.counters = self.err = None
