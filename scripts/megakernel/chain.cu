@@ -29,6 +29,12 @@
 #ifndef SLOT_BYTES
 #define SLOT_BYTES 65536               // bytes per slot: the largest tile
 #endif
+#ifndef INFLIGHT
+#define INFLIGHT 0                     // tiles the producer keeps in flight at most (0: as many as the ring holds)
+#endif
+#ifndef SENTINEL
+#define SENTINEL 0                     // the loader polls a stale x by one pair per lane (1) or by all stale pairs (0)
+#endif
 #ifndef PREFETCH_TILES
 #define PREFETCH_TILES 0               // GEMV tiles past the ring the producer asks L2 to fetch (measured slower)
 #endif
@@ -212,9 +218,9 @@ struct Piece {
 };
 
 // Stage a piece (the loader warp, each lane its own pairs): copy every pair, then, while some are stale (wait),
-// copy again only the lane's first stale pair until it is this launch's, then the rest of its stale pairs at once.
-// Polling costs one 16-byte load per lane and round trip while the input is not there; once the first pair lands,
-// one more round trip takes the others. false: gave up.
+// copy the stale ones again, every round trip; or (SENTINEL) only the lane's first stale pair until it is this
+// launch's, then the rest of its stale pairs at once: one 16-byte load per lane and round trip while the input is
+// not there, and one more round trip once the first pair lands. false: gave up.
 __device__ bool stage_piece(const Piece& pc, uint32_t epoch, bool wait, uint32_t* err, int64_t p, int64_t t) {
     const int lane = threadIdx.x % 32, total = pc.total();
     uint32_t mask = 0;
@@ -227,6 +233,11 @@ __device__ bool stage_piece(const Piece& pc, uint32_t epoch, bool wait, uint32_t
         mask = pc.stale(mask, epoch);
         if (!mask) break;
         if (out_of_time(spin, err, 1, p, t)) return false;
+        if (!SENTINEL) {
+            for (uint32_t m = mask; m; m &= m - 1) pc.copy(lane + 32 * (__ffs(m) - 1));
+            cp_async_wait();
+            continue;
+        }
         const int u0 = __ffs(mask) - 1;
         pc.copy(lane + 32 * u0);
         cp_async_wait();
@@ -385,6 +396,10 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
                     ahead.next(ph, nphase, nblk);
                 }
                 if (!wait_slot(&empty[s], ((i / NSLOT) & 1u) ^ 1u, err, 3, p, t)) return;
+                // at most INFLIGHT tiles on their way: bytes queued past the bandwidth-delay product only lengthen
+                // every load's wait, the stage's x loads included
+                if (INFLIGHT && i >= INFLIGHT && INFLIGHT < NSLOT &&
+                    !wait_slot(&full[(i - INFLIGHT) % NSLOT], ((i - INFLIGHT) / NSLOT) & 1u, err, 2, p, t)) return;
                 if (!inputs_done && !(inputs_done = wait_inputs(ph, f, counters, epoch, err, p, t))) return;
                 if (f.kind == TOPK) {
                     mbar_arrive(&full[s]);      // nothing to load
