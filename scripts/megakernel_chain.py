@@ -59,6 +59,7 @@ def cu_default(name: str) -> int:
 
 XMAX = cu_default("XMAX")           # chain.cu: the longest x of a GEMV (staged in pieces)
 XWORDS = cu_default("XWORDS")       # ... the x stage, in 8-byte words: the longest x of a top-k (one piece)
+TRACE_UNITS = cu_default("TRACE_UNITS")   # chain.cu -DTRACE: pieces traced per block
 MAX_ROWS = 64                       # rows per tile at most (few-byte phases still spread over several blocks)
 CHECK_REL = 1e-5                    # fp32 sums of the same bf16 products in another order: ~3e-7 measured
 WAITS = {1: "an input word of this launch", 2: "a filled ring slot", 3: "a free ring slot",
@@ -381,6 +382,8 @@ class ChainKernel:
         self.err = torch.zeros(4, dtype=torch.int32, device="cuda")
         self.t_done = torch.zeros(n, dtype=torch.int64, device="cuda")
         self.t_start = torch.zeros(1, dtype=torch.int64, device="cuda")
+        self.trace = (torch.zeros(self.blocks * TRACE_UNITS * 6, dtype=torch.int64, device="cuda")
+                      if "TRACE" in self.defines else None)
         self.epoch = 0
 
     def launch(self, mode: str) -> None:
@@ -389,7 +392,8 @@ class ChainKernel:
         self.epoch += 1
         args = (u(b.table.data_ptr()), np.int64(len(b.chain.phases)), u(b.x.data_ptr()),
                 u(self.counters.data_ptr()), np.uint32(self.epoch), np.int32(MODES[mode]), u(self.err.data_ptr()),
-                u(self.t_done.data_ptr()), u(self.t_start.data_ptr()))
+                u(self.t_done.data_ptr()), u(self.t_start.data_ptr()),
+                u(self.trace.data_ptr() if self.trace is not None else 0))
         with self.stream:
             self.fn((self.blocks,), (self.threads,), args, shared_mem=self.smem)
 
@@ -406,6 +410,24 @@ class ChainKernel:
             self.epoch = 0
             raise RuntimeError(f"chain kernel gave up waiting for {WAITS.get(what, what)}: block {blk}, "
                                f"phase {p} ({name}), tile {t}")
+
+    def traced(self, mode: str) -> dict:
+        """One launch with -DTRACE: per staged piece (first TRACE_UNITS per block), the loader's time to stage it,
+        the consumers' wait for it, and the wait from the staged x to the first tile's weights (us: median, p90,
+        and per block the sum, averaged over blocks)."""
+        self.trace.zero_()
+        self.launch(mode)
+        self.check()
+        tr = self.trace.view(self.blocks, TRACE_UNITS, 6).double().cpu()
+        ok = (tr[..., 0] > 0) & (tr[..., 1] > 0) & (tr[..., 2] > 0) & (tr[..., 3] > 0)
+        parts = {"stage": tr[..., 1] - tr[..., 0], "x_wait": tr[..., 3] - tr[..., 2],
+                 "slot_wait": (tr[..., 4] - tr[..., 3]).where(tr[..., 4] > 0, torch.zeros(()))}
+        out = {"pieces_per_block": ok.sum(1).double().mean().item()}
+        for k, v in parts.items():
+            x = v[ok] / 1e3
+            out[k] = {"median_us": x.median().item(), "p90_us": x.quantile(0.9).item(),
+                      "per_block_sum_us": (v.where(ok, torch.zeros(())).sum(1) / 1e3).mean().item()}
+        return out
 
     def timeline_us(self) -> list[float]:
         """When each phase of the last launch finished, us after block 0 started."""
@@ -452,6 +474,9 @@ def run_chain(name: str, kern: ChainKernel, modes: list[str], rounds: int, iters
         kern.launch(m)
         kern.check()
         res["timeline_us"][m] = kern.timeline_us()
+        if kern.trace is not None:
+            res.setdefault("trace", {})[m] = kern.traced(m)
+            print(f"{name} {m} trace: {res['trace'][m]}", flush=True)
     res["phase_names"] = [p.name for p in chain.phases]
     res["phase_bytes"] = [p.bytes_read for p in chain.phases]
     return res

@@ -35,6 +35,9 @@
 #ifndef SENTINEL
 #define SENTINEL 0                     // the loader polls a stale x by one pair per lane (1) or by all stale pairs (0)
 #endif
+#ifndef TRACE_UNITS
+#define TRACE_UNITS 256                // -DTRACE: per block, the first TRACE_UNITS staged pieces' times (trace[])
+#endif
 #ifndef PREFETCH_TILES
 #define PREFETCH_TILES 0               // GEMV tiles past the ring the producer asks L2 to fetch (measured slower)
 #endif
@@ -302,7 +305,7 @@ __device__ __forceinline__ int x_len(const PhaseC& f) { return f.kind == TOPK ? 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* __restrict__ x_in,
              uint32_t* counters, uint32_t epoch, int mode, uint32_t* err, unsigned long long* t_done,
-             unsigned long long* t_start) {
+             unsigned long long* t_start, unsigned long long* trace) {
     extern __shared__ __align__(128) unsigned char smem[];
     unsigned char* ring = smem;
     uint64_t* stage = reinterpret_cast<uint64_t*>(smem + NSLOT * SLOT_BYTES);     // {fp32 value, epoch} words
@@ -336,6 +339,10 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
             const int xn = x_len(f), len = piece_len(f);
             for (int q0 = 0; q0 < xn; q0 += len, ++u) {
                 if (!wait_slot(xempty, (u & 1u) ^ 1u, err, 6, p, t)) return false;
+#ifdef TRACE
+                unsigned long long* tr = trace + (blockIdx.x * TRACE_UNITS + u) * 6;
+                if (lane == 0 && u < TRACE_UNITS) { tr[0] = now_ns(); tr[5] = p; }
+#endif
                 const int n = min(len, xn - q0);
                 if (f.src >= 0) {
                     const Piece pc{stage, reinterpret_cast<const uint64_t*>(ph[f.src].y) + slot * f.xstride,
@@ -360,6 +367,9 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
                         *v += value_of(stage[XWORDS / 2 + j]);
                     }
                 __syncwarp();
+#ifdef TRACE
+                if (lane == 0 && u < TRACE_UNITS) tr[1] = now_ns();
+#endif
                 if (lane == 0) mbar_arrive(xfull);
             }
             return true;
@@ -455,7 +465,14 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
 #pragma unroll
                 for (int m = 0; m < STEPS; ++m) xa[m] = xb[m] = make_float4(0.f, 0.f, 0.f, 0.f);
                 for (int q0 = 0; q0 < xn; q0 += len, ++u) {
+#ifdef TRACE
+                    unsigned long long* tr = trace + (blockIdx.x * TRACE_UNITS + u) * 6;
+                    if (tid == 0 && u < TRACE_UNITS) tr[2] = now_ns();
+#endif
                     if (!wait_slot(xfull, u & 1u, err, 7, p, t)) return;
+#ifdef TRACE
+                    if (tid == 0 && u < TRACE_UNITS) tr[3] = now_ns();
+#endif
                     if (f.kind == TOPK) continue;           // (one piece; handed back after the top-k)
 #pragma unroll
                     for (int m = 0; m < STEPS; ++m) {       // elements 8c..8c+7 of chunk c, rounded to bf16
@@ -477,6 +494,10 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
                 }
             }
             if (!wait_slot(&full[s], (i / NSLOT) & 1u, err, 2, p, t)) return;
+#ifdef TRACE
+            if (tid == 0 && u >= 1 && u - 1 < TRACE_UNITS && trace[(blockIdx.x * TRACE_UNITS + u - 1) * 6 + 4] == 0)
+                trace[(blockIdx.x * TRACE_UNITS + u - 1) * 6 + 4] = now_ns();      // the unit's first tile ready
+#endif
 
             if (f.kind == TOPK) {
                 if (warp == 0) {              // k rounds of a warp argmax over the staged values (taken: -inf)
