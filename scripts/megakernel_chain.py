@@ -49,16 +49,17 @@ KINDS = {"gemv": 0, "topk": 1, "routed": 2}
 MODES = {"stream": 0, "serial": 1, "nodeps": 2}
 
 
-def cu_default(name: str) -> int:
-    """A #define's default in chain.cu."""
-    m = re.search(rf"#define {name} (\d+)", CU.read_text())
+def cu_default(name: str, cu: Path = CU) -> int:
+    """A #define's default in chain.cu (or another version of it)."""
+    m = re.search(rf"#define {name} \(?(?:CONSUMERS \+ )?(\d+)", cu.read_text())
     if m is None:
-        raise ValueError(f"no #define {name} in {CU}")
+        raise ValueError(f"no #define {name} in {cu}")
     return int(m.group(1))
 
 
 XMAX = cu_default("XMAX")           # chain.cu: the longest x of a GEMV (staged in pieces)
 XWORDS = cu_default("XWORDS")       # ... the x stage, in 8-byte words: the longest x of a top-k (one piece)
+TOPK_MAX = cu_default("TOPK_MAX")         # ... the largest k of a top-k
 TRACE_UNITS = cu_default("TRACE_UNITS")   # chain.cu -DTRACE: pieces traced per block
 MAX_ROWS = 64                       # rows per tile at most (few-byte phases still spread over several blocks)
 CHECK_REL = 1e-5                    # fp32 sums of the same bf16 products in another order: ~3e-7 measured
@@ -144,7 +145,7 @@ class Chain:
 
     def topk(self, name: str, k: int, src: int) -> int:
         n = self._xlen(src, name)
-        if not 0 < k <= n <= XWORDS:
+        if not 0 < k <= min(n, TOPK_MAX) or n > XWORDS:
             raise ValueError(f"{name}: top-{k} of {n} values")
         return self._add(Phase(name, "topk", k, 0, src, n, ne=k))
 
@@ -320,12 +321,12 @@ class Buffers:
 
 
 def compile_cubin(nslot: int, slot_bytes: int, out_dir: str, spin_limit: int | None = None,
-                  defines: tuple[str, ...] = ()) -> tuple[str, str]:
+                  defines: tuple[str, ...] = (), cu: Path = CU) -> tuple[str, str]:
     """nvcc chain.cu for sm_90a with this ring (and -D`defines`); (cubin path, ptxas's resource report)."""
     tag = "".join("-" + d.replace("=", "") for d in defines)
-    path = os.path.join(out_dir, f"chain-{nslot}x{slot_bytes}{tag}.cubin")
+    path = os.path.join(out_dir, f"{cu.stem}-{nslot}x{slot_bytes}{tag}.cubin")
     cmd = ["nvcc", "-gencode=arch=compute_90a,code=sm_90a", "-O3", "-cubin", "-Xptxas", "-v",
-           f"-DNSLOT={nslot}", f"-DSLOT_BYTES={slot_bytes}", *(f"-D{d}" for d in defines), "-o", path, str(CU)]
+           f"-DNSLOT={nslot}", f"-DSLOT_BYTES={slot_bytes}", *(f"-D{d}" for d in defines), "-o", path, str(cu)]
     if spin_limit:
         cmd.insert(-3, f"-DSPIN_LIMIT={spin_limit}u")
     run = subprocess.run(cmd, capture_output=True, text=True)
@@ -350,16 +351,17 @@ class ChainKernel:
     """chain.cu compiled for one ring, launched through cupy on torch's current stream."""
 
     def __init__(self, nslot: int = 3, slot_bytes: int = 65536, build_dir: str | None = None,
-                 spin_limit: int | None = None, defines: tuple[str, ...] = ()):
+                 spin_limit: int | None = None, defines: tuple[str, ...] = (), cu: Path = CU):
         import cupy
         self.cupy, self.nslot, self.slot_bytes, self.defines = cupy, nslot, slot_bytes, defines
         cubin, self.ptxas = compile_cubin(nslot, slot_bytes, build_dir or tempfile.mkdtemp(prefix="k3chain-"),
-                                          spin_limit, defines)
-        print(f"chain.cu {nslot}x{slot_bytes} {' '.join(defines)}: "
+                                          spin_limit, defines, cu)
+        print(f"{cu.name} {nslot}x{slot_bytes} {' '.join(defines)}: "
               + " | ".join(self.ptxas.strip().splitlines()[-2:]), flush=True)
         self.fn = cupy.RawModule(path=cubin).get_function("chain_kernel")
         warps = [int(d.split("=")[1]) for d in defines if d.startswith("CONSUMER_WARPS=")]
-        self.threads = 32 * ((warps[0] if warps else cu_default("CONSUMER_WARPS")) + 2)   # + producer and loader
+        # + the producer and loader warps (THREADS = CONSUMERS + 64)
+        self.threads = 32 * (warps[0] if warps else cu_default("CONSUMER_WARPS", cu)) + cu_default("THREADS", cu)
         self.blocks = torch.cuda.get_device_properties(0).multi_processor_count
         self.epoch = 0
         self.counters = self.err = None
@@ -445,7 +447,7 @@ def run_chain(name: str, kern: ChainKernel, modes: list[str], rounds: int, iters
         bufs.clear()
         kern.launch(m)
         kern.check()
-        if m == "nodeps" or "SKIP_COMPUTE" in kern.defines:
+        if m == "nodeps" or {"SKIP_COMPUTE", "LOADER_NOCOPY"} & set(kern.defines):
             res["check"][m] = "not checked: outputs wrong by design (no waits, or no sums)"
         else:
             e = res["check"][m] = bufs.errors()
@@ -521,6 +523,7 @@ def main() -> None:
                          "STEPS=n; SKIP_COMPUTE: a diagnostic; see chain.cu)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--cu", type=Path, default=CU, help="another version of chain.cu (an A/B)")
     ap.add_argument("--out")
     ap.add_argument("--plot")
     a = ap.parse_args()
@@ -537,9 +540,9 @@ def main() -> None:
     for ring in a.rings.split(","):
         size, _, defs = ring.partition(":")
         nslot, slot_bytes = (int(v) for v in size.split("x"))
-        kern = ChainKernel(nslot, slot_bytes, defines=tuple(d for d in defs.split("+") if d))
+        kern = ChainKernel(nslot, slot_bytes, defines=tuple(d for d in defs.split("+") if d), cu=a.cu)
         for c in a.chains.split(","):
-            key = c if ring == DEFAULT_RING else f"{c}@{ring}"
+            key = (c if ring == DEFAULT_RING else f"{c}@{ring}") + ("" if a.cu == CU else f"@{a.cu.name}")
             r = run_chain(c, kern, modes, a.rounds, a.iters)
             floor = r["bytes_read"] / (result["copy_gbs"] * 1e6)
             r["bytes_floor_ms"] = floor

@@ -44,6 +44,7 @@
 // -DSKIP_COMPUTE: consumers take each tile and write zeros (a diagnostic: the streaming alone)
 #define XMAX 8192                      // longest x of a GEMV (staged in pieces of XWORDS, or XWORDS / 2 with a second
 #define XWORDS 2048                    // input); the stage holds XWORDS 8-byte words (a top-k's x: one piece)
+#define TOPK_MAX 64                    // k of a top-k at most
 #ifndef CONSUMER_WARPS
 #define CONSUMER_WARPS 16              // (-DCONSUMER_WARPS=...)
 #endif
@@ -94,9 +95,15 @@ __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
 }
 __device__ __forceinline__ bool mbar_test(uint64_t* bar, uint32_t parity) {
     uint32_t ok;
+#ifdef TEST_WAIT    // never suspends (try_wait may suspend the thread for a time limit while the phase is open)
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(ok) : "r"(smem_u32(bar)), "r"(parity) : "memory");
+#else
     asm volatile(
         "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
         : "=r"(ok) : "r"(smem_u32(bar)), "r"(parity) : "memory");
+#endif
     return ok != 0;
 }
 __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar,
@@ -315,6 +322,7 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
     uint64_t* xfull = empty + NSLOT;                // the loader's arrive: a piece of x is staged
     uint64_t* xempty = xfull + 1;                   // one arrive per consumer warp: done with the staged piece
     __shared__ float red[CONSUMERS / 32];
+    __shared__ int experts[TOPK_MAX];          // the producer's: the experts top-k chose
     const int tid = threadIdx.x, lane = tid % 32;
     const int64_t nblk = gridDim.x;
     const bool wait = mode != NODEPS;
@@ -344,15 +352,28 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
                 if (lane == 0 && u < TRACE_UNITS) { tr[0] = now_ns(); tr[5] = p; }
 #endif
                 const int n = min(len, xn - q0);
+#ifdef LOADER_NOCOPY
+                if (true) {                 // a diagnostic: x not staged (the handoffs alone, no loads)
+                } else
+#endif
                 if (f.src >= 0) {
                     const Piece pc{stage, reinterpret_cast<const uint64_t*>(ph[f.src].y) + slot * f.xstride,
                                    f.dep2 >= 0 ? reinterpret_cast<const uint64_t*>(ph[f.dep2].y) : nullptr,
                                    f.xlen, f.xlen2, q0, n / 2, XWORDS / 2};
                     if (!stage_piece(pc, epoch, wait, err, p, t)) return false;
                 } else {                    // the external input (fp32), as words of this launch
-                    for (int j = lane; j < n; j += 32) {
-                        const uint64_t v = (static_cast<uint64_t>(epoch) << 32) | __float_as_uint(x_in[(q0 + j) % f.xlen]);
-                        stage[j] = v;
+                    for (int j0 = 0; j0 < n; j0 += 8 * 32) {     // 8 loads in flight per lane
+                        float v[8];
+#pragma unroll
+                        for (int q = 0; q < 8; ++q) {
+                            const int j = j0 + lane + 32 * q;
+                            v[q] = j < n ? x_in[(q0 + j) % f.xlen] : 0.f;
+                        }
+#pragma unroll
+                        for (int q = 0; q < 8; ++q) {
+                            const int j = j0 + lane + 32 * q;
+                            if (j < n) stage[j] = (static_cast<uint64_t>(epoch) << 32) | __float_as_uint(v[q]);
+                        }
                     }
                     if (f.dep2 >= 0) {
                         const Piece pc{stage + XWORDS / 2, reinterpret_cast<const uint64_t*>(ph[f.dep2].y), nullptr,
@@ -417,14 +438,24 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
                 }
                 int64_t wrow = row0;
                 if (f.kind == ROUTED) {         // the expert top-k chose for this tile's slot
-                    if (row0 / f.ne != have_slot) {
-                        have_slot = row0 / f.ne;
-                        const uint64_t* id = reinterpret_cast<const uint64_t*>(ph[f.route].y) + have_slot;
-                        uint64_t v = load_word(id);
-                        if (!poll_word(id, v, epoch, wait, err, 4, p, t)) return;
-                        e = static_cast<int64_t>(value_of(v));
-                        e = e < 0 ? 0 : (e >= f.n_experts ? f.n_experts - 1 : e);
+                    if (have_slot < 0) {        // the phase's first tile here: every chosen expert, 8 loads at once
+                        have_slot = 0;
+                        const uint64_t* id = reinterpret_cast<const uint64_t*>(ph[f.route].y);
+                        const int kk = static_cast<int>(ph[f.route].ne);
+                        for (int b = 0; b < kk; b += 8) {
+                            uint64_t v[8];
+#pragma unroll
+                            for (int q = 0; q < 8; ++q) v[q] = b + q < kk ? load_word(id + b + q) : 0;
+#pragma unroll
+                            for (int q = 0; q < 8; ++q) {
+                                if (b + q >= kk) continue;
+                                if (!poll_word(id + b + q, v[q], epoch, wait, err, 4, p, t)) return;
+                                const int x = static_cast<int>(value_of(v[q]));
+                                experts[b + q] = x < 0 ? 0 : (x >= f.n_experts ? f.n_experts - 1 : x);
+                            }
+                        }
                     }
+                    e = experts[row0 / f.ne];
                     wrow = e * f.ne + row0 % f.ne;
                 }
                 const uint32_t bytes =                  // (the last tile may be part of one)
@@ -514,7 +545,7 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
                         }
                         if (lane == 0) {
                             store_word(y + r, static_cast<float>(idx), epoch);
-                            xf[2 * idx] = -INFINITY;
+                            if (idx < f.xlen) xf[2 * idx] = -INFINITY;
                         }
                         __syncwarp();
                     }
