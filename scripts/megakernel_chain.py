@@ -57,15 +57,13 @@ def cu_default(name: str, cu: Path = CU) -> int:
     return int(m.group(1))
 
 
-XMAX = cu_default("XMAX")           # chain.cu: the longest x of a GEMV (staged in pieces)
-XWORDS = cu_default("XWORDS")       # ... the x stage, in 8-byte words: the longest x of a top-k (one piece)
-TOPK_MAX = cu_default("TOPK_MAX")         # ... the largest k of a top-k
-TRACE_UNITS = cu_default("TRACE_UNITS")   # chain.cu -DTRACE: pieces traced per block
+XMAX = cu_default("XMAX")           # chain.cu: the longest x of a GEMV held in shared memory (bf16)
+XMAX_TOPK = XMAX // 2               # ... and of a top-k (fp32)
+TRACE_UNITS = cu_default("TRACE_UNITS")   # chain.cu -DTRACE: x loads traced per block
 MAX_ROWS = 64                       # rows per tile at most (few-byte phases still spread over several blocks)
 CHECK_REL = 1e-5                    # fp32 sums of the same bf16 products in another order: ~3e-7 measured
 WAITS = {1: "an input word of this launch", 2: "a filled ring slot", 3: "a free ring slot",
-         4: "the top-k's words", 5: "an input phase's counter", 6: "the consumers to free the x stage",
-         7: "the loader to stage an x"}
+         4: "the top-k's words", 5: "an input phase's counter"}
 
 # k3-small at B = 1, context 1024 (docs/megakernel.md's table); `lat` is the width of the few-byte links.
 WIDTHS = dict(d=2048, q_rank=768, e_lat=1024, e_w=768, dense=8192, vocab=32768, kda_in=8376, heads=16,
@@ -124,9 +122,6 @@ class Chain:
         p = len(self.phases)
         if ph.kind != "topk" and (ph.k % 8 or not 0 < ph.k <= XMAX or 2 * ph.k > self.slot_bytes):
             raise ValueError(f"{ph.name}: k = {ph.k} must be a multiple of 8, at most {XMAX} and fit a slot")
-        if ph.xlen % 2 or ph.xstride % 2 or ph.xlen2 % 2:
-            raise ValueError(f"{ph.name}: its inputs are staged in 16-byte pairs of words: xlen {ph.xlen}, "
-                             f"xstride {ph.xstride}, xlen2 {ph.xlen2} must be even")
         prev = self.phases[-1] if self.phases else None
         ph.tile0 = prev.tile0 + prev.ntiles if prev else 0
         self.phases.append(ph)
@@ -145,7 +140,7 @@ class Chain:
 
     def topk(self, name: str, k: int, src: int) -> int:
         n = self._xlen(src, name)
-        if not 0 < k <= min(n, TOPK_MAX) or n > XWORDS:
+        if not 0 < k <= n <= XMAX_TOPK:
             raise ValueError(f"{name}: top-{k} of {n} values")
         return self._add(Phase(name, "topk", k, 0, src, n, ne=k))
 
@@ -342,9 +337,8 @@ DEFAULT_RING = f"{cu_default('NSLOT')}x{cu_default('SLOT_BYTES')}"
 
 
 def smem_bytes(nslot: int, slot_bytes: int, nphase: int) -> int:
-    """chain.cu's shared memory: the ring, the x stage (8-byte words), the phase table (72 bytes a phase), the
-    barriers (ring and stage)."""
-    return nslot * slot_bytes + XWORDS * 8 + nphase * 72 + (2 * nslot + 2) * 8
+    """chain.cu's shared memory: the ring, x (bf16), the phase table (72 bytes a phase), the ring's barriers."""
+    return nslot * slot_bytes + XMAX * 2 + nphase * 72 + 2 * nslot * 8
 
 
 class ChainKernel:
@@ -360,7 +354,7 @@ class ChainKernel:
               + " | ".join(self.ptxas.strip().splitlines()[-2:]), flush=True)
         self.fn = cupy.RawModule(path=cubin).get_function("chain_kernel")
         warps = [int(d.split("=")[1]) for d in defines if d.startswith("CONSUMER_WARPS=")]
-        # + the producer and loader warps (THREADS = CONSUMERS + 64)
+        # + the producer warp (THREADS = CONSUMERS + 32)
         self.threads = 32 * (warps[0] if warps else cu_default("CONSUMER_WARPS", cu)) + cu_default("THREADS", cu)
         self.blocks = torch.cuda.get_device_properties(0).multi_processor_count
         self.epoch = 0
@@ -384,7 +378,7 @@ class ChainKernel:
         self.err = torch.zeros(4, dtype=torch.int32, device="cuda")
         self.t_done = torch.zeros(n, dtype=torch.int64, device="cuda")
         self.t_start = torch.zeros(1, dtype=torch.int64, device="cuda")
-        self.trace = (torch.zeros(self.blocks * TRACE_UNITS * 6, dtype=torch.int64, device="cuda")
+        self.trace = (torch.zeros(self.blocks * TRACE_UNITS * 4, dtype=torch.int64, device="cuda")
                       if "TRACE" in self.defines else None)
         self.epoch = 0
 
@@ -414,17 +408,16 @@ class ChainKernel:
                                f"phase {p} ({name}), tile {t}")
 
     def traced(self, mode: str) -> dict:
-        """One launch with -DTRACE: per staged piece (first TRACE_UNITS per block), the loader's time to stage it,
-        the consumers' wait for it, and the wait from the staged x to the first tile's weights (us: median, p90,
-        and per block the sum, averaged over blocks)."""
+        """One launch with -DTRACE: per x load of the consumers (a (phase, slot); the first TRACE_UNITS per block),
+        the time from the block's first barrier to x in shared memory (its input's wait included), and from there
+        to the first tile's weights in the ring (us: median, p90, and per block the sum, averaged over blocks)."""
         self.trace.zero_()
         self.launch(mode)
         self.check()
-        tr = self.trace.view(self.blocks, TRACE_UNITS, 6).double().cpu()
-        ok = (tr[..., 0] > 0) & (tr[..., 1] > 0) & (tr[..., 2] > 0) & (tr[..., 3] > 0)
-        parts = {"stage": tr[..., 1] - tr[..., 0], "x_wait": tr[..., 3] - tr[..., 2],
-                 "slot_wait": (tr[..., 4] - tr[..., 3]).where(tr[..., 4] > 0, torch.zeros(()))}
-        out = {"pieces_per_block": ok.sum(1).double().mean().item()}
+        tr = self.trace.view(self.blocks, TRACE_UNITS, 4).double().cpu()
+        ok = (tr[..., 0] > 0) & (tr[..., 1] > 0) & (tr[..., 2] > 0)
+        parts = {"x_load": tr[..., 1] - tr[..., 0], "slot_wait": tr[..., 2] - tr[..., 1]}
+        out = {"x_loads_per_block": ok.sum(1).double().mean().item()}
         for k, v in parts.items():
             x = v[ok] / 1e3
             out[k] = {"median_us": x.median().item(), "p90_us": x.quantile(0.9).item(),
@@ -447,7 +440,7 @@ def run_chain(name: str, kern: ChainKernel, modes: list[str], rounds: int, iters
         bufs.clear()
         kern.launch(m)
         kern.check()
-        if m == "nodeps" or {"SKIP_COMPUTE", "LOADER_NOCOPY"} & set(kern.defines):
+        if m == "nodeps" or "SKIP_COMPUTE" in kern.defines:
             res["check"][m] = "not checked: outputs wrong by design (no waits, or no sums)"
         else:
             e = res["check"][m] = bufs.errors()

@@ -3,22 +3,18 @@
 // A chain of phases, each a GEMV y_p = W_p x_p (bf16 weights; x rounded to bf16 as a bf16 model feeds it; fp32
 // sums and y) whose input x_p is the output of an earlier phase (plus, elementwise, a second one's), a top-k over a
 // router's output, or a GEMV over the rows of the experts that top-k chose. The tiles of all phases (ordered by
-// phase) are dealt round robin to one block per SM. In each block three roles walk the block's tiles in the same
-// order, phase by phase:
-//   - a producer warp streams the weight rows of the tiles into a ring of shared-memory slots (NSLOT x SLOT_BYTES,
-//     3 x 64 KB) with bulk copies (cp.async.bulk, completion on an mbarrier). It waits for nothing but a free slot,
-//     except for routed tiles, which need the chosen expert (mode SERIAL also waits until each tile's input phases
-//     are done: the launch-per-phase order without launch costs);
-//   - a loader warp stages each (phase, slot)'s input x in shared memory (XWORDS words; a longer x in pieces) with
-//     16-byte cp.async copies from L2, polling until every word is this launch's. It runs one x ahead of the
-//     consumers: it loads the next phase's x while they compute the current one, outside their barriers;
-//   - CONSUMER_WARPS (16) consumer warps copy the staged x into registers (rounded to bf16), hand the stage back,
-//     take each tile from the ring and write its rows of y.
-// Outputs are 8-byte words {value, epoch}, written in one store: a reader polls the words it reads until they carry
-// this launch's epoch, so the data is its own ready flag (no fence, no counter, one L2 round trip from the writer's
-// store to the reader's use). Per-phase counters (a block adds its tile count after its last tile of the phase)
-// serve only mode SERIAL and the timeline. Every wait is bounded; a wait that runs out writes what it waited for to
-// err[] and the kernel stops (the host reads err after the launch).
+// phase) are dealt round robin to one block per SM. In each block:
+//   - a producer warp streams the weight rows of the block's tiles, in order, into a ring of shared-memory slots
+//     (NSLOT x SLOT_BYTES, 3 x 64 KB) with bulk copies (cp.async.bulk, completion on an mbarrier). It waits for
+//     nothing but a free slot, except for routed tiles, which need the chosen expert (mode SERIAL also waits
+//     until each tile's input phases are done: the launch-per-phase order without launch costs);
+//   - CONSUMER_WARPS (16) consumer warps take x from L2 once per (phase, slot), take the tile from the ring and
+//     write its rows of y. Outputs are 8-byte words {value, epoch}, written in one store: a consumer polls the
+//     words it reads until they carry this launch's epoch, so the data is its own ready flag (no fence, no
+//     counter, one L2 round trip from the writer's store to the reader's use). Per-phase counters (a block adds
+//     its tile count after its last tile of the phase) serve only mode SERIAL and the timeline.
+// Every wait is bounded; a wait that runs out writes what it waited for to err[] and the kernel stops (the host
+// reads err after the launch).
 
 #include <cstdint>
 #include <cuda_bf16.h>
@@ -29,22 +25,19 @@
 #ifndef SLOT_BYTES
 #define SLOT_BYTES 65536               // bytes per slot: the largest tile
 #endif
-#ifndef INFLIGHT
-#define INFLIGHT 0                     // tiles the producer keeps in flight at most (0: as many as the ring holds)
-#endif
-#ifndef SENTINEL
-#define SENTINEL 0                     // the loader polls a stale x by one pair per lane (1) or by all stale pairs (0)
-#endif
 #ifndef TRACE_UNITS
-#define TRACE_UNITS 256                // -DTRACE: per block, the first TRACE_UNITS staged pieces' times (trace[])
+#define TRACE_UNITS 256                // -DTRACE: per block, the first TRACE_UNITS (phase, slot) x loads' times
 #endif
 #ifndef PREFETCH_TILES
 #define PREFETCH_TILES 0               // GEMV tiles past the ring the producer asks L2 to fetch (measured slower)
 #endif
+#ifndef XPREFETCH
+#define XPREFETCH 0                    // next phase's x words per consumer loaded ahead, 0..4 (measured slower)
+#endif
+#define XPREFETCH_N (XPREFETCH > 0 ? XPREFETCH : 1)
 // -DSKIP_COMPUTE: consumers take each tile and write zeros (a diagnostic: the streaming alone)
-#define XMAX 8192                      // longest x of a GEMV (staged in pieces of XWORDS, or XWORDS / 2 with a second
-#define XWORDS 2048                    // input); the stage holds XWORDS 8-byte words (a top-k's x: one piece)
-#define TOPK_MAX 64                    // k of a top-k at most
+#define XMAX 8192                      // longest x of a GEMV (bf16 in shared memory, as a bf16 model feeds it)
+#define XBYTES (XMAX * 2)              // (a top-k's x is fp32: XMAX / 2 values at most)
 #ifndef CONSUMER_WARPS
 #define CONSUMER_WARPS 16              // (-DCONSUMER_WARPS=...)
 #endif
@@ -52,7 +45,7 @@
 #define STEPS 4                        // 16-byte steps per thread and row, at most (even; x kept in registers)
 #endif
 #define CONSUMERS (32 * CONSUMER_WARPS)
-#define THREADS (CONSUMERS + 64)       // + the producer warp and the loader warp
+#define THREADS (CONSUMERS + 32)       // + the producer warp
 #ifndef SPIN_LIMIT
 #define SPIN_LIMIT (1u << 24)          // polls before a wait gives up (-DSPIN_LIMIT=...)
 #endif
@@ -95,15 +88,9 @@ __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
 }
 __device__ __forceinline__ bool mbar_test(uint64_t* bar, uint32_t parity) {
     uint32_t ok;
-#ifdef TEST_WAIT    // never suspends (try_wait may suspend the thread for a time limit while the phase is open)
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
-        : "=r"(ok) : "r"(smem_u32(bar)), "r"(parity) : "memory");
-#else
     asm volatile(
         "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
         : "=r"(ok) : "r"(smem_u32(bar)), "r"(parity) : "memory");
-#endif
     return ok != 0;
 }
 __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar,
@@ -146,7 +133,7 @@ __device__ __forceinline__ uint64_t now_ns() {
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" ::"n"(CONSUMERS) : "memory"); }
 
 // err[0] = what ran out (1 an input word, 2 a filled slot, 3 a free slot, 4 the top-k's words, 5 an input
-// phase's counter, 6 a free stage, 7 a staged x), err[1..3] = block, phase, tile
+// phase's counter), err[1..3] = block, phase, tile
 __device__ bool give_up(uint32_t* err, uint32_t what, int64_t phase, int64_t tile) {
     if (atomicCAS(err, 0u, what) == 0u) {
         err[1] = blockIdx.x;
@@ -194,69 +181,67 @@ __device__ bool wait_inputs(const PhaseC* ph, const PhaseC& f, const uint32_t* c
     return true;
 }
 
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {     // L2 only (.cg): never a stale L1 line
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_u32(dst)), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_all;" ::: "memory"); }
-
-// One piece of an x for the loader warp: words j in [q0, q0 + n) of the input (word j at base[j % len]) go to
-// st[j - q0], and, with a second input, its words to st[half + j - q0]. Lane `lane` copies the 16-byte pairs
-// i = lane + 32 t (t < 32; the inputs' pairs numbered one after the other); `mask` bit t: that pair is not yet
-// this launch's.
-struct Piece {
-    uint64_t* st;
-    const uint64_t *base, *base2;
-    int len, len2, q0, pairs, half;     // pairs: of the first input (the second has as many when base2)
-    __device__ __forceinline__ int total() const { return base2 ? 2 * pairs : pairs; }
-    __device__ __forceinline__ void copy(int i) const {
-        if (i < pairs) cp_async16(st + 2 * i, base + (q0 + 2 * i) % len);
-        else cp_async16(st + half + 2 * (i - pairs), base2 + (q0 + 2 * (i - pairs)) % len2);
-    }
-    __device__ __forceinline__ bool fresh(int i, uint32_t epoch) const {    // (after cp_async_wait: its clobber)
-        const uint4 w = *reinterpret_cast<const uint4*>(i < pairs ? st + 2 * i : st + half + 2 * (i - pairs));
-        return w.y == epoch && w.w == epoch;
-    }
-    // the bits of `mask` whose pairs (this lane's) are not this launch's; the loads unrolled, issued together
-    __device__ __forceinline__ uint32_t stale(uint32_t mask, uint32_t epoch) const {
-        const int lane = threadIdx.x % 32;
-        uint32_t out = 0;
+// x[j] = y_src[slot * xstride + j % xlen] (+ y_dep2[j % xlen2]) for j < xn, each word polled until it is this
+// launch's; into xs as bf16 (a top-k's as fp32). Eight loads in flight per thread before the first poll.
+// false: gave up.
+// had: pre / pre2 hold the words of j = tid + u CONSUMERS, u < XPREFETCH, loaded earlier (`prefetch_x`).
+__device__ __forceinline__ bool load_x(__nv_bfloat16* xs, const PhaseC& f, const PhaseC* ph, const float* x_in,
+                                      int64_t slot, uint32_t epoch, bool wait, uint32_t* err, int64_t p, int64_t t,
+                                      bool had, const uint64_t (&pre)[XPREFETCH_N],
+                                      const uint64_t (&pre2)[XPREFETCH_N]) {
+    const int tid = threadIdx.x;
+    const bool top = f.kind == TOPK;
+    const int xn = top ? f.xlen : f.k;
+    const uint64_t* src = f.src >= 0 ? reinterpret_cast<const uint64_t*>(ph[f.src].y) + slot * f.xstride : nullptr;
+    const uint64_t* src2 = f.dep2 >= 0 ? reinterpret_cast<const uint64_t*>(ph[f.dep2].y) : nullptr;
+    for (int j0 = tid; j0 < xn; j0 += 8 * CONSUMERS) {
+        uint64_t v[8], v2[8];
 #pragma unroll
-        for (int u = 0; u < 32; ++u)
-            if ((mask >> u & 1u) && !fresh(lane + 32 * u, epoch)) out |= 1u << u;
-        return out;
-    }
-};
-
-// Stage a piece (the loader warp, each lane its own pairs): copy every pair, then, while some are stale (wait),
-// copy the stale ones again, every round trip; or (SENTINEL) only the lane's first stale pair until it is this
-// launch's, then the rest of its stale pairs at once: one 16-byte load per lane and round trip while the input is
-// not there, and one more round trip once the first pair lands. false: gave up.
-__device__ bool stage_piece(const Piece& pc, uint32_t epoch, bool wait, uint32_t* err, int64_t p, int64_t t) {
-    const int lane = threadIdx.x % 32, total = pc.total();
-    uint32_t mask = 0;
-    for (int u = 0; u < 32 && lane + 32 * u < total; ++u) {
-        pc.copy(lane + 32 * u);
-        mask |= 1u << u;
-    }
-    cp_async_wait();
-    for (uint32_t spin = 0; wait; ++spin) {
-        mask = pc.stale(mask, epoch);
-        if (!mask) break;
-        if (out_of_time(spin, err, 1, p, t)) return false;
-        if (!SENTINEL) {
-            for (uint32_t m = mask; m; m &= m - 1) pc.copy(lane + 32 * (__ffs(m) - 1));
-            cp_async_wait();
-            continue;
+        for (int u = 0; u < 8; ++u) {
+            const int j = j0 + u * CONSUMERS;
+            // a word loaded ahead is kept if it is already this launch's; the rest are loaded again here, all
+            // together, before any is polled (polling a stale word first would cost a round trip per word)
+            const bool ahead = had && j0 == tid && u < XPREFETCH;
+            const uint64_t a = ahead ? pre[u % XPREFETCH_N] : 0, a2 = ahead ? pre2[u % XPREFETCH_N] : 0;
+            v[u] = j < xn && src ? (epoch_of(a) == epoch ? a : load_word(src + j % f.xlen)) : 0;
+            v2[u] = j < xn && src2 ? (epoch_of(a2) == epoch ? a2 : load_word(src2 + j % f.xlen2)) : 0;
         }
-        const int u0 = __ffs(mask) - 1;
-        pc.copy(lane + 32 * u0);
-        cp_async_wait();
-        if (pc.fresh(lane + 32 * u0, epoch)) {
-            for (uint32_t m = mask & (mask - 1); m; m &= m - 1) pc.copy(lane + 32 * (__ffs(m) - 1));
-            cp_async_wait();
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            const int j = j0 + u * CONSUMERS;
+            if (j >= xn) continue;
+            float x;
+            if (src) {
+                if (!poll_word(src + j % f.xlen, v[u], epoch, wait, err, 1, p, t)) return false;
+                x = value_of(v[u]);
+            } else {
+                x = x_in[j % f.xlen];
+            }
+            if (src2) {
+                if (!poll_word(src2 + j % f.xlen2, v2[u], epoch, wait, err, 1, p, t)) return false;
+                x += value_of(v2[u]);
+            }
+            if (top) reinterpret_cast<float*>(xs)[j] = x;
+            else xs[j] = __float2bfloat16_rn(x);
         }
     }
     return true;
+}
+
+// Issue the loads of phase f's first XPREFETCH words per thread (slot `slot`) without waiting for them: the words
+// arrive while this block computes its current phase, and load_x polls only those not yet of this launch.
+__device__ __forceinline__ void prefetch_x(uint64_t (&pre)[XPREFETCH_N], uint64_t (&pre2)[XPREFETCH_N],
+                                           const PhaseC& f, const PhaseC* ph, int64_t slot) {
+    const int tid = threadIdx.x;
+    const int xn = f.kind == TOPK ? f.xlen : f.k;
+    const uint64_t* src = reinterpret_cast<const uint64_t*>(ph[f.src].y) + slot * f.xstride;
+    const uint64_t* src2 = f.dep2 >= 0 ? reinterpret_cast<const uint64_t*>(ph[f.dep2].y) : nullptr;
+#pragma unroll
+    for (int u = 0; u < XPREFETCH_N; ++u) {
+        const int j = tid + u * CONSUMERS;
+        pre[u] = u < XPREFETCH && j < xn ? load_word(src + j % f.xlen) : 0;
+        pre2[u] = u < XPREFETCH && j < xn && src2 ? load_word(src2 + j % f.xlen2) : 0;
+    }
 }
 
 __device__ __forceinline__ float dot8(uint4 w, float4 a, float4 b) {
@@ -284,46 +269,22 @@ struct Cursor {
     }
 };
 
-// The (phase, slot) units of x this block reads, in the order producer, loader and consumers walk its tiles:
-// phase by phase, this block's tiles of each phase; a unit starts where a tile's x (routed: per expert slot) is
-// not the previous tile's. Calls unit(p, t, slot) for each; stops early when it returns false.
-template <class F>
-__device__ __forceinline__ bool each_unit(const PhaseC* ph, int64_t nphase, int64_t nblk, F unit) {
-    for (int64_t p = 0; p < nphase; ++p) {
-        const PhaseC& f = ph[p];
-        int64_t have_slot = -1;
-        for (int64_t g = first_tile(f, nblk); g < f.tile0 + f.ntiles; g += nblk) {
-            const int64_t t = g - f.tile0, row0 = t * f.rows;
-            const int64_t slot = f.kind == ROUTED && f.xstride ? row0 / f.ne : 0;
-            if (slot == have_slot) continue;
-            have_slot = slot;
-            if (!unit(p, t, slot)) return false;
-        }
-    }
-    return true;
-}
-
-// x is staged in pieces of piece_len(f) words (a second input takes the stage's second half).
-__device__ __forceinline__ int piece_len(const PhaseC& f) { return f.dep2 >= 0 ? XWORDS / 2 : XWORDS; }
-__device__ __forceinline__ int x_len(const PhaseC& f) { return f.kind == TOPK ? f.xlen : f.k; }
-
-// Shared memory: the ring (NSLOT x SLOT_BYTES), the x stage (XWORDS words), the phase table (nphase x 72 bytes),
-// the barriers (2 x NSLOT for the ring, 2 for the stage).
+// Shared memory: the ring (NSLOT x SLOT_BYTES), x (XBYTES), the phase table (nphase x 72 bytes), the
+// barriers (2 x NSLOT). Producer and consumers walk the same tiles in the same order: phase by phase, this
+// block's tiles of each phase.
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* __restrict__ x_in,
              uint32_t* counters, uint32_t epoch, int mode, uint32_t* err, unsigned long long* t_done,
              unsigned long long* t_start, unsigned long long* trace) {
     extern __shared__ __align__(128) unsigned char smem[];
     unsigned char* ring = smem;
-    uint64_t* stage = reinterpret_cast<uint64_t*>(smem + NSLOT * SLOT_BYTES);     // {fp32 value, epoch} words
-    PhaseC* ph = reinterpret_cast<PhaseC*>(stage + XWORDS);
+    __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem + NSLOT * SLOT_BYTES);   // (top-k: fp32)
+    PhaseC* ph = reinterpret_cast<PhaseC*>(smem + NSLOT * SLOT_BYTES + XBYTES);
     uint64_t* full = reinterpret_cast<uint64_t*>(ph + nphase);
     uint64_t* empty = full + NSLOT;
-    uint64_t* xfull = empty + NSLOT;                // the loader's arrive: a piece of x is staged
-    uint64_t* xempty = xfull + 1;                   // one arrive per consumer warp: done with the staged piece
+    __shared__ int gave_up;
     __shared__ float red[CONSUMERS / 32];
-    __shared__ int experts[TOPK_MAX];          // the producer's: the experts top-k chose
-    const int tid = threadIdx.x, lane = tid % 32;
+    const int tid = threadIdx.x;
     const int64_t nblk = gridDim.x;
     const bool wait = mode != NODEPS;
 
@@ -333,70 +294,12 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
             mbar_init(&full[s], 1);                 // the producer's arrive (with the tile's bytes)
             mbar_init(&empty[s], CONSUMERS / 32);   // one arrive per consumer warp
         }
-        mbar_init(xfull, 1);
-        mbar_init(xempty, CONSUMERS / 32);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        gave_up = 0;
         if (blockIdx.x == 0) *t_start = now_ns();
     }
     __syncthreads();
 
-    if (tid >= CONSUMERS + 32) {            // ------------------------------------------------ loader warp
-        uint32_t u = 0;                     // pieces staged so far
-        each_unit(ph, nphase, nblk, [&](int64_t p, int64_t t, int64_t slot) {
-            const PhaseC& f = ph[p];
-            const int xn = x_len(f), len = piece_len(f);
-            for (int q0 = 0; q0 < xn; q0 += len, ++u) {
-                if (!wait_slot(xempty, (u & 1u) ^ 1u, err, 6, p, t)) return false;
-#ifdef TRACE
-                unsigned long long* tr = trace + (blockIdx.x * TRACE_UNITS + u) * 6;
-                if (lane == 0 && u < TRACE_UNITS) { tr[0] = now_ns(); tr[5] = p; }
-#endif
-                const int n = min(len, xn - q0);
-#ifdef LOADER_NOCOPY
-                if (true) {                 // a diagnostic: x not staged (the handoffs alone, no loads)
-                } else
-#endif
-                if (f.src >= 0) {
-                    const Piece pc{stage, reinterpret_cast<const uint64_t*>(ph[f.src].y) + slot * f.xstride,
-                                   f.dep2 >= 0 ? reinterpret_cast<const uint64_t*>(ph[f.dep2].y) : nullptr,
-                                   f.xlen, f.xlen2, q0, n / 2, XWORDS / 2};
-                    if (!stage_piece(pc, epoch, wait, err, p, t)) return false;
-                } else {                    // the external input (fp32), as words of this launch
-                    for (int j0 = 0; j0 < n; j0 += 8 * 32) {     // 8 loads in flight per lane
-                        float v[8];
-#pragma unroll
-                        for (int q = 0; q < 8; ++q) {
-                            const int j = j0 + lane + 32 * q;
-                            v[q] = j < n ? x_in[(q0 + j) % f.xlen] : 0.f;
-                        }
-#pragma unroll
-                        for (int q = 0; q < 8; ++q) {
-                            const int j = j0 + lane + 32 * q;
-                            if (j < n) stage[j] = (static_cast<uint64_t>(epoch) << 32) | __float_as_uint(v[q]);
-                        }
-                    }
-                    if (f.dep2 >= 0) {
-                        const Piece pc{stage + XWORDS / 2, reinterpret_cast<const uint64_t*>(ph[f.dep2].y), nullptr,
-                                       f.xlen2, 0, q0, n / 2, 0};
-                        if (!stage_piece(pc, epoch, wait, err, p, t)) return false;
-                    }
-                }
-                __syncwarp();
-                if (f.dep2 >= 0)            // x = first + second input, in the first half's values
-                    for (int j = lane; j < n; j += 32) {
-                        float* v = reinterpret_cast<float*>(stage + j);
-                        *v += value_of(stage[XWORDS / 2 + j]);
-                    }
-                __syncwarp();
-#ifdef TRACE
-                if (lane == 0 && u < TRACE_UNITS) tr[1] = now_ns();
-#endif
-                if (lane == 0) mbar_arrive(xfull);
-            }
-            return true;
-        });
-        return;
-    }
     if (tid >= CONSUMERS) {                 // ---------------------------------------------- producer warp
         if (tid != CONSUMERS) return;
         uint64_t policy, keep;
@@ -427,10 +330,6 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
                     ahead.next(ph, nphase, nblk);
                 }
                 if (!wait_slot(&empty[s], ((i / NSLOT) & 1u) ^ 1u, err, 3, p, t)) return;
-                // at most INFLIGHT tiles on their way: bytes queued past the bandwidth-delay product only lengthen
-                // every load's wait, the stage's x loads included
-                if (INFLIGHT && i >= INFLIGHT && INFLIGHT < NSLOT &&
-                    !wait_slot(&full[(i - INFLIGHT) % NSLOT], ((i - INFLIGHT) / NSLOT) & 1u, err, 2, p, t)) return;
                 if (!inputs_done && !(inputs_done = wait_inputs(ph, f, counters, epoch, err, p, t))) return;
                 if (f.kind == TOPK) {
                     mbar_arrive(&full[s]);      // nothing to load
@@ -438,24 +337,14 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
                 }
                 int64_t wrow = row0;
                 if (f.kind == ROUTED) {         // the expert top-k chose for this tile's slot
-                    if (have_slot < 0) {        // the phase's first tile here: every chosen expert, 8 loads at once
-                        have_slot = 0;
-                        const uint64_t* id = reinterpret_cast<const uint64_t*>(ph[f.route].y);
-                        const int kk = static_cast<int>(ph[f.route].ne);
-                        for (int b = 0; b < kk; b += 8) {
-                            uint64_t v[8];
-#pragma unroll
-                            for (int q = 0; q < 8; ++q) v[q] = b + q < kk ? load_word(id + b + q) : 0;
-#pragma unroll
-                            for (int q = 0; q < 8; ++q) {
-                                if (b + q >= kk) continue;
-                                if (!poll_word(id + b + q, v[q], epoch, wait, err, 4, p, t)) return;
-                                const int x = static_cast<int>(value_of(v[q]));
-                                experts[b + q] = x < 0 ? 0 : (x >= f.n_experts ? f.n_experts - 1 : x);
-                            }
-                        }
+                    if (row0 / f.ne != have_slot) {
+                        have_slot = row0 / f.ne;
+                        const uint64_t* id = reinterpret_cast<const uint64_t*>(ph[f.route].y) + have_slot;
+                        uint64_t v = load_word(id);
+                        if (!poll_word(id, v, epoch, wait, err, 4, p, t)) return;
+                        e = static_cast<int64_t>(value_of(v));
+                        e = e < 0 ? 0 : (e >= f.n_experts ? f.n_experts - 1 : e);
                     }
-                    e = experts[row0 / f.ne];
                     wrow = e * f.ne + row0 % f.ne;
                 }
                 const uint32_t bytes =                  // (the last tile may be part of one)
@@ -468,8 +357,10 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
     }
 
     // ------------------------------------------------------------------------------------------ consumer warps
-    const int warp = tid / 32;
-    uint32_t i = 0, u = 0;                  // tiles and staged pieces taken so far
+    const int warp = tid / 32, lane = tid % 32;
+    uint32_t i = 0, unit = 0;              // tiles and x loads so far
+    uint64_t pre[XPREFETCH_N], pre2[XPREFETCH_N];   // the next phase's first x words, loaded ahead
+    int64_t pre_p = -1;                               // ... of this phase (-1: none)
     for (int64_t p = 0; p < nphase; ++p) {
         const PhaseC& f = ph[p];
         const int64_t g0 = first_tile(f, nblk), gend = f.tile0 + f.ntiles;
@@ -490,54 +381,61 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
             const int64_t t = g - f.tile0, row0 = t * f.rows;
             const int64_t slot = f.kind == ROUTED && f.xstride ? row0 / f.ne : 0;   // whose x (routed: per expert)
             const uint32_t s = i % NSLOT;
-            if (slot != have_slot) {        // this tile's x from the stage, piece by piece (a top-k's: kept there)
-                have_slot = slot;
-                const int xn = x_len(f), len = piece_len(f);
-#pragma unroll
-                for (int m = 0; m < STEPS; ++m) xa[m] = xb[m] = make_float4(0.f, 0.f, 0.f, 0.f);
-                for (int q0 = 0; q0 < xn; q0 += len, ++u) {
+            if (slot != have_slot) {        // this tile's x (the first sync: every warp is done with the last x)
 #ifdef TRACE
-                    unsigned long long* tr = trace + (blockIdx.x * TRACE_UNITS + u) * 6;
-                    if (tid == 0 && u < TRACE_UNITS) tr[2] = now_ns();
+                unsigned long long* tr = trace + (blockIdx.x * TRACE_UNITS + unit) * 4;
+                if (tid == 0 && unit < TRACE_UNITS) { tr[0] = now_ns(); tr[3] = p; }
 #endif
-                    if (!wait_slot(xfull, u & 1u, err, 7, p, t)) return;
+                consumers_sync();
+                const bool had = XPREFETCH && pre_p == p && have_slot < 0;   // (loaded for the phase's first slot)
+                if (!load_x(xs, f, ph, x_in, slot, epoch, wait, err, p, t, had, pre, pre2)) gave_up = 1;
+                consumers_sync();
 #ifdef TRACE
-                    if (tid == 0 && u < TRACE_UNITS) tr[3] = now_ns();
+                if (tid == 0 && unit < TRACE_UNITS) tr[1] = now_ns();
 #endif
-                    if (f.kind == TOPK) continue;           // (one piece; handed back after the top-k)
-#pragma unroll
-                    for (int m = 0; m < STEPS; ++m) {       // elements 8c..8c+7 of chunk c, rounded to bf16
-                        const int c = tid % T + m * T, e0 = 8 * c - q0;
-                        if (c >= chunks || e0 < 0 || e0 >= len) continue;
-                        const uint4* w4 = reinterpret_cast<const uint4*>(stage + e0);
-                        float v[8];
-#pragma unroll
-                        for (int h = 0; h < 4; ++h) {
-                            const uint4 q = w4[h];
-                            v[2 * h] = __bfloat162float(__float2bfloat16_rn(__uint_as_float(q.x)));
-                            v[2 * h + 1] = __bfloat162float(__float2bfloat16_rn(__uint_as_float(q.z)));
+                ++unit;
+                if (gave_up) return;
+                if (XPREFETCH && have_slot < 0) {          // the next phase this block has tiles in: its x, ahead
+                    pre_p = -1;
+                    for (int64_t q = p + 1; q < nphase; ++q) {
+                        const PhaseC& h = ph[q];
+                        const int64_t hg = first_tile(h, nblk);
+                        if (hg >= h.tile0 + h.ntiles) continue;
+                        if (h.src >= 0) {
+                            const int64_t hr = (hg - h.tile0) * h.rows;
+                            prefetch_x(pre, pre2, h, ph, h.kind == ROUTED && h.xstride ? hr / h.ne : 0);
+                            pre_p = q;
                         }
-                        xa[m] = make_float4(v[0], v[1], v[2], v[3]);
-                        xb[m] = make_float4(v[4], v[5], v[6], v[7]);
+                        break;
                     }
-                    __syncwarp();
-                    if (lane == 0) mbar_arrive(xempty);     // this warp is done with the piece
+                }
+                have_slot = slot;
+                const uint4* x8 = reinterpret_cast<const uint4*>(xs);
+#pragma unroll
+                for (int m = 0; m < STEPS; ++m) {
+                    const int c = tid % T + m * T;
+                    const uint4 u = c < chunks ? x8[c] : make_uint4(0u, 0u, 0u, 0u);
+                    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+                    const float2 a0 = __bfloat1622float2(h[0]), a1 = __bfloat1622float2(h[1]);
+                    const float2 b0 = __bfloat1622float2(h[2]), b1 = __bfloat1622float2(h[3]);
+                    xa[m] = make_float4(a0.x, a0.y, a1.x, a1.y);
+                    xb[m] = make_float4(b0.x, b0.y, b1.x, b1.y);
                 }
             }
             if (!wait_slot(&full[s], (i / NSLOT) & 1u, err, 2, p, t)) return;
 #ifdef TRACE
-            if (tid == 0 && u >= 1 && u - 1 < TRACE_UNITS && trace[(blockIdx.x * TRACE_UNITS + u - 1) * 6 + 4] == 0)
-                trace[(blockIdx.x * TRACE_UNITS + u - 1) * 6 + 4] = now_ns();      // the unit's first tile ready
+            if (tid == 0 && unit - 1 < TRACE_UNITS && trace[(blockIdx.x * TRACE_UNITS + unit - 1) * 4 + 2] == 0)
+                trace[(blockIdx.x * TRACE_UNITS + unit - 1) * 4 + 2] = now_ns();     // the x's first tile is here
 #endif
 
             if (f.kind == TOPK) {
-                if (warp == 0) {              // k rounds of a warp argmax over the staged values (taken: -inf)
-                    float* xf = reinterpret_cast<float*>(stage);    // value j at xf[2 j] (the word's low half)
+                if (warp == 0) {              // k rounds of a warp argmax over xs (taken entries set to -inf)
                     for (int64_t r = 0; r < f.ne; ++r) {
                         float best = -INFINITY;
                         int idx = 0x7fffffff;
+                        const float* xf = reinterpret_cast<const float*>(xs);
                         for (int j = lane; j < f.xlen; j += 32)
-                            if (xf[2 * j] > best) { best = xf[2 * j]; idx = j; }
+                            if (xf[j] > best) { best = xf[j]; idx = j; }
                         for (int off = 16; off; off >>= 1) {
                             const float ob = __shfl_xor_sync(0xffffffffu, best, off);
                             const int oi = __shfl_xor_sync(0xffffffffu, idx, off);
@@ -545,13 +443,11 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
                         }
                         if (lane == 0) {
                             store_word(y + r, static_cast<float>(idx), epoch);
-                            if (idx < f.xlen) xf[2 * idx] = -INFINITY;
+                            if (idx < f.xlen) reinterpret_cast<float*>(xs)[idx] = -INFINITY;   // (NaN x: none)
                         }
                         __syncwarp();
                     }
                 }
-                __syncwarp();
-                if (lane == 0) mbar_arrive(xempty);         // the top-k's x handed back
             } else {
                 const uint4* tile = reinterpret_cast<const uint4*>(ring + s * SLOT_BYTES);
                 const int rows_here = static_cast<int>(min(static_cast<int64_t>(f.rows), f.n - row0));   // (last: part)
