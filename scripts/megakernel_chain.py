@@ -59,6 +59,7 @@ def cu_default(name: str, cu: Path = CU) -> int:
 
 XMAX = cu_default("XMAX")           # chain.cu: the longest x of a GEMV held in shared memory (bf16)
 XMAX_TOPK = XMAX // 2               # ... and of a top-k (fp32)
+GROUPS = cu_default("GROUPS")       # ... row groups of a tile at most
 TRACE_UNITS = cu_default("TRACE_UNITS")   # chain.cu -DTRACE: x loads traced per block
 MAX_ROWS = 64                       # rows per tile at most (few-byte phases still spread over several blocks)
 CHECK_REL = 1e-5                    # fp32 sums of the same bf16 products in another order: ~3e-7 measured
@@ -336,6 +337,17 @@ SMEM_LIMIT = 227 * 1024    # sm_90's dynamic shared memory per block
 DEFAULT_RING = f"{cu_default('NSLOT')}x{cu_default('SLOT_BYTES')}"
 
 
+def row_groups(ph: Phase, consumers: int, steps: int) -> int:
+    """How many row groups chain.cu's consumers split one of ph's tiles into (its T and G)."""
+    chunks, t = ph.k // 8, 1
+    while t * steps < chunks:
+        t *= 2
+    g = consumers // t
+    if g > ph.rows:
+        g = ph.rows
+    return -(-ph.rows // g)
+
+
 def smem_bytes(nslot: int, slot_bytes: int, nphase: int) -> int:
     """chain.cu's shared memory: the ring, x (bf16), the phase table (72 bytes a phase), the ring's barriers."""
     return nslot * slot_bytes + XMAX * 2 + nphase * 72 + 2 * nslot * 8
@@ -356,6 +368,8 @@ class ChainKernel:
         warps = [int(d.split("=")[1]) for d in defines if d.startswith("CONSUMER_WARPS=")]
         # + the producer warp (THREADS = CONSUMERS + 32)
         self.threads = 32 * (warps[0] if warps else cu_default("CONSUMER_WARPS", cu)) + cu_default("THREADS", cu)
+        steps = [int(d.split("=")[1]) for d in defines if d.startswith("STEPS=")]
+        self.steps = steps[0] if steps else cu_default("STEPS", cu)
         self.blocks = torch.cuda.get_device_properties(0).multi_processor_count
         self.epoch = 0
         self.counters = self.err = None
@@ -372,6 +386,11 @@ class ChainKernel:
         if self.smem > SMEM_LIMIT:
             raise ValueError(f"ring {self.nslot}x{self.slot_bytes} with {n} phases: {self.smem} bytes of shared "
                              f"memory, over the {SMEM_LIMIT} a block can have")
+        groups = max((row_groups(p, self.threads - 32, self.steps) for p in bufs.chain.phases if p.kind != "topk"),
+                     default=1)
+        if groups > GROUPS:
+            raise ValueError(f"a tile of this chain takes {groups} row groups with {self.threads - 32} consumer "
+                             f"threads and STEPS = {self.steps}; chain.cu holds {GROUPS}")
         self.fn.max_dynamic_shared_size_bytes = self.smem
         self.bufs = bufs
         self.counters = torch.zeros(n, dtype=torch.int32, device="cuda")

@@ -25,6 +25,10 @@
 #ifndef SLOT_BYTES
 #define SLOT_BYTES 65536               // bytes per slot: the largest tile
 #endif
+#ifndef TILE_IN_REGS
+#define TILE_IN_REGS 0                 // 1: consumers take each tile into registers and free its slot before they load
+#endif                                 // a new x, so the ring streams one more tile through the x load's stall
+#define GROUPS 2                       // row groups of a tile at most (megakernel_chain.py checks every chain)
 #ifndef TRACE_UNITS
 #define TRACE_UNITS 256                // -DTRACE: per block, the first TRACE_UNITS (phase, slot) x loads' times
 #endif
@@ -381,6 +385,24 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
             const int64_t t = g - f.tile0, row0 = t * f.rows;
             const int64_t slot = f.kind == ROUTED && f.xstride ? row0 / f.ne : 0;   // whose x (routed: per expert)
             const uint32_t s = i % NSLOT;
+            const int rows_here = static_cast<int>(min(static_cast<int64_t>(f.rows), f.n - row0));   // (last: part)
+            uint4 wreg[GROUPS][STEPS];      // (TILE_IN_REGS) this thread's share of the tile: row r0 + tid / T
+            if (TILE_IN_REGS) {
+                if (!wait_slot(&full[s], (i / NSLOT) & 1u, err, 2, p, t)) return;
+                const uint4* tile = reinterpret_cast<const uint4*>(ring + s * SLOT_BYTES);
+#pragma unroll
+                for (int q = 0; q < GROUPS; ++q) {
+                    const int r = q * G + tid / T;
+#pragma unroll
+                    for (int m = 0; m < STEPS; ++m) {
+                        const int c = tid % T + m * T;
+                        wreg[q][m] = f.kind != TOPK && r < rows_here && c < chunks ? tile[r * chunks + c]
+                                                                                   : make_uint4(0u, 0u, 0u, 0u);
+                    }
+                }
+                __syncwarp();
+                if (lane == 0) mbar_arrive(&empty[s]);     // the slot is free: the producer loads the next tile
+            }                               // (a top-k's slot too: it holds nothing)
             if (slot != have_slot) {        // this tile's x (the first sync: every warp is done with the last x)
 #ifdef TRACE
                 unsigned long long* tr = trace + (blockIdx.x * TRACE_UNITS + unit) * 4;
@@ -422,7 +444,7 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
                     xb[m] = make_float4(b0.x, b0.y, b1.x, b1.y);
                 }
             }
-            if (!wait_slot(&full[s], (i / NSLOT) & 1u, err, 2, p, t)) return;
+            if (!TILE_IN_REGS && !wait_slot(&full[s], (i / NSLOT) & 1u, err, 2, p, t)) return;
 #ifdef TRACE
             if (tid == 0 && unit - 1 < TRACE_UNITS && trace[(blockIdx.x * TRACE_UNITS + unit - 1) * 4 + 2] == 0)
                 trace[(blockIdx.x * TRACE_UNITS + unit - 1) * 4 + 2] = now_ns();     // the x's first tile is here
@@ -450,20 +472,20 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
                 }
             } else {
                 const uint4* tile = reinterpret_cast<const uint4*>(ring + s * SLOT_BYTES);
-                const int rows_here = static_cast<int>(min(static_cast<int64_t>(f.rows), f.n - row0));   // (last: part)
-                for (int r0 = 0; r0 < rows_here; r0 += G) {
-                    const int r = r0 + tid / T;
+#pragma unroll
+                for (int q = 0; q < GROUPS; ++q) {          // row groups: rows r0 .. r0 + G - 1 at once
+                    const int r0 = q * G, r = r0 + tid / T;
+                    if (r0 >= rows_here) break;
                     float acc = 0.f;
 #ifndef SKIP_COMPUTE
                     if (r < rows_here) {
                         // every step's 16 bytes loaded first (zeros past the row: x is zero there too), then the
                         // sums in four independent chains
-                        const uint4* wrow = tile + r * chunks;
                         uint4 wv[STEPS];
 #pragma unroll
                         for (int m = 0; m < STEPS; ++m) {
                             const int c = tid % T + m * T;
-                            wv[m] = c < chunks ? wrow[c] : make_uint4(0u, 0u, 0u, 0u);
+                            wv[m] = TILE_IN_REGS ? wreg[q][m] : (c < chunks ? tile[r * chunks + c] : make_uint4(0u, 0u, 0u, 0u));
                         }
                         float part[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
@@ -487,8 +509,10 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
                     }
                 }
             }
-            __syncwarp();
-            if (lane == 0) mbar_arrive(&empty[s]);     // this warp is done with slot s
+            if (!TILE_IN_REGS) {
+                __syncwarp();
+                if (lane == 0) mbar_arrive(&empty[s]);     // this warp is done with slot s
+            }
         }
         // this block's tiles of p are done: add them to p's counter
         if (mode == SERIAL) consumers_sync();           // (SERIAL's producers wait on it: every row written)
