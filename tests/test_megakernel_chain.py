@@ -176,14 +176,27 @@ def test_chain_refuses_bad_links():
 def test_chain_cu_builds_for_sm90a_without_spills(tmp_path):
     """chain.cu assembles for sm_90a (mbarrier, bulk copies, ld.acquire / red.release) with every ring the script
     offers, without local memory."""
-    for nslot, slot in [(3, 65536), (4, 32768), (2, 65536)]:
-        path, report = mc.compile_cubin(nslot, slot, str(tmp_path))
+    for nslot, slot, defines in [(3, 65536, ()), (4, 32768, ()), (2, 65536, ()),
+                                 (3, 65536, ("TILE_IN_REGS=1", "CONSUMER_WARPS=8", "STEPS=8"))]:
+        path, report = mc.compile_cubin(nslot, slot, str(tmp_path), defines=defines)
         assert Path(path).stat().st_size > 0
         assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
 
 
+def test_every_chain_fits_the_kernels_row_groups():
+    """chain.cu unrolls at most GROUPS row groups a tile: true of every chain, with the default consumers and
+    with 8 warps of STEPS = 8 (the TILE_IN_REGS build), and refused when it is not."""
+    chains = [mc.CHAINS[n](sb) for n in mc.CHAINS for sb in (32768, 65536)] + [long_x_chain(65536)]
+    for warps, steps in ((mc.cu_default("CONSUMER_WARPS"), mc.cu_default("STEPS")), (8, 8)):
+        for c in chains:
+            assert max(mc.row_groups(p, 32 * warps, steps) for p in c.phases if p.kind != "topk") <= mc.GROUPS
+    assert mc.row_groups(mc.k3_small_chain().phases[1], 32 * 12, 4) > mc.GROUPS      # 12 warps: 3 groups
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("ring", [(4, 32768), (3, 65536)], ids=["4x32k", "3x64k"])
+@pytest.mark.parametrize("ring", [(4, 32768, ()), (3, 65536, ()),
+                                  (3, 65536, ("TILE_IN_REGS=1", "CONSUMER_WARPS=8", "STEPS=8"))],
+                         ids=["4x32k", "3x64k", "3x64k-tile-in-regs"])
 def test_chain_kernel_matches_reference(tmp_path, ring):
     """Every phase's output equals its reference from the kernel's own inputs (fp32 sums in another order),
     the top-k picks the same experts in the same order, no row is left unwritten; in stream and serial mode,
@@ -191,7 +204,7 @@ def test_chain_kernel_matches_reference(tmp_path, ring):
     pytest.importorskip("cupy", reason="the chain kernel launches through cupy")
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("sm_90a kernel")
-    kern = mc.ChainKernel(*ring, build_dir=str(tmp_path))
+    kern = mc.ChainKernel(ring[0], ring[1], build_dir=str(tmp_path), defines=ring[2])
     chains = [mc.k3_small_chain(w, ring[1], fuse) for w, fuse in ((TINY, False), (mc.SKELETON, False), (TINY, True))]
     for chain in chains + [long_x_chain(ring[1])]:
         b = mc.Buffers(chain)
