@@ -408,10 +408,12 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
                 unsigned long long* tr = trace + (blockIdx.x * TRACE_UNITS + unit) * 4;
                 if (tid == 0 && unit < TRACE_UNITS) { tr[0] = now_ns(); tr[3] = p; }
 #endif
+#ifndef NOLOADX                             // -DNOLOADX: a diagnostic, x never loaded (the boundary's loads alone)
                 consumers_sync();
                 const bool had = XPREFETCH && pre_p == p && have_slot < 0;   // (loaded for the phase's first slot)
                 if (!load_x(xs, f, ph, x_in, slot, epoch, wait, err, p, t, had, pre, pre2)) gave_up = 1;
                 consumers_sync();
+#endif
 #ifdef TRACE
                 if (tid == 0 && unit < TRACE_UNITS) tr[1] = now_ns();
 #endif
