@@ -19,7 +19,10 @@ SKELETON), whose `stream` time is the chain's latency without the bytes; `*-fuse
 
     python3 scripts/megakernel_chain.py [--chains k3-small,skeleton] [--modes stream,serial,nodeps]
                                         [--rings 3x65536[:DEFINE+...],...] [--rounds 3] [--iters 50]
-                                        [--out F.json] [--plot F.png]
+                                        [--cu OTHER_CHAIN.cu] [--out F.json] [--plot F.png]
+
+Defines for a ring (chain.cu says what each does): TILE_IN_REGS=1 (with CONSUMER_WARPS=8+STEPS=8), TRACE (per x load:
+its time and the wait for the tile after it, summarised per mode), and the diagnostics SKIP_COMPUTE and NOLOADX.
 
 Checks each mode's outputs against a torch reference first (per phase, from the kernel's own inputs), then
 times interleaved rounds (CUDA events around each launch) and records when each phase finished (%globaltimer).

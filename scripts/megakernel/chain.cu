@@ -487,7 +487,8 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
 #pragma unroll
                         for (int m = 0; m < STEPS; ++m) {
                             const int c = tid % T + m * T;
-                            wv[m] = TILE_IN_REGS ? wreg[q][m] : (c < chunks ? tile[r * chunks + c] : make_uint4(0u, 0u, 0u, 0u));
+                            wv[m] = TILE_IN_REGS ? wreg[q][m]
+                                                 : (c < chunks ? tile[r * chunks + c] : make_uint4(0u, 0u, 0u, 0u));
                         }
                         float part[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
