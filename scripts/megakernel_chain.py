@@ -52,12 +52,20 @@ KINDS = {"gemv": 0, "topk": 1, "routed": 2}
 MODES = {"stream": 0, "serial": 1, "nodeps": 2}
 
 
-def cu_default(name: str, cu: Path = CU) -> int:
-    """A #define's default in chain.cu (or another version of it)."""
+def cu_default(name: str, cu: Path = CU, default: int | None = None) -> int:
+    """A #define's default in chain.cu (or another version of it; `default` where it has none)."""
     m = re.search(rf"#define {name} \(?(?:CONSUMERS \+ )?(\d+)", cu.read_text())
     if m is None:
+        if default is not None:
+            return default
         raise ValueError(f"no #define {name} in {cu}")
     return int(m.group(1))
+
+
+def define_value(defines: tuple[str, ...], name: str, cu: Path = CU, default: int | None = None) -> int:
+    """A #define's value in a build: given with -D`name`=V, else chain.cu's default."""
+    given = [d.split("=", 1)[1] for d in defines if d.startswith(name + "=")]
+    return int(given[-1]) if given else cu_default(name, cu, default)
 
 
 XMAX = cu_default("XMAX")           # chain.cu: the longest x of a GEMV held in shared memory (bf16)
@@ -335,6 +343,8 @@ def compile_cubin(nslot: int, slot_bytes: int, out_dir: str, spin_limit: int | N
 
 
 SMEM_LIMIT = 227 * 1024    # sm_90's dynamic shared memory per block
+SMEM_PER_SM = 228 * 1024   # ... per SM, 1 KB of it reserved per resident block
+REGS_PER_SM = 65536
 
 
 DEFAULT_RING = f"{cu_default('NSLOT')}x{cu_default('SLOT_BYTES')}"
@@ -368,12 +378,15 @@ class ChainKernel:
         print(f"{cu.name} {nslot}x{slot_bytes} {' '.join(defines)}: "
               + " | ".join(self.ptxas.strip().splitlines()[-2:]), flush=True)
         self.fn = cupy.RawModule(path=cubin).get_function("chain_kernel")
-        warps = [int(d.split("=")[1]) for d in defines if d.startswith("CONSUMER_WARPS=")]
         # + the producer warp (THREADS = CONSUMERS + 32)
-        self.threads = 32 * (warps[0] if warps else cu_default("CONSUMER_WARPS", cu)) + cu_default("THREADS", cu)
-        steps = [int(d.split("=")[1]) for d in defines if d.startswith("STEPS=")]
-        self.steps = steps[0] if steps else cu_default("STEPS", cu)
-        self.blocks = torch.cuda.get_device_properties(0).multi_processor_count
+        self.threads = 32 * define_value(defines, "CONSUMER_WARPS", cu) + cu_default("THREADS", cu)
+        self.steps = define_value(defines, "STEPS", cu)
+        self.per_sm = define_value(defines, "BLOCKS_PER_SM", cu, default=1)
+        self.regs = int(re.search(r"Used (\d+) registers", self.ptxas).group(1))
+        if self.per_sm * self.threads // 32 * -(-self.regs * 32 // 256) * 256 > REGS_PER_SM:
+            raise ValueError(f"{self.per_sm} blocks of {self.threads} threads at {self.regs} registers do not fit "
+                             f"one SM's {REGS_PER_SM}: the blocks would not all be resident, and wait on each other")
+        self.blocks = self.per_sm * torch.cuda.get_device_properties(0).multi_processor_count
         self.epoch = 0
         self.counters = self.err = None
         with warnings.catch_warnings():                      # (cupy 14 prefers Stream.from_external)
@@ -386,9 +399,9 @@ class ChainKernel:
             raise ValueError(f"the chain's tiles are for {bufs.chain.slot_bytes}-byte slots, the kernel's "
                              f"{self.slot_bytes}")
         self.smem = smem_bytes(self.nslot, self.slot_bytes, n)
-        if self.smem > SMEM_LIMIT:
+        if self.smem > SMEM_LIMIT or self.per_sm * (self.smem + 1024) > SMEM_PER_SM:
             raise ValueError(f"ring {self.nslot}x{self.slot_bytes} with {n} phases: {self.smem} bytes of shared "
-                             f"memory, over the {SMEM_LIMIT} a block can have")
+                             f"memory a block, over what {self.per_sm} resident block(s) an SM can have")
         groups = max((row_groups(p, self.threads - 32, self.steps) for p in bufs.chain.phases if p.kind != "topk"),
                      default=1)
         if groups > GROUPS:

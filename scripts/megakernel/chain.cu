@@ -25,6 +25,9 @@
 #ifndef SLOT_BYTES
 #define SLOT_BYTES 65536               // bytes per slot: the largest tile
 #endif
+#ifndef BLOCKS_PER_SM
+#define BLOCKS_PER_SM 1                // blocks a launch puts on each SM (each with its own ring; all must be resident)
+#endif
 #ifndef TILE_IN_REGS
 #define TILE_IN_REGS 0                 // 1: consumers take each tile into registers and free its slot before they load
 #endif                                 // a new x, so the ring streams one more tile through the x load's stall
@@ -276,7 +279,7 @@ struct Cursor {
 // Shared memory: the ring (NSLOT x SLOT_BYTES), x (XBYTES), the phase table (nphase x 72 bytes), the
 // barriers (2 x NSLOT). Producer and consumers walk the same tiles in the same order: phase by phase, this
 // block's tiles of each phase.
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
+extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM)
 chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* __restrict__ x_in,
              uint32_t* counters, uint32_t epoch, int mode, uint32_t* err, unsigned long long* t_done,
              unsigned long long* t_start, unsigned long long* trace) {
