@@ -366,6 +366,15 @@ def smem_bytes(nslot: int, slot_bytes: int, nphase: int) -> int:
     return nslot * slot_bytes + XMAX * 2 + nphase * 72 + 2 * nslot * 8
 
 
+def not_resident(per_sm: int, threads: int, regs: int, smem: int) -> str | None:
+    """Why `per_sm` blocks (threads, registers a thread, dynamic shared memory) cannot all be on one SM, or None."""
+    if smem > SMEM_LIMIT or per_sm * (smem + 1024) > SMEM_PER_SM:
+        return f"{smem} bytes of shared memory a block, over what an SM has"
+    if per_sm * (threads // 32) * (-(-regs * 32 // 256) * 256) > REGS_PER_SM:
+        return f"{threads} threads at {regs} registers a block, over an SM's {REGS_PER_SM}"
+    return None
+
+
 class ChainKernel:
     """chain.cu compiled for one ring, launched through cupy on torch's current stream."""
 
@@ -383,9 +392,6 @@ class ChainKernel:
         self.steps = define_value(defines, "STEPS", cu)
         self.per_sm = define_value(defines, "BLOCKS_PER_SM", cu, default=1)
         self.regs = int(re.search(r"Used (\d+) registers", self.ptxas).group(1))
-        if self.per_sm * self.threads // 32 * -(-self.regs * 32 // 256) * 256 > REGS_PER_SM:
-            raise ValueError(f"{self.per_sm} blocks of {self.threads} threads at {self.regs} registers do not fit "
-                             f"one SM's {REGS_PER_SM}: the blocks would not all be resident, and wait on each other")
         self.blocks = self.per_sm * torch.cuda.get_device_properties(0).multi_processor_count
         self.epoch = 0
         self.counters = self.err = None
@@ -399,9 +405,10 @@ class ChainKernel:
             raise ValueError(f"the chain's tiles are for {bufs.chain.slot_bytes}-byte slots, the kernel's "
                              f"{self.slot_bytes}")
         self.smem = smem_bytes(self.nslot, self.slot_bytes, n)
-        if self.smem > SMEM_LIMIT or self.per_sm * (self.smem + 1024) > SMEM_PER_SM:
-            raise ValueError(f"ring {self.nslot}x{self.slot_bytes} with {n} phases: {self.smem} bytes of shared "
-                             f"memory a block, over what {self.per_sm} resident block(s) an SM can have")
+        why = not_resident(self.per_sm, self.threads, self.regs, self.smem)
+        if why:
+            raise ValueError(f"ring {self.nslot}x{self.slot_bytes} with {n} phases, {self.per_sm} block(s) an SM: "
+                             f"{why}; the blocks would not all be resident, and would wait on each other")
         groups = max((row_groups(p, self.threads - 32, self.steps) for p in bufs.chain.phases if p.kind != "topk"),
                      default=1)
         if groups > GROUPS:

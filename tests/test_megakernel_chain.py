@@ -159,6 +159,16 @@ def test_default_ring_fits_shared_memory_with_the_table():
     assert mc.smem_bytes(3, 65536, n) <= mc.SMEM_LIMIT < mc.smem_bytes(4, 65536, n)
 
 
+def test_blocks_that_cannot_all_be_resident_are_refused():
+    """A persistent launch whose blocks wait on each other must have them all on the GPU at once."""
+    n = len(mc.k3_small_chain().phases)
+    assert mc.not_resident(1, 544, 96, mc.smem_bytes(3, 65536, n)) is None                 # the default build
+    assert mc.not_resident(2, 288, 92, mc.smem_bytes(2, 32768, n)) is None                 # 2 blocks, 8 warps each
+    assert "registers" in mc.not_resident(2, 544, 96, mc.smem_bytes(2, 32768, n))
+    assert "shared memory" in mc.not_resident(2, 288, 92, mc.smem_bytes(3, 32768, n))
+    assert "shared memory" in mc.not_resident(1, 544, 96, mc.smem_bytes(4, 65536, n))
+
+
 def test_chain_refuses_bad_links():
     c = mc.Chain(x_len=64)
     with pytest.raises(ValueError, match="multiple of 8"):
