@@ -72,6 +72,7 @@ XMAX = cu_default("XMAX")           # chain.cu: the longest x of a GEMV held in 
 XMAX_TOPK = XMAX // 2               # ... and of a top-k (fp32)
 GROUPS = cu_default("GROUPS")       # ... row groups of a tile at most
 TRACE_UNITS = cu_default("TRACE_UNITS")   # chain.cu -DTRACE: x loads traced per block
+TRACE_FIELDS = cu_default("TRACE_FIELDS")  # ... times per x load
 MAX_ROWS = 64                       # rows per tile at most (few-byte phases still spread over several blocks)
 CHECK_REL = 1e-5                    # fp32 sums of the same bf16 products in another order: ~3e-7 measured
 WAITS = {1: "an input word of this launch", 2: "a filled ring slot", 3: "a free ring slot",
@@ -387,8 +388,8 @@ class ChainKernel:
         print(f"{cu.name} {nslot}x{slot_bytes} {' '.join(defines)}: "
               + " | ".join(self.ptxas.strip().splitlines()[-2:]), flush=True)
         self.fn = cupy.RawModule(path=cubin).get_function("chain_kernel")
-        # + the producer warp (THREADS = CONSUMERS + 32)
-        self.threads = 32 * define_value(defines, "CONSUMER_WARPS", cu) + cu_default("THREADS", cu)
+        self.consumers = 32 * define_value(defines, "CONSUMER_WARPS", cu)
+        self.threads = self.consumers + cu_default("THREADS", cu)      # + the producer warp (CONSUMERS + 32)
         self.steps = define_value(defines, "STEPS", cu)
         self.per_sm = define_value(defines, "BLOCKS_PER_SM", cu, default=1)
         self.regs = int(re.search(r"Used (\d+) registers", self.ptxas).group(1))
@@ -409,10 +410,10 @@ class ChainKernel:
         if why:
             raise ValueError(f"ring {self.nslot}x{self.slot_bytes} with {n} phases, {self.per_sm} block(s) an SM: "
                              f"{why}; the blocks would not all be resident, and would wait on each other")
-        groups = max((row_groups(p, self.threads - 32, self.steps) for p in bufs.chain.phases if p.kind != "topk"),
+        groups = max((row_groups(p, self.consumers, self.steps) for p in bufs.chain.phases if p.kind != "topk"),
                      default=1)
         if groups > GROUPS:
-            raise ValueError(f"a tile of this chain takes {groups} row groups with {self.threads - 32} consumer "
+            raise ValueError(f"a tile of this chain takes {groups} row groups with {self.consumers} consumer "
                              f"threads and STEPS = {self.steps}; chain.cu holds {GROUPS}")
         self.fn.max_dynamic_shared_size_bytes = self.smem
         self.bufs = bufs
@@ -420,7 +421,7 @@ class ChainKernel:
         self.err = torch.zeros(4, dtype=torch.int32, device="cuda")
         self.t_done = torch.zeros(n, dtype=torch.int64, device="cuda")
         self.t_start = torch.zeros(1, dtype=torch.int64, device="cuda")
-        self.trace = (torch.zeros(self.blocks * TRACE_UNITS * 4, dtype=torch.int64, device="cuda")
+        self.trace = (torch.zeros(self.blocks * TRACE_UNITS * TRACE_FIELDS, dtype=torch.int64, device="cuda")
                       if "TRACE" in self.defines else None)
         self.epoch = 0
 
@@ -456,7 +457,7 @@ class ChainKernel:
         self.trace.zero_()
         self.launch(mode)
         self.check()
-        tr = self.trace.view(self.blocks, TRACE_UNITS, 4).double().cpu()
+        tr = self.trace.view(self.blocks, TRACE_UNITS, TRACE_FIELDS).double().cpu()
         ok = (tr[..., 0] > 0) & (tr[..., 1] > 0) & (tr[..., 2] > 0)
         parts = {"x_load": tr[..., 1] - tr[..., 0], "slot_wait": tr[..., 2] - tr[..., 1]}
         out = {"x_loads_per_block": ok.sum(1).double().mean().item()}

@@ -33,8 +33,9 @@
 #endif                                 // a new x, so the ring streams one more tile through the x load's stall
 #define GROUPS 2                       // row groups of a tile at most (megakernel_chain.py checks every chain)
 #ifndef TRACE_UNITS
-#define TRACE_UNITS 256                // -DTRACE: per block, the first TRACE_UNITS (phase, slot) x loads' times
-#endif
+#define TRACE_UNITS 256                // -DTRACE: per block, the first TRACE_UNITS (phase, slot) x loads' times:
+#endif                                 // x load begun, x in shared memory, the x's first tile in the ring
+#define TRACE_FIELDS 3
 #ifndef PREFETCH_TILES
 #define PREFETCH_TILES 0               // GEMV tiles past the ring the producer asks L2 to fetch (measured slower)
 #endif
@@ -366,6 +367,9 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
     // ------------------------------------------------------------------------------------------ consumer warps
     const int warp = tid / 32, lane = tid % 32;
     uint32_t i = 0, unit = 0;              // tiles and x loads so far
+#ifdef TRACE
+    unsigned long long* tr = nullptr;      // this x load's times; null once its first tile is recorded
+#endif
     uint64_t pre[XPREFETCH_N], pre2[XPREFETCH_N];   // the next phase's first x words, loaded ahead
     int64_t pre_p = -1;                               // ... of this phase (-1: none)
     for (int64_t p = 0; p < nphase; ++p) {
@@ -408,8 +412,9 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
             }                               // (a top-k's slot too: it holds nothing)
             if (slot != have_slot) {        // this tile's x (the first sync: every warp is done with the last x)
 #ifdef TRACE
-                unsigned long long* tr = trace + (blockIdx.x * TRACE_UNITS + unit) * 4;
-                if (tid == 0 && unit < TRACE_UNITS) { tr[0] = now_ns(); tr[3] = p; }
+                tr = tid == 0 && unit < TRACE_UNITS ? trace + (blockIdx.x * TRACE_UNITS + unit) * TRACE_FIELDS
+                                                    : nullptr;
+                if (tr) tr[0] = now_ns();
 #endif
 #ifndef NOLOADX                             // -DNOLOADX: a diagnostic, x never loaded (the boundary's loads alone)
                 consumers_sync();
@@ -418,7 +423,7 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
                 consumers_sync();
 #endif
 #ifdef TRACE
-                if (tid == 0 && unit < TRACE_UNITS) tr[1] = now_ns();
+                if (tr) tr[1] = now_ns();
 #endif
                 ++unit;
                 if (gave_up) return;
@@ -451,8 +456,10 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
             }
             if (!TILE_IN_REGS && !wait_slot(&full[s], (i / NSLOT) & 1u, err, 2, p, t)) return;
 #ifdef TRACE
-            if (tid == 0 && unit - 1 < TRACE_UNITS && trace[(blockIdx.x * TRACE_UNITS + unit - 1) * 4 + 2] == 0)
-                trace[(blockIdx.x * TRACE_UNITS + unit - 1) * 4 + 2] = now_ns();     // the x's first tile is here
+            if (tr) {
+                tr[2] = now_ns();           // the x's first tile is here
+                tr = nullptr;
+            }
 #endif
 
             if (f.kind == TOPK) {
