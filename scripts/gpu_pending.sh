@@ -84,7 +84,8 @@
 #            reader's rate beside the step and alone
 #   chain    milestone 1 of docs/megakernel.md: tests/test_megakernel_chain.py's cuda tests, then
 #            scripts/megakernel_chain.py (k3-small's step as a synthetic chain in one persistent launch; stream,
-#            serial and nodeps modes; rings $CHAIN_RINGS, default 3x65536), JSON and plot in $OUT
+#            serial and nodeps modes; rings $CHAIN_RINGS, default 3x65536), JSON and plot in $OUT (and with a
+#            TRACE_TILES ring, chain-tiles.png: the landed bytes over time)
 #   profile  scripts/profile_decode.py --backend $PROFILE_BACKEND (default compile): kernels per decode step, and the
 #            graph replay's critical path (what each kernel adds to the span under PDL; 15:25: an upper bound only)
 set -uo pipefail
@@ -218,7 +219,9 @@ for part in $parts; do
     chain) timeout 200 python3 -m pytest -q -m cuda tests/test_megakernel_chain.py -s -rs -p no:cacheprovider \
              > "$OUT/chain.log" 2>&1
            timeout ${CHAIN_TIMEOUT:-300} python3 scripts/megakernel_chain.py --rings ${CHAIN_RINGS:-3x65536} \
-             ${CHAIN_ARGS:-} --out "$OUT/chain.json" --plot "$OUT/chain.png" >> "$OUT/chain.log" 2>&1 ;;
+             ${CHAIN_ARGS:-} --out "$OUT/chain.json" --plot "$OUT/chain.png" \
+             $([[ ${CHAIN_RINGS:-} == *TRACE_TILES* ]] && echo --tile-plot "$OUT/chain-tiles.png") \
+             >> "$OUT/chain.log" 2>&1 ;;
     profile) timeout 150 python3 scripts/profile_decode.py --backend ${PROFILE_BACKEND:-compile} ${PROFILE_ARGS:-} \
              > "$OUT/profile.log" 2>&1 ;;
     *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe trtfp8 fp8eng grouped grpsmall fp8comp overlap chain profile)"; continue ;;

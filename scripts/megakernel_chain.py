@@ -19,10 +19,11 @@ SKELETON), whose `stream` time is the chain's latency without the bytes; `*-fuse
 
     python3 scripts/megakernel_chain.py [--chains k3-small,skeleton] [--modes stream,serial,nodeps]
                                         [--rings 3x65536[:DEFINE+...],...] [--rounds 3] [--iters 50]
-                                        [--cu OTHER_CHAIN.cu] [--out F.json] [--plot F.png]
+                                        [--cu OTHER_CHAIN.cu] [--out F.json] [--plot F.png] [--tile-plot F.png]
 
 Defines for a ring (chain.cu says what each does): TILE_IN_REGS=1 (with CONSUMER_WARPS=8+STEPS=8), TRACE (per x load:
-its time and the wait for the tile after it, summarised per mode), and the diagnostics SKIP_COMPUTE and NOLOADX.
+its time and the wait for the tile after it, summarised per mode), TRACE_TILES (per tile: what the ring did, from
+the producer, an observer warp and the consumers; `tile_pipeline`), and the diagnostics SKIP_COMPUTE and NOLOADX.
 
 Checks each mode's outputs against a torch reference first (per phase, from the kernel's own inputs), then
 times interleaved rounds (CUDA events around each launch) and records when each phase finished (%globaltimer).
@@ -73,6 +74,10 @@ XMAX_TOPK = XMAX // 2               # ... and of a top-k (fp32)
 GROUPS = cu_default("GROUPS")       # ... row groups of a tile at most
 TRACE_UNITS = cu_default("TRACE_UNITS")   # chain.cu -DTRACE: x loads traced per block
 TRACE_FIELDS = cu_default("TRACE_FIELDS")  # ... times per x load
+TILE_TRACE_MAX = cu_default("TILE_TRACE_MAX")   # chain.cu -DTRACE_TILES: tiles traced per block
+TILE_FIELDS = cu_default("TILE_FIELDS")         # ... times per tile:
+WANT, FREE, ISSUED, LANDED, TAKE, HAVE, DONE = range(7)   # producer wants the slot, has it, has issued the copy;
+                                                          # the copy landed; consumers want it, have it, are done
 MAX_ROWS = 64                       # rows per tile at most (few-byte phases still spread over several blocks)
 CHECK_REL = 1e-5                    # fp32 sums of the same bf16 products in another order: ~3e-7 measured
 WAITS = {1: "an input word of this launch", 2: "a filled ring slot", 3: "a free ring slot",
@@ -328,6 +333,93 @@ class Buffers:
         return {"max_rel": worst, "topk_wrong": topk_wrong, "unwritten": nan}
 
 
+def block_tiles(chain: Chain, nblk: int) -> list[list[tuple[int, int, int]]]:
+    """Per block, its tiles in the order chain.cu walks them: (phase, x slot, weight bytes)."""
+    out = [[] for _ in range(nblk)]
+    for p, ph in enumerate(chain.phases):
+        for t in range(ph.ntiles):
+            row0 = t * ph.rows
+            slot = row0 // ph.ne if ph.kind == "routed" and ph.xstride else 0
+            nbytes = 0 if ph.kind == "topk" else min(ph.rows, ph.n - row0) * ph.k * 2
+            out[(ph.tile0 + t) % nblk].append((p, slot, nbytes))
+    return out
+
+
+def _union_us(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [a, b) intervals."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def tile_pipeline(tr: torch.Tensor, tiles: list[list[tuple[int, int, int]]], bin_us: float = 1.0) -> dict:
+    """What the ring of each block did in one launch, from -DTRACE_TILES times (ns; [blocks, tiles, TILE_FIELDS],
+    0 where not recorded) and each block's tiles (`block_tiles`). Per block, summed over its tiles and averaged over
+    blocks (us): the time its stream was stopped (no copy in flight between its first issue and its last landing),
+    and of that the part the producer waited for a free slot (every slot landed or in use: the ring was full); the
+    consumers' waits for a tile (the first tile of an x, and the rest), their sums, their gaps between tiles (x loads
+    and barriers); the producer's waits for a free slot. Over copies: issue to landing (median, p10, p90). And the
+    landed bytes over time across blocks (TB/s per `bin_us`), with the share of bins below half the peak bin."""
+    rec = (tr > 0).all(-1)                              # tiles with every time recorded
+    # (%globaltimer is ns since an epoch, ~1.7e18: a double holds it to 256 ns, so subtract as integers first)
+    t_us = (tr - tr[tr > 0].min()).double() / 1e3
+    per = {k: [] for k in ("stream_stopped", "stopped_ring_full", "wait_first_tile", "wait_other_tiles", "sums",
+                           "gaps", "producer_waits_for_slot")}
+    lat, landed = [], []
+    for b, bt in enumerate(tiles):
+        n = min(len(bt), tr.shape[1])
+        t, ok = t_us[b, :n].tolist(), rec[b, :n].tolist()   # us from the launch's first recorded time
+        rows = [(t[i], bt[i]) for i in range(n) if ok[i]]
+        if not rows:
+            continue
+        copies = [(r[ISSUED], r[LANDED]) for r, (_, _, nb) in rows if nb]
+        lat += [b2 - a for a, b2 in copies]
+        landed += [(r[LANDED], nb) for r, (_, _, nb) in rows if nb]
+        if copies:
+            first, last = min(a for a, _ in copies), max(b2 for _, b2 in copies)
+            busy = _union_us(copies)
+            per["stream_stopped"].append(last - first - busy)
+            # stopped while the producer waited for a free slot: [want, free) minus the copies in flight then
+            waits = [(r[WANT], r[FREE]) for r, _ in rows if r[FREE] > r[WANT]]
+            per["stopped_ring_full"].append(_union_us(waits) - _union_us(
+                [(max(a, w0), min(b2, w1)) for w0, w1 in waits for a, b2 in copies if a < w1 and b2 > w0]))
+        prev, wf, wo, sums, gaps = None, 0.0, 0.0, 0.0, 0.0
+        for r, key in rows:
+            w = r[HAVE] - r[TAKE]
+            if prev is None or key[:2] != prev[1][:2]:
+                wf += w
+            else:
+                wo += w
+            sums += r[DONE] - r[HAVE]
+            if prev is not None:
+                gaps += r[TAKE] - prev[0][DONE]
+            prev = (r, key)
+        per["wait_first_tile"].append(wf)
+        per["wait_other_tiles"].append(wo)
+        per["sums"].append(sums)
+        per["gaps"].append(gaps)
+        per["producer_waits_for_slot"].append(sum(r[FREE] - r[WANT] for r, _ in rows))
+    out = {"per_block_us": {k: statistics.fmean(v) if v else 0.0 for k, v in per.items()},
+           "blocks": len(per["sums"])}
+    if lat:
+        q = torch.tensor(lat)
+        out["copy_latency_us"] = {"median": q.median().item(), "p10": q.quantile(0.1).item(),
+                                  "p90": q.quantile(0.9).item()}
+    if landed:
+        nbin = int(max(t for t, _ in landed) // bin_us) + 1
+        rate = [0.0] * nbin
+        for t, nb in landed:
+            rate[int(t // bin_us)] += nb / (bin_us * 1e6)        # TB/s
+        peak = max(rate)
+        out["landed_tbs"] = rate
+        out["bin_us"] = bin_us
+        out["bins_below_half_peak"] = sum(r < peak / 2 for r in rate) / nbin
+    return out
+
+
 def compile_cubin(nslot: int, slot_bytes: int, out_dir: str, spin_limit: int | None = None,
                   defines: tuple[str, ...] = (), cu: Path = CU) -> tuple[str, str]:
     """nvcc chain.cu for sm_90a with this ring (and -D`defines`); (cubin path, ptxas's resource report)."""
@@ -389,7 +481,8 @@ class ChainKernel:
               + " | ".join(self.ptxas.strip().splitlines()[-2:]), flush=True)
         self.fn = cupy.RawModule(path=cubin).get_function("chain_kernel")
         self.consumers = 32 * define_value(defines, "CONSUMER_WARPS", cu)
-        self.threads = self.consumers + cu_default("THREADS", cu)      # + the producer warp (CONSUMERS + 32)
+        # + the producer warp (and -DTRACE_TILES's observer warp)
+        self.threads = self.consumers + 32 * (2 if "TRACE_TILES" in defines else 1)
         self.steps = define_value(defines, "STEPS", cu)
         self.per_sm = define_value(defines, "BLOCKS_PER_SM", cu, default=1)
         self.regs = int(re.search(r"Used (\d+) registers", self.ptxas).group(1))
@@ -423,6 +516,8 @@ class ChainKernel:
         self.t_start = torch.zeros(1, dtype=torch.int64, device="cuda")
         self.trace = (torch.zeros(self.blocks * TRACE_UNITS * TRACE_FIELDS, dtype=torch.int64, device="cuda")
                       if "TRACE" in self.defines else None)
+        self.tile_trace = (torch.zeros(self.blocks * TILE_TRACE_MAX * TILE_FIELDS, dtype=torch.int64, device="cuda")
+                           if "TRACE_TILES" in self.defines else None)
         self.epoch = 0
 
     def launch(self, mode: str) -> None:
@@ -432,7 +527,8 @@ class ChainKernel:
         args = (u(b.table.data_ptr()), np.int64(len(b.chain.phases)), u(b.x.data_ptr()),
                 u(self.counters.data_ptr()), np.uint32(self.epoch), np.int32(MODES[mode]), u(self.err.data_ptr()),
                 u(self.t_done.data_ptr()), u(self.t_start.data_ptr()),
-                u(self.trace.data_ptr() if self.trace is not None else 0))
+                u(self.trace.data_ptr() if self.trace is not None else 0),
+                u(self.tile_trace.data_ptr() if self.tile_trace is not None else 0))
         with self.stream:
             self.fn((self.blocks,), (self.threads,), args, shared_mem=self.smem)
 
@@ -457,15 +553,24 @@ class ChainKernel:
         self.trace.zero_()
         self.launch(mode)
         self.check()
-        tr = self.trace.view(self.blocks, TRACE_UNITS, TRACE_FIELDS).double().cpu()
+        tr = self.trace.view(self.blocks, TRACE_UNITS, TRACE_FIELDS).cpu()
         ok = (tr[..., 0] > 0) & (tr[..., 1] > 0) & (tr[..., 2] > 0)
-        parts = {"x_load": tr[..., 1] - tr[..., 0], "slot_wait": tr[..., 2] - tr[..., 1]}
+        # differences as integers: %globaltimer (~1.7e18 ns) as a double is exact only to 256 ns
+        parts = {"x_load": (tr[..., 1] - tr[..., 0]).double(), "slot_wait": (tr[..., 2] - tr[..., 1]).double()}
         out = {"x_loads_per_block": ok.sum(1).double().mean().item()}
         for k, v in parts.items():
             x = v[ok] / 1e3
             out[k] = {"median_us": x.median().item(), "p90_us": x.quantile(0.9).item(),
                       "per_block_sum_us": (v.where(ok, torch.zeros(())).sum(1) / 1e3).mean().item()}
         return out
+
+    def tiles_traced(self, mode: str) -> dict:
+        """One launch with -DTRACE_TILES: what each block's ring did (`tile_pipeline`)."""
+        self.tile_trace.zero_()
+        self.launch(mode)
+        self.check()
+        tr = self.tile_trace.view(self.blocks, TILE_TRACE_MAX, TILE_FIELDS).cpu()
+        return tile_pipeline(tr, block_tiles(self.bufs.chain, self.blocks))
 
     def timeline_us(self) -> list[float]:
         """When each phase of the last launch finished, us after block 0 started."""
@@ -515,6 +620,9 @@ def run_chain(name: str, kern: ChainKernel, modes: list[str], rounds: int, iters
         if kern.trace is not None:
             res.setdefault("trace", {})[m] = kern.traced(m)
             print(f"{name} {m} trace: {res['trace'][m]}", flush=True)
+        if kern.tile_trace is not None:
+            tp = res.setdefault("tiles", {})[m] = kern.tiles_traced(m)
+            print(f"{name} {m} tiles: " + json.dumps({k: v for k, v in tp.items() if k != "landed_tbs"}), flush=True)
     res["phase_names"] = [p.name for p in chain.phases]
     res["phase_bytes"] = [p.bytes_read for p in chain.phases]
     return res
@@ -550,6 +658,34 @@ def plot(result: dict, path: str) -> None:
     os.replace(tmp, path)
 
 
+def plot_tiles(result: dict, path: str) -> None:
+    """Per traced (chain, mode) launch (-DTRACE_TILES): the weight bytes landing in the rings, all blocks together,
+    per microsecond, against the copy rate."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    runs = [(f"{name} {m}", r["ms"][m], tp) for name, r in result["chains"].items()
+            for m, tp in r.get("tiles", {}).items() if tp.get("landed_tbs")]
+    if not runs:
+        raise ValueError("no -DTRACE_TILES results to plot")
+    fig, axes = plt.subplots(len(runs), 1, figsize=(11, 2.2 * len(runs)), squeeze=False, sharex=True)
+    for ax, (label, ms, tp) in zip(axes[:, 0], runs):
+        x = [i * tp["bin_us"] for i in range(len(tp["landed_tbs"]))]
+        ax.plot(x, tp["landed_tbs"], lw=0.7)
+        ax.axhline(result["copy_gbs"] / 1e3, color="k", ls="--", lw=0.8)
+        stop = tp["per_block_us"]["stream_stopped"]
+        ax.set_title(f"{label}: timed {ms:.3f} ms; a block's stream stopped {stop:.0f} us "
+                     f"({tp['per_block_us']['stopped_ring_full']:.0f} with its ring full)", fontsize=9)
+        ax.set_ylabel("TB/s landed")
+        ax.grid(alpha=0.3)
+    axes[-1, 0].set_xlabel(f"us after the traced launch's first copy (bins of {runs[0][2]['bin_us']:.0f} us; "
+                           f"dashed: the copy rate)")
+    fig.tight_layout()
+    tmp = path + ".tmp.png"
+    fig.savefig(tmp, dpi=110)
+    os.replace(tmp, path)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--chains", default="k3-small,skeleton")
@@ -562,6 +698,7 @@ def main() -> None:
     ap.add_argument("--cu", type=Path, default=CU, help="another version of chain.cu (an A/B)")
     ap.add_argument("--out")
     ap.add_argument("--plot")
+    ap.add_argument("--tile-plot", help="PNG of the landed bytes over time per -DTRACE_TILES launch")
     a = ap.parse_args()
     modes = a.modes.split(",")
     for m in modes:
@@ -592,6 +729,8 @@ def main() -> None:
         os.replace(tmp, a.out)
     if a.plot:
         plot(result, a.plot)
+    if a.tile_plot:
+        plot_tiles(result, a.tile_plot)
 
 
 if __name__ == "__main__":

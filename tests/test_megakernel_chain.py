@@ -187,10 +187,66 @@ def test_chain_cu_builds_for_sm90a_without_spills(tmp_path):
     """chain.cu assembles for sm_90a (mbarrier, bulk copies, ld.acquire / red.release) with every ring the script
     offers, without local memory."""
     for nslot, slot, defines in [(3, 65536, ()), (4, 32768, ()), (2, 65536, ()),
-                                 (3, 65536, ("TILE_IN_REGS=1", "CONSUMER_WARPS=8", "STEPS=8"))]:
+                                 (3, 65536, ("TILE_IN_REGS=1", "CONSUMER_WARPS=8", "STEPS=8")),
+                                 (3, 65536, ("TRACE_TILES",)), (3, 65536, ("TRACE",))]:
         path, report = mc.compile_cubin(nslot, slot, str(tmp_path), defines=defines)
         assert Path(path).stat().st_size > 0
         assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
+
+
+def test_block_tiles_follow_the_kernels_walk():
+    """Tile g of the chain goes to block g % blocks; a block takes its tiles phase by phase; routed tiles carry
+    their x slot; a top-k's tile moves no bytes."""
+    c = mc.k3_small_chain(TINY)
+    tiles = mc.block_tiles(c, 3)
+    assert sum(map(len, tiles)) == c.ntiles
+    assert sum(nb for bt in tiles for _, _, nb in bt) == c.bytes_read
+    for bt in tiles:
+        assert [p for p, _, _ in bt] == sorted(p for p, _, _ in bt)
+    rd = next(p for p, ph in enumerate(c.phases) if ph.kind == "routed" and ph.xstride)
+    slots = [s for bt in tiles for p, s, _ in bt if p == rd]
+    assert sorted(set(slots)) == list(range(TINY["topk"]))
+    assert all(nb == 0 for bt in tiles for p, _, nb in bt if c.phases[p].kind == "topk")
+
+
+def hand_made_pipeline() -> dict:
+    """`tile_pipeline` of a hand-made trace of one block (three 64 KB tiles: two of phase 0, one of phase 1 whose
+    slot the producer waited for), times in ns since an epoch as %globaltimer gives them (~1.7e18, beyond a
+    double's ns), and a block that recorded nothing."""
+    t0 = 1_700_000_000_000_000_000
+    us = [  # want, free, issued, landed, take, have, done
+        [0.0, 0.0, 0.0, 2.0, 1.0, 2.0, 2.5],
+        [0.1, 0.1, 0.1, 4.0, 2.5, 4.0, 4.5],
+        [0.2, 5.0, 5.0, 7.0, 6.0, 7.0, 7.5]]
+    tr = torch.zeros(2, 4, mc.TILE_FIELDS, dtype=torch.int64)
+    tr[0, :3] = t0 + (torch.tensor(us, dtype=torch.float64) * 1000).round().long()
+    tiles = [[(0, 0, 65536), (0, 0, 65536), (1, 0, 65536)], [(0, 0, 65536)]]
+    return mc.tile_pipeline(tr, tiles)
+
+
+def test_tile_pipeline_reads_the_ring_from_its_times():
+    r = hand_made_pipeline()
+    b = r["per_block_us"]
+    assert r["blocks"] == 1
+    assert b["stream_stopped"] == pytest.approx(1.0)          # [0, 7] with copies over [0, 4] and [5, 7]
+    assert b["stopped_ring_full"] == pytest.approx(1.0)       # waited [0.2, 5) with copies in flight to 4.0
+    assert b["producer_waits_for_slot"] == pytest.approx(4.8)
+    assert b["wait_first_tile"] == pytest.approx(2.0) and b["wait_other_tiles"] == pytest.approx(1.5)
+    assert b["sums"] == pytest.approx(1.5) and b["gaps"] == pytest.approx(1.5)
+    assert r["copy_latency_us"]["median"] == pytest.approx(2.0)
+    assert len(r["landed_tbs"]) == 8 and r["landed_tbs"][2] == pytest.approx(65536 / 1e6)
+    assert r["bins_below_half_peak"] == pytest.approx(5 / 8)
+
+
+def test_tile_plot_draws_each_traced_launch(tmp_path):
+    pytest.importorskip("matplotlib")
+    tp = hand_made_pipeline()
+    result = {"copy_gbs": 4270.0, "chains": {"k3-small": {"ms": {"nodeps": 0.69}, "tiles": {"nodeps": tp}}}}
+    path = tmp_path / "tiles.png"
+    mc.plot_tiles(result, str(path))
+    assert path.read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(ValueError, match="no -DTRACE_TILES"):
+        mc.plot_tiles({"copy_gbs": 1.0, "chains": {"k3-small": {"ms": {}}}}, str(path))
 
 
 def test_every_chain_fits_the_kernels_row_groups():
@@ -228,6 +284,31 @@ def test_chain_kernel_matches_reference(tmp_path, ring):
             assert max(e["max_rel"].values()) < mc.CHECK_REL, e
         kern.launch("nodeps")                                # the bytes alone: runs to the end, results not checked
         kern.check()
+
+
+@pytest.mark.cuda
+def test_tile_trace_records_every_tile(tmp_path):
+    """-DTRACE_TILES: every tile of every block has its seven times, in the order the ring imposes (a copy lands
+    after it was issued, is taken after it was wanted and done after it was had), and the outputs stay right."""
+    pytest.importorskip("cupy", reason="the chain kernel launches through cupy")
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("sm_90a kernel")
+    kern = mc.ChainKernel(build_dir=str(tmp_path), defines=("TRACE_TILES",))
+    c = mc.k3_small_chain(mc.SKELETON)
+    b = mc.Buffers(c)
+    kern.bind(b)
+    b.clear()
+    r = kern.tiles_traced("stream")
+    assert max(b.errors()["max_rel"].values()) < mc.CHECK_REL
+    tiles = mc.block_tiles(c, kern.blocks)
+    tr = kern.tile_trace.view(kern.blocks, mc.TILE_TRACE_MAX, mc.TILE_FIELDS).cpu()
+    for blk, bt in enumerate(tiles):
+        t = tr[blk, :min(len(bt), mc.TILE_TRACE_MAX)]
+        assert (t > 0).all(), blk
+        assert (t[:, mc.ISSUED] >= t[:, mc.FREE]).all() and (t[:, mc.FREE] >= t[:, mc.WANT]).all()
+        assert (t[:, mc.HAVE] >= t[:, mc.TAKE]).all() and (t[:, mc.DONE] >= t[:, mc.HAVE]).all()
+        assert (t[:, mc.LANDED] >= t[:, mc.ISSUED]).all()
+    assert r["blocks"] == kern.blocks and r["copy_latency_us"]["median"] > 0
 
 
 @pytest.mark.cuda

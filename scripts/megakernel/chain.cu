@@ -36,6 +36,10 @@
 #define TRACE_UNITS 256                // -DTRACE: per block, the first TRACE_UNITS (phase, slot) x loads' times:
 #endif                                 // x load begun, x in shared memory, the x's first tile in the ring
 #define TRACE_FIELDS 3
+#ifndef TILE_TRACE_MAX
+#define TILE_TRACE_MAX 256             // -DTRACE_TILES: per block, the first TILE_TRACE_MAX tiles' times (TILE_FIELDS):
+#endif                                 // producer: wants the slot, has it free, has issued the copy; observer warp:
+#define TILE_FIELDS 7                  // the copy landed; consumers (thread 0): want the tile, have it, are done
 #ifndef PREFETCH_TILES
 #define PREFETCH_TILES 0               // GEMV tiles past the ring the producer asks L2 to fetch (measured slower)
 #endif
@@ -53,7 +57,11 @@
 #define STEPS 4                        // 16-byte steps per thread and row, at most (even; x kept in registers)
 #endif
 #define CONSUMERS (32 * CONSUMER_WARPS)
+#ifdef TRACE_TILES
+#define THREADS (CONSUMERS + 64)       // + the producer warp + an observer warp that records when each copy lands
+#else
 #define THREADS (CONSUMERS + 32)       // + the producer warp
+#endif
 #ifndef SPIN_LIMIT
 #define SPIN_LIMIT (1u << 24)          // polls before a wait gives up (-DSPIN_LIMIT=...)
 #endif
@@ -283,7 +291,7 @@ struct Cursor {
 extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM)
 chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* __restrict__ x_in,
              uint32_t* counters, uint32_t epoch, int mode, uint32_t* err, unsigned long long* t_done,
-             unsigned long long* t_start, unsigned long long* trace) {
+             unsigned long long* t_start, unsigned long long* trace, unsigned long long* tile_trace) {
     extern __shared__ __align__(128) unsigned char smem[];
     unsigned char* ring = smem;
     __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem + NSLOT * SLOT_BYTES);   // (top-k: fp32)
@@ -308,6 +316,27 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
     }
     __syncthreads();
 
+#ifdef TRACE_TILES
+    // this block's tile i's times: tt(i)[0..6] (see TILE_FIELDS); null past the first TILE_TRACE_MAX tiles
+#define TT(i) ((i) < TILE_TRACE_MAX ? tile_trace + (blockIdx.x * TILE_TRACE_MAX + (i)) * TILE_FIELDS : nullptr)
+#define TT_SET(i, field) do { unsigned long long* tt_ = TT(i); if (tt_) tt_[field] = now_ns(); } while (0)
+    if (tid == CONSUMERS + 32) {            // ---------------------- observer warp: when each of the block's copies lands
+        uint32_t i = 0;
+        for (int64_t p = 0; p < nphase && i < TILE_TRACE_MAX; ++p)
+            for (int64_t g = first_tile(ph[p], nblk); g < ph[p].tile0 + ph[p].ntiles && i < TILE_TRACE_MAX;
+                 g += nblk, ++i) {
+                // (the slot's next copy cannot land before the consumers have taken this one, long after it lands)
+                uint32_t spin = 0;
+                for (; !mbar_test(&full[i % NSLOT], (i / NSLOT) & 1u) && spin < SPIN_LIMIT; ++spin)
+                    if ((spin & 1023u) == 1023u && stopped(err)) return;
+                if (spin >= SPIN_LIMIT) return;     // (a diagnostic: stop observing, never stop the kernel)
+                TT_SET(i, 3);
+            }
+        return;
+    }
+#else
+#define TT_SET(i, field) do { } while (0)
+#endif
     if (tid >= CONSUMERS) {                 // ---------------------------------------------- producer warp
         if (tid != CONSUMERS) return;
         uint64_t policy, keep;
@@ -337,9 +366,12 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
                     }
                     ahead.next(ph, nphase, nblk);
                 }
+                TT_SET(i, 0);
                 if (!wait_slot(&empty[s], ((i / NSLOT) & 1u) ^ 1u, err, 3, p, t)) return;
+                TT_SET(i, 1);
                 if (!inputs_done && !(inputs_done = wait_inputs(ph, f, counters, epoch, err, p, t))) return;
                 if (f.kind == TOPK) {
+                    TT_SET(i, 2);
                     mbar_arrive(&full[s]);      // nothing to load
                     continue;
                 }
@@ -359,6 +391,7 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
                     static_cast<uint32_t>(min(static_cast<int64_t>(f.rows), f.n - row0) * f.k * 2);
                 mbar_expect_tx(&full[s], bytes);
                 bulk_load(ring + s * SLOT_BYTES, w + wrow * f.k, bytes, &full[s], policy);
+                TT_SET(i, 2);
             }
         }
         return;
@@ -394,8 +427,10 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
             const uint32_t s = i % NSLOT;
             const int rows_here = static_cast<int>(min(static_cast<int64_t>(f.rows), f.n - row0));   // (last: part)
             uint4 wreg[GROUPS][STEPS];      // (TILE_IN_REGS) this thread's share of the tile: row r0 + tid / T
+            if (tid == 0 && TILE_IN_REGS) TT_SET(i, 4);
             if (TILE_IN_REGS) {
                 if (!wait_slot(&full[s], (i / NSLOT) & 1u, err, 2, p, t)) return;
+                if (tid == 0) TT_SET(i, 5);
                 const uint4* tile = reinterpret_cast<const uint4*>(ring + s * SLOT_BYTES);
 #pragma unroll
                 for (int q = 0; q < GROUPS; ++q) {
@@ -454,7 +489,9 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
                     xb[m] = make_float4(b0.x, b0.y, b1.x, b1.y);
                 }
             }
+            if (tid == 0 && !TILE_IN_REGS) TT_SET(i, 4);
             if (!TILE_IN_REGS && !wait_slot(&full[s], (i / NSLOT) & 1u, err, 2, p, t)) return;
+            if (tid == 0 && !TILE_IN_REGS) TT_SET(i, 5);
 #ifdef TRACE
             if (tr) {
                 tr[2] = now_ns();           // the x's first tile is here
@@ -522,6 +559,7 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
                     }
                 }
             }
+            if (tid == 0) TT_SET(i, 6);     // (warp 0's sums done: with T > 32 every warp's are)
             if (!TILE_IN_REGS) {
                 __syncwarp();
                 if (lane == 0) mbar_arrive(&empty[s]);     // this warp is done with slot s
