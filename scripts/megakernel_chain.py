@@ -21,7 +21,8 @@ SKELETON), whose `stream` time is the chain's latency without the bytes; `*-fuse
                                         [--rings 3x65536[:DEFINE+...],...] [--rounds 3] [--iters 50]
                                         [--cu OTHER_CHAIN.cu] [--out F.json] [--plot F.png] [--tile-plot F.png]
 
-Defines for a ring (chain.cu says what each does): TILE_IN_REGS=1 (with CONSUMER_WARPS=8+STEPS=8), TRACE (per x load:
+Defines for a ring (chain.cu says what each does): WARP_ROWS=1 (each warp sums whole rows, no barrier in a tile),
+TILE_IN_REGS=1 (with CONSUMER_WARPS=8+STEPS=8), TRACE (per x load:
 its time and the wait for the tile after it, summarised per mode), TRACE_TILES (per tile: what the ring did, from
 the producer, an observer warp and the consumers; `tile_pipeline`), and the diagnostics SKIP_COMPUTE and NOLOADX.
 
@@ -621,7 +622,7 @@ def run_chain(name: str, kern: ChainKernel, modes: list[str], rounds: int, iters
             res.setdefault("trace", {})[m] = kern.traced(m)
             print(f"{name} {m} trace: {res['trace'][m]}", flush=True)
         if kern.tile_trace is not None:
-            tp = res.setdefault("tiles", {})[m] = kern.tiles_traced(m)
+            tp = res.setdefault("tile_pipeline", {})[m] = kern.tiles_traced(m)
             print(f"{name} {m} tiles: " + json.dumps({k: v for k, v in tp.items() if k != "landed_tbs"}), flush=True)
     res["phase_names"] = [p.name for p in chain.phases]
     res["phase_bytes"] = [p.bytes_read for p in chain.phases]
@@ -665,7 +666,7 @@ def plot_tiles(result: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     runs = [(f"{name} {m}", r["ms"][m], tp) for name, r in result["chains"].items()
-            for m, tp in r.get("tiles", {}).items() if tp.get("landed_tbs")]
+            for m, tp in r.get("tile_pipeline", {}).items() if tp.get("landed_tbs")]
     if not runs:
         raise ValueError("no -DTRACE_TILES results to plot")
     fig, axes = plt.subplots(len(runs), 1, figsize=(11, 2.2 * len(runs)), squeeze=False, sharex=True)

@@ -188,7 +188,8 @@ def test_chain_cu_builds_for_sm90a_without_spills(tmp_path):
     offers, without local memory."""
     for nslot, slot, defines in [(3, 65536, ()), (4, 32768, ()), (2, 65536, ()),
                                  (3, 65536, ("TILE_IN_REGS=1", "CONSUMER_WARPS=8", "STEPS=8")),
-                                 (3, 65536, ("TRACE_TILES",)), (3, 65536, ("TRACE",))]:
+                                 (3, 65536, ("TRACE_TILES",)), (3, 65536, ("TRACE",)), (3, 65536, ("WARP_ROWS=1",)),
+                                 (3, 65536, ("WARP_ROWS=1", "CONSUMER_WARPS=24"))]:
         path, report = mc.compile_cubin(nslot, slot, str(tmp_path), defines=defines)
         assert Path(path).stat().st_size > 0
         assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
@@ -241,7 +242,7 @@ def test_tile_pipeline_reads_the_ring_from_its_times():
 def test_tile_plot_draws_each_traced_launch(tmp_path):
     pytest.importorskip("matplotlib")
     tp = hand_made_pipeline()
-    result = {"copy_gbs": 4270.0, "chains": {"k3-small": {"ms": {"nodeps": 0.69}, "tiles": {"nodeps": tp}}}}
+    result = {"copy_gbs": 4270.0, "chains": {"k3-small": {"ms": {"nodeps": 0.69}, "tile_pipeline": {"nodeps": tp}}}}
     path = tmp_path / "tiles.png"
     mc.plot_tiles(result, str(path))
     assert path.read_bytes()[:4] == b"\x89PNG"
@@ -261,8 +262,9 @@ def test_every_chain_fits_the_kernels_row_groups():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("ring", [(4, 32768, ()), (3, 65536, ()),
-                                  (3, 65536, ("TILE_IN_REGS=1", "CONSUMER_WARPS=8", "STEPS=8"))],
-                         ids=["4x32k", "3x64k", "3x64k-tile-in-regs"])
+                                  (3, 65536, ("TILE_IN_REGS=1", "CONSUMER_WARPS=8", "STEPS=8")),
+                                  (3, 65536, ("WARP_ROWS=1",)), (4, 32768, ("WARP_ROWS=1", "CONSUMER_WARPS=24"))],
+                         ids=["4x32k", "3x64k", "3x64k-tile-in-regs", "3x64k-warp-rows", "4x32k-warp-rows-24"])
 def test_chain_kernel_matches_reference(tmp_path, ring):
     """Every phase's output equals its reference from the kernel's own inputs (fp32 sums in another order),
     the top-k picks the same experts in the same order, no row is left unwritten; in stream and serial mode,

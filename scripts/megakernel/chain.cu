@@ -31,6 +31,12 @@
 #ifndef TILE_IN_REGS
 #define TILE_IN_REGS 0                 // 1: consumers take each tile into registers and free its slot before they load
 #endif                                 // a new x, so the ring streams one more tile through the x load's stall
+#ifndef WARP_ROWS
+#define WARP_ROWS 0                    // 1: each warp sums whole rows of a tile on its own (x read from shared memory
+#endif                                 // per chunk): no barrier and no cross-warp sum in a tile
+#if WARP_ROWS && TILE_IN_REGS
+#error "WARP_ROWS and TILE_IN_REGS are two consumer layouts: pick one"
+#endif
 #define GROUPS 2                       // row groups of a tile at most (megakernel_chain.py checks every chain)
 #ifndef TRACE_UNITS
 #define TRACE_UNITS 256                // -DTRACE: per block, the first TRACE_UNITS (phase, slot) x loads' times:
@@ -267,6 +273,52 @@ __device__ __forceinline__ float dot8(uint4 w, float4 a, float4 b) {
     return f0.x * a.x + f0.y * a.y + f1.x * a.z + f1.y * a.w + f2.x * b.x + f2.y * b.y + f3.x * b.z + f3.y * b.w;
 }
 
+__device__ __forceinline__ float dot8_bf16(uint4 w, uint4 x) {   // 8 bf16 products, fp32 sum in order
+    const __nv_bfloat162* a = reinterpret_cast<const __nv_bfloat162*>(&w);
+    const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&x);
+    float s = 0.f;
+#pragma unroll
+    for (int h = 0; h < 4; ++h) {
+        const float2 fa = __bfloat1622float2(a[h]), fb = __bfloat1622float2(b[h]);
+        s = fmaf(fa.x, fb.x, s);
+        s = fmaf(fa.y, fb.y, s);
+    }
+    return s;
+}
+
+// WARP_ROWS: rows rows_here of a tile (chunks 16-byte chunks a row), each summed by L lanes of one warp, L the
+// power of two >= chunks up to 32 (32 / L rows a warp at a time); warps take rows round robin, with no barrier.
+__device__ __forceinline__ void warp_rows(const uint4* tile, const uint4* x8, int chunks, int rows_here, int warp,
+                                          int lane, uint64_t* y, uint32_t epoch) {
+    int L = 32;
+    while (L > 1 && L / 2 >= chunks) L /= 2;
+    const int per = 32 / L;                     // rows a warp sums at a time
+    for (int base = warp * per; base < rows_here; base += CONSUMER_WARPS * per) {
+        const int r = base + lane / L;
+        const bool valid = r < rows_here;
+        float acc = 0.f;
+#ifndef SKIP_COMPUTE
+        float part[4] = {0.f, 0.f, 0.f, 0.f};
+        const uint4* w = tile + (valid ? r : 0) * chunks;
+        for (int c0 = lane % L; c0 < chunks; c0 += 4 * L) {
+            uint4 wv[4], xv[4];                 // four chunks' loads first, then their sums in four chains
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                const int c = c0 + u * L;
+                const bool in = valid && c < chunks;
+                wv[u] = in ? w[c] : make_uint4(0u, 0u, 0u, 0u);
+                xv[u] = in ? x8[c] : make_uint4(0u, 0u, 0u, 0u);
+            }
+#pragma unroll
+            for (int u = 0; u < 4; ++u) part[u] += dot8_bf16(wv[u], xv[u]);
+        }
+        acc = (part[0] + part[1]) + (part[2] + part[3]);
+#endif
+        for (int off = L / 2; off; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+        if (valid && lane % L == 0) store_word(y + r, acc, epoch);
+    }
+}
+
 // This block's first tile of phase f (tiles are dealt round robin: tile g goes to block g % gridDim.x).
 __device__ __forceinline__ int64_t first_tile(const PhaseC& f, int64_t nblk) {
     return f.tile0 + ((static_cast<int64_t>(blockIdx.x) - f.tile0) % nblk + nblk) % nblk;
@@ -320,7 +372,7 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
     // this block's tile i's times: tt(i)[0..6] (see TILE_FIELDS); null past the first TILE_TRACE_MAX tiles
 #define TT(i) ((i) < TILE_TRACE_MAX ? tile_trace + (blockIdx.x * TILE_TRACE_MAX + (i)) * TILE_FIELDS : nullptr)
 #define TT_SET(i, field) do { unsigned long long* tt_ = TT(i); if (tt_) tt_[field] = now_ns(); } while (0)
-    if (tid == CONSUMERS + 32) {            // ---------------------- observer warp: when each of the block's copies lands
+    if (tid == CONSUMERS + 32) {            // ------------------ observer warp: when each of the block's copies lands
         uint32_t i = 0;
         for (int64_t p = 0; p < nphase && i < TILE_TRACE_MAX; ++p)
             for (int64_t g = first_tile(ph[p], nblk); g < ph[p].tile0 + ph[p].ntiles && i < TILE_TRACE_MAX;
@@ -479,7 +531,7 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
                 have_slot = slot;
                 const uint4* x8 = reinterpret_cast<const uint4*>(xs);
 #pragma unroll
-                for (int m = 0; m < STEPS; ++m) {
+                for (int m = 0; m < (WARP_ROWS ? 0 : STEPS); ++m) {     // (WARP_ROWS reads x in shared memory)
                     const int c = tid % T + m * T;
                     const uint4 u = c < chunks ? x8[c] : make_uint4(0u, 0u, 0u, 0u);
                     const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
@@ -519,6 +571,9 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
                         __syncwarp();
                     }
                 }
+            } else if (WARP_ROWS) {
+                warp_rows(reinterpret_cast<const uint4*>(ring + s * SLOT_BYTES), reinterpret_cast<const uint4*>(xs),
+                          chunks, rows_here, warp, lane, y + row0, epoch);
             } else {
                 const uint4* tile = reinterpret_cast<const uint4*>(ring + s * SLOT_BYTES);
 #pragma unroll
@@ -559,7 +614,7 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
                     }
                 }
             }
-            if (tid == 0) TT_SET(i, 6);     // (warp 0's sums done: with T > 32 every warp's are)
+            if (tid == 0) TT_SET(i, 6);     // (warp 0's sums done: with T > 32 every warp's are; WARP_ROWS: warp 0's)
             if (!TILE_IN_REGS) {
                 __syncwarp();
                 if (lane == 0) mbar_arrive(&empty[s]);     // this warp is done with slot s
