@@ -24,7 +24,8 @@ SKELETON), whose `stream` time is the chain's latency without the bytes; `*-fuse
 Defines for a ring (chain.cu says what each does): WARP_ROWS=1 (each warp sums whole rows, no barrier in a tile),
 TILE_IN_REGS=1 (with CONSUMER_WARPS=8+STEPS=8), TRACE (per x load:
 its time and the wait for the tile after it, summarised per mode), TRACE_TILES (per tile: what the ring did, from
-the producer, an observer warp and the consumers; `tile_pipeline`), and the diagnostics SKIP_COMPUTE and NOLOADX.
+the producer, an observer warp and the consumers; `tile_pipeline`), and the diagnostics SKIP_COMPUTE, NOLOADX and
+NOCOPY (no weights copied: the consumers alone).
 
 Checks each mode's outputs against a torch reference first (per phase, from the kernel's own inputs), then
 times interleaved rounds (CUDA events around each launch) and records when each phase finished (%globaltimer).
@@ -589,7 +590,7 @@ def run_chain(name: str, kern: ChainKernel, modes: list[str], rounds: int, iters
         bufs.clear()
         kern.launch(m)
         kern.check()
-        if m == "nodeps" or {"SKIP_COMPUTE", "NOLOADX"} & set(kern.defines):
+        if m == "nodeps" or {"SKIP_COMPUTE", "NOLOADX", "NOCOPY"} & set(kern.defines):
             res["check"][m] = "not checked: outputs wrong by design (no waits, or no sums)"
         else:
             e = res["check"][m] = bufs.errors()

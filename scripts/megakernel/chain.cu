@@ -34,6 +34,9 @@
 #ifndef WARP_ROWS
 #define WARP_ROWS 0                    // 1: each warp sums whole rows of a tile on its own (x read from shared memory
 #endif                                 // per chunk): no barrier and no cross-warp sum in a tile
+#if defined(NOHANDSHAKE) && (!defined(NOCOPY) || TILE_IN_REGS)
+#error "NOHANDSHAKE needs NOCOPY (nothing is copied into slots nobody waits for), and not TILE_IN_REGS"
+#endif
 #if WARP_ROWS && TILE_IN_REGS
 #error "WARP_ROWS and TILE_IN_REGS are two consumer layouts: pick one"
 #endif
@@ -391,6 +394,9 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
 #endif
     if (tid >= CONSUMERS) {                 // ---------------------------------------------- producer warp
         if (tid != CONSUMERS) return;
+#ifdef NOHANDSHAKE                          // -DNOHANDSHAKE (with NOCOPY): a diagnostic, no producer; the consumers
+        return;                             // take slots without waiting and free none (their own loop alone)
+#endif
         uint64_t policy, keep;
         asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
         asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(keep));
@@ -439,6 +445,11 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
                     }
                     wrow = e * f.ne + row0 % f.ne;
                 }
+#ifdef NOCOPY                               // -DNOCOPY: a diagnostic, no weights copied (the consumers alone)
+                TT_SET(i, 2);
+                mbar_arrive(&full[s]);
+                continue;
+#endif
                 const uint32_t bytes =                  // (the last tile may be part of one)
                     static_cast<uint32_t>(min(static_cast<int64_t>(f.rows), f.n - row0) * f.k * 2);
                 mbar_expect_tx(&full[s], bytes);
@@ -459,7 +470,11 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
     int64_t pre_p = -1;                               // ... of this phase (-1: none)
     for (int64_t p = 0; p < nphase; ++p) {
         const PhaseC& f = ph[p];
-        const int64_t g0 = first_tile(f, nblk), gend = f.tile0 + f.ntiles;
+        // the fields every tile uses, in registers and 32-bit: each asm "memory" clobber below would otherwise make
+        // the compiler read them again from shared memory on every tile (measured: 8% of the step)
+        const int kind = f.kind, n = f.n, ne = f.ne, tile0 = f.tile0;
+        const bool x_per_expert = kind == ROUTED && f.xstride;
+        const int g0 = static_cast<int>(first_tile(f, nblk)), gend = tile0 + f.ntiles;
         if (g0 >= gend) continue;
         uint64_t* y = reinterpret_cast<uint64_t*>(f.y);
         // T threads per row, each ceil(k / 8 / T) <= STEPS 16-byte steps; G = CONSUMERS / T rows in flight
@@ -471,14 +486,15 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
             G = rows;
             T = CONSUMERS / G;
         }
-        float4 xa[STEPS], xb[STEPS];        // this thread's x: steps m of chunk tid % T + m T, the same every row
+        const int trow = tid / T, tcol = tid % T;   // this thread's row in a row group, and its first chunk
+        float4 xa[STEPS], xb[STEPS];        // this thread's x: steps m of chunk tcol + m T, the same every row
         int64_t have_slot = -1, done = 0;
-        for (int64_t g = g0; g < gend; g += nblk, ++i, ++done) {
-            const int64_t t = g - f.tile0, row0 = t * f.rows;
-            const int64_t slot = f.kind == ROUTED && f.xstride ? row0 / f.ne : 0;   // whose x (routed: per expert)
+        for (int g = g0; g < gend; g += static_cast<int>(nblk), ++i, ++done) {
+            const int t = g - tile0, row0 = t * rows;
+            const int slot = x_per_expert ? row0 / ne : 0;     // whose x (routed: per expert)
             const uint32_t s = i % NSLOT;
-            const int rows_here = static_cast<int>(min(static_cast<int64_t>(f.rows), f.n - row0));   // (last: part)
-            uint4 wreg[GROUPS][STEPS];      // (TILE_IN_REGS) this thread's share of the tile: row r0 + tid / T
+            const int rows_here = min(rows, n - row0);          // (the last tile may be part of one)
+            uint4 wreg[GROUPS][STEPS];      // (TILE_IN_REGS) this thread's share of the tile: row r0 + trow
             if (tid == 0 && TILE_IN_REGS) TT_SET(i, 4);
             if (TILE_IN_REGS) {
                 if (!wait_slot(&full[s], (i / NSLOT) & 1u, err, 2, p, t)) return;
@@ -486,11 +502,11 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
                 const uint4* tile = reinterpret_cast<const uint4*>(ring + s * SLOT_BYTES);
 #pragma unroll
                 for (int q = 0; q < GROUPS; ++q) {
-                    const int r = q * G + tid / T;
+                    const int r = q * G + trow;
 #pragma unroll
                     for (int m = 0; m < STEPS; ++m) {
-                        const int c = tid % T + m * T;
-                        wreg[q][m] = f.kind != TOPK && r < rows_here && c < chunks ? tile[r * chunks + c]
+                        const int c = tcol + m * T;
+                        wreg[q][m] = kind != TOPK && r < rows_here && c < chunks ? tile[r * chunks + c]
                                                                                    : make_uint4(0u, 0u, 0u, 0u);
                     }
                 }
@@ -532,7 +548,7 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
                 const uint4* x8 = reinterpret_cast<const uint4*>(xs);
 #pragma unroll
                 for (int m = 0; m < (WARP_ROWS ? 0 : STEPS); ++m) {     // (WARP_ROWS reads x in shared memory)
-                    const int c = tid % T + m * T;
+                    const int c = tcol + m * T;
                     const uint4 u = c < chunks ? x8[c] : make_uint4(0u, 0u, 0u, 0u);
                     const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
                     const float2 a0 = __bfloat1622float2(h[0]), a1 = __bfloat1622float2(h[1]);
@@ -542,7 +558,9 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
                 }
             }
             if (tid == 0 && !TILE_IN_REGS) TT_SET(i, 4);
+#ifndef NOHANDSHAKE
             if (!TILE_IN_REGS && !wait_slot(&full[s], (i / NSLOT) & 1u, err, 2, p, t)) return;
+#endif
             if (tid == 0 && !TILE_IN_REGS) TT_SET(i, 5);
 #ifdef TRACE
             if (tr) {
@@ -551,7 +569,7 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
             }
 #endif
 
-            if (f.kind == TOPK) {
+            if (kind == TOPK) {
                 if (warp == 0) {              // k rounds of a warp argmax over xs (taken entries set to -inf)
                     for (int64_t r = 0; r < f.ne; ++r) {
                         float best = -INFINITY;
@@ -578,7 +596,7 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
                 const uint4* tile = reinterpret_cast<const uint4*>(ring + s * SLOT_BYTES);
 #pragma unroll
                 for (int q = 0; q < GROUPS; ++q) {          // row groups: rows r0 .. r0 + G - 1 at once
-                    const int r0 = q * G, r = r0 + tid / T;
+                    const int r0 = q * G, r = r0 + trow;
                     if (r0 >= rows_here) break;
                     float acc = 0.f;
 #ifndef SKIP_COMPUTE
@@ -588,7 +606,7 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
                         uint4 wv[STEPS];
 #pragma unroll
                         for (int m = 0; m < STEPS; ++m) {
-                            const int c = tid % T + m * T;
+                            const int c = tcol + m * T;
                             wv[m] = TILE_IN_REGS ? wreg[q][m]
                                                  : (c < chunks ? tile[r * chunks + c] : make_uint4(0u, 0u, 0u, 0u));
                         }
@@ -601,7 +619,7 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
                     for (int off = (T < 32 ? T : 32) / 2; off; off >>= 1)
                         acc += __shfl_xor_sync(0xffffffffu, acc, off);
                     if (T <= 32) {
-                        if (tid % T == 0 && r < rows_here) store_word(y + row0 + r, acc, epoch);
+                        if (tcol == 0 && r < rows_here) store_word(y + row0 + r, acc, epoch);
                     } else {
                         if (lane == 0) red[warp] = acc;
                         consumers_sync();
@@ -615,10 +633,12 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
                 }
             }
             if (tid == 0) TT_SET(i, 6);     // (warp 0's sums done: with T > 32 every warp's are; WARP_ROWS: warp 0's)
+#ifndef NOHANDSHAKE
             if (!TILE_IN_REGS) {
                 __syncwarp();
                 if (lane == 0) mbar_arrive(&empty[s]);     // this warp is done with slot s
             }
+#endif
         }
         // this block's tiles of p are done: add them to p's counter
         if (mode == SERIAL) consumers_sync();           // (SERIAL's producers wait on it: every row written)
