@@ -21,7 +21,8 @@ SKELETON), whose `stream` time is the chain's latency without the bytes; `*-fuse
                                         [--rings 3x65536[:DEFINE+...],...] [--rounds 3] [--iters 50]
                                         [--cu OTHER_CHAIN.cu] [--out F.json] [--plot F.png] [--tile-plot F.png]
 
-Defines for a ring (chain.cu says what each does): WARP_ROWS=1 (each warp sums whole rows, no barrier in a tile),
+Defines for a ring (chain.cu says what each does): MMA_TILES=1 (full tiles of 16k rows summed on tensor cores, from
+tiles packed for it), WARP_ROWS=1 (each warp sums whole rows, no barrier in a tile),
 TILE_IN_REGS=1 (with CONSUMER_WARPS=8+STEPS=8), TRACE (per x load:
 its time and the wait for the tile after it, summarised per mode), TRACE_TILES (per tile: what the ring did, from
 the producer, an observer warp and the consumers; `tile_pipeline`), and the diagnostics SKIP_COMPUTE, NOLOADX and
@@ -273,6 +274,20 @@ class Buffers:
                      y=self.y.data_ptr() + 8 * yo)
             rows.append([v[f] for f in FIELDS])
         self.table = torch.tensor(rows, dtype=torch.int64, device=device)
+        self.w_packed = None
+
+    def use_mma_layout(self, mma: bool) -> None:
+        """Point the table at the weights as chain.cu reads them: with -DMMA_TILES=1, a copy whose tiles are packed
+        for it (made once); else the plain weights. `weights` and the reference always read the plain ones."""
+        if mma and self.w_packed is None:
+            self.w_packed = self.w.clone()
+            for ph, off in zip(self.chain.phases, self.w_off):
+                if ph.weight_elems:
+                    v = self.w[off:off + ph.weight_elems].view(-1, ph.k)   # (routed: every expert's rows)
+                    self.w_packed[off:off + ph.weight_elems] = pack_mma_tiles(v, ph.rows).reshape(-1)
+        base = (self.w_packed if mma else self.w).data_ptr()
+        self.table[:, FIELDS.index("w")] = torch.tensor([base + 2 * off for off in self.w_off], dtype=torch.int64,
+                                                        device=self.table.device)
 
     def weights(self, p: int) -> torch.Tensor:
         ph = self.chain.phases[p]
@@ -333,6 +348,25 @@ class Buffers:
             rel = ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
             worst[ph.kind] = max(worst[ph.kind], rel)
         return {"max_rel": worst, "topk_wrong": topk_wrong, "unwritten": nan}
+
+
+def mma_tile(rows: int, rows_here: int, k: int) -> bool:
+    """chain.cu -DMMA_TILES=1 sums a tile on tensor cores, from a packed tile (`pack_mma_tiles`), when this holds
+    (chain.cu's `mma_tile`)."""
+    return rows % 16 == 0 and rows_here == rows and k % 32 == 0
+
+
+def pack_mma_tiles(w: torch.Tensor, rows: int) -> torch.Tensor:
+    """w [N, k] (a phase's weights, tiles of `rows` rows) with each tile that `mma_tile` takes reordered as chain.cu's
+    `mma_partials` reads it: 16-byte chunks in the order [row block rb][k block kb][half][g][q], the chunk holding
+    row 16 rb + 8 half + g, columns 32 kb + 8 q .. + 7. A last tile with fewer rows stays as it is."""
+    n, k = w.shape
+    out = w.clone()
+    full = n // rows
+    if full and mma_tile(rows, rows, k):
+        t = w[:full * rows].reshape(full, rows // 16, 2, 8, k // 32, 4, 8)
+        out[:full * rows] = t.permute(0, 1, 4, 2, 3, 5, 6).reshape(full * rows, k)
+    return out
 
 
 def block_tiles(chain: Chain, nblk: int) -> list[list[tuple[int, int, int]]]:
@@ -476,7 +510,7 @@ class ChainKernel:
     def __init__(self, nslot: int = 3, slot_bytes: int = 65536, build_dir: str | None = None,
                  spin_limit: int | None = None, defines: tuple[str, ...] = (), cu: Path = CU):
         import cupy
-        self.cupy, self.nslot, self.slot_bytes, self.defines = cupy, nslot, slot_bytes, defines
+        self.cupy, self.nslot, self.slot_bytes, self.defines, self.cu = cupy, nslot, slot_bytes, defines, cu
         cubin, self.ptxas = compile_cubin(nslot, slot_bytes, build_dir or tempfile.mkdtemp(prefix="k3chain-"),
                                           spin_limit, defines, cu)
         print(f"{cu.name} {nslot}x{slot_bytes} {' '.join(defines)}: "
@@ -510,6 +544,7 @@ class ChainKernel:
         if groups > GROUPS:
             raise ValueError(f"a tile of this chain takes {groups} row groups with {self.consumers} consumer "
                              f"threads and STEPS = {self.steps}; chain.cu holds {GROUPS}")
+        bufs.use_mma_layout(bool(define_value(self.defines, "MMA_TILES", self.cu, default=0)))
         self.fn.max_dynamic_shared_size_bytes = self.smem
         self.bufs = bufs
         self.counters = torch.zeros(n, dtype=torch.int32, device="cuda")

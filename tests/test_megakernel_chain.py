@@ -189,7 +189,7 @@ def test_chain_cu_builds_for_sm90a_without_spills(tmp_path):
     for nslot, slot, defines in [(3, 65536, ()), (4, 32768, ()), (2, 65536, ()),
                                  (3, 65536, ("TILE_IN_REGS=1", "CONSUMER_WARPS=8", "STEPS=8")),
                                  (3, 65536, ("TRACE_TILES",)), (3, 65536, ("TRACE",)), (3, 65536, ("WARP_ROWS=1",)),
-                                 (3, 65536, ("WARP_ROWS=1", "CONSUMER_WARPS=24"))]:
+                                 (3, 65536, ("WARP_ROWS=1", "CONSUMER_WARPS=24")), (3, 65536, ("MMA_TILES=1",))]:
         path, report = mc.compile_cubin(nslot, slot, str(tmp_path), defines=defines)
         assert Path(path).stat().st_size > 0
         assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
@@ -250,6 +250,63 @@ def test_tile_plot_draws_each_traced_launch(tmp_path):
         mc.plot_tiles({"copy_gbs": 1.0, "chains": {"k3-small": {"ms": {}}}}, str(path))
 
 
+def mma_tile_emulated(packed: torch.Tensor, x: torch.Tensor, rows: int, k: int) -> torch.Tensor:
+    """What chain.cu's `mma_partials` computes from a packed tile, by the PTX fragment layout of
+    mma.m16n8k16.row.col (A: a0..a7 rows g / g + 8, columns 2q + (i & 1) + 8 (i >= 4); B: b0..b3 column g, rows
+    2q + (i & 1) + 8 (i >= 2); D: d0, d1 row g, d2, d3 row g + 8), summed over every warp's k blocks."""
+    chunks = packed.view(-1, 8)                     # 16-byte chunks of 8 bf16
+    xc = x.view(-1, 8)
+    out = torch.zeros(rows, dtype=torch.float64)
+    for rb in range(rows // 16):
+        d = torch.zeros(16, 8, dtype=torch.float64)
+        for kb in range(k // 32):
+            for step in range(2):                   # U / V / X values 4 step .. 4 step + 3
+                a = torch.zeros(16, 16, dtype=torch.float64)
+                b = torch.zeros(16, 8, dtype=torch.float64)
+                for lane in range(32):
+                    g, q = divmod(lane, 4)
+                    u = chunks[(rb * (k // 32) + kb) * 64 + lane][4 * step:4 * step + 4].double()
+                    v = chunks[(rb * (k // 32) + kb) * 64 + 32 + lane][4 * step:4 * step + 4].double()
+                    xv = xc[kb * 4 + q][4 * step:4 * step + 4].double()
+                    a[g, 2 * q:2 * q + 2], a[g + 8, 2 * q:2 * q + 2] = u[:2], v[:2]           # a0 a1, a2 a3
+                    a[g, 2 * q + 8:2 * q + 10], a[g + 8, 2 * q + 8:2 * q + 10] = u[2:], v[2:]  # a4 a5, a6 a7
+                    b[2 * q:2 * q + 2, g], b[2 * q + 8:2 * q + 10, g] = xv[:2], xv[2:]       # b0 b1, b2 b3
+                d += a @ b
+        assert torch.equal(d, d[:, :1].expand(16, 8))  # x in every column: equal columns
+        out[rb * 16:rb * 16 + 16] = d[:, 0]
+    return out
+
+
+@pytest.mark.parametrize("rows,k", [(16, 2048), (32, 1024), (64, 256), (64, 128), (32, 576)])
+def test_mma_packing_gives_the_tiles_rows(rows, k):
+    """A tile packed by `pack_mma_tiles` and read as chain.cu's `mma_partials` reads it (emulated from the PTX
+    fragment layout) gives W x; a last tile with fewer rows is left as it is."""
+    g = torch.Generator().manual_seed(rows + k)
+    w = torch.randn(3 * rows + 8, k, generator=g).bfloat16()
+    x = torch.randn(k, generator=g).bfloat16()
+    packed = mc.pack_mma_tiles(w, rows)
+    assert torch.equal(packed[3 * rows:], w[3 * rows:]) and not torch.equal(packed[:rows], w[:rows])
+    for t in range(3):
+        got = mma_tile_emulated(packed[t * rows:(t + 1) * rows].reshape(-1), x, rows, k)
+        want = w[t * rows:(t + 1) * rows].double() @ x.double()
+        assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)
+    assert mc.mma_tile(16, 16, 2048) and not mc.mma_tile(4, 4, 8192) and not mc.mma_tile(16, 8, 2048)
+    assert torch.equal(mc.pack_mma_tiles(w[:, :24].contiguous(), rows), w[:, :24])   # k not a multiple of 32
+
+
+def test_mma_layout_switches_the_tables_weights():
+    c = mc.k3_small_chain(TINY)
+    b = mc.Buffers(c, device="cpu")
+    plain = b.table[:, mc.FIELDS.index("w")].clone()
+    b.use_mma_layout(True)
+    packed = b.table[:, mc.FIELDS.index("w")].clone()
+    assert (packed - plain).unique().tolist() == [b.w_packed.data_ptr() - b.w.data_ptr()]
+    b.use_mma_layout(False)
+    assert torch.equal(b.table[:, mc.FIELDS.index("w")], plain)
+    b.run_reference()                                       # the reference reads the plain weights
+    assert b.errors()["max_rel"] == {"gemv": 0.0, "topk": 0.0, "routed": 0.0}
+
+
 def test_every_chain_fits_the_kernels_row_groups():
     """chain.cu unrolls at most GROUPS row groups a tile: true of every chain, with the default consumers and
     with 8 warps of STEPS = 8 (the TILE_IN_REGS build), and refused when it is not."""
@@ -263,8 +320,10 @@ def test_every_chain_fits_the_kernels_row_groups():
 @pytest.mark.cuda
 @pytest.mark.parametrize("ring", [(4, 32768, ()), (3, 65536, ()),
                                   (3, 65536, ("TILE_IN_REGS=1", "CONSUMER_WARPS=8", "STEPS=8")),
-                                  (3, 65536, ("WARP_ROWS=1",)), (4, 32768, ("WARP_ROWS=1", "CONSUMER_WARPS=24"))],
-                         ids=["4x32k", "3x64k", "3x64k-tile-in-regs", "3x64k-warp-rows", "4x32k-warp-rows-24"])
+                                  (3, 65536, ("WARP_ROWS=1",)), (4, 32768, ("WARP_ROWS=1", "CONSUMER_WARPS=24")),
+                                  (3, 65536, ("MMA_TILES=1",)), (4, 32768, ("MMA_TILES=1",))],
+                         ids=["4x32k", "3x64k", "3x64k-tile-in-regs", "3x64k-warp-rows", "4x32k-warp-rows-24",
+                              "3x64k-mma", "4x32k-mma"])
 def test_chain_kernel_matches_reference(tmp_path, ring):
     """Every phase's output equals its reference from the kernel's own inputs (fp32 sums in another order),
     the top-k picks the same experts in the same order, no row is left unwritten; in stream and serial mode,

@@ -37,6 +37,12 @@
 #if defined(NOHANDSHAKE) && (!defined(NOCOPY) || TILE_IN_REGS)
 #error "NOHANDSHAKE needs NOCOPY (nothing is copied into slots nobody waits for), and not TILE_IN_REGS"
 #endif
+#ifndef MMA_TILES
+#define MMA_TILES 0                    // 1: full tiles of 16k rows (k a multiple of 32) summed on tensor cores
+#endif                                 // (mma.sync m16n8k16 bf16, fp32 sums) from tiles packed for it on the host
+#if MMA_TILES && (WARP_ROWS || TILE_IN_REGS)
+#error "MMA_TILES keeps the default layout for the tiles it does not take: not with WARP_ROWS or TILE_IN_REGS"
+#endif
 #if WARP_ROWS && TILE_IN_REGS
 #error "WARP_ROWS and TILE_IN_REGS are two consumer layouts: pick one"
 #endif
@@ -322,6 +328,46 @@ __device__ __forceinline__ void warp_rows(const uint4* tile, const uint4* x8, in
     }
 }
 
+// MMA_TILES: whether a tile is summed on tensor cores, and so packed for it (megakernel_chain.py `mma_tile`).
+__device__ __forceinline__ bool mma_tile(int rows, int rows_here, int k) {
+    return MMA_TILES && rows % 16 == 0 && rows_here == rows && k % 32 == 0;
+}
+
+// D += A B for one m16n8k16 step: A 16 x 16 bf16 (row), B 16 x 8 bf16 (col), D 16 x 8 fp32.
+__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// A packed tile (rows x k, rows = 16 RB): 16-byte chunks in the order [rb][kb][half][g][q], chunk = the 8 weights
+// of row 16 rb + 8 half + g at columns 32 kb + 8 q ... + 7. Lane (g, q) = (lane / 4, lane % 4) takes chunks U
+// (half 0) and V (half 1) of its k block, 512 contiguous bytes a warp, and x's chunk X at 32 kb + 8 q, and makes
+// them two m16n8k16 steps. The k order is permuted the same way in A and B: step 1 sees columns 8q + {0, 1, 2, 3}
+// as its 2q, 2q + 1, 2q + 8, 2q + 9, step 2 columns 8q + {4..7}. B has x in all eight columns, so D's columns are
+// equal. Warps split (row block, k blocks); their partial sums meet in red (double-buffered by tile).
+// Returns once this warp's partials are in red; the caller syncs, then sums.
+__device__ __forceinline__ void mma_partials(const uint4* tile, const uint4* x8, int rows, int k, int warp, int lane,
+                                             float* red) {
+    const int RB = rows / 16, KB = k / 32, wpr = CONSUMER_WARPS / RB;      // warps per row block
+    const int rb = warp / wpr, ks = warp % wpr;
+    float d[4] = {0.f, 0.f, 0.f, 0.f};
+    if (rb < RB) {
+        const uint4* t = tile + static_cast<int64_t>(rb) * KB * 64 + lane;
+        for (int kb = ks; kb < KB; kb += wpr) {
+            const uint4 U = t[kb * 64], V = t[kb * 64 + 32], X = x8[kb * 4 + lane % 4];
+            mma_bf16(d, U.x, V.x, U.y, V.y, X.x, X.y);
+            mma_bf16(d, U.z, V.z, U.w, V.w, X.z, X.w);
+        }
+    }
+    if (lane % 4 == 0) {                    // column 0: rows g and g + 8 of the row block
+        red[warp * 16 + lane / 4] = d[0];
+        red[warp * 16 + lane / 4 + 8] = d[2];
+    }
+}
+
 // This block's first tile of phase f (tiles are dealt round robin: tile g goes to block g % gridDim.x).
 __device__ __forceinline__ int64_t first_tile(const PhaseC& f, int64_t nblk) {
     return f.tile0 + ((static_cast<int64_t>(blockIdx.x) - f.tile0) % nblk + nblk) % nblk;
@@ -355,6 +401,7 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
     uint64_t* empty = full + NSLOT;
     __shared__ int gave_up;
     __shared__ float red[CONSUMERS / 32];
+    __shared__ float mma_red[MMA_TILES ? 2 * CONSUMER_WARPS * 16 : 1];    // per tile parity, warp, row of 16
     const int tid = threadIdx.x;
     const int64_t nblk = gridDim.x;
     const bool wait = mode != NODEPS;
@@ -462,7 +509,7 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
 
     // ------------------------------------------------------------------------------------------ consumer warps
     const int warp = tid / 32, lane = tid % 32;
-    uint32_t i = 0, unit = 0;              // tiles and x loads so far
+    uint32_t i = 0, unit = 0, mma_count = 0;   // tiles, x loads and MMA_TILES tiles so far
 #ifdef TRACE
     unsigned long long* tr = nullptr;      // this x load's times; null once its first tile is recorded
 #endif
@@ -588,6 +635,21 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
                         }
                         __syncwarp();
                     }
+                }
+            } else if (mma_tile(rows, rows_here, static_cast<int>(f.k))) {
+                // (by the parity of MMA tiles: a warp writes the half of MMA tile j + 2 only once past MMA tile
+                // j + 1's sync, which the threads summing tile j reach after they have read it)
+                float* r16 = mma_red + (mma_count++ & 1u) * CONSUMER_WARPS * 16;
+#ifndef SKIP_COMPUTE
+                mma_partials(reinterpret_cast<const uint4*>(ring + s * SLOT_BYTES),
+                             reinterpret_cast<const uint4*>(xs), rows, static_cast<int>(f.k), warp, lane, r16);
+#endif
+                consumers_sync();           // every warp's partials are in (the next tile's use the other half)
+                if (tid < rows) {           // row tid: its row block's warps' partials, in order
+                    const int wpr = CONSUMER_WARPS / (rows / 16), rb = tid / 16;
+                    float sum = 0.f;
+                    for (int w2 = 0; w2 < wpr; ++w2) sum += r16[(rb * wpr + w2) * 16 + tid % 16];
+                    store_word(y + row0 + tid, sum, epoch);
                 }
             } else if (WARP_ROWS) {
                 warp_rows(reinterpret_cast<const uint4*>(ring + s * SLOT_BYTES), reinterpret_cast<const uint4*>(xs),
