@@ -212,6 +212,9 @@ __device__ bool wait_inputs(const PhaseC* ph, const PhaseC& f, const uint32_t* c
     return true;
 }
 
+// j % n without a division where j < n already (most x: no wrap-around)
+__device__ __forceinline__ int wrap(int j, int n) { return j < n ? j : j % n; }
+
 // x[j] = y_src[slot * xstride + j % xlen] (+ y_dep2[j % xlen2]) for j < xn, each word polled until it is this
 // launch's; into xs as bf16 (a top-k's as fp32). Eight loads in flight per thread before the first poll.
 // false: gave up.
@@ -234,8 +237,8 @@ __device__ __forceinline__ bool load_x(__nv_bfloat16* xs, const PhaseC& f, const
             // together, before any is polled (polling a stale word first would cost a round trip per word)
             const bool ahead = had && j0 == tid && u < XPREFETCH;
             const uint64_t a = ahead ? pre[u % XPREFETCH_N] : 0, a2 = ahead ? pre2[u % XPREFETCH_N] : 0;
-            v[u] = j < xn && src ? (epoch_of(a) == epoch ? a : load_word(src + j % f.xlen)) : 0;
-            v2[u] = j < xn && src2 ? (epoch_of(a2) == epoch ? a2 : load_word(src2 + j % f.xlen2)) : 0;
+            v[u] = j < xn && src ? (epoch_of(a) == epoch ? a : load_word(src + wrap(j, f.xlen))) : 0;
+            v2[u] = j < xn && src2 ? (epoch_of(a2) == epoch ? a2 : load_word(src2 + wrap(j, f.xlen2))) : 0;
         }
 #pragma unroll
         for (int u = 0; u < 8; ++u) {
@@ -243,13 +246,13 @@ __device__ __forceinline__ bool load_x(__nv_bfloat16* xs, const PhaseC& f, const
             if (j >= xn) continue;
             float x;
             if (src) {
-                if (!poll_word(src + j % f.xlen, v[u], epoch, wait, err, 1, p, t)) return false;
+                if (!poll_word(src + wrap(j, f.xlen), v[u], epoch, wait, err, 1, p, t)) return false;
                 x = value_of(v[u]);
             } else {
-                x = x_in[j % f.xlen];
+                x = x_in[wrap(j, f.xlen)];
             }
             if (src2) {
-                if (!poll_word(src2 + j % f.xlen2, v2[u], epoch, wait, err, 1, p, t)) return false;
+                if (!poll_word(src2 + wrap(j, f.xlen2), v2[u], epoch, wait, err, 1, p, t)) return false;
                 x += value_of(v2[u]);
             }
             if (top) reinterpret_cast<float*>(xs)[j] = x;
@@ -270,8 +273,8 @@ __device__ __forceinline__ void prefetch_x(uint64_t (&pre)[XPREFETCH_N], uint64_
 #pragma unroll
     for (int u = 0; u < XPREFETCH_N; ++u) {
         const int j = tid + u * CONSUMERS;
-        pre[u] = u < XPREFETCH && j < xn ? load_word(src + j % f.xlen) : 0;
-        pre2[u] = u < XPREFETCH && j < xn && src2 ? load_word(src2 + j % f.xlen2) : 0;
+        pre[u] = u < XPREFETCH && j < xn ? load_word(src + wrap(j, f.xlen)) : 0;
+        pre2[u] = u < XPREFETCH && j < xn && src2 ? load_word(src2 + wrap(j, f.xlen2)) : 0;
     }
 }
 
@@ -349,10 +352,16 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1
 // as its 2q, 2q + 1, 2q + 8, 2q + 9, step 2 columns 8q + {4..7}. B has x in all eight columns, so D's columns are
 // equal. Warps split (row block, k blocks); their partial sums meet in red (double-buffered by tile).
 // Returns once this warp's partials are in red; the caller syncs, then sums.
-__device__ __forceinline__ void mma_partials(const uint4* tile, const uint4* x8, int rows, int k, int warp, int lane,
-                                             float* red) {
-    const int RB = rows / 16, KB = k / 32, wpr = CONSUMER_WARPS / RB;      // warps per row block
-    const int rb = warp / wpr, ks = warp % wpr;
+struct MmaSplit {                        // a phase's split of its tiles over the warps (computed once a phase)
+    int KB, wpr, rb, ks;                    // k blocks; warps per row block; this warp's row block and first k block
+};
+__device__ __forceinline__ MmaSplit mma_split(int rows, int k, int warp) {
+    const int RB = rows / 16, wpr = RB <= CONSUMER_WARPS ? CONSUMER_WARPS / RB : 1;
+    return MmaSplit{k / 32, wpr, warp / wpr, warp % wpr};
+}
+__device__ __forceinline__ void mma_partials(const uint4* tile, const uint4* x8, int rows, const MmaSplit& m, int warp,
+                                             int lane, float* red) {
+    const int RB = rows / 16, KB = m.KB, wpr = m.wpr, rb = m.rb, ks = m.ks;
     float d[4] = {0.f, 0.f, 0.f, 0.f};
     if (rb < RB) {
         const uint4* t = tile + static_cast<int64_t>(rb) * KB * 64 + lane;
@@ -534,6 +543,7 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
             T = CONSUMERS / G;
         }
         const int trow = tid / T, tcol = tid % T;   // this thread's row in a row group, and its first chunk
+        const MmaSplit ms = mma_split(rows, static_cast<int>(f.k), warp);
         float4 xa[STEPS], xb[STEPS];        // this thread's x: steps m of chunk tcol + m T, the same every row
         int64_t have_slot = -1, done = 0;
         for (int g = g0; g < gend; g += static_cast<int>(nblk), ++i, ++done) {
@@ -642,13 +652,13 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
                 float* r16 = mma_red + (mma_count++ & 1u) * CONSUMER_WARPS * 16;
 #ifndef SKIP_COMPUTE
                 mma_partials(reinterpret_cast<const uint4*>(ring + s * SLOT_BYTES),
-                             reinterpret_cast<const uint4*>(xs), rows, static_cast<int>(f.k), warp, lane, r16);
+                             reinterpret_cast<const uint4*>(xs), rows, ms, warp, lane, r16);
 #endif
                 consumers_sync();           // every warp's partials are in (the next tile's use the other half)
                 if (tid < rows) {           // row tid: its row block's warps' partials, in order
-                    const int wpr = CONSUMER_WARPS / (rows / 16), rb = tid / 16;
                     float sum = 0.f;
-                    for (int w2 = 0; w2 < wpr; ++w2) sum += r16[(rb * wpr + w2) * 16 + tid % 16];
+                    const float* part = r16 + (tid / 16) * ms.wpr * 16 + tid % 16;
+                    for (int w2 = 0; w2 < ms.wpr; ++w2) sum += part[w2 * 16];
                     store_word(y + row0 + tid, sum, epoch);
                 }
             } else if (WARP_ROWS) {
