@@ -219,6 +219,44 @@ __device__ __forceinline__ int wrap(int j, int n) { return j < n ? j : j % n; }
 // launch's; into xs as bf16 (a top-k's as fp32). Eight loads in flight per thread before the first poll.
 // false: gave up.
 // had: pre / pre2 hold the words of j = tid + u CONSUMERS, u < XPREFETCH, loaded earlier (`prefetch_x`).
+__device__ __forceinline__ ulonglong2 load_words2(const uint64_t* p) {   // two words in one 16-byte load, from L2
+    ulonglong2 v;
+    asm volatile("ld.relaxed.gpu.global.v2.u64 {%0, %1}, [%2];" : "=l"(v.x), "=l"(v.y) : "l"(p) : "memory");
+    return v;
+}
+
+// x's common case in 16-byte loads: x = y_src[j] (+ y_dep2[j]) without wrap-around, 4 consecutive words a thread a
+// round, written to xs 8 bytes at a time. A thread polls its words together: while any is not this launch's, it
+// loads them all again at once (one round trip a poll, not one a word).
+__device__ __forceinline__ bool load_x_fast(__nv_bfloat16* xs, const uint64_t* src, const uint64_t* src2, int xn,
+                                           uint32_t epoch, bool wait, uint32_t* err, int64_t p, int64_t t) {
+    for (int j = 4 * threadIdx.x; j < xn; j += 4 * CONSUMERS) {
+        ulonglong2 a0, a1, b0, b1;
+        for (uint32_t spin = 0;; ++spin) {
+            a0 = load_words2(src + j);
+            a1 = load_words2(src + j + 2);
+            const uint64_t fresh_word = static_cast<uint64_t>(epoch) << 32;
+            b0 = src2 ? load_words2(src2 + j) : make_ulonglong2(fresh_word, fresh_word);
+            b1 = src2 ? load_words2(src2 + j + 2) : make_ulonglong2(fresh_word, fresh_word);
+            const bool fresh = epoch_of(a0.x) == epoch && epoch_of(a0.y) == epoch && epoch_of(a1.x) == epoch
+                               && epoch_of(a1.y) == epoch && epoch_of(b0.x) == epoch && epoch_of(b0.y) == epoch
+                               && epoch_of(b1.x) == epoch && epoch_of(b1.y) == epoch;
+            if (fresh || !wait) break;
+            if (out_of_time(spin, err, 1, p, t)) return false;
+        }
+        float x[4] = {value_of(a0.x), value_of(a0.y), value_of(a1.x), value_of(a1.y)};
+        if (src2) {
+            x[0] += value_of(b0.x);
+            x[1] += value_of(b0.y);
+            x[2] += value_of(b1.x);
+            x[3] += value_of(b1.y);
+        }
+        __nv_bfloat162 h[2] = {__floats2bfloat162_rn(x[0], x[1]), __floats2bfloat162_rn(x[2], x[3])};
+        *reinterpret_cast<uint2*>(xs + j) = *reinterpret_cast<const uint2*>(h);
+    }
+    return true;
+}
+
 __device__ __forceinline__ bool load_x(__nv_bfloat16* xs, const PhaseC& f, const PhaseC* ph, const float* x_in,
                                       int64_t slot, uint32_t epoch, bool wait, uint32_t* err, int64_t p, int64_t t,
                                       bool had, const uint64_t (&pre)[XPREFETCH_N],
@@ -228,6 +266,9 @@ __device__ __forceinline__ bool load_x(__nv_bfloat16* xs, const PhaseC& f, const
     const int xn = top ? f.xlen : f.k;
     const uint64_t* src = f.src >= 0 ? reinterpret_cast<const uint64_t*>(ph[f.src].y) + slot * f.xstride : nullptr;
     const uint64_t* src2 = f.dep2 >= 0 ? reinterpret_cast<const uint64_t*>(ph[f.dep2].y) : nullptr;
+    if (!top && !had && src && f.xlen >= xn && (!src2 || f.xlen2 >= xn) && xn % 4 == 0
+        && (reinterpret_cast<uintptr_t>(src) & 15) == 0 && (reinterpret_cast<uintptr_t>(src2) & 15) == 0)
+        return load_x_fast(xs, src, src2, xn, epoch, wait, err, p, t);
     for (int j0 = tid; j0 < xn; j0 += 8 * CONSUMERS) {
         uint64_t v[8], v2[8];
 #pragma unroll
@@ -378,8 +419,11 @@ __device__ __forceinline__ void mma_partials(const uint4* tile, const uint4* x8,
 }
 
 // This block's first tile of phase f (tiles are dealt round robin: tile g goes to block g % gridDim.x).
-__device__ __forceinline__ int64_t first_tile(const PhaseC& f, int64_t nblk) {
-    return f.tile0 + ((static_cast<int64_t>(blockIdx.x) - f.tile0) % nblk + nblk) % nblk;
+// In 32 bits: a 64-bit remainder of a negative number is a call to a slow routine, and every thread makes this
+// one for every phase.
+__device__ __forceinline__ int first_tile(const PhaseC& f, int64_t nblk) {
+    const int d = (static_cast<int>(blockIdx.x) - f.tile0) % static_cast<int>(nblk);   // (negative: tile0 > block)
+    return f.tile0 + (d < 0 ? d + static_cast<int>(nblk) : d);
 }
 
 // This block's tiles in order (phase p, global tile g; p == nphase past the last), for the L2 prefetches.
@@ -526,8 +570,8 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
     int64_t pre_p = -1;                               // ... of this phase (-1: none)
     for (int64_t p = 0; p < nphase; ++p) {
         const PhaseC& f = ph[p];
-        // the fields every tile uses, in registers and 32-bit: each asm "memory" clobber below would otherwise make
-        // the compiler read them again from shared memory on every tile (measured: 8% of the step)
+        // the fields every tile uses, in 32-bit registers: each asm "memory" clobber below would otherwise make the
+        // compiler read them again from shared memory on every tile
         const int kind = f.kind, n = f.n, ne = f.ne, tile0 = f.tile0;
         const bool x_per_expert = kind == ROUTED && f.xstride;
         const int g0 = static_cast<int>(first_tile(f, nblk)), gend = tile0 + f.ntiles;
@@ -542,7 +586,9 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
             G = rows;
             T = CONSUMERS / G;
         }
-        const int trow = tid / T, tcol = tid % T;   // this thread's row in a row group, and its first chunk
+        // this thread's row in a row group and its first chunk, once a phase (per tile, these divisions cost 8% of
+        // the step: 0.766 -> 0.701 ms)
+        const int trow = tid / T, tcol = tid % T;
         const MmaSplit ms = mma_split(rows, static_cast<int>(f.k), warp);
         float4 xa[STEPS], xb[STEPS];        // this thread's x: steps m of chunk tcol + m T, the same every row
         int64_t have_slot = -1, done = 0;

@@ -1,0 +1,723 @@
+// Milestone 1 of docs/megakernel.md: a synthetic decode chain as ONE persistent launch.
+//
+// A chain of phases, each a GEMV y_p = W_p x_p (bf16 weights; x rounded to bf16 as a bf16 model feeds it; fp32
+// sums and y) whose input x_p is the output of an earlier phase (plus, elementwise, a second one's), a top-k over a
+// router's output, or a GEMV over the rows of the experts that top-k chose. The tiles of all phases (ordered by
+// phase) are dealt round robin to one block per SM. In each block:
+//   - a producer warp streams the weight rows of the block's tiles, in order, into a ring of shared-memory slots
+//     (NSLOT x SLOT_BYTES, 3 x 64 KB) with bulk copies (cp.async.bulk, completion on an mbarrier). It waits for
+//     nothing but a free slot, except for routed tiles, which need the chosen expert (mode SERIAL also waits
+//     until each tile's input phases are done: the launch-per-phase order without launch costs);
+//   - CONSUMER_WARPS (16) consumer warps take x from L2 once per (phase, slot), take the tile from the ring and
+//     write its rows of y. Outputs are 8-byte words {value, epoch}, written in one store: a consumer polls the
+//     words it reads until they carry this launch's epoch, so the data is its own ready flag (no fence, no
+//     counter, one L2 round trip from the writer's store to the reader's use). Per-phase counters (a block adds
+//     its tile count after its last tile of the phase) serve only mode SERIAL and the timeline.
+// Every wait is bounded; a wait that runs out writes what it waited for to err[] and the kernel stops (the host
+// reads err after the launch).
+
+#include <cstdint>
+#include <cuda_bf16.h>
+
+#ifndef NSLOT
+#define NSLOT 3                        // ring slots per block (-DNSLOT=...)
+#endif
+#ifndef SLOT_BYTES
+#define SLOT_BYTES 65536               // bytes per slot: the largest tile
+#endif
+#ifndef BLOCKS_PER_SM
+#define BLOCKS_PER_SM 1                // blocks a launch puts on each SM (each with its own ring; all must be resident)
+#endif
+#ifndef TILE_IN_REGS
+#define TILE_IN_REGS 0                 // 1: consumers take each tile into registers and free its slot before they load
+#endif                                 // a new x, so the ring streams one more tile through the x load's stall
+#ifndef WARP_ROWS
+#define WARP_ROWS 0                    // 1: each warp sums whole rows of a tile on its own (x read from shared memory
+#endif                                 // per chunk): no barrier and no cross-warp sum in a tile
+#if defined(NOHANDSHAKE) && (!defined(NOCOPY) || TILE_IN_REGS)
+#error "NOHANDSHAKE needs NOCOPY (nothing is copied into slots nobody waits for), and not TILE_IN_REGS"
+#endif
+#ifndef MMA_TILES
+#define MMA_TILES 0                    // 1: full tiles of 16k rows (k a multiple of 32) summed on tensor cores
+#endif                                 // (mma.sync m16n8k16 bf16, fp32 sums) from tiles packed for it on the host
+#if MMA_TILES && (WARP_ROWS || TILE_IN_REGS)
+#error "MMA_TILES keeps the default layout for the tiles it does not take: not with WARP_ROWS or TILE_IN_REGS"
+#endif
+#if WARP_ROWS && TILE_IN_REGS
+#error "WARP_ROWS and TILE_IN_REGS are two consumer layouts: pick one"
+#endif
+#define GROUPS 2                       // row groups of a tile at most (megakernel_chain.py checks every chain)
+#ifndef TRACE_UNITS
+#define TRACE_UNITS 256                // -DTRACE: per block, the first TRACE_UNITS (phase, slot) x loads' times:
+#endif                                 // x load begun, x in shared memory, the x's first tile in the ring
+#define TRACE_FIELDS 3
+#ifndef TILE_TRACE_MAX
+#define TILE_TRACE_MAX 256             // -DTRACE_TILES: per block, the first TILE_TRACE_MAX tiles' times (TILE_FIELDS):
+#endif                                 // producer: wants the slot, has it free, has issued the copy; observer warp:
+#define TILE_FIELDS 7                  // the copy landed; consumers (thread 0): want the tile, have it, are done
+#ifndef PREFETCH_TILES
+#define PREFETCH_TILES 0               // GEMV tiles past the ring the producer asks L2 to fetch (measured slower)
+#endif
+#ifndef XPREFETCH
+#define XPREFETCH 0                    // next phase's x words per consumer loaded ahead, 0..4 (measured slower)
+#endif
+#define XPREFETCH_N (XPREFETCH > 0 ? XPREFETCH : 1)
+// -DSKIP_COMPUTE: consumers take each tile and write zeros (a diagnostic: the streaming alone)
+#define XMAX 8192                      // longest x of a GEMV (bf16 in shared memory, as a bf16 model feeds it)
+#define XBYTES (XMAX * 2)              // (a top-k's x is fp32: XMAX / 2 values at most)
+#ifndef CONSUMER_WARPS
+#define CONSUMER_WARPS 16              // (-DCONSUMER_WARPS=...)
+#endif
+#ifndef STEPS
+#define STEPS 4                        // 16-byte steps per thread and row, at most (even; x kept in registers)
+#endif
+#define CONSUMERS (32 * CONSUMER_WARPS)
+#ifdef TRACE_TILES
+#define THREADS (CONSUMERS + 64)       // + the producer warp + an observer warp that records when each copy lands
+#else
+#define THREADS (CONSUMERS + 32)       // + the producer warp
+#endif
+#ifndef SPIN_LIMIT
+#define SPIN_LIMIT (1u << 24)          // polls before a wait gives up (-DSPIN_LIMIT=...)
+#endif
+
+enum Kind : int64_t { GEMV = 0, TOPK = 1, ROUTED = 2 };
+enum Mode : int { STREAM = 0, SERIAL = 1, NODEPS = 2 };
+
+struct Phase {                          // 16 int64 fields, built by megakernel_chain.py (`Buffers.table`)
+    int64_t kind, n, k, rows, ntiles, tile0;   // tile0: index of the phase's first tile in the global order
+    int64_t src;                        // phase whose y is x (-1: the external input vector)
+    int64_t xlen, xstride;              // x[j] = y_src[slot * xstride + j % xlen] (+ y_dep2[j % xlen2])
+    int64_t route, ne;                  // ROUTED: the TOPK phase, rows per expert; TOPK: k in `ne`
+    int64_t w, y;                       // addresses: weights (bf16) and output ({fp32 value, u32 epoch} words)
+    int64_t n_experts;                  // ROUTED: experts in w (ids are clamped to it)
+    int64_t dep2, xlen2;                // a second input phase, added to x elementwise (-1: none)
+};
+
+struct PhaseC {                         // the table as the kernel keeps it in shared memory (72 bytes a phase)
+    int64_t w, y;
+    int32_t kind, n, k, rows, ntiles, tile0, src, xlen, xstride, route, ne, n_experts, dep2, xlen2;
+};
+__device__ __forceinline__ PhaseC compact(const Phase& f) {
+    return PhaseC{f.w, f.y, (int32_t)f.kind, (int32_t)f.n, (int32_t)f.k, (int32_t)f.rows, (int32_t)f.ntiles,
+                  (int32_t)f.tile0, (int32_t)f.src, (int32_t)f.xlen, (int32_t)f.xstride, (int32_t)f.route,
+                  (int32_t)f.ne, (int32_t)f.n_experts, (int32_t)f.dep2, (int32_t)f.xlen2};
+}
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count));
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
+__device__ __forceinline__ bool mbar_test(uint64_t* bar, uint32_t parity) {
+    uint32_t ok;
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(ok) : "r"(smem_u32(bar)), "r"(parity) : "memory");
+    return ok != 0;
+}
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar,
+                                          uint64_t policy) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
+        ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)), "l"(policy) : "memory");
+}
+__device__ __forceinline__ void prefetch_l2(const void* src, uint32_t bytes, uint64_t policy) {
+    asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;" ::"l"(src), "r"(bytes), "l"(policy)
+                 : "memory");
+}
+__device__ __forceinline__ uint32_t load_acquire(const uint32_t* p) {
+    uint32_t v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ uint64_t load_word(const uint64_t* p) {      // from L2, never a stale L1 line
+    uint64_t v;
+    asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void store_word(uint64_t* p, float value, uint32_t epoch) {
+    const uint64_t v = (static_cast<uint64_t>(epoch) << 32) | __float_as_uint(value);
+    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ uint32_t epoch_of(uint64_t v) { return static_cast<uint32_t>(v >> 32); }
+__device__ __forceinline__ float value_of(uint64_t v) { return __uint_as_float(static_cast<uint32_t>(v)); }
+__device__ __forceinline__ void add_release(uint32_t* p, uint32_t v) {
+    asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void add_relaxed(uint32_t* p, uint32_t v) {
+    asm volatile("red.relaxed.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ uint64_t now_ns() {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+    return t;
+}
+__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" ::"n"(CONSUMERS) : "memory"); }
+
+// err[0] = what ran out (1 an input word, 2 a filled slot, 3 a free slot, 4 the top-k's words, 5 an input
+// phase's counter), err[1..3] = block, phase, tile
+__device__ bool give_up(uint32_t* err, uint32_t what, int64_t phase, int64_t tile) {
+    if (atomicCAS(err, 0u, what) == 0u) {
+        err[1] = blockIdx.x;
+        err[2] = static_cast<uint32_t>(phase);
+        err[3] = static_cast<uint32_t>(tile);
+    }
+    return false;
+}
+__device__ __forceinline__ bool stopped(const uint32_t* err) { return *(volatile const uint32_t*)err != 0u; }
+// Called on every poll of a wait: true once the wait must end (it ran out: recorded; or another one did).
+__device__ __forceinline__ bool out_of_time(uint32_t spin, uint32_t* err, uint32_t what, int64_t phase, int64_t tile) {
+    if ((spin & 1023u) != 1023u) return false;
+    if (spin >= SPIN_LIMIT) {
+        give_up(err, what, phase, tile);
+        return true;
+    }
+    return stopped(err);
+}
+
+__device__ bool wait_counter(const uint32_t* counter, uint32_t target, uint32_t* err, int64_t phase, int64_t tile) {
+    for (uint32_t spin = 0; load_acquire(counter) < target; ++spin)
+        if (out_of_time(spin, err, 5, phase, tile)) return false;
+    return true;
+}
+__device__ bool wait_slot(uint64_t* bar, uint32_t parity, uint32_t* err, uint32_t what, int64_t phase, int64_t tile) {
+    for (uint32_t spin = 0; !mbar_test(bar, parity); ++spin)
+        if (out_of_time(spin, err, what, phase, tile)) return false;
+    return true;
+}
+// The word at p once it carries `epoch` (any word if !wait). false: gave up.
+__device__ __forceinline__ bool poll_word(const uint64_t* p, uint64_t& v, uint32_t epoch, bool wait, uint32_t* err,
+                                          uint32_t what, int64_t phase, int64_t tile) {
+    for (uint32_t spin = 0; wait && epoch_of(v) != epoch; ++spin) {
+        if (out_of_time(spin, err, what, phase, tile)) return false;
+        v = load_word(p);
+    }
+    return true;
+}
+
+// Wait until phase f's input phases (src, dep2) are done in this launch (mode SERIAL's producer).
+__device__ bool wait_inputs(const PhaseC* ph, const PhaseC& f, const uint32_t* counters, uint32_t epoch, uint32_t* err,
+                            int64_t p, int64_t t) {
+    if (f.src >= 0 && !wait_counter(counters + f.src, epoch * (uint32_t)ph[f.src].ntiles, err, p, t)) return false;
+    if (f.dep2 >= 0 && !wait_counter(counters + f.dep2, epoch * (uint32_t)ph[f.dep2].ntiles, err, p, t)) return false;
+    return true;
+}
+
+// j % n without a division where j < n already (most x: no wrap-around)
+__device__ __forceinline__ int wrap(int j, int n) { return j < n ? j : j % n; }
+
+// x[j] = y_src[slot * xstride + j % xlen] (+ y_dep2[j % xlen2]) for j < xn, each word polled until it is this
+// launch's; into xs as bf16 (a top-k's as fp32). Eight loads in flight per thread before the first poll.
+// false: gave up.
+// had: pre / pre2 hold the words of j = tid + u CONSUMERS, u < XPREFETCH, loaded earlier (`prefetch_x`).
+__device__ __forceinline__ bool load_x(__nv_bfloat16* xs, const PhaseC& f, const PhaseC* ph, const float* x_in,
+                                      int64_t slot, uint32_t epoch, bool wait, uint32_t* err, int64_t p, int64_t t,
+                                      bool had, const uint64_t (&pre)[XPREFETCH_N],
+                                      const uint64_t (&pre2)[XPREFETCH_N]) {
+    const int tid = threadIdx.x;
+    const bool top = f.kind == TOPK;
+    const int xn = top ? f.xlen : f.k;
+    const uint64_t* src = f.src >= 0 ? reinterpret_cast<const uint64_t*>(ph[f.src].y) + slot * f.xstride : nullptr;
+    const uint64_t* src2 = f.dep2 >= 0 ? reinterpret_cast<const uint64_t*>(ph[f.dep2].y) : nullptr;
+    for (int j0 = tid; j0 < xn; j0 += 8 * CONSUMERS) {
+        uint64_t v[8], v2[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            const int j = j0 + u * CONSUMERS;
+            // a word loaded ahead is kept if it is already this launch's; the rest are loaded again here, all
+            // together, before any is polled (polling a stale word first would cost a round trip per word)
+            const bool ahead = had && j0 == tid && u < XPREFETCH;
+            const uint64_t a = ahead ? pre[u % XPREFETCH_N] : 0, a2 = ahead ? pre2[u % XPREFETCH_N] : 0;
+            v[u] = j < xn && src ? (epoch_of(a) == epoch ? a : load_word(src + wrap(j, f.xlen))) : 0;
+            v2[u] = j < xn && src2 ? (epoch_of(a2) == epoch ? a2 : load_word(src2 + wrap(j, f.xlen2))) : 0;
+        }
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            const int j = j0 + u * CONSUMERS;
+            if (j >= xn) continue;
+            float x;
+            if (src) {
+                if (!poll_word(src + wrap(j, f.xlen), v[u], epoch, wait, err, 1, p, t)) return false;
+                x = value_of(v[u]);
+            } else {
+                x = x_in[wrap(j, f.xlen)];
+            }
+            if (src2) {
+                if (!poll_word(src2 + wrap(j, f.xlen2), v2[u], epoch, wait, err, 1, p, t)) return false;
+                x += value_of(v2[u]);
+            }
+            if (top) reinterpret_cast<float*>(xs)[j] = x;
+            else xs[j] = __float2bfloat16_rn(x);
+        }
+    }
+    return true;
+}
+
+// Issue the loads of phase f's first XPREFETCH words per thread (slot `slot`) without waiting for them: the words
+// arrive while this block computes its current phase, and load_x polls only those not yet of this launch.
+__device__ __forceinline__ void prefetch_x(uint64_t (&pre)[XPREFETCH_N], uint64_t (&pre2)[XPREFETCH_N],
+                                           const PhaseC& f, const PhaseC* ph, int64_t slot) {
+    const int tid = threadIdx.x;
+    const int xn = f.kind == TOPK ? f.xlen : f.k;
+    const uint64_t* src = reinterpret_cast<const uint64_t*>(ph[f.src].y) + slot * f.xstride;
+    const uint64_t* src2 = f.dep2 >= 0 ? reinterpret_cast<const uint64_t*>(ph[f.dep2].y) : nullptr;
+#pragma unroll
+    for (int u = 0; u < XPREFETCH_N; ++u) {
+        const int j = tid + u * CONSUMERS;
+        pre[u] = u < XPREFETCH && j < xn ? load_word(src + wrap(j, f.xlen)) : 0;
+        pre2[u] = u < XPREFETCH && j < xn && src2 ? load_word(src2 + wrap(j, f.xlen2)) : 0;
+    }
+}
+
+__device__ __forceinline__ float dot8(uint4 w, float4 a, float4 b) {
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&w);
+    float2 f0 = __bfloat1622float2(h[0]), f1 = __bfloat1622float2(h[1]);
+    float2 f2 = __bfloat1622float2(h[2]), f3 = __bfloat1622float2(h[3]);
+    return f0.x * a.x + f0.y * a.y + f1.x * a.z + f1.y * a.w + f2.x * b.x + f2.y * b.y + f3.x * b.z + f3.y * b.w;
+}
+
+__device__ __forceinline__ float dot8_bf16(uint4 w, uint4 x) {   // 8 bf16 products, fp32 sum in order
+    const __nv_bfloat162* a = reinterpret_cast<const __nv_bfloat162*>(&w);
+    const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&x);
+    float s = 0.f;
+#pragma unroll
+    for (int h = 0; h < 4; ++h) {
+        const float2 fa = __bfloat1622float2(a[h]), fb = __bfloat1622float2(b[h]);
+        s = fmaf(fa.x, fb.x, s);
+        s = fmaf(fa.y, fb.y, s);
+    }
+    return s;
+}
+
+// WARP_ROWS: rows rows_here of a tile (chunks 16-byte chunks a row), each summed by L lanes of one warp, L the
+// power of two >= chunks up to 32 (32 / L rows a warp at a time); warps take rows round robin, with no barrier.
+__device__ __forceinline__ void warp_rows(const uint4* tile, const uint4* x8, int chunks, int rows_here, int warp,
+                                          int lane, uint64_t* y, uint32_t epoch) {
+    int L = 32;
+    while (L > 1 && L / 2 >= chunks) L /= 2;
+    const int per = 32 / L;                     // rows a warp sums at a time
+    for (int base = warp * per; base < rows_here; base += CONSUMER_WARPS * per) {
+        const int r = base + lane / L;
+        const bool valid = r < rows_here;
+        float acc = 0.f;
+#ifndef SKIP_COMPUTE
+        float part[4] = {0.f, 0.f, 0.f, 0.f};
+        const uint4* w = tile + (valid ? r : 0) * chunks;
+        for (int c0 = lane % L; c0 < chunks; c0 += 4 * L) {
+            uint4 wv[4], xv[4];                 // four chunks' loads first, then their sums in four chains
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                const int c = c0 + u * L;
+                const bool in = valid && c < chunks;
+                wv[u] = in ? w[c] : make_uint4(0u, 0u, 0u, 0u);
+                xv[u] = in ? x8[c] : make_uint4(0u, 0u, 0u, 0u);
+            }
+#pragma unroll
+            for (int u = 0; u < 4; ++u) part[u] += dot8_bf16(wv[u], xv[u]);
+        }
+        acc = (part[0] + part[1]) + (part[2] + part[3]);
+#endif
+        for (int off = L / 2; off; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+        if (valid && lane % L == 0) store_word(y + r, acc, epoch);
+    }
+}
+
+// MMA_TILES: whether a tile is summed on tensor cores, and so packed for it (megakernel_chain.py `mma_tile`).
+__device__ __forceinline__ bool mma_tile(int rows, int rows_here, int k) {
+    return MMA_TILES && rows % 16 == 0 && rows_here == rows && k % 32 == 0;
+}
+
+// D += A B for one m16n8k16 step: A 16 x 16 bf16 (row), B 16 x 8 bf16 (col), D 16 x 8 fp32.
+__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// A packed tile (rows x k, rows = 16 RB): 16-byte chunks in the order [rb][kb][half][g][q], chunk = the 8 weights
+// of row 16 rb + 8 half + g at columns 32 kb + 8 q ... + 7. Lane (g, q) = (lane / 4, lane % 4) takes chunks U
+// (half 0) and V (half 1) of its k block, 512 contiguous bytes a warp, and x's chunk X at 32 kb + 8 q, and makes
+// them two m16n8k16 steps. The k order is permuted the same way in A and B: step 1 sees columns 8q + {0, 1, 2, 3}
+// as its 2q, 2q + 1, 2q + 8, 2q + 9, step 2 columns 8q + {4..7}. B has x in all eight columns, so D's columns are
+// equal. Warps split (row block, k blocks); their partial sums meet in red (double-buffered by tile).
+// Returns once this warp's partials are in red; the caller syncs, then sums.
+struct MmaSplit {                        // a phase's split of its tiles over the warps (computed once a phase)
+    int KB, wpr, rb, ks;                    // k blocks; warps per row block; this warp's row block and first k block
+};
+__device__ __forceinline__ MmaSplit mma_split(int rows, int k, int warp) {
+    const int RB = rows / 16, wpr = RB <= CONSUMER_WARPS ? CONSUMER_WARPS / RB : 1;
+    return MmaSplit{k / 32, wpr, warp / wpr, warp % wpr};
+}
+__device__ __forceinline__ void mma_partials(const uint4* tile, const uint4* x8, int rows, const MmaSplit& m, int warp,
+                                             int lane, float* red) {
+    const int RB = rows / 16, KB = m.KB, wpr = m.wpr, rb = m.rb, ks = m.ks;
+    float d[4] = {0.f, 0.f, 0.f, 0.f};
+    if (rb < RB) {
+        const uint4* t = tile + static_cast<int64_t>(rb) * KB * 64 + lane;
+        for (int kb = ks; kb < KB; kb += wpr) {
+            const uint4 U = t[kb * 64], V = t[kb * 64 + 32], X = x8[kb * 4 + lane % 4];
+            mma_bf16(d, U.x, V.x, U.y, V.y, X.x, X.y);
+            mma_bf16(d, U.z, V.z, U.w, V.w, X.z, X.w);
+        }
+    }
+    if (lane % 4 == 0) {                    // column 0: rows g and g + 8 of the row block
+        red[warp * 16 + lane / 4] = d[0];
+        red[warp * 16 + lane / 4 + 8] = d[2];
+    }
+}
+
+// This block's first tile of phase f (tiles are dealt round robin: tile g goes to block g % gridDim.x).
+__device__ __forceinline__ int64_t first_tile(const PhaseC& f, int64_t nblk) {
+    return f.tile0 + ((static_cast<int64_t>(blockIdx.x) - f.tile0) % nblk + nblk) % nblk;
+}
+
+// This block's tiles in order (phase p, global tile g; p == nphase past the last), for the L2 prefetches.
+struct Cursor {
+    int64_t p, g;
+    __device__ void settle(const PhaseC* ph, int64_t nphase, int64_t nblk) {
+        while (p < nphase && g >= ph[p].tile0 + ph[p].ntiles)
+            if (++p < nphase) g = first_tile(ph[p], nblk);
+    }
+    __device__ void next(const PhaseC* ph, int64_t nphase, int64_t nblk) {
+        g += nblk;
+        settle(ph, nphase, nblk);
+    }
+};
+
+// Shared memory: the ring (NSLOT x SLOT_BYTES), x (XBYTES), the phase table (nphase x 72 bytes), the
+// barriers (2 x NSLOT). Producer and consumers walk the same tiles in the same order: phase by phase, this
+// block's tiles of each phase.
+extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM)
+chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* __restrict__ x_in,
+             uint32_t* counters, uint32_t epoch, int mode, uint32_t* err, unsigned long long* t_done,
+             unsigned long long* t_start, unsigned long long* trace, unsigned long long* tile_trace) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    unsigned char* ring = smem;
+    __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem + NSLOT * SLOT_BYTES);   // (top-k: fp32)
+    PhaseC* ph = reinterpret_cast<PhaseC*>(smem + NSLOT * SLOT_BYTES + XBYTES);
+    uint64_t* full = reinterpret_cast<uint64_t*>(ph + nphase);
+    uint64_t* empty = full + NSLOT;
+    __shared__ int gave_up;
+    __shared__ float red[CONSUMERS / 32];
+    __shared__ float mma_red[MMA_TILES ? 2 * CONSUMER_WARPS * 16 : 1];    // per tile parity, warp, row of 16
+    const int tid = threadIdx.x;
+    const int64_t nblk = gridDim.x;
+    const bool wait = mode != NODEPS;
+
+    for (int64_t p = tid; p < nphase; p += THREADS) ph[p] = compact(ph_global[p]);
+    if (tid == 0) {
+        for (int s = 0; s < NSLOT; ++s) {
+            mbar_init(&full[s], 1);                 // the producer's arrive (with the tile's bytes)
+            mbar_init(&empty[s], CONSUMERS / 32);   // one arrive per consumer warp
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        gave_up = 0;
+        if (blockIdx.x == 0) *t_start = now_ns();
+    }
+    __syncthreads();
+
+#ifdef TRACE_TILES
+    // this block's tile i's times: tt(i)[0..6] (see TILE_FIELDS); null past the first TILE_TRACE_MAX tiles
+#define TT(i) ((i) < TILE_TRACE_MAX ? tile_trace + (blockIdx.x * TILE_TRACE_MAX + (i)) * TILE_FIELDS : nullptr)
+#define TT_SET(i, field) do { unsigned long long* tt_ = TT(i); if (tt_) tt_[field] = now_ns(); } while (0)
+    if (tid == CONSUMERS + 32) {            // ------------------ observer warp: when each of the block's copies lands
+        uint32_t i = 0;
+        for (int64_t p = 0; p < nphase && i < TILE_TRACE_MAX; ++p)
+            for (int64_t g = first_tile(ph[p], nblk); g < ph[p].tile0 + ph[p].ntiles && i < TILE_TRACE_MAX;
+                 g += nblk, ++i) {
+                // (the slot's next copy cannot land before the consumers have taken this one, long after it lands)
+                uint32_t spin = 0;
+                for (; !mbar_test(&full[i % NSLOT], (i / NSLOT) & 1u) && spin < SPIN_LIMIT; ++spin)
+                    if ((spin & 1023u) == 1023u && stopped(err)) return;
+                if (spin >= SPIN_LIMIT) return;     // (a diagnostic: stop observing, never stop the kernel)
+                TT_SET(i, 3);
+            }
+        return;
+    }
+#else
+#define TT_SET(i, field) do { } while (0)
+#endif
+    if (tid >= CONSUMERS) {                 // ---------------------------------------------- producer warp
+        if (tid != CONSUMERS) return;
+#ifdef NOHANDSHAKE                          // -DNOHANDSHAKE (with NOCOPY): a diagnostic, no producer; the consumers
+        return;                             // take slots without waiting and free none (their own loop alone)
+#endif
+        uint64_t policy, keep;
+        asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+        asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(keep));
+        uint32_t i = 0;
+        Cursor ahead{0, first_tile(ph[0], nblk)};               // the next tile to prefetch: NSLOT tiles on
+        ahead.settle(ph, nphase, nblk);
+        for (int q = 0; q < NSLOT; ++q) ahead.next(ph, nphase, nblk);
+        uint32_t fetched = NSLOT;                               // tiles prefetched or loaded by the ring so far
+        for (int64_t p = 0; p < nphase; ++p) {
+            const PhaseC& f = ph[p];
+            const __nv_bfloat16* w = reinterpret_cast<const __nv_bfloat16*>(f.w);
+            int64_t have_slot = -1, e = 0;
+            bool inputs_done = mode != SERIAL;
+            for (int64_t g = first_tile(f, nblk); g < f.tile0 + f.ntiles; g += nblk, ++i) {
+                const int64_t t = g - f.tile0, row0 = t * f.rows;
+                const uint32_t s = i % NSLOT;
+                // keep PREFETCH_TILES tiles past the ring on their way into L2 (GEMV tiles: routed ones wait for
+                // their expert), so that HBM keeps streaming while the ring is full
+                for (; PREFETCH_TILES && fetched < i + NSLOT + PREFETCH_TILES && ahead.p < nphase; ++fetched) {
+                    const PhaseC& a = ph[ahead.p];
+                    if (a.kind == GEMV) {
+                        const int64_t r0 = (ahead.g - a.tile0) * a.rows;
+                        prefetch_l2(reinterpret_cast<const __nv_bfloat16*>(a.w) + r0 * a.k,
+                                    static_cast<uint32_t>(min(static_cast<int64_t>(a.rows), a.n - r0) * a.k * 2), keep);
+                    }
+                    ahead.next(ph, nphase, nblk);
+                }
+                TT_SET(i, 0);
+                if (!wait_slot(&empty[s], ((i / NSLOT) & 1u) ^ 1u, err, 3, p, t)) return;
+                TT_SET(i, 1);
+                if (!inputs_done && !(inputs_done = wait_inputs(ph, f, counters, epoch, err, p, t))) return;
+                if (f.kind == TOPK) {
+                    TT_SET(i, 2);
+                    mbar_arrive(&full[s]);      // nothing to load
+                    continue;
+                }
+                int64_t wrow = row0;
+                if (f.kind == ROUTED) {         // the expert top-k chose for this tile's slot
+                    if (row0 / f.ne != have_slot) {
+                        have_slot = row0 / f.ne;
+                        const uint64_t* id = reinterpret_cast<const uint64_t*>(ph[f.route].y) + have_slot;
+                        uint64_t v = load_word(id);
+                        if (!poll_word(id, v, epoch, wait, err, 4, p, t)) return;
+                        e = static_cast<int64_t>(value_of(v));
+                        e = e < 0 ? 0 : (e >= f.n_experts ? f.n_experts - 1 : e);
+                    }
+                    wrow = e * f.ne + row0 % f.ne;
+                }
+#ifdef NOCOPY                               // -DNOCOPY: a diagnostic, no weights copied (the consumers alone)
+                TT_SET(i, 2);
+                mbar_arrive(&full[s]);
+                continue;
+#endif
+                const uint32_t bytes =                  // (the last tile may be part of one)
+                    static_cast<uint32_t>(min(static_cast<int64_t>(f.rows), f.n - row0) * f.k * 2);
+                mbar_expect_tx(&full[s], bytes);
+                bulk_load(ring + s * SLOT_BYTES, w + wrow * f.k, bytes, &full[s], policy);
+                TT_SET(i, 2);
+            }
+        }
+        return;
+    }
+
+    // ------------------------------------------------------------------------------------------ consumer warps
+    const int warp = tid / 32, lane = tid % 32;
+    uint32_t i = 0, unit = 0, mma_count = 0;   // tiles, x loads and MMA_TILES tiles so far
+#ifdef TRACE
+    unsigned long long* tr = nullptr;      // this x load's times; null once its first tile is recorded
+#endif
+    uint64_t pre[XPREFETCH_N], pre2[XPREFETCH_N];   // the next phase's first x words, loaded ahead
+    int64_t pre_p = -1;                               // ... of this phase (-1: none)
+    for (int64_t p = 0; p < nphase; ++p) {
+        const PhaseC& f = ph[p];
+        // the fields every tile uses, in registers and 32-bit: each asm "memory" clobber below would otherwise make
+        // the compiler read them again from shared memory on every tile (measured: 8% of the step)
+        const int kind = f.kind, n = f.n, ne = f.ne, tile0 = f.tile0;
+        const bool x_per_expert = kind == ROUTED && f.xstride;
+        const int g0 = static_cast<int>(first_tile(f, nblk)), gend = tile0 + f.ntiles;
+        if (g0 >= gend) continue;
+        uint64_t* y = reinterpret_cast<uint64_t*>(f.y);
+        // T threads per row, each ceil(k / 8 / T) <= STEPS 16-byte steps; G = CONSUMERS / T rows in flight
+        const int chunks = static_cast<int>(f.k / 8), rows = static_cast<int>(f.rows);
+        int T = 1;
+        while (T * STEPS < chunks) T *= 2;
+        int G = CONSUMERS / T;
+        if (G > rows) {
+            G = rows;
+            T = CONSUMERS / G;
+        }
+        const int trow = tid / T, tcol = tid % T;   // this thread's row in a row group, and its first chunk
+        const MmaSplit ms = mma_split(rows, static_cast<int>(f.k), warp);
+        float4 xa[STEPS], xb[STEPS];        // this thread's x: steps m of chunk tcol + m T, the same every row
+        int64_t have_slot = -1, done = 0;
+        for (int g = g0; g < gend; g += static_cast<int>(nblk), ++i, ++done) {
+            const int t = g - tile0, row0 = t * rows;
+            const int slot = x_per_expert ? row0 / ne : 0;     // whose x (routed: per expert)
+            const uint32_t s = i % NSLOT;
+            const int rows_here = min(rows, n - row0);          // (the last tile may be part of one)
+            uint4 wreg[GROUPS][STEPS];      // (TILE_IN_REGS) this thread's share of the tile: row r0 + trow
+            if (tid == 0 && TILE_IN_REGS) TT_SET(i, 4);
+            if (TILE_IN_REGS) {
+                if (!wait_slot(&full[s], (i / NSLOT) & 1u, err, 2, p, t)) return;
+                if (tid == 0) TT_SET(i, 5);
+                const uint4* tile = reinterpret_cast<const uint4*>(ring + s * SLOT_BYTES);
+#pragma unroll
+                for (int q = 0; q < GROUPS; ++q) {
+                    const int r = q * G + trow;
+#pragma unroll
+                    for (int m = 0; m < STEPS; ++m) {
+                        const int c = tcol + m * T;
+                        wreg[q][m] = kind != TOPK && r < rows_here && c < chunks ? tile[r * chunks + c]
+                                                                                   : make_uint4(0u, 0u, 0u, 0u);
+                    }
+                }
+                __syncwarp();
+                if (lane == 0) mbar_arrive(&empty[s]);     // the slot is free: the producer loads the next tile
+            }                               // (a top-k's slot too: it holds nothing)
+            if (slot != have_slot) {        // this tile's x (the first sync: every warp is done with the last x)
+#ifdef TRACE
+                tr = tid == 0 && unit < TRACE_UNITS ? trace + (blockIdx.x * TRACE_UNITS + unit) * TRACE_FIELDS
+                                                    : nullptr;
+                if (tr) tr[0] = now_ns();
+#endif
+#ifndef NOLOADX                             // -DNOLOADX: a diagnostic, x never loaded (the boundary's loads alone)
+                consumers_sync();
+                const bool had = XPREFETCH && pre_p == p && have_slot < 0;   // (loaded for the phase's first slot)
+                if (!load_x(xs, f, ph, x_in, slot, epoch, wait, err, p, t, had, pre, pre2)) gave_up = 1;
+                consumers_sync();
+#endif
+#ifdef TRACE
+                if (tr) tr[1] = now_ns();
+#endif
+                ++unit;
+                if (gave_up) return;
+                if (XPREFETCH && have_slot < 0) {          // the next phase this block has tiles in: its x, ahead
+                    pre_p = -1;
+                    for (int64_t q = p + 1; q < nphase; ++q) {
+                        const PhaseC& h = ph[q];
+                        const int64_t hg = first_tile(h, nblk);
+                        if (hg >= h.tile0 + h.ntiles) continue;
+                        if (h.src >= 0) {
+                            const int64_t hr = (hg - h.tile0) * h.rows;
+                            prefetch_x(pre, pre2, h, ph, h.kind == ROUTED && h.xstride ? hr / h.ne : 0);
+                            pre_p = q;
+                        }
+                        break;
+                    }
+                }
+                have_slot = slot;
+                const uint4* x8 = reinterpret_cast<const uint4*>(xs);
+#pragma unroll
+                for (int m = 0; m < (WARP_ROWS ? 0 : STEPS); ++m) {     // (WARP_ROWS reads x in shared memory)
+                    const int c = tcol + m * T;
+                    const uint4 u = c < chunks ? x8[c] : make_uint4(0u, 0u, 0u, 0u);
+                    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+                    const float2 a0 = __bfloat1622float2(h[0]), a1 = __bfloat1622float2(h[1]);
+                    const float2 b0 = __bfloat1622float2(h[2]), b1 = __bfloat1622float2(h[3]);
+                    xa[m] = make_float4(a0.x, a0.y, a1.x, a1.y);
+                    xb[m] = make_float4(b0.x, b0.y, b1.x, b1.y);
+                }
+            }
+            if (tid == 0 && !TILE_IN_REGS) TT_SET(i, 4);
+#ifndef NOHANDSHAKE
+            if (!TILE_IN_REGS && !wait_slot(&full[s], (i / NSLOT) & 1u, err, 2, p, t)) return;
+#endif
+            if (tid == 0 && !TILE_IN_REGS) TT_SET(i, 5);
+#ifdef TRACE
+            if (tr) {
+                tr[2] = now_ns();           // the x's first tile is here
+                tr = nullptr;
+            }
+#endif
+
+            if (kind == TOPK) {
+                if (warp == 0) {              // k rounds of a warp argmax over xs (taken entries set to -inf)
+                    for (int64_t r = 0; r < f.ne; ++r) {
+                        float best = -INFINITY;
+                        int idx = 0x7fffffff;
+                        const float* xf = reinterpret_cast<const float*>(xs);
+                        for (int j = lane; j < f.xlen; j += 32)
+                            if (xf[j] > best) { best = xf[j]; idx = j; }
+                        for (int off = 16; off; off >>= 1) {
+                            const float ob = __shfl_xor_sync(0xffffffffu, best, off);
+                            const int oi = __shfl_xor_sync(0xffffffffu, idx, off);
+                            if (ob > best || (ob == best && oi < idx)) { best = ob; idx = oi; }
+                        }
+                        if (lane == 0) {
+                            store_word(y + r, static_cast<float>(idx), epoch);
+                            if (idx < f.xlen) reinterpret_cast<float*>(xs)[idx] = -INFINITY;   // (NaN x: none)
+                        }
+                        __syncwarp();
+                    }
+                }
+            } else if (mma_tile(rows, rows_here, static_cast<int>(f.k))) {
+                // (by the parity of MMA tiles: a warp writes the half of MMA tile j + 2 only once past MMA tile
+                // j + 1's sync, which the threads summing tile j reach after they have read it)
+                float* r16 = mma_red + (mma_count++ & 1u) * CONSUMER_WARPS * 16;
+#ifndef SKIP_COMPUTE
+                mma_partials(reinterpret_cast<const uint4*>(ring + s * SLOT_BYTES),
+                             reinterpret_cast<const uint4*>(xs), rows, ms, warp, lane, r16);
+#endif
+                consumers_sync();           // every warp's partials are in (the next tile's use the other half)
+                if (tid < rows) {           // row tid: its row block's warps' partials, in order
+                    float sum = 0.f;
+                    const float* part = r16 + (tid / 16) * ms.wpr * 16 + tid % 16;
+                    for (int w2 = 0; w2 < ms.wpr; ++w2) sum += part[w2 * 16];
+                    store_word(y + row0 + tid, sum, epoch);
+                }
+            } else if (WARP_ROWS) {
+                warp_rows(reinterpret_cast<const uint4*>(ring + s * SLOT_BYTES), reinterpret_cast<const uint4*>(xs),
+                          chunks, rows_here, warp, lane, y + row0, epoch);
+            } else {
+                const uint4* tile = reinterpret_cast<const uint4*>(ring + s * SLOT_BYTES);
+#pragma unroll
+                for (int q = 0; q < GROUPS; ++q) {          // row groups: rows r0 .. r0 + G - 1 at once
+                    const int r0 = q * G, r = r0 + trow;
+                    if (r0 >= rows_here) break;
+                    float acc = 0.f;
+#ifndef SKIP_COMPUTE
+                    if (r < rows_here) {
+                        // every step's 16 bytes loaded first (zeros past the row: x is zero there too), then the
+                        // sums in four independent chains
+                        uint4 wv[STEPS];
+#pragma unroll
+                        for (int m = 0; m < STEPS; ++m) {
+                            const int c = tcol + m * T;
+                            wv[m] = TILE_IN_REGS ? wreg[q][m]
+                                                 : (c < chunks ? tile[r * chunks + c] : make_uint4(0u, 0u, 0u, 0u));
+                        }
+                        float part[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                        for (int m = 0; m < STEPS; ++m) part[m % 4] += dot8(wv[m], xa[m], xb[m]);
+                        acc = (part[0] + part[1]) + (part[2] + part[3]);
+                    }
+#endif
+                    for (int off = (T < 32 ? T : 32) / 2; off; off >>= 1)
+                        acc += __shfl_xor_sync(0xffffffffu, acc, off);
+                    if (T <= 32) {
+                        if (tcol == 0 && r < rows_here) store_word(y + row0 + r, acc, epoch);
+                    } else {
+                        if (lane == 0) red[warp] = acc;
+                        consumers_sync();
+                        if (tid < G && r0 + tid < rows_here) {
+                            float sum = 0.f;
+                            for (int w2 = 0; w2 < T / 32; ++w2) sum += red[tid * (T / 32) + w2];
+                            store_word(y + row0 + r0 + tid, sum, epoch);
+                        }
+                        consumers_sync();
+                    }
+                }
+            }
+            if (tid == 0) TT_SET(i, 6);     // (warp 0's sums done: with T > 32 every warp's are; WARP_ROWS: warp 0's)
+#ifndef NOHANDSHAKE
+            if (!TILE_IN_REGS) {
+                __syncwarp();
+                if (lane == 0) mbar_arrive(&empty[s]);     // this warp is done with slot s
+            }
+#endif
+        }
+        // this block's tiles of p are done: add them to p's counter
+        if (mode == SERIAL) consumers_sync();           // (SERIAL's producers wait on it: every row written)
+        if (tid == 0) {
+            if (mode == SERIAL) add_release(counters + p, static_cast<uint32_t>(done));
+            else add_relaxed(counters + p, static_cast<uint32_t>(done));   // (no fence: the timeline only)
+            atomicMax(t_done + p, static_cast<unsigned long long>(now_ns()));
+        }
+    }
+}
