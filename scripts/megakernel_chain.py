@@ -274,18 +274,19 @@ class Buffers:
                      y=self.y.data_ptr() + 8 * yo)
             rows.append([v[f] for f in FIELDS])
         self.table = torch.tensor(rows, dtype=torch.int64, device=device)
-        self.w_packed = None
+        self.w_packed, self.w_packed_min_k = None, None
 
-    def use_mma_layout(self, mma: bool) -> None:
-        """Point the table at the weights as chain.cu reads them: with -DMMA_TILES=1, a copy whose tiles are packed
-        for it (made once); else the plain weights. `weights` and the reference always read the plain ones."""
-        if mma and self.w_packed is None:
-            self.w_packed = self.w.clone()
+    def use_mma_layout(self, min_k: int | None) -> None:
+        """Point the table at the weights as chain.cu reads them: with -DMMA_TILES=1 (`min_k` its MMA_MIN_K), a copy
+        whose tiles are packed for it (made once per min_k); None: the plain weights. `weights` and the reference
+        always read the plain ones."""
+        if min_k is not None and (self.w_packed is None or self.w_packed_min_k != min_k):
+            self.w_packed, self.w_packed_min_k = self.w.clone(), min_k
             for ph, off in zip(self.chain.phases, self.w_off):
                 if ph.weight_elems:
                     v = self.w[off:off + ph.weight_elems].view(-1, ph.k)   # (routed: every expert's rows)
-                    self.w_packed[off:off + ph.weight_elems] = pack_mma_tiles(v, ph.rows).reshape(-1)
-        base = (self.w_packed if mma else self.w).data_ptr()
+                    self.w_packed[off:off + ph.weight_elems] = pack_mma_tiles(v, ph.rows, min_k).reshape(-1)
+        base = (self.w_packed if min_k is not None else self.w).data_ptr()
         self.table[:, FIELDS.index("w")] = torch.tensor([base + 2 * off for off in self.w_off], dtype=torch.int64,
                                                         device=self.table.device)
 
@@ -350,20 +351,20 @@ class Buffers:
         return {"max_rel": worst, "topk_wrong": topk_wrong, "unwritten": nan}
 
 
-def mma_tile(rows: int, rows_here: int, k: int) -> bool:
-    """chain.cu -DMMA_TILES=1 sums a tile on tensor cores, from a packed tile (`pack_mma_tiles`), when this holds
-    (chain.cu's `mma_tile`)."""
-    return rows % 16 == 0 and rows_here == rows and k % 32 == 0
+def mma_tile(rows: int, rows_here: int, k: int, min_k: int = 32) -> bool:
+    """chain.cu -DMMA_TILES=1 (-DMMA_MIN_K=`min_k`) sums a tile on tensor cores, from a packed tile
+    (`pack_mma_tiles`), when this holds (chain.cu's `mma_tile`)."""
+    return rows % 16 == 0 and rows_here == rows and k % 32 == 0 and k >= min_k
 
 
-def pack_mma_tiles(w: torch.Tensor, rows: int) -> torch.Tensor:
+def pack_mma_tiles(w: torch.Tensor, rows: int, min_k: int = 32) -> torch.Tensor:
     """w [N, k] (a phase's weights, tiles of `rows` rows) with each tile that `mma_tile` takes reordered as chain.cu's
     `mma_partials` reads it: 16-byte chunks in the order [row block rb][k block kb][half][g][q], the chunk holding
     row 16 rb + 8 half + g, columns 32 kb + 8 q .. + 7. A last tile with fewer rows stays as it is."""
     n, k = w.shape
     out = w.clone()
     full = n // rows
-    if full and mma_tile(rows, rows, k):
+    if full and mma_tile(rows, rows, k, min_k):
         t = w[:full * rows].reshape(full, rows // 16, 2, 8, k // 32, 4, 8)
         out[:full * rows] = t.permute(0, 1, 4, 2, 3, 5, 6).reshape(full * rows, k)
     return out
@@ -544,7 +545,8 @@ class ChainKernel:
         if groups > GROUPS:
             raise ValueError(f"a tile of this chain takes {groups} row groups with {self.consumers} consumer "
                              f"threads and STEPS = {self.steps}; chain.cu holds {GROUPS}")
-        bufs.use_mma_layout(bool(define_value(self.defines, "MMA_TILES", self.cu, default=0)))
+        mma = define_value(self.defines, "MMA_TILES", self.cu, default=0)
+        bufs.use_mma_layout(define_value(self.defines, "MMA_MIN_K", self.cu, default=32) if mma else None)
         self.fn.max_dynamic_shared_size_bytes = self.smem
         self.bufs = bufs
         self.counters = torch.zeros(n, dtype=torch.int32, device="cuda")

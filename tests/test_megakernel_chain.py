@@ -20,7 +20,7 @@ TINY = dict(mc.SKELETON, d=64, q_rank=32, e_lat=64, e_w=32, dense=64, vocab=128,
 
 def long_x_chain(slot_bytes: int) -> mc.Chain:
     """The longest x (k = XMAX), long x with a second input, x read with wrap-around from the external input and
-    from a phase, and an external input plus a second input."""
+    from a phase, an external input plus a second input, and a phase wide enough for MMA_MIN_K = 512."""
     c = mc.Chain(x_len=64, slot_bytes=slot_bytes)
     a = c.gemv("a", 8192, 64, -1)
     b = c.gemv("b.k8192", 64, 8192, a)
@@ -29,6 +29,7 @@ def long_x_chain(slot_bytes: int) -> mc.Chain:
     f = c.gemv("f.wrap", 64, 256, e)                    # e's 64 outputs, wrapped
     c.gemv("g.x_in+b", 64, 128, -1, dep2=b)
     c.gemv("h", 32, 64, f)
+    c.gemv("i.k1024", 64, 1024, a)                      # tiles of 32 rows: tensor cores with MMA_MIN_K=512
     return c
 
 
@@ -189,7 +190,8 @@ def test_chain_cu_builds_for_sm90a_without_spills(tmp_path):
     for nslot, slot, defines in [(3, 65536, ()), (4, 32768, ()), (2, 65536, ()),
                                  (3, 65536, ("TILE_IN_REGS=1", "CONSUMER_WARPS=8", "STEPS=8")),
                                  (3, 65536, ("TRACE_TILES",)), (3, 65536, ("TRACE",)), (3, 65536, ("WARP_ROWS=1",)),
-                                 (3, 65536, ("MMA_TILES=1",)), (3, 65536, ("MMA_TILES=1", "TRACE_TILES"))]:
+                                 (3, 65536, ("MMA_TILES=1",)), (3, 65536, ("MMA_TILES=1", "TRACE_TILES")),
+                                 (3, 65536, ("MMA_TILES=1", "MMA_MIN_K=512"))]:
         path, report = mc.compile_cubin(nslot, slot, str(tmp_path), defines=defines)
         assert Path(path).stat().st_size > 0
         assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
@@ -292,16 +294,20 @@ def test_mma_packing_gives_the_tiles_rows(rows, k):
         assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)
     assert mc.mma_tile(16, 16, 2048) and not mc.mma_tile(4, 4, 8192) and not mc.mma_tile(16, 8, 2048)
     assert torch.equal(mc.pack_mma_tiles(w[:, :24].contiguous(), rows), w[:, :24])   # k not a multiple of 32
+    assert torch.equal(mc.pack_mma_tiles(w, rows, min_k=k + 32), w)                   # narrower than MMA_MIN_K
 
 
 def test_mma_layout_switches_the_tables_weights():
     c = mc.k3_small_chain(TINY)
     b = mc.Buffers(c, device="cpu")
     plain = b.table[:, mc.FIELDS.index("w")].clone()
-    b.use_mma_layout(True)
+    b.use_mma_layout(32)
     packed = b.table[:, mc.FIELDS.index("w")].clone()
     assert (packed - plain).unique().tolist() == [b.w_packed.data_ptr() - b.w.data_ptr()]
-    b.use_mma_layout(False)
+    first = b.w_packed.clone()
+    b.use_mma_layout(10**6)                                 # another MMA_MIN_K: packed again (here: nothing is)
+    assert torch.equal(b.w_packed, b.w) and not torch.equal(first, b.w)
+    b.use_mma_layout(None)
     assert torch.equal(b.table[:, mc.FIELDS.index("w")], plain)
     b.run_reference()                                       # the reference reads the plain weights
     assert b.errors()["max_rel"] == {"gemv": 0.0, "topk": 0.0, "routed": 0.0}
@@ -321,9 +327,10 @@ def test_every_chain_fits_the_kernels_row_groups():
 @pytest.mark.parametrize("ring", [(4, 32768, ()), (3, 65536, ()),
                                   (3, 65536, ("TILE_IN_REGS=1", "CONSUMER_WARPS=8", "STEPS=8")),
                                   (3, 65536, ("WARP_ROWS=1",)), (4, 32768, ("WARP_ROWS=1", "CONSUMER_WARPS=24")),
-                                  (3, 65536, ("MMA_TILES=1",)), (4, 32768, ("MMA_TILES=1",))],
+                                  (3, 65536, ("MMA_TILES=1",)), (4, 32768, ("MMA_TILES=1",)),
+                                  (3, 65536, ("MMA_TILES=1", "MMA_MIN_K=512"))],
                          ids=["4x32k", "3x64k", "3x64k-tile-in-regs", "3x64k-warp-rows", "4x32k-warp-rows-24",
-                              "3x64k-mma", "4x32k-mma"])
+                              "3x64k-mma", "4x32k-mma", "3x64k-mma-min-k-512"])
 def test_chain_kernel_matches_reference(tmp_path, ring):
     """Every phase's output equals its reference from the kernel's own inputs (fp32 sums in another order),
     the top-k picks the same experts in the same order, no row is left unwritten; in stream and serial mode,

@@ -38,8 +38,11 @@
 #error "NOHANDSHAKE needs NOCOPY (nothing is copied into slots nobody waits for), and not TILE_IN_REGS"
 #endif
 #ifndef MMA_TILES
-#define MMA_TILES 0                    // 1: full tiles of 16k rows (k a multiple of 32) summed on tensor cores
-#endif                                 // (mma.sync m16n8k16 bf16, fp32 sums) from tiles packed for it on the host
+#define MMA_TILES 0                    // 1: full tiles of 16k rows (k a multiple of 32, at least MMA_MIN_K) summed on
+#endif                                 // tensor cores (mma.sync m16n8k16 bf16, fp32 sums) from tiles packed for it
+#ifndef MMA_MIN_K                      // on the host; narrower ones keep the default layout, whose small tiles need
+#define MMA_MIN_K 32                   // no barrier
+#endif
 #if MMA_TILES && (WARP_ROWS || TILE_IN_REGS)
 #error "MMA_TILES keeps the default layout for the tiles it does not take: not with WARP_ROWS or TILE_IN_REGS"
 #endif
@@ -374,7 +377,7 @@ __device__ __forceinline__ void warp_rows(const uint4* tile, const uint4* x8, in
 
 // MMA_TILES: whether a tile is summed on tensor cores, and so packed for it (megakernel_chain.py `mma_tile`).
 __device__ __forceinline__ bool mma_tile(int rows, int rows_here, int k) {
-    return MMA_TILES && rows % 16 == 0 && rows_here == rows && k % 32 == 0;
+    return MMA_TILES && rows % 16 == 0 && rows_here == rows && k % 32 == 0 && k >= MMA_MIN_K;
 }
 
 // D += A B for one m16n8k16 step: A 16 x 16 bf16 (row), B 16 x 8 bf16 (col), D 16 x 8 fp32.
