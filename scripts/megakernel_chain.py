@@ -21,8 +21,8 @@ SKELETON), whose `stream` time is the chain's latency without the bytes; `*-fuse
                                         [--rings 3x65536[:DEFINE+...],...] [--rounds 3] [--iters 50]
                                         [--cu OTHER_CHAIN.cu] [--out F.json] [--plot F.png] [--tile-plot F.png]
 
-Defines for a ring (chain.cu says what each does): MMA_TILES=1 (full tiles of 16k rows summed on tensor cores, from
-tiles packed for it), WARP_ROWS=1 (each warp sums whole rows, no barrier in a tile),
+Defines for a ring (chain.cu says what each does): MMA_TILES=0 (the default, 1, sums full tiles of 16k rows on tensor
+cores, from tiles packed for it; MMA_MIN_K=n only tiles at least n wide), WARP_ROWS=1 (each warp sums whole rows, no barrier in a tile),
 TILE_IN_REGS=1 (with CONSUMER_WARPS=8+STEPS=8), TRACE (per x load:
 its time and the wait for the tile after it, summarised per mode), TRACE_TILES (per tile: what the ring did, from
 the producer, an observer warp and the consumers; `tile_pipeline`), and the diagnostics SKIP_COMPUTE, NOLOADX and
@@ -357,6 +357,18 @@ def mma_tile(rows: int, rows_here: int, k: int, min_k: int = 32) -> bool:
     return rows % 16 == 0 and rows_here == rows and k % 32 == 0 and k >= min_k
 
 
+def mma_min_k(defines: tuple[str, ...], cu: Path = CU) -> int | None:
+    """A build's MMA_MIN_K where it sums on tensor cores (chain.cu's MMA_TILES: on by default, off by default
+    beside WARP_ROWS or TILE_IN_REGS, off in a chain.cu without it), else None."""
+    if any(d.startswith("MMA_TILES=") for d in defines):
+        mma = define_value(defines, "MMA_TILES", cu)
+    elif any(define_value(defines, name, cu, default=0) for name in ("WARP_ROWS", "TILE_IN_REGS")):
+        mma = 0
+    else:
+        mma = cu_default("MMA_TILES", cu, default=0)
+    return define_value(defines, "MMA_MIN_K", cu, default=32) if mma else None
+
+
 def pack_mma_tiles(w: torch.Tensor, rows: int, min_k: int = 32) -> torch.Tensor:
     """w [N, k] (a phase's weights, tiles of `rows` rows) with each tile that `mma_tile` takes reordered as chain.cu's
     `mma_partials` reads it: 16-byte chunks in the order [row block rb][k block kb][half][g][q], the chunk holding
@@ -545,8 +557,7 @@ class ChainKernel:
         if groups > GROUPS:
             raise ValueError(f"a tile of this chain takes {groups} row groups with {self.consumers} consumer "
                              f"threads and STEPS = {self.steps}; chain.cu holds {GROUPS}")
-        mma = define_value(self.defines, "MMA_TILES", self.cu, default=0)
-        bufs.use_mma_layout(define_value(self.defines, "MMA_MIN_K", self.cu, default=32) if mma else None)
+        bufs.use_mma_layout(mma_min_k(self.defines, self.cu))
         self.fn.max_dynamic_shared_size_bytes = self.smem
         self.bufs = bufs
         self.counters = torch.zeros(n, dtype=torch.int32, device="cuda")

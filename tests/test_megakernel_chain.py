@@ -190,8 +190,7 @@ def test_chain_cu_builds_for_sm90a_without_spills(tmp_path):
     for nslot, slot, defines in [(3, 65536, ()), (4, 32768, ()), (2, 65536, ()),
                                  (3, 65536, ("TILE_IN_REGS=1", "CONSUMER_WARPS=8", "STEPS=8")),
                                  (3, 65536, ("TRACE_TILES",)), (3, 65536, ("TRACE",)), (3, 65536, ("WARP_ROWS=1",)),
-                                 (3, 65536, ("MMA_TILES=1",)), (3, 65536, ("MMA_TILES=1", "TRACE_TILES")),
-                                 (3, 65536, ("MMA_TILES=1", "MMA_MIN_K=512"))]:
+                                 (3, 65536, ("MMA_TILES=0",)), (3, 65536, ("MMA_MIN_K=512",))]:
         path, report = mc.compile_cubin(nslot, slot, str(tmp_path), defines=defines)
         assert Path(path).stat().st_size > 0
         assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
@@ -297,6 +296,13 @@ def test_mma_packing_gives_the_tiles_rows(rows, k):
     assert torch.equal(mc.pack_mma_tiles(w, rows, min_k=k + 32), w)                   # narrower than MMA_MIN_K
 
 
+def test_mma_follows_the_builds_defines():
+    assert mc.mma_min_k(()) == 32 and mc.mma_min_k(("MMA_MIN_K=512",)) == 512
+    assert mc.mma_min_k(("MMA_TILES=0",)) is None
+    assert mc.mma_min_k(("WARP_ROWS=1",)) is None and mc.mma_min_k(("TILE_IN_REGS=1", "STEPS=8")) is None
+    assert mc.mma_min_k(("WARP_ROWS=0",)) == 32
+
+
 def test_mma_layout_switches_the_tables_weights():
     c = mc.k3_small_chain(TINY)
     b = mc.Buffers(c, device="cpu")
@@ -327,10 +333,10 @@ def test_every_chain_fits_the_kernels_row_groups():
 @pytest.mark.parametrize("ring", [(4, 32768, ()), (3, 65536, ()),
                                   (3, 65536, ("TILE_IN_REGS=1", "CONSUMER_WARPS=8", "STEPS=8")),
                                   (3, 65536, ("WARP_ROWS=1",)), (4, 32768, ("WARP_ROWS=1", "CONSUMER_WARPS=24")),
-                                  (3, 65536, ("MMA_TILES=1",)), (4, 32768, ("MMA_TILES=1",)),
-                                  (3, 65536, ("MMA_TILES=1", "MMA_MIN_K=512"))],
+                                  (3, 65536, ("MMA_TILES=0",)), (4, 32768, ("MMA_TILES=0",)),
+                                  (3, 65536, ("MMA_MIN_K=512",))],
                          ids=["4x32k", "3x64k", "3x64k-tile-in-regs", "3x64k-warp-rows", "4x32k-warp-rows-24",
-                              "3x64k-mma", "4x32k-mma", "3x64k-mma-min-k-512"])
+                              "3x64k-no-mma", "4x32k-no-mma", "3x64k-mma-min-k-512"])
 def test_chain_kernel_matches_reference(tmp_path, ring):
     """Every phase's output equals its reference from the kernel's own inputs (fp32 sums in another order),
     the top-k picks the same experts in the same order, no row is left unwritten; in stream and serial mode,

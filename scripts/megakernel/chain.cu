@@ -37,11 +37,15 @@
 #if defined(NOHANDSHAKE) && (!defined(NOCOPY) || TILE_IN_REGS)
 #error "NOHANDSHAKE needs NOCOPY (nothing is copied into slots nobody waits for), and not TILE_IN_REGS"
 #endif
-#ifndef MMA_TILES
-#define MMA_TILES 0                    // 1: full tiles of 16k rows (k a multiple of 32, at least MMA_MIN_K) summed on
-#endif                                 // tensor cores (mma.sync m16n8k16 bf16, fp32 sums) from tiles packed for it
-#ifndef MMA_MIN_K                      // on the host; narrower ones keep the default layout, whose small tiles need
-#define MMA_MIN_K 32                   // no barrier
+#ifndef MMA_TILES                      // 1: full tiles of 16k rows (k a multiple of 32, at least MMA_MIN_K) summed on
+#if !(WARP_ROWS || TILE_IN_REGS)       // tensor cores (mma.sync m16n8k16 bf16, fp32 sums) from tiles packed for it
+#define MMA_TILES 1                    // on the host (the default since 12-02: k3-small 0.624 against 0.650 ms)
+#else
+#define MMA_TILES 0                    // (the other consumer layouts: none)
+#endif
+#endif
+#ifndef MMA_MIN_K                      // narrower tiles keep the default layout, whose small tiles need no barrier
+#define MMA_MIN_K 32                   // (512: k3-small 0.634 ms, the skeleton 0.269 against 0.288)
 #endif
 #if MMA_TILES && (WARP_ROWS || TILE_IN_REGS)
 #error "MMA_TILES keeps the default layout for the tiles it does not take: not with WARP_ROWS or TILE_IN_REGS"
