@@ -393,13 +393,6 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// A packed tile (rows x k, rows = 16 RB): 16-byte chunks in the order [rb][kb][half][g][q], chunk = the 8 weights
-// of row 16 rb + 8 half + g at columns 32 kb + 8 q ... + 7. Lane (g, q) = (lane / 4, lane % 4) takes chunks U
-// (half 0) and V (half 1) of its k block, 512 contiguous bytes a warp, and x's chunk X at 32 kb + 8 q, and makes
-// them two m16n8k16 steps. The k order is permuted the same way in A and B: step 1 sees columns 8q + {0, 1, 2, 3}
-// as its 2q, 2q + 1, 2q + 8, 2q + 9, step 2 columns 8q + {4..7}. B has x in all eight columns, so D's columns are
-// equal. Warps split (row block, k blocks); their partial sums meet in red (double-buffered by tile).
-// Returns once this warp's partials are in red; the caller syncs, then sums.
 struct MmaSplit {                        // a phase's split of its tiles over the warps (computed once a phase)
     int KB, wpr, rb, ks;                    // k blocks; warps per row block; this warp's row block and first k block
 };
@@ -407,6 +400,14 @@ __device__ __forceinline__ MmaSplit mma_split(int rows, int k, int warp) {
     const int RB = rows / 16, wpr = RB <= CONSUMER_WARPS ? CONSUMER_WARPS / RB : 1;
     return MmaSplit{k / 32, wpr, warp / wpr, warp % wpr};
 }
+
+// A packed tile (rows x k, rows = 16 RB): 16-byte chunks in the order [rb][kb][half][g][q], chunk = the 8 weights
+// of row 16 rb + 8 half + g at columns 32 kb + 8 q ... + 7. Lane (g, q) = (lane / 4, lane % 4) takes chunks U
+// (half 0) and V (half 1) of its k block, 512 contiguous bytes a warp, and x's chunk X at 32 kb + 8 q, and makes
+// them two m16n8k16 steps. The k order is permuted the same way in A and B: step 1 sees columns 8q + {0, 1, 2, 3}
+// as its 2q, 2q + 1, 2q + 8, 2q + 9, step 2 columns 8q + {4..7}. B has x in all eight columns, so D's columns are
+// equal. Warps split (row block, k blocks); their partial sums meet in red (double-buffered by MMA tile).
+// Returns once this warp's partials are in red; the caller syncs, then sums.
 __device__ __forceinline__ void mma_partials(const uint4* tile, const uint4* x8, int rows, const MmaSplit& m, int warp,
                                              int lane, float* red) {
     const int RB = rows / 16, KB = m.KB, wpr = m.wpr, rb = m.rb, ks = m.ks;
