@@ -394,13 +394,30 @@ def block_tiles(chain: Chain, nblk: int) -> list[list[tuple[int, int, int]]]:
     return out
 
 
-def _union_us(intervals: list[tuple[float, float]]) -> float:
-    """Length of the union of [a, b) intervals."""
-    total, end = 0.0, float("-inf")
+def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of [a, b) intervals as disjoint intervals in order."""
+    out: list[list[float]] = []
     for a, b in sorted(intervals):
-        if b > end:
-            total += b - max(a, end)
-            end = b
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        elif b > a:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _length(merged: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in merged)
+
+
+def _overlap(x: list[tuple[float, float]], y: list[tuple[float, float]]) -> float:
+    """Length of the intersection of two `_merged` lists (one sweep)."""
+    total, i, j = 0.0, 0, 0
+    while i < len(x) and j < len(y):
+        total += max(0.0, min(x[i][1], y[j][1]) - max(x[i][0], y[j][0]))
+        if x[i][1] < y[j][1]:
+            i += 1
+        else:
+            j += 1
     return total
 
 
@@ -429,12 +446,11 @@ def tile_pipeline(tr: torch.Tensor, tiles: list[list[tuple[int, int, int]]], bin
         landed += [(r[LANDED], nb) for r, (_, _, nb) in rows if nb]
         if copies:
             first, last = min(a for a, _ in copies), max(b2 for _, b2 in copies)
-            busy = _union_us(copies)
-            per["stream_stopped"].append(last - first - busy)
+            busy = _merged(copies)
+            per["stream_stopped"].append(last - first - _length(busy))
             # stopped while the producer waited for a free slot: [want, free) minus the copies in flight then
-            waits = [(r[WANT], r[FREE]) for r, _ in rows if r[FREE] > r[WANT]]
-            per["stopped_ring_full"].append(_union_us(waits) - _union_us(
-                [(max(a, w0), min(b2, w1)) for w0, w1 in waits for a, b2 in copies if a < w1 and b2 > w0]))
+            waits = _merged([(r[WANT], r[FREE]) for r, _ in rows])
+            per["stopped_ring_full"].append(_length(waits) - _overlap(waits, busy))
         prev, wf, wo, sums, gaps = None, 0.0, 0.0, 0.0, 0.0
         for r, key in rows:
             w = r[HAVE] - r[TAKE]

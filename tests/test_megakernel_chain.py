@@ -240,6 +240,24 @@ def test_tile_pipeline_reads_the_ring_from_its_times():
     assert r["bins_below_half_peak"] == pytest.approx(5 / 8)
 
 
+def test_interval_unions_and_overlaps_match_sampling():
+    g = torch.Generator().manual_seed(3)
+    starts = torch.rand(2, 120, generator=g) * 100
+    lens = torch.rand(2, 120, generator=g) * torch.tensor([[3.0], [5.0]])
+    x, y = ([(a, a + d) for a, d in zip(starts[i].tolist(), lens[i].tolist())] for i in range(2))
+    mx, my = mc._merged(x), mc._merged(y)
+    assert all(b0 < a1 for (_, b0), (a1, _) in zip(mx, mx[1:]))                  # disjoint, in order
+    t = torch.arange(0, 110, 0.005)
+    inx = torch.zeros_like(t, dtype=torch.bool)
+    iny = torch.zeros_like(inx)
+    for a, b in x:
+        inx |= (t >= a) & (t < b)
+    for a, b in y:
+        iny |= (t >= a) & (t < b)
+    assert mc._length(mx) == pytest.approx(inx.sum().item() * 0.005, abs=0.05)
+    assert mc._overlap(mx, my) == pytest.approx((inx & iny).sum().item() * 0.005, abs=0.05)
+
+
 def test_tile_plot_draws_each_traced_launch(tmp_path):
     pytest.importorskip("matplotlib")
     tp = hand_made_pipeline()
