@@ -21,12 +21,12 @@ SKELETON), whose `stream` time is the chain's latency without the bytes; `*-fuse
                                         [--rings 3x65536[:DEFINE+...],...] [--rounds 3] [--iters 50]
                                         [--cu OTHER_CHAIN.cu] [--out F.json] [--plot F.png] [--tile-plot F.png]
 
-Defines for a ring (chain.cu says what each does): MMA_TILES=0 (the default, 1, sums full tiles of 16k rows on tensor
-cores, from tiles packed for it; MMA_MIN_K=n only tiles at least n wide), WARP_ROWS=1 (each warp sums whole rows, no barrier in a tile),
-TILE_IN_REGS=1 (with CONSUMER_WARPS=8+STEPS=8), TRACE (per x load:
-its time and the wait for the tile after it, summarised per mode), TRACE_TILES (per tile: what the ring did, from
-the producer, an observer warp and the consumers; `tile_pipeline`), and the diagnostics SKIP_COMPUTE, NOLOADX and
-NOCOPY (no weights copied: the consumers alone).
+Defines for a ring (chain.cu says what each does): MMA_TILES=0 (CUDA-core sums instead of the default tensor-core
+tiles, which the host packs for them), MMA_MIN_K=n (tensor cores only for tiles at least n wide), WARP_ROWS=1 (each
+warp sums whole rows, no barrier in a tile), TILE_IN_REGS=1 (with CONSUMER_WARPS=8+STEPS=8), TRACE (per x load: its
+time and the wait for the tile after it, summarised per mode), TRACE_TILES (per tile: what the ring did, from the
+producer, an observer warp and the consumers; `tile_pipeline`), and the diagnostics SKIP_COMPUTE, NOLOADX, NOCOPY
+(no weights copied: the consumers alone) and NOHANDSHAKE (with NOCOPY: no producer either).
 
 Checks each mode's outputs against a torch reference first (per phase, from the kernel's own inputs), then
 times interleaved rounds (CUDA events around each launch) and records when each phase finished (%globaltimer).
