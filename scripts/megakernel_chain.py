@@ -694,12 +694,24 @@ def run_chain(name: str, kern: ChainKernel, modes: list[str], rounds: int, iters
     return res
 
 
-def plot(result: dict, path: str) -> None:
-    """Per chain: weight bytes of the finished phases against when they finished, per mode, beside the copy rate
-    from the launch (the bytes floor)."""
+def _pyplot():
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    return plt
+
+
+def _save_png(fig, path: str) -> None:
+    """Written to a temporary file, then renamed: no half-written plot."""
+    tmp = path + ".tmp.png"
+    fig.savefig(tmp, dpi=110)
+    os.replace(tmp, path)
+
+
+def plot(result: dict, path: str) -> None:
+    """Per chain: weight bytes of the finished phases against when they finished, per mode, beside the copy rate
+    from the launch (the bytes floor)."""
+    plt = _pyplot()
     charts = list(result["chains"].items())
     cols = min(3, len(charts))
     rows = -(-len(charts) // cols)
@@ -719,17 +731,13 @@ def plot(result: dict, path: str) -> None:
         ax.legend(fontsize=8)
     fig.suptitle(f"One persistent launch per step, synthetic k3-small chain ({result['device']})", fontsize=11)
     fig.tight_layout()
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp, dpi=110)
-    os.replace(tmp, path)
+    _save_png(fig, path)
 
 
 def plot_tiles(result: dict, path: str) -> None:
     """Per traced (chain, mode) launch (-DTRACE_TILES): the weight bytes landing in the rings, all blocks together,
     per microsecond, against the copy rate."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
     runs = [(f"{name} {m}", r["ms"][m], tp) for name, r in result["chains"].items()
             for m, tp in r.get("tile_pipeline", {}).items() if tp.get("landed_tbs")]
     if not runs:
@@ -747,9 +755,7 @@ def plot_tiles(result: dict, path: str) -> None:
     axes[-1, 0].set_xlabel(f"us after the traced launch's first copy (bins of {runs[0][2]['bin_us']:.0f} us; "
                            f"dashed: the copy rate)")
     fig.tight_layout()
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp, dpi=110)
-    os.replace(tmp, path)
+    _save_png(fig, path)
 
 
 def main() -> None:
