@@ -86,6 +86,10 @@
 #            scripts/megakernel_chain.py (k3-small's step as a synthetic chain in one persistent launch; stream,
 #            serial and nodeps modes; rings $CHAIN_RINGS, default 3x65536), JSON and plot in $OUT (and with a
 #            TRACE_TILES ring, chain-tiles.png: the landed bytes over time)
+#   layer    milestone 2 of docs/megakernel.md, first part: tests/test_megakernel_layer.py's cuda tests, then
+#            scripts/megakernel_layer.py (k3-small's 11 MoE sublayers with the model's weights in one persistent
+#            launch, checked against its emulation and the compile backend's MoE, timed against a CUDA graph of
+#            those; $LAYER_ARGS), JSON in $OUT
 #   profile  scripts/profile_decode.py --backend $PROFILE_BACKEND (default compile): kernels per decode step, and the
 #            graph replay's critical path (what each kernel adds to the span under PDL; 15:25: an upper bound only)
 set -uo pipefail
@@ -222,9 +226,13 @@ for part in $parts; do
              ${CHAIN_ARGS:-} --out "$OUT/chain.json" --plot "$OUT/chain.png" \
              $([[ ${CHAIN_RINGS:-} == *TRACE_TILES* ]] && echo --tile-plot "$OUT/chain-tiles.png") \
              >> "$OUT/chain.log" 2>&1 ;;
+    layer) timeout 240 python3 -m pytest -q -m cuda tests/test_megakernel_layer.py -s -rs -p no:cacheprovider \
+             > "$OUT/layer.log" 2>&1
+           timeout ${LAYER_TIMEOUT:-300} python3 scripts/megakernel_layer.py ${LAYER_ARGS:-} --out "$OUT/layer.json" \
+             >> "$OUT/layer.log" 2>&1 ;;
     profile) timeout 150 python3 scripts/profile_decode.py --backend ${PROFILE_BACKEND:-compile} ${PROFILE_ARGS:-} \
              > "$OUT/profile.log" 2>&1 ;;
-    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe trtfp8 fp8eng grouped grpsmall fp8comp overlap chain profile)"; continue ;;
+    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe trtfp8 fp8eng grouped grpsmall fp8comp overlap chain layer profile)"; continue ;;
   esac
   echo "$part: exit $? in $((SECONDS - t)) s" | tee -a "$OUT/pending.log"
   tail -4 "$OUT/$part.log" 2>/dev/null

@@ -42,6 +42,7 @@ import math
 import os
 import re
 import statistics
+import struct
 import subprocess
 import tempfile
 import warnings
@@ -51,8 +52,10 @@ import torch
 
 CU = Path(__file__).resolve().parent / "megakernel" / "chain.cu"
 FIELDS = ("kind", "n", "k", "rows", "ntiles", "tile0", "src", "xlen", "xstride", "route", "ne", "w", "y",
-          "n_experts", "dep2", "xlen2")        # chain.cu's `struct Phase`, one int64 each
+          "n_experts", "dep2", "xlen2", "xop", "nxseg")        # chain.cu's `struct Phase`, one int64 each
 KINDS = {"gemv": 0, "topk": 1, "routed": 2}
+XOPS = {"glu": 1, "combine_norm": 2, "score": 3}     # chain.cu's `enum XOp`
+PHASE_BYTES, XSEG_BYTES = 80, 64                     # chain.cu's PhaseC (in shared memory) and XSeg
 MODES = {"stream": 0, "serial": 1, "nodeps": 2}
 
 
@@ -73,6 +76,8 @@ def define_value(defines: tuple[str, ...], name: str, cu: Path = CU, default: in
 
 
 XMAX = cu_default("XMAX")           # chain.cu: the longest x of a GEMV held in shared memory (bf16)
+COMBINE_MAX = cu_default("COMBINE_MAX")   # ... top-k slots an X_COMBINE_NORM sums at most
+XDUMP_SLOTS = cu_default("XDUMP_SLOTS")   # ... x slots per phase in xdump
 XMAX_TOPK = XMAX // 2               # ... and of a top-k (fp32)
 GROUPS = cu_default("GROUPS")       # ... row groups of a tile at most
 TRACE_UNITS = cu_default("TRACE_UNITS")   # chain.cu -DTRACE: x loads traced per block
@@ -110,6 +115,8 @@ class Phase:
     rows: int = 1           # rows per tile
     ntiles: int = 1
     tile0: int = 0
+    xop: int = -1           # x by recipe: Chain.xsegs[xop : xop + nxseg] (-1: x as above)
+    nxseg: int = 0
 
     @property
     def bytes_read(self) -> int:
@@ -122,11 +129,78 @@ class Phase:
         return {"gemv": self.n * self.k, "topk": 0, "routed": self.n_experts * self.ne * self.k}[self.kind]
 
 
+@dataclasses.dataclass
+class XSeg:
+    """One part of a phase's x by recipe (chain.cu's `XSeg`, which says what each op computes): x[j0 + j], j < len,
+    from the words of phase src's output at off + slot * stride + j.
+    - "glu": bf16(SiTU-GLU(a, b)), b off2 words after a; round_in: a and b rounded to bf16 first;
+    - "combine_norm": the MoE combine over nslot slots (stride words apart) with top-k phase route's weights, then
+      RMSNorm with weight aux (bf16 [len]) and eps;
+    - "score" (a top-k's x): sigmoid, correction bias aux (fp32 [len]) for the choice, weights renormalised when
+      renorm, times scaling."""
+    op: str
+    src: int
+    len: int
+    off: int = 0
+    off2: int = 0
+    stride: int = 0
+    route: int = -1
+    nslot: int = 0
+    round_in: bool = False
+    renorm: bool = False
+    aux: torch.Tensor | None = None
+    beta: float = 0.0
+    lb: float = 0.0
+    eps: float = 0.0
+    scaling: float = 1.0
+
+    def packed(self, aux_ptr: int) -> bytes:
+        return struct.pack("<q10i4f", aux_ptr, XOPS[self.op], self.src, self.off, self.len, self.off2, self.stride,
+                           self.route, self.nslot, int(self.round_in), int(self.renorm), self.beta, self.lb, self.eps,
+                           self.scaling)
+
+
 class Chain:
-    """Phases in launch order; each phase's inputs come before it, and its tiles follow the previous phase's."""
+    """Phases in launch order; each phase's inputs come before it, and its tiles follow the previous phase's.
+    `init`: weights given for a phase (its index -> a tensor of `Buffers.weights`' shape); the rest are random.
+    `xsegs`: the x recipes the phases point at."""
 
     def __init__(self, x_len: int, slot_bytes: int = 65536):
         self.x_len, self.slot_bytes, self.phases = x_len, slot_bytes, []
+        self.init: dict[int, torch.Tensor] = {}
+        self.xsegs: list[XSeg] = []
+
+    def _recipe(self, ph: Phase, segs: list[XSeg] | None, weight: torch.Tensor | None) -> Phase:
+        """Attach x recipe parts and given weights to the phase about to be added (checked here)."""
+        p = len(self.phases)
+        if weight is not None:
+            shape = (ph.n_experts, ph.ne, ph.k) if ph.kind == "routed" else (ph.n, ph.k)
+            if tuple(weight.shape) != shape:
+                raise ValueError(f"{ph.name}: weight {tuple(weight.shape)}, the phase needs {shape}")
+            self.init[p] = weight.detach()
+        if not segs:
+            return ph
+        width = ph.xlen if ph.kind == "topk" else ph.k
+        if sum(g.len for g in segs) != width:
+            raise ValueError(f"{ph.name}: x recipe parts cover {sum(g.len for g in segs)} of x's {width}")
+        for g in segs:
+            if g.op not in XOPS:
+                raise ValueError(f"{ph.name}: unknown x recipe op {g.op!r} (choose from {', '.join(XOPS)})")
+            if (g.op == "score") != (ph.kind == "topk"):
+                raise ValueError(f"{ph.name}: a top-k's x recipe is one 'score' part, and 'score' is only a top-k's")
+            if not 0 <= g.src < p:
+                raise ValueError(f"{ph.name}: x recipe reads phase {g.src}, which is not before it")
+            if g.op == "combine_norm":
+                if not (0 <= g.route < p and self.phases[g.route].kind == "topk"):
+                    raise ValueError(f"{ph.name}: combine weights from phase {g.route}, not an earlier top-k")
+                if not 0 < g.nslot <= min(COMBINE_MAX, self.phases[g.route].ne):
+                    raise ValueError(f"{ph.name}: combine over {g.nslot} slots (at most {COMBINE_MAX} and the "
+                                     f"top-k's {self.phases[g.route].ne})")
+            if g.op in ("combine_norm", "score") and (g.aux is None or g.aux.numel() != g.len):
+                raise ValueError(f"{ph.name}: {g.op} needs its {g.len} weights (aux)")
+        ph.xop, ph.nxseg = len(self.xsegs), len(segs)
+        self.xsegs += segs
+        return ph
 
     def _rows(self, n: int, k: int, ne: int = 0) -> int:
         """Rows per tile: a power of two that fills a slot (at most MAX_ROWS), no more than n needs; routed tiles
@@ -153,21 +227,27 @@ class Chain:
             raise ValueError(f"{name}: depends on phase {src}, which is not before it (phase {len(self.phases)})")
         return self.x_len if src < 0 else self.phases[src].n
 
-    def gemv(self, name: str, n: int, k: int, src: int, dep2: int = -1) -> int:
+    def gemv(self, name: str, n: int, k: int, src: int, dep2: int = -1, xsegs: list[XSeg] | None = None,
+             weight: torch.Tensor | None = None) -> int:
+        """y = W x; x from src (+ dep2), or by the recipe `xsegs` (then src only names the first input)."""
         rows = self._rows(n, k)
         xlen2 = self._xlen(dep2, name) if dep2 >= 0 else 0
-        return self._add(Phase(name, "gemv", n, k, src, self._xlen(src, name), dep2=dep2, xlen2=xlen2, rows=rows,
-                               ntiles=-(-n // rows)))
+        return self._add(self._recipe(Phase(name, "gemv", n, k, src, self._xlen(src, name), dep2=dep2, xlen2=xlen2,
+                                            rows=rows, ntiles=-(-n // rows)), xsegs, weight))
 
-    def topk(self, name: str, k: int, src: int) -> int:
+    def topk(self, name: str, k: int, src: int, score: XSeg | None = None) -> int:
+        """The ids of src's k largest values; with `score` (a "score" recipe) of the router's scores, and the
+        weights after the ids (2k outputs)."""
         n = self._xlen(src, name)
-        if not 0 < k <= n <= XMAX_TOPK:
+        if not 0 < k <= n or (2 * n + k if score else n) > XMAX_TOPK:
             raise ValueError(f"{name}: top-{k} of {n} values")
-        return self._add(Phase(name, "topk", k, 0, src, n, ne=k))
+        return self._add(self._recipe(Phase(name, "topk", 2 * k if score else k, 0, src, n, ne=k),
+                                      [score] if score else None, None))
 
-    def routed(self, name: str, route: int, ne: int, k: int, n_experts: int, src: int, per_slot: bool = False) -> int:
+    def routed(self, name: str, route: int, ne: int, k: int, n_experts: int, src: int, per_slot: bool = False,
+               xsegs: list[XSeg] | None = None, weight: torch.Tensor | None = None) -> int:
         """The chosen experts' rows: `ne` rows of [n_experts, ne, k] per top-k slot; with per_slot, slot s reads its
-        own part of src's output (src routed too, `k` of its rows per expert)."""
+        own part of src's output (src routed too, `k` of its rows per expert; with a recipe, `xsegs`' stride)."""
         self._xlen(route, name)
         tk = self.phases[route]
         if tk.kind != "topk":
@@ -175,8 +255,10 @@ class Chain:
         n = tk.ne * ne
         rows = self._rows(n, k, ne)
         xstride, xlen = (self.phases[src].ne, k) if per_slot else (0, self._xlen(src, name))
-        return self._add(Phase(name, "routed", n, k, src, xlen, xstride, route, ne, n_experts, rows=rows,
-                               ntiles=n // rows))
+        if xsegs and per_slot and any(g.stride != xstride for g in xsegs):
+            raise ValueError(f"{name}: per-slot recipe parts must step {xstride} words a slot")
+        return self._add(self._recipe(Phase(name, "routed", n, k, src, xlen, xstride, route, ne, n_experts,
+                                            rows=rows, ntiles=n // rows), xsegs, weight))
 
     @property
     def ntiles(self) -> int:
@@ -246,10 +328,42 @@ CHAINS = {"k3-small": lambda sb: k3_small_chain(WIDTHS, sb), "skeleton": lambda 
           "skeleton-fused": lambda sb: k3_small_chain(SKELETON, sb, fuse=True), "bandwidth": bandwidth_chain}
 
 
+def bf16r(x: torch.Tensor) -> torch.Tensor:
+    return x.bfloat16().float()
+
+
+def sigmoid_k3(x: torch.Tensor) -> torch.Tensor:
+    """chain.cu `sigmoid_k3` (plugins/moe/kernels.py `_sigmoid`), op for op in fp32."""
+    return 1.0 / (1.0 + torch.exp(-x))
+
+
+def tanh_k3(x: torch.Tensor) -> torch.Tensor:
+    """chain.cu `tanh_k3` (plugins/moe/kernels.py `_tanh`), op for op in fp32."""
+    ax = x.abs()
+    t = torch.exp(-2.0 * ax)
+    big = (1.0 - t) / (1.0 + t)
+    x2 = ax * ax
+    small = ax * (1.0 - x2 * ((1.0 / 3.0) - x2 * ((2.0 / 15.0) - x2 * (17.0 / 315.0))))
+    r = torch.where(ax < 0.1, small, big)
+    return torch.where(x < 0, -r, r)
+
+
+def situ_glu_k3(a: torch.Tensor, b: torch.Tensor, beta: float, lb: float) -> torch.Tensor:
+    """chain.cu `situ_glu_k3`. (Divided by tensors: torch divides by a Python number as a multiply by its
+    reciprocal, which rounds differently from a / 25.)"""
+    return beta * tanh_k3(a / torch.full_like(a, beta)) * sigmoid_k3(a) * (lb * tanh_k3(b / torch.full_like(b, lb)))
+
+
+def fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """fmaf(a, b, c) for fp32 tensors (the product is exact in fp64; one rounding to fp64, then to fp32)."""
+    return (a.double() * b.double() + c.double()).float()
+
+
 class Buffers:
-    """Every phase's weights in one bf16 buffer (N(0, 1/k): y stays O(1) along the chain), outputs in one buffer
-    of 8-byte words {fp32 value, u32 epoch of the launch that wrote it}, the external input, and the table the
-    kernel reads (int64 [phases, 16])."""
+    """Every phase's weights in one bf16 buffer (the chain's given weights, else N(0, 1/k): y stays O(1) along the
+    chain), outputs in one buffer of 8-byte words {fp32 value, u32 epoch of the launch that wrote it}, the external
+    input, the table the kernel reads (int64 [phases, len(FIELDS)]) and the x recipes (`XSeg`, 64 bytes each) with
+    their weights. `xdump`: where a check launch writes the x of each recipe (bf16 [phases, XDUMP_SLOTS, XMAX])."""
 
     def __init__(self, chain: Chain, device: str = "cuda", seed: int = 0):
         self.chain = chain
@@ -261,10 +375,13 @@ class Buffers:
             nw += -(-p.weight_elems // 8) * 8          # 16-byte aligned starts
             ny += -(-p.n // 4) * 4
         self.w = torch.empty(max(nw, 8), dtype=torch.bfloat16, device=device)
-        for p, off in zip(chain.phases, self.w_off):
+        for i, (p, off) in enumerate(zip(chain.phases, self.w_off)):
             if p.weight_elems:
                 v = self.w[off:off + p.weight_elems]
-                v.copy_(torch.randn(p.weight_elems, generator=g, device=device) / math.sqrt(p.k))
+                if i in chain.init:
+                    v.copy_(chain.init[i].reshape(-1))
+                else:
+                    v.copy_(torch.randn(p.weight_elems, generator=g, device=device) / math.sqrt(p.k))
         self.y = torch.zeros(max(ny, 4), dtype=torch.int64, device=device)
         self.values = self.y.view(torch.float32)[0::2]      # the low (little-endian first) half of each word
         self.x = torch.randn(chain.x_len, generator=g, device=device)
@@ -275,6 +392,14 @@ class Buffers:
             rows.append([v[f] for f in FIELDS])
         self.table = torch.tensor(rows, dtype=torch.int64, device=device)
         self.w_packed, self.w_packed_min_k = None, None
+        self.aux = [None if xs.aux is None else xs.aux.detach().to(device, torch.float32 if xs.op == "score" else torch.bfloat16)
+                    .contiguous() for xs in chain.xsegs]
+        raw = b"".join(xs.packed(0 if a is None else a.data_ptr()) for xs, a in zip(chain.xsegs, self.aux))
+        self.xsegs = (torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device) if raw
+                      else torch.zeros(XSEG_BYTES, dtype=torch.uint8, device=device))
+        self.xdump = (torch.zeros(len(chain.phases), XDUMP_SLOTS, XMAX, dtype=torch.bfloat16, device=device)
+                      if chain.xsegs else None)
+        self.dumped = False         # xdump holds the last check launch's x (x_of reads it for recipe phases)
 
     def use_mma_layout(self, min_k: int | None) -> None:
         """Point the table at the weights as chain.cu reads them: with -DMMA_TILES=1 (`min_k` its MMA_MIN_K), a copy
@@ -303,11 +428,44 @@ class Buffers:
         """Every output NaN and of no launch (epoch 0), so that an unwritten row shows."""
         self.y.zero_()
         self.values.fill_(float("nan"))
+        if self.xdump is not None:
+            self.xdump.fill_(float("nan"))
+        self.dumped = False
+
+    def recipe_x(self, p: int, slot: int = 0) -> torch.Tensor:
+        """Phase p's x by its recipe, from the outputs now in the buffers, as chain.cu computes it (op for op,
+        except the RMSNorm's sum of squares, summed here in another order). A top-k's: its keys, then its scores."""
+        ph, parts = self.chain.phases[p], []
+        for xs, aux in zip(self.chain.xsegs[ph.xop:ph.xop + ph.nxseg], self.aux[ph.xop:ph.xop + ph.nxseg]):
+            src = self.out(xs.src)
+            j = torch.arange(xs.len, device=src.device)
+            if xs.op == "glu":
+                a, b = src[xs.off + slot * xs.stride + j], src[xs.off + slot * xs.stride + xs.off2 + j]
+                if xs.round_in:
+                    a, b = bf16r(a), bf16r(b)
+                parts.append(bf16r(situ_glu_k3(a, b, xs.beta, xs.lb)))
+            elif xs.op == "combine_norm":
+                rt = self.chain.phases[xs.route]
+                w = self.out(xs.route)[rt.ne:rt.ne + xs.nslot]
+                acc = torch.zeros(xs.len, device=src.device)
+                for s in range(xs.nslot):                       # slot order, one fmaf each
+                    acc = fma32(w[s].expand(xs.len), src[xs.off + s * xs.stride + j], acc)
+                u = bf16r(acc)
+                r = torch.rsqrt((u * u).sum() / torch.tensor(float(xs.len), device=u.device) + xs.eps)
+                parts.append(bf16r(aux.float() * bf16r(u * r)))
+            else:                                               # score
+                sc = sigmoid_k3(src[xs.off + j])
+                parts.append(torch.cat([sc + aux, sc]))
+        return torch.cat(parts)
 
     def x_of(self, p: int, slot: int = 0) -> torch.Tensor:
         """Phase p's input as the kernel reads it: x[j] = y_src[slot * xstride + j % xlen] (+ y_dep2[j % xlen2]),
-        rounded to bf16 for a GEMV."""
+        rounded to bf16 for a GEMV; by its recipe where it has one (after a check launch: the kernel's own x)."""
         ph = self.chain.phases[p]
+        if ph.xop >= 0:
+            if self.dumped and ph.kind != "topk":
+                return self.xdump[p, slot, :ph.k].float()
+            return self.recipe_x(p, slot)
         src = self.x if ph.src < 0 else self.out(ph.src)
         j = torch.arange(ph.xlen if ph.kind == "topk" else ph.k, device=src.device)
         x = src[slot * ph.xstride + j % ph.xlen]
@@ -318,13 +476,45 @@ class Buffers:
     def expected(self, p: int) -> torch.Tensor:
         """Phase p's output from the inputs now in the buffers (fp32 accumulation; top-k: ids as floats)."""
         ph, xs = self.chain.phases[p], None
+        if ph.kind == "topk" and ph.xop >= 0:
+            return self.scored_topk(p)
         if ph.kind == "topk":
             return torch.topk(self.x_of(p), ph.ne).indices.float()       # (descending, as the kernel's rounds)
         if ph.kind == "gemv":
             return self.weights(p).float() @ self.x_of(p)
-        ids = self.out(ph.route).long()
+        ids = self.out(ph.route)[:self.chain.phases[ph.route].ne].long()      # (a scored top-k: then weights)
         xs = [self.x_of(p, s) for s in range(len(ids))]
         return torch.cat([self.weights(p)[e].float() @ (xs[s] if ph.xstride else xs[0]) for s, e in enumerate(ids)])
+
+    def scored_topk(self, p: int) -> torch.Tensor:
+        """A top-k with a "score" recipe: the ids of the k largest keys (ties: the lower id), then their weights
+        (the unbiased scores, summed in slot order, renormalised, times scaling), as chain.cu's rounds do."""
+        ph, xs = self.chain.phases[p], self.chain.xsegs[self.chain.phases[p].xop]
+        x = self.x_of(p)
+        keys, scores = x[:ph.xlen], x[ph.xlen:]
+        ids = torch.sort(keys, descending=True, stable=True).indices[:ph.ne]
+        chosen = scores[ids]
+        total = torch.zeros((), device=x.device)
+        for v in chosen:
+            total = total + v
+        w = chosen / (total + torch.tensor(1e-20, device=x.device)) if xs.renorm else chosen
+        return torch.cat([ids.float(), w * torch.tensor(xs.scaling, device=x.device)])
+
+    def recipe_errors(self) -> dict:
+        """After a check launch: per phase with a recipe (and x slot), how many of the kernel's x values differ from
+        `recipe_x` on the kernel's own inputs, and by how much at most."""
+        out = {}
+        for p, ph in enumerate(self.chain.phases):
+            if ph.xop < 0 or ph.kind == "topk":
+                continue
+            slots = self.chain.phases[ph.route].ne if ph.kind == "routed" and ph.xstride else 1
+            for s in range(slots):
+                got, ref = self.xdump[p, s, :ph.k].float(), self.recipe_x(p, s)
+                diff = (got - ref).abs()
+                out[f"{ph.name}[{s}]" if slots > 1 else ph.name] = {
+                    "differ": int((diff > 0).sum()) + int(torch.isnan(got).sum()), "of": ph.k,
+                    "max_abs": float(diff.nan_to_num(float("inf")).max())}
+        return out
 
     def run_reference(self) -> None:
         """Fill every output in chain order, as the kernel should."""
@@ -343,7 +533,7 @@ class Buffers:
                 continue
             ref = self.expected(p)
             if ph.kind == "topk":
-                if not torch.equal(got, ref):
+                if not torch.equal(got, ref):     # (a scored top-k's weights too: the same ops on the same inputs)
                     topk_wrong.append(ph.name)
                 continue
             rel = ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
@@ -519,9 +709,9 @@ def row_groups(ph: Phase, consumers: int, steps: int) -> int:
     return -(-ph.rows // g)
 
 
-def smem_bytes(nslot: int, slot_bytes: int, nphase: int) -> int:
-    """chain.cu's shared memory: the ring, x (bf16), the phase table (72 bytes a phase), the ring's barriers."""
-    return nslot * slot_bytes + XMAX * 2 + nphase * 72 + 2 * nslot * 8
+def smem_bytes(nslot: int, slot_bytes: int, nphase: int, nxseg: int = 0) -> int:
+    """chain.cu's shared memory: the ring, x (bf16), the phase table, the x recipes, the ring's barriers."""
+    return nslot * slot_bytes + XMAX * 2 + nphase * PHASE_BYTES + nxseg * XSEG_BYTES + 2 * nslot * 8
 
 
 def not_resident(per_sm: int, threads: int, regs: int, smem: int) -> str | None:
@@ -563,7 +753,9 @@ class ChainKernel:
         if bufs.chain.slot_bytes != self.slot_bytes:
             raise ValueError(f"the chain's tiles are for {bufs.chain.slot_bytes}-byte slots, the kernel's "
                              f"{self.slot_bytes}")
-        self.smem = smem_bytes(self.nslot, self.slot_bytes, n)
+        if bufs.chain.xsegs and not define_value(self.defines, "RECIPES", self.cu, default=0):
+            raise ValueError("this chain forms x by recipes: build the kernel with RECIPES=1")
+        self.smem = smem_bytes(self.nslot, self.slot_bytes, n, len(bufs.chain.xsegs))
         why = not_resident(self.per_sm, self.threads, self.regs, self.smem)
         if why:
             raise ValueError(f"ring {self.nslot}x{self.slot_bytes} with {n} phases, {self.per_sm} block(s) an SM: "
@@ -586,15 +778,19 @@ class ChainKernel:
                            if "TRACE_TILES" in self.defines else None)
         self.epoch = 0
 
-    def launch(self, mode: str) -> None:
+    def launch(self, mode: str, dump: bool = False) -> None:
+        """One launch. dump: the x of each recipe goes to bufs.xdump (a check launch; see `Buffers.x_of`)."""
         import numpy as np
         b, u = self.bufs, np.uint64
         self.epoch += 1
+        dump = dump and b.xdump is not None
         args = (u(b.table.data_ptr()), np.int64(len(b.chain.phases)), u(b.x.data_ptr()),
                 u(self.counters.data_ptr()), np.uint32(self.epoch), np.int32(MODES[mode]), u(self.err.data_ptr()),
                 u(self.t_done.data_ptr()), u(self.t_start.data_ptr()),
                 u(self.trace.data_ptr() if self.trace is not None else 0),
-                u(self.tile_trace.data_ptr() if self.tile_trace is not None else 0))
+                u(self.tile_trace.data_ptr() if self.tile_trace is not None else 0),
+                u(b.xsegs.data_ptr()), np.int64(len(b.chain.xsegs)), u(b.xdump.data_ptr() if dump else 0))
+        b.dumped = dump
         with self.stream:
             self.fn((self.blocks,), (self.threads,), args, shared_mem=self.smem)
 

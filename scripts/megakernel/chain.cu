@@ -15,6 +15,12 @@
 //     its tile count after its last tile of the phase) serve only mode SERIAL and the timeline.
 // Every wait is bounded; a wait that runs out writes what it waited for to err[] and the kernel stops (the host
 // reads err after the launch).
+//
+// Milestone 2 (real layers): a phase may form its x by a recipe (`Phase.xop`: XSeg entries, one per part of x) instead
+// of copying words: SiTU-GLU of two parts of a phase's output, the MoE combine (the top-k's weights times the routed
+// experts' rows) followed by an RMSNorm, and for a top-k the router's scores (sigmoid, correction bias for the
+// choice only, weights renormalised). Their arithmetic follows the Triton kernels op for op (plugins/moe/kernels.py
+// `_sigmoid`, `_tanh`, the pair kernels' SiTU-GLU, `_topk`, `_ticket_combine`; the RMSNorm as `RMSNorm` rounds).
 
 #include <cstdint>
 #include <cuda_bf16.h>
@@ -53,6 +59,9 @@
 #if WARP_ROWS && TILE_IN_REGS
 #error "WARP_ROWS and TILE_IN_REGS are two consumer layouts: pick one"
 #endif
+#ifndef RECIPES
+#define RECIPES 0                      // 1: phases may form x by a recipe (real layers, milestone 2); 0: the synthetic
+#endif                                 // chains' kernel (with the recipes, the diagnostic builds spill registers)
 #define GROUPS 2                       // row groups of a tile at most (megakernel_chain.py checks every chain)
 #ifndef TRACE_UNITS
 #define TRACE_UNITS 256                // -DTRACE: per block, the first TRACE_UNITS (phase, slot) x loads' times:
@@ -89,6 +98,7 @@
 #endif
 
 enum Kind : int64_t { GEMV = 0, TOPK = 1, ROUTED = 2 };
+enum XOp : int32_t { X_GLU = 1, X_COMBINE_NORM = 2, X_SCORE = 3 };
 enum Mode : int { STREAM = 0, SERIAL = 1, NODEPS = 2 };
 
 struct Phase {                          // 16 int64 fields, built by megakernel_chain.py (`Buffers.table`)
@@ -99,16 +109,37 @@ struct Phase {                          // 16 int64 fields, built by megakernel_
     int64_t w, y;                       // addresses: weights (bf16) and output ({fp32 value, u32 epoch} words)
     int64_t n_experts;                  // ROUTED: experts in w (ids are clamped to it)
     int64_t dep2, xlen2;                // a second input phase, added to x elementwise (-1: none)
+    int64_t xop, nxseg;                 // x by recipe: XSeg entries xop .. xop + nxseg - 1 (-1: x as above)
 };
 
-struct PhaseC {                         // the table as the kernel keeps it in shared memory (72 bytes a phase)
-    int64_t w, y;
-    int32_t kind, n, k, rows, ntiles, tile0, src, xlen, xstride, route, ne, n_experts, dep2, xlen2;
+// One part of a phase's x by recipe, x[j0 + j] for j < len (j0: the parts before it). 64 bytes, built by
+// megakernel_chain.py (`Chain.xsegs`). Words are read from phase src's y at off + slot * stride + j (slot: a routed
+// phase's expert slot).
+//   X_GLU: bf16(SiTU-GLU(a, b)), a at that word, b off2 words further; round_in: a and b rounded to bf16 first (a
+//     bf16 GEMV's outputs) or not (the routed experts' fp32 products, as the pair kernel keeps them);
+//   X_COMBINE_NORM: u = bf16(sum over s < nslot of w_s y_src[off + s stride + j]) in slot order, w_s the top-k phase
+//     route's weights, then bf16(aux[j] * bf16(u * rsqrt(mean(u^2) + eps))) (RMSNorm, aux its bf16 weight);
+//   X_SCORE (a top-k's x): s = sigmoid(logit), key = s + aux[j] (fp32 correction bias, for the choice only); the
+//     chosen s renormalised when renorm, times scaling, are the weights the top-k writes after its ids.
+struct XSeg {
+    int64_t aux;
+    int32_t op, src, off, len;
+    int32_t off2, stride, route, nslot;
+    int32_t round_in, renorm;
+    float beta, lb, eps, scaling;       // GLU: beta, linear beta; COMBINE_NORM: eps; SCORE: scaling
 };
+static_assert(sizeof(XSeg) == 64, "XSeg is 64 bytes (megakernel_chain.py XSEG_BYTES)");
+
+struct PhaseC {                         // the table as the kernel keeps it in shared memory (80 bytes a phase)
+    int64_t w, y;
+    int32_t kind, n, k, rows, ntiles, tile0, src, xlen, xstride, route, ne, n_experts, dep2, xlen2, xop, nxseg;
+};
+static_assert(sizeof(PhaseC) == 80, "PhaseC is 80 bytes (megakernel_chain.py smem_bytes)");
 __device__ __forceinline__ PhaseC compact(const Phase& f) {
     return PhaseC{f.w, f.y, (int32_t)f.kind, (int32_t)f.n, (int32_t)f.k, (int32_t)f.rows, (int32_t)f.ntiles,
                   (int32_t)f.tile0, (int32_t)f.src, (int32_t)f.xlen, (int32_t)f.xstride, (int32_t)f.route,
-                  (int32_t)f.ne, (int32_t)f.n_experts, (int32_t)f.dep2, (int32_t)f.xlen2};
+                  (int32_t)f.ne, (int32_t)f.n_experts, (int32_t)f.dep2, (int32_t)f.xlen2, (int32_t)f.xop,
+                  (int32_t)f.nxseg};
 }
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
@@ -262,6 +293,164 @@ __device__ __forceinline__ bool load_x_fast(__nv_bfloat16* xs, const uint64_t* s
         *reinterpret_cast<uint2*>(xs + j) = *reinterpret_cast<const uint2*>(h);
     }
     return true;
+}
+
+// ------------------------------------------------------------------------- x by recipe (milestone 2: real layers)
+// The Triton kernels' arithmetic op for op, each op rounded as there (no contraction into FMA where they have none).
+__device__ __forceinline__ float bf16r(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+__device__ __forceinline__ float sigmoid_k3(float x) {          // plugins/moe/kernels.py `_sigmoid`
+    return __fdiv_rn(1.f, __fadd_rn(1.f, expf(-x)));
+}
+__device__ __forceinline__ float tanh_k3(float x) {             // plugins/moe/kernels.py `_tanh`
+    const float ax = fabsf(x);
+    const float t = expf(__fmul_rn(-2.f, ax));
+    const float big = __fdiv_rn(__fsub_rn(1.f, t), __fadd_rn(1.f, t));
+    const float x2 = __fmul_rn(ax, ax);
+    float q = __fsub_rn(static_cast<float>(2.0 / 15.0), __fmul_rn(x2, static_cast<float>(17.0 / 315.0)));
+    q = __fsub_rn(static_cast<float>(1.0 / 3.0), __fmul_rn(x2, q));
+    const float small = __fmul_rn(ax, __fsub_rn(1.f, __fmul_rn(x2, q)));
+    const float r = ax < 0.1f ? small : big;
+    return x < 0.f ? -r : r;
+}
+__device__ __forceinline__ float situ_glu_k3(float a, float b, float beta, float lb) {   // the pair kernels' SiTU-GLU
+    const float left = __fmul_rn(__fmul_rn(beta, tanh_k3(__fdiv_rn(a, beta))), sigmoid_k3(a));
+    return __fmul_rn(left, __fmul_rn(lb, tanh_k3(__fdiv_rn(b, lb))));
+}
+
+// The words at a[i] (null: none) once each carries `epoch`, as values: loaded together, all loaded again while any is
+// stale (one round trip a poll). false: gave up.
+template <int N>
+__device__ __forceinline__ bool poll_all(const uint64_t* const (&a)[N], float (&v)[N], uint32_t epoch, bool wait,
+                                         uint32_t* err, int64_t p, int64_t t) {
+    for (uint32_t spin = 0;; ++spin) {
+        uint64_t w[N];
+#pragma unroll
+        for (int i = 0; i < N; ++i) w[i] = a[i] ? load_word(a[i]) : static_cast<uint64_t>(epoch) << 32;
+        bool fresh = true;
+#pragma unroll
+        for (int i = 0; i < N; ++i) {
+            v[i] = value_of(w[i]);
+            fresh = fresh && epoch_of(w[i]) == epoch;
+        }
+        if (fresh || !wait) return true;
+        if (out_of_time(spin, err, 1, p, t)) return false;
+    }
+}
+
+#define COMBINE_MAX 16                 // X_COMBINE_NORM: top-k slots at most (K3: 16)
+#define XDUMP_SLOTS 16                 // xdump: x slots a phase at most
+
+// The n <= N words p[i * stride] as values, polled as `poll_all` does.
+template <int N>
+__device__ __forceinline__ bool poll_strided(const uint64_t* p, int64_t stride, int n, float (&v)[N], uint32_t epoch,
+                                             bool wait, uint32_t* err, int64_t ph, int64_t t) {
+    for (uint32_t spin = 0;; ++spin) {
+        uint64_t w[N];
+#pragma unroll
+        for (int i = 0; i < N; ++i) w[i] = i < n ? load_word(p + i * stride) : static_cast<uint64_t>(epoch) << 32;
+        bool fresh = true;
+#pragma unroll
+        for (int i = 0; i < N; ++i) {
+            v[i] = value_of(w[i]);
+            fresh = fresh && epoch_of(w[i]) == epoch;
+        }
+        if (fresh || !wait) return true;
+        if (out_of_time(spin, err, 1, ph, t)) return false;
+    }
+}
+
+// Phase f's x by its recipe (f.nxseg parts) into xs: bf16 for a GEMV, fp32 keys then scores for a top-k. Every
+// consumer thread calls it and reaches its barriers (an RMSNorm's sum), also after a wait gave up. false: gave up.
+__device__ __forceinline__ bool load_x_recipe(__nv_bfloat16* xs, const PhaseC& f, const PhaseC* ph, const XSeg* xsegs,
+                                              int slot, uint32_t epoch, bool wait, uint32_t* err, int64_t p, int64_t t,
+                                              float* red, float* comb_w) {
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    bool ok = true;
+    int j0 = 0;                                     // where this part starts in x
+    for (int q = 0; q < f.nxseg; ++q) {
+        const XSeg& g = xsegs[f.xop + q];
+        const uint64_t* base = reinterpret_cast<const uint64_t*>(ph[g.src].y) + g.off;
+        if (g.op == X_GLU) {
+            base += static_cast<int64_t>(slot) * g.stride;
+            for (int jb = tid; ok && jb < g.len; jb += 4 * CONSUMERS) {
+                const uint64_t* a[8];
+                float v[8];
+#pragma unroll
+                for (int u = 0; u < 4; ++u) {
+                    const int j = jb + u * CONSUMERS;
+                    a[u] = j < g.len ? base + j : nullptr;
+                    a[4 + u] = j < g.len ? base + g.off2 + j : nullptr;
+                }
+                ok = poll_all(a, v, epoch, wait, err, p, t);
+#pragma unroll
+                for (int u = 0; u < 4; ++u) {
+                    const int j = jb + u * CONSUMERS;
+                    if (!ok || j >= g.len) continue;
+                    const float av = g.round_in ? bf16r(v[u]) : v[u], bv = g.round_in ? bf16r(v[4 + u]) : v[4 + u];
+                    xs[j0 + j] = __float2bfloat16_rn(situ_glu_k3(av, bv, g.beta, g.lb));
+                }
+            }
+        } else if (g.op == X_COMBINE_NORM) {
+            if (tid < g.nslot) {                    // the top-k's weights, into shared memory (in registers with
+                float w[1];                         // the rows, they spill)
+                ok = poll_strided(reinterpret_cast<const uint64_t*>(ph[g.route].y) + ph[g.route].ne + tid, 1, 1, w,
+                                  epoch, wait, err, p, t);
+                comb_w[tid] = w[0];
+            }
+            consumers_sync();
+            float ss = 0.f;
+            for (int j = tid; ok && j < g.len; j += CONSUMERS) {
+                float acc = 0.f;                    // `_ticket_combine`: out += w_s * y_s in slot order
+                for (int s0 = 0; ok && s0 < g.nslot; s0 += 8) {     // 8 slots' rows at a time
+                    float v[8];
+                    const int ns = min(8, g.nslot - s0);
+                    ok = poll_strided(base + static_cast<int64_t>(s0) * g.stride + j, g.stride, ns, v, epoch, wait,
+                                      err, p, t);
+#pragma unroll
+                    for (int s = 0; s < 8; ++s)
+                        if (s < ns) acc = fmaf(comb_w[s0 + s], v[s], acc);
+                }
+                const float u = bf16r(acc);         // the op's output u, in z's dtype
+                xs[j0 + j] = __float2bfloat16_rn(u);
+                ss = fmaf(u, u, ss);
+            }
+            for (int o = 16; o; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+            if (lane == 0) red[warp] = ss;
+            consumers_sync();
+            float total = 0.f;
+            for (int w = 0; w < CONSUMER_WARPS; ++w) total += red[w];
+            const float r = rsqrtf(__fadd_rn(__fdiv_rn(total, static_cast<float>(g.len)), g.eps));
+            const __nv_bfloat16* nw = reinterpret_cast<const __nv_bfloat16*>(g.aux);
+            for (int j = tid; ok && j < g.len; j += CONSUMERS) {    // RMSNorm: bf16(u r), times the weight, bf16
+                const float nu = bf16r(__fmul_rn(__bfloat162float(xs[j0 + j]), r));
+                xs[j0 + j] = __float2bfloat16_rn(__fmul_rn(__bfloat162float(nw[j]), nu));
+            }
+            consumers_sync();                       // (red is free again)
+        } else if (g.op == X_SCORE) {               // a top-k's x: keys, then the scores
+            float* xf = reinterpret_cast<float*>(xs);
+            const float* bias = reinterpret_cast<const float*>(g.aux);
+            for (int jb = tid; ok && jb < g.len; jb += 8 * CONSUMERS) {
+                const uint64_t* a[8];
+                float v[8];
+#pragma unroll
+                for (int u = 0; u < 8; ++u) {
+                    const int j = jb + u * CONSUMERS;
+                    a[u] = j < g.len ? base + j : nullptr;
+                }
+                ok = poll_all(a, v, epoch, wait, err, p, t);
+#pragma unroll
+                for (int u = 0; u < 8; ++u) {
+                    const int j = jb + u * CONSUMERS;
+                    if (!ok || j >= g.len) continue;
+                    const float sc = sigmoid_k3(v[u]);
+                    xf[j] = __fadd_rn(sc, bias[j]);
+                    xf[g.len + j] = sc;
+                }
+            }
+        }
+        j0 += g.len;
+    }
+    return ok;
 }
 
 __device__ __forceinline__ bool load_x(__nv_bfloat16* xs, const PhaseC& f, const PhaseC* ph, const float* x_in,
@@ -447,27 +636,35 @@ struct Cursor {
     }
 };
 
-// Shared memory: the ring (NSLOT x SLOT_BYTES), x (XBYTES), the phase table (nphase x 72 bytes), the
-// barriers (2 x NSLOT). Producer and consumers walk the same tiles in the same order: phase by phase, this
+// Shared memory: the ring (NSLOT x SLOT_BYTES), x (XBYTES), the phase table (nphase x 80 bytes), the x recipes
+// (nxseg x 64 bytes), the barriers (2 x NSLOT). xdump (null: none): each x made by a recipe for a GEMV or routed
+// phase p, slot s, as bf16 at xdump + (p XDUMP_SLOTS + s) XMAX, written by the block with the slot's first tile (a
+// check of the recipes against the host's). Producer and consumers walk the same tiles in the same order: phase by phase, this
 // block's tiles of each phase.
 extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM)
 chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* __restrict__ x_in,
              uint32_t* counters, uint32_t epoch, int mode, uint32_t* err, unsigned long long* t_done,
-             unsigned long long* t_start, unsigned long long* trace, unsigned long long* tile_trace) {
+             unsigned long long* t_start, unsigned long long* trace, unsigned long long* tile_trace,
+             const XSeg* __restrict__ xseg_global, int64_t nxseg, __nv_bfloat16* xdump) {
     extern __shared__ __align__(128) unsigned char smem[];
     unsigned char* ring = smem;
     __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem + NSLOT * SLOT_BYTES);   // (top-k: fp32)
     PhaseC* ph = reinterpret_cast<PhaseC*>(smem + NSLOT * SLOT_BYTES + XBYTES);
-    uint64_t* full = reinterpret_cast<uint64_t*>(ph + nphase);
+    XSeg* xsegs = reinterpret_cast<XSeg*>(ph + nphase);
+    uint64_t* full = reinterpret_cast<uint64_t*>(xsegs + nxseg);
     uint64_t* empty = full + NSLOT;
     __shared__ int gave_up;
     __shared__ float red[CONSUMERS / 32];
+    __shared__ float comb_w[COMBINE_MAX];       // an X_COMBINE_NORM's weights
     __shared__ float mma_red[MMA_TILES ? 2 * CONSUMER_WARPS * 16 : 1];    // per tile parity, warp, row of 16
     const int tid = threadIdx.x;
     const int64_t nblk = gridDim.x;
     const bool wait = mode != NODEPS;
 
     for (int64_t p = tid; p < nphase; p += THREADS) ph[p] = compact(ph_global[p]);
+#if RECIPES
+    for (int64_t q = tid; q < nxseg; q += THREADS) xsegs[q] = xseg_global[q];
+#endif
     if (tid == 0) {
         for (int s = 0; s < NSLOT; ++s) {
             mbar_init(&full[s], 1);                 // the producer's arrive (with the tile's bytes)
@@ -633,8 +830,18 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
 #ifndef NOLOADX                             // -DNOLOADX: a diagnostic, x never loaded (the boundary's loads alone)
                 consumers_sync();
                 const bool had = XPREFETCH && pre_p == p && have_slot < 0;   // (loaded for the phase's first slot)
+#if RECIPES
+                if (!(f.xop >= 0 ? load_x_recipe(xs, f, ph, xsegs, slot, epoch, wait, err, p, t, red, comb_w)
+                                 : load_x(xs, f, ph, x_in, slot, epoch, wait, err, p, t, had, pre, pre2)))
+                    gave_up = 1;
+                consumers_sync();
+                if (xdump && f.xop >= 0 && kind != TOPK && row0 == (x_per_expert ? slot * ne : 0) && slot < XDUMP_SLOTS)
+                    for (int j = tid; j < f.k; j += CONSUMERS)
+                        xdump[(static_cast<int64_t>(p) * XDUMP_SLOTS + slot) * XMAX + j] = xs[j];
+#else
                 if (!load_x(xs, f, ph, x_in, slot, epoch, wait, err, p, t, had, pre, pre2)) gave_up = 1;
                 consumers_sync();
+#endif
 #endif
 #ifdef TRACE
                 if (tr) tr[1] = now_ns();
@@ -682,10 +889,12 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
 
             if (kind == TOPK) {
                 if (warp == 0) {              // k rounds of a warp argmax over xs (taken entries set to -inf)
+                    float* xf = reinterpret_cast<float*>(xs);
+                    const XSeg* score = RECIPES && f.xop >= 0 ? &xsegs[f.xop] : nullptr;   // X_SCORE: weights
+                    float* chosen = xf + 2 * f.xlen;                            // (the chosen scores, lane 0's)
                     for (int64_t r = 0; r < f.ne; ++r) {
                         float best = -INFINITY;
                         int idx = 0x7fffffff;
-                        const float* xf = reinterpret_cast<const float*>(xs);
                         for (int j = lane; j < f.xlen; j += 32)
                             if (xf[j] > best) { best = xf[j]; idx = j; }
                         for (int off = 16; off; off >>= 1) {
@@ -695,9 +904,19 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
                         }
                         if (lane == 0) {
                             store_word(y + r, static_cast<float>(idx), epoch);
-                            if (idx < f.xlen) reinterpret_cast<float*>(xs)[idx] = -INFINITY;   // (NaN x: none)
+                            if (score) chosen[r] = idx < f.xlen ? xf[f.xlen + idx] : 0.f;
+                            if (idx < f.xlen) xf[idx] = -INFINITY;   // (NaN x: none)
                         }
                         __syncwarp();
+                    }
+                    if (score && lane == 0) {   // `_topk`: w = s / (sum s + 1e-20) when renormalising, then * scaling
+                        float sum = 0.f;
+                        for (int64_t r = 0; r < f.ne; ++r) sum = __fadd_rn(sum, chosen[r]);
+                        const float den = __fadd_rn(sum, 1e-20f);
+                        for (int64_t r = 0; r < f.ne; ++r) {
+                            const float w = score->renorm ? __fdiv_rn(chosen[r], den) : chosen[r];
+                            store_word(y + f.ne + r, __fmul_rn(w, score->scaling), epoch);
+                        }
                     }
                 }
             } else if (mma_tile(rows, rows_here, static_cast<int>(f.k))) {

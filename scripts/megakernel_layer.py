@@ -1,0 +1,259 @@
+"""Milestone 2 of docs/megakernel.md, its first part: the real MoE sublayers of a K3 model (k3-small: layers 1-11)
+as phases of the persistent decode kernel (scripts/megakernel/chain.cu, built with RECIPES=1), with the model's
+weights, compared with the `compile` backend's kernels and timed against them. GPU only for the kernel; the chain
+and its torch emulation are tested on the CPU (tests/test_megakernel_layer.py).
+
+One MoE sublayer at B = 1 is six phases (the `compile` backend's launches in brackets; docs/megakernel.md,
+"Milestone 2: the layer as it runs today"):
+
+    proj      GEMV [L + 2 I_s, d]: latent down | shared gate | shared up          (k3::gemv, packed)
+    router    GEMV [E, d], fp32 logits                                           (moe_router_fwd_kernel)
+    topk      sigmoid, + correction bias for the choice, k rounds, weights renormalised   (in moe_pair_gemm1)
+    gate_up   the chosen experts' w1 | w3 rows [2 I, L] on z = proj[:L]          (moe_pair_gemm1)
+    down      their w2 rows [L, I] on SiTU-GLU(gate, up) in fp32, per slot        (moe_pair_gemm2_combine)
+    out       GEMV [d, L + I_s] on [RMSNorm(combine) | SiTU-GLU(shared gate, up)]  (combine, Inductor's norm and
+                                                                                    SiTU-GLU, k3::gemv column-packed)
+
+The combine, the norm and the two SiTU-GLUs are x recipes (chain.cu `XSeg`): the consumers compute them while they
+load the next phase's x. The sublayers are chained, each one's output the next one's input (the attention
+sublayers between them are not built yet), so the launch streams k3-small's MoE bytes with their real
+dependencies.
+
+    python3 scripts/megakernel_layer.py [--preset k3-small] [--layers 1-11] [--rounds 3] [--iters 50]
+                                        [--out F.json]
+
+It checks the kernel against the torch emulation of the same phases first (`megakernel_chain.Buffers`: every GEMV
+from the kernel's own x, every recipe x element for element), then each sublayer against the model's MoE as the
+`compile` backend runs it (packed, k3::gemv, the pair kernels) on the same input, then times the launch against a
+CUDA graph of the `compile` backend's MoE sublayers (torch.compile of the same calls, PDL on) and the bytes floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import megakernel_chain as mc  # noqa: E402
+
+DEFINES = ("RECIPES=1",)
+
+
+def moe_layers(config) -> list[int]:
+    return [l for l in range(config.num_hidden_layers) if not config.is_dense(l)]
+
+
+def moe_chain(model, layers: list[int], slot_bytes: int = 65536) -> mc.Chain:
+    """The MoE sublayers of `layers` as one chain, with the model's weights (an unpacked model: the weights are read
+    from its modules as loaded). The first sublayer reads the chain's external input; each later one the output of
+    the one before."""
+    cfg = model.config
+    if not (cfg.latent_moe_use_norm and cfg.num_shared_experts):
+        raise ValueError("moe_chain builds LatentMoE with its latent norm and shared experts (every K3 preset)")
+    d, E, K = cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_token
+    L, I = cfg.routed_expert_hidden_size, cfg.moe_intermediate_size
+    Is = I * cfg.num_shared_experts
+    beta, lb = cfg.activation_situ_beta, cfg.activation_situ_linear_beta
+    c = mc.Chain(d, slot_bytes)
+    h = -1
+    for l in layers:
+        moe = model.model.layers[l].block_sparse_moe
+        if type(moe.routed_expert_down_proj) is not torch.nn.Linear:
+            raise ValueError(f"layer {l}: the model is packed; build the chain from the model as loaded")
+        sh, ex, n = moe.shared_experts, moe.experts, f"L{l}.moe."
+        proj = c.gemv(n + "proj", L + 2 * Is, d, h, weight=torch.cat(
+            [moe.routed_expert_down_proj.weight, sh.gate_proj.weight, sh.up_proj.weight]))
+        router = c.gemv(n + "router", E, d, h, weight=moe.gate.weight)
+        tk = c.topk(n + "topk", K, router, score=mc.XSeg("score", router, E, aux=moe.gate.e_score_correction_bias,
+                                                       renorm=cfg.moe_renormalize and K > 1,
+                                                       scaling=cfg.routed_scaling_factor))
+        gu = c.routed(n + "gate_up", tk, 2 * I, L, E, proj, weight=torch.cat([ex.w1, ex.w3], dim=1))
+        down = c.routed(n + "down", tk, L, I, E, gu, per_slot=True, weight=ex.w2,
+                        xsegs=[mc.XSeg("glu", gu, I, off2=I, stride=2 * I, beta=beta, lb=lb)])
+        h = c.gemv(n + "out", d, L + Is, down, weight=torch.cat([moe.routed_expert_up_proj.weight,
+                                                                 sh.down_proj.weight], dim=1),
+                   xsegs=[mc.XSeg("combine_norm", down, L, stride=L, route=tk, nslot=K,
+                                  aux=moe.routed_expert_norm.weight, eps=cfg.rms_norm_eps),
+                          mc.XSeg("glu", proj, Is, off=L, off2=Is, round_in=True, beta=beta, lb=lb)])
+    return c
+
+
+def outputs(bufs: mc.Buffers) -> list[torch.Tensor]:
+    """Each sublayer's output (fp32 values of its "out" phase), in chain order."""
+    return [bufs.out(p) for p, ph in enumerate(bufs.chain.phases) if ph.name.endswith(".out")]
+
+
+def chosen(bufs: mc.Buffers) -> list[list[int]]:
+    """Each sublayer's chosen experts, in slot order."""
+    return [bufs.out(p)[:ph.ne].long().tolist() for p, ph in enumerate(bufs.chain.phases) if ph.kind == "topk"]
+
+
+def sublayer_inputs(bufs: mc.Buffers) -> list[torch.Tensor]:
+    """The bf16 input of each sublayer as the kernel read it: the external x, then each previous output."""
+    return [bufs.x.bfloat16()] + [y.bfloat16() for y in outputs(bufs)[:-1]]
+
+
+def compare(a: torch.Tensor, b: torch.Tensor) -> dict:
+    """Two bf16 vectors: how many elements differ, the largest difference in units of b's bf16 spacing there, and
+    the largest |a - b| / max |b|."""
+    a, b = a.float(), b.float()
+    diff = (a - b).abs()
+    ulp = torch.where(b == 0, torch.full_like(b, 2.0 ** -133), 2.0 ** (torch.floor(torch.log2(b.abs())) - 7))
+    return {"differ": int((diff > 0).sum()), "of": a.numel(), "max_ulps": float((diff / ulp).max()),
+            "max_rel": float(diff.max() / b.abs().max().clamp_min(1e-30))}
+
+
+def product_moes(model, layers: list[int]):
+    """The model's MoE modules as the `compile` backend runs them at B = 1 (packed, paired experts, k3::gemv). Packs
+    the model in place: build the chain first."""
+    from k3export.model import packing
+    packing.pair_experts(model)
+    packing.pack_projections(model)
+    packing.gemv_linears(model, rows=2)
+    return [model.model.layers[l].block_sparse_moe for l in layers]
+
+
+def route_ids(moe, x: torch.Tensor) -> list[int]:
+    """The experts the model's router picks for x [d] (plain torch, fp32; plugins/moe/naive.py `route`)."""
+    from k3export.plugins.moe.naive import route
+    r = moe.routing
+    ids, _ = route(x[None], moe.gate.weight, moe.gate.e_score_correction_bias, r["top_k"], r["renormalize"],
+                   r["scaling"])
+    return ids[0].tolist()
+
+
+def _cuda_graph(fn, x):
+    """fn(x) captured once in a CUDA graph (after warm-up on a side stream); returns replay."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn(x)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn(x)
+    return g.replay
+
+
+def _events_ms(fn, iters: int) -> list[float]:
+    for _ in range(5):
+        fn()
+    ts = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        ts.append((s, e))
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) for s, e in ts]
+
+
+def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: int = 0) -> dict:
+    from k3export.bench.ceilings import copy_bandwidth
+    from k3export.bench.fp8 import gpu_random_model
+    from k3export.config import PRESETS
+    from k3export.plugins.launch import pdl
+    cfg = PRESETS[preset]
+    model = gpu_random_model(cfg, seed)
+    layers = layers or moe_layers(cfg)
+    chain = moe_chain(model, layers)
+    bufs = mc.Buffers(chain)
+    g = torch.Generator(device="cuda").manual_seed(seed + 1)
+    bufs.x.copy_(torch.randn(cfg.hidden_size, generator=g, device="cuda").bfloat16().float())
+    kern = mc.ChainKernel(defines=DEFINES)
+    kern.bind(bufs)
+    res = {"device": torch.cuda.get_device_name(0), "preset": preset, "layers": layers,
+           "phases": len(chain.phases), "tiles": chain.ntiles, "bytes_read": chain.bytes_read,
+           "copy_gbs": copy_bandwidth() / 1e9, "defines": list(DEFINES), "check": {}}
+    # 1. the kernel against the torch emulation of its phases (stream and serial: the same outputs)
+    for m in ("stream", "serial"):
+        bufs.clear()
+        kern.launch(m, dump=True)
+        kern.check()
+        e = bufs.errors()
+        e["recipe_x"] = rx = bufs.recipe_errors()
+        res["check"][m] = e
+        worst = max(e["max_rel"].values())
+        print(f"{m}: GEMV / routed max rel {worst:.2e}; top-k differing {e['topk_wrong']}; unwritten "
+              f"{e['unwritten']}; recipe x elements differing "
+              f"{sum(v['differ'] for v in rx.values())} of {sum(v['of'] for v in rx.values())}", flush=True)
+        if e["unwritten"] or e["topk_wrong"] or worst > mc.CHECK_REL:
+            raise RuntimeError(f"{m}: the kernel differs from the emulation of its phases, not timing it: {e}")
+    # 2. each sublayer against the model's MoE as the compile backend runs it, on the kernel's input
+    ins, outs, ids = sublayer_inputs(bufs), [y.bfloat16() for y in outputs(bufs)], chosen(bufs)
+    moes = product_moes(model, layers)
+    res["vs_compile"] = []
+    with torch.no_grad(), pdl(True, early=True):
+        for l, moe, x, y, kid in zip(layers, moes, ins, outs, ids):
+            ref = moe(x[None])[0]
+            row = dict(layer=l, **compare(y, ref), same_experts=sorted(kid) == sorted(route_ids(moe, x)))
+            res["vs_compile"].append(row)
+            print(f"L{l}: {row}", flush=True)
+    # 3. timing: the persistent launch (modes) against a CUDA graph of the compile backend's sublayers
+    def stack(x):
+        for moe in moes:
+            x = moe(x)
+        return x
+    compiled = torch.compile(stack, dynamic=False)
+    x0 = bufs.x.bfloat16()[None].clone()
+    with torch.no_grad(), pdl(True, early=True):
+        replay = _cuda_graph(compiled, x0)
+    fns = {"stream": lambda: kern.launch("stream"), "serial": lambda: kern.launch("serial"),
+           "nodeps": lambda: kern.launch("nodeps"), "compile": replay}
+    times = {k: [] for k in fns}
+    res["round_medians_ms"] = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            t = _events_ms(fn, iters)
+            times[k] += t
+            res["round_medians_ms"][k].append(statistics.median(t))
+        kern.check()
+        print("round: " + ", ".join(f"{k} {v[-1]:.4f} ms" for k, v in res["round_medians_ms"].items()), flush=True)
+    res["ms"] = {k: statistics.median(v) for k, v in times.items()}
+    res["bytes_floor_ms"] = chain.bytes_read / (res["copy_gbs"] * 1e6)
+    kern.launch("stream")
+    res["timeline_us"] = kern.timeline_us()
+    res["phase_names"] = [p.name for p in chain.phases]
+    res["phase_bytes"] = [p.bytes_read for p in chain.phases]
+    return res
+
+
+def parse_layers(text: str | None) -> list[int] | None:
+    if not text:
+        return None
+    out = []
+    for part in text.split(","):
+        a, _, b = part.partition("-")
+        out += list(range(int(a), int(b or a) + 1))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="k3-small")
+    ap.add_argument("--layers", help="MoE layers, e.g. 1-11 or 1,2 (default: every MoE layer of the preset)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    res = run(a.preset, parse_layers(a.layers), a.rounds, a.iters)
+    floor = res["bytes_floor_ms"]
+    print(f"{a.preset} MoE sublayers {res['layers']}: {res['phases']} phases, {res['bytes_read'] / 1e6:.0f} MB "
+          f"(floor {floor:.3f} ms): " + ", ".join(f"{k} {v:.4f} ms" for k, v in res["ms"].items()), flush=True)
+    if a.out:
+        tmp = a.out + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(res, f, indent=1)
+        os.replace(tmp, a.out)
+
+
+if __name__ == "__main__":
+    main()
