@@ -109,6 +109,27 @@ def compare(a: torch.Tensor, b: torch.Tensor) -> dict:
             "max_rel": float(diff.max() / b.abs().max().clamp_min(1e-30))}
 
 
+def parts_vs_compile(bufs: mc.Buffers, layer_index: int, moe, x: torch.Tensor) -> dict:
+    """Where a sublayer's output differs from the compile backend's: its intermediate vectors, each from the same x,
+    kernel (after a check launch: its outputs and recipe x) against the model's packed MoE. z: the latent down
+    projection; shared_h: the shared experts' SiTU-GLU; u: the routed experts' combine (the kernel's from its fp32
+    expert rows and weights, rounded as its recipe does); latent_normed: RMSNorm(u)."""
+    ph = bufs.chain.phases
+    p_out = [p for p, f in enumerate(ph) if f.name.endswith(".out")][layer_index]
+    p_proj, p_topk, p_down = p_out - 5, p_out - 3, p_out - 1
+    comb, _ = bufs.chain.xsegs[ph[p_out].xop:ph[p_out].xop + 2]
+    L, K = comb.len, ph[p_topk].ne
+    w, rows = bufs.out(p_topk)[K:2 * K], bufs.out(p_down).view(K, L)
+    u_k = torch.zeros(L, device=rows.device)
+    for s in range(K):
+        u_k = mc.fma32(w[s].expand(L), rows[s], u_k)
+    z, h = moe.project_hidden(x[None])
+    u = moe.routed(x[None], z)
+    xk = bufs.xdump[p_out, 0, :ph[p_out].k]
+    return {"z": compare(bufs.out(p_proj)[:L].bfloat16(), z[0]), "shared_h": compare(xk[L:], h[0]),
+            "u": compare(u_k.bfloat16(), u[0]), "latent_normed": compare(xk[:L], moe.routed_expert_norm(u)[0])}
+
+
 def product_moes(model, layers: list[int]):
     """The model's MoE modules as the `compile` backend runs them at B = 1 (packed, paired experts, k3::gemv). Packs
     the model in place: build the chain first."""
@@ -156,7 +177,14 @@ def _events_ms(fn, iters: int) -> list[float]:
     return [s.elapsed_time(e) for s, e in ts]
 
 
-def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: int = 0) -> dict:
+DIAGNOSTICS = ("SKIP_COMPUTE", "NOLOADX", "NOCOPY")     # chain.cu builds whose outputs are wrong by design
+
+
+def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: int = 0,
+        defines: tuple[str, ...] = DEFINES, modes: tuple[str, ...] = ("stream", "serial", "nodeps"),
+        baseline: bool = True) -> dict:
+    """Check (unless a diagnostic build), compare with the compile backend and time (`baseline`), time `modes`.
+    A -DTRACE_TILES build also reports what each block's ring did in one stream launch (`tile_pipeline`)."""
     from k3export.bench.ceilings import copy_bandwidth
     from k3export.bench.fp8 import gpu_random_model
     from k3export.config import PRESETS
@@ -168,13 +196,14 @@ def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: in
     bufs = mc.Buffers(chain)
     g = torch.Generator(device="cuda").manual_seed(seed + 1)
     bufs.x.copy_(torch.randn(cfg.hidden_size, generator=g, device="cuda").bfloat16().float())
-    kern = mc.ChainKernel(defines=DEFINES)
+    kern = mc.ChainKernel(defines=tuple(dict.fromkeys(DEFINES + tuple(defines))))
+    diagnostic = bool(set(DIAGNOSTICS) & set(kern.defines))
     kern.bind(bufs)
     res = {"device": torch.cuda.get_device_name(0), "preset": preset, "layers": layers,
            "phases": len(chain.phases), "tiles": chain.ntiles, "bytes_read": chain.bytes_read,
-           "copy_gbs": copy_bandwidth() / 1e9, "defines": list(DEFINES), "check": {}}
+           "copy_gbs": copy_bandwidth() / 1e9, "defines": list(kern.defines), "check": {}}
     # 1. the kernel against the torch emulation of its phases (stream and serial: the same outputs)
-    for m in ("stream", "serial"):
+    for m in () if diagnostic else ("stream", "serial"):
         bufs.clear()
         kern.launch(m, dump=True)
         kern.check()
@@ -189,12 +218,15 @@ def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: in
             raise RuntimeError(f"{m}: the kernel differs from the emulation of its phases, not timing it: {e}")
     # 2. each sublayer against the model's MoE as the compile backend runs it, on the kernel's input
     ins, outs, ids = sublayer_inputs(bufs), [y.bfloat16() for y in outputs(bufs)], chosen(bufs)
-    moes = product_moes(model, layers)
+    moes = product_moes(model, layers) if baseline else []
+    if diagnostic:                  # (outputs wrong by design: nothing to compare)
+        ins = outs = ids = []
     res["vs_compile"] = []
     with torch.no_grad(), pdl(True, early=True):
-        for l, moe, x, y, kid in zip(layers, moes, ins, outs, ids):
+        for i, (l, moe, x, y, kid) in enumerate(zip(layers, moes, ins, outs, ids)):
             ref = moe(x[None])[0]
-            row = dict(layer=l, **compare(y, ref), same_experts=sorted(kid) == sorted(route_ids(moe, x)))
+            row = dict(layer=l, **compare(y, ref), same_experts=sorted(kid) == sorted(route_ids(moe, x)),
+                       parts=parts_vs_compile(bufs, i, moe, x))
             res["vs_compile"].append(row)
             print(f"L{l}: {row}", flush=True)
     # 3. timing: the persistent launch (modes) against a CUDA graph of the compile backend's sublayers
@@ -202,12 +234,12 @@ def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: in
         for moe in moes:
             x = moe(x)
         return x
-    compiled = torch.compile(stack, dynamic=False)
-    x0 = bufs.x.bfloat16()[None].clone()
-    with torch.no_grad(), pdl(True, early=True):
-        replay = _cuda_graph(compiled, x0)
-    fns = {"stream": lambda: kern.launch("stream"), "serial": lambda: kern.launch("serial"),
-           "nodeps": lambda: kern.launch("nodeps"), "compile": replay}
+    fns = {m: (lambda m=m: kern.launch(m)) for m in modes}
+    if baseline:
+        compiled = torch.compile(stack, dynamic=False)
+        x0 = bufs.x.bfloat16()[None].clone()
+        with torch.no_grad(), pdl(True, early=True):
+            fns["compile"] = _cuda_graph(compiled, x0)
     times = {k: [] for k in fns}
     res["round_medians_ms"] = {k: [] for k in fns}
     for _ in range(rounds):
@@ -219,8 +251,20 @@ def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: in
         print("round: " + ", ".join(f"{k} {v[-1]:.4f} ms" for k, v in res["round_medians_ms"].items()), flush=True)
     res["ms"] = {k: statistics.median(v) for k, v in times.items()}
     res["bytes_floor_ms"] = chain.bytes_read / (res["copy_gbs"] * 1e6)
-    kern.launch("stream")
+    kern.launch(modes[0])
     res["timeline_us"] = kern.timeline_us()
+    if "PHASE_TIMES" in kern.defines:
+        res["phase_times_us"] = pt = kern.phase_times(modes[0])
+        for kind in ("proj", "router", "topk", "gate_up", "down", "out"):
+            ps = [p for p, f in enumerate(chain.phases) if f.name.endswith("." + kind)][1:-1]   # (inner layers)
+            if ps:
+                mean = lambda a, b: statistics.fmean(pt[a][p] - (pt[b][p] if b in pt else pt["done"][p - 1])
+                                                     for p in ps)
+                print(f"{kind}: after the phase before it finished, began {mean('begin', 'prev'):+.1f} us, had x "
+                      f"{mean('x', 'prev'):+.1f} us, done {mean('done', 'prev'):+.1f} us", flush=True)
+    if kern.tile_trace is not None:
+        tp = res["tile_pipeline"] = kern.tiles_traced(modes[0])
+        print("tiles: " + json.dumps({k: v for k, v in tp.items() if k != "landed_tbs"}), flush=True)
     res["phase_names"] = [p.name for p in chain.phases]
     res["phase_bytes"] = [p.bytes_read for p in chain.phases]
     return res
@@ -242,9 +286,16 @@ def main() -> None:
     ap.add_argument("--layers", help="MoE layers, e.g. 1-11 or 1,2 (default: every MoE layer of the preset)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--modes", default="stream,serial,nodeps")
+    ap.add_argument("--defines", default="", help="more chain.cu defines, DEFINE+DEFINE=V (diagnostics: no checks)")
+    ap.add_argument("--no-baseline", action="store_true", help="no compile backend comparison or timing")
     ap.add_argument("--out")
     a = ap.parse_args()
-    res = run(a.preset, parse_layers(a.layers), a.rounds, a.iters)
+    modes = tuple(a.modes.split(","))
+    if not set(modes) <= set(mc.MODES):
+        raise SystemExit(f"modes: choose from {', '.join(mc.MODES)}")
+    res = run(a.preset, parse_layers(a.layers), a.rounds, a.iters, defines=tuple(d for d in a.defines.split("+") if d),
+              modes=modes, baseline=not a.no_baseline)
     floor = res["bytes_floor_ms"]
     print(f"{a.preset} MoE sublayers {res['layers']}: {res['phases']} phases, {res['bytes_read'] / 1e6:.0f} MB "
           f"(floor {floor:.3f} ms): " + ", ".join(f"{k} {v:.4f} ms" for k, v in res["ms"].items()), flush=True)

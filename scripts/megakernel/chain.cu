@@ -781,6 +781,10 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
         const bool x_per_expert = kind == ROUTED && f.xstride;
         const int g0 = static_cast<int>(first_tile(f, nblk)), gend = tile0 + f.ntiles;
         if (g0 >= gend) continue;
+#ifdef PHASE_TIMES                          // -DPHASE_TIMES: per phase, the first block to begin it, to have its x
+        if (tid == 0) atomicMin(t_done + nphase + p, static_cast<unsigned long long>(now_ns()));
+        bool x_timed = false;               // (t_done[nphase..3 nphase), reset by the host before the launch)
+#endif
         uint64_t* y = reinterpret_cast<uint64_t*>(f.y);
         // T threads per row, each ceil(k / 8 / T) <= STEPS 16-byte steps; G = CONSUMERS / T rows in flight
         const int chunks = static_cast<int>(f.k / 8), rows = static_cast<int>(f.rows);
@@ -847,6 +851,12 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
                 if (tr) tr[1] = now_ns();
 #endif
                 ++unit;
+#ifdef PHASE_TIMES
+                if (tid == 0 && !x_timed) {
+                    atomicMin(t_done + 2 * nphase + p, static_cast<unsigned long long>(now_ns()));
+                    x_timed = true;
+                }
+#endif
                 if (gave_up) return;
                 if (XPREFETCH && have_slot < 0) {          // the next phase this block has tiles in: its x, ahead
                     pre_p = -1;
