@@ -770,7 +770,7 @@ class ChainKernel:
         self.bufs = bufs
         self.counters = torch.zeros(n, dtype=torch.int32, device="cuda")
         self.err = torch.zeros(4, dtype=torch.int32, device="cuda")
-        self.t_done = torch.zeros(3 * n, dtype=torch.int64, device="cuda")   # (-DPHASE_TIMES: 3 per phase)
+        self.t_done = torch.zeros(4 * n, dtype=torch.int64, device="cuda")   # (-DPHASE_TIMES: 4 per phase)
         self.t_start = torch.zeros(1, dtype=torch.int64, device="cuda")
         self.trace = (torch.zeros(self.blocks * TRACE_UNITS * TRACE_FIELDS, dtype=torch.int64, device="cuda")
                       if "TRACE" in self.defines else None)
@@ -842,14 +842,14 @@ class ChainKernel:
 
     def phase_times(self, mode: str) -> dict:
         """One launch of a -DPHASE_TIMES build: per phase, us after block 0 started, when the first block began it,
-        when the first block had its x, and when the last block finished it."""
+        had its x, had its first tile in the ring, and when the last block finished it."""
         n = len(self.bufs.chain.phases)
         self.t_done[:n] = 0
         self.t_done[n:] = -1                    # (as unsigned: the largest; the kernel takes minima)
         self.launch(mode)
         self.check()
-        t = ((self.t_done - self.t_start).double() / 1e3).view(3, n)
-        return {"begin": t[1].tolist(), "x": t[2].tolist(), "done": t[0].tolist()}
+        t = ((self.t_done - self.t_start).double() / 1e3).view(4, n)
+        return {"begin": t[1].tolist(), "x": t[2].tolist(), "tile": t[3].tolist(), "done": t[0].tolist()}
 
 
 def run_chain(name: str, kern: ChainKernel, modes: list[str], rounds: int, iters: int) -> dict:

@@ -3,17 +3,21 @@ as phases of the persistent decode kernel (scripts/megakernel/chain.cu, built wi
 weights, compared with the `compile` backend's kernels and timed against them. GPU only for the kernel; the chain
 and its torch emulation are tested on the CPU (tests/test_megakernel_layer.py).
 
-One MoE sublayer at B = 1 is six phases (the `compile` backend's launches in brackets; docs/megakernel.md,
+One MoE sublayer at B = 1 is seven phases (the `compile` backend's launches in brackets; docs/megakernel.md,
 "Milestone 2: the layer as it runs today"):
 
-    proj      GEMV [L + 2 I_s, d]: latent down | shared gate | shared up          (k3::gemv, packed)
-    router    GEMV [E, d], fp32 logits                                           (moe_router_fwd_kernel)
-    topk      sigmoid, + correction bias for the choice, k rounds, weights renormalised   (in moe_pair_gemm1)
-    gate_up   the chosen experts' w1 | w3 rows [2 I, L] on z = proj[:L]          (moe_pair_gemm1)
-    down      their w2 rows [L, I] on SiTU-GLU(gate, up) in fp32, per slot        (moe_pair_gemm2_combine)
-    out       GEMV [d, L + I_s] on [RMSNorm(combine) | SiTU-GLU(shared gate, up)]  (combine, Inductor's norm and
-                                                                                    SiTU-GLU, k3::gemv column-packed)
+    proj         GEMV [L + 2 I_s, d]: latent down | shared gate | shared up       (k3::gemv, packed)
+    router       GEMV [E, d], fp32 logits                                        (moe_router_fwd_kernel)
+    topk         sigmoid, + correction bias for the choice, top k, weights renormalised   (in moe_pair_gemm1)
+    shared_down  GEMV [d, I_s] on SiTU-GLU(shared gate, up)                       (Inductor's SiTU-GLU, and half of
+                                                                                   the packed output k3::gemv)
+    gate_up      the chosen experts' w1 | w3 rows [2 I, L] on z = proj[:L]       (moe_pair_gemm1)
+    down         their w2 rows [L, I] on SiTU-GLU(gate, up) in fp32, per slot     (moe_pair_gemm2_combine)
+    up           GEMV [d, L] on RMSNorm(combine)                                  (combine, Inductor's norm, the
+                                                                                   other half of the output k3::gemv)
 
+and the sublayer's output is bf16(up + shared_down), added where the next phase loads it. (`--packed-out`: one
+output phase over both, as the compile backend packs them; measured slower, docs/perf.md.)
 The combine, the norm and the two SiTU-GLUs are x recipes (chain.cu `XSeg`): the consumers compute them while they
 load the next phase's x. The sublayers are chained, each one's output the next one's input (the attention
 sublayers between them are not built yet), so the launch streams k3-small's MoE bytes with their real
@@ -49,10 +53,16 @@ def moe_layers(config) -> list[int]:
     return [l for l in range(config.num_hidden_layers) if not config.is_dense(l)]
 
 
-def moe_chain(model, layers: list[int], slot_bytes: int = 65536) -> mc.Chain:
+def moe_chain(model, layers: list[int], slot_bytes: int = 65536, packed_out: bool = False) -> mc.Chain:
     """The MoE sublayers of `layers` as one chain, with the model's weights (an unpacked model: the weights are read
     from its modules as loaded). The first sublayer reads the chain's external input; each later one the output of
-    the one before."""
+    the one before.
+
+    The output projections: by default two phases, the shared experts' down projection ("shared_down", its x ready
+    once "proj" is: it runs while the top-k and the routed experts wait) and the routed up projection ("up", on the
+    normalised combine); their two fp32 outputs are added where the next phase loads them (`dep2`), so a sublayer's
+    output is bf16(up + shared_down). packed_out: one phase "out" over [u | h] as the compile backend packs it
+    (one fp32 sum over both: bit for bit its arithmetic, but the shared part then waits for the routed one)."""
     cfg = model.config
     if not (cfg.latent_moe_use_norm and cfg.num_shared_experts):
         raise ValueError("moe_chain builds LatentMoE with its latent norm and shared experts (every K3 preset)")
@@ -61,32 +71,41 @@ def moe_chain(model, layers: list[int], slot_bytes: int = 65536) -> mc.Chain:
     Is = I * cfg.num_shared_experts
     beta, lb = cfg.activation_situ_beta, cfg.activation_situ_linear_beta
     c = mc.Chain(d, slot_bytes)
-    h = -1
+    h, h2 = -1, -1
     for l in layers:
         moe = model.model.layers[l].block_sparse_moe
         if type(moe.routed_expert_down_proj) is not torch.nn.Linear:
             raise ValueError(f"layer {l}: the model is packed; build the chain from the model as loaded")
         sh, ex, n = moe.shared_experts, moe.experts, f"L{l}.moe."
-        proj = c.gemv(n + "proj", L + 2 * Is, d, h, weight=torch.cat(
+        proj = c.gemv(n + "proj", L + 2 * Is, d, h, dep2=h2, weight=torch.cat(
             [moe.routed_expert_down_proj.weight, sh.gate_proj.weight, sh.up_proj.weight]))
-        router = c.gemv(n + "router", E, d, h, weight=moe.gate.weight)
+        router = c.gemv(n + "router", E, d, h, dep2=h2, weight=moe.gate.weight)
         tk = c.topk(n + "topk", K, router, score=mc.XSeg("score", router, E, aux=moe.gate.e_score_correction_bias,
                                                        renorm=cfg.moe_renormalize and K > 1,
                                                        scaling=cfg.routed_scaling_factor))
+        shared_h = mc.XSeg("glu", proj, Is, off=L, off2=Is, round_in=True, beta=beta, lb=lb)
+        if not packed_out:
+            h2 = c.gemv(n + "shared_down", d, Is, proj, xsegs=[shared_h], weight=sh.down_proj.weight)
         gu = c.routed(n + "gate_up", tk, 2 * I, L, E, proj, weight=torch.cat([ex.w1, ex.w3], dim=1))
         down = c.routed(n + "down", tk, L, I, E, gu, per_slot=True, weight=ex.w2,
                         xsegs=[mc.XSeg("glu", gu, I, off2=I, stride=2 * I, beta=beta, lb=lb)])
-        h = c.gemv(n + "out", d, L + Is, down, weight=torch.cat([moe.routed_expert_up_proj.weight,
-                                                                 sh.down_proj.weight], dim=1),
-                   xsegs=[mc.XSeg("combine_norm", down, L, stride=L, route=tk, nslot=K,
-                                  aux=moe.routed_expert_norm.weight, eps=cfg.rms_norm_eps),
-                          mc.XSeg("glu", proj, Is, off=L, off2=Is, round_in=True, beta=beta, lb=lb)])
+        comb = mc.XSeg("combine_norm", down, L, stride=L, route=tk, nslot=K, aux=moe.routed_expert_norm.weight,
+                       eps=cfg.rms_norm_eps)
+        if packed_out:
+            h = c.gemv(n + "out", d, L + Is, down, weight=torch.cat([moe.routed_expert_up_proj.weight,
+                                                                     sh.down_proj.weight], dim=1),
+                       xsegs=[comb, shared_h])
+        else:
+            h = c.gemv(n + "up", d, L, down, xsegs=[comb], weight=moe.routed_expert_up_proj.weight)
     return c
 
 
 def outputs(bufs: mc.Buffers) -> list[torch.Tensor]:
-    """Each sublayer's output (fp32 values of its "out" phase), in chain order."""
-    return [bufs.out(p) for p, ph in enumerate(bufs.chain.phases) if ph.name.endswith(".out")]
+    """Each sublayer's output in fp32, in chain order: its "out" phase's, or its "up" and "shared_down" phases'
+    added (as the next phase's x load adds them)."""
+    ph = bufs.chain.phases
+    return [bufs.out(p) if f.name.endswith(".out") else bufs.out(p) + bufs.out(p - 3)
+            for p, f in enumerate(ph) if f.name.endswith((".out", ".up"))]
 
 
 def chosen(bufs: mc.Buffers) -> list[list[int]]:
@@ -115,9 +134,10 @@ def parts_vs_compile(bufs: mc.Buffers, layer_index: int, moe, x: torch.Tensor) -
     projection; shared_h: the shared experts' SiTU-GLU; u: the routed experts' combine (the kernel's from its fp32
     expert rows and weights, rounded as its recipe does); latent_normed: RMSNorm(u)."""
     ph = bufs.chain.phases
-    p_out = [p for p, f in enumerate(ph) if f.name.endswith(".out")][layer_index]
-    p_proj, p_topk, p_down = p_out - 5, p_out - 3, p_out - 1
-    comb, _ = bufs.chain.xsegs[ph[p_out].xop:ph[p_out].xop + 2]
+    p_out = [p for p, f in enumerate(ph) if f.name.endswith((".out", ".up"))][layer_index]
+    packed = ph[p_out].name.endswith(".out")
+    p_proj, p_topk, p_down = p_out - (5 if packed else 6), p_out - (3 if packed else 4), p_out - 1
+    comb = bufs.chain.xsegs[ph[p_out].xop]
     L, K = comb.len, ph[p_topk].ne
     w, rows = bufs.out(p_topk)[K:2 * K], bufs.out(p_down).view(K, L)
     u_k = torch.zeros(L, device=rows.device)
@@ -126,7 +146,8 @@ def parts_vs_compile(bufs: mc.Buffers, layer_index: int, moe, x: torch.Tensor) -
     z, h = moe.project_hidden(x[None])
     u = moe.routed(x[None], z)
     xk = bufs.xdump[p_out, 0, :ph[p_out].k]
-    return {"z": compare(bufs.out(p_proj)[:L].bfloat16(), z[0]), "shared_h": compare(xk[L:], h[0]),
+    hk = xk[L:] if packed else bufs.xdump[p_out - 3, 0, :ph[p_out - 3].k]
+    return {"z": compare(bufs.out(p_proj)[:L].bfloat16(), z[0]), "shared_h": compare(hk, h[0]),
             "u": compare(u_k.bfloat16(), u[0]), "latent_normed": compare(xk[:L], moe.routed_expert_norm(u)[0])}
 
 
@@ -182,7 +203,7 @@ DIAGNOSTICS = ("SKIP_COMPUTE", "NOLOADX", "NOCOPY")     # chain.cu builds whose 
 
 def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: int = 0,
         defines: tuple[str, ...] = DEFINES, modes: tuple[str, ...] = ("stream", "serial", "nodeps"),
-        baseline: bool = True) -> dict:
+        baseline: bool = True, cu: Path = mc.CU, packed_out: bool = False) -> dict:
     """Check (unless a diagnostic build), compare with the compile backend and time (`baseline`), time `modes`.
     A -DTRACE_TILES build also reports what each block's ring did in one stream launch (`tile_pipeline`)."""
     from k3export.bench.ceilings import copy_bandwidth
@@ -192,14 +213,14 @@ def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: in
     cfg = PRESETS[preset]
     model = gpu_random_model(cfg, seed)
     layers = layers or moe_layers(cfg)
-    chain = moe_chain(model, layers)
+    chain = moe_chain(model, layers, packed_out=packed_out)
     bufs = mc.Buffers(chain)
     g = torch.Generator(device="cuda").manual_seed(seed + 1)
     bufs.x.copy_(torch.randn(cfg.hidden_size, generator=g, device="cuda").bfloat16().float())
-    kern = mc.ChainKernel(defines=tuple(dict.fromkeys(DEFINES + tuple(defines))))
+    kern = mc.ChainKernel(defines=tuple(dict.fromkeys(DEFINES + tuple(defines))), cu=cu)
     diagnostic = bool(set(DIAGNOSTICS) & set(kern.defines))
     kern.bind(bufs)
-    res = {"device": torch.cuda.get_device_name(0), "preset": preset, "layers": layers,
+    res = {"device": torch.cuda.get_device_name(0), "preset": preset, "layers": layers, "packed_out": packed_out,
            "phases": len(chain.phases), "tiles": chain.ntiles, "bytes_read": chain.bytes_read,
            "copy_gbs": copy_bandwidth() / 1e9, "defines": list(kern.defines), "check": {}}
     # 1. the kernel against the torch emulation of its phases (stream and serial: the same outputs)
@@ -255,13 +276,14 @@ def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: in
     res["timeline_us"] = kern.timeline_us()
     if "PHASE_TIMES" in kern.defines:
         res["phase_times_us"] = pt = kern.phase_times(modes[0])
-        for kind in ("proj", "router", "topk", "gate_up", "down", "out"):
+        for kind in ("proj", "router", "topk", "shared_down", "gate_up", "down", "up", "out"):
             ps = [p for p, f in enumerate(chain.phases) if f.name.endswith("." + kind)][1:-1]   # (inner layers)
             if ps:
                 mean = lambda a, b: statistics.fmean(pt[a][p] - (pt[b][p] if b in pt else pt["done"][p - 1])
                                                      for p in ps)
                 print(f"{kind}: after the phase before it finished, began {mean('begin', 'prev'):+.1f} us, had x "
-                      f"{mean('x', 'prev'):+.1f} us, done {mean('done', 'prev'):+.1f} us", flush=True)
+                      f"{mean('x', 'prev'):+.1f} us, a tile {mean('tile', 'prev'):+.1f} us, done "
+                      f"{mean('done', 'prev'):+.1f} us", flush=True)
     if kern.tile_trace is not None:
         tp = res["tile_pipeline"] = kern.tiles_traced(modes[0])
         print("tiles: " + json.dumps({k: v for k, v in tp.items() if k != "landed_tbs"}), flush=True)
@@ -289,13 +311,15 @@ def main() -> None:
     ap.add_argument("--modes", default="stream,serial,nodeps")
     ap.add_argument("--defines", default="", help="more chain.cu defines, DEFINE+DEFINE=V (diagnostics: no checks)")
     ap.add_argument("--no-baseline", action="store_true", help="no compile backend comparison or timing")
+    ap.add_argument("--packed-out", action="store_true", help="one output phase over [u | h], as compile packs it")
+    ap.add_argument("--cu", type=Path, default=mc.CU, help="another version of chain.cu (an A/B)")
     ap.add_argument("--out")
     a = ap.parse_args()
     modes = tuple(a.modes.split(","))
     if not set(modes) <= set(mc.MODES):
         raise SystemExit(f"modes: choose from {', '.join(mc.MODES)}")
     res = run(a.preset, parse_layers(a.layers), a.rounds, a.iters, defines=tuple(d for d in a.defines.split("+") if d),
-              modes=modes, baseline=not a.no_baseline)
+              modes=modes, baseline=not a.no_baseline, cu=a.cu, packed_out=a.packed_out)
     floor = res["bytes_floor_ms"]
     print(f"{a.preset} MoE sublayers {res['layers']}: {res['phases']} phases, {res['bytes_read'] / 1e6:.0f} MB "
           f"(floor {floor:.3f} ms): " + ", ".join(f"{k} {v:.4f} ms" for k, v in res["ms"].items()), flush=True)

@@ -44,8 +44,8 @@ def _moe_f64(cfg, moe, x):
     return D(moe.routed_expert_up_proj.weight) @ nrm + D(sh.down_proj.weight) @ hs, top.tolist()
 
 
-def _emulated(cfg, model, seed=0):
-    chain = ml.moe_chain(model, ml.moe_layers(cfg))
+def _emulated(cfg, model, seed=0, packed_out=False):
+    chain = ml.moe_chain(model, ml.moe_layers(cfg), packed_out=packed_out)
     bufs = mc.Buffers(chain, device="cpu")
     bufs.x.copy_(torch.randn(cfg.hidden_size, generator=torch.Generator().manual_seed(seed)).bfloat16().float())
     bufs.clear()
@@ -53,30 +53,34 @@ def _emulated(cfg, model, seed=0):
     return chain, bufs
 
 
-def test_moe_chain_has_six_phases_a_sublayer_with_the_models_weights(tiny):
+def test_moe_chain_has_seven_phases_a_sublayer_with_the_models_weights(tiny):
     cfg, model = tiny
     layers = ml.moe_layers(cfg)
     chain = ml.moe_chain(model, layers)
     assert layers == list(range(1, cfg.num_hidden_layers))
-    assert [p.name.split(".", 1)[1] for p in chain.phases[:6]] == ["moe.proj", "moe.router", "moe.topk",
-                                                                   "moe.gate_up", "moe.down", "moe.out"]
-    assert len(chain.phases) == 6 * len(layers) and len(chain.xsegs) == 4 * len(layers)
+    assert [p.name.split(".", 1)[1] for p in chain.phases[:7]] == [
+        "moe.proj", "moe.router", "moe.topk", "moe.shared_down", "moe.gate_up", "moe.down", "moe.up"]
+    assert len(chain.phases) == 7 * len(layers) and len(chain.xsegs) == 4 * len(layers)
     d, L, I, E, K = (cfg.hidden_size, cfg.routed_expert_hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
                      cfg.num_experts_per_token)
     Is = I * cfg.num_shared_experts
-    proj, router, tk, gu, down, out = chain.phases[6:12]           # layer 2: its x is layer 1's output
-    assert (proj.n, proj.k, proj.src, router.src) == (L + 2 * Is, d, 5, 5)
+    proj, router, tk, sd, gu, down, up = chain.phases[7:14]          # layer 2: its x is layer 1's up + shared_down
+    assert (proj.n, proj.k, proj.src, proj.dep2, router.src, router.dep2) == (L + 2 * Is, d, 6, 3, 6, 3)
     assert (tk.n, tk.ne, tk.xlen) == (2 * K, K, E)                 # ids, then weights
-    assert (gu.n, gu.k, gu.ne, gu.src, gu.xstride) == (K * 2 * I, L, 2 * I, 6, 0)
+    assert (sd.n, sd.k) == (d, Is)
+    assert (gu.n, gu.k, gu.ne, gu.src, gu.xstride) == (K * 2 * I, L, 2 * I, 7, 0)
     assert (down.n, down.k, down.ne, down.xstride) == (K * L, I, L, 2 * I)
-    assert (out.n, out.k) == (d, L + Is)
+    assert (up.n, up.k) == (d, L)
     moe = model.model.layers[2].block_sparse_moe
-    assert torch.equal(chain.init[6][:L], moe.routed_expert_down_proj.weight)
-    assert torch.equal(chain.init[9][3, I:], moe.experts.w3[3])
-    assert torch.equal(chain.init[11][:, L:], moe.shared_experts.down_proj.weight)
-    comb, glu = chain.xsegs[chain.phases[11].xop:chain.phases[11].xop + 2]
-    assert (comb.op, comb.src, comb.route, comb.nslot, comb.stride) == ("combine_norm", 10, 8, K, L)
-    assert (glu.op, glu.src, glu.off, glu.off2, glu.round_in) == ("glu", 6, L, Is, True)
+    assert torch.equal(chain.init[7][:L], moe.routed_expert_down_proj.weight)
+    assert torch.equal(chain.init[11][3, I:], moe.experts.w3[3])
+    assert torch.equal(chain.init[10], moe.shared_experts.down_proj.weight)
+    glu, comb = chain.xsegs[sd.xop], chain.xsegs[up.xop]
+    assert (comb.op, comb.src, comb.route, comb.nslot, comb.stride) == ("combine_norm", 12, 9, K, L)
+    assert (glu.op, glu.src, glu.off, glu.off2, glu.round_in) == ("glu", 7, L, Is, True)
+    packed = ml.moe_chain(model, layers[:1], packed_out=True)
+    assert [p.name for p in packed.phases][-1] == "L1.moe.out" and packed.phases[-1].k == L + Is
+    assert torch.equal(packed.init[5][:, L:], model.model.layers[1].block_sparse_moe.shared_experts.down_proj.weight)
 
 
 def test_emulation_matches_the_spec_in_fp64_as_closely_as_the_model(tiny):
@@ -86,7 +90,9 @@ def test_emulation_matches_the_spec_in_fp64_as_closely_as_the_model(tiny):
     2026-12-02: emulation 2.2e-3..7.0e-3, the model 3.8e-3..7.3e-3)."""
     cfg, model = tiny
     _, bufs = _emulated(cfg, model)
-    assert bufs.errors() == {"max_rel": {"gemv": 0.0, "topk": 0.0, "routed": 0.0}, "topk_wrong": [],
+    _, packed = _emulated(cfg, model, packed_out=True)
+    assert torch.equal(packed.x, bufs.x)
+    assert packed.errors() == {"max_rel": {"gemv": 0.0, "topk": 0.0, "routed": 0.0}, "topk_wrong": [],
                              "unwritten": []}
     worse = 0
     with torch.no_grad():
@@ -138,11 +144,11 @@ def test_recipe_errors_count_the_kernels_differing_x(tiny):
                 bufs.xdump[p, s, :ph.k] = bufs.recipe_x(p, s).bfloat16()
     bufs.dumped = True
     errs = bufs.recipe_errors()
-    assert len(errs) == (cfg.num_experts_per_token + 1) * len(ml.moe_layers(cfg))
+    assert len(errs) == (cfg.num_experts_per_token + 2) * len(ml.moe_layers(cfg))     # shared_down, down slots, up
     assert all(v["differ"] == 0 for v in errs.values())
-    out = next(p for p, ph in enumerate(chain.phases) if ph.name.endswith(".out"))
-    bufs.xdump[out, 0, 3] += 1.0
-    assert bufs.recipe_errors()["L1.moe.out"]["differ"] == 1
+    up = next(p for p, ph in enumerate(chain.phases) if ph.name.endswith(".up"))
+    bufs.xdump[up, 0, 3] += 1.0
+    assert bufs.recipe_errors()["L1.moe.up"]["differ"] == 1
 
 
 def test_recipes_are_checked_when_the_chain_is_built():
@@ -183,7 +189,7 @@ def test_k3_small_moe_chain_fits_the_kernel():
     with torch.device("meta"):
         model = K3Model(cfg)
     chain = ml.moe_chain(model, ml.moe_layers(cfg))
-    assert len(chain.phases) == 66
+    assert len(chain.phases) == 77
     assert mc.smem_bytes(3, 65536, len(chain.phases), len(chain.xsegs)) <= mc.SMEM_LIMIT - 2304
     assert max(mc.row_groups(p, 512, 4) for p in chain.phases if p.kind != "topk") <= mc.GROUPS
     assert chain.bytes_read / 11 == pytest.approx(65.4e6, rel=2e-3)

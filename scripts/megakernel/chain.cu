@@ -447,6 +447,31 @@ __device__ __forceinline__ bool load_x_recipe(__nv_bfloat16* xs, const PhaseC& f
                     xf[g.len + j] = sc;
                 }
             }
+            // The top-k itself, here where the tile loop's registers are free: each key's rank among them (larger
+            // first, ties: the lower id first), one key a thread; the k best write their ids and, in slot order,
+            // their scores. (12-02 14:10: k rounds of a warp argmax, in the tile loop, took ~6 us a sublayer.)
+            consumers_sync();
+            uint64_t* y = reinterpret_cast<uint64_t*>(f.y);
+            float* chosen = xf + 2 * g.len;
+            for (int j = tid; ok && j < g.len; j += CONSUMERS) {
+                const float kj = xf[j];
+                int rank = 0;
+                for (int i = 0; i < g.len; ++i) {
+                    const float ki = xf[i];
+                    rank += ki > kj || (ki == kj && i < j);
+                }
+                if (rank < f.ne) {
+                    store_word(y + rank, static_cast<float>(j), epoch);
+                    chosen[rank] = xf[g.len + j];
+                }
+            }
+            consumers_sync();
+            if (ok && tid < f.ne) {     // `_topk`: w = s / (sum s + 1e-20) when renormalising, then * scaling
+                float sum = 0.f;
+                for (int r = 0; r < f.ne; ++r) sum = __fadd_rn(sum, chosen[r]);
+                const float w = g.renorm ? __fdiv_rn(chosen[tid], __fadd_rn(sum, 1e-20f)) : chosen[tid];
+                store_word(y + f.ne + tid, __fmul_rn(w, g.scaling), epoch);
+            }
         }
         j0 += g.len;
     }
@@ -781,9 +806,9 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
         const bool x_per_expert = kind == ROUTED && f.xstride;
         const int g0 = static_cast<int>(first_tile(f, nblk)), gend = tile0 + f.ntiles;
         if (g0 >= gend) continue;
-#ifdef PHASE_TIMES                          // -DPHASE_TIMES: per phase, the first block to begin it, to have its x
+#ifdef PHASE_TIMES     // -DPHASE_TIMES: per phase, the first block to begin it, to have its x, to have its first tile
         if (tid == 0) atomicMin(t_done + nphase + p, static_cast<unsigned long long>(now_ns()));
-        bool x_timed = false;               // (t_done[nphase..3 nphase), reset by the host before the launch)
+        bool x_timed = false;               // (t_done[nphase..4 nphase), reset by the host before the launch)
 #endif
         uint64_t* y = reinterpret_cast<uint64_t*>(f.y);
         // T threads per row, each ceil(k / 8 / T) <= STEPS 16-byte steps; G = CONSUMERS / T rows in flight
@@ -890,6 +915,9 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
             if (!TILE_IN_REGS && !wait_slot(&full[s], (i / NSLOT) & 1u, err, 2, p, t)) return;
 #endif
             if (tid == 0 && !TILE_IN_REGS) TT_SET(i, 5);
+#ifdef PHASE_TIMES
+            if (tid == 0 && g == g0) atomicMin(t_done + 3 * nphase + p, static_cast<unsigned long long>(now_ns()));
+#endif
 #ifdef TRACE
             if (tr) {
                 tr[2] = now_ns();           // the x's first tile is here
@@ -898,10 +926,10 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
 #endif
 
             if (kind == TOPK) {
-                if (warp == 0) {              // k rounds of a warp argmax over xs (taken entries set to -inf)
+                // k rounds of a warp argmax over xs (taken entries set to -inf); a scored top-k (RECIPES) was done
+                // in its x load (`load_x_recipe`)
+                if (warp == 0 && !(RECIPES && f.xop >= 0)) {
                     float* xf = reinterpret_cast<float*>(xs);
-                    const XSeg* score = RECIPES && f.xop >= 0 ? &xsegs[f.xop] : nullptr;   // X_SCORE: weights
-                    float* chosen = xf + 2 * f.xlen;                            // (the chosen scores, lane 0's)
                     for (int64_t r = 0; r < f.ne; ++r) {
                         float best = -INFINITY;
                         int idx = 0x7fffffff;
@@ -914,19 +942,9 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
                         }
                         if (lane == 0) {
                             store_word(y + r, static_cast<float>(idx), epoch);
-                            if (score) chosen[r] = idx < f.xlen ? xf[f.xlen + idx] : 0.f;
                             if (idx < f.xlen) xf[idx] = -INFINITY;   // (NaN x: none)
                         }
                         __syncwarp();
-                    }
-                    if (score && lane == 0) {   // `_topk`: w = s / (sum s + 1e-20) when renormalising, then * scaling
-                        float sum = 0.f;
-                        for (int64_t r = 0; r < f.ne; ++r) sum = __fadd_rn(sum, chosen[r]);
-                        const float den = __fadd_rn(sum, 1e-20f);
-                        for (int64_t r = 0; r < f.ne; ++r) {
-                            const float w = score->renorm ? __fdiv_rn(chosen[r], den) : chosen[r];
-                            store_word(y + f.ne + r, __fmul_rn(w, score->scaling), epoch);
-                        }
                     }
                 }
             } else if (mma_tile(rows, rows_here, static_cast<int>(f.k))) {
