@@ -165,8 +165,12 @@ class Chain:
     `init`: weights given for a phase (its index -> a tensor of `Buffers.weights`' shape); the rest are random.
     `xsegs`: the x recipes the phases point at."""
 
-    def __init__(self, x_len: int, slot_bytes: int = 65536):
+    def __init__(self, x_len: int, slot_bytes: int = 65536, min_tiles: int = 0, max_rows: int = MAX_ROWS):
+        """min_tiles: a phase's tiles are made smaller (down to 16 rows, the tensor-core tile) while it has fewer than
+        this many (e.g. the number of blocks: a phase on the critical path then spreads over more SMs); max_rows:
+        rows per tile at most."""
         self.x_len, self.slot_bytes, self.phases = x_len, slot_bytes, []
+        self.min_tiles, self.max_rows = min_tiles, max_rows
         self.init: dict[int, torch.Tensor] = {}
         self.xsegs: list[XSeg] = []
 
@@ -205,8 +209,10 @@ class Chain:
     def _rows(self, n: int, k: int, ne: int = 0) -> int:
         """Rows per tile: a power of two that fills a slot (at most MAX_ROWS), no more than n needs; routed tiles
         stay within one expert. A GEMV's last tile may be part of one."""
-        r = min(MAX_ROWS, 1 << int(math.log2(self.slot_bytes // (2 * k))))
+        r = min(self.max_rows, 1 << int(math.log2(self.slot_bytes // (2 * k))))
         while r > 1 and r // 2 >= n:
+            r //= 2
+        while r > 16 and -(-n // r) < self.min_tiles:
             r //= 2
         while ne and ne % r:
             r //= 2

@@ -53,7 +53,8 @@ def moe_layers(config) -> list[int]:
     return [l for l in range(config.num_hidden_layers) if not config.is_dense(l)]
 
 
-def moe_chain(model, layers: list[int], slot_bytes: int = 65536, packed_out: bool = False) -> mc.Chain:
+def moe_chain(model, layers: list[int], slot_bytes: int = 65536, packed_out: bool = False, min_tiles: int = 0,
+              routed_rows: int = mc.MAX_ROWS) -> mc.Chain:
     """The MoE sublayers of `layers` as one chain, with the model's weights (an unpacked model: the weights are read
     from its modules as loaded). The first sublayer reads the chain's external input; each later one the output of
     the one before.
@@ -62,7 +63,9 @@ def moe_chain(model, layers: list[int], slot_bytes: int = 65536, packed_out: boo
     once "proj" is: it runs while the top-k and the routed experts wait) and the routed up projection ("up", on the
     normalised combine); their two fp32 outputs are added where the next phase loads them (`dep2`), so a sublayer's
     output is bf16(up + shared_down). packed_out: one phase "out" over [u | h] as the compile backend packs it
-    (one fp32 sum over both: bit for bit its arithmetic, but the shared part then waits for the routed one)."""
+    (one fp32 sum over both: bit for bit its arithmetic, but the shared part then waits for the routed one).
+    min_tiles (`Chain`): phases with fewer tiles get smaller ones (the number of blocks: the up projection's 64
+    tiles become 128); routed_rows: the routed experts' rows per tile at most."""
     cfg = model.config
     if not (cfg.latent_moe_use_norm and cfg.num_shared_experts):
         raise ValueError("moe_chain builds LatentMoE with its latent norm and shared experts (every K3 preset)")
@@ -70,7 +73,7 @@ def moe_chain(model, layers: list[int], slot_bytes: int = 65536, packed_out: boo
     L, I = cfg.routed_expert_hidden_size, cfg.moe_intermediate_size
     Is = I * cfg.num_shared_experts
     beta, lb = cfg.activation_situ_beta, cfg.activation_situ_linear_beta
-    c = mc.Chain(d, slot_bytes)
+    c = mc.Chain(d, slot_bytes, min_tiles=min_tiles)
     h, h2 = -1, -1
     for l in layers:
         moe = model.model.layers[l].block_sparse_moe
@@ -86,9 +89,11 @@ def moe_chain(model, layers: list[int], slot_bytes: int = 65536, packed_out: boo
         shared_h = mc.XSeg("glu", proj, Is, off=L, off2=Is, round_in=True, beta=beta, lb=lb)
         if not packed_out:
             h2 = c.gemv(n + "shared_down", d, Is, proj, xsegs=[shared_h], weight=sh.down_proj.weight)
+        c.max_rows = routed_rows
         gu = c.routed(n + "gate_up", tk, 2 * I, L, E, proj, weight=torch.cat([ex.w1, ex.w3], dim=1))
         down = c.routed(n + "down", tk, L, I, E, gu, per_slot=True, weight=ex.w2,
                         xsegs=[mc.XSeg("glu", gu, I, off2=I, stride=2 * I, beta=beta, lb=lb)])
+        c.max_rows = mc.MAX_ROWS
         comb = mc.XSeg("combine_norm", down, L, stride=L, route=tk, nslot=K, aux=moe.routed_expert_norm.weight,
                        eps=cfg.rms_norm_eps)
         if packed_out:
@@ -203,7 +208,8 @@ DIAGNOSTICS = ("SKIP_COMPUTE", "NOLOADX", "NOCOPY")     # chain.cu builds whose 
 
 def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: int = 0,
         defines: tuple[str, ...] = DEFINES, modes: tuple[str, ...] = ("stream", "serial", "nodeps"),
-        baseline: bool = True, cu: Path = mc.CU, packed_out: bool = False) -> dict:
+        baseline: bool = True, cu: Path = mc.CU, packed_out: bool = False, spread: bool = True,
+        routed_rows: int = mc.MAX_ROWS) -> dict:
     """Check (unless a diagnostic build), compare with the compile backend and time (`baseline`), time `modes`.
     A -DTRACE_TILES build also reports what each block's ring did in one stream launch (`tile_pipeline`)."""
     from k3export.bench.ceilings import copy_bandwidth
@@ -213,7 +219,9 @@ def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: in
     cfg = PRESETS[preset]
     model = gpu_random_model(cfg, seed)
     layers = layers or moe_layers(cfg)
-    chain = moe_chain(model, layers, packed_out=packed_out)
+    blocks = torch.cuda.get_device_properties(0).multi_processor_count
+    chain = moe_chain(model, layers, packed_out=packed_out, min_tiles=blocks if spread else 0,
+                      routed_rows=routed_rows)
     bufs = mc.Buffers(chain)
     g = torch.Generator(device="cuda").manual_seed(seed + 1)
     bufs.x.copy_(torch.randn(cfg.hidden_size, generator=g, device="cuda").bfloat16().float())
@@ -221,6 +229,7 @@ def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: in
     diagnostic = bool(set(DIAGNOSTICS) & set(kern.defines))
     kern.bind(bufs)
     res = {"device": torch.cuda.get_device_name(0), "preset": preset, "layers": layers, "packed_out": packed_out,
+           "spread": spread, "routed_rows": routed_rows,
            "phases": len(chain.phases), "tiles": chain.ntiles, "bytes_read": chain.bytes_read,
            "copy_gbs": copy_bandwidth() / 1e9, "defines": list(kern.defines), "check": {}}
     # 1. the kernel against the torch emulation of its phases (stream and serial: the same outputs)
@@ -312,6 +321,8 @@ def main() -> None:
     ap.add_argument("--defines", default="", help="more chain.cu defines, DEFINE+DEFINE=V (diagnostics: no checks)")
     ap.add_argument("--no-baseline", action="store_true", help="no compile backend comparison or timing")
     ap.add_argument("--packed-out", action="store_true", help="one output phase over [u | h], as compile packs it")
+    ap.add_argument("--no-spread", action="store_true", help="tiles as large as a slot takes, however few")
+    ap.add_argument("--routed-rows", type=int, default=mc.MAX_ROWS, help="the routed experts' rows per tile at most")
     ap.add_argument("--cu", type=Path, default=mc.CU, help="another version of chain.cu (an A/B)")
     ap.add_argument("--out")
     a = ap.parse_args()
@@ -319,7 +330,8 @@ def main() -> None:
     if not set(modes) <= set(mc.MODES):
         raise SystemExit(f"modes: choose from {', '.join(mc.MODES)}")
     res = run(a.preset, parse_layers(a.layers), a.rounds, a.iters, defines=tuple(d for d in a.defines.split("+") if d),
-              modes=modes, baseline=not a.no_baseline, cu=a.cu, packed_out=a.packed_out)
+              modes=modes, baseline=not a.no_baseline, cu=a.cu, packed_out=a.packed_out, spread=not a.no_spread,
+              routed_rows=a.routed_rows)
     floor = res["bytes_floor_ms"]
     print(f"{a.preset} MoE sublayers {res['layers']}: {res['phases']} phases, {res['bytes_read'] / 1e6:.0f} MB "
           f"(floor {floor:.3f} ms): " + ", ".join(f"{k} {v:.4f} ms" for k, v in res["ms"].items()), flush=True)
