@@ -398,8 +398,9 @@ class Buffers:
             rows.append([v[f] for f in FIELDS])
         self.table = torch.tensor(rows, dtype=torch.int64, device=device)
         self.w_packed, self.w_packed_min_k = None, None
-        self.aux = [None if xs.aux is None else xs.aux.detach().to(device, torch.float32 if xs.op == "score" else torch.bfloat16)
-                    .contiguous() for xs in chain.xsegs]
+        self.aux = [None if xs.aux is None else
+                    xs.aux.detach().to(device, torch.float32 if xs.op == "score" else torch.bfloat16).contiguous()
+                    for xs in chain.xsegs]
         raw = b"".join(xs.packed(0 if a is None else a.data_ptr()) for xs, a in zip(chain.xsegs, self.aux))
         self.xsegs = (torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device) if raw
                       else torch.zeros(XSEG_BYTES, dtype=torch.uint8, device=device))

@@ -664,8 +664,8 @@ struct Cursor {
 // Shared memory: the ring (NSLOT x SLOT_BYTES), x (XBYTES), the phase table (nphase x 80 bytes), the x recipes
 // (nxseg x 64 bytes), the barriers (2 x NSLOT). xdump (null: none): each x made by a recipe for a GEMV or routed
 // phase p, slot s, as bf16 at xdump + (p XDUMP_SLOTS + s) XMAX, written by the block with the slot's first tile (a
-// check of the recipes against the host's). Producer and consumers walk the same tiles in the same order: phase by phase, this
-// block's tiles of each phase.
+// check of the recipes against the host's). Producer and consumers walk the same tiles in the same order: phase by
+// phase, this block's tiles of each phase.
 extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM)
 chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* __restrict__ x_in,
              uint32_t* counters, uint32_t epoch, int mode, uint32_t* err, unsigned long long* t_done,
