@@ -317,18 +317,15 @@ __device__ __forceinline__ float situ_glu_k3(float a, float b, float beta, float
     return __fmul_rn(left, __fmul_rn(lb, tanh_k3(__fdiv_rn(b, lb))));
 }
 
-// The N words at addr(i) (null: none) once each carries `epoch`, as values: loaded together, all loaded again while
-// any is stale (one round trip a poll). false: gave up.
-template <int N, typename Addr>
-__device__ __forceinline__ bool poll_words(Addr addr, float (&v)[N], uint32_t epoch, bool wait, uint32_t* err,
-                                           int64_t p, int64_t t) {
+// The words at a[i] (null: none) once each carries `epoch`, as values: loaded together, all loaded again while any is
+// stale (one round trip a poll). false: gave up.
+template <int N>
+__device__ __forceinline__ bool poll_all(const uint64_t* const (&a)[N], float (&v)[N], uint32_t epoch, bool wait,
+                                         uint32_t* err, int64_t p, int64_t t) {
     for (uint32_t spin = 0;; ++spin) {
         uint64_t w[N];
 #pragma unroll
-        for (int i = 0; i < N; ++i) {
-            const uint64_t* a = addr(i);
-            w[i] = a ? load_word(a) : static_cast<uint64_t>(epoch) << 32;
-        }
+        for (int i = 0; i < N; ++i) w[i] = a[i] ? load_word(a[i]) : static_cast<uint64_t>(epoch) << 32;
         bool fresh = true;
 #pragma unroll
         for (int i = 0; i < N; ++i) {
@@ -339,20 +336,28 @@ __device__ __forceinline__ bool poll_words(Addr addr, float (&v)[N], uint32_t ep
         if (out_of_time(spin, err, 1, p, t)) return false;
     }
 }
-template <int N>
-__device__ __forceinline__ bool poll_all(const uint64_t* const (&a)[N], float (&v)[N], uint32_t epoch, bool wait,
-                                         uint32_t* err, int64_t p, int64_t t) {
-    return poll_words<N>([&](int i) { return a[i]; }, v, epoch, wait, err, p, t);
-}
-// The n <= N words p[i * stride].
-template <int N>
-__device__ __forceinline__ bool poll_strided(const uint64_t* p, int64_t stride, int n, float (&v)[N], uint32_t epoch,
-                                             bool wait, uint32_t* err, int64_t ph, int64_t t) {
-    return poll_words<N>([=](int i) { return i < n ? p + i * stride : nullptr; }, v, epoch, wait, err, ph, t);
-}
 
 #define COMBINE_MAX 16                 // X_COMBINE_NORM: top-k slots at most (K3: 16)
 #define XDUMP_SLOTS 16                 // xdump: x slots a phase at most
+
+// The n <= N words p[i * stride] as values, polled as `poll_all` does.
+template <int N>
+__device__ __forceinline__ bool poll_strided(const uint64_t* p, int64_t stride, int n, float (&v)[N], uint32_t epoch,
+                                             bool wait, uint32_t* err, int64_t ph, int64_t t) {
+    for (uint32_t spin = 0;; ++spin) {
+        uint64_t w[N];
+#pragma unroll
+        for (int i = 0; i < N; ++i) w[i] = i < n ? load_word(p + i * stride) : static_cast<uint64_t>(epoch) << 32;
+        bool fresh = true;
+#pragma unroll
+        for (int i = 0; i < N; ++i) {
+            v[i] = value_of(w[i]);
+            fresh = fresh && epoch_of(w[i]) == epoch;
+        }
+        if (fresh || !wait) return true;
+        if (out_of_time(spin, err, 1, ph, t)) return false;
+    }
+}
 
 // Phase f's x by its recipe (f.nxseg parts) into xs: bf16 for a GEMV, fp32 keys then scores for a top-k. Every
 // consumer thread calls it and reaches its barriers (an RMSNorm's sum), also after a wait gave up. false: gave up.
@@ -368,7 +373,7 @@ __device__ __forceinline__ bool load_x_recipe(__nv_bfloat16* xs, const PhaseC& f
         if (g.op == X_GLU) {
             base += static_cast<int64_t>(slot) * g.stride;
             for (int jb = tid; ok && jb < g.len; jb += 4 * CONSUMERS) {
-                const uint64_t* a[8];               // a of 4 elements, then their b
+                const uint64_t* a[8];
                 float v[8];
 #pragma unroll
                 for (int u = 0; u < 4; ++u) {
@@ -425,9 +430,14 @@ __device__ __forceinline__ bool load_x_recipe(__nv_bfloat16* xs, const PhaseC& f
             float* xf = reinterpret_cast<float*>(xs);
             const float* bias = reinterpret_cast<const float*>(g.aux);
             for (int jb = tid; ok && jb < g.len; jb += 8 * CONSUMERS) {
+                const uint64_t* a[8];
                 float v[8];
-                ok = poll_strided(base + jb, CONSUMERS, min(8, (g.len - jb + CONSUMERS - 1) / CONSUMERS), v, epoch,
-                                  wait, err, p, t);
+#pragma unroll
+                for (int u = 0; u < 8; ++u) {
+                    const int j = jb + u * CONSUMERS;
+                    a[u] = j < g.len ? base + j : nullptr;
+                }
+                ok = poll_all(a, v, epoch, wait, err, p, t);
 #pragma unroll
                 for (int u = 0; u < 8; ++u) {
                     const int j = jb + u * CONSUMERS;
