@@ -202,6 +202,13 @@ class Chain:
                                      f"top-k's {self.phases[g.route].ne})")
             if g.op in ("combine_norm", "score") and (g.aux is None or g.aux.numel() != g.len):
                 raise ValueError(f"{ph.name}: {g.op} needs its {g.len} weights (aux)")
+            # the last word it reads must be src's: over the combine's slots, or a per-slot x's (routed) slots
+            slots = g.nslot if g.op == "combine_norm" else (
+                self.phases[ph.route].ne if ph.kind == "routed" and ph.xstride else 1)
+            end = g.off + (slots - 1) * g.stride + (g.off2 if g.op == "glu" else 0) + g.len
+            if end > self.phases[g.src].n:
+                raise ValueError(f"{ph.name}: x recipe reads words up to {end} of phase {g.src} "
+                                 f"({self.phases[g.src].name}), which has {self.phases[g.src].n}")
         ph.xop, ph.nxseg = len(self.xsegs), len(segs)
         self.xsegs += segs
         return ph

@@ -165,6 +165,10 @@ def test_recipes_are_checked_when_the_chain_is_built():
         c.gemv("b", 4, 16, g, xsegs=[mc.XSeg("combine_norm", g, 16, route=t, nslot=2)])
     with pytest.raises(ValueError, match="unknown x recipe op"):
         c.gemv("b", 4, 16, g, xsegs=[mc.XSeg("silu", g, 16)])
+    with pytest.raises(ValueError, match="reads words up to 24 of phase 0"):
+        c.gemv("b", 4, 16, g, xsegs=[mc.XSeg("glu", g, 16, off2=8)])
+    with pytest.raises(ValueError, match="reads words up to 17 of phase 0"):
+        c.gemv("b", 4, 16, g, xsegs=[mc.XSeg("combine_norm", g, 16, off=1, route=t, nslot=1, aux=torch.ones(16))])
     with pytest.raises(ValueError, match="weight \\(4, 8\\), the phase needs \\(4, 16\\)"):
         c.gemv("b", 4, 16, g, weight=torch.zeros(4, 8))
 
