@@ -502,7 +502,7 @@ class Buffers:
 
     def scored_topk(self, p: int) -> torch.Tensor:
         """A top-k with a "score" recipe: the ids of the k largest keys (ties: the lower id), then their weights
-        (the unbiased scores, summed in slot order, renormalised, times scaling), as chain.cu's rounds do."""
+        (the unbiased scores, summed in slot order, renormalised, times scaling), as chain.cu's ranks give them."""
         ph, xs = self.chain.phases[p], self.chain.xsegs[self.chain.phases[p].xop]
         x = self.x_of(p)
         keys, scores = x[:ph.xlen], x[ph.xlen:]
@@ -866,6 +866,21 @@ class ChainKernel:
         return {"begin": t[1].tolist(), "x": t[2].tolist(), "tile": t[3].tolist(), "done": t[0].tolist()}
 
 
+def events_ms(fn, iters: int) -> list[float]:
+    """ms of each of `iters` calls of fn(), CUDA events around each, after 5 warm-up calls (one sync at the end)."""
+    for _ in range(5):
+        fn()
+    ts = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        ts.append((s, e))
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) for s, e in ts]
+
+
 def run_chain(name: str, kern: ChainKernel, modes: list[str], rounds: int, iters: int) -> dict:
     chain = CHAINS[name](kern.slot_bytes)
     bufs = Buffers(chain)
@@ -886,17 +901,8 @@ def run_chain(name: str, kern: ChainKernel, modes: list[str], rounds: int, iters
     times = {m: [] for m in modes}
     for _ in range(rounds):
         for m in modes:
-            for _ in range(5):
-                kern.launch(m)
-            ts = []
-            for _ in range(iters):
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                kern.launch(m)
-                e.record()
-                ts.append((s, e))
+            t = events_ms(lambda: kern.launch(m), iters)
             kern.check()
-            t = [s.elapsed_time(e) for s, e in ts]
             times[m] += t
             res["round_medians_ms"][m].append(statistics.median(t))
         print(f"{name} round: " + ", ".join(f"{m} {res['round_medians_ms'][m][-1]:.4f} ms" for m in modes), flush=True)

@@ -157,12 +157,10 @@ def parts_vs_compile(bufs: mc.Buffers, layer_index: int, moe, x: torch.Tensor) -
 
 
 def product_moes(model, layers: list[int]):
-    """The model's MoE modules as the `compile` backend runs them at B = 1 (packed, paired experts, k3::gemv). Packs
-    the model in place: build the chain first."""
-    from k3export.model import packing
-    packing.pair_experts(model)
-    packing.pack_projections(model)
-    packing.gemv_linears(model, rows=2)
+    """The model's MoE modules as the `compile` backend runs them at B = 1: its constructor packs the model in place
+    (paired experts, packed projections, k3::gemv), so build the chain first."""
+    from k3export.runtime import CompileBackend
+    CompileBackend(model)
     return [model.model.layers[l].block_sparse_moe for l in layers]
 
 
@@ -175,34 +173,6 @@ def route_ids(moe, x: torch.Tensor) -> list[int]:
     return ids[0].tolist()
 
 
-def _cuda_graph(fn, x):
-    """fn(x) captured once in a CUDA graph (after warm-up on a side stream); returns replay."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn(x)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn(x)
-    return g.replay
-
-
-def _events_ms(fn, iters: int) -> list[float]:
-    for _ in range(5):
-        fn()
-    ts = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        ts.append((s, e))
-    torch.cuda.synchronize()
-    return [s.elapsed_time(e) for s, e in ts]
-
-
 DIAGNOSTICS = ("SKIP_COMPUTE", "NOLOADX", "NOCOPY")     # chain.cu builds whose outputs are wrong by design
 
 
@@ -212,7 +182,7 @@ def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: in
         routed_rows: int = mc.MAX_ROWS) -> dict:
     """Check (unless a diagnostic build), compare with the compile backend and time (`baseline`), time `modes`.
     A -DTRACE_TILES build also reports what each block's ring did in one stream launch (`tile_pipeline`)."""
-    from k3export.bench.ceilings import copy_bandwidth
+    from k3export.bench.ceilings import copy_bandwidth, graph_replay
     from k3export.bench.fp8 import gpu_random_model
     from k3export.config import PRESETS
     from k3export.plugins.launch import pdl
@@ -246,14 +216,14 @@ def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: in
               f"{sum(v['differ'] for v in rx.values())} of {sum(v['of'] for v in rx.values())}", flush=True)
         if e["unwritten"] or e["topk_wrong"] or worst > mc.CHECK_REL:
             raise RuntimeError(f"{m}: the kernel differs from the emulation of its phases, not timing it: {e}")
-    # 2. each sublayer against the model's MoE as the compile backend runs it, on the kernel's input
-    ins, outs, ids = sublayer_inputs(bufs), [y.bfloat16() for y in outputs(bufs)], chosen(bufs)
+    # 2. each sublayer against the model's MoE as the compile backend runs it, on the kernel's input (not for a
+    # diagnostic build: its outputs are wrong by design)
     moes = product_moes(model, layers) if baseline else []
-    if diagnostic:                  # (outputs wrong by design: nothing to compare)
-        ins = outs = ids = []
     res["vs_compile"] = []
     with torch.no_grad(), pdl(True, early=True):
-        for i, (l, moe, x, y, kid) in enumerate(zip(layers, moes, ins, outs, ids)):
+        compared = [] if diagnostic else zip(layers, moes, sublayer_inputs(bufs), outputs(bufs), chosen(bufs))
+        for i, (l, moe, x, y, kid) in enumerate(compared):
+            y = y.bfloat16()
             ref = moe(x[None])[0]
             row = dict(layer=l, **compare(y, ref), same_experts=sorted(kid) == sorted(route_ids(moe, x)),
                        parts=parts_vs_compile(bufs, i, moe, x))
@@ -269,12 +239,12 @@ def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: in
         compiled = torch.compile(stack, dynamic=False)
         x0 = bufs.x.bfloat16()[None].clone()
         with torch.no_grad(), pdl(True, early=True):
-            fns["compile"] = _cuda_graph(compiled, x0)
+            fns["compile"] = graph_replay(lambda: compiled(x0), warmup=3)
     times = {k: [] for k in fns}
     res["round_medians_ms"] = {k: [] for k in fns}
     for _ in range(rounds):
         for k, fn in fns.items():
-            t = _events_ms(fn, iters)
+            t = mc.events_ms(fn, iters)
             times[k] += t
             res["round_medians_ms"][k].append(statistics.median(t))
         kern.check()
@@ -287,12 +257,11 @@ def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: in
         res["phase_times_us"] = pt = kern.phase_times(modes[0])
         for kind in ("proj", "router", "topk", "shared_down", "gate_up", "down", "up", "out"):
             ps = [p for p, f in enumerate(chain.phases) if f.name.endswith("." + kind)][1:-1]   # (inner layers)
-            if ps:
-                mean = lambda a, b: statistics.fmean(pt[a][p] - (pt[b][p] if b in pt else pt["done"][p - 1])
-                                                     for p in ps)
-                print(f"{kind}: after the phase before it finished, began {mean('begin', 'prev'):+.1f} us, had x "
-                      f"{mean('x', 'prev'):+.1f} us, a tile {mean('tile', 'prev'):+.1f} us, done "
-                      f"{mean('done', 'prev'):+.1f} us", flush=True)
+            if ps:                  # (us after the phase before it finished, mean over those layers)
+                after = lambda key: statistics.fmean(pt[key][p] - pt["done"][p - 1] for p in ps)
+                print(f"{kind}: after the phase before it finished, began {after('begin'):+.1f} us, had x "
+                      f"{after('x'):+.1f} us, a tile {after('tile'):+.1f} us, done {after('done'):+.1f} us",
+                      flush=True)
     if kern.tile_trace is not None:
         tp = res["tile_pipeline"] = kern.tiles_traced(modes[0])
         print("tiles: " + json.dumps({k: v for k, v in tp.items() if k != "landed_tbs"}), flush=True)

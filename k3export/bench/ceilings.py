@@ -17,19 +17,25 @@ def bench_ms(fn, rep: int = 100) -> float:
     return float(do_bench(fn, warmup=10, rep=rep, return_mode="median"))
 
 
-def graph_ms(fn) -> float:
-    """Median ms of fn replayed as a CUDA graph (captured after a warm-up on a side stream; L2 flushed): the device
-    time without the host's launch overhead, which `bench_ms` of a small call mostly measures. How the runtime's
-    decode runs."""
+def graph_replay(fn, warmup: int = 1):
+    """fn() captured once in a CUDA graph, after `warmup` calls on a side stream; returns the graph's replay."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        fn()
+        for _ in range(warmup):
+            fn()
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
-    return bench_ms(g.replay)
+    return g.replay
+
+
+def graph_ms(fn) -> float:
+    """Median ms of fn replayed as a CUDA graph (captured after a warm-up on a side stream; L2 flushed): the device
+    time without the host's launch overhead, which `bench_ms` of a small call mostly measures. How the runtime's
+    decode runs."""
+    return bench_ms(graph_replay(fn))
 
 
 def kernel_times(call, reps: int = 5, warmup: int = 0) -> list[dict]:
