@@ -53,8 +53,12 @@ import torch
 CU = Path(__file__).resolve().parent / "megakernel" / "chain.cu"
 FIELDS = ("kind", "n", "k", "rows", "ntiles", "tile0", "src", "xlen", "xstride", "route", "ne", "w", "y",
           "n_experts", "dep2", "xlen2", "xop", "nxseg")        # chain.cu's `struct Phase`, one int64 each
-KINDS = {"gemv": 0, "topk": 1, "routed": 2}
-XOPS = {"glu": 1, "combine_norm": 2, "score": 3}     # chain.cu's `enum XOp`
+KINDS = {"gemv": 0, "topk": 1, "routed": 2, "kda": 3}
+XOPS = {"glu": 1, "combine_norm": 2, "score": 3, "kda": 4}     # chain.cu's `enum XOp`
+KDA_HEAD, KDA_CONV = 128, 4          # chain.cu's KDA phase: head dim and conv taps it is written for
+KDA_TENSORS = {"state": torch.float32, "conv_state": torch.bfloat16, "conv_weight": torch.bfloat16,
+               "a_log": torch.float32, "dt_bias": torch.float32, "o_norm": torch.bfloat16,
+               "f_b": torch.bfloat16}          # (after the state: chain.cu's `KdaAux`, in its order)
 PHASE_BYTES, XSEG_BYTES = 80, 64                     # chain.cu's PhaseC (in shared memory) and XSeg
 MODES = {"stream": 0, "serial": 1, "nodeps": 2}
 
@@ -88,6 +92,11 @@ WANT, FREE, ISSUED, LANDED, TAKE, HAVE, DONE = range(7)   # producer wants the s
                                                           # the copy landed; consumers want it, have it, are done
 MAX_ROWS = 64                       # rows per tile at most (few-byte phases still spread over several blocks)
 CHECK_REL = 1e-5                    # fp32 sums of the same bf16 products in another order: ~3e-7 measured
+# A KDA step against kda_step_k3, which has exact exp, divisions and square roots where the kernel has Triton's
+# approximate ones (a few fp32 ulps each): the state within that; the output within two bf16 steps, since a flip of
+# the head output's rounding passes through two more bf16 roundings (the norm, its weight) before the gate's (H200
+# 12-02: 2.0 in 2 of 8 k3-small layers, one element of 2048 each; 1 elsewhere); the conv window (copied) exact.
+KDA_BOUNDS = {"o_max_ulps": 2.0, "state_max_rel": 1e-5, "conv_differ": 0}
 WAITS = {1: "an input word of this launch", 2: "a filled ring slot", 3: "a free ring slot",
          4: "the top-k's words", 5: "an input phase's counter"}
 
@@ -120,13 +129,16 @@ class Phase:
 
     @property
     def bytes_read(self) -> int:
-        """Weight bytes this phase reads per launch (routed: only the chosen experts' rows)."""
+        """Weight bytes this phase reads per launch (routed: only the chosen experts' rows; KDA: the fp32 state,
+        which it also writes back)."""
         return 0 if self.kind == "topk" else self.n * self.k * 2
 
     @property
     def weight_elems(self) -> int:
-        """Weight elements stored (routed: every expert)."""
-        return {"gemv": self.n * self.k, "topk": 0, "routed": self.n_experts * self.ne * self.k}[self.kind]
+        """Weight elements stored in the chain's weight buffer (routed: every expert; KDA: none, its state is its
+        own buffer)."""
+        return {"gemv": self.n * self.k, "topk": 0, "kda": 0,
+                "routed": self.n_experts * self.ne * self.k}[self.kind]
 
 
 @dataclasses.dataclass
@@ -137,7 +149,9 @@ class XSeg:
     - "combine_norm": the MoE combine over nslot slots (stride words apart) with top-k phase route's weights, then
       RMSNorm with weight aux (bf16 [len]) and eps;
     - "score" (a top-k's x): sigmoid, correction bias aux (fp32 [len]) for the choice, weights renormalised when
-      renorm, times scaling."""
+      renorm, times scaling;
+    - "kda" (a KDA phase's, `Chain.kda`): q | k | v at off of src's words, g at off2, b at stride, f_a at route (a
+      word offset here), nslot heads, decay bound lb, head-norm eps; `tensors` the step's own (`KDA_TENSORS`)."""
     op: str
     src: int
     len: int
@@ -153,6 +167,7 @@ class XSeg:
     lb: float = 0.0
     eps: float = 0.0
     scaling: float = 1.0
+    tensors: dict | None = None
 
     def packed(self, aux_ptr: int) -> bytes:
         return struct.pack("<q10i4f", aux_ptr, XOPS[self.op], self.src, self.off, self.len, self.off2, self.stride,
@@ -184,12 +199,18 @@ class Chain:
             self.init[p] = weight.detach()
         if not segs:
             return ph
+        if ph.kind == "kda":                # (checked by `kda`)
+            ph.xop, ph.nxseg = len(self.xsegs), 1
+            self.xsegs += segs
+            return ph
         width = ph.xlen if ph.kind == "topk" else ph.k
         if sum(g.len for g in segs) != width:
             raise ValueError(f"{ph.name}: x recipe parts cover {sum(g.len for g in segs)} of x's {width}")
         for g in segs:
             if g.op not in XOPS:
                 raise ValueError(f"{ph.name}: unknown x recipe op {g.op!r} (choose from {', '.join(XOPS)})")
+            if g.op == "kda":
+                raise ValueError(f"{ph.name}: a 'kda' x is a KDA phase's (Chain.kda)")
             if (g.op == "score") != (ph.kind == "topk"):
                 raise ValueError(f"{ph.name}: a top-k's x recipe is one 'score' part, and 'score' is only a top-k's")
             if not 0 <= g.src < p:
@@ -272,6 +293,41 @@ class Chain:
             raise ValueError(f"{name}: per-slot recipe parts must step {xstride} words a slot")
         return self._add(self._recipe(Phase(name, "routed", n, k, src, xlen, xstride, route, ne, n_experts,
                                             rows=rows, ntiles=n // rows), xsegs, weight))
+
+    def kda(self, name: str, src: int, heads: int, q_off: int, g_off: int, b_off: int, fa_off: int, lb: float,
+            eps: float, **tensors: torch.Tensor) -> int:
+        """The KDA decode step at B = 1 (chain.cu `load_x_kda`, `kda_tile`): one tile a head, its fp32 state
+        [128 k, 128 v] streamed as the tile and written back, with the conv window, in place. Reads the input
+        projection src's words (q | k | v at q_off, g at g_off, b at b_off, f_a at fa_off, each rounded to bf16 as a
+        bf16 GEMV's output) and sums f = f_b f_a itself, as the Triton kernel does. `tensors`: state [H, 128, 128]
+        fp32, conv_state [3 H 128, 3], conv_weight [3 H 128, 4], a_log [>= H], dt_bias [H 128], o_norm [128],
+        f_b [H 128, 128] (`KDA_TENSORS`). The output: H 128 words, the gated, normalised heads (bf16 values)."""
+        self._xlen(src, name)
+        H, K, C = heads, KDA_HEAD, 3 * heads * KDA_HEAD
+        if set(tensors) != set(KDA_TENSORS):
+            raise ValueError(f"{name}: needs the tensors {', '.join(KDA_TENSORS)}; got {', '.join(tensors)}")
+        shapes = {"state": (H, K, K), "conv_state": (C, KDA_CONV - 1), "conv_weight": (C, KDA_CONV),
+                  "dt_bias": (H * K,), "o_norm": (K,), "f_b": (H * K, K)}
+        for key, shape in shapes.items():
+            if tuple(tensors[key].shape) != shape:
+                raise ValueError(f"{name}: {key} {tuple(tensors[key].shape)}, the step needs {shape} (head dim and "
+                                 f"f_a rank {K}, a {KDA_CONV}-tap conv: what chain.cu's KDA phase is written for)")
+        if tensors["a_log"].dim() != 1 or tensors["a_log"].numel() < H:
+            raise ValueError(f"{name}: a_log {tuple(tensors['a_log'].shape)}, needs [>= {H}]")
+        n_src = self.phases[src].n
+        for what, start, end in (("q | k | v", q_off, q_off + C), ("g", g_off, g_off + H * K), ("b", b_off, b_off + H),
+                                 ("f_a", fa_off, fa_off + K)):
+            if start < 0 or end > n_src:
+                raise ValueError(f"{name}: {what} ends at word {end} of phase {src} ({self.phases[src].name}), "
+                                 f"which has {n_src}")
+        if K * K * 4 > self.slot_bytes:
+            raise ValueError(f"{name}: a head's state is one tile of {K * K * 4} bytes, over a slot's "
+                             f"{self.slot_bytes}")
+        seg = XSeg("kda", src, H * K, off=q_off, off2=g_off, stride=b_off, route=fa_off, nslot=H, lb=lb, eps=eps,
+                   tensors={k: v.detach() for k, v in tensors.items()})
+        # tiles of 128 "rows" of 256 bf16 words = one head's fp32 [128, 128] state
+        return self._add(self._recipe(Phase(name, "kda", H * K, 2 * K, src, n_src, rows=K, ntiles=H, ne=K),
+                                      [seg], None))
 
     @property
     def ntiles(self) -> int:
@@ -372,6 +428,69 @@ def fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return (a.double() * b.double() + c.double()).float()
 
 
+def kda_sumsq(x: torch.Tensor) -> torch.Tensor:
+    """Sum of squares over the last dim (128) as chain.cu's `warp_squares` / `four_warps` (and Triton 3.6's tl.sum
+    in the KDA kernel) order it: per warp of 32 a butterfly (lane 0's view), then (W0 + W2) + (W1 + W3)."""
+    s = (x * x).unflatten(-1, (4, 32))
+    lane = torch.arange(32, device=x.device)
+    for o in (16, 8, 4, 2, 1):
+        s = s + s[..., lane ^ o]
+    w = s[..., 0]
+    return (w[..., 0] + w[..., 2]) + (w[..., 1] + w[..., 3])
+
+
+def kda_chain_sum(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """sum over k (128) of x[..., k, :] y[..., k, None] as chain.cu's `kda_tile` makes it: four quarters of 32 k in
+    order (the first product rounded, then FMAs), then (R0 + R1) + (R2 + R3)."""
+    parts = []
+    for k0 in range(0, 128, 32):
+        acc = x[..., k0, :] * y[..., k0, None]
+        for k in range(k0 + 1, k0 + 32):
+            acc = fma32(x[..., k, :], y[..., k, None].expand_as(acc), acc)
+        parts.append(acc)
+    return (parts[0] + parts[1]) + (parts[2] + parts[3])
+
+
+def kda_fold_k3(f_a: torch.Tensor, f_b: torch.Tensor) -> torch.Tensor:
+    """f = f_b f_a as chain.cu's `load_x_kda` sums it: per row, four quarters of 32 columns each in order (the first
+    product rounded, then FMAs), then (Q0 + Q1) + (Q2 + Q3), rounded to bf16. f_a [128], f_b [H 128, 128]."""
+    w = f_b.float().view(-1, 4, 32)
+    a = f_a.float().view(4, 32).expand_as(w)
+    q = w[..., 0] * a[..., 0]
+    for r in range(1, 32):
+        q = fma32(w[..., r], a[..., r], q)
+    return bf16r((q[:, 0] + q[:, 1]) + (q[:, 2] + q[:, 3]))
+
+
+def kda_step_k3(qkv, conv_state, conv_weight, f_a, f_b, b, g, a_log, dt_bias, o_norm, state, lb: float, eps: float):
+    """chain.cu's KDA step (`load_x_kda`, `kda_tile`) in torch, op for op in fp32, except that exp, the divisions
+    and the square roots here are exact where the kernel (as Triton 3.6) uses ex2.approx, div.full and the
+    approximate sqrt / rsqrt. qkv [3 H 128], f_a [128], g [H 128], b [H]: the input projection's outputs as bf16
+    values; f_b [H 128, 128]; conv_state [3 H 128, 3], conv_weight [3 H 128, 4]; state [H, 128, 128] (k, v).
+    Returns (o [H 128], new state, new conv window)."""
+    H, K = b.numel(), KDA_HEAD
+    u = torch.cat([conv_state.float(), qkv[:, None]], 1)
+    prod = u * conv_weight.float()
+    y = (prod[:, 0] + prod[:, 2]) + (prod[:, 1] + prod[:, 3])
+    q, k, v = bf16r(y * sigmoid_k3(y)).view(3, H, K)
+    one = torch.ones((), device=q.device)
+    qn = q / torch.sqrt(kda_sumsq(q) + 1e-6)[:, None] * torch.tensor(K ** -0.5, dtype=torch.float32)
+    kn = k / torch.sqrt(kda_sumsq(k) + 1e-6)[:, None]
+    A = torch.exp(a_log[:H].float())
+    f = kda_fold_k3(f_a, f_b)
+    s = one / (one + torch.exp(-(A[:, None] * (f.view(H, K) + dt_bias.view(H, K).float()))))
+    alpha = torch.exp(s * lb)
+    beta = sigmoid_k3(b)
+    s1 = state * alpha[:, :, None]
+    err = v - kda_chain_sum(s1, kn)
+    s2 = fma32((kn * beta[:, None])[:, :, None].expand_as(s1), err[:, None, :].expand_as(s1), s1)
+    ob = bf16r(kda_chain_sum(s2, qn))
+    r = torch.rsqrt(kda_sumsq(ob) / torch.tensor(float(K)) + eps)
+    wn = bf16r(o_norm.float() * bf16r(r[:, None] * ob))
+    o = bf16r(wn * sigmoid_k3(g.view(H, K)))
+    return o.reshape(-1), s2, u[:, 1:].to(conv_state.dtype)
+
+
 class Buffers:
     """Every phase's weights in one bf16 buffer (the chain's given weights, else N(0, 1/k): y stays O(1) along the
     chain), outputs in one buffer of 8-byte words {fp32 value, u32 epoch of the launch that wrote it}, the external
@@ -405,15 +524,29 @@ class Buffers:
             rows.append([v[f] for f in FIELDS])
         self.table = torch.tensor(rows, dtype=torch.int64, device=device)
         self.w_packed, self.w_packed_min_k = None, None
-        self.aux = [None if xs.aux is None else
+        # a KDA step's tensors: its own copies (`live`, which the kernel updates in place: state and conv window)
+        # and the values every check launch starts from (`kda_init`; `clear` puts them back)
+        self.kda, self.kda_init = {}, {}
+        for p, ph in enumerate(chain.phases):
+            if ph.kind == "kda":
+                t = chain.xsegs[ph.xop].tensors
+                self.kda[p] = {k: t[k].to(device, dt).contiguous() for k, dt in KDA_TENSORS.items()}
+                self.kda_init[p] = {k: self.kda[p][k].clone() for k in ("state", "conv_state")}
+                self.table[p, FIELDS.index("w")] = self.kda[p]["state"].data_ptr()
+        kda_of = {ph.xop: p for p, ph in self.kda_phases()}
+        self.aux = [torch.tensor([self.kda[kda_of[i]][k].data_ptr() for k in list(KDA_TENSORS)[1:]], dtype=torch.int64,
+                                 device=device) if xs.op == "kda" else None if xs.aux is None else
                     xs.aux.detach().to(device, torch.float32 if xs.op == "score" else torch.bfloat16).contiguous()
-                    for xs in chain.xsegs]
+                    for i, xs in enumerate(chain.xsegs)]
         raw = b"".join(xs.packed(0 if a is None else a.data_ptr()) for xs, a in zip(chain.xsegs, self.aux))
         self.xsegs = (torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device) if raw
                       else torch.zeros(XSEG_BYTES, dtype=torch.uint8, device=device))
         self.xdump = (torch.zeros(len(chain.phases), XDUMP_SLOTS, XMAX, dtype=torch.bfloat16, device=device)
                       if chain.xsegs else None)
         self.dumped = False         # xdump holds the last check launch's x (x_of reads it for recipe phases)
+
+    def kda_phases(self):
+        return [(p, ph) for p, ph in enumerate(self.chain.phases) if ph.kind == "kda"]
 
     def use_mma_layout(self, min_k: int | None) -> None:
         """Point the table at the weights as chain.cu reads them: with -DMMA_TILES=1 (`min_k` its MMA_MIN_K), a copy
@@ -426,8 +559,9 @@ class Buffers:
                     v = self.w[off:off + ph.weight_elems].view(-1, ph.k)   # (routed: every expert's rows)
                     self.w_packed[off:off + ph.weight_elems] = pack_mma_tiles(v, ph.rows, min_k).reshape(-1)
         base = (self.w_packed if min_k is not None else self.w).data_ptr()
-        self.table[:, FIELDS.index("w")] = torch.tensor([base + 2 * off for off in self.w_off], dtype=torch.int64,
-                                                        device=self.table.device)
+        self.table[:, FIELDS.index("w")] = torch.tensor([self.kda[p]["state"].data_ptr() if p in self.kda else
+                                                         base + 2 * off for p, off in enumerate(self.w_off)],
+                                                        dtype=torch.int64, device=self.table.device)
 
     def weights(self, p: int) -> torch.Tensor:
         ph = self.chain.phases[p]
@@ -439,7 +573,11 @@ class Buffers:
         return self.values[self.y_off[p]:self.y_off[p] + self.chain.phases[p].n]
 
     def clear(self) -> None:
-        """Every output NaN and of no launch (epoch 0), so that an unwritten row shows."""
+        """Every output NaN and of no launch (epoch 0), so that an unwritten row shows; each KDA step's state and
+        conv window back to their first values."""
+        for p, init in self.kda_init.items():
+            for k, v in init.items():
+                self.kda[p][k].copy_(v)
         self.y.zero_()
         self.values.fill_(float("nan"))
         if self.xdump is not None:
@@ -487,9 +625,24 @@ class Buffers:
             x = x + self.out(ph.dep2)[j % ph.xlen2]
         return x if ph.kind == "topk" else x.bfloat16().float()     # a GEMV's x as a bf16 model feeds it
 
+    def kda_inputs(self, p: int) -> dict:
+        """KDA phase p's inputs from the words now in the buffers and its tensors' first values (`kda_init`: what a
+        launch after `clear` starts from): the arguments of `kda_step_k3`."""
+        ph, xs = self.chain.phases[p], self.chain.xsegs[self.chain.phases[p].xop]
+        H, K, t = xs.nslot, KDA_HEAD, self.kda[p]
+        words = bf16r(self.out(xs.src))
+        return dict(qkv=words[xs.off:xs.off + 3 * H * K], conv_state=self.kda_init[p]["conv_state"],
+                    conv_weight=t["conv_weight"], f_a=words[xs.route:xs.route + K], f_b=t["f_b"],
+                    b=words[xs.stride:xs.stride + H],
+                    g=words[xs.off2:xs.off2 + H * K], a_log=t["a_log"], dt_bias=t["dt_bias"], o_norm=t["o_norm"],
+                    state=self.kda_init[p]["state"], lb=xs.lb, eps=xs.eps)
+
     def expected(self, p: int) -> torch.Tensor:
-        """Phase p's output from the inputs now in the buffers (fp32 accumulation; top-k: ids as floats)."""
+        """Phase p's output from the inputs now in the buffers (fp32 accumulation; top-k: ids as floats; KDA: after
+        a launch that followed `clear`)."""
         ph, xs = self.chain.phases[p], None
+        if ph.kind == "kda":
+            return kda_step_k3(**self.kda_inputs(p))[0]
         if ph.kind == "topk" and ph.xop >= 0:
             return self.scored_topk(p)
         if ph.kind == "topk":
@@ -519,7 +672,7 @@ class Buffers:
         `recipe_x` on the kernel's own inputs, and by how much at most."""
         out = {}
         for p, ph in enumerate(self.chain.phases):
-            if ph.xop < 0 or ph.kind == "topk":
+            if ph.xop < 0 or ph.kind in ("topk", "kda"):
                 continue
             slots = self.chain.phases[ph.route].ne if ph.kind == "routed" and ph.xstride else 1
             for s in range(slots):
@@ -531,19 +684,41 @@ class Buffers:
         return out
 
     def run_reference(self) -> None:
-        """Fill every output in chain order, as the kernel should."""
-        for p in range(len(self.chain.phases)):
-            self.out(p).copy_(self.expected(p))
+        """Fill every output in chain order, as the kernel should (and update each KDA step's state and conv window
+        as the kernel does, from their first values)."""
+        for p, ph in enumerate(self.chain.phases):
+            if ph.kind == "kda":
+                o, state, conv = kda_step_k3(**self.kda_inputs(p))
+                self.out(p).copy_(o)
+                self.kda[p]["state"].copy_(state)
+                self.kda[p]["conv_state"].copy_(conv)
+            else:
+                self.out(p).copy_(self.expected(p))
+
+    def kda_errors(self, p: int) -> dict:
+        """After a launch that followed `clear`: KDA phase p against `kda_step_k3` on the kernel's own inputs. Its
+        output (bf16 values): elements that differ and the largest difference in bf16 ulps; the new state: the
+        largest |difference| / max |state|; the new conv window: elements that differ (it is copied: none)."""
+        o, state, conv = kda_step_k3(**self.kda_inputs(p))
+        got, t = self.out(p), self.kda[p]
+        ulp = 2.0 ** (torch.floor(torch.log2(o.abs().clamp_min(2.0 ** -126))) - 7)
+        return {"o_differ": int((got != o).sum()), "o_max_ulps": float(((got - o).abs() / ulp).max()),
+                "state_max_rel": float((t["state"] - state).abs().max() / state.abs().max().clamp_min(1e-30)),
+                "conv_differ": int((t["conv_state"] != conv).sum())}
 
     def errors(self) -> dict:
         """Per kind, the largest |y - expected| / max|expected| over phases (expected from the kernel's own
-        inputs), the top-k phases that differ, and the phases with unwritten (NaN) rows."""
-        worst = {k: 0.0 for k in KINDS}
-        topk_wrong, nan = [], []
+        inputs), the top-k phases that differ, and the phases with unwritten (NaN) rows; per KDA phase
+        `kda_errors` (not in max_rel: its bounds are `KDA_BOUNDS`)."""
+        worst = {k: 0.0 for k in KINDS if k != "kda"}
+        topk_wrong, nan, kda = [], [], {}
         for p, ph in enumerate(self.chain.phases):
             got = self.out(p)
             if torch.isnan(got).any():
                 nan.append(ph.name)
+                continue
+            if ph.kind == "kda":
+                kda[ph.name] = self.kda_errors(p)
                 continue
             ref = self.expected(p)
             if ph.kind == "topk":
@@ -552,7 +727,8 @@ class Buffers:
                 continue
             rel = ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
             worst[ph.kind] = max(worst[ph.kind], rel)
-        return {"max_rel": worst, "topk_wrong": topk_wrong, "unwritten": nan}
+        return {"max_rel": worst, "topk_wrong": topk_wrong, "unwritten": nan, "kda": kda,
+                "kda_out_of_bounds": [k for k, v in kda.items() if any(v[b] > KDA_BOUNDS[b] for b in KDA_BOUNDS)]}
 
 
 def mma_tile(rows: int, rows_here: int, k: int, min_k: int = 32) -> bool:
@@ -769,6 +945,16 @@ class ChainKernel:
                              f"{self.slot_bytes}")
         if bufs.chain.xsegs and not define_value(self.defines, "RECIPES", self.cu, default=0):
             raise ValueError("this chain forms x by recipes: build the kernel with RECIPES=1")
+        min_k = mma_min_k(self.defines, self.cu)
+        if define_value(self.defines, "MMA_ONLY", self.cu, default=0):
+            bad = [ph.name for ph in bufs.chain.phases if ph.kind in ("gemv", "routed") and not (
+                min_k is not None and ph.n % ph.rows == 0 and mma_tile(ph.rows, ph.rows, ph.k, min_k))]
+            if bad:
+                raise ValueError(f"built with MMA_ONLY, which sums tensor-core tiles only (rows a multiple of 16 "
+                                 f"dividing n, k a multiple of 32 and at least MMA_MIN_K): not {', '.join(bad[:5])}")
+        if any(ph.kind == "kda" for ph in bufs.chain.phases) and self.consumers != 512:
+            raise ValueError(f"this chain has KDA phases, which chain.cu runs on 512 consumer threads; the kernel "
+                             f"has {self.consumers} (CONSUMER_WARPS)")
         self.smem = smem_bytes(self.nslot, self.slot_bytes, n, len(bufs.chain.xsegs))
         why = not_resident(self.per_sm, self.threads, self.regs, self.smem)
         if why:
@@ -779,7 +965,7 @@ class ChainKernel:
         if groups > GROUPS:
             raise ValueError(f"a tile of this chain takes {groups} row groups with {self.consumers} consumer "
                              f"threads and STEPS = {self.steps}; chain.cu holds {GROUPS}")
-        bufs.use_mma_layout(mma_min_k(self.defines, self.cu))
+        bufs.use_mma_layout(min_k)
         self.fn.max_dynamic_shared_size_bytes = self.smem
         self.bufs = bufs
         self.counters = torch.zeros(n, dtype=torch.int32, device="cuda")
@@ -895,7 +1081,7 @@ def run_chain(name: str, kern: ChainKernel, modes: list[str], rounds: int, iters
             res["check"][m] = "not checked: outputs wrong by design (no waits, or no sums)"
         else:
             e = res["check"][m] = bufs.errors()
-            if e["unwritten"] or e["topk_wrong"] or max(e["max_rel"].values()) > CHECK_REL:
+            if e["unwritten"] or e["topk_wrong"] or e["kda_out_of_bounds"] or max(e["max_rel"].values()) > CHECK_REL:
                 raise RuntimeError(f"{name} {m}: outputs differ from the torch reference, not timing it: {e}")
         print(f"{name} {m}: {res['check'][m]}", flush=True)
     times = {m: [] for m in modes}

@@ -46,15 +46,41 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import megakernel_chain as mc  # noqa: E402
 
-DEFINES = ("RECIPES=1",)
+DEFINES = ("RECIPES=1", "MMA_ONLY=1")      # (chain.cu: the recipes, and tensor-core tiles only: no spills)
 
 
 def moe_layers(config) -> list[int]:
     return [l for l in range(config.num_hidden_layers) if not config.is_dense(l)]
 
 
+def kda_start(attn, gen: torch.Generator) -> dict:
+    """A KDA layer's state for the chain to start from: the fp32 state N(0, 0.1^2) and the conv window N(0, 1) in
+    bf16 (the pre-conv inputs it holds are O(1))."""
+    H, K, W = attn.num_heads, attn.head_dim, attn.conv_size
+    return {"state": torch.randn(H, K, K, generator=gen) * 0.1,
+            "conv_state": torch.randn(3 * H * K, W - 1, generator=gen).bfloat16()}
+
+
+def kda_sublayer(c: mc.Chain, attn, h: int, h2: int, name: str, start: dict) -> int:
+    """A KDA attention sublayer at B = 1 as three phases (the compile backend's launches in brackets):
+
+        in     GEMV [K + 4 H K + H, d]: f_a | q | k | v | g | b          (k3::gemv, packed)
+        step   f = f_b f_a, the conv, norms, gates, delta rule on the state, head norm and gate   (kda_decode_inplace)
+        o      GEMV [d, H K]                                              (k3::gemv)
+
+    Its x is phase h's output (+ h2's); returns the "o" phase. `start`: `kda_start`."""
+    H, K, d = attn.num_heads, attn.head_dim, attn.q_proj.in_features
+    w = torch.cat([attn.f_a_proj.weight, attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight,
+                   attn.g_proj.weight, attn.b_proj.weight])
+    inp = c.gemv(name + "in", w.shape[0], d, h, dep2=h2, weight=w)
+    step = c.kda(name + "step", inp, H, q_off=K, g_off=K + 3 * H * K, b_off=K + 4 * H * K, fa_off=0,
+                 lb=attn.lower_bound, eps=attn.eps, conv_weight=attn.conv_weight(), a_log=attn.A_log,
+                 dt_bias=attn.dt_bias, o_norm=attn.o_norm.weight, f_b=attn.f_b_proj.weight, **start)
+    return c.gemv(name + "o", d, H * K, step, weight=attn.o_proj.weight)
+
+
 def moe_chain(model, layers: list[int], slot_bytes: int = 65536, packed_out: bool = False, min_tiles: int = 0,
-              routed_rows: int = mc.MAX_ROWS) -> mc.Chain:
+              routed_rows: int = mc.MAX_ROWS, kda: bool = False, seed: int = 0) -> mc.Chain:
     """The MoE sublayers of `layers` as one chain, with the model's weights (an unpacked model: the weights are read
     from its modules as loaded). The first sublayer reads the chain's external input; each later one the output of
     the one before.
@@ -65,7 +91,9 @@ def moe_chain(model, layers: list[int], slot_bytes: int = 65536, packed_out: boo
     output is bf16(up + shared_down). packed_out: one phase "out" over [u | h] as the compile backend packs it
     (one fp32 sum over both: bit for bit its arithmetic, but the shared part then waits for the routed one).
     min_tiles (`Chain`): phases with fewer tiles get smaller ones (the number of blocks: the up projection's 64
-    tiles become 128); routed_rows: the routed experts' rows per tile at most."""
+    tiles become 128); routed_rows: the routed experts' rows per tile at most. kda: each KDA layer's attention
+    sublayer before its MoE (`kda_sublayer`; its state from `kda_start` with `seed`); the MLA layers' attention
+    is not built."""
     cfg = model.config
     if not (cfg.latent_moe_use_norm and cfg.num_shared_experts):
         raise ValueError("moe_chain builds LatentMoE with its latent norm and shared experts (every K3 preset)")
@@ -75,7 +103,11 @@ def moe_chain(model, layers: list[int], slot_bytes: int = 65536, packed_out: boo
     beta, lb = cfg.activation_situ_beta, cfg.activation_situ_linear_beta
     c = mc.Chain(d, slot_bytes, min_tiles=min_tiles)
     h, h2 = -1, -1
+    gen = torch.Generator().manual_seed(seed)
     for l in layers:
+        attn = model.model.layers[l].self_attn
+        if kda and not cfg.is_mla(l):
+            h, h2 = kda_sublayer(c, attn, h, h2, f"L{l}.kda.", kda_start(attn, gen)), -1
         moe = model.model.layers[l].block_sparse_moe
         if type(moe.routed_expert_down_proj) is not torch.nn.Linear:
             raise ValueError(f"layer {l}: the model is packed; build the chain from the model as loaded")
@@ -105,12 +137,20 @@ def moe_chain(model, layers: list[int], slot_bytes: int = 65536, packed_out: boo
     return c
 
 
+OUTPUTS = (".out", ".up", ".kda.o")    # the phases whose output is a sublayer's
+
+
+def sublayer_phases(bufs: mc.Buffers) -> list[int]:
+    """Each sublayer's output phase, in chain order."""
+    return [p for p, f in enumerate(bufs.chain.phases) if f.name.endswith(OUTPUTS)]
+
+
 def outputs(bufs: mc.Buffers) -> list[torch.Tensor]:
-    """Each sublayer's output in fp32, in chain order: its "out" phase's, or its "up" and "shared_down" phases'
-    added (as the next phase's x load adds them)."""
+    """Each sublayer's output in fp32, in chain order: its "out" (or KDA "o") phase's, or its "up" and
+    "shared_down" phases' added (as the next phase's x load adds them)."""
     ph = bufs.chain.phases
-    return [bufs.out(p) if f.name.endswith(".out") else bufs.out(p) + bufs.out(p - 3)
-            for p, f in enumerate(ph) if f.name.endswith((".out", ".up"))]
+    return [bufs.out(p) + bufs.out(p - 3) if ph[p].name.endswith(".up") else bufs.out(p)
+            for p in sublayer_phases(bufs)]
 
 
 def chosen(bufs: mc.Buffers) -> list[list[int]]:
@@ -121,6 +161,23 @@ def chosen(bufs: mc.Buffers) -> list[list[int]]:
 def sublayer_inputs(bufs: mc.Buffers) -> list[torch.Tensor]:
     """The bf16 input of each sublayer as the kernel read it: the external x, then each previous output."""
     return [bufs.x.bfloat16()] + [y.bfloat16() for y in outputs(bufs)[:-1]]
+
+
+def kda_vs_triton(bufs: mc.Buffers, p: int) -> dict:
+    """After a launch that followed `clear` (GPU): KDA phase p against the KDA plugin's Triton kernel
+    (`k3::kda_decode_inplace`, as `compile` runs it, but given f as the kernel sums it: `kda_fold_k3`) on the
+    kernel's own inputs: output elements that differ (bf16), the new state's (fp32) and the new conv window's."""
+    a = bufs.kda_inputs(p)
+    conv, state = a["conv_state"].clone()[None], a["state"].clone()[None]
+    f = mc.kda_fold_k3(a["f_a"], a["f_b"])
+    o = torch.ops.k3.kda_decode_inplace(a["qkv"].bfloat16()[None], conv, a["conv_weight"], f.bfloat16()[None], None,
+                                        a["b"].bfloat16()[None], a["g"].bfloat16()[None], a["a_log"], a["dt_bias"],
+                                        a["o_norm"], state, a["lb"], a["eps"])
+    t = bufs.kda[p]
+    ds = (t["state"] - state[0]).abs()
+    return {"o": compare(bufs.out(p).bfloat16(), o[0]), "state_differ": int((ds > 0).sum()),
+            "state_max_rel": float(ds.max() / state.abs().max()),
+            "conv_differ": int((t["conv_state"] != conv[0]).sum())}
 
 
 def compare(a: torch.Tensor, b: torch.Tensor) -> dict:
@@ -179,7 +236,7 @@ DIAGNOSTICS = ("SKIP_COMPUTE", "NOLOADX", "NOCOPY")     # chain.cu builds whose 
 def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: int = 0,
         defines: tuple[str, ...] = DEFINES, modes: tuple[str, ...] = ("stream", "serial", "nodeps"),
         baseline: bool = True, cu: Path = mc.CU, packed_out: bool = False, spread: bool = True,
-        routed_rows: int = mc.MAX_ROWS) -> dict:
+        routed_rows: int = mc.MAX_ROWS, kda: bool = True) -> dict:
     """Check (unless a diagnostic build), compare with the compile backend and time (`baseline`), time `modes`.
     A -DTRACE_TILES build also reports what each block's ring did in one stream launch (`tile_pipeline`)."""
     from k3export.bench.ceilings import copy_bandwidth, graph_replay
@@ -191,14 +248,15 @@ def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: in
     layers = layers or moe_layers(cfg)
     blocks = torch.cuda.get_device_properties(0).multi_processor_count
     chain = moe_chain(model, layers, packed_out=packed_out, min_tiles=blocks if spread else 0,
-                      routed_rows=routed_rows)
+                      routed_rows=routed_rows, kda=kda, seed=seed)
     bufs = mc.Buffers(chain)
     g = torch.Generator(device="cuda").manual_seed(seed + 1)
     bufs.x.copy_(torch.randn(cfg.hidden_size, generator=g, device="cuda").bfloat16().float())
     kern = mc.ChainKernel(defines=tuple(dict.fromkeys(DEFINES + tuple(defines))), cu=cu)
     diagnostic = bool(set(DIAGNOSTICS) & set(kern.defines))
     kern.bind(bufs)
-    res = {"device": torch.cuda.get_device_name(0), "preset": preset, "layers": layers, "packed_out": packed_out,
+    res = {"device": torch.cuda.get_device_name(0), "preset": preset, "layers": layers, "kda": kda,
+           "packed_out": packed_out,
            "spread": spread, "routed_rows": routed_rows,
            "phases": len(chain.phases), "tiles": chain.ntiles, "bytes_read": chain.bytes_read,
            "copy_gbs": copy_bandwidth() / 1e9, "defines": list(kern.defines), "check": {}}
@@ -209,37 +267,65 @@ def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: in
         kern.check()
         e = bufs.errors()
         e["recipe_x"] = rx = bufs.recipe_errors()
+        e["kda_vs_triton"] = {bufs.chain.phases[p].name: kda_vs_triton(bufs, p) for p, _ in bufs.kda_phases()}
         res["check"][m] = e
         worst = max(e["max_rel"].values())
         print(f"{m}: GEMV / routed max rel {worst:.2e}; top-k differing {e['topk_wrong']}; unwritten "
               f"{e['unwritten']}; recipe x elements differing "
               f"{sum(v['differ'] for v in rx.values())} of {sum(v['of'] for v in rx.values())}", flush=True)
-        if e["unwritten"] or e["topk_wrong"] or worst > mc.CHECK_REL:
+        for name, v in e["kda"].items():
+            print(f"  {name}: vs emulation {v}; vs Triton {e['kda_vs_triton'][name]}", flush=True)
+        if e["unwritten"] or e["topk_wrong"] or e["kda_out_of_bounds"] or worst > mc.CHECK_REL:
             raise RuntimeError(f"{m}: the kernel differs from the emulation of its phases, not timing it: {e}")
     # 2. each sublayer against the model's MoE as the compile backend runs it, on the kernel's input (not for a
     # diagnostic build: its outputs are wrong by design)
     moes = product_moes(model, layers) if baseline else []
+    attns = {l: model.model.layers[l].self_attn for l in layers if kda and not cfg.is_mla(l)}
+    kda_p = {int(ph.name.split(".")[0][1:]): p for p, ph in bufs.kda_phases()}     # layer -> its KDA phase
     res["vs_compile"] = []
     with torch.no_grad(), pdl(True, early=True):
-        compared = [] if diagnostic else zip(layers, moes, sublayer_inputs(bufs), outputs(bufs), chosen(bufs))
-        for i, (l, moe, x, y, kid) in enumerate(compared):
-            y = y.bfloat16()
-            ref = moe(x[None])[0]
-            row = dict(layer=l, **compare(y, ref), same_experts=sorted(kid) == sorted(route_ids(moe, x)),
-                       parts=parts_vs_compile(bufs, i, moe, x))
+        subs = list(zip(sublayer_phases(bufs), sublayer_inputs(bufs), outputs(bufs)))
+        moe_i = 0
+        for p, x, y in [] if diagnostic or not baseline else subs:
+            y, l = y.bfloat16(), int(chain.phases[p].name.split(".")[0][1:])
+            if chain.phases[p].name.endswith(".kda.o"):       # the sublayer as compile runs it, from the same state
+                init, live = bufs.kda_init[kda_p[l]], bufs.kda[kda_p[l]]
+                conv, state = init["conv_state"].clone()[None], init["state"].clone()[None]
+                ref = attns[l].decode_(x[None], conv, state)[0]
+                ds = (live["state"] - state[0]).abs()
+                row = dict(layer=l, sublayer="kda", **compare(y, ref), state_differ=int((ds > 0).sum()),
+                           state_max_rel=float(ds.max() / state.abs().max()),
+                           conv_differ=int((live["conv_state"] != conv[0]).sum()))
+            else:
+                moe, kid = moes[layers.index(l)], chosen(bufs)[moe_i]
+                ref = moe(x[None])[0]
+                row = dict(layer=l, sublayer="moe", **compare(y, ref),
+                           same_experts=sorted(kid) == sorted(route_ids(moe, x)),
+                           parts=parts_vs_compile(bufs, moe_i, moe, x))
+                moe_i += 1
             res["vs_compile"].append(row)
             print(f"L{l}: {row}", flush=True)
-    # 3. timing: the persistent launch (modes) against a CUDA graph of the compile backend's sublayers
+    # 3. timing: the persistent launch (modes) against a CUDA graph of the compile backend's sublayers (the KDA
+    # ones on their own copies of the start state, updated in place as the kernel's are)
+    kda_state = {l: (bufs.kda_init[p]["conv_state"].clone()[None], bufs.kda_init[p]["state"].clone()[None])
+                 for l, p in kda_p.items()}
+
     def stack(x):
-        for moe in moes:
+        for l, moe in zip(layers, moes):
+            if l in attns:
+                x = attns[l].decode_(x, *kda_state[l])
             x = moe(x)
         return x
     fns = {m: (lambda m=m: kern.launch(m)) for m in modes}
     if baseline:
         compiled = torch.compile(stack, dynamic=False)
         x0 = bufs.x.bfloat16()[None].clone()
-        with torch.no_grad(), pdl(True, early=True):
-            fns["compile"] = graph_replay(lambda: compiled(x0), warmup=3)
+        try:
+            with torch.no_grad(), pdl(True, early=True):
+                fns["compile"] = graph_replay(lambda: compiled(x0), warmup=3)
+        except Exception as exc:        # (the kernel's own timing still runs; the log says why there is no baseline)
+            res["baseline_error"] = f"{type(exc).__name__}: {exc}"[:2000]
+            print(f"compile baseline failed, timing the kernel alone: {res['baseline_error']}", flush=True)
     times = {k: [] for k in fns}
     res["round_medians_ms"] = {k: [] for k in fns}
     for _ in range(rounds):
@@ -255,7 +341,8 @@ def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: in
     res["timeline_us"] = kern.timeline_us()
     if "PHASE_TIMES" in kern.defines:
         res["phase_times_us"] = pt = kern.phase_times(modes[0])
-        for kind in ("proj", "router", "topk", "shared_down", "gate_up", "down", "up", "out"):
+        for kind in ("kda.in", "kda.o", "proj", "router", "topk", "shared_down", "gate_up", "down", "up",
+                     "out"):             # (a KDA step records when it began and finished only)
             ps = [p for p, f in enumerate(chain.phases) if f.name.endswith("." + kind)][1:-1]   # (inner layers)
             if ps:                  # (us after the phase before it finished, mean over those layers)
                 after = lambda key: statistics.fmean(pt[key][p] - pt["done"][p - 1] for p in ps)
@@ -293,6 +380,7 @@ def main() -> None:
     ap.add_argument("--no-spread", action="store_true", help="tiles as large as a slot takes, however few")
     ap.add_argument("--routed-rows", type=int, default=mc.MAX_ROWS, help="the routed experts' rows per tile at most")
     ap.add_argument("--cu", type=Path, default=mc.CU, help="another version of chain.cu (an A/B)")
+    ap.add_argument("--no-kda", action="store_true", help="the MoE sublayers alone (no KDA attention sublayers)")
     ap.add_argument("--out")
     a = ap.parse_args()
     modes = tuple(a.modes.split(","))
@@ -300,9 +388,11 @@ def main() -> None:
         raise SystemExit(f"modes: choose from {', '.join(mc.MODES)}")
     res = run(a.preset, parse_layers(a.layers), a.rounds, a.iters, defines=tuple(d for d in a.defines.split("+") if d),
               modes=modes, baseline=not a.no_baseline, cu=a.cu, packed_out=a.packed_out, spread=not a.no_spread,
-              routed_rows=a.routed_rows)
+              routed_rows=a.routed_rows, kda=not a.no_kda)
     floor = res["bytes_floor_ms"]
-    print(f"{a.preset} MoE sublayers {res['layers']}: {res['phases']} phases, {res['bytes_read'] / 1e6:.0f} MB "
+    what = "KDA + MoE" if res["kda"] else "MoE"
+    print(f"{a.preset} {what} sublayers of layers {res['layers']}: {res['phases']} phases, "
+          f"{res['bytes_read'] / 1e6:.0f} MB "
           f"(floor {floor:.3f} ms): " + ", ".join(f"{k} {v:.4f} ms" for k, v in res["ms"].items()), flush=True)
     if a.out:
         tmp = a.out + ".tmp"

@@ -87,7 +87,8 @@ def test_reference_fills_the_chain_and_errors_find_wrong_rows():
     b = mc.Buffers(c, device="cpu")
     b.run_reference()
     e = b.errors()
-    assert e == {"max_rel": {"gemv": 0.0, "topk": 0.0, "routed": 0.0}, "topk_wrong": [], "unwritten": []}
+    assert e == {"max_rel": {"gemv": 0.0, "topk": 0.0, "routed": 0.0}, "topk_wrong": [], "unwritten": [],
+                 "kda": {}, "kda_out_of_bounds": []}
     # the values stay O(1) down the chain, so a relative bound means the same everywhere
     scales = [b.out(p).abs().max().item() for p, ph in enumerate(c.phases) if ph.kind != "topk"]
     assert 0.1 < min(scales) and max(scales) < 50, (min(scales), max(scales))

@@ -53,6 +53,13 @@
 #ifndef MMA_MIN_K                      // narrower tiles keep the default layout, whose small tiles need no barrier
 #define MMA_MIN_K 32                   // (512: k3-small 0.634 ms, the skeleton 0.269 against 0.288)
 #endif
+#ifndef MMA_ONLY                       // 1: every tile is a tensor-core tile (the host checks that each is): the
+#define MMA_ONLY 0                     // CUDA-core path and its x registers (STEPS x 8 floats) are compiled out, which
+#endif                                 // frees the tile loop's registers: the real layers' chains (milestone 2) build
+                                       // with RECIPES=1 MMA_ONLY=1 (92 registers, no spills; RECIPES alone spills)
+#if MMA_ONLY && !MMA_TILES
+#error "MMA_ONLY needs MMA_TILES"
+#endif
 #if MMA_TILES && (WARP_ROWS || TILE_IN_REGS)
 #error "MMA_TILES keeps the default layout for the tiles it does not take: not with WARP_ROWS or TILE_IN_REGS"
 #endif
@@ -97,8 +104,8 @@
 #define SPIN_LIMIT (1u << 24)          // polls before a wait gives up (-DSPIN_LIMIT=...)
 #endif
 
-enum Kind : int64_t { GEMV = 0, TOPK = 1, ROUTED = 2 };
-enum XOp : int32_t { X_GLU = 1, X_COMBINE_NORM = 2, X_SCORE = 3 };
+enum Kind : int64_t { GEMV = 0, TOPK = 1, ROUTED = 2, KDA = 3 };
+enum XOp : int32_t { X_GLU = 1, X_COMBINE_NORM = 2, X_SCORE = 3, X_KDA = 4 };
 enum Mode : int { STREAM = 0, SERIAL = 1, NODEPS = 2 };
 
 struct Phase {                          // 16 int64 fields, built by megakernel_chain.py (`Buffers.table`)
@@ -121,6 +128,10 @@ struct Phase {                          // 16 int64 fields, built by megakernel_
 //     route's weights, then bf16(aux[j] * bf16(u * rsqrt(mean(u^2) + eps))) (RMSNorm, aux its bf16 weight);
 //   X_SCORE (a top-k's x): s = sigmoid(logit), key = s + aux[j] (fp32 correction bias, for the choice only); the
 //     chosen s renormalised when renorm, times scaling, are the weights the top-k writes after its ids.
+//   X_KDA (a KDA phase's x, one head `slot` a tile): the head's vectors for the delta rule (`load_x_kda`). src: the
+//     input projection's phase, its words q | k | v at off (3 H 128 channels), g at off2, b at stride, f_a (128)
+//     at route (a word offset here, not a phase); nslot: H; lb: the decay's lower bound; eps: the head RMSNorm's;
+//     aux: `KdaAux`.
 struct XSeg {
     int64_t aux;
     int32_t op, src, off, len;
@@ -129,6 +140,17 @@ struct XSeg {
     float beta, lb, eps, scaling;       // GLU: beta, linear beta; COMBINE_NORM: eps; SCORE: scaling
 };
 static_assert(sizeof(XSeg) == 64, "XSeg is 64 bytes (megakernel_chain.py XSEG_BYTES)");
+
+// An X_KDA part's tensors (addresses). The recurrent state is the phase's "weights": tile t is head t's fp32
+// [128 k][128 v] (64 KB, one slot), streamed by the producer like a weight tile (the last launch wrote it) and
+// written back by the consumers.
+struct KdaAux {
+    int64_t conv_state;                 // bf16 [3 H 128][3]: the window, oldest first (written back: [u1, u2, new])
+    int64_t conv_weight;                // bf16 [3 H 128][4]
+    int64_t a_log, dt_bias;             // fp32 [H], [H 128]
+    int64_t o_norm;                     // bf16 [128]
+    int64_t f_b;                        // bf16 [H 128][128]: f = f_b f_a, summed in the step (as the Triton kernel)
+};
 
 struct PhaseC {                         // the table as the kernel keeps it in shared memory (80 bytes a phase)
     int64_t w, y;
@@ -317,6 +339,46 @@ __device__ __forceinline__ float situ_glu_k3(float a, float b, float beta, float
     return __fmul_rn(left, __fmul_rn(lb, tanh_k3(__fdiv_rn(b, lb))));
 }
 
+// What Triton 3.6 emits for the KDA decode kernel (plugins/kda/kernels.py `_decode_head`; docs/megakernel.md,
+// "The KDA decode step, op for op"): tl.exp as ex2.approx of x log2e, `/` as div.full, tl.sqrt and tl.rsqrt as the
+// approximate ftz forms.
+__device__ __forceinline__ float ex2_approx(float x) {
+    float y;
+    asm("ex2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+__device__ __forceinline__ float div_full(float a, float b) {
+    float y;
+    asm("div.full.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
+    return y;
+}
+__device__ __forceinline__ float sqrt_approx(float x) {
+    float y;
+    asm("sqrt.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+__device__ __forceinline__ float rsqrt_approx(float x) {
+    float y;
+    asm("rsqrt.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+#define LOG2E 1.44269502f              // Triton's log2(e) (0x3FB8AA3B)
+__device__ __forceinline__ float exp_tl(float x) { return ex2_approx(__fmul_rn(x, LOG2E)); }
+__device__ __forceinline__ float sigmoid_tl(float x) {          // tl.sigmoid: 1 / (1 + exp(0 - x))
+    return div_full(1.f, __fadd_rn(1.f, exp_tl(__fsub_rn(0.f, x))));
+}
+// A 128-vector's sum of squares as the KDA kernel's tl.sum makes it (element 32 w + lane in warp w of four): a
+// butterfly in each warp (lane 0's view), then (W0 + W2) + (W1 + W3). Every thread of the four warps calls it and
+// reaches the barrier; red[w0 .. w0 + 3] is theirs (w0 = their first warp).
+__device__ __forceinline__ void warp_squares(float v, float* red, int warp, int lane) {
+    float s = __fmul_rn(v, v);
+    for (int o = 16; o; o >>= 1) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, o));
+    if (lane == 0) red[warp] = s;
+}
+__device__ __forceinline__ float four_warps(const float* red, int w0) {
+    return __fadd_rn(__fadd_rn(red[w0], red[w0 + 2]), __fadd_rn(red[w0 + 1], red[w0 + 3]));
+}
+
 // The words at a[i] (null: none) once each carries `epoch`, as values: loaded together, all loaded again while any is
 // stale (one round trip a poll). false: gave up.
 template <int N>
@@ -357,6 +419,180 @@ __device__ __forceinline__ bool poll_strided(const uint64_t* p, int64_t stride, 
         if (fresh || !wait) return true;
         if (out_of_time(spin, err, 1, ph, t)) return false;
     }
+}
+
+// X_KDA: x holds head h's vectors for the delta rule, fp32 (KDA_* offsets, 128 each; beta one value), and the
+// partial sums of the state's four k quarters (KDA_PART: 4 x 128).
+#define KDA_ALPHA 0
+#define KDA_KN 128
+#define KDA_T 256                       // kn beta
+#define KDA_QN 384
+#define KDA_V 512
+#define KDA_SG 640                      // sigmoid(g)
+#define KDA_FA 768                      // f_a, rounded as the input projection's bf16 output
+#define KDA_BETA 896
+#define KDA_PART 1024
+// Head h's vectors, with the arithmetic of `_decode_head` (Triton 3.6) op for op but for the f_b sum's order.
+// Needs 512 consumer threads. Every thread first issues its loads that need no input: a quarter row of f_b (row
+// tid / 4, columns 32 (tid % 4) ..), and its conv window and taps (threads 0..383: channel tid of q | k | v).
+// Then, once the input projection's words are this launch's: threads 0..383 the short conv over the window and
+// the new input (the word rounded as the projection's bf16 output), SiLU, rounded, and the window moves on;
+// threads 384..511 take f_a, g and b. After a barrier: f = f_b f_a (each thread its quarter row, in order, then
+// (Q0 + Q1) + (Q2 + Q3) across the four lanes), rounded; alpha_k from it; q and k L2-normalised.
+__device__ __forceinline__ bool load_x_kda(float* xf, const XSeg& g, const PhaseC* ph, int h, uint32_t epoch,
+                                          bool wait, uint32_t* err, int64_t p, int64_t t, float* red) {
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, H = g.nslot;
+    const KdaAux& a = *reinterpret_cast<const KdaAux*>(g.aux);
+    const uint64_t* words = reinterpret_cast<const uint64_t*>(ph[g.src].y);
+    // loads that need no input, first: they land while the words are polled
+    const int fk = tid >> 2, fq = tid & 3;
+    const uint4* fb = reinterpret_cast<const uint4*>(reinterpret_cast<const __nv_bfloat16*>(a.f_b)
+                                                     + (static_cast<int64_t>(h) * 128 + fk) * 128 + fq * 32);
+    const uint4 w0 = fb[0], w1 = fb[1], w2 = fb[2], w3 = fb[3];
+    const float bias = reinterpret_cast<const float*>(a.dt_bias)[h * 128 + fk];
+    const float A = exp_tl(reinterpret_cast<const float*>(a.a_log)[h]);
+    const int part = tid >> 7, i = tid & 127, c = (part * H + h) * 128 + i;
+    __nv_bfloat16* cs = reinterpret_cast<__nv_bfloat16*>(a.conv_state) + static_cast<int64_t>(c) * 3;
+    const __nv_bfloat16* cw = reinterpret_cast<const __nv_bfloat16*>(a.conv_weight) + static_cast<int64_t>(c) * 4;
+    const bool conv = tid < 384;
+    const __nv_bfloat16 zero = __float2bfloat16(0.f);
+    const __nv_bfloat16 u0 = conv ? cs[0] : zero, u1 = conv ? cs[1] : zero, u2 = conv ? cs[2] : zero;
+    const __nv_bfloat16 c0 = conv ? cw[0] : zero, c1 = conv ? cw[1] : zero, c2 = conv ? cw[2] : zero,
+                        c3 = conv ? cw[3] : zero;
+    bool ok = true;
+    float val = 0.f;
+    if (conv) {
+        const uint64_t* w[1] = {words + g.off + c};
+        float x[1];
+        ok = poll_all(w, x, epoch, wait, err, p, t);
+        const __nv_bfloat16 xn = __float2bfloat16_rn(x[0]);
+        const float p0 = __fmul_rn(__bfloat162float(c0), __bfloat162float(u0));
+        const float p1 = __fmul_rn(__bfloat162float(c1), __bfloat162float(u1));
+        const float p2 = __fmul_rn(__bfloat162float(c2), __bfloat162float(u2));
+        const float p3 = __fmul_rn(__bfloat162float(c3), __bfloat162float(xn));
+        const float y = __fadd_rn(__fadd_rn(p0, p2), __fadd_rn(p1, p3));
+        val = bf16r(__fmul_rn(y, sigmoid_tl(y)));
+        if (ok) {
+            cs[0] = u1;
+            cs[1] = u2;
+            cs[2] = xn;
+        }
+    } else {
+        const int k = tid - 384;
+        const uint64_t* w[3] = {words + g.route + k, words + g.off2 + h * 128 + k, k == 0 ? words + g.stride + h
+                                                                                           : nullptr};
+        float v[3];
+        ok = poll_all(w, v, epoch, wait, err, p, t);
+        xf[KDA_FA + k] = bf16r(v[0]);
+        xf[KDA_SG + k] = sigmoid_tl(bf16r(v[1]));
+        if (k == 0) xf[KDA_BETA] = sigmoid_tl(bf16r(v[2]));
+    }
+    if (tid < 256) warp_squares(val, red, warp, lane);
+    consumers_sync();
+    // f_k = f_b[k] . f_a, k = tid / 4: this thread's 32 columns in order, then the four quarters
+    const float* fa = xf + KDA_FA + fq * 32;
+    float q = 0.f;
+    const uint4 wq[4] = {w0, w1, w2, w3};
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+        const __nv_bfloat162* hw = reinterpret_cast<const __nv_bfloat162*>(&wq[u]);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const float2 wf = __bfloat1622float2(hw[e]);
+            q = __fmaf_rn(wf.x, fa[8 * u + 2 * e], q);
+            q = __fmaf_rn(wf.y, fa[8 * u + 2 * e + 1], q);
+        }
+    }
+    q = __fadd_rn(q, __shfl_xor_sync(0xffffffffu, q, 1));      // (Q0 + Q1), (Q2 + Q3) ...
+    q = __fadd_rn(q, __shfl_xor_sync(0xffffffffu, q, 2));      // ... then their sum (lane fq = 0's order)
+    if (fq == 0) {
+        const float s = div_full(1.f, __fadd_rn(1.f, exp_tl(-__fmul_rn(A, __fadd_rn(bf16r(q), bias)))));
+        xf[KDA_ALPHA + fk] = exp_tl(__fmul_rn(s, g.lb));
+    }
+    if (tid < 128) {
+        const float n = sqrt_approx(__fadd_rn(four_warps(red, 0), 1e-6f));
+        xf[KDA_QN + tid] = __fmul_rn(div_full(val, n), __uint_as_float(0x3DB504F3u));   // fp32(128 ** -0.5)
+    } else if (tid < 256) {
+        const float kn = div_full(val, sqrt_approx(__fadd_rn(four_warps(red, 4), 1e-6f)));
+        xf[KDA_KN + tid - 128] = kn;
+        xf[KDA_T + tid - 128] = __fmul_rn(kn, xf[KDA_BETA]);
+    } else if (tid < 384) {
+        xf[KDA_V + tid - 256] = val;
+    }
+    return ok;
+}
+
+// One quarter of a column's k sum: k = k0 .. k0 + 31 in order, the first product rounded, then FMAs.
+template <typename F>
+__device__ __forceinline__ float kda_quarter(F&& term, const float* y, int k0) {
+    float acc = __fmul_rn(term(k0), y[k0]);
+#pragma unroll 8
+    for (int k = k0 + 1; k < k0 + 32; ++k) acc = __fmaf_rn(term(k), y[k], acc);
+    return acc;
+}
+
+// The delta rule on head h's state tile S (fp32 [128 k][128 v], in the ring) with the vectors of `load_x_kda`:
+// thread (quarter r = warp / 4, column j = 32 (warp % 4) + lane) sums k = 32 r .. 32 r + 31 of column j, and the
+// columns' sums are (R0 + R1) + (R2 + R3):
+//   S' = alpha S, err = v - S'^T kn, S'' = S' + (kn beta) err^T (written to state_g), o = S''^T qn;
+// then o rounded, the head RMSNorm (eps, weight o_norm, shared by the heads), times sigmoid(g), bf16, to y. Every
+// consumer thread calls it (three barriers).
+__device__ __forceinline__ void kda_tile(const float* S, float* xf, float* state_g, uint64_t* y, const XSeg& g,
+                                         uint32_t epoch, float* red) {
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, r = warp >> 2, j = (warp & 3) * 32 + lane;
+    const int k0 = 32 * r;
+    const float* al = xf + KDA_ALPHA;
+    const float* tb = xf + KDA_T;
+    float* part = xf + KDA_PART;
+    part[r * 128 + j] = kda_quarter([&](int k) { return __fmul_rn(S[k * 128 + j], al[k]); }, xf + KDA_KN, k0);
+    consumers_sync();
+    const float e = __fsub_rn(xf[KDA_V + j], __fadd_rn(__fadd_rn(part[j], part[128 + j]),
+                                                      __fadd_rn(part[256 + j], part[384 + j])));
+    consumers_sync();                       // (every thread has read the partials: they are reused below)
+    part[r * 128 + j] = kda_quarter([&](int k) {
+        const float nk = __fmaf_rn(tb[k], e, __fmul_rn(S[k * 128 + j], al[k]));
+        state_g[k * 128 + j] = nk;
+        return nk;
+    }, xf + KDA_QN, k0);
+    consumers_sync();
+    float ob = 0.f;
+    if (tid < 128) {
+        ob = bf16r(__fadd_rn(__fadd_rn(part[j], part[128 + j]), __fadd_rn(part[256 + j], part[384 + j])));
+        warp_squares(ob, red, warp, lane);
+    }
+    consumers_sync();
+    if (tid < 128) {
+        const float rs = rsqrt_approx(__fadd_rn(div_full(four_warps(red, 0), 128.f), g.eps));
+        const float on = bf16r(__fmul_rn(rs, ob));
+        const __nv_bfloat16* w = reinterpret_cast<const __nv_bfloat16*>(reinterpret_cast<const KdaAux*>(g.aux)->o_norm);
+        const float wn = bf16r(__fmul_rn(__bfloat162float(w[j]), on));      // (bf16 times bf16: exact, then rounded)
+        store_word(y + j, bf16r(__fmul_rn(wn, xf[KDA_SG + j])), epoch);
+    }
+}
+
+// A KDA phase: this block's heads (tiles g0, g0 + nblk, ...; ring slots from tile count i on), each its vectors
+// into x, then its state tile from the ring. Returns the tiles done, or -1: a wait gave up.
+__device__ __forceinline__ int kda_phase(const PhaseC& f, const PhaseC* ph, const XSeg* xsegs,
+                                         const unsigned char* ring, float* xf, uint64_t* full, uint64_t* empty,
+                                         uint32_t i, int g0, int nblk, uint32_t epoch, bool wait, uint32_t* err,
+                                         int64_t p, float* red, int* gave_up) {
+    const XSeg& g = xsegs[f.xop];
+    uint64_t* y = reinterpret_cast<uint64_t*>(f.y);
+    int n = 0;
+    for (int gt = g0; gt < f.tile0 + f.ntiles; gt += nblk, ++i, ++n) {
+        const int t = gt - f.tile0;
+        const uint32_t s = i % NSLOT;
+        consumers_sync();                   // every warp is done with the last x
+        if (!load_x_kda(xf, g, ph, t, epoch, wait, err, p, t, red)) *gave_up = 1;
+        consumers_sync();
+        if (*gave_up) return -1;
+        if (!wait_slot(&full[s], (i / NSLOT) & 1u, err, 2, p, t)) return -1;
+        kda_tile(reinterpret_cast<const float*>(ring + s * SLOT_BYTES), xf,
+                 reinterpret_cast<float*>(f.w) + static_cast<int64_t>(t) * 16384, y + t * 128, g, epoch, red);
+        __syncwarp();
+        if (threadIdx.x % 32 == 0) mbar_arrive(&empty[s]);     // this warp is done with slot s
+    }
+    return n;
 }
 
 // Phase f's x by its recipe (f.nxseg parts) into xs: bf16 for a GEMV, fp32 keys then scores for a top-k. Every
@@ -595,7 +831,7 @@ __device__ __forceinline__ void warp_rows(const uint4* tile, const uint4* x8, in
 
 // MMA_TILES: whether a tile is summed on tensor cores, and so packed for it (megakernel_chain.py `mma_tile`).
 __device__ __forceinline__ bool mma_tile(int rows, int rows_here, int k) {
-    return MMA_TILES && rows % 16 == 0 && rows_here == rows && k % 32 == 0 && k >= MMA_MIN_K;
+    return MMA_ONLY || (MMA_TILES && rows % 16 == 0 && rows_here == rows && k % 32 == 0 && k >= MMA_MIN_K);
 }
 
 // D += A B for one m16n8k16 step: A 16 x 16 bf16 (row), B 16 x 8 bf16 (col), D 16 x 8 fp32.
@@ -799,8 +1035,8 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
     unsigned long long* tr = nullptr;      // this x load's times; null once its first tile is recorded
 #endif
     uint64_t pre[XPREFETCH_N], pre2[XPREFETCH_N];   // the next phase's first x words, loaded ahead
-    int64_t pre_p = -1;                               // ... of this phase (-1: none)
-    for (int64_t p = 0; p < nphase; ++p) {
+    int pre_p = -1;                                   // ... of this phase (-1: none)
+    for (int p = 0; p < nphase; ++p) {
         const PhaseC& f = ph[p];
         // the fields every tile uses, in 32-bit registers: each asm "memory" clobber below would otherwise make the
         // compiler read them again from shared memory on every tile
@@ -827,7 +1063,16 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
         const int trow = tid / T, tcol = tid % T;
         const MmaSplit ms = mma_split(rows, static_cast<int>(f.k), warp);
         float4 xa[STEPS], xb[STEPS];        // this thread's x: steps m of chunk tcol + m T, the same every row
-        int64_t have_slot = -1, done = 0;
+        int have_slot = -1, done = 0;
+#if RECIPES
+        if (kind == KDA) {
+            const int nt = kda_phase(f, ph, xsegs, ring, reinterpret_cast<float*>(xs), full, empty, i, g0,
+                                     static_cast<int>(nblk), epoch, wait, err, p, red, &gave_up);
+            if (nt < 0) return;
+            i += nt;
+            done = nt;
+        } else
+#endif
         for (int g = g0; g < gend; g += static_cast<int>(nblk), ++i, ++done) {
             const int t = g - tile0, row0 = t * rows;
             const int slot = x_per_expert ? row0 / ne : 0;     // whose x (routed: per expert)
@@ -902,7 +1147,7 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
                 have_slot = slot;
                 const uint4* x8 = reinterpret_cast<const uint4*>(xs);
 #pragma unroll
-                for (int m = 0; m < (WARP_ROWS ? 0 : STEPS); ++m) {     // (WARP_ROWS reads x in shared memory)
+                for (int m = 0; m < (WARP_ROWS || MMA_ONLY ? 0 : STEPS); ++m) {   // (WARP_ROWS: x in shared memory)
                     const int c = tcol + m * T;
                     const uint4 u = c < chunks ? x8[c] : make_uint4(0u, 0u, 0u, 0u);
                     const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
