@@ -54,11 +54,13 @@ CU = Path(__file__).resolve().parent / "megakernel" / "chain.cu"
 FIELDS = ("kind", "n", "k", "rows", "ntiles", "tile0", "src", "xlen", "xstride", "route", "ne", "w", "y",
           "n_experts", "dep2", "xlen2", "xop", "nxseg")        # chain.cu's `struct Phase`, one int64 each
 KINDS = {"gemv": 0, "topk": 1, "routed": 2, "kda": 3}
-XOPS = {"glu": 1, "combine_norm": 2, "score": 3, "kda": 4}     # chain.cu's `enum XOp`
-KDA_HEAD, KDA_CONV = 128, 4          # chain.cu's KDA phase: head dim and conv taps it is written for
+XOPS = {"glu": 1, "combine_norm": 2, "score": 3, "kda": 4, "headnorm": 5}     # chain.cu's `enum XOp`
+KDA_HEAD, KDA_CONV = 128, 4          # chain.cu's KDA phase: head dim (and f_a rank) and conv taps it is written for
+KDA_FB_BYTES, KDA_COLS = 32768, 32   # chain.cu: a KDA tile is f_b's rows for a head, then 32 of its state's columns
+KDA_TILE = KDA_FB_BYTES + KDA_HEAD * KDA_COLS * 4
 KDA_TENSORS = {"state": torch.float32, "conv_state": torch.bfloat16, "conv_weight": torch.bfloat16,
-               "a_log": torch.float32, "dt_bias": torch.float32, "o_norm": torch.bfloat16,
-               "f_b": torch.bfloat16}          # (after the state: chain.cu's `KdaAux`, in its order)
+               "a_log": torch.float32, "dt_bias": torch.float32, "f_b": torch.bfloat16}
+KDA_AUX = ("conv_state", "conv_weight", "a_log", "dt_bias")      # chain.cu's `KdaAux`, in its order
 PHASE_BYTES, XSEG_BYTES = 80, 64                     # chain.cu's PhaseC (in shared memory) and XSeg
 MODES = {"stream": 0, "serial": 1, "nodeps": 2}
 
@@ -150,8 +152,10 @@ class XSeg:
       RMSNorm with weight aux (bf16 [len]) and eps;
     - "score" (a top-k's x): sigmoid, correction bias aux (fp32 [len]) for the choice, weights renormalised when
       renorm, times scaling;
-    - "kda" (a KDA phase's, `Chain.kda`): q | k | v at off of src's words, g at off2, b at stride, f_a at route (a
-      word offset here), nslot heads, decay bound lb, head-norm eps; `tensors` the step's own (`KDA_TENSORS`)."""
+    - "kda" (a KDA phase's, `Chain.kda`): q | k | v at off of src's words, b at stride, f_a at route (a word
+      offset here), nslot heads, decay bound lb; `tensors` the step's own (`KDA_TENSORS`);
+    - "headnorm" (after a KDA phase src): per head of 128, RMSNorm (eps, weight aux bf16 [128]) times sigmoid(g),
+      g the words of phase route at off2 (`kda_headnorm_k3`)."""
     op: str
     src: int
     len: int
@@ -223,6 +227,18 @@ class Chain:
                                      f"top-k's {self.phases[g.route].ne})")
             if g.op in ("combine_norm", "score") and (g.aux is None or g.aux.numel() != g.len):
                 raise ValueError(f"{ph.name}: {g.op} needs its {g.len} weights (aux)")
+            if g.op == "headnorm":
+                if self.phases[g.src].kind != "kda" or g.len % KDA_HEAD:
+                    raise ValueError(f"{ph.name}: 'headnorm' reads a KDA phase's heads (src {g.src}: "
+                                     f"{self.phases[g.src].name})")
+                if g.aux is None or g.aux.numel() != KDA_HEAD:
+                    raise ValueError(f"{ph.name}: 'headnorm' needs the head norm's {KDA_HEAD} weights (aux)")
+                if sum(x.len for x in segs) > XMAX // 2:
+                    raise ValueError(f"{ph.name}: a 'headnorm' x is at most {XMAX // 2} long (chain.cu keeps its "
+                                     f"sums of squares in x's second half)")
+                if not (0 <= g.route < p and g.off2 + g.len <= self.phases[g.route].n):
+                    raise ValueError(f"{ph.name}: 'headnorm' reads g at words {g.off2}.. of phase {g.route}, which "
+                                     f"is not an earlier phase with that many")
             # the last word it reads must be src's: over the combine's slots, or a per-slot x's (routed) slots
             slots = g.nslot if g.op == "combine_norm" else (
                 self.phases[ph.route].ne if ph.kind == "routed" and ph.xstride else 1)
@@ -294,20 +310,22 @@ class Chain:
         return self._add(self._recipe(Phase(name, "routed", n, k, src, xlen, xstride, route, ne, n_experts,
                                             rows=rows, ntiles=n // rows), xsegs, weight))
 
-    def kda(self, name: str, src: int, heads: int, q_off: int, g_off: int, b_off: int, fa_off: int, lb: float,
-            eps: float, **tensors: torch.Tensor) -> int:
-        """The KDA decode step at B = 1 (chain.cu `load_x_kda`, `kda_tile`): one tile a head, its fp32 state
-        [128 k, 128 v] streamed as the tile and written back, with the conv window, in place. Reads the input
-        projection src's words (q | k | v at q_off, g at g_off, b at b_off, f_a at fa_off, each rounded to bf16 as a
-        bf16 GEMV's output) and sums f = f_b f_a itself, as the Triton kernel does. `tensors`: state [H, 128, 128]
-        fp32, conv_state [3 H 128, 3], conv_weight [3 H 128, 4], a_log [>= H], dt_bias [H 128], o_norm [128],
-        f_b [H 128, 128] (`KDA_TENSORS`). The output: H 128 words, the gated, normalised heads (bf16 values)."""
+    def kda(self, name: str, src: int, heads: int, q_off: int, b_off: int, fa_off: int, lb: float,
+            **tensors: torch.Tensor) -> int:
+        """The KDA decode step at B = 1 (chain.cu `load_x_kda`, `kda_tile`), without its head norm and gate (the
+        next phase's "headnorm" x). Tile 4 h + q: head h's value columns 32 q .. 32 q + 31, the tile f_b's rows for
+        the head and those columns of its fp32 state (`Buffers` keeps them so), streamed through the ring and the
+        state part written back in place. Reads the input projection src's words (q | k | v at q_off, b at b_off,
+        f_a at fa_off, each rounded to bf16 as a bf16 GEMV's output) and sums f = f_b f_a in the step, as the Triton
+        kernel does. `tensors`: state [H, 128, 128] fp32, conv_state [3 H 128, 3], conv_weight [3 H 128, 4],
+        a_log [>= H], dt_bias [H 128], f_b [H 128, 128] (`KDA_TENSORS`). The output: the heads' o, rounded to bf16,
+        H 128 words."""
         self._xlen(src, name)
         H, K, C = heads, KDA_HEAD, 3 * heads * KDA_HEAD
         if set(tensors) != set(KDA_TENSORS):
             raise ValueError(f"{name}: needs the tensors {', '.join(KDA_TENSORS)}; got {', '.join(tensors)}")
         shapes = {"state": (H, K, K), "conv_state": (C, KDA_CONV - 1), "conv_weight": (C, KDA_CONV),
-                  "dt_bias": (H * K,), "o_norm": (K,), "f_b": (H * K, K)}
+                  "dt_bias": (H * K,), "f_b": (H * K, K)}
         for key, shape in shapes.items():
             if tuple(tensors[key].shape) != shape:
                 raise ValueError(f"{name}: {key} {tuple(tensors[key].shape)}, the step needs {shape} (head dim and "
@@ -315,19 +333,17 @@ class Chain:
         if tensors["a_log"].dim() != 1 or tensors["a_log"].numel() < H:
             raise ValueError(f"{name}: a_log {tuple(tensors['a_log'].shape)}, needs [>= {H}]")
         n_src = self.phases[src].n
-        for what, start, end in (("q | k | v", q_off, q_off + C), ("g", g_off, g_off + H * K), ("b", b_off, b_off + H),
-                                 ("f_a", fa_off, fa_off + K)):
+        for what, start, end in (("q | k | v", q_off, q_off + C), ("b", b_off, b_off + H), ("f_a", fa_off, fa_off + K)):
             if start < 0 or end > n_src:
                 raise ValueError(f"{name}: {what} ends at word {end} of phase {src} ({self.phases[src].name}), "
                                  f"which has {n_src}")
-        if K * K * 4 > self.slot_bytes:
-            raise ValueError(f"{name}: a head's state is one tile of {K * K * 4} bytes, over a slot's "
-                             f"{self.slot_bytes}")
-        seg = XSeg("kda", src, H * K, off=q_off, off2=g_off, stride=b_off, route=fa_off, nslot=H, lb=lb, eps=eps,
+        if KDA_TILE > self.slot_bytes:
+            raise ValueError(f"{name}: a KDA tile is {KDA_TILE} bytes, over a slot's {self.slot_bytes}")
+        seg = XSeg("kda", src, H * K, off=q_off, stride=b_off, route=fa_off, nslot=H, lb=lb,
                    tensors={k: v.detach() for k, v in tensors.items()})
-        # tiles of 128 "rows" of 256 bf16 words = one head's fp32 [128, 128] state
-        return self._add(self._recipe(Phase(name, "kda", H * K, 2 * K, src, n_src, rows=K, ntiles=H, ne=K),
-                                      [seg], None))
+        # tiles of 32 "rows" (the columns it writes) of KDA_TILE / 64 bf16 words
+        return self._add(self._recipe(Phase(name, "kda", H * K, KDA_TILE // (2 * KDA_COLS), src, n_src,
+                                            rows=KDA_COLS, ntiles=H * K // KDA_COLS), [seg], None))
 
     @property
     def ntiles(self) -> int:
@@ -440,20 +456,20 @@ def kda_sumsq(x: torch.Tensor) -> torch.Tensor:
 
 
 def kda_chain_sum(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """sum over k (128) of x[..., k, :] y[..., k, None] as chain.cu's `kda_tile` makes it: four quarters of 32 k in
-    order (the first product rounded, then FMAs), then (R0 + R1) + (R2 + R3)."""
-    parts = []
-    for k0 in range(0, 128, 32):
+    """sum over k (128) of x[..., k, :] y[..., k, None] as chain.cu's `kda_tile` makes it: 16 partials of 8 k in
+    order (the first product rounded, then FMAs), added in order."""
+    total = None
+    for k0 in range(0, 128, 8):
         acc = x[..., k0, :] * y[..., k0, None]
-        for k in range(k0 + 1, k0 + 32):
+        for k in range(k0 + 1, k0 + 8):
             acc = fma32(x[..., k, :], y[..., k, None].expand_as(acc), acc)
-        parts.append(acc)
-    return (parts[0] + parts[1]) + (parts[2] + parts[3])
+        total = acc if total is None else total + acc
+    return total
 
 
 def kda_fold_k3(f_a: torch.Tensor, f_b: torch.Tensor) -> torch.Tensor:
-    """f = f_b f_a as chain.cu's `load_x_kda` sums it: per row, four quarters of 32 columns each in order (the first
-    product rounded, then FMAs), then (Q0 + Q1) + (Q2 + Q3), rounded to bf16. f_a [128], f_b [H 128, 128]."""
+    """f = f_b f_a as chain.cu's `kda_tile` sums it: per row, four quarters of 32 columns each in order (from 0, by
+    FMAs), then (Q0 + Q1) + (Q2 + Q3), rounded to bf16. f_a [128], f_b [H 128, 128]."""
     w = f_b.float().view(-1, 4, 32)
     a = f_a.float().view(4, 32).expand_as(w)
     q = w[..., 0] * a[..., 0]
@@ -462,12 +478,12 @@ def kda_fold_k3(f_a: torch.Tensor, f_b: torch.Tensor) -> torch.Tensor:
     return bf16r((q[:, 0] + q[:, 1]) + (q[:, 2] + q[:, 3]))
 
 
-def kda_step_k3(qkv, conv_state, conv_weight, f_a, f_b, b, g, a_log, dt_bias, o_norm, state, lb: float, eps: float):
+def kda_step_k3(qkv, conv_state, conv_weight, f_a, f_b, b, a_log, dt_bias, state, lb: float):
     """chain.cu's KDA step (`load_x_kda`, `kda_tile`) in torch, op for op in fp32, except that exp, the divisions
     and the square roots here are exact where the kernel (as Triton 3.6) uses ex2.approx, div.full and the
-    approximate sqrt / rsqrt. qkv [3 H 128], f_a [128], g [H 128], b [H]: the input projection's outputs as bf16
-    values; f_b [H 128, 128]; conv_state [3 H 128, 3], conv_weight [3 H 128, 4]; state [H, 128, 128] (k, v).
-    Returns (o [H 128], new state, new conv window)."""
+    approximate sqrt. qkv [3 H 128], f_a [128], b [H]: the input projection's outputs as bf16 values; f_b
+    [H 128, 128]; conv_state [3 H 128, 3], conv_weight [3 H 128, 4]; state [H, 128, 128] (k, v). Returns (o
+    [H 128] rounded to bf16, before the head norm and gate: `kda_headnorm_k3`; the new state; the new window)."""
     H, K = b.numel(), KDA_HEAD
     u = torch.cat([conv_state.float(), qkv[:, None]], 1)
     prod = u * conv_weight.float()
@@ -484,11 +500,16 @@ def kda_step_k3(qkv, conv_state, conv_weight, f_a, f_b, b, g, a_log, dt_bias, o_
     s1 = state * alpha[:, :, None]
     err = v - kda_chain_sum(s1, kn)
     s2 = fma32((kn * beta[:, None])[:, :, None].expand_as(s1), err[:, None, :].expand_as(s1), s1)
-    ob = bf16r(kda_chain_sum(s2, qn))
-    r = torch.rsqrt(kda_sumsq(ob) / torch.tensor(float(K)) + eps)
+    return bf16r(kda_chain_sum(s2, qn)).reshape(-1), s2, u[:, 1:].to(conv_state.dtype)
+
+
+def kda_headnorm_k3(o: torch.Tensor, g: torch.Tensor, o_norm: torch.Tensor, eps: float) -> torch.Tensor:
+    """chain.cu's X_HEADNORM (the KDA kernel's head RMSNorm and output gate) in torch, exact rsqrt and division:
+    per head of 128, bf16(bf16(w bf16(o rsqrt(mean(o^2) + eps))) sigmoid(g)). o, g: bf16 values [H 128]."""
+    ob = o.view(-1, KDA_HEAD)
+    r = torch.rsqrt(kda_sumsq(ob) / torch.tensor(float(KDA_HEAD)) + eps)
     wn = bf16r(o_norm.float() * bf16r(r[:, None] * ob))
-    o = bf16r(wn * sigmoid_k3(g.view(H, K)))
-    return o.reshape(-1), s2, u[:, 1:].to(conv_state.dtype)
+    return bf16r(wn * sigmoid_k3(g.view(-1, KDA_HEAD))).reshape(-1)
 
 
 class Buffers:
@@ -524,18 +545,25 @@ class Buffers:
             rows.append([v[f] for f in FIELDS])
         self.table = torch.tensor(rows, dtype=torch.int64, device=device)
         self.w_packed, self.w_packed_min_k = None, None
-        # a KDA step's tensors: its own copies (`live`, which the kernel updates in place: state and conv window)
-        # and the values every check launch starts from (`kda_init`; `clear` puts them back)
-        self.kda, self.kda_init = {}, {}
+        # a KDA step's tensors: its tiles (f_b's rows and the state's columns, chain.cu `KdaAux`), its conv window
+        # in two copies (a launch reads copy epoch & 1, writes the other: `kda_conv_out`), its other tensors, and the
+        # values every check launch starts from (`kda_init`; `clear` puts them back)
+        self.kda, self.kda_init, self.kda_conv_out = {}, {}, 1
         for p, ph in enumerate(chain.phases):
             if ph.kind == "kda":
-                t = chain.xsegs[ph.xop].tensors
-                self.kda[p] = {k: t[k].to(device, dt).contiguous() for k, dt in KDA_TENSORS.items()}
-                self.kda_init[p] = {k: self.kda[p][k].clone() for k in ("state", "conv_state")}
-                self.table[p, FIELDS.index("w")] = self.kda[p]["state"].data_ptr()
+                t = {k: v.to(device, KDA_TENSORS[k]) for k, v in chain.xsegs[ph.xop].tensors.items()}
+                H = t["state"].shape[0]
+                tiles = torch.empty(H, KDA_HEAD // KDA_COLS, KDA_TILE // 4, device=device)
+                tiles[..., :KDA_FB_BYTES // 4] = t["f_b"].reshape(H, 1, -1).contiguous().view(torch.float32)
+                self.kda[p] = {"tiles": tiles, "conv2": torch.stack([t["conv_state"]] * 2).contiguous(),
+                               **{k: t[k].contiguous() for k in ("conv_weight", "a_log", "dt_bias", "f_b")}}
+                self.kda_init[p] = {"state": t["state"].contiguous(), "conv_state": t["conv_state"].contiguous()}
+                self.kda_set_state(p, t["state"])
+                self.table[p, FIELDS.index("w")] = tiles.data_ptr()
         kda_of = {ph.xop: p for p, ph in self.kda_phases()}
-        self.aux = [torch.tensor([self.kda[kda_of[i]][k].data_ptr() for k in list(KDA_TENSORS)[1:]], dtype=torch.int64,
-                                 device=device) if xs.op == "kda" else None if xs.aux is None else
+        aux_of = lambda p: [self.kda[p]["conv2" if k == "conv_state" else k].data_ptr() for k in KDA_AUX]
+        self.aux = [torch.tensor(aux_of(kda_of[i]), dtype=torch.int64, device=device) if xs.op == "kda" else
+                    None if xs.aux is None else
                     xs.aux.detach().to(device, torch.float32 if xs.op == "score" else torch.bfloat16).contiguous()
                     for i, xs in enumerate(chain.xsegs)]
         raw = b"".join(xs.packed(0 if a is None else a.data_ptr()) for xs, a in zip(chain.xsegs, self.aux))
@@ -548,6 +576,21 @@ class Buffers:
     def kda_phases(self):
         return [(p, ph) for p, ph in enumerate(self.chain.phases) if ph.kind == "kda"]
 
+    def _state_part(self, p: int) -> torch.Tensor:
+        tiles = self.kda[p]["tiles"]
+        return tiles[..., KDA_FB_BYTES // 4:].unflatten(-1, (KDA_HEAD, KDA_COLS))     # [H, quarter, k, column]
+
+    def kda_state(self, p: int) -> torch.Tensor:
+        """KDA phase p's state as the kernel left it, [H, 128 k, 128 v] (a copy)."""
+        return self._state_part(p).permute(0, 2, 1, 3).reshape(-1, KDA_HEAD, KDA_HEAD)
+
+    def kda_set_state(self, p: int, state: torch.Tensor) -> None:
+        self._state_part(p).copy_(state.unflatten(-1, (-1, KDA_COLS)).permute(0, 2, 1, 3))
+
+    def kda_conv(self, p: int) -> torch.Tensor:
+        """KDA phase p's conv window as the last launch wrote it (a view)."""
+        return self.kda[p]["conv2"][self.kda_conv_out]
+
     def use_mma_layout(self, min_k: int | None) -> None:
         """Point the table at the weights as chain.cu reads them: with -DMMA_TILES=1 (`min_k` its MMA_MIN_K), a copy
         whose tiles are packed for it (made once per min_k); None: the plain weights. `weights` and the reference
@@ -559,7 +602,7 @@ class Buffers:
                     v = self.w[off:off + ph.weight_elems].view(-1, ph.k)   # (routed: every expert's rows)
                     self.w_packed[off:off + ph.weight_elems] = pack_mma_tiles(v, ph.rows, min_k).reshape(-1)
         base = (self.w_packed if min_k is not None else self.w).data_ptr()
-        self.table[:, FIELDS.index("w")] = torch.tensor([self.kda[p]["state"].data_ptr() if p in self.kda else
+        self.table[:, FIELDS.index("w")] = torch.tensor([self.kda[p]["tiles"].data_ptr() if p in self.kda else
                                                          base + 2 * off for p, off in enumerate(self.w_off)],
                                                         dtype=torch.int64, device=self.table.device)
 
@@ -576,8 +619,8 @@ class Buffers:
         """Every output NaN and of no launch (epoch 0), so that an unwritten row shows; each KDA step's state and
         conv window back to their first values."""
         for p, init in self.kda_init.items():
-            for k, v in init.items():
-                self.kda[p][k].copy_(v)
+            self.kda_set_state(p, init["state"])
+            self.kda[p]["conv2"].copy_(init["conv_state"].expand_as(self.kda[p]["conv2"]))
         self.y.zero_()
         self.values.fill_(float("nan"))
         if self.xdump is not None:
@@ -605,6 +648,8 @@ class Buffers:
                 u = bf16r(acc)
                 r = torch.rsqrt((u * u).sum() / torch.tensor(float(xs.len), device=u.device) + xs.eps)
                 parts.append(bf16r(aux.float() * bf16r(u * r)))
+            elif xs.op == "headnorm":
+                parts.append(kda_headnorm_k3(src[xs.off + j], bf16r(self.out(xs.route)[xs.off2 + j]), aux, xs.eps))
             else:                                               # score
                 sc = sigmoid_k3(src[xs.off + j])
                 parts.append(torch.cat([sc + aux, sc]))
@@ -633,9 +678,8 @@ class Buffers:
         words = bf16r(self.out(xs.src))
         return dict(qkv=words[xs.off:xs.off + 3 * H * K], conv_state=self.kda_init[p]["conv_state"],
                     conv_weight=t["conv_weight"], f_a=words[xs.route:xs.route + K], f_b=t["f_b"],
-                    b=words[xs.stride:xs.stride + H],
-                    g=words[xs.off2:xs.off2 + H * K], a_log=t["a_log"], dt_bias=t["dt_bias"], o_norm=t["o_norm"],
-                    state=self.kda_init[p]["state"], lb=xs.lb, eps=xs.eps)
+                    b=words[xs.stride:xs.stride + H], a_log=t["a_log"], dt_bias=t["dt_bias"],
+                    state=self.kda_init[p]["state"], lb=xs.lb)
 
     def expected(self, p: int) -> torch.Tensor:
         """Phase p's output from the inputs now in the buffers (fp32 accumulation; top-k: ids as floats; KDA: after
@@ -690,8 +734,8 @@ class Buffers:
             if ph.kind == "kda":
                 o, state, conv = kda_step_k3(**self.kda_inputs(p))
                 self.out(p).copy_(o)
-                self.kda[p]["state"].copy_(state)
-                self.kda[p]["conv_state"].copy_(conv)
+                self.kda_set_state(p, state)
+                self.kda_conv(p).copy_(conv)
             else:
                 self.out(p).copy_(self.expected(p))
 
@@ -700,11 +744,11 @@ class Buffers:
         output (bf16 values): elements that differ and the largest difference in bf16 ulps; the new state: the
         largest |difference| / max |state|; the new conv window: elements that differ (it is copied: none)."""
         o, state, conv = kda_step_k3(**self.kda_inputs(p))
-        got, t = self.out(p), self.kda[p]
+        got = self.out(p)
         ulp = 2.0 ** (torch.floor(torch.log2(o.abs().clamp_min(2.0 ** -126))) - 7)
         return {"o_differ": int((got != o).sum()), "o_max_ulps": float(((got - o).abs() / ulp).max()),
-                "state_max_rel": float((t["state"] - state).abs().max() / state.abs().max().clamp_min(1e-30)),
-                "conv_differ": int((t["conv_state"] != conv).sum())}
+                "state_max_rel": float((self.kda_state(p) - state).abs().max() / state.abs().max().clamp_min(1e-30)),
+                "conv_differ": int((self.kda_conv(p) != conv).sum())}
 
     def errors(self) -> dict:
         """Per kind, the largest |y - expected| / max|expected| over phases (expected from the kernel's own
@@ -983,6 +1027,7 @@ class ChainKernel:
         import numpy as np
         b, u = self.bufs, np.uint64
         self.epoch += 1
+        b.kda_conv_out = (self.epoch & 1) ^ 1           # (chain.cu: the copy of each conv window this launch writes)
         dump = dump and b.xdump is not None
         args = (u(b.table.data_ptr()), np.int64(len(b.chain.phases)), u(b.x.data_ptr()),
                 u(self.counters.data_ptr()), np.uint32(self.epoch), np.int32(MODES[mode]), u(self.err.data_ptr()),

@@ -65,18 +65,21 @@ def kda_sublayer(c: mc.Chain, attn, h: int, h2: int, name: str, start: dict) -> 
     """A KDA attention sublayer at B = 1 as three phases (the compile backend's launches in brackets):
 
         in     GEMV [K + 4 H K + H, d]: f_a | q | k | v | g | b          (k3::gemv, packed)
-        step   f = f_b f_a, the conv, norms, gates, delta rule on the state, head norm and gate   (kda_decode_inplace)
-        o      GEMV [d, H K]                                              (k3::gemv)
+        step   f = f_b f_a, the conv, norms, gates, delta rule on the state (kda_decode_inplace), four tiles a
+               head (32 value columns each)
+        o      GEMV [d, H K] on the heads' RMSNorm and gate (the x recipe "headnorm": the step's tiles each hold
+               a quarter of a head)                                       (the rest of kda_decode_inplace, k3::gemv)
 
     Its x is phase h's output (+ h2's); returns the "o" phase. `start`: `kda_start`."""
     H, K, d = attn.num_heads, attn.head_dim, attn.q_proj.in_features
     w = torch.cat([attn.f_a_proj.weight, attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight,
                    attn.g_proj.weight, attn.b_proj.weight])
     inp = c.gemv(name + "in", w.shape[0], d, h, dep2=h2, weight=w)
-    step = c.kda(name + "step", inp, H, q_off=K, g_off=K + 3 * H * K, b_off=K + 4 * H * K, fa_off=0,
-                 lb=attn.lower_bound, eps=attn.eps, conv_weight=attn.conv_weight(), a_log=attn.A_log,
-                 dt_bias=attn.dt_bias, o_norm=attn.o_norm.weight, f_b=attn.f_b_proj.weight, **start)
-    return c.gemv(name + "o", d, H * K, step, weight=attn.o_proj.weight)
+    step = c.kda(name + "step", inp, H, q_off=K, b_off=K + 4 * H * K, fa_off=0, lb=attn.lower_bound,
+                 conv_weight=attn.conv_weight(), a_log=attn.A_log, dt_bias=attn.dt_bias, f_b=attn.f_b_proj.weight,
+                 **start)
+    norm = mc.XSeg("headnorm", step, H * K, route=inp, off2=K + 3 * H * K, aux=attn.o_norm.weight, eps=attn.eps)
+    return c.gemv(name + "o", d, H * K, step, xsegs=[norm], weight=attn.o_proj.weight)
 
 
 def moe_chain(model, layers: list[int], slot_bytes: int = 65536, packed_out: bool = False, min_tiles: int = 0,
@@ -164,20 +167,26 @@ def sublayer_inputs(bufs: mc.Buffers) -> list[torch.Tensor]:
 
 
 def kda_vs_triton(bufs: mc.Buffers, p: int) -> dict:
-    """After a launch that followed `clear` (GPU): KDA phase p against the KDA plugin's Triton kernel
-    (`k3::kda_decode_inplace`, as `compile` runs it, but given f as the kernel sums it: `kda_fold_k3`) on the
-    kernel's own inputs: output elements that differ (bf16), the new state's (fp32) and the new conv window's."""
+    """After a check launch that followed `clear` (GPU): KDA phase p and its head norm (the x of the phase after it)
+    against the KDA plugin's Triton kernel (`k3::kda_decode_inplace`, as `compile` runs it, but given f as the
+    kernel sums it: `kda_fold_k3`) on the kernel's own inputs: output elements that differ (bf16), the new state's
+    (fp32) and the new conv window's."""
     a = bufs.kda_inputs(p)
+    seg = bufs.chain.xsegs[bufs.chain.phases[p].xop]
+    H, K = seg.nslot, mc.KDA_HEAD
+    q = next(q for q, ph in enumerate(bufs.chain.phases) if ph.xop >= 0 and bufs.chain.xsegs[ph.xop].op == "headnorm"
+             and bufs.chain.xsegs[ph.xop].src == p)
+    norm = bufs.chain.xsegs[bufs.chain.phases[q].xop]
+    g = bufs.out(norm.route)[norm.off2:norm.off2 + H * K]
     conv, state = a["conv_state"].clone()[None], a["state"].clone()[None]
     f = mc.kda_fold_k3(a["f_a"], a["f_b"])
     o = torch.ops.k3.kda_decode_inplace(a["qkv"].bfloat16()[None], conv, a["conv_weight"], f.bfloat16()[None], None,
-                                        a["b"].bfloat16()[None], a["g"].bfloat16()[None], a["a_log"], a["dt_bias"],
-                                        a["o_norm"], state, a["lb"], a["eps"])
-    t = bufs.kda[p]
-    ds = (t["state"] - state[0]).abs()
-    return {"o": compare(bufs.out(p).bfloat16(), o[0]), "state_differ": int((ds > 0).sum()),
+                                        a["b"].bfloat16()[None], g.bfloat16()[None], a["a_log"], a["dt_bias"],
+                                        bufs.aux[bufs.chain.phases[q].xop], state, a["lb"], norm.eps)
+    ds = (bufs.kda_state(p) - state[0]).abs()
+    return {"o": compare(bufs.xdump[q, 0, :H * K], o[0]), "state_differ": int((ds > 0).sum()),
             "state_max_rel": float(ds.max() / state.abs().max()),
-            "conv_differ": int((t["conv_state"] != conv[0]).sum())}
+            "conv_differ": int((bufs.kda_conv(p) != conv[0]).sum())}
 
 
 def compare(a: torch.Tensor, b: torch.Tensor) -> dict:
@@ -289,13 +298,13 @@ def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: in
         for p, x, y in [] if diagnostic or not baseline else subs:
             y, l = y.bfloat16(), int(chain.phases[p].name.split(".")[0][1:])
             if chain.phases[p].name.endswith(".kda.o"):       # the sublayer as compile runs it, from the same state
-                init, live = bufs.kda_init[kda_p[l]], bufs.kda[kda_p[l]]
+                init = bufs.kda_init[kda_p[l]]
                 conv, state = init["conv_state"].clone()[None], init["state"].clone()[None]
                 ref = attns[l].decode_(x[None], conv, state)[0]
-                ds = (live["state"] - state[0]).abs()
+                ds = (bufs.kda_state(kda_p[l]) - state[0]).abs()
                 row = dict(layer=l, sublayer="kda", **compare(y, ref), state_differ=int((ds > 0).sum()),
                            state_max_rel=float(ds.max() / state.abs().max()),
-                           conv_differ=int((live["conv_state"] != conv[0]).sum()))
+                           conv_differ=int((bufs.kda_conv(kda_p[l]) != conv[0]).sum()))
             else:
                 moe, kid = moes[layers.index(l)], chosen(bufs)[moe_i]
                 ref = moe(x[None])[0]

@@ -105,7 +105,7 @@
 #endif
 
 enum Kind : int64_t { GEMV = 0, TOPK = 1, ROUTED = 2, KDA = 3 };
-enum XOp : int32_t { X_GLU = 1, X_COMBINE_NORM = 2, X_SCORE = 3, X_KDA = 4 };
+enum XOp : int32_t { X_GLU = 1, X_COMBINE_NORM = 2, X_SCORE = 3, X_KDA = 4, X_HEADNORM = 5 };
 enum Mode : int { STREAM = 0, SERIAL = 1, NODEPS = 2 };
 
 struct Phase {                          // 16 int64 fields, built by megakernel_chain.py (`Buffers.table`)
@@ -128,10 +128,13 @@ struct Phase {                          // 16 int64 fields, built by megakernel_
 //     route's weights, then bf16(aux[j] * bf16(u * rsqrt(mean(u^2) + eps))) (RMSNorm, aux its bf16 weight);
 //   X_SCORE (a top-k's x): s = sigmoid(logit), key = s + aux[j] (fp32 correction bias, for the choice only); the
 //     chosen s renormalised when renorm, times scaling, are the weights the top-k writes after its ids.
-//   X_KDA (a KDA phase's x, one head `slot` a tile): the head's vectors for the delta rule (`load_x_kda`). src: the
-//     input projection's phase, its words q | k | v at off (3 H 128 channels), g at off2, b at stride, f_a (128)
-//     at route (a word offset here, not a phase); nslot: H; lb: the decay's lower bound; eps: the head RMSNorm's;
-//     aux: `KdaAux`.
+//   X_KDA (a KDA phase's x; tile t is head t / 4's quarter t % 4 of the value columns): the head's vectors for the
+//     delta rule (`load_x_kda`). src: the input projection's phase, its words q | k | v at off (3 H 128
+//     channels), b at stride, f_a (128) at route (a word offset here, not a phase); nslot: H; lb: the decay's
+//     lower bound; aux: `KdaAux`.
+//   X_HEADNORM (after a KDA phase src, whose words are the heads' outputs o, rounded): per head of 128,
+//     bf16(bf16(aux[j] * bf16(o rsqrt(mean(o^2) + eps))) * sigmoid(g)), g the words of phase route at off2 (the
+//     KDA kernel's head RMSNorm and output gate, op for op).
 struct XSeg {
     int64_t aux;
     int32_t op, src, off, len;
@@ -141,16 +144,18 @@ struct XSeg {
 };
 static_assert(sizeof(XSeg) == 64, "XSeg is 64 bytes (megakernel_chain.py XSEG_BYTES)");
 
-// An X_KDA part's tensors (addresses). The recurrent state is the phase's "weights": tile t is head t's fp32
-// [128 k][128 v] (64 KB, one slot), streamed by the producer like a weight tile (the last launch wrote it) and
-// written back by the consumers.
+// An X_KDA part's tensors (addresses). The phase's "weights" are its tiles (KDA_TILE bytes each): tile 4 h + q holds
+// f_b's rows for head h (bf16 [128 k][128 r], 32 KB) and then the fp32 state's value columns 32 q .. 32 q + 31
+// ([128 k][32], 16 KB). The producer streams it like a weight tile (the state part: the last launch wrote it); the
+// consumers write the state part back.
 struct KdaAux {
-    int64_t conv_state;                 // bf16 [3 H 128][3]: the window, oldest first (written back: [u1, u2, new])
+    int64_t conv_state;                 // bf16 [2][3 H 128][3]: the window, oldest first, in two copies: a launch
+                                        // reads copy epoch & 1 and writes [u1, u2, new] to the other
     int64_t conv_weight;                // bf16 [3 H 128][4]
     int64_t a_log, dt_bias;             // fp32 [H], [H 128]
-    int64_t o_norm;                     // bf16 [128]
-    int64_t f_b;                        // bf16 [H 128][128]: f = f_b f_a, summed in the step (as the Triton kernel)
 };
+#define KDA_FB_BYTES 32768
+#define KDA_TILE (KDA_FB_BYTES + 128 * 32 * 4)
 
 struct PhaseC {                         // the table as the kernel keeps it in shared memory (80 bytes a phase)
     int64_t w, y;
@@ -400,6 +405,7 @@ __device__ __forceinline__ bool poll_all(const uint64_t* const (&a)[N], float (&
 }
 
 #define COMBINE_MAX 16                 // X_COMBINE_NORM: top-k slots at most (K3: 16)
+#define HEADNORM_ROUNDS 4              // X_HEADNORM: rounds of CONSUMERS elements whose words are polled together
 #define XDUMP_SLOTS 16                 // xdump: x slots a phase at most
 
 // The n <= N words p[i * stride] as values, polled as `poll_all` does.
@@ -421,38 +427,34 @@ __device__ __forceinline__ bool poll_strided(const uint64_t* p, int64_t stride, 
     }
 }
 
-// X_KDA: x holds head h's vectors for the delta rule, fp32 (KDA_* offsets, 128 each; beta one value), and the
-// partial sums of the state's four k quarters (KDA_PART: 4 x 128).
+// X_KDA: x holds head h's vectors for the delta rule, fp32 (KDA_* offsets, 128 each; A and beta one value each),
+// and the state sums' partials (KDA_PART: 16 x 32).
 #define KDA_ALPHA 0
 #define KDA_KN 128
 #define KDA_T 256                       // kn beta
 #define KDA_QN 384
 #define KDA_V 512
-#define KDA_SG 640                      // sigmoid(g)
-#define KDA_FA 768                      // f_a, rounded as the input projection's bf16 output
-#define KDA_BETA 896
+#define KDA_DTB 640                     // dt_bias
+#define KDA_FA 768                      // f_a, rounded as the input projection's bf16 output; element r at
+                                        // r + r / 32 (a quarter's 32 a bank apart: the fold reads 4 at once)
+#define KDA_A 900                       // exp(A_log[h])
+#define KDA_BETA 901
 #define KDA_PART 1024
-// Head h's vectors, with the arithmetic of `_decode_head` (Triton 3.6) op for op but for the f_b sum's order.
-// Needs 512 consumer threads. Every thread first issues its loads that need no input: a quarter row of f_b (row
-// tid / 4, columns 32 (tid % 4) ..), and its conv window and taps (threads 0..383: channel tid of q | k | v).
-// Then, once the input projection's words are this launch's: threads 0..383 the short conv over the window and
-// the new input (the word rounded as the projection's bf16 output), SiLU, rounded, and the window moves on;
-// threads 384..511 take f_a, g and b. After a barrier: f = f_b f_a (each thread its quarter row, in order, then
-// (Q0 + Q1) + (Q2 + Q3) across the four lanes), rounded; alpha_k from it; q and k L2-normalised.
-__device__ __forceinline__ bool load_x_kda(float* xf, const XSeg& g, const PhaseC* ph, int h, uint32_t epoch,
-                                          bool wait, uint32_t* err, int64_t p, int64_t t, float* red) {
-    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, H = g.nslot;
+// Head h's vectors, with the arithmetic of `_decode_head` (Triton 3.6) op for op. Needs 512 consumer threads.
+// Threads 0..383 (channel tid of q | k | v) first load their conv window (copy epoch & 1) and taps, then, once the
+// input projection's word is this launch's, make the short conv over the window and the new input (the word rounded
+// as the projection's bf16 output), SiLU, rounded; quarter 0's block writes the next window to the other copy.
+// Threads 384..511 take f_a, dt_bias, A and beta. Then q and k are L2-normalised. (alpha needs f_b's rows, which
+// come with the tile: `kda_tile`.)
+__device__ __forceinline__ bool load_x_kda(float* xf, const XSeg& g, const PhaseC* ph, int t, uint32_t epoch,
+                                          bool wait, uint32_t* err, int64_t p, float* red) {
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, H = g.nslot, h = t >> 2;
     const KdaAux& a = *reinterpret_cast<const KdaAux*>(g.aux);
     const uint64_t* words = reinterpret_cast<const uint64_t*>(ph[g.src].y);
-    // loads that need no input, first: they land while the words are polled
-    const int fk = tid >> 2, fq = tid & 3;
-    const uint4* fb = reinterpret_cast<const uint4*>(reinterpret_cast<const __nv_bfloat16*>(a.f_b)
-                                                     + (static_cast<int64_t>(h) * 128 + fk) * 128 + fq * 32);
-    const uint4 w0 = fb[0], w1 = fb[1], w2 = fb[2], w3 = fb[3];
-    const float bias = reinterpret_cast<const float*>(a.dt_bias)[h * 128 + fk];
-    const float A = exp_tl(reinterpret_cast<const float*>(a.a_log)[h]);
     const int part = tid >> 7, i = tid & 127, c = (part * H + h) * 128 + i;
-    __nv_bfloat16* cs = reinterpret_cast<__nv_bfloat16*>(a.conv_state) + static_cast<int64_t>(c) * 3;
+    const int64_t copy = static_cast<int64_t>(3 * H) * 128 * 3;        // one copy of the window, in elements
+    const __nv_bfloat16* cs = reinterpret_cast<const __nv_bfloat16*>(a.conv_state) + (epoch & 1u) * copy
+                              + static_cast<int64_t>(c) * 3;
     const __nv_bfloat16* cw = reinterpret_cast<const __nv_bfloat16*>(a.conv_weight) + static_cast<int64_t>(c) * 4;
     const bool conv = tid < 384;
     const __nv_bfloat16 zero = __float2bfloat16(0.f);
@@ -472,43 +474,29 @@ __device__ __forceinline__ bool load_x_kda(float* xf, const XSeg& g, const Phase
         const float p3 = __fmul_rn(__bfloat162float(c3), __bfloat162float(xn));
         const float y = __fadd_rn(__fadd_rn(p0, p2), __fadd_rn(p1, p3));
         val = bf16r(__fmul_rn(y, sigmoid_tl(y)));
-        if (ok) {
-            cs[0] = u1;
-            cs[1] = u2;
-            cs[2] = xn;
+        if (ok && (t & 3) == 0) {
+            __nv_bfloat16* next = reinterpret_cast<__nv_bfloat16*>(a.conv_state) + ((epoch & 1u) ^ 1u) * copy
+                                  + static_cast<int64_t>(c) * 3;
+            next[0] = u1;
+            next[1] = u2;
+            next[2] = xn;
         }
     } else {
         const int k = tid - 384;
-        const uint64_t* w[3] = {words + g.route + k, words + g.off2 + h * 128 + k, k == 0 ? words + g.stride + h
-                                                                                           : nullptr};
-        float v[3];
+        const float dtb = reinterpret_cast<const float*>(a.dt_bias)[h * 128 + k];   // (in flight while it polls)
+        const float alog = reinterpret_cast<const float*>(a.a_log)[h];
+        const uint64_t* w[2] = {words + g.route + k, k == 0 ? words + g.stride + h : nullptr};
+        float v[2];
         ok = poll_all(w, v, epoch, wait, err, p, t);
-        xf[KDA_FA + k] = bf16r(v[0]);
-        xf[KDA_SG + k] = sigmoid_tl(bf16r(v[1]));
-        if (k == 0) xf[KDA_BETA] = sigmoid_tl(bf16r(v[2]));
+        xf[KDA_FA + k + (k >> 5)] = bf16r(v[0]);
+        xf[KDA_DTB + k] = dtb;
+        if (k == 0) {
+            xf[KDA_BETA] = sigmoid_tl(bf16r(v[1]));
+            xf[KDA_A] = exp_tl(alog);
+        }
     }
     if (tid < 256) warp_squares(val, red, warp, lane);
     consumers_sync();
-    // f_k = f_b[k] . f_a, k = tid / 4: this thread's 32 columns in order, then the four quarters
-    const float* fa = xf + KDA_FA + fq * 32;
-    float q = 0.f;
-    const uint4 wq[4] = {w0, w1, w2, w3};
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-        const __nv_bfloat162* hw = reinterpret_cast<const __nv_bfloat162*>(&wq[u]);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const float2 wf = __bfloat1622float2(hw[e]);
-            q = __fmaf_rn(wf.x, fa[8 * u + 2 * e], q);
-            q = __fmaf_rn(wf.y, fa[8 * u + 2 * e + 1], q);
-        }
-    }
-    q = __fadd_rn(q, __shfl_xor_sync(0xffffffffu, q, 1));      // (Q0 + Q1), (Q2 + Q3) ...
-    q = __fadd_rn(q, __shfl_xor_sync(0xffffffffu, q, 2));      // ... then their sum (lane fq = 0's order)
-    if (fq == 0) {
-        const float s = div_full(1.f, __fadd_rn(1.f, exp_tl(-__fmul_rn(A, __fadd_rn(bf16r(q), bias)))));
-        xf[KDA_ALPHA + fk] = exp_tl(__fmul_rn(s, g.lb));
-    }
     if (tid < 128) {
         const float n = sqrt_approx(__fadd_rn(four_warps(red, 0), 1e-6f));
         xf[KDA_QN + tid] = __fmul_rn(div_full(val, n), __uint_as_float(0x3DB504F3u));   // fp32(128 ** -0.5)
@@ -522,60 +510,82 @@ __device__ __forceinline__ bool load_x_kda(float* xf, const XSeg& g, const Phase
     return ok;
 }
 
-// One quarter of a column's k sum: k = k0 .. k0 + 31 in order, the first product rounded, then FMAs.
+// One of a column's 16 partial k sums: k = k0 .. k0 + 7 in order, the first product rounded, then FMAs.
 template <typename F>
-__device__ __forceinline__ float kda_quarter(F&& term, const float* y, int k0) {
+__device__ __forceinline__ float kda_part(F&& term, const float* y, int k0) {
     float acc = __fmul_rn(term(k0), y[k0]);
-#pragma unroll 8
-    for (int k = k0 + 1; k < k0 + 32; ++k) acc = __fmaf_rn(term(k), y[k], acc);
+#pragma unroll
+    for (int k = k0 + 1; k < k0 + 8; ++k) acc = __fmaf_rn(term(k), y[k], acc);
     return acc;
 }
+__device__ __forceinline__ float kda_parts_sum(const float* part, int j) {     // the 16 partials in order
+    float s = part[j];
+#pragma unroll
+    for (int r = 1; r < 16; ++r) s = __fadd_rn(s, part[r * 32 + j]);
+    return s;
+}
 
-// The delta rule on head h's state tile S (fp32 [128 k][128 v], in the ring) with the vectors of `load_x_kda`:
-// thread (quarter r = warp / 4, column j = 32 (warp % 4) + lane) sums k = 32 r .. 32 r + 31 of column j, and the
-// columns' sums are (R0 + R1) + (R2 + R3):
-//   S' = alpha S, err = v - S'^T kn, S'' = S' + (kn beta) err^T (written to state_g), o = S''^T qn;
-// then o rounded, the head RMSNorm (eps, weight o_norm, shared by the heads), times sigmoid(g), bf16, to y. Every
-// consumer thread calls it (three barriers).
-__device__ __forceinline__ void kda_tile(const float* S, float* xf, float* state_g, uint64_t* y, const XSeg& g,
-                                         uint32_t epoch, float* red) {
-    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, r = warp >> 2, j = (warp & 3) * 32 + lane;
-    const int k0 = 32 * r;
+// Tile t of a KDA phase (head h = t / 4, value columns 32 q .. 32 q + 31, q = t % 4), in the ring: f_b's rows for
+// the head, then the state's columns S (fp32 [128 k][32]). With the vectors of `load_x_kda`:
+//   f = f_b f_a (thread: row tid / 4, columns 32 (tid % 4) .. in order, then (Q0 + Q1) + (Q2 + Q3) across the four
+//   lanes), rounded; alpha = exp(lb sigmoid(A (f + dt_bias)));
+//   S' = alpha S, err = v - S'^T kn, S'' = S' + (kn beta) err^T (written to state_g), o = S''^T qn,
+// thread (warp r, lane j) summing k = 8 r .. 8 r + 7 of column j, the partials added in order; o rounded to y.
+// (The head's RMSNorm and output gate need all its columns: the next phase's x recipe, X_HEADNORM.) Every consumer
+// thread calls it (four barriers).
+__device__ __forceinline__ void kda_tile(const unsigned char* tile, float* xf, float* state_g, uint64_t* y,
+                                         const XSeg& g, int q, uint32_t epoch) {
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    {
+        const int fk = tid >> 2, fq = tid & 3;
+        const uint4* fb = reinterpret_cast<const uint4*>(tile) + fk * 16 + fq * 4;
+        const float* fa = xf + KDA_FA + fq * 33;
+        float acc = 0.f;
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const uint4 wq = fb[u];
+            const __nv_bfloat162* hw = reinterpret_cast<const __nv_bfloat162*>(&wq);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float2 wf = __bfloat1622float2(hw[e]);
+                acc = __fmaf_rn(wf.x, fa[8 * u + 2 * e], acc);
+                acc = __fmaf_rn(wf.y, fa[8 * u + 2 * e + 1], acc);
+            }
+        }
+        acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, 1));   // (Q0 + Q1), (Q2 + Q3) ...
+        acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, 2));   // ... then their sum (lane fq = 0's order)
+        if (fq == 0) {
+            const float x = __fadd_rn(bf16r(acc), xf[KDA_DTB + fk]);
+            const float s = div_full(1.f, __fadd_rn(1.f, exp_tl(-__fmul_rn(xf[KDA_A], x))));
+            xf[KDA_ALPHA + fk] = exp_tl(__fmul_rn(s, g.lb));
+        }
+    }
+    consumers_sync();
+    const float* S = reinterpret_cast<const float*>(tile + KDA_FB_BYTES);
     const float* al = xf + KDA_ALPHA;
     const float* tb = xf + KDA_T;
     float* part = xf + KDA_PART;
-    part[r * 128 + j] = kda_quarter([&](int k) { return __fmul_rn(S[k * 128 + j], al[k]); }, xf + KDA_KN, k0);
+    const int j = lane, k0 = 8 * warp;
+    part[warp * 32 + j] = kda_part([&](int k) { return __fmul_rn(S[k * 32 + j], al[k]); }, xf + KDA_KN, k0);
     consumers_sync();
-    const float e = __fsub_rn(xf[KDA_V + j], __fadd_rn(__fadd_rn(part[j], part[128 + j]),
-                                                      __fadd_rn(part[256 + j], part[384 + j])));
+    const float e = __fsub_rn(xf[KDA_V + 32 * q + j], kda_parts_sum(part, j));
     consumers_sync();                       // (every thread has read the partials: they are reused below)
-    part[r * 128 + j] = kda_quarter([&](int k) {
-        const float nk = __fmaf_rn(tb[k], e, __fmul_rn(S[k * 128 + j], al[k]));
-        state_g[k * 128 + j] = nk;
+    part[warp * 32 + j] = kda_part([&](int k) {
+        const float nk = __fmaf_rn(tb[k], e, __fmul_rn(S[k * 32 + j], al[k]));
+        state_g[k * 32 + j] = nk;
         return nk;
     }, xf + KDA_QN, k0);
     consumers_sync();
-    float ob = 0.f;
-    if (tid < 128) {
-        ob = bf16r(__fadd_rn(__fadd_rn(part[j], part[128 + j]), __fadd_rn(part[256 + j], part[384 + j])));
-        warp_squares(ob, red, warp, lane);
-    }
-    consumers_sync();
-    if (tid < 128) {
-        const float rs = rsqrt_approx(__fadd_rn(div_full(four_warps(red, 0), 128.f), g.eps));
-        const float on = bf16r(__fmul_rn(rs, ob));
-        const __nv_bfloat16* w = reinterpret_cast<const __nv_bfloat16*>(reinterpret_cast<const KdaAux*>(g.aux)->o_norm);
-        const float wn = bf16r(__fmul_rn(__bfloat162float(w[j]), on));      // (bf16 times bf16: exact, then rounded)
-        store_word(y + j, bf16r(__fmul_rn(wn, xf[KDA_SG + j])), epoch);
-    }
+    if (warp == 0) store_word(y + j, bf16r(kda_parts_sum(part, j)), epoch);
 }
 
-// A KDA phase: this block's heads (tiles g0, g0 + nblk, ...; ring slots from tile count i on), each its vectors
-// into x, then its state tile from the ring. Returns the tiles done, or -1: a wait gave up.
+// A KDA phase: this block's tiles (g0, g0 + nblk, ...; ring slots from tile count i on), each its head's vectors
+// into x, then the tile from the ring. Returns the tiles done, or -1: a wait gave up.
 __device__ __forceinline__ int kda_phase(const PhaseC& f, const PhaseC* ph, const XSeg* xsegs,
                                          const unsigned char* ring, float* xf, uint64_t* full, uint64_t* empty,
                                          uint32_t i, int g0, int nblk, uint32_t epoch, bool wait, uint32_t* err,
-                                         int64_t p, float* red, int* gave_up) {
+                                         int64_t p, float* red, int* gave_up, unsigned long long* t_x,
+                                         unsigned long long* t_tile) {
     const XSeg& g = xsegs[f.xop];
     uint64_t* y = reinterpret_cast<uint64_t*>(f.y);
     int n = 0;
@@ -583,12 +593,19 @@ __device__ __forceinline__ int kda_phase(const PhaseC& f, const PhaseC* ph, cons
         const int t = gt - f.tile0;
         const uint32_t s = i % NSLOT;
         consumers_sync();                   // every warp is done with the last x
-        if (!load_x_kda(xf, g, ph, t, epoch, wait, err, p, t, red)) *gave_up = 1;
+        if (!load_x_kda(xf, g, ph, t, epoch, wait, err, p, red)) *gave_up = 1;
         consumers_sync();
         if (*gave_up) return -1;
+#ifdef PHASE_TIMES
+        if (threadIdx.x == 0 && n == 0) atomicMin(t_x, static_cast<unsigned long long>(now_ns()));
+#endif
         if (!wait_slot(&full[s], (i / NSLOT) & 1u, err, 2, p, t)) return -1;
-        kda_tile(reinterpret_cast<const float*>(ring + s * SLOT_BYTES), xf,
-                 reinterpret_cast<float*>(f.w) + static_cast<int64_t>(t) * 16384, y + t * 128, g, epoch, red);
+        kda_tile(ring + s * SLOT_BYTES, xf,
+                 reinterpret_cast<float*>(f.w + static_cast<int64_t>(t) * KDA_TILE + KDA_FB_BYTES), y + t * 32, g,
+                 t & 3, epoch);
+#ifdef PHASE_TIMES                          // (a KDA phase's third time: the first block done with a tile)
+        if (threadIdx.x == 0 && n == 0) atomicMin(t_tile, static_cast<unsigned long long>(now_ns()));
+#endif
         __syncwarp();
         if (threadIdx.x % 32 == 0) mbar_arrive(&empty[s]);     // this warp is done with slot s
     }
@@ -662,6 +679,37 @@ __device__ __forceinline__ bool load_x_recipe(__nv_bfloat16* xs, const PhaseC& f
                 xs[j0 + j] = __float2bfloat16_rn(__fmul_rn(__bfloat162float(nw[j]), nu));
             }
             consumers_sync();                       // (red is free again)
+        } else if (g.op == X_HEADNORM) {            // per head of 128: 4 heads a round, warps 4 m .. 4 m + 3 each
+            const __nv_bfloat16* nw = reinterpret_cast<const __nv_bfloat16*>(g.aux);
+            const uint64_t* gw = reinterpret_cast<const uint64_t*>(ph[g.route].y) + g.off2;
+            // every round's words polled together (one round trip), the rounds' sums of squares side by side past
+            // x in shared memory (HEADNORM_ROUNDS x CONSUMER_WARPS floats at byte XBYTES / 2), one barrier
+            float* sq = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(xs) + XBYTES / 2);
+            for (int e0 = 0; ok && e0 < g.len; e0 += HEADNORM_ROUNDS * CONSUMERS) {    // (len: a multiple of 128)
+                const uint64_t* a[2 * HEADNORM_ROUNDS];
+                float v[2 * HEADNORM_ROUNDS];
+#pragma unroll
+                for (int u = 0; u < HEADNORM_ROUNDS; ++u) {
+                    const int e = e0 + u * CONSUMERS + tid;
+                    a[u] = e < g.len ? base + e : nullptr;
+                    a[HEADNORM_ROUNDS + u] = e < g.len ? gw + e : nullptr;
+                }
+                ok = poll_all(a, v, epoch, wait, err, p, t);
+#pragma unroll
+                for (int u = 0; u < HEADNORM_ROUNDS; ++u) warp_squares(v[u], sq + u * CONSUMER_WARPS, warp, lane);
+                consumers_sync();
+#pragma unroll
+                for (int u = 0; u < HEADNORM_ROUNDS; ++u) {
+                    const int e = e0 + u * CONSUMERS + tid;
+                    const float r = rsqrt_approx(__fadd_rn(div_full(four_warps(sq + u * CONSUMER_WARPS, warp & ~3),
+                                                                    128.f), g.eps));
+                    const float on = bf16r(__fmul_rn(r, v[u]));
+                    const float wn = bf16r(__fmul_rn(__bfloat162float(nw[e & 127]), on));
+                    if (e < g.len)
+                        xs[j0 + e] = __float2bfloat16_rn(__fmul_rn(wn, sigmoid_tl(bf16r(v[HEADNORM_ROUNDS + u]))));
+                }
+                consumers_sync();                   // (sq is reused by the next rounds)
+            }
         } else if (g.op == X_SCORE) {               // a top-k's x: keys, then the scores
             float* xf = reinterpret_cast<float*>(xs);
             const float* bias = reinterpret_cast<const float*>(g.aux);
@@ -1067,7 +1115,8 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
 #if RECIPES
         if (kind == KDA) {
             const int nt = kda_phase(f, ph, xsegs, ring, reinterpret_cast<float*>(xs), full, empty, i, g0,
-                                     static_cast<int>(nblk), epoch, wait, err, p, red, &gave_up);
+                                     static_cast<int>(nblk), epoch, wait, err, p, red, &gave_up,
+                                     t_done + 2 * nphase + p, t_done + 3 * nphase + p);
             if (nt < 0) return;
             i += nt;
             done = nt;
