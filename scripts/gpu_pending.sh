@@ -86,10 +86,10 @@
 #            scripts/megakernel_chain.py (k3-small's step as a synthetic chain in one persistent launch; stream,
 #            serial and nodeps modes; rings $CHAIN_RINGS, default 3x65536), JSON and plot in $OUT (and with a
 #            TRACE_TILES ring, chain-tiles.png: the landed bytes over time)
-#   layer    milestone 2 of docs/megakernel.md, first part: tests/test_megakernel_layer.py's cuda tests, then
-#            scripts/megakernel_layer.py (k3-small's 11 MoE sublayers with the model's weights in one persistent
-#            launch, checked against its emulation and the compile backend's MoE, timed against a CUDA graph of
-#            those; $LAYER_ARGS), JSON in $OUT
+#   layer    milestone 2 of docs/megakernel.md: tests/test_megakernel_layer.py's cuda tests, then
+#            scripts/megakernel_layer.py (k3-small's 8 KDA and 11 MoE sublayers with the model's weights in one
+#            persistent launch, checked against its emulation, the KDA plugin's Triton kernel and the compile
+#            backend's sublayers, timed against a CUDA graph of those; $LAYER_ARGS, e.g. --no-kda), JSON in $OUT
 #   profile  scripts/profile_decode.py --backend $PROFILE_BACKEND (default compile): kernels per decode step, and the
 #            graph replay's critical path (what each kernel adds to the span under PDL; 15:25: an upper bound only)
 set -uo pipefail

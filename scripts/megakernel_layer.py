@@ -1,6 +1,7 @@
-"""Milestone 2 of docs/megakernel.md, its first part: the real MoE sublayers of a K3 model (k3-small: layers 1-11)
-as phases of the persistent decode kernel (scripts/megakernel/chain.cu, built with RECIPES=1), with the model's
-weights, compared with the `compile` backend's kernels and timed against them. GPU only for the kernel; the chain
+"""Milestone 2 of docs/megakernel.md: the real KDA attention and MoE sublayers of a K3 model (k3-small: layers
+1-11; the MLA layers' attention is not built) as phases of the persistent decode kernel (scripts/megakernel/chain.cu,
+built with RECIPES=1 MMA_ONLY=1), with the model's weights, compared with the `compile` backend's kernels and
+timed against them. GPU only for the kernel; the chain
 and its torch emulation are tested on the CPU (tests/test_megakernel_layer.py).
 
 One MoE sublayer at B = 1 is seven phases (the `compile` backend's launches in brackets; docs/megakernel.md,
@@ -19,12 +20,14 @@ One MoE sublayer at B = 1 is seven phases (the `compile` backend's launches in b
 and the sublayer's output is bf16(up + shared_down), added where the next phase loads it. (`--packed-out`: one
 output phase over both, as the compile backend packs them; measured slower, docs/perf.md.)
 The combine, the norm and the two SiTU-GLUs are x recipes (chain.cu `XSeg`): the consumers compute them while they
-load the next phase's x. The sublayers are chained, each one's output the next one's input (the attention
-sublayers between them are not built yet), so the launch streams k3-small's MoE bytes with their real
-dependencies.
+load the next phase's x. The sublayers are chained, each one's output the next one's input (no AttnRes, and no
+MLA attention yet), so the launch streams k3-small's KDA and MoE bytes with their real dependencies.
 
-    python3 scripts/megakernel_layer.py [--preset k3-small] [--layers 1-11] [--rounds 3] [--iters 50]
+    python3 scripts/megakernel_layer.py [--preset k3-small] [--layers 1-11] [--no-kda] [--rounds 3] [--iters 50]
                                         [--out F.json]
+
+A KDA layer's attention is three phases before its MoE (`kda_sublayer`: in | step | o), the step a phase kind of
+its own, checked also against the KDA plugin's Triton kernel on the kernel's own inputs (`kda_vs_triton`).
 
 It checks the kernel against the torch emulation of the same phases first (`megakernel_chain.Buffers`: every GEMV
 from the kernel's own x, every recipe x element for element), then each sublayer against the model's MoE as the
