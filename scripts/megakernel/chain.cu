@@ -685,7 +685,8 @@ __device__ __forceinline__ bool load_x_recipe(__nv_bfloat16* xs, const PhaseC& f
             // every round's words polled together (one round trip), the rounds' sums of squares side by side past
             // x in shared memory (HEADNORM_ROUNDS x CONSUMER_WARPS floats at byte XBYTES / 2), one barrier
             float* sq = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(xs) + XBYTES / 2);
-            for (int e0 = 0; ok && e0 < g.len; e0 += HEADNORM_ROUNDS * CONSUMERS) {    // (len: a multiple of 128)
+            // (every thread takes every round, also after a wait gave up: each round has its barriers)
+            for (int e0 = 0; e0 < g.len; e0 += HEADNORM_ROUNDS * CONSUMERS) {    // (len: a multiple of 128)
                 const uint64_t* a[2 * HEADNORM_ROUNDS];
                 float v[2 * HEADNORM_ROUNDS];
 #pragma unroll
@@ -694,7 +695,7 @@ __device__ __forceinline__ bool load_x_recipe(__nv_bfloat16* xs, const PhaseC& f
                     a[u] = e < g.len ? base + e : nullptr;
                     a[HEADNORM_ROUNDS + u] = e < g.len ? gw + e : nullptr;
                 }
-                ok = poll_all(a, v, epoch, wait, err, p, t);
+                ok = poll_all(a, v, epoch, wait, err, p, t) && ok;
 #pragma unroll
                 for (int u = 0; u < HEADNORM_ROUNDS; ++u) warp_squares(v[u], sq + u * CONSUMER_WARPS, warp, lane);
                 consumers_sync();
