@@ -64,7 +64,7 @@ def kda_start(attn, gen: torch.Generator) -> dict:
             "conv_state": torch.randn(3 * H * K, W - 1, generator=gen).bfloat16()}
 
 
-def kda_sublayer(c: mc.Chain, attn, h: int, h2: int, name: str, start: dict) -> int:
+def kda_sublayer(c: mc.Chain, attn, out: list[int], name: str, start: dict) -> int:
     """A KDA attention sublayer at B = 1 as three phases (the compile backend's launches in brackets):
 
         in     GEMV [K + 4 H K + H, d]: f_a | q | k | v | g | b          (k3::gemv, packed)
@@ -73,11 +73,11 @@ def kda_sublayer(c: mc.Chain, attn, h: int, h2: int, name: str, start: dict) -> 
         o      GEMV [d, H K] on the heads' RMSNorm and gate (the x recipe "headnorm": the step's tiles each hold
                a quarter of a head)                                       (the rest of kda_decode_inplace, k3::gemv)
 
-    Its x is phase h's output (+ h2's); returns the "o" phase. `start`: `kda_start`."""
+    Its x is the sublayer output `out` (`gemv_on`); returns the "o" phase. `start`: `kda_start`."""
     H, K, d = attn.num_heads, attn.head_dim, attn.q_proj.in_features
     w = torch.cat([attn.f_a_proj.weight, attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight,
                    attn.g_proj.weight, attn.b_proj.weight])
-    inp = c.gemv(name + "in", w.shape[0], d, h, dep2=h2, weight=w)
+    inp = gemv_on(c, out, name + "in", w.shape[0], d, w)
     step = c.kda(name + "step", inp, H, q_off=K, b_off=K + 4 * H * K, fa_off=0, lb=attn.lower_bound,
                  conv_weight=attn.conv_weight(), a_log=attn.A_log, dt_bias=attn.dt_bias, f_b=attn.f_b_proj.weight,
                  **start)
@@ -85,11 +85,59 @@ def kda_sublayer(c: mc.Chain, attn, h: int, h2: int, name: str, start: dict) -> 
     return c.gemv(name + "o", d, H * K, step, xsegs=[norm], weight=attn.o_proj.weight)
 
 
-def moe_chain(model, layers: list[int], slot_bytes: int = 65536, packed_out: bool = False, min_tiles: int = 0,
-              routed_rows: int = mc.MAX_ROWS, kda: bool = False, seed: int = 0) -> mc.Chain:
-    """The MoE sublayers of `layers` as one chain, with the model's weights (an unpacked model: the weights are read
+def gemv_on(c: mc.Chain, out: list[int], name: str, n: int, k: int, weight: torch.Tensor) -> int:
+    """A GEMV whose x is a sublayer's output `out`: one phase's words, two phases' added (src, dep2), or more
+    phases' added by the "sum" recipe (consecutive phases, in order)."""
+    if len(out) <= 2:
+        return c.gemv(name, n, k, out[0] if out else -1, dep2=out[1] if len(out) > 1 else -1, weight=weight)
+    return c.gemv(name, n, k, out[0], xsegs=[mc.XSeg("sum", out[0], k, nslot=len(out))], weight=weight)
+
+
+DENSE_K = 2048     # the dense MLP's down projection in phases of k <= 2048: a tensor-core tile of 16 rows fits a slot
+
+
+def dense_sublayer(c: mc.Chain, mlp, out: list[int], name: str) -> list[int]:
+    """Layer 0's dense SiTU MLP: gate_up, a GEMV [2 I, d] (gate rows, then up rows), and down, a GEMV [d, I] on
+    SiTU-GLU of the rounded gate and up (the x recipe "glu", as compile's packed GEMV then SiTU-GLU), split over k
+    into I / DENSE_K phases ("down.0", ...: at k = 8192 a slot holds 4 rows, and a tensor-core tile needs 16) whose
+    outputs the next phase adds. Returns the down phases."""
+    I, d = mlp.down_proj.in_features, mlp.down_proj.out_features
+    parts = -(-I // DENSE_K)
+    if I % parts or parts > mc.SUM_MAX:
+        raise ValueError(f"{name}: the dense MLP's width {I} does not split into at most {mc.SUM_MAX} equal parts "
+                         f"of at most {DENSE_K}")
+    kq = I // parts
+    gu = gemv_on(c, out, name + "gate_up", 2 * I, d, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+    return [c.gemv(f"{name}down.{q}", d, kq, gu, weight=mlp.down_proj.weight[:, q * kq:(q + 1) * kq],
+                   xsegs=[mc.XSeg("glu", gu, kq, off=q * kq, off2=I, round_in=True, beta=mlp.beta,
+                                  lb=mlp.linear_beta)])
+            for q in range(parts)]
+
+
+def mla_standin(c: mc.Chain, out: list[int], name: str, cfg) -> int:
+    """Not the MLA attention: GEMVs at its B = 1 decode's shapes (k3_small_chain's: q / kv latents, their norms as a
+    256 x 256 link, q_b, the absorbed K, the scores over a 1024-row cache, the softmax as a link, the absorbed V,
+    the gate and the output), with random weights, so that a chain can stand for the whole step's bytes and links
+    while the real MLA sublayer is not built. Returns its "o" phase."""
+    d, H, lat = cfg.hidden_size, cfg.num_attention_heads, 256
+    qa = gemv_on(c, out, name + "q_kv_a", cfg.q_lora_rank + cfg.latent_dim, d, None)
+    nq = c.gemv(name + "norms", lat, lat, qa)
+    qb = c.gemv(name + "q_b", H * cfg.qk_head_dim, cfg.q_lora_rank, nq)
+    ak = c.gemv(name + "absorb_k", H * cfg.kv_lora_rank, cfg.qk_nope_head_dim, qb)
+    sc = c.gemv(name + "scores", 1024, cfg.latent_dim, ak)
+    sm = c.gemv(name + "softmax", lat, lat, sc)
+    av = c.gemv(name + "absorb_v", H * cfg.v_head_dim, cfg.kv_lora_rank, sm)
+    gt = gemv_on(c, out, name + "gate", H * cfg.v_head_dim, d, None)
+    return c.gemv(name + "o", d, H * cfg.v_head_dim, av, dep2=gt)
+
+
+def layers_chain(model, layers: list[int], slot_bytes: int = 65536, packed_out: bool = False, min_tiles: int = 0,
+                 routed_rows: int = mc.MAX_ROWS, kda: bool = False, seed: int = 0, mla_standins: bool = False,
+                 head: bool = False) -> mc.Chain:
+    """The sublayers of `layers` as one chain, with the model's weights (an unpacked model: the weights are read
     from its modules as loaded). The first sublayer reads the chain's external input; each later one the output of
-    the one before.
+    the one before (no AttnRes: `docs/megakernel.md`, "Next"). Layer 0's MLP is dense (`dense_sublayer`), every
+    other layer's is a MoE (seven phases, below).
 
     The output projections: by default two phases, the shared experts' down projection ("shared_down", its x ready
     once "proj" is: it runs while the top-k and the routed experts wait) and the routed up projection ("up", on the
@@ -98,35 +146,41 @@ def moe_chain(model, layers: list[int], slot_bytes: int = 65536, packed_out: boo
     (one fp32 sum over both: bit for bit its arithmetic, but the shared part then waits for the routed one).
     min_tiles (`Chain`): phases with fewer tiles get smaller ones (the number of blocks: the up projection's 64
     tiles become 128); routed_rows: the routed experts' rows per tile at most. kda: each KDA layer's attention
-    sublayer before its MoE (`kda_sublayer`; its state from `kda_start` with `seed`); the MLA layers' attention
-    is not built."""
+    sublayer before its MLP (`kda_sublayer`; its state from `kda_start` with `seed`). mla_standins: each MLA
+    layer's attention as `mla_standin` (random weights: not the model's); without it the MLA layers contribute their
+    MoE only. head: the final RMSNorm (an x recipe) and the LM head after the last layer."""
     cfg = model.config
     if not (cfg.latent_moe_use_norm and cfg.num_shared_experts):
-        raise ValueError("moe_chain builds LatentMoE with its latent norm and shared experts (every K3 preset)")
+        raise ValueError("layers_chain builds LatentMoE with its latent norm and shared experts (every K3 preset)")
     d, E, K = cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_token
     L, I = cfg.routed_expert_hidden_size, cfg.moe_intermediate_size
     Is = I * cfg.num_shared_experts
     beta, lb = cfg.activation_situ_beta, cfg.activation_situ_linear_beta
     c = mc.Chain(d, slot_bytes, min_tiles=min_tiles)
-    h, h2 = -1, -1
+    out: list[int] = []             # the last sublayer's output: the phases whose words add up to it
     gen = torch.Generator().manual_seed(seed)
     for l in layers:
         attn = model.model.layers[l].self_attn
         if kda and not cfg.is_mla(l):
-            h, h2 = kda_sublayer(c, attn, h, h2, f"L{l}.kda.", kda_start(attn, gen)), -1
+            out = [kda_sublayer(c, attn, out, f"L{l}.kda.", kda_start(attn, gen))]
+        elif mla_standins and cfg.is_mla(l):
+            out = [mla_standin(c, out, f"L{l}.mla.", cfg)]
+        if cfg.is_dense(l):
+            out = dense_sublayer(c, model.model.layers[l].mlp, out, f"L{l}.dense.")
+            continue
         moe = model.model.layers[l].block_sparse_moe
         if type(moe.routed_expert_down_proj) is not torch.nn.Linear:
             raise ValueError(f"layer {l}: the model is packed; build the chain from the model as loaded")
         sh, ex, n = moe.shared_experts, moe.experts, f"L{l}.moe."
-        proj = c.gemv(n + "proj", L + 2 * Is, d, h, dep2=h2, weight=torch.cat(
+        proj = gemv_on(c, out, n + "proj", L + 2 * Is, d, torch.cat(
             [moe.routed_expert_down_proj.weight, sh.gate_proj.weight, sh.up_proj.weight]))
-        router = c.gemv(n + "router", E, d, h, dep2=h2, weight=moe.gate.weight)
+        router = gemv_on(c, out, n + "router", E, d, moe.gate.weight)
         tk = c.topk(n + "topk", K, router, score=mc.XSeg("score", router, E, aux=moe.gate.e_score_correction_bias,
                                                        renorm=cfg.moe_renormalize and K > 1,
                                                        scaling=cfg.routed_scaling_factor))
         shared_h = mc.XSeg("glu", proj, Is, off=L, off2=Is, round_in=True, beta=beta, lb=lb)
         if not packed_out:
-            h2 = c.gemv(n + "shared_down", d, Is, proj, xsegs=[shared_h], weight=sh.down_proj.weight)
+            sd = c.gemv(n + "shared_down", d, Is, proj, xsegs=[shared_h], weight=sh.down_proj.weight)
         c.max_rows = routed_rows
         gu = c.routed(n + "gate_up", tk, 2 * I, L, E, proj, weight=torch.cat([ex.w1, ex.w3], dim=1))
         down = c.routed(n + "down", tk, L, I, E, gu, per_slot=True, weight=ex.w2,
@@ -135,28 +189,48 @@ def moe_chain(model, layers: list[int], slot_bytes: int = 65536, packed_out: boo
         comb = mc.XSeg("combine_norm", down, L, stride=L, route=tk, nslot=K, aux=moe.routed_expert_norm.weight,
                        eps=cfg.rms_norm_eps)
         if packed_out:
-            h = c.gemv(n + "out", d, L + Is, down, weight=torch.cat([moe.routed_expert_up_proj.weight,
-                                                                     sh.down_proj.weight], dim=1),
-                       xsegs=[comb, shared_h])
+            out = [c.gemv(n + "out", d, L + Is, down, weight=torch.cat([moe.routed_expert_up_proj.weight,
+                                                                        sh.down_proj.weight], dim=1),
+                          xsegs=[comb, shared_h])]
         else:
-            h = c.gemv(n + "up", d, L, down, xsegs=[comb], weight=moe.routed_expert_up_proj.weight)
+            out = [c.gemv(n + "up", d, L, down, xsegs=[comb], weight=moe.routed_expert_up_proj.weight), sd]
+    if head:
+        if len(out) > 2:
+            raise ValueError("the LM head after the dense layer: its norm adds two phases' words at most")
+        norm = mc.XSeg("norm", out[0], d, route=out[1] if len(out) > 1 else -1, aux=model.model.norm.weight,
+                       eps=cfg.rms_norm_eps)
+        c.gemv("lm_head", cfg.vocab_size, d, out[0], xsegs=[norm], weight=model.lm_head.weight)
     return c
 
 
-OUTPUTS = (".out", ".up", ".kda.o")    # the phases whose output is a sublayer's
+OUTPUTS = (".out", ".up", ".kda.o", ".mla.o", "lm_head")    # the phases whose output is a sublayer's (and the
+#                                                              dense MLP's last "down.N")
 
 
 def sublayer_phases(bufs: mc.Buffers) -> list[int]:
     """Each sublayer's output phase, in chain order."""
-    return [p for p, f in enumerate(bufs.chain.phases) if f.name.endswith(OUTPUTS)]
+    ph = bufs.chain.phases
+    return [p for p, f in enumerate(ph) if f.name.endswith(OUTPUTS) or (
+        ".dense.down." in f.name and (p + 1 == len(ph) or ".dense.down." not in ph[p + 1].name))]
 
 
 def outputs(bufs: mc.Buffers) -> list[torch.Tensor]:
-    """Each sublayer's output in fp32, in chain order: its "out" (or KDA "o") phase's, or its "up" and
-    "shared_down" phases' added (as the next phase's x load adds them)."""
-    ph = bufs.chain.phases
-    return [bufs.out(p) + bufs.out(p - 3) if ph[p].name.endswith(".up") else bufs.out(p)
-            for p in sublayer_phases(bufs)]
+    """Each sublayer's output in fp32, in chain order: its "out" (or KDA "o", ...) phase's, or its "up" and
+    "shared_down" phases' added, or the dense MLP's down parts added in order (as the next phase's x load adds
+    them)."""
+    ph, res = bufs.chain.phases, []
+    for p in sublayer_phases(bufs):
+        if ph[p].name.endswith(".up"):
+            res.append(bufs.out(p) + bufs.out(p - 3))
+        elif ".dense.down." in ph[p].name:
+            q = p - int(ph[p].name.rsplit(".", 1)[1])
+            y = bufs.out(q)
+            for r in range(q + 1, p + 1):
+                y = y + bufs.out(r)
+            res.append(y)
+        else:
+            res.append(bufs.out(p))
+    return res
 
 
 def chosen(bufs: mc.Buffers) -> list[list[int]]:
@@ -225,12 +299,14 @@ def parts_vs_compile(bufs: mc.Buffers, layer_index: int, moe, x: torch.Tensor) -
             "u": compare(u_k.bfloat16(), u[0]), "latent_normed": compare(xk[:L], moe.routed_expert_norm(u)[0])}
 
 
-def product_moes(model, layers: list[int]):
-    """The model's MoE modules as the `compile` backend runs them at B = 1: its constructor packs the model in place
-    (paired experts, packed projections, k3::gemv), so build the chain first."""
+def product_mlps(model, layers: list[int]):
+    """The model's MLP modules (MoE, or layer 0's dense MLP) as the `compile` backend runs them at B = 1: its
+    constructor packs the model in place (paired experts, packed projections, k3::gemv), so build the chain
+    first."""
     from k3export.runtime import CompileBackend
     CompileBackend(model)
-    return [model.model.layers[l].block_sparse_moe for l in layers]
+    return [model.model.layers[l].mlp if model.config.is_dense(l) else model.model.layers[l].block_sparse_moe
+            for l in layers]
 
 
 def route_ids(moe, x: torch.Tensor) -> list[int]:
@@ -248,9 +324,10 @@ DIAGNOSTICS = ("SKIP_COMPUTE", "NOLOADX", "NOCOPY")     # chain.cu builds whose 
 def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: int = 0,
         defines: tuple[str, ...] = DEFINES, modes: tuple[str, ...] = ("stream", "serial", "nodeps"),
         baseline: bool = True, cu: Path = mc.CU, packed_out: bool = False, spread: bool = True,
-        routed_rows: int = mc.MAX_ROWS, kda: bool = True) -> dict:
+        routed_rows: int = mc.MAX_ROWS, kda: bool = True, mla_standins: bool = False, head: bool = False) -> dict:
     """Check (unless a diagnostic build), compare with the compile backend and time (`baseline`), time `modes`.
-    A -DTRACE_TILES build also reports what each block's ring did in one stream launch (`tile_pipeline`)."""
+    A -DTRACE_TILES build also reports what each block's ring did in one stream launch (`tile_pipeline`). The
+    compile baseline runs the chain's real sublayers (the MLA stand-ins have no counterpart there)."""
     from k3export.bench.ceilings import copy_bandwidth, graph_replay
     from k3export.bench.fp8 import gpu_random_model
     from k3export.config import PRESETS
@@ -259,8 +336,8 @@ def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: in
     model = gpu_random_model(cfg, seed)
     layers = layers or moe_layers(cfg)
     blocks = torch.cuda.get_device_properties(0).multi_processor_count
-    chain = moe_chain(model, layers, packed_out=packed_out, min_tiles=blocks if spread else 0,
-                      routed_rows=routed_rows, kda=kda, seed=seed)
+    chain = layers_chain(model, layers, packed_out=packed_out, min_tiles=blocks if spread else 0,
+                         routed_rows=routed_rows, kda=kda, seed=seed, mla_standins=mla_standins, head=head)
     bufs = mc.Buffers(chain)
     g = torch.Generator(device="cuda").manual_seed(seed + 1)
     bufs.x.copy_(torch.randn(cfg.hidden_size, generator=g, device="cuda").bfloat16().float())
@@ -268,6 +345,7 @@ def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: in
     diagnostic = bool(set(DIAGNOSTICS) & set(kern.defines))
     kern.bind(bufs)
     res = {"device": torch.cuda.get_device_name(0), "preset": preset, "layers": layers, "kda": kda,
+           "mla_standins": mla_standins, "head": head,
            "packed_out": packed_out,
            "spread": spread, "routed_rows": routed_rows,
            "phases": len(chain.phases), "tiles": chain.ntiles, "bytes_read": chain.bytes_read,
@@ -291,7 +369,7 @@ def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: in
             raise RuntimeError(f"{m}: the kernel differs from the emulation of its phases, not timing it: {e}")
     # 2. each sublayer against the model's MoE as the compile backend runs it, on the kernel's input (not for a
     # diagnostic build: its outputs are wrong by design)
-    moes = product_moes(model, layers) if baseline else []
+    mlps = product_mlps(model, layers) if baseline else []
     attns = {l: model.model.layers[l].self_attn for l in layers if kda and not cfg.is_mla(l)}
     kda_p = {int(ph.name.split(".")[0][1:]): p for p, ph in bufs.kda_phases()}     # layer -> its KDA phase
     res["vs_compile"] = []
@@ -299,8 +377,15 @@ def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: in
         subs = list(zip(sublayer_phases(bufs), sublayer_inputs(bufs), outputs(bufs)))
         moe_i = 0
         for p, x, y in [] if diagnostic or not baseline else subs:
-            y, l = y.bfloat16(), int(chain.phases[p].name.split(".")[0][1:])
-            if chain.phases[p].name.endswith(".kda.o"):       # the sublayer as compile runs it, from the same state
+            name = chain.phases[p].name
+            y, l = y.bfloat16(), None if name == "lm_head" else int(name.split(".")[0][1:])
+            if name.endswith(".mla.o"):                         # (a stand-in: nothing to compare)
+                continue
+            if name == "lm_head":                               # the final norm and the LM head
+                row = dict(layer="head", sublayer="lm_head", **compare(y, model.lm_head(model.model.norm(x[None]))[0]))
+            elif ".dense.down." in name:
+                row = dict(layer=l, sublayer="dense", **compare(y, mlps[layers.index(l)](x[None])[0]))
+            elif name.endswith(".kda.o"):       # the sublayer as compile runs it, from the same state
                 init = bufs.kda_init[kda_p[l]]
                 conv, state = init["conv_state"].clone()[None], init["state"].clone()[None]
                 ref = attns[l].decode_(x[None], conv, state)[0]
@@ -309,7 +394,7 @@ def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: in
                            state_max_rel=float(ds.max() / state.abs().max()),
                            conv_differ=int((bufs.kda_conv(kda_p[l]) != conv[0]).sum()))
             else:
-                moe, kid = moes[layers.index(l)], chosen(bufs)[moe_i]
+                moe, kid = mlps[layers.index(l)], chosen(bufs)[moe_i]
                 ref = moe(x[None])[0]
                 row = dict(layer=l, sublayer="moe", **compare(y, ref),
                            same_experts=sorted(kid) == sorted(route_ids(moe, x)),
@@ -323,11 +408,11 @@ def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: in
                  for l, p in kda_p.items()}
 
     def stack(x):
-        for l, moe in zip(layers, moes):
+        for l, mlp in zip(layers, mlps):
             if l in attns:
                 x = attns[l].decode_(x, *kda_state[l])
-            x = moe(x)
-        return x
+            x = mlp(x)
+        return model.lm_head(model.model.norm(x)) if head else x
     fns = {m: (lambda m=m: kern.launch(m)) for m in modes}
     if baseline:
         compiled = torch.compile(stack, dynamic=False)
@@ -369,6 +454,11 @@ def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: in
     return res
 
 
+def preset_layers(preset: str) -> int:
+    from k3export.config import PRESETS
+    return PRESETS[preset].num_hidden_layers
+
+
 def parse_layers(text: str | None) -> list[int] | None:
     if not text:
         return None
@@ -393,16 +483,22 @@ def main() -> None:
     ap.add_argument("--routed-rows", type=int, default=mc.MAX_ROWS, help="the routed experts' rows per tile at most")
     ap.add_argument("--cu", type=Path, default=mc.CU, help="another version of chain.cu (an A/B)")
     ap.add_argument("--no-kda", action="store_true", help="the MoE sublayers alone (no KDA attention sublayers)")
+    ap.add_argument("--step", action="store_true", help="layers 0-11 (unless --layers), MLA stand-ins, final norm and "
+                    "LM head: the whole step's bytes and links, real but for the MLA attention (and AttnRes)")
+    ap.add_argument("--no-standins", action="store_true", help="with --step: no MLA stand-ins")
     ap.add_argument("--out")
     a = ap.parse_args()
     modes = tuple(a.modes.split(","))
     if not set(modes) <= set(mc.MODES):
         raise SystemExit(f"modes: choose from {', '.join(mc.MODES)}")
-    res = run(a.preset, parse_layers(a.layers), a.rounds, a.iters, defines=tuple(d for d in a.defines.split("+") if d),
+    layers = parse_layers(a.layers) or (list(range(preset_layers(a.preset))) if a.step else None)
+    res = run(a.preset, layers, a.rounds, a.iters, defines=tuple(d for d in a.defines.split("+") if d),
               modes=modes, baseline=not a.no_baseline, cu=a.cu, packed_out=a.packed_out, spread=not a.no_spread,
-              routed_rows=a.routed_rows, kda=not a.no_kda)
+              routed_rows=a.routed_rows, kda=not a.no_kda, mla_standins=a.step and not a.no_standins,
+              head=a.step)
     floor = res["bytes_floor_ms"]
-    what = "KDA + MoE" if res["kda"] else "MoE"
+    what = ("KDA + MoE" if res["kda"] else "MoE") + (" + MLA stand-ins" if res["mla_standins"] else "") + (
+        " + LM head" if res["head"] else "")
     print(f"{a.preset} {what} sublayers of layers {res['layers']}: {res['phases']} phases, "
           f"{res['bytes_read'] / 1e6:.0f} MB "
           f"(floor {floor:.3f} ms): " + ", ".join(f"{k} {v:.4f} ms" for k, v in res["ms"].items()), flush=True)

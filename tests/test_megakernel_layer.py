@@ -56,7 +56,7 @@ def _moe_f64(cfg, moe, x):
 
 
 def _emulated(cfg, model, seed=0, packed_out=False):
-    chain = ml.moe_chain(model, ml.moe_layers(cfg), packed_out=packed_out)
+    chain = ml.layers_chain(model, ml.moe_layers(cfg), packed_out=packed_out)
     bufs = mc.Buffers(chain, device="cpu")
     bufs.x.copy_(torch.randn(cfg.hidden_size, generator=torch.Generator().manual_seed(seed)).bfloat16().float())
     bufs.clear()
@@ -67,7 +67,7 @@ def _emulated(cfg, model, seed=0, packed_out=False):
 def test_moe_chain_has_seven_phases_a_sublayer_with_the_models_weights(tiny):
     cfg, model = tiny
     layers = ml.moe_layers(cfg)
-    chain = ml.moe_chain(model, layers)
+    chain = ml.layers_chain(model, layers)
     assert layers == list(range(1, cfg.num_hidden_layers))
     assert [p.name.split(".", 1)[1] for p in chain.phases[:7]] == [
         "moe.proj", "moe.router", "moe.topk", "moe.shared_down", "moe.gate_up", "moe.down", "moe.up"]
@@ -89,7 +89,7 @@ def test_moe_chain_has_seven_phases_a_sublayer_with_the_models_weights(tiny):
     glu, comb = chain.xsegs[sd.xop], chain.xsegs[up.xop]
     assert (comb.op, comb.src, comb.route, comb.nslot, comb.stride) == ("combine_norm", 12, 9, K, L)
     assert (glu.op, glu.src, glu.off, glu.off2, glu.round_in) == ("glu", 7, L, Is, True)
-    packed = ml.moe_chain(model, layers[:1], packed_out=True)
+    packed = ml.layers_chain(model, layers[:1], packed_out=True)
     assert [p.name for p in packed.phases][-1] == "L1.moe.out" and packed.phases[-1].k == L + Is
     assert torch.equal(packed.init[5][:, L:], model.model.layers[1].block_sparse_moe.shared_experts.down_proj.weight)
 
@@ -203,7 +203,7 @@ def test_k3_small_moe_chain_fits_the_kernel():
     cfg = PRESETS["k3-small"]
     with torch.device("meta"):
         model = K3Model(cfg)
-    chain = ml.moe_chain(model, ml.moe_layers(cfg))
+    chain = ml.layers_chain(model, ml.moe_layers(cfg))
     assert len(chain.phases) == 77
     assert mc.smem_bytes(3, 65536, len(chain.phases), len(chain.xsegs)) <= mc.SMEM_LIMIT - 2304
     assert max(mc.row_groups(p, 512, 4) for p in chain.phases if p.kind != "topk") <= mc.GROUPS
@@ -218,11 +218,11 @@ def test_small_phases_spread_over_the_blocks():
     with torch.device("meta"):
         model = K3Model(PRESETS["k3-small"])
     rows = lambda c: {p.name.split(".")[-1]: (p.rows, p.ntiles) for p in c.phases}
-    plain, spread = rows(ml.moe_chain(model, [1])), rows(ml.moe_chain(model, [1], min_tiles=132))
+    plain, spread = rows(ml.layers_chain(model, [1])), rows(ml.layers_chain(model, [1], min_tiles=132))
     assert plain["up"] == (32, 64) and spread["up"] == (16, 128)
     assert spread["router"] == plain["router"] == (16, 4)          # (64 rows: 16 is the floor)
     assert all(spread[k] == plain[k] for k in ("proj", "shared_down", "gate_up", "down"))
-    assert rows(ml.moe_chain(model, [1], routed_rows=16))["gate_up"] == (16, 768)
+    assert rows(ml.layers_chain(model, [1], routed_rows=16))["gate_up"] == (16, 768)
     assert mc.k3_small_chain().ntiles == 23785                     # (the synthetic chains keep their tiles)
 
 
@@ -267,7 +267,8 @@ def test_moe_sublayers_in_the_kernel_match_emulation_and_compile():
 def test_kda_sublayers_in_the_kernel_match_triton_and_compile():
     """Two k3-small KDA + MoE layers in one launch. The KDA step against the plugin's Triton kernel on the kernel's
     own inputs (Triton 3.6's arithmetic: ex2.approx, div.full, approximate square roots; the sums in other orders):
-    the conv window exact, the state within 1e-6, the output within two bf16 steps (KDA_BOUNDS says why); against
+    the conv window exact, the state within 1e-6, the output within a bf16 step of its largest (KDA_BOUNDS says
+    why); against
     the emulation within KDA_BOUNDS (run raises otherwise); the whole sublayer against compile's (its GEMVs sum in
     another order) within 2e-2."""
     if not torch.cuda.is_available():
@@ -281,7 +282,7 @@ def test_kda_sublayers_in_the_kernel_match_triton_and_compile():
         tri = res["check"][m]["kda_vs_triton"]
         assert len(tri) == 2, tri
         for v in tri.values():
-            assert v["conv_differ"] == 0 and v["state_max_rel"] <= 1e-6 and v["o"]["max_ulps"] <= 2, tri
+            assert v["conv_differ"] == 0 and v["state_max_rel"] <= 1e-6 and v["o"]["max_rel"] <= 2 ** -8, tri
     kda = [r for r in res["vs_compile"] if r["sublayer"] == "kda"]
     assert len(kda) == 2 and all(r["max_rel"] < 2e-2 for r in kda), kda
 
@@ -293,7 +294,7 @@ def test_kda_sublayer_is_three_phases_and_its_emulation_is_the_models_step(tiny1
     within 8.4e-8. The step's tiles hold f_b's rows and a quarter of the state's columns; the conv window is
     written to the copy the launch does not read."""
     cfg, model = tiny128
-    chain = ml.moe_chain(model, [1, 2], kda=True)
+    chain = ml.layers_chain(model, [1, 2], kda=True)
     names = [p.name for p in chain.phases]
     assert names[:3] == ["L1.kda.in", "L1.kda.step", "L1.kda.o"] and names[3] == "L1.moe.proj"
     assert len(names) == 2 * (3 + 7) and chain.phases[10].name == "L2.kda.in"
@@ -330,7 +331,7 @@ def test_kda_sublayer_is_three_phases_and_its_emulation_is_the_models_step(tiny1
         assert torch.equal(tiles[1, 2, 8192:].view(128, 32), bufs.kda_state(sp)[1, :, 64:96])
     e = bufs.errors()                                   # the reference against itself: nothing out of bounds
     assert e["kda_out_of_bounds"] == [] and set(e["kda"]) == {"L1.kda.step", "L2.kda.step"}
-    assert all(v == {"o_differ": 0, "o_max_ulps": 0.0, "state_max_rel": 0.0, "conv_differ": 0}
+    assert all(v == {"o_differ": 0, "o_max_ulps": 0.0, "o_max_rel": 0.0, "state_max_rel": 0.0, "conv_differ": 0}
                for v in e["kda"].values()), e["kda"]
     s = bufs.kda_state(1)
     s[0, 5, 7] += 1e-3 * s.abs().max()
@@ -393,9 +394,9 @@ def test_kda_sums_follow_the_kernels_orders():
 def test_kda_phase_is_checked_when_built(tiny, tiny128):
     cfg, model = tiny
     with pytest.raises(ValueError, match="head dim and f_a rank 128"):
-        ml.moe_chain(model, [1], kda=True)            # k3-tiny's heads are 16 wide
+        ml.layers_chain(model, [1], kda=True)            # k3-tiny's heads are 16 wide
     _, model = tiny128
-    c = ml.moe_chain(model, [1], kda=True)
+    c = ml.layers_chain(model, [1], kda=True)
     seg = c.xsegs[c.phases[1].xop]
     t = dict(seg.tensors)
     kw = dict(q_off=128, b_off=0, fa_off=0, lb=-5.0)
@@ -422,7 +423,7 @@ def test_k3_small_kda_chain_fits_the_kernel():
     cfg = PRESETS["k3-small"]
     with torch.device("meta"):
         model = K3Model(cfg)
-    chain = ml.moe_chain(model, ml.moe_layers(cfg), kda=True, min_tiles=132)
+    chain = ml.layers_chain(model, ml.moe_layers(cfg), kda=True, min_tiles=132)
     assert len(chain.phases) == 101 and sum(p.kind == "kda" for p in chain.phases) == 8
     assert mc.smem_bytes(3, 65536, len(chain.phases), len(chain.xsegs)) <= mc.SMEM_LIMIT - 2304
     assert max(mc.row_groups(p, 512, 4) for p in chain.phases if p.kind != "topk") <= mc.GROUPS
@@ -438,3 +439,63 @@ def test_kda_head_norm_is_the_references():
     ref = head_rmsnorm_gate(o[None], w, gate[None], 1e-5)[0].reshape(-1).bfloat16()     # (as kda_decode rounds it)
     got = mc.kda_headnorm_k3(o.float().reshape(-1), gate.float().reshape(-1), w, 1e-5)
     assert (got != ref.float()).sum() <= 2 and (got - ref.float()).abs().max() <= 2 ** -6 * ref.float().abs().max()
+
+
+def test_step_chain_adds_layer_0_stand_ins_and_the_head(tiny128):
+    """layers_chain with layer 0 (KDA + the dense MLP, its down projection split over k: here one part), an MLA
+    layer's stand-in GEMVs, and the final norm + LM head: the emulation's dense output and logits against the
+    model's on the same input (equal), the stand-in's output feeding the next MoE."""
+    cfg, model = tiny128
+    chain = ml.layers_chain(model, [0, 1, 3], kda=True, mla_standins=True, head=True)
+    names = [p.name for p in chain.phases]
+    assert names[:5] == ["L0.kda.in", "L0.kda.step", "L0.kda.o", "L0.dense.gate_up", "L0.dense.down.0"]
+    assert names[5] == "L1.kda.in" and names[-1] == "lm_head" and "L3.mla.o" in names
+    assert chain.phases[names.index("L3.moe.proj")].src == names.index("L3.mla.o")
+    norm = chain.xsegs[chain.phases[-1].xop]
+    assert (norm.op, norm.src, norm.route) == ("norm", names.index("L3.moe.up"), names.index("L3.moe.shared_down"))
+    bufs = mc.Buffers(chain, device="cpu")
+    bufs.x.copy_(torch.randn(cfg.hidden_size, generator=torch.Generator().manual_seed(0)).bfloat16().float())
+    bufs.clear()
+    bufs.run_reference()
+    seen = set()
+    for p, x, y in zip(ml.sublayer_phases(bufs), ml.sublayer_inputs(bufs), ml.outputs(bufs)):
+        name = chain.phases[p].name
+        if ".dense.down." in name:
+            ref = model.model.layers[0].mlp(x[None])[0]
+        elif name == "lm_head":
+            ref = model.lm_head(model.model.norm(x[None]))[0]
+        else:
+            continue
+        seen.add(name)
+        assert ml.compare(y.bfloat16(), ref)["differ"] == 0, name
+    assert seen == {"L0.dense.down.0", "lm_head"}
+
+
+def test_sum_recipe_adds_the_parts_in_order():
+    """The dense down projection of k3-small (k = 8192) as four phases of k = 2048, their outputs added by the next
+    phase's x ("sum", in order, one bf16 rounding), against one fp32 sum of the whole."""
+    c = mc.Chain(64)
+    parts = [c.gemv(f"down.{q}", 64, 32, -1) for q in range(4)]
+    nxt = c.gemv("next", 16, 64, parts[0], xsegs=[mc.XSeg("sum", parts[0], 64, nslot=4)])
+    b = mc.Buffers(c, device="cpu")
+    b.clear()
+    b.run_reference()
+    x = b.recipe_x(nxt)
+    want = ((b.out(0) + b.out(1)) + b.out(2)) + b.out(3)
+    assert torch.equal(x, want.bfloat16().float())
+    with pytest.raises(ValueError, match="'sum' adds"):
+        c.gemv("bad", 16, 64, parts[0], xsegs=[mc.XSeg("sum", parts[2], 64, nslot=4)])   # (runs past the parts)
+
+
+def test_k3_small_step_chain_fits_the_kernel():
+    """The whole k3-small step as layers_chain builds it (MLA attention as stand-ins): 137 phases, 1462 MB, within
+    the default ring's shared memory (4 KB to spare); every tile a tensor-core tile (MMA_ONLY)."""
+    from k3export.model.k3 import K3Model
+    with torch.device("meta"):
+        model = K3Model(PRESETS["k3-small"])
+    c = ml.layers_chain(model, list(range(12)), kda=True, mla_standins=True, head=True, min_tiles=132)
+    assert len(c.phases) == 137 and c.bytes_read == pytest.approx(1462e6, rel=1e-3)
+    assert mc.smem_bytes(3, 65536, len(c.phases), len(c.xsegs)) <= mc.SMEM_LIMIT - 2304
+    assert all(ph.n % ph.rows == 0 and mc.mma_tile(ph.rows, ph.rows, ph.k)
+               for ph in c.phases if ph.kind in ("gemv", "routed"))
+    assert [p.k for p in c.phases if ".dense.down." in p.name] == [2048] * 4

@@ -105,7 +105,7 @@
 #endif
 
 enum Kind : int64_t { GEMV = 0, TOPK = 1, ROUTED = 2, KDA = 3 };
-enum XOp : int32_t { X_GLU = 1, X_COMBINE_NORM = 2, X_SCORE = 3, X_KDA = 4, X_HEADNORM = 5 };
+enum XOp : int32_t { X_GLU = 1, X_COMBINE_NORM = 2, X_SCORE = 3, X_KDA = 4, X_HEADNORM = 5, X_NORM = 6, X_SUM = 7 };
 enum Mode : int { STREAM = 0, SERIAL = 1, NODEPS = 2 };
 
 struct Phase {                          // 16 int64 fields, built by megakernel_chain.py (`Buffers.table`)
@@ -132,6 +132,10 @@ struct Phase {                          // 16 int64 fields, built by megakernel_
 //     delta rule (`load_x_kda`). src: the input projection's phase, its words q | k | v at off (3 H 128
 //     channels), b at stride, f_a (128) at route (a word offset here, not a phase); nslot: H; lb: the decay's
 //     lower bound; aux: `KdaAux`.
+//   X_NORM: u = bf16(y_src[off + j] (+ y_route[off2 + j] when route >= 0: a phase's two fp32 parts, added as a
+//     plain x adds them)), then RMSNorm as X_COMBINE_NORM's;
+//   X_SUM: bf16(y_src[off + j] + y_{src+1}[off + j] + ...) over nslot <= 4 consecutive phases, added in order (a
+//     GEMV split over k into phases: k3-small's dense down projection, k = 8192, is four);
 //   X_HEADNORM (after a KDA phase src, whose words are the heads' outputs o, rounded): per head of 128,
 //     bf16(bf16(aux[j] * bf16(o rsqrt(mean(o^2) + eps))) * sigmoid(g)), g the words of phase route at off2 (the
 //     KDA kernel's head RMSNorm and output gate, op for op).
@@ -612,6 +616,26 @@ __device__ __forceinline__ int kda_phase(const PhaseC& f, const PhaseC* ph, cons
     return n;
 }
 
+// The RMSNorm of X_COMBINE_NORM and X_NORM over x (g.len values, bf16 in x already; ss: this thread's sum of their
+// squares, fmaf in order): the threads' sums by warp butterflies, then over the warps in order; x = bf16(w bf16(u r))
+// with r = rsqrt(mean + eps), w = g.aux (bf16), as `RMSNorm` rounds. Every consumer thread calls it (two barriers).
+__device__ __forceinline__ bool rms_norm_x(__nv_bfloat16* x, const XSeg& g, float ss, float* red) {
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    for (int o = 16; o; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if (lane == 0) red[warp] = ss;
+    consumers_sync();
+    float total = 0.f;
+    for (int w = 0; w < CONSUMER_WARPS; ++w) total += red[w];
+    const float r = rsqrtf(__fadd_rn(__fdiv_rn(total, static_cast<float>(g.len)), g.eps));
+    const __nv_bfloat16* nw = reinterpret_cast<const __nv_bfloat16*>(g.aux);
+    for (int j = tid; j < g.len; j += CONSUMERS) {    // RMSNorm: bf16(u r), times the weight, bf16
+        const float nu = bf16r(__fmul_rn(__bfloat162float(x[j]), r));
+        x[j] = __float2bfloat16_rn(__fmul_rn(__bfloat162float(nw[j]), nu));
+    }
+    consumers_sync();                               // (red is free again)
+    return true;
+}
+
 // Phase f's x by its recipe (f.nxseg parts) into xs: bf16 for a GEMV, fp32 keys then scores for a top-k. Every
 // consumer thread calls it and reaches its barriers (an RMSNorm's sum), also after a wait gave up. false: gave up.
 __device__ __forceinline__ bool load_x_recipe(__nv_bfloat16* xs, const PhaseC& f, const PhaseC* ph, const XSeg* xsegs,
@@ -667,18 +691,53 @@ __device__ __forceinline__ bool load_x_recipe(__nv_bfloat16* xs, const PhaseC& f
                 xs[j0 + j] = __float2bfloat16_rn(u);
                 ss = fmaf(u, u, ss);
             }
-            for (int o = 16; o; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-            if (lane == 0) red[warp] = ss;
-            consumers_sync();
-            float total = 0.f;
-            for (int w = 0; w < CONSUMER_WARPS; ++w) total += red[w];
-            const float r = rsqrtf(__fadd_rn(__fdiv_rn(total, static_cast<float>(g.len)), g.eps));
-            const __nv_bfloat16* nw = reinterpret_cast<const __nv_bfloat16*>(g.aux);
-            for (int j = tid; ok && j < g.len; j += CONSUMERS) {    // RMSNorm: bf16(u r), times the weight, bf16
-                const float nu = bf16r(__fmul_rn(__bfloat162float(xs[j0 + j]), r));
-                xs[j0 + j] = __float2bfloat16_rn(__fmul_rn(__bfloat162float(nw[j]), nu));
+            ok = rms_norm_x(xs + j0, g, ss, red) && ok;
+        } else if (g.op == X_NORM) {
+            const uint64_t* b2 = g.route >= 0 ? reinterpret_cast<const uint64_t*>(ph[g.route].y) + g.off2 : nullptr;
+            float ss = 0.f;
+            for (int jb = tid; ok && jb < g.len; jb += 4 * CONSUMERS) {     // 4 words a thread (and their second
+                const uint64_t* a[8];                                        // parts) polled together
+                float v[8];
+#pragma unroll
+                for (int u = 0; u < 4; ++u) {
+                    const int j = jb + u * CONSUMERS;
+                    a[u] = j < g.len ? base + j : nullptr;
+                    a[4 + u] = j < g.len && b2 ? b2 + j : nullptr;
+                }
+                ok = poll_all(a, v, epoch, wait, err, p, t);
+#pragma unroll
+                for (int u = 0; u < 4; ++u) {
+                    const int j = jb + u * CONSUMERS;
+                    if (j >= g.len) continue;
+                    const float x = bf16r(__fadd_rn(v[u], v[4 + u]));
+                    xs[j0 + j] = __float2bfloat16_rn(x);
+                    ss = fmaf(x, x, ss);
+                }
             }
-            consumers_sync();                       // (red is free again)
+            ok = rms_norm_x(xs + j0, g, ss, red) && ok;
+        } else if (g.op == X_SUM) {
+            for (int jb = tid; ok && jb < g.len; jb += 2 * CONSUMERS) {     // 2 elements of 4 parts polled together
+                const uint64_t* a[8];
+                float v[8];
+#pragma unroll
+                for (int u = 0; u < 2; ++u)
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) {
+                        const int j = jb + u * CONSUMERS;
+                        a[4 * u + q] = j < g.len && q < g.nslot
+                                           ? reinterpret_cast<const uint64_t*>(ph[g.src + q].y) + g.off + j : nullptr;
+                    }
+                ok = poll_all(a, v, epoch, wait, err, p, t);
+#pragma unroll
+                for (int u = 0; u < 2; ++u) {
+                    const int j = jb + u * CONSUMERS;
+                    float x = v[4 * u];
+#pragma unroll
+                    for (int q = 1; q < 4; ++q)
+                        if (q < g.nslot) x = __fadd_rn(x, v[4 * u + q]);
+                    if (j < g.len) xs[j0 + j] = __float2bfloat16_rn(x);
+                }
+            }
         } else if (g.op == X_HEADNORM) {            // per head of 128: 4 heads a round, warps 4 m .. 4 m + 3 each
             const __nv_bfloat16* nw = reinterpret_cast<const __nv_bfloat16*>(g.aux);
             const uint64_t* gw = reinterpret_cast<const uint64_t*>(ph[g.route].y) + g.off2;
