@@ -23,11 +23,13 @@ The combine, the norm and the two SiTU-GLUs are x recipes (chain.cu `XSeg`): the
 load the next phase's x. The sublayers are chained, each one's output the next one's input (no AttnRes, and no
 MLA attention yet), so the launch streams k3-small's KDA and MoE bytes with their real dependencies.
 
-    python3 scripts/megakernel_layer.py [--preset k3-small] [--layers 1-11] [--no-kda] [--rounds 3] [--iters 50]
-                                        [--out F.json]
+    python3 scripts/megakernel_layer.py [--preset k3-small] [--layers 1-11] [--no-kda] [--step [--no-standins]]
+                                        [--rounds 3] [--iters 50] [--out F.json]
 
 A KDA layer's attention is three phases before its MoE (`kda_sublayer`: in | step | o), the step a phase kind of
 its own, checked also against the KDA plugin's Triton kernel on the kernel's own inputs (`kda_vs_triton`).
+`--step`: layers 0-11 with layer 0's dense MLP (`dense_sublayer`), the final norm and the LM head, and the MLA
+attention as stand-in GEMVs at its shapes (`mla_standin`, random weights; `--no-standins` leaves them out).
 
 It checks the kernel against the torch emulation of the same phases first (`megakernel_chain.Buffers`: every GEMV
 from the kernel's own x, every recipe x element for element), then each sublayer against the model's MoE as the
@@ -345,9 +347,8 @@ def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: in
     diagnostic = bool(set(DIAGNOSTICS) & set(kern.defines))
     kern.bind(bufs)
     res = {"device": torch.cuda.get_device_name(0), "preset": preset, "layers": layers, "kda": kda,
-           "mla_standins": mla_standins, "head": head,
-           "packed_out": packed_out,
-           "spread": spread, "routed_rows": routed_rows,
+           "mla_standins": mla_standins, "head": head, "packed_out": packed_out, "spread": spread,
+           "routed_rows": routed_rows,
            "phases": len(chain.phases), "tiles": chain.ntiles, "bytes_read": chain.bytes_read,
            "copy_gbs": copy_bandwidth() / 1e9, "defines": list(kern.defines), "check": {}}
     # 1. the kernel against the torch emulation of its phases (stream and serial: the same outputs)
