@@ -89,7 +89,8 @@
 #   layer    milestone 2 of docs/megakernel.md: tests/test_megakernel_layer.py's cuda tests, then
 #            scripts/megakernel_layer.py (k3-small's 8 KDA and 11 MoE sublayers with the model's weights in one
 #            persistent launch, checked against its emulation, the KDA plugin's Triton kernel and the compile
-#            backend's sublayers, timed against a CUDA graph of those; $LAYER_ARGS, e.g. --no-kda), JSON in $OUT
+#            backend's sublayers, timed against a CUDA graph of those; $LAYER_ARGS, e.g. --no-kda or --step), JSON
+#            and plot in $OUT
 #   profile  scripts/profile_decode.py --backend $PROFILE_BACKEND (default compile): kernels per decode step, and the
 #            graph replay's critical path (what each kernel adds to the span under PDL; 15:25: an upper bound only)
 set -uo pipefail
@@ -229,6 +230,7 @@ for part in $parts; do
     layer) timeout 240 python3 -m pytest -q -m cuda tests/test_megakernel_layer.py -s -rs -p no:cacheprovider \
              > "$OUT/layer.log" 2>&1
            timeout ${LAYER_TIMEOUT:-300} python3 scripts/megakernel_layer.py ${LAYER_ARGS:-} --out "$OUT/layer.json" \
+             --plot "$OUT/layer.png" \
              >> "$OUT/layer.log" 2>&1 ;;
     profile) timeout 150 python3 scripts/profile_decode.py --backend ${PROFILE_BACKEND:-compile} ${PROFILE_ARGS:-} \
              > "$OUT/profile.log" 2>&1 ;;

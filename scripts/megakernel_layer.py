@@ -455,6 +455,73 @@ def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: in
     return res
 
 
+KIND_COLOURS = {"kda": "tab:blue", "moe": "tab:orange", "dense": "tab:green", "mla stand-in": "tab:gray",
+                "head": "tab:purple"}
+
+
+def phase_group(name: str) -> str:
+    """The sublayer kind a phase belongs to, for the plot: kda, moe, dense, mla stand-in or head."""
+    if name == "lm_head":
+        return "head"
+    return {"kda": "kda", "moe": "moe", "dense": "dense", "mla": "mla stand-in"}[name.split(".")[1]]
+
+
+def time_by_group(res: dict) -> dict:
+    """us of the stream launch's timeline by sublayer kind: each phase gets the time from the phase before it
+    finishing to its own finishing (the critical path's share, approximately)."""
+    out, prev = {}, 0.0
+    for name, t in zip(res["phase_names"], res["timeline_us"]):
+        g = phase_group(name)
+        out[g] = out.get(g, 0.0) + t - prev
+        prev = t
+    return out
+
+
+def plot(res: dict, path: str, target_ms: float | None = None) -> None:
+    """Left: the weight bytes of the finished phases against when they finished (one stream launch), by sublayer
+    kind, beside the copy rate. Right: the launch's time by kind (`time_by_group`), with compile's time for its
+    real sublayers and, if given, the target."""
+    plt = mc._pyplot()
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 5.2), gridspec_kw={"width_ratios": [3, 2]})
+    cum, total = [], 0
+    for b in res["phase_bytes"]:
+        total += b
+        cum.append(total / 1e6)
+    groups = [phase_group(n) for n in res["phase_names"]]
+    for g, colour in KIND_COLOURS.items():
+        pts = [(t, c) for t, c, h in zip(res["timeline_us"], cum, groups) if h == g]
+        if pts:
+            ax.scatter(*zip(*pts), s=7, color=colour, label=g)
+    gbs = res["copy_gbs"]
+    ax.plot([0, cum[-1] * 1e3 / gbs], [0, cum[-1]], "k--", lw=0.8, label=f"copy rate {gbs / 1e3:.2f} TB/s")
+    ax.set_xlabel("phase finished at (us after launch)")
+    ax.set_ylabel("weight bytes of finished phases (MB)")
+    ax.set_title(f"{res['preset']} layers {res['layers'][0]}-{res['layers'][-1]}: {res['phases']} phases, "
+                 f"{res['bytes_read'] / 1e6:.0f} MB, stream {res['ms']['stream']:.3f} ms", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    by = time_by_group(res)
+    names = [g for g in KIND_COLOURS if g in by]
+    left = 0.0
+    for g in names:
+        bx.barh(["kernel"], [by[g] / 1e3], left=left, color=KIND_COLOURS[g], label=f"{g} {by[g]:.0f} us")
+        left += by[g] / 1e3
+    if "compile" in res["ms"]:
+        bx.barh(["compile"], [res["ms"]["compile"]], color="tab:red", alpha=0.6,
+                label=f"compile {res['ms']['compile']:.3f} ms (real sublayers only)")
+    if target_ms:
+        bx.axvline(target_ms, color="k", ls="--", lw=1, label=f"target {target_ms} ms")
+    bx.set_xlabel("ms (kernel: one launch's timeline, by kind)")
+    bx.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
+    bx.grid(alpha=0.3, axis="x")
+    fig.suptitle(f"The persistent decode kernel, one launch ({res['device']})", fontsize=11)
+    fig.tight_layout()
+    mc._save_png(fig, path)
+
+
+TARGET_MS = {"k3-small": 0.683}     # #6: k3-small decode at B = 1 within 2x of its bytes floor
+
+
 def preset_layers(preset: str) -> int:
     from k3export.config import PRESETS
     return PRESETS[preset].num_hidden_layers
@@ -488,7 +555,17 @@ def main() -> None:
                     "LM head: the whole step's bytes and links, real but for the MLA attention (and AttnRes)")
     ap.add_argument("--no-standins", action="store_true", help="with --step: no MLA stand-ins")
     ap.add_argument("--out")
+    ap.add_argument("--plot", help="PNG: the launch's bytes over time and its time by sublayer kind")
+    ap.add_argument("--replot", metavar="JSON", help="no run: plot a saved --out result (with --plot)")
     a = ap.parse_args()
+    if a.replot:
+        if not a.plot:
+            raise SystemExit("--replot needs --plot PNG")
+        with open(a.replot) as f:
+            saved = json.load(f)
+        plot(saved, a.plot, TARGET_MS.get(saved["preset"]) if saved.get("head") else None)
+        print(f"wrote {a.plot}")
+        return
     modes = tuple(a.modes.split(","))
     if not set(modes) <= set(mc.MODES):
         raise SystemExit(f"modes: choose from {', '.join(mc.MODES)}")
@@ -508,6 +585,10 @@ def main() -> None:
         with open(tmp, "w") as f:
             json.dump(res, f, indent=1)
         os.replace(tmp, a.out)
+        print(f"wrote {a.out}")
+    if a.plot and "stream" in res["ms"]:
+        plot(res, a.plot, TARGET_MS.get(a.preset) if res["head"] else None)
+        print(f"wrote {a.plot}")
 
 
 if __name__ == "__main__":

@@ -499,3 +499,18 @@ def test_k3_small_step_chain_fits_the_kernel():
     assert all(ph.n % ph.rows == 0 and mc.mma_tile(ph.rows, ph.rows, ph.k)
                for ph in c.phases if ph.kind in ("gemv", "routed"))
     assert [p.k for p in c.phases if ".dense.down." in p.name] == [2048] * 4
+
+
+def test_plot_from_a_saved_result(tmp_path):
+    """--replot: a saved result (here a hand-made one) gives a PNG without a GPU; time_by_group attributes each phase's
+    finish-to-finish time to its sublayer kind."""
+    res = {"preset": "k3-small", "layers": [0, 1], "phases": 4, "bytes_read": 4e6, "device": "test",
+           "phase_names": ["L0.kda.in", "L0.dense.down.0", "L1.moe.up", "lm_head"], "phase_bytes": [1e6] * 4,
+           "timeline_us": [2.0, 5.0, 9.0, 10.0], "copy_gbs": 4000.0, "ms": {"stream": 0.01, "compile": 0.02},
+           "head": True}
+    assert ml.time_by_group(res) == {"kda": 2.0, "dense": 3.0, "moe": 4.0, "head": 1.0}
+    out = tmp_path / "p.png"
+    ml.plot(res, str(out), ml.TARGET_MS["k3-small"])
+    assert out.read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(KeyError):
+        ml.phase_group("L1.xyz.a")
