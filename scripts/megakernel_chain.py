@@ -53,7 +53,7 @@ import torch
 CU = Path(__file__).resolve().parent / "megakernel" / "chain.cu"
 FIELDS = ("kind", "n", "k", "rows", "ntiles", "tile0", "src", "xlen", "xstride", "route", "ne", "w", "y",
           "n_experts", "dep2", "xlen2", "xop", "nxseg")        # chain.cu's `struct Phase`, one int64 each
-KINDS = {"gemv": 0, "topk": 1, "routed": 2, "kda": 3}
+KINDS = {"gemv": 0, "topk": 1, "routed": 2, "kda": 3, "mix": 5}   # ("mix": emulated only, chain.cu has none yet)
 XOPS = {"glu": 1, "combine_norm": 2, "score": 3, "kda": 4, "headnorm": 5, "norm": 6,
         "sum": 7}                                    # chain.cu's `enum XOp`
 SUM_MAX = 4                                          # ... "sum" adds at most this many phases' words
@@ -142,7 +142,7 @@ class Phase:
     def weight_elems(self) -> int:
         """Weight elements stored in the chain's weight buffer (routed: every expert; KDA: none, its state is its
         own buffer)."""
-        return {"gemv": self.n * self.k, "topk": 0, "kda": 0,
+        return {"gemv": self.n * self.k, "topk": 0, "kda": 0, "mix": 0,
                 "routed": self.n_experts * self.ne * self.k}[self.kind]
 
 
@@ -184,6 +184,20 @@ class XSeg:
                            self.scaling)
 
 
+@dataclasses.dataclass
+class Mix:
+    """A Block AttnRes phase (`Chain.mix`): its sources are references to vectors, each "input" (the chain's external
+    x), None (zero) or (phase, word offset)."""
+    bank: list
+    p_prev: object
+    y: list[int]                    # the sublayer output's phases, added (none: p = p_prev)
+    res_norm: torch.Tensor | None
+    res_query: torch.Tensor | None
+    out_norm: torch.Tensor
+    eps: float
+    out_eps: float
+
+
 class Chain:
     """Phases in launch order; each phase's inputs come before it, and its tiles follow the previous phase's.
     `init`: weights given for a phase (its index -> a tensor of `Buffers.weights`' shape); the rest are random.
@@ -197,6 +211,7 @@ class Chain:
         self.min_tiles, self.max_rows = min_tiles, max_rows
         self.init: dict[int, torch.Tensor] = {}
         self.xsegs: list[XSeg] = []
+        self.mixes: dict[int, Mix] = {}
 
     def _recipe(self, ph: Phase, segs: list[XSeg] | None, weight: torch.Tensor | None) -> Phase:
         """Attach x recipe parts and given weights to the phase about to be added (checked here)."""
@@ -277,7 +292,7 @@ class Chain:
     def _add(self, ph: Phase) -> int:
         """(Its input phases were checked by `_xlen` while the phase was built.)"""
         p = len(self.phases)
-        if ph.kind != "topk" and (ph.k % 8 or not 0 < ph.k <= XMAX or 2 * ph.k > self.slot_bytes):
+        if ph.kind not in ("topk", "mix") and (ph.k % 8 or not 0 < ph.k <= XMAX or 2 * ph.k > self.slot_bytes):
             raise ValueError(f"{ph.name}: k = {ph.k} must be a multiple of 8, at most {XMAX} and fit a slot")
         prev = self.phases[-1] if self.phases else None
         ph.tile0 = prev.tile0 + prev.ntiles if prev else 0
@@ -356,6 +371,23 @@ class Chain:
         # tiles of 32 "rows" (the columns it writes) of KDA_TILE / 64 bf16 words
         return self._add(self._recipe(Phase(name, "kda", H * K, KDA_TILE // (2 * KDA_COLS), src, n_src,
                                             rows=KDA_COLS, ntiles=H * K // KDA_COLS), [seg], None))
+
+    def mix(self, name: str, d: int, bank: list, p_prev, y: list[int], res_norm, res_query, out_norm, eps: float,
+            out_eps: float) -> int:
+        """Block AttnRes before a sublayer (`K3Model._layers`, `k3::attn_res_add_norm`): p = bf16(p_prev + y), the
+        softmax over depth of the sources (the sealed bank rows, then p; scores rsqrt(mean(v^2) + eps) (v .
+        res_norm res_query)), their mix rounded, then the RMSNorm (out_norm, out_eps). Its words are [x | p]
+        (2 d): x for the sublayer's GEMVs, p for later mixes and seals (word offset d). Emulated only
+        (`attnres_k3`): chain.cu has no such phase yet (docs/megakernel.md, "Next"), so `ChainKernel.bind`
+        refuses a chain with one."""
+        for ref in [*bank, p_prev]:
+            if ref not in (None, "input") and not (isinstance(ref, tuple) and 0 <= ref[0] < len(self.phases)):
+                raise ValueError(f"{name}: source {ref!r} is not 'input', None or an earlier (phase, offset)")
+        if any(not 0 <= q < len(self.phases) for q in y):
+            raise ValueError(f"{name}: y's phases {y} are not all earlier phases")
+        p = self._add(Phase(name, "mix", 2 * d, 0, -1, 0, ntiles=0))
+        self.mixes[p] = Mix(list(bank), p_prev, list(y), res_norm, res_query, out_norm, eps, out_eps)
+        return p
 
     @property
     def ntiles(self) -> int:
@@ -529,6 +561,23 @@ def rms_norm_k3(u: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     another order here. u: bf16 values."""
     r = torch.rsqrt((u * u).sum() / torch.tensor(float(u.numel()), device=u.device) + eps)
     return bf16r(w.float() * bf16r(u * r))
+
+
+def attnres_k3(bank: list[torch.Tensor], p_prev: torch.Tensor | None, y: torch.Tensor | None, res_norm, res_query,
+               out_norm, eps: float, out_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block AttnRes as the model computes it (`plugins/attn_res/naive.py`, `attn_res_add_norm_ref`), on bf16
+    values: p = bf16(p_prev + y), the mix over (bank rows, p) in fp32 rounded, then RMSNorm. With no bank row the
+    softmax is one weight of 1: x = RMSNorm(p), as the model's first layer computes it. Returns (x, p)."""
+    p = p_prev if y is None else bf16r((p_prev if p_prev is not None else 0.0) + y)
+    V = torch.stack([*bank, p]).float()
+    if bank:
+        gw = res_norm.float() * res_query.float().reshape(-1)
+        s = torch.rsqrt(V.pow(2).mean(-1) + eps) * (V * gw).sum(-1)
+        mix = bf16r((torch.softmax(s, 0)[:, None] * V).sum(0))
+    else:
+        mix = p
+    x = bf16r(out_norm.float() * bf16r(mix * torch.rsqrt(mix.pow(2).mean() + out_eps)))
+    return x, p
 
 
 class Buffers:
@@ -706,10 +755,32 @@ class Buffers:
                     b=words[xs.stride:xs.stride + H], a_log=t["a_log"], dt_bias=t["dt_bias"],
                     state=self.kda_init[p]["state"], lb=xs.lb)
 
+    def _vector(self, ref, d: int) -> torch.Tensor | None:
+        if ref is None:
+            return None
+        if ref == "input":
+            return bf16r(self.x[:d])
+        return self.out(ref[0])[ref[1]:ref[1] + d]
+
+    def mix_out(self, p: int) -> torch.Tensor:
+        """A "mix" phase's words [x | p] from the vectors now in the buffers (`attnres_k3`)."""
+        m, d = self.chain.mixes[p], self.chain.phases[p].n // 2
+        y = None
+        if m.y:
+            y = self.out(m.y[0])[:d]
+            for q in m.y[1:]:
+                y = y + self.out(q)[:d]
+            y = bf16r(y)
+        x, pv = attnres_k3([self._vector(b, d) for b in m.bank], self._vector(m.p_prev, d), y, m.res_norm,
+                           m.res_query, m.out_norm, m.eps, m.out_eps)
+        return torch.cat([x, pv])
+
     def expected(self, p: int) -> torch.Tensor:
         """Phase p's output from the inputs now in the buffers (fp32 accumulation; top-k: ids as floats; KDA: after
         a launch that followed `clear`)."""
         ph, xs = self.chain.phases[p], None
+        if ph.kind == "mix":
+            return self.mix_out(p)
         if ph.kind == "kda":
             return kda_step_k3(**self.kda_inputs(p))[0]
         if ph.kind == "topk" and ph.xop >= 0:
@@ -780,7 +851,7 @@ class Buffers:
         """Per kind, the largest |y - expected| / max|expected| over phases (expected from the kernel's own
         inputs), the top-k phases that differ, and the phases with unwritten (NaN) rows; per KDA phase
         `kda_errors` (not in max_rel: its bounds are `KDA_BOUNDS`)."""
-        worst = {k: 0.0 for k in KINDS if k != "kda"}
+        worst = {k: 0.0 for k in KINDS if k not in ("kda", "mix")}
         topk_wrong, nan, kda = [], [], {}
         for p, ph in enumerate(self.chain.phases):
             got = self.out(p)
@@ -789,6 +860,8 @@ class Buffers:
                 continue
             if ph.kind == "kda":
                 kda[ph.name] = self.kda_errors(p)
+                continue
+            if ph.kind == "mix":            # (no kernel writes it yet: ChainKernel.bind refuses such a chain)
                 continue
             ref = self.expected(p)
             if ph.kind == "topk":
@@ -1022,6 +1095,9 @@ class ChainKernel:
             if bad:
                 raise ValueError(f"built with MMA_ONLY, which sums tensor-core tiles only (rows a multiple of 16 "
                                  f"dividing n, k a multiple of 32 and at least MMA_MIN_K): not {', '.join(bad[:5])}")
+        if bufs.chain.mixes:
+            raise ValueError("this chain has Block AttnRes ('mix') phases, which chain.cu does not run yet: they are "
+                             "emulated only (docs/megakernel.md, Next)")
         if any(ph.kind == "kda" for ph in bufs.chain.phases) and self.consumers != 512:
             raise ValueError(f"this chain has KDA phases, which chain.cu runs on 512 consumer threads; the kernel "
                              f"has {self.consumers} (CONSUMER_WARPS)")

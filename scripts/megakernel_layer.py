@@ -135,7 +135,7 @@ def mla_standin(c: mc.Chain, out: list[int], name: str, cfg) -> int:
 
 def layers_chain(model, layers: list[int], slot_bytes: int = 65536, packed_out: bool = False, min_tiles: int = 0,
                  routed_rows: int = mc.MAX_ROWS, kda: bool = False, seed: int = 0, mla_standins: bool = False,
-                 head: bool = False) -> mc.Chain:
+                 head: bool = False, attnres: bool = False) -> mc.Chain:
     """The sublayers of `layers` as one chain, with the model's weights (an unpacked model: the weights are read
     from its modules as loaded). The first sublayer reads the chain's external input; each later one the output of
     the one before (no AttnRes: `docs/megakernel.md`, "Next"). Layer 0's MLP is dense (`dense_sublayer`), every
@@ -150,7 +150,10 @@ def layers_chain(model, layers: list[int], slot_bytes: int = 65536, packed_out: 
     tiles become 128); routed_rows: the routed experts' rows per tile at most. kda: each KDA layer's attention
     sublayer before its MLP (`kda_sublayer`; its state from `kda_start` with `seed`). mla_standins: each MLA
     layer's attention as `mla_standin` (random weights: not the model's); without it the MLA layers contribute their
-    MoE only. head: the final RMSNorm (an x recipe) and the LM head after the last layer."""
+    MoE only. head: the final RMSNorm (an x recipe) and the LM head after the last layer. attnres: Block AttnRes as
+    the model computes it (`Chain.mix` before every sublayer and the head, the sealed rows as the model seals them;
+    every layer, from 0, in order): the chain is then the model's decode step (the MLA layers as stand-ins). The
+    "mix" phases are emulated only: chain.cu does not run them yet."""
     cfg = model.config
     if not (cfg.latent_moe_use_norm and cfg.num_shared_experts):
         raise ValueError("layers_chain builds LatentMoE with its latent norm and shared experts (every K3 preset)")
@@ -158,15 +161,34 @@ def layers_chain(model, layers: list[int], slot_bytes: int = 65536, packed_out: 
     L, I = cfg.routed_expert_hidden_size, cfg.moe_intermediate_size
     Is = I * cfg.num_shared_experts
     beta, lb = cfg.activation_situ_beta, cfg.activation_situ_linear_beta
+    if attnres and layers != list(range(cfg.num_hidden_layers)):
+        raise ValueError(f"attnres: the chain is the model's whole step, layers 0..{cfg.num_hidden_layers - 1}")
     c = mc.Chain(d, slot_bytes, min_tiles=min_tiles)
     out: list[int] = []             # the last sublayer's output: the phases whose words add up to it
     gen = torch.Generator().manual_seed(seed)
+    bank, p_ref, eps = [], "input", cfg.rms_norm_eps     # AttnRes: the sealed rows, the pending sum's vector
+
+    def mixed(name: str, res_norm, res_query, norm) -> list[int]:
+        """AttnRes before a sublayer: its x (the mix phase's first d words); p moves on to the mix's own."""
+        nonlocal p_ref
+        q = c.mix(name, d, bank, p_ref, out, res_norm.weight if bank else None, res_query.weight if bank else None,
+                  norm.weight, eps, norm.eps)
+        p_ref = (q, d)
+        return [q]
+
     for l in layers:
-        attn = model.model.layers[l].self_attn
+        attn, layer = model.model.layers[l].self_attn, model.model.layers[l]
+        if attnres:
+            out = mixed(f"L{l}.mix.attn", layer.self_attention_res_norm, layer.self_attention_res_proj,
+                        layer.input_layernorm)
+            if l % cfg.attn_res_block_size == 0:         # seal after the attention mix
+                bank, p_ref = bank + [p_ref], None
         if kda and not cfg.is_mla(l):
             out = [kda_sublayer(c, attn, out, f"L{l}.kda.", kda_start(attn, gen))]
         elif mla_standins and cfg.is_mla(l):
             out = [mla_standin(c, out, f"L{l}.mla.", cfg)]
+        if attnres:
+            out = mixed(f"L{l}.mix.mlp", layer.mlp_res_norm, layer.mlp_res_proj, layer.post_attention_layernorm)
         if cfg.is_dense(l):
             out = dense_sublayer(c, model.model.layers[l].mlp, out, f"L{l}.dense.")
             continue
@@ -196,7 +218,11 @@ def layers_chain(model, layers: list[int], slot_bytes: int = 65536, packed_out: 
                           xsegs=[comb, shared_h])]
         else:
             out = [c.gemv(n + "up", d, L, down, xsegs=[comb], weight=moe.routed_expert_up_proj.weight), sd]
-    if head:
+    if head and attnres:
+        m = model.model
+        x = mixed("final.mix", m.output_attn_res_norm, m.output_attn_res_proj, m.norm)
+        c.gemv("lm_head", cfg.vocab_size, d, x[0], weight=model.lm_head.weight)
+    elif head:
         if len(out) > 2:
             raise ValueError("the LM head after the dense layer: its norm adds two phases' words at most")
         norm = mc.XSeg("norm", out[0], d, route=out[1] if len(out) > 1 else -1, aux=model.model.norm.weight,

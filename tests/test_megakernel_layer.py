@@ -514,3 +514,54 @@ def test_plot_from_a_saved_result(tmp_path):
     assert out.read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(KeyError):
         ml.phase_group("L1.xyz.a")
+
+
+def test_chain_with_attnres_is_the_models_decode_step():
+    """layers_chain(attnres=True) on an all-KDA k3-tiny (heads of 128): Block AttnRes as "mix" phases (emulated only)
+    before every sublayer and the head, the rows sealed as the model seals them. Its emulation against the model's
+    own decode step from the same states: every sublayer's input equal through layer 1; later ones drift by the
+    model's bf16 roundings (the MoE's sums in another order flip an element, and a random tiny model amplifies it:
+    measured at most 0.066 of the largest element at any layer), and the logits' largest stays the same (measured
+    max difference 0.166 of the largest logit)."""
+    from k3export.model.weights import random_model
+    base = K3Config.from_name("k3-tiny")
+    lac = dataclasses.replace(base.linear_attn_config, num_heads=2, head_dim=128,
+                              kda_layers=tuple(range(1, base.num_hidden_layers + 1)), full_attn_layers=())
+    cfg = dataclasses.replace(base, linear_attn_config=lac)
+    model = random_model(cfg, seed=0, dtype=torch.bfloat16).eval()
+    L = cfg.num_hidden_layers
+    chain = ml.layers_chain(model, list(range(L)), kda=True, head=True, attnres=True)
+    names = [p.name for p in chain.phases]
+    assert names[0] == "L0.mix.attn" and names[-2:] == ["final.mix", "lm_head"]
+    mixes = chain.mixes
+    assert mixes[0].bank == [] and mixes[0].p_prev == "input"                 # layer 0: x = input_layernorm(h)
+    seals = [m.bank for q, m in mixes.items() if chain.phases[q].name.endswith("mix.mlp")]
+    assert [len(b) for b in seals] == [1 + l // cfg.attn_res_block_size for l in range(L)]
+    with pytest.raises(ValueError, match="whole step"):
+        ml.layers_chain(model, [1, 2], kda=True, attnres=True)
+    bufs = mc.Buffers(chain, device="cpu")
+    tok = 7
+    bufs.x.copy_(model.model.embed_tokens.weight[tok].float())
+    bufs.clear()
+    bufs.run_reference()
+    caps = {}
+    for l, layer in enumerate(model.model.layers):
+        def attn(x, *a, orig=layer.self_attn.decode, l=l):
+            caps[f"L{l}.mix.attn"] = x
+            return orig(x, *a)
+        layer.self_attn.decode = attn
+        (layer.mlp if cfg.is_dense(l) else layer.block_sparse_moe).register_forward_hook(
+            lambda m, i, o, l=l: caps.__setitem__(f"L{l}.mix.mlp", i[0]))
+    kp = [p for p, _ in bufs.kda_phases()]
+    conv = torch.stack([bufs.kda_init[p]["conv_state"] for p in kp])[:, None]
+    state = torch.stack([bufs.kda_init[p]["state"] for p in kp])[:, None]
+    with torch.no_grad():
+        logits, *_ = model.forward_decode(torch.tensor([tok]), conv, state, torch.zeros(0, 1, 4, cfg.latent_dim),
+                                          torch.zeros(1, dtype=torch.int64))
+    for name, x in caps.items():
+        got = bufs.out(names.index(name))[:cfg.hidden_size]
+        rel = ml.compare(got.bfloat16(), x[0].bfloat16())["max_rel"]
+        assert rel == 0 if int(name[1]) <= 1 else rel < 0.1, (name, rel)
+    got, ref = bufs.out(len(names) - 1), logits[0].float()
+    assert int(got.argmax()) == int(ref.argmax())
+    assert (got - ref).abs().max() <= 0.25 * ref.abs().max()
