@@ -53,7 +53,8 @@ import torch
 CU = Path(__file__).resolve().parent / "megakernel" / "chain.cu"
 FIELDS = ("kind", "n", "k", "rows", "ntiles", "tile0", "src", "xlen", "xstride", "route", "ne", "w", "y",
           "n_experts", "dep2", "xlen2", "xop", "nxseg")        # chain.cu's `struct Phase`, one int64 each
-KINDS = {"gemv": 0, "topk": 1, "routed": 2, "kda": 3, "mix": 5}   # ("mix": emulated only, chain.cu has none yet)
+KINDS = {"gemv": 0, "topk": 1, "routed": 2, "kda": 3, "mix": 5, "mla": 6}   # (mix, mla: emulated only, not in
+#                                                                                 chain.cu yet)
 XOPS = {"glu": 1, "combine_norm": 2, "score": 3, "kda": 4, "headnorm": 5, "norm": 6,
         "sum": 7}                                    # chain.cu's `enum XOp`
 SUM_MAX = 4                                          # ... "sum" adds at most this many phases' words
@@ -142,7 +143,7 @@ class Phase:
     def weight_elems(self) -> int:
         """Weight elements stored in the chain's weight buffer (routed: every expert; KDA: none, its state is its
         own buffer)."""
-        return {"gemv": self.n * self.k, "topk": 0, "kda": 0, "mix": 0,
+        return {"gemv": self.n * self.k, "topk": 0, "kda": 0, "mix": 0, "mla": 0,
                 "routed": self.n_experts * self.ne * self.k}[self.kind]
 
 
@@ -212,6 +213,7 @@ class Chain:
         self.init: dict[int, torch.Tensor] = {}
         self.xsegs: list[XSeg] = []
         self.mixes: dict[int, Mix] = {}
+        self.mlas: dict[int, dict] = {}
 
     def _recipe(self, ph: Phase, segs: list[XSeg] | None, weight: torch.Tensor | None) -> Phase:
         """Attach x recipe parts and given weights to the phase about to be added (checked here)."""
@@ -292,7 +294,7 @@ class Chain:
     def _add(self, ph: Phase) -> int:
         """(Its input phases were checked by `_xlen` while the phase was built.)"""
         p = len(self.phases)
-        if ph.kind not in ("topk", "mix") and (ph.k % 8 or not 0 < ph.k <= XMAX or 2 * ph.k > self.slot_bytes):
+        if ph.kind not in ("topk", "mix", "mla") and (ph.k % 8 or not 0 < ph.k <= XMAX or 2 * ph.k > self.slot_bytes):
             raise ValueError(f"{ph.name}: k = {ph.k} must be a multiple of 8, at most {XMAX} and fit a slot")
         prev = self.phases[-1] if self.phases else None
         ph.tile0 = prev.tile0 + prev.ntiles if prev else 0
@@ -387,6 +389,20 @@ class Chain:
             raise ValueError(f"{name}: y's phases {y} are not all earlier phases")
         p = self._add(Phase(name, "mix", 2 * d, 0, -1, 0, ntiles=0))
         self.mixes[p] = Mix(list(bank), p_prev, list(y), res_norm, res_query, out_norm, eps, out_eps)
+        return p
+
+    def mla(self, name: str, src: int, attn, cache: torch.Tensor, cache_len: int) -> int:
+        """A Gated MLA attention sublayer at B = 1 over cache rows [:cache_len] (`cache` [rows, R], the layer's
+        latent cache), its x the first d words of phase src. Its words are [y | the new latent row]. Emulated only,
+        by the model's own `GatedMLA.decode` (a placeholder for the kernel's arithmetic, which is not designed yet:
+        docs/megakernel.md, "Next"); `ChainKernel.bind` refuses a chain with one."""
+        d = attn.o_proj.out_features
+        self._xlen(src, name)
+        if self.phases[src].n < d or not 0 <= cache_len <= cache.shape[0]:
+            raise ValueError(f"{name}: x from phase {src} needs {d} words; cache_len {cache_len} of "
+                             f"{cache.shape[0]} rows")
+        p = self._add(Phase(name, "mla", d + cache.shape[1], 0, src, self.phases[src].n, ntiles=0))
+        self.mlas[p] = {"attn": attn, "cache": cache.detach(), "cache_len": cache_len}
         return p
 
     @property
@@ -781,6 +797,13 @@ class Buffers:
         ph, xs = self.chain.phases[p], None
         if ph.kind == "mix":
             return self.mix_out(p)
+        if ph.kind == "mla":
+            m, d = self.chain.mlas[p], self.chain.phases[p].n - self.chain.mlas[p]["cache"].shape[1]
+            x = self.out(ph.src)[:d].bfloat16()[None]
+            with torch.no_grad():
+                y, row = m["attn"].decode(x, m["cache"].to(x.device)[None],
+                                          torch.tensor([m["cache_len"]], device=x.device))
+            return torch.cat([y[0].float(), row[0].float()])
         if ph.kind == "kda":
             return kda_step_k3(**self.kda_inputs(p))[0]
         if ph.kind == "topk" and ph.xop >= 0:
@@ -851,7 +874,7 @@ class Buffers:
         """Per kind, the largest |y - expected| / max|expected| over phases (expected from the kernel's own
         inputs), the top-k phases that differ, and the phases with unwritten (NaN) rows; per KDA phase
         `kda_errors` (not in max_rel: its bounds are `KDA_BOUNDS`)."""
-        worst = {k: 0.0 for k in KINDS if k not in ("kda", "mix")}
+        worst = {k: 0.0 for k in KINDS if k not in ("kda", "mix", "mla")}
         topk_wrong, nan, kda = [], [], {}
         for p, ph in enumerate(self.chain.phases):
             got = self.out(p)
@@ -861,7 +884,7 @@ class Buffers:
             if ph.kind == "kda":
                 kda[ph.name] = self.kda_errors(p)
                 continue
-            if ph.kind == "mix":            # (no kernel writes it yet: ChainKernel.bind refuses such a chain)
+            if ph.kind in ("mix", "mla"):   # (no kernel writes them yet: ChainKernel.bind refuses such a chain)
                 continue
             ref = self.expected(p)
             if ph.kind == "topk":
@@ -1095,9 +1118,9 @@ class ChainKernel:
             if bad:
                 raise ValueError(f"built with MMA_ONLY, which sums tensor-core tiles only (rows a multiple of 16 "
                                  f"dividing n, k a multiple of 32 and at least MMA_MIN_K): not {', '.join(bad[:5])}")
-        if bufs.chain.mixes:
-            raise ValueError("this chain has Block AttnRes ('mix') phases, which chain.cu does not run yet: they are "
-                             "emulated only (docs/megakernel.md, Next)")
+        if bufs.chain.mixes or bufs.chain.mlas:
+            raise ValueError("this chain has Block AttnRes ('mix') or MLA attention ('mla') phases, which chain.cu "
+                             "does not run yet: they are emulated only (docs/megakernel.md, Next)")
         if any(ph.kind == "kda" for ph in bufs.chain.phases) and self.consumers != 512:
             raise ValueError(f"this chain has KDA phases, which chain.cu runs on 512 consumer threads; the kernel "
                              f"has {self.consumers} (CONSUMER_WARPS)")

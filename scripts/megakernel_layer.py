@@ -135,7 +135,7 @@ def mla_standin(c: mc.Chain, out: list[int], name: str, cfg) -> int:
 
 def layers_chain(model, layers: list[int], slot_bytes: int = 65536, packed_out: bool = False, min_tiles: int = 0,
                  routed_rows: int = mc.MAX_ROWS, kda: bool = False, seed: int = 0, mla_standins: bool = False,
-                 head: bool = False, attnres: bool = False) -> mc.Chain:
+                 head: bool = False, attnres: bool = False, mla_cache: int = 0) -> mc.Chain:
     """The sublayers of `layers` as one chain, with the model's weights (an unpacked model: the weights are read
     from its modules as loaded). The first sublayer reads the chain's external input; each later one the output of
     the one before (no AttnRes: `docs/megakernel.md`, "Next"). Layer 0's MLP is dense (`dense_sublayer`), every
@@ -153,7 +153,9 @@ def layers_chain(model, layers: list[int], slot_bytes: int = 65536, packed_out: 
     MoE only. head: the final RMSNorm (an x recipe) and the LM head after the last layer. attnres: Block AttnRes as
     the model computes it (`Chain.mix` before every sublayer and the head, the sealed rows as the model seals them;
     every layer, from 0, in order): the chain is then the model's decode step (the MLA layers as stand-ins). The
-    "mix" phases are emulated only: chain.cu does not run them yet."""
+    "mix" phases are emulated only: chain.cu does not run them yet. mla_cache > 0: each MLA layer's attention as an
+    emulated "mla" phase (`Chain.mla`: the model's own decode, chain.cu does not run it) over a random latent
+    cache of that many rows (seeded by `seed`), instead of stand-ins."""
     cfg = model.config
     if not (cfg.latent_moe_use_norm and cfg.num_shared_experts):
         raise ValueError("layers_chain builds LatentMoE with its latent norm and shared experts (every K3 preset)")
@@ -185,6 +187,11 @@ def layers_chain(model, layers: list[int], slot_bytes: int = 65536, packed_out: 
                 bank, p_ref = bank + [p_ref], None
         if kda and not cfg.is_mla(l):
             out = [kda_sublayer(c, attn, out, f"L{l}.kda.", kda_start(attn, gen))]
+        elif mla_cache and cfg.is_mla(l):
+            if not attnres:
+                raise ValueError("mla_cache: the emulated MLA attention is for the model's whole step (attnres)")
+            cache = torch.randn(mla_cache, cfg.latent_dim, generator=gen).bfloat16()
+            out = [c.mla(f"L{l}.mla.attn", out[0], attn, cache, mla_cache)]
         elif mla_standins and cfg.is_mla(l):
             out = [mla_standin(c, out, f"L{l}.mla.", cfg)]
         if attnres:
@@ -231,8 +238,8 @@ def layers_chain(model, layers: list[int], slot_bytes: int = 65536, packed_out: 
     return c
 
 
-OUTPUTS = (".out", ".up", ".kda.o", ".mla.o", "lm_head")    # the phases whose output is a sublayer's (and the
-#                                                              dense MLP's last "down.N")
+# the phases whose output is a sublayer's (and the dense MLP's last "down.N")
+OUTPUTS = (".out", ".up", ".kda.o", ".mla.o", ".mla.attn", "lm_head")
 
 
 def sublayer_phases(bufs: mc.Buffers) -> list[int]:
@@ -250,6 +257,8 @@ def outputs(bufs: mc.Buffers) -> list[torch.Tensor]:
     for p in sublayer_phases(bufs):
         if ph[p].name.endswith(".up"):
             res.append(bufs.out(p) + bufs.out(p - 3))
+        elif ph[p].name.endswith(".mla.attn"):
+            res.append(bufs.out(p)[:bufs.chain.x_len])
         elif ".dense.down." in ph[p].name:
             q = p - int(ph[p].name.rsplit(".", 1)[1])
             y = bufs.out(q)
@@ -482,14 +491,16 @@ def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: in
 
 
 KIND_COLOURS = {"kda": "tab:blue", "moe": "tab:orange", "dense": "tab:green", "mla stand-in": "tab:gray",
-                "head": "tab:purple"}
+                "mla": "tab:brown", "attnres": "tab:olive", "head": "tab:purple"}
 
 
 def phase_group(name: str) -> str:
     """The sublayer kind a phase belongs to, for the plot: kda, moe, dense, mla stand-in or head."""
     if name == "lm_head":
         return "head"
-    return {"kda": "kda", "moe": "moe", "dense": "dense", "mla": "mla stand-in"}[name.split(".")[1]]
+    if name.endswith(".mla.attn"):
+        return "mla"
+    return {"kda": "kda", "moe": "moe", "dense": "dense", "mla": "mla stand-in", "mix": "attnres"}[name.split(".")[1]]
 
 
 def time_by_group(res: dict) -> dict:

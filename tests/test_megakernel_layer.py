@@ -516,13 +516,49 @@ def test_plot_from_a_saved_result(tmp_path):
         ml.phase_group("L1.xyz.a")
 
 
+def _model_step(model, tok, bufs, chain):
+    """The model's own decode step (forward_decode) from the chain's start states (KDA states, MLA caches): the
+    logits and every sublayer's input x, captured by the name of the chain's mix phase that should equal it."""
+    cfg, caps = model.config, {}
+    for l, layer in enumerate(model.model.layers):
+        def attn(x, *a, orig=layer.self_attn.decode, l=l):
+            caps[f"L{l}.mix.attn"] = x
+            return orig(x, *a)
+        layer.self_attn.decode = attn
+        (layer.mlp if cfg.is_dense(l) else layer.block_sparse_moe).register_forward_hook(
+            lambda m, i, o, l=l: caps.__setitem__(f"L{l}.mix.mlp", i[0]))
+    kp = [p for p, _ in bufs.kda_phases()]
+    conv = torch.stack([bufs.kda_init[p]["conv_state"] for p in kp])[:, None]
+    state = torch.stack([bufs.kda_init[p]["state"] for p in kp])[:, None]
+    mlas = [chain.mlas[p] for p in sorted(chain.mlas)]
+    cache = (torch.stack([m["cache"] for m in mlas])[:, None] if mlas else torch.zeros(0, 1, 4, cfg.latent_dim))
+    cache_len = torch.tensor([mlas[0]["cache_len"] if mlas else 0])
+    with torch.no_grad():
+        logits, *_ = model.forward_decode(torch.tensor([tok]), conv, state, cache, cache_len)
+    return logits[0].float(), caps
+
+
+def _compare_step(chain, bufs, logits, caps, drift: float, logit_bound: float):
+    """Every sublayer input equal to the model's through layer 1, within `drift` of its largest element after; the
+    same argmax token; logits within `logit_bound` of the largest."""
+    names = [p.name for p in chain.phases]
+    assert set(caps) == {n for n in names if ".mix." in n}
+    for name, x in caps.items():
+        got = bufs.out(names.index(name))[:chain.x_len]
+        rel = ml.compare(got.bfloat16(), x[0].bfloat16())["max_rel"]
+        assert rel == 0 if int(name.split(".")[0][1:]) <= 1 else rel < drift, (name, rel)
+    got = bufs.out(len(names) - 1)
+    assert int(got.argmax()) == int(logits.argmax())
+    assert (got - logits).abs().max() <= logit_bound * logits.abs().max()
+
+
 def test_chain_with_attnres_is_the_models_decode_step():
     """layers_chain(attnres=True) on an all-KDA k3-tiny (heads of 128): Block AttnRes as "mix" phases (emulated only)
     before every sublayer and the head, the rows sealed as the model seals them. Its emulation against the model's
     own decode step from the same states: every sublayer's input equal through layer 1; later ones drift by the
     model's bf16 roundings (the MoE's sums in another order flip an element, and a random tiny model amplifies it:
-    measured at most 0.066 of the largest element at any layer), and the logits' largest stays the same (measured
-    max difference 0.166 of the largest logit)."""
+    measured at most 0.066 of the largest element), and the logits' largest stays the same (measured max
+    difference 0.166 of the largest logit)."""
     from k3export.model.weights import random_model
     base = K3Config.from_name("k3-tiny")
     lac = dataclasses.replace(base.linear_attn_config, num_heads=2, head_dim=128,
@@ -540,28 +576,26 @@ def test_chain_with_attnres_is_the_models_decode_step():
     with pytest.raises(ValueError, match="whole step"):
         ml.layers_chain(model, [1, 2], kda=True, attnres=True)
     bufs = mc.Buffers(chain, device="cpu")
-    tok = 7
-    bufs.x.copy_(model.model.embed_tokens.weight[tok].float())
+    bufs.x.copy_(model.model.embed_tokens.weight[7].float())
     bufs.clear()
     bufs.run_reference()
-    caps = {}
-    for l, layer in enumerate(model.model.layers):
-        def attn(x, *a, orig=layer.self_attn.decode, l=l):
-            caps[f"L{l}.mix.attn"] = x
-            return orig(x, *a)
-        layer.self_attn.decode = attn
-        (layer.mlp if cfg.is_dense(l) else layer.block_sparse_moe).register_forward_hook(
-            lambda m, i, o, l=l: caps.__setitem__(f"L{l}.mix.mlp", i[0]))
-    kp = [p for p, _ in bufs.kda_phases()]
-    conv = torch.stack([bufs.kda_init[p]["conv_state"] for p in kp])[:, None]
-    state = torch.stack([bufs.kda_init[p]["state"] for p in kp])[:, None]
-    with torch.no_grad():
-        logits, *_ = model.forward_decode(torch.tensor([tok]), conv, state, torch.zeros(0, 1, 4, cfg.latent_dim),
-                                          torch.zeros(1, dtype=torch.int64))
-    for name, x in caps.items():
-        got = bufs.out(names.index(name))[:cfg.hidden_size]
-        rel = ml.compare(got.bfloat16(), x[0].bfloat16())["max_rel"]
-        assert rel == 0 if int(name[1]) <= 1 else rel < 0.1, (name, rel)
-    got, ref = bufs.out(len(names) - 1), logits[0].float()
-    assert int(got.argmax()) == int(ref.argmax())
-    assert (got - ref).abs().max() <= 0.25 * ref.abs().max()
+    _compare_step(chain, bufs, *_model_step(model, 7, bufs, chain), drift=0.1, logit_bound=0.25)
+
+
+def test_chain_with_attnres_and_mla_is_the_models_decode_step(tiny128):
+    """The same on k3-tiny as it is (MLA at layers 3, 7, 8), the MLA attention as emulated "mla" phases over a random
+    16-row latent cache (the model's own decode: a placeholder until the kernel kind exists): sublayer inputs equal
+    through layer 1, later within 0.2 of the largest element (measured at most 0.143), the same argmax token,
+    logits within 0.1 of the largest (measured 0.015)."""
+    cfg, model = tiny128
+    L = cfg.num_hidden_layers
+    chain = ml.layers_chain(model, list(range(L)), kda=True, head=True, attnres=True, mla_cache=16)
+    names = [p.name for p in chain.phases]
+    assert [n for n in names if n.endswith(".mla.attn")] == [f"L{l}.mla.attn" for l in cfg.mla_layers]
+    with pytest.raises(ValueError, match="attnres"):
+        ml.layers_chain(model, list(range(L)), kda=True, mla_cache=16)
+    bufs = mc.Buffers(chain, device="cpu")
+    bufs.x.copy_(model.model.embed_tokens.weight[11].float())
+    bufs.clear()
+    bufs.run_reference()
+    _compare_step(chain, bufs, *_model_step(model, 11, bufs, chain), drift=0.2, logit_bound=0.1)
