@@ -91,6 +91,9 @@
 #            persistent launch, checked against its emulation, the KDA plugin's Triton kernel and the compile
 #            backend's sublayers, timed against a CUDA graph of those; $LAYER_ARGS, e.g. --no-kda or --step), JSON
 #            and plot in $OUT
+#   step     the whole k3-small step in one launch (`megakernel_layer.py --step`: real but for the MLA attention,
+#            stand-ins, and AttnRes, absent), checked and timed against compile's real sublayers, with its plot;
+#            then without the stand-ins (ran 12-02 15:48 as two direct calls: 0.628 / 0.557 ms)
 #   profile  scripts/profile_decode.py --backend $PROFILE_BACKEND (default compile): kernels per decode step, and the
 #            graph replay's critical path (what each kernel adds to the span under PDL; 15:25: an upper bound only)
 set -uo pipefail
@@ -232,9 +235,13 @@ for part in $parts; do
            timeout ${LAYER_TIMEOUT:-300} python3 scripts/megakernel_layer.py ${LAYER_ARGS:-} --out "$OUT/layer.json" \
              --plot "$OUT/layer.png" \
              >> "$OUT/layer.log" 2>&1 ;;
+    step)  timeout 200 python3 scripts/megakernel_layer.py --step --out "$OUT/step.json" --plot "$OUT/step.png" \
+             > "$OUT/step.log" 2>&1
+           timeout 120 python3 scripts/megakernel_layer.py --step --no-standins --no-baseline --modes stream,nodeps \
+             --out "$OUT/step-nostandins.json" >> "$OUT/step.log" 2>&1 ;;
     profile) timeout 150 python3 scripts/profile_decode.py --backend ${PROFILE_BACKEND:-compile} ${PROFILE_ARGS:-} \
              > "$OUT/profile.log" 2>&1 ;;
-    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe trtfp8 fp8eng grouped grpsmall fp8comp overlap chain layer profile)"; continue ;;
+    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe trtfp8 fp8eng grouped grpsmall fp8comp overlap chain layer step profile)"; continue ;;
   esac
   echo "$part: exit $? in $((SECONDS - t)) s" | tee -a "$OUT/pending.log"
   tail -4 "$OUT/$part.log" 2>/dev/null
