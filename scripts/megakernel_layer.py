@@ -270,6 +270,11 @@ def outputs(bufs: mc.Buffers) -> list[torch.Tensor]:
     return res
 
 
+def layer_of(name: str) -> int:
+    """The layer of a phase named "L<layer>.<...>"."""
+    return int(name.split(".")[0][1:])
+
+
 def chosen(bufs: mc.Buffers) -> list[list[int]]:
     """Each sublayer's chosen experts, in slot order."""
     return [bufs.out(p)[:ph.ne].long().tolist() for p, ph in enumerate(bufs.chain.phases) if ph.kind == "topk"]
@@ -407,14 +412,15 @@ def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: in
     # diagnostic build: its outputs are wrong by design)
     mlps = product_mlps(model, layers) if baseline else []
     attns = {l: model.model.layers[l].self_attn for l in layers if kda and not cfg.is_mla(l)}
-    kda_p = {int(ph.name.split(".")[0][1:]): p for p, ph in bufs.kda_phases()}     # layer -> its KDA phase
+    kda_p = {layer_of(ph.name): p for p, ph in bufs.kda_phases()}     # layer -> its KDA phase
+    kids = [] if diagnostic or not baseline else chosen(bufs)      # (each MoE sublayer's experts)
     res["vs_compile"] = []
     with torch.no_grad(), pdl(True, early=True):
         subs = list(zip(sublayer_phases(bufs), sublayer_inputs(bufs), outputs(bufs)))
         moe_i = 0
         for p, x, y in [] if diagnostic or not baseline else subs:
             name = chain.phases[p].name
-            y, l = y.bfloat16(), None if name == "lm_head" else int(name.split(".")[0][1:])
+            y, l = y.bfloat16(), None if name == "lm_head" else layer_of(name)
             if name.endswith(".mla.o"):                         # (a stand-in: nothing to compare)
                 continue
             if name == "lm_head":                               # the final norm and the LM head
@@ -430,7 +436,7 @@ def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: in
                            state_max_rel=float(ds.max() / state.abs().max()),
                            conv_differ=int((bufs.kda_conv(kda_p[l]) != conv[0]).sum()))
             else:
-                moe, kid = mlps[layers.index(l)], chosen(bufs)[moe_i]
+                moe, kid = mlps[layers.index(l)], kids[moe_i]
                 ref = moe(x[None])[0]
                 row = dict(layer=l, sublayer="moe", **compare(y, ref),
                            same_experts=sorted(kid) == sorted(route_ids(moe, x)),

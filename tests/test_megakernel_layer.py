@@ -519,22 +519,28 @@ def test_plot_from_a_saved_result(tmp_path):
 def _model_step(model, tok, bufs, chain):
     """The model's own decode step (forward_decode) from the chain's start states (KDA states, MLA caches): the
     logits and every sublayer's input x, captured by the name of the chain's mix phase that should equal it."""
-    cfg, caps = model.config, {}
+    cfg, caps, hooks = model.config, {}, []
     for l, layer in enumerate(model.model.layers):
         def attn(x, *a, orig=layer.self_attn.decode, l=l):
             caps[f"L{l}.mix.attn"] = x
             return orig(x, *a)
-        layer.self_attn.decode = attn
-        (layer.mlp if cfg.is_dense(l) else layer.block_sparse_moe).register_forward_hook(
-            lambda m, i, o, l=l: caps.__setitem__(f"L{l}.mix.mlp", i[0]))
+        layer.self_attn.decode = attn                   # (an instance attribute: deleted below)
+        hooks.append((layer.mlp if cfg.is_dense(l) else layer.block_sparse_moe).register_forward_hook(
+            lambda m, i, o, l=l: caps.__setitem__(f"L{l}.mix.mlp", i[0])))
     kp = [p for p, _ in bufs.kda_phases()]
     conv = torch.stack([bufs.kda_init[p]["conv_state"] for p in kp])[:, None]
     state = torch.stack([bufs.kda_init[p]["state"] for p in kp])[:, None]
     mlas = [chain.mlas[p] for p in sorted(chain.mlas)]
     cache = (torch.stack([m["cache"] for m in mlas])[:, None] if mlas else torch.zeros(0, 1, 4, cfg.latent_dim))
     cache_len = torch.tensor([mlas[0]["cache_len"] if mlas else 0])
-    with torch.no_grad():
-        logits, *_ = model.forward_decode(torch.tensor([tok]), conv, state, cache, cache_len)
+    try:
+        with torch.no_grad():
+            logits, *_ = model.forward_decode(torch.tensor([tok]), conv, state, cache, cache_len)
+    finally:                                            # (the fixture's model is shared: leave it as it was)
+        for layer in model.model.layers:
+            del layer.self_attn.decode
+        for h in hooks:
+            h.remove()
     return logits[0].float(), caps
 
 
