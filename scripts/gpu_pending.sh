@@ -94,6 +94,9 @@
 #   step     the whole k3-small step in one launch (`megakernel_layer.py --step`: real but for the MLA attention,
 #            stand-ins, and AttnRes, absent), checked and timed against compile's real sublayers, with its plot;
 #            then without the stand-ins (ran 12-02 15:48 as two direct calls: 0.628 / 0.557 ms)
+#   attnres  the layer's cuda tests (with the whole step and AttnRes in the kernel: emulation checks), then the whole
+#            step with AttnRes (`--step --attnres`: MLA stand-ins) against the compile engine's real step, with its plot;
+#            with an untracked scripts/megakernel/chain_prev.cu, the step without AttnRes, that version vs chain.cu
 #   profile  scripts/profile_decode.py --backend $PROFILE_BACKEND (default compile): kernels per decode step, and the
 #            graph replay's critical path (what each kernel adds to the span under PDL; 15:25: an upper bound only)
 set -uo pipefail
@@ -239,9 +242,19 @@ for part in $parts; do
              > "$OUT/step.log" 2>&1
            timeout 120 python3 scripts/megakernel_layer.py --step --no-standins --no-baseline --modes stream,nodeps \
              --out "$OUT/step-nostandins.json" >> "$OUT/step.log" 2>&1 ;;
+    attnres) timeout 330 python3 -m pytest -q -m cuda tests/test_megakernel_layer.py -s -rs -p no:cacheprovider \
+             > "$OUT/attnres.log" 2>&1
+           timeout 200 python3 scripts/megakernel_layer.py --step --attnres --out "$OUT/step-attnres.json" \
+             --plot "$OUT/step-attnres.png" >> "$OUT/attnres.log" 2>&1
+           if [[ -f scripts/megakernel/chain_prev.cu ]]; then        # (an untracked copy: the A/B without AttnRes)
+             for cu in scripts/megakernel/chain_prev.cu scripts/megakernel/chain.cu; do
+               timeout 100 python3 scripts/megakernel_layer.py --step --no-baseline --modes stream --rounds 3 \
+                 --cu $cu --out "$OUT/step-$(basename $cu .cu).json" >> "$OUT/attnres.log" 2>&1
+             done
+           fi ;;
     profile) timeout 150 python3 scripts/profile_decode.py --backend ${PROFILE_BACKEND:-compile} ${PROFILE_ARGS:-} \
              > "$OUT/profile.log" 2>&1 ;;
-    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe trtfp8 fp8eng grouped grpsmall fp8comp overlap chain layer step profile)"; continue ;;
+    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe trtfp8 fp8eng grouped grpsmall fp8comp overlap chain layer step attnres profile)"; continue ;;
   esac
   echo "$part: exit $? in $((SECONDS - t)) s" | tee -a "$OUT/pending.log"
   tail -4 "$OUT/$part.log" 2>/dev/null

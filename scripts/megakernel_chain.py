@@ -53,10 +53,10 @@ import torch
 CU = Path(__file__).resolve().parent / "megakernel" / "chain.cu"
 FIELDS = ("kind", "n", "k", "rows", "ntiles", "tile0", "src", "xlen", "xstride", "route", "ne", "w", "y",
           "n_experts", "dep2", "xlen2", "xop", "nxseg")        # chain.cu's `struct Phase`, one int64 each
-KINDS = {"gemv": 0, "topk": 1, "routed": 2, "kda": 3, "mix": 5, "mla": 6}   # (mix, mla: emulated only, not in
-#                                                                                 chain.cu yet)
+KINDS = {"gemv": 0, "topk": 1, "routed": 2, "kda": 3, "mix": 5, "mla": 6}   # (mix: no tiles, its words written
+#                                                                   by a consumer's x load; mla: emulated only)
 XOPS = {"glu": 1, "combine_norm": 2, "score": 3, "kda": 4, "headnorm": 5, "norm": 6,
-        "sum": 7}                                    # chain.cu's `enum XOp`
+        "sum": 7, "attnres": 8}                      # chain.cu's `enum XOp`
 SUM_MAX = 4                                          # ... "sum" adds at most this many phases' words
 KDA_HEAD, KDA_CONV = 128, 4          # chain.cu's KDA phase: head dim (and f_a rank) and conv taps it is written for
 KDA_FB_BYTES, KDA_COLS = 32768, 32   # chain.cu: a KDA tile is f_b's rows for a head, then 32 of its state's columns
@@ -64,7 +64,9 @@ KDA_TILE = KDA_FB_BYTES + KDA_HEAD * KDA_COLS * 4
 KDA_TENSORS = {"state": torch.float32, "conv_state": torch.bfloat16, "conv_weight": torch.bfloat16,
                "a_log": torch.float32, "dt_bias": torch.float32, "f_b": torch.bfloat16}
 KDA_AUX = ("conv_state", "conv_weight", "a_log", "dt_bias")      # chain.cu's `KdaAux`, in its order
-PHASE_BYTES, XSEG_BYTES = 80, 64                     # chain.cu's PhaseC (in shared memory) and XSeg
+PHASE_BYTES, XSEG_BYTES = 64, 64                     # chain.cu's PhaseC (in shared memory) and XSeg
+PHASE_INT16 = ("kind", "rows", "src", "route", "n_experts", "dep2", "xop", "nxseg")   # PhaseC's 16-bit fields
+MIX_AUX = "<qq2i3i3i2i4i2f2i"                        # chain.cu's `MixAux` (88 bytes)
 MODES = {"stream": 0, "serial": 1, "nodeps": 2}
 
 
@@ -85,6 +87,8 @@ def define_value(defines: tuple[str, ...], name: str, cu: Path = CU, default: in
 
 
 XMAX = cu_default("XMAX")           # chain.cu: the longest x of a GEMV held in shared memory (bf16)
+MIX_BANK, MIX_Y = cu_default("MIX_BANK"), cu_default("MIX_Y")   # ... an "attnres" x's bank rows and y's parts at most
+MIX_MAX = cu_default("MIX_E") * 32 * cu_default("CONSUMER_WARPS")   # ... and its length (elements a thread x threads)
 COMBINE_MAX = cu_default("COMBINE_MAX")   # ... top-k slots an X_COMBINE_NORM sums at most
 XDUMP_SLOTS = cu_default("XDUMP_SLOTS")   # ... x slots per phase in xdump
 XMAX_TOPK = XMAX // 2               # ... and of a top-k (fp32)
@@ -98,11 +102,19 @@ WANT, FREE, ISSUED, LANDED, TAKE, HAVE, DONE = range(7)   # producer wants the s
 MAX_ROWS = 64                       # rows per tile at most (few-byte phases still spread over several blocks)
 CHECK_REL = 1e-5                    # fp32 sums of the same bf16 products in another order: ~3e-7 measured
 # A KDA step against kda_step_k3, which has exact exp, divisions and square roots where the kernel has Triton's
-# approximate ones (a few fp32 ulps each): the state within that; the output (o rounded to bf16, before the head
-# norm) within one bf16 step of its largest element: o is a sum with cancellation, so a small element can move by
-# several of its own steps (H200 12-02 15:48, the whole-step chain: 12 in one element of 2048, 4 in another layer)
-# while staying ~1e-7 of the state's scale; the conv window (copied) exact.
-KDA_BOUNDS = {"o_max_rel": 2.0 ** -8, "state_max_rel": 1e-5, "conv_differ": 0}
+# approximate ones (a few fp32 ulps each). The output (o rounded to bf16, before the head norm) within one bf16 step
+# of its largest element: o is a sum with cancellation, so a small element can move by several of its own steps (H200
+# 12-02 15:48, the whole-step chain: 12 in one element of 2048, 4 in another layer) while staying ~1e-7 of the
+# state's scale. The state likewise within a bf16 step of its largest: q, k and v are rounded to bf16 after the conv's
+# SiLU, so a few ulps of sigmoid can flip one of them by a step, and the state's update with it (with AttnRes's inputs,
+# 12-02 18:58: 3.1e-4 in one layer of 9, ~1e-7 in the rest; the kernel against the Triton kernel, same call: 5.4e-8;
+# tests/test_megakernel_layer.py holds that one to 1e-6). The conv window (copied) exact.
+KDA_BOUNDS = {"o_max_rel": 2.0 ** -8, "state_max_rel": 2.0 ** -8, "conv_differ": 0}
+# A mix (Block AttnRes, "attnres" x) against attnres_k3: p is one rounded add (exact). x: attnres_k3 sums in the
+# kernel's order; with the scores' sums in torch's order it was 3 of 51200 elements, at most 4 bf16 steps (H200,
+# 12-02 18:50: a mix with cancellation between its sources is small against the terms, so a score's last bits move
+# it by steps). What is left are rsqrtf and expf, torch's on the GPU against chain.cu's.
+MIX_BOUNDS = {"p_differ": 0, "x_max_ulps": 2}
 WAITS = {1: "an input word of this launch", 2: "a filled ring slot", 3: "a free ring slot",
          4: "the top-k's words", 5: "an input phase's counter"}
 
@@ -161,7 +173,10 @@ class XSeg:
     - "sum": bf16 of the words at off of phases src .. src + nslot - 1 (nslot <= SUM_MAX), added in order;
     - "norm": RMSNorm (eps, weight aux bf16 [len]) of bf16(src's words at off + route's at off2 when route >= 0);
     - "headnorm" (after a KDA phase src): per head of 128, RMSNorm (eps, weight aux bf16 [128]) times sigmoid(g),
-      g the words of phase route at off2 (`kda_headnorm_k3`)."""
+      g the words of phase route at off2 (`kda_headnorm_k3`);
+    - "attnres" (a GEMV's only part; made by `Chain.gemv_after`): Block AttnRes of the "mix" phase src
+      (`attnres_k3`), computed by every consuming block; the mix's consumers share the part, and the first one's
+      block with tile 0 writes the mix's words [x | p] (`Chain.mix_writers`)."""
     op: str
     src: int
     len: int
@@ -237,6 +252,15 @@ class Chain:
                 raise ValueError(f"{ph.name}: unknown x recipe op {g.op!r} (choose from {', '.join(XOPS)})")
             if g.op == "kda":
                 raise ValueError(f"{ph.name}: a 'kda' x is a KDA phase's (Chain.kda)")
+            if g.op == "attnres":
+                if ph.kind != "gemv" or len(segs) != 1 or not (0 <= g.src < p and g.src in self.mixes):
+                    raise ValueError(f"{ph.name}: an 'attnres' x is a GEMV's only part, of an earlier mix phase")
+                if g.len != self.phases[g.src].n // 2 or g.len > MIX_MAX:
+                    raise ValueError(f"{ph.name}: 'attnres' over {g.len} elements: the mix's {self.phases[g.src].n // 2}, "
+                                     f"at most {MIX_MAX}")
+                ph.xop, ph.nxseg = len(self.xsegs), 1
+                self.xsegs += segs
+                return ph
             if (g.op == "score") != (ph.kind == "topk"):
                 raise ValueError(f"{ph.name}: a top-k's x recipe is one 'score' part, and 'score' is only a top-k's")
             if not 0 <= g.src < p:
@@ -317,7 +341,7 @@ class Chain:
     def topk(self, name: str, k: int, src: int, score: XSeg | None = None) -> int:
         """The ids of src's k largest values; with `score` (a "score" recipe) of the router's scores, and the
         weights after the ids (2k outputs)."""
-        n = self._xlen(src, name)
+        n = score.len if score else self._xlen(src, name)          # (a score recipe: its part of src's words)
         if not 0 < k <= n or (2 * n + k if score else n) > XMAX_TOPK:
             raise ValueError(f"{name}: top-{k} of {n} values")
         return self._add(self._recipe(Phase(name, "topk", 2 * k if score else k, 0, src, n, ne=k),
@@ -379,17 +403,43 @@ class Chain:
         """Block AttnRes before a sublayer (`K3Model._layers`, `k3::attn_res_add_norm`): p = bf16(p_prev + y), the
         softmax over depth of the sources (the sealed bank rows, then p; scores rsqrt(mean(v^2) + eps) (v .
         res_norm res_query)), their mix rounded, then the RMSNorm (out_norm, out_eps). Its words are [x | p]
-        (2 d): x for the sublayer's GEMVs, p for later mixes and seals (word offset d). Emulated only
-        (`attnres_k3`): chain.cu has no such phase yet (docs/megakernel.md, "Next"), so `ChainKernel.bind`
-        refuses a chain with one."""
+        (2 d): x for the sublayer's GEMVs, p for later mixes and seals (word offset d). The phase has no tiles: its
+        consumers (`gemv_after`) each compute it in their x load, and the first one writes its words."""
         for ref in [*bank, p_prev]:
-            if ref not in (None, "input") and not (isinstance(ref, tuple) and 0 <= ref[0] < len(self.phases)):
-                raise ValueError(f"{name}: source {ref!r} is not 'input', None or an earlier (phase, offset)")
+            if ref not in (None, "input") and not (isinstance(ref, tuple) and ref[0] in self.mixes and ref[1] == d):
+                raise ValueError(f"{name}: source {ref!r} is not 'input', None or an earlier mix's p (mix, {d})")
+        if d % 2:
+            raise ValueError(f"{name}: d = {d}; chain.cu keeps p two elements a word")
         if any(not 0 <= q < len(self.phases) for q in y):
             raise ValueError(f"{name}: y's phases {y} are not all earlier phases")
+        if len(bank) > MIX_BANK or len(y) > MIX_Y:
+            raise ValueError(f"{name}: {len(bank)} bank rows and {len(y)} parts of y; chain.cu's AttnRes takes at most "
+                             f"{MIX_BANK} and {MIX_Y}")
         p = self._add(Phase(name, "mix", 2 * d, 0, -1, 0, ntiles=0))
         self.mixes[p] = Mix(list(bank), p_prev, list(y), res_norm, res_query, out_norm, eps, out_eps)
         return p
+
+    def gemv_after(self, name: str, n: int, mix: int, weight: torch.Tensor | None = None) -> int:
+        """y = W x, x the AttnRes of "mix" phase `mix` computed in this phase's x load (the "attnres" recipe); the
+        mix's first such phase writes its words."""
+        if mix not in self.mixes:
+            raise ValueError(f"{name}: phase {mix} is not a mix")
+        d = self.phases[mix].n // 2
+        shared = [i for i, g in enumerate(self.xsegs) if g.op == "attnres" and g.src == mix]
+        if not shared:
+            return self.gemv(name, n, d, mix, xsegs=[XSeg("attnres", mix, d)], weight=weight)
+        p = self.gemv(name, n, d, mix, weight=weight)
+        self.phases[p].xop, self.phases[p].nxseg = shared[0], 1          # (the first consumer's part)
+        return p
+
+    def mix_writers(self) -> dict[int, int]:
+        """Each mix phase -> the phase whose x load writes its words: its first consumer (absent: none)."""
+        out = {}
+        for p, ph in enumerate(self.phases):
+            for g in self.xsegs[ph.xop:ph.xop + ph.nxseg] if ph.xop >= 0 else ():
+                if g.op == "attnres":
+                    out.setdefault(g.src, p)
+        return out
 
     def mla(self, name: str, src: int, attn, cache: torch.Tensor, cache_len: int) -> int:
         """A Gated MLA attention sublayer at B = 1 over cache rows [:cache_len] (`cache` [rows, R], the layer's
@@ -572,27 +622,65 @@ def kda_headnorm_k3(o: torch.Tensor, g: torch.Tensor, o_norm: torch.Tensor, eps:
     return bf16r(wn * sigmoid_k3(g.view(-1, KDA_HEAD))).reshape(-1)
 
 
-def rms_norm_k3(u: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+def block_dot_k3(a: torch.Tensor, b: torch.Tensor, threads: int = 512, pairs: bool = False) -> torch.Tensor:
+    """sum_j a_j b_j in fp32 as chain.cu's consumer threads make it: thread t takes j = t, t + threads, ... (pairs:
+    j = 2 q, 2 q + 1 for q = t, t + threads, ..., as `attnres_x`), fmaf in that order from 0, then a butterfly in each
+    warp of 32 (lane 0's view), then the warps' sums in order from 0. a, b: [n] fp32. (The order `rms_norm_x` and
+    `attnres_x` sum in: bit for bit, given IEEE fp32 ops.)"""
+    n = a.numel()
+    e = -(-n // threads)
+    t = torch.arange(threads, device=a.device)[None]
+    u = torch.arange(e + e % 2 if pairs else e, device=a.device)[:, None]
+    j = 2 * (t + (u // 2) * threads) + u % 2 if pairs else t + u * threads      # [u, thread]
+    ok = j < n
+    A = torch.where(ok, a.float()[j.clamp(max=n - 1)], 0.0)
+    B = torch.where(ok, b.float()[j.clamp(max=n - 1)], 0.0)
+    acc = torch.zeros(threads, device=a.device)
+    for k in range(A.shape[0]):             # (padding: fmaf(0, 0, acc) = acc)
+        acc = fma32(A[k], B[k], acc)
+    w = acc.view(-1, 32)
+    lane = torch.arange(32, device=a.device)
+    for o in (16, 8, 4, 2, 1):
+        w = w + w[:, lane ^ o]
+    total = torch.zeros((), device=a.device)
+    for v in w[:, 0]:
+        total = total + v
+    return total
+
+
+def rms_norm_k3(u: torch.Tensor, w: torch.Tensor, eps: float, pairs: bool = False) -> torch.Tensor:
     """chain.cu's `rms_norm_x` (as `RMSNorm` rounds): bf16(w bf16(u rsqrt(mean(u^2) + eps))), the sum of squares in
-    another order here. u: bf16 values."""
-    r = torch.rsqrt((u * u).sum() / torch.tensor(float(u.numel()), device=u.device) + eps)
+    the kernel's order (`block_dot_k3`; pairs: `attnres_x`'s). u: bf16 values."""
+    r = torch.rsqrt(block_dot_k3(u, u, pairs=pairs) / torch.tensor(float(u.numel()), device=u.device) + eps)
     return bf16r(w.float() * bf16r(u * r))
 
 
 def attnres_k3(bank: list[torch.Tensor], p_prev: torch.Tensor | None, y: torch.Tensor | None, res_norm, res_query,
                out_norm, eps: float, out_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Block AttnRes as the model computes it (`plugins/attn_res/naive.py`, `attn_res_add_norm_ref`), on bf16
-    values: p = bf16(p_prev + y), the mix over (bank rows, p) in fp32 rounded, then RMSNorm. With no bank row the
-    softmax is one weight of 1: x = RMSNorm(p), as the model's first layer computes it. Returns (x, p)."""
+    values, in chain.cu's `attnres_x` order: p = bf16(p_prev + y), per source (the bank rows, then p) its score
+    rsqrt(mean(v^2) + eps) (v . res_norm res_query) with the sums in the kernel's order (`block_dot_k3`, pairs), the
+    softmax (max, exp, the sum in source order, divisions), the mix sum_s w_s v_s in source order (fp32, no FMA),
+    rounded, then RMSNorm (`rms_norm_k3`). With no bank row the softmax is one weight of 1: x = RMSNorm(p), as the
+    model's first layer computes it. Returns (x, p)."""
     p = p_prev if y is None else bf16r((p_prev if p_prev is not None else 0.0) + y)
-    V = torch.stack([*bank, p]).float()
     if bank:
+        V = [v.float() for v in [*bank, p]]
         gw = res_norm.float() * res_query.float().reshape(-1)
-        s = torch.rsqrt(V.pow(2).mean(-1) + eps) * (V * gw).sum(-1)
-        mix = bf16r((torch.softmax(s, 0)[:, None] * V).sum(0))
+        d = torch.tensor(float(p.numel()), device=p.device)
+        sc = [torch.rsqrt(block_dot_k3(v, v, pairs=True) / d + eps) * block_dot_k3(v, gw, pairs=True) for v in V]
+        mx = torch.stack(sc).max()
+        e = [torch.exp(s - mx) for s in sc]
+        tot = torch.zeros((), device=p.device)
+        for v in e:
+            tot = tot + v
+        acc = torch.zeros_like(V[0])
+        for es, v in zip(e, V):
+            acc = acc + (es / tot) * v
+        mix = bf16r(acc)
     else:
         mix = p
-    x = bf16r(out_norm.float() * bf16r(mix * torch.rsqrt(mix.pow(2).mean() + out_eps)))
+    x = rms_norm_k3(mix, out_norm, out_eps, pairs=True)
     return x, p
 
 
@@ -646,7 +734,9 @@ class Buffers:
                 self.table[p, FIELDS.index("w")] = tiles.data_ptr()
         kda_of = {ph.xop: p for p, ph in self.kda_phases()}
         aux_of = lambda p: [self.kda[p]["conv2" if k == "conv_state" else k].data_ptr() for k in KDA_AUX]
+        self.mix_tensors = {}
         self.aux = [torch.tensor(aux_of(kda_of[i]), dtype=torch.int64, device=device) if xs.op == "kda" else
+                    self._mix_aux(xs.src, device) if xs.op == "attnres" else
                     None if xs.aux is None else
                     xs.aux.detach().to(device, torch.float32 if xs.op == "score" else torch.bfloat16).contiguous()
                     for i, xs in enumerate(chain.xsegs)]
@@ -656,6 +746,22 @@ class Buffers:
         self.xdump = (torch.zeros(len(chain.phases), XDUMP_SLOTS, XMAX, dtype=torch.bfloat16, device=device)
                       if chain.xsegs else None)
         self.dumped = False         # xdump holds the last check launch's x (x_of reads it for recipe phases)
+
+    def _mix_aux(self, mix: int, device: str) -> torch.Tensor:
+        """Mix phase `mix`'s chain.cu `MixAux` (its score weights gw = res_norm res_query and the norm's weight kept
+        in `mix_tensors`), as bytes on the device."""
+        m, d = self.chain.mixes[mix], self.chain.phases[mix].n // 2
+        if mix not in self.mix_tensors:
+            gw = (m.res_norm.float() * m.res_query.float().reshape(-1) if m.bank else torch.zeros(d))
+            self.mix_tensors[mix] = (gw.to(device, torch.float32).contiguous(),
+                                     m.out_norm.detach().to(device, torch.bfloat16).contiguous())
+        gw, ow = self.mix_tensors[mix]
+        ref = lambda r: (-2, 0) if r is None else (-1, 0) if r == "input" else (int(r[0]), int(r[1]))
+        bank = [ref(b) for b in m.bank] + [(0, 0)] * (MIX_BANK - len(m.bank))
+        raw = struct.pack(MIX_AUX, gw.data_ptr(), ow.data_ptr(), len(m.bank), len(m.y), *[b[0] for b in bank],
+                          *[b[1] for b in bank], *ref(m.p_prev), *(list(m.y) + [0] * (MIX_Y - len(m.y))), m.eps,
+                          m.out_eps, self.chain.mix_writers().get(mix, -1), 0)
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
 
     def kda_phases(self):
         return [(p, ph) for p, ph in enumerate(self.chain.phases) if ph.kind == "kda"]
@@ -738,6 +844,8 @@ class Buffers:
             elif xs.op == "norm":
                 u = src[xs.off + j] + (self.out(xs.route)[xs.off2 + j] if xs.route >= 0 else 0.0)
                 parts.append(rms_norm_k3(bf16r(u), aux, xs.eps))
+            elif xs.op == "attnres":
+                parts.append(self.mix_out(xs.src)[:xs.len])
             elif xs.op == "headnorm":
                 parts.append(kda_headnorm_k3(src[xs.off + j], bf16r(self.out(xs.route)[xs.off2 + j]), aux, xs.eps))
             else:                                               # score
@@ -776,10 +884,28 @@ class Buffers:
             return None
         if ref == "input":
             return bf16r(self.x[:d])
+        if ref[0] in self.chain.mixes:
+            return self.mix_words(ref[0])[1]
         return self.out(ref[0])[ref[1]:ref[1] + d]
 
+    def mix_words(self, q: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mix phase q's words as written: x (d fp32 words) and p, packed after it two bf16 a word ({p[2 i],
+        p[2 i + 1], epoch}: chain.cu's `attnres_x`), as fp32 [d] each."""
+        d, o = self.chain.phases[q].n // 2, self.y_off[q]
+        pw = self.y[o + d:o + d + d // 2].view(torch.bfloat16).view(-1, 4)[:, :2].reshape(-1).float()
+        return self.values[o:o + d], pw
+
+    def set_mix(self, q: int, x: torch.Tensor, p: torch.Tensor) -> None:
+        """Write mix phase q's words (x, then p packed) as the kernel does, keeping each word's epoch."""
+        d, o = self.chain.phases[q].n // 2, self.y_off[q]
+        self.values[o:o + d] = x
+        bits = p.bfloat16().view(torch.int16).to(torch.int64) & 0xFFFF
+        low = bits[0::2] | (bits[1::2] << 16)
+        w = self.y[o + d:o + d + d // 2]
+        w.copy_((w & ~0xFFFFFFFF) | low)
+
     def mix_out(self, p: int) -> torch.Tensor:
-        """A "mix" phase's words [x | p] from the vectors now in the buffers (`attnres_k3`)."""
+        """A "mix" phase's [x | p] from the vectors now in the buffers (`attnres_k3`)."""
         m, d = self.chain.mixes[p], self.chain.phases[p].n // 2
         y = None
         if m.y:
@@ -855,6 +981,9 @@ class Buffers:
                 self.out(p).copy_(o)
                 self.kda_set_state(p, state)
                 self.kda_conv(p).copy_(conv)
+            elif ph.kind == "mix":
+                v = self.mix_out(p)
+                self.set_mix(p, v[:ph.n // 2], v[ph.n // 2:])
             else:
                 self.out(p).copy_(self.expected(p))
 
@@ -875,16 +1004,20 @@ class Buffers:
         inputs), the top-k phases that differ, and the phases with unwritten (NaN) rows; per KDA phase
         `kda_errors` (not in max_rel: its bounds are `KDA_BOUNDS`)."""
         worst = {k: 0.0 for k in KINDS if k not in ("kda", "mix", "mla")}
-        topk_wrong, nan, kda = [], [], {}
+        topk_wrong, nan, kda, mix = [], [], {}, {}
+        writers = self.chain.mix_writers()
         for p, ph in enumerate(self.chain.phases):
-            got = self.out(p)
+            if (ph.kind == "mix" and p not in writers) or ph.kind == "mla":
+                continue                    # (emulated only: no kernel writes them)
+            got = torch.cat(self.mix_words(p)) if ph.kind == "mix" else self.out(p)
             if torch.isnan(got).any():
                 nan.append(ph.name)
                 continue
             if ph.kind == "kda":
                 kda[ph.name] = self.kda_errors(p)
                 continue
-            if ph.kind in ("mix", "mla"):   # (no kernel writes them yet: ChainKernel.bind refuses such a chain)
+            if ph.kind == "mix":
+                mix[ph.name] = self.mix_errors(p)
                 continue
             ref = self.expected(p)
             if ph.kind == "topk":
@@ -893,8 +1026,26 @@ class Buffers:
                 continue
             rel = ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
             worst[ph.kind] = max(worst[ph.kind], rel)
-        return {"max_rel": worst, "topk_wrong": topk_wrong, "unwritten": nan, "kda": kda,
-                "kda_out_of_bounds": [k for k, v in kda.items() if any(v[b] > KDA_BOUNDS[b] for b in KDA_BOUNDS)]}
+        out = {"max_rel": worst, "topk_wrong": topk_wrong, "unwritten": nan, "kda": kda,
+               "kda_out_of_bounds": [k for k, v in kda.items() if any(v[b] > KDA_BOUNDS[b] for b in KDA_BOUNDS)]}
+        if mix:
+            out["mix"] = mix
+            out["mix_out_of_bounds"] = [k for k, v in mix.items() if any(v[b] > MIX_BOUNDS[b] for b in MIX_BOUNDS)]
+        return out
+
+    def mix_errors(self, p: int) -> dict:
+        """A mix phase's words as its writer left them against `mix_out` on the kernel's own inputs: p (exact: one
+        rounded add) and x (elements that differ, the largest difference in bf16 steps)."""
+        d, ref = self.chain.phases[p].n // 2, self.mix_out(p)
+        x, pv = self.mix_words(p)
+        return {"p_differ": int((pv != ref[d:]).sum()), "x_differ": int((x != ref[:d]).sum()),
+                "x_max_ulps": bf16_ulps(x, ref[:d])}
+
+
+def bf16_ulps(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """The largest |got - ref| in units of ref's bf16 spacing there (NaN: inf)."""
+    ulp = 2.0 ** (torch.floor(torch.log2(ref.abs().clamp_min(2.0 ** -126))) - 7)
+    return float(((got - ref).abs() / ulp).nan_to_num(float("inf")).max()) if ref.numel() else 0.0
 
 
 def mma_tile(rows: int, rows_here: int, k: int, min_k: int = 32) -> bool:
@@ -1070,10 +1221,17 @@ def smem_bytes(nslot: int, slot_bytes: int, nphase: int, nxseg: int = 0) -> int:
     return nslot * slot_bytes + XMAX * 2 + nphase * PHASE_BYTES + nxseg * XSEG_BYTES + 2 * nslot * 8
 
 
-def not_resident(per_sm: int, threads: int, regs: int, smem: int) -> str | None:
-    """Why `per_sm` blocks (threads, registers a thread, dynamic shared memory) cannot all be on one SM, or None."""
-    if smem > SMEM_LIMIT or per_sm * (smem + 1024) > SMEM_PER_SM:
-        return f"{smem} bytes of shared memory a block, over what an SM has"
+def too_wide(chain: Chain) -> list[str]:
+    """The phase fields (phase.field) that chain.cu's 16-bit PhaseC fields cannot hold."""
+    return [f"{ph.name}.{f}" for ph in chain.phases for f in PHASE_INT16 if f != "kind"
+            and not -2 ** 15 <= getattr(ph, f) < 2 ** 15]
+
+
+def not_resident(per_sm: int, threads: int, regs: int, smem: int, static: int = 0) -> str | None:
+    """Why `per_sm` blocks (threads, registers a thread, dynamic and static shared memory) cannot all be on one SM,
+    or None."""
+    if smem + static > SMEM_LIMIT or per_sm * (smem + static + 1024) > SMEM_PER_SM:
+        return f"{smem} + {static} (static) bytes of shared memory a block, over what an SM has"
     if per_sm * (threads // 32) * (-(-regs * 32 // 256) * 256) > REGS_PER_SM:
         return f"{threads} threads at {regs} registers a block, over an SM's {REGS_PER_SM}"
     return None
@@ -1097,6 +1255,7 @@ class ChainKernel:
         self.steps = define_value(defines, "STEPS", cu)
         self.per_sm = define_value(defines, "BLOCKS_PER_SM", cu, default=1)
         self.regs = int(re.search(r"Used (\d+) registers", self.ptxas).group(1))
+        self.static_smem = int(re.search(r"(\d+) bytes smem", self.ptxas).group(1))
         self.blocks = self.per_sm * torch.cuda.get_device_properties(0).multi_processor_count
         self.epoch = 0
         self.counters = self.err = None
@@ -1118,14 +1277,23 @@ class ChainKernel:
             if bad:
                 raise ValueError(f"built with MMA_ONLY, which sums tensor-core tiles only (rows a multiple of 16 "
                                  f"dividing n, k a multiple of 32 and at least MMA_MIN_K): not {', '.join(bad[:5])}")
-        if bufs.chain.mixes or bufs.chain.mlas:
-            raise ValueError("this chain has Block AttnRes ('mix') or MLA attention ('mla') phases, which chain.cu "
-                             "does not run yet: they are emulated only (docs/megakernel.md, Next)")
+        if bufs.chain.mlas:
+            raise ValueError("this chain has MLA attention ('mla') phases, which chain.cu does not run yet: they are "
+                             "emulated only (docs/megakernel.md, Next)")
+        wide = too_wide(bufs.chain)
+        if wide:
+            raise ValueError(f"chain.cu keeps {', '.join(PHASE_INT16)} in 16 bits: {', '.join(wide[:3])} do not fit")
+        unwritten = [bufs.chain.phases[q].name for q in bufs.chain.mixes if q not in bufs.chain.mix_writers()]
+        if unwritten:
+            raise ValueError(f"mix phases {', '.join(unwritten[:3])} have no GEMV that computes them ('attnres' x, "
+                             f"Chain.gemv_after): chain.cu would never write their words")
+        if bufs.chain.mixes and not define_value(self.defines, "MMA_ONLY", self.cu, default=0):
+            raise ValueError("this chain has AttnRes x loads, which chain.cu runs only built with MMA_ONLY=1")
         if any(ph.kind == "kda" for ph in bufs.chain.phases) and self.consumers != 512:
             raise ValueError(f"this chain has KDA phases, which chain.cu runs on 512 consumer threads; the kernel "
                              f"has {self.consumers} (CONSUMER_WARPS)")
         self.smem = smem_bytes(self.nslot, self.slot_bytes, n, len(bufs.chain.xsegs))
-        why = not_resident(self.per_sm, self.threads, self.regs, self.smem)
+        why = not_resident(self.per_sm, self.threads, self.regs, self.smem, self.static_smem)
         if why:
             raise ValueError(f"ring {self.nslot}x{self.slot_bytes} with {n} phases, {self.per_sm} block(s) an SM: "
                              f"{why}; the blocks would not all be resident, and would wait on each other")
@@ -1205,10 +1373,15 @@ class ChainKernel:
         return tile_pipeline(tr, block_tiles(self.bufs.chain, self.blocks))
 
     def timeline_us(self) -> list[float]:
-        """When each phase of the last launch finished, us after block 0 started."""
+        """When each phase of the last launch finished, us after block 0 started (a phase without tiles, a mix: when
+        the phase before it did; its work is in its consumers' x loads)."""
         torch.cuda.synchronize()
         n = len(self.bufs.chain.phases)
-        return ((self.t_done[:n] - self.t_start).double() / 1e3).tolist()
+        t = ((self.t_done[:n] - self.t_start).double() / 1e3).tolist()
+        for p, ph in enumerate(self.bufs.chain.phases):
+            if ph.ntiles == 0:
+                t[p] = t[p - 1] if p else 0.0
+        return t
 
     def phase_times(self, mode: str) -> dict:
         """One launch of a -DPHASE_TIMES build: per phase, us after block 0 started, when the first block began it,

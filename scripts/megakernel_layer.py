@@ -89,7 +89,10 @@ def kda_sublayer(c: mc.Chain, attn, out: list[int], name: str, start: dict) -> i
 
 def gemv_on(c: mc.Chain, out: list[int], name: str, n: int, k: int, weight: torch.Tensor) -> int:
     """A GEMV whose x is a sublayer's output `out`: one phase's words, two phases' added (src, dep2), or more
-    phases' added by the "sum" recipe (consecutive phases, in order)."""
+    phases' added by the "sum" recipe (consecutive phases, in order); or, `out` a "mix" phase, its AttnRes computed in
+    the x load (`Chain.gemv_after`)."""
+    if len(out) == 1 and out[0] in c.mixes:
+        return c.gemv_after(name, n, out[0], weight=weight)
     if len(out) <= 2:
         return c.gemv(name, n, k, out[0] if out else -1, dep2=out[1] if len(out) > 1 else -1, weight=weight)
     return c.gemv(name, n, k, out[0], xsegs=[mc.XSeg("sum", out[0], k, nslot=len(out))], weight=weight)
@@ -122,6 +125,15 @@ def mla_standin(c: mc.Chain, out: list[int], name: str, cfg) -> int:
     the gate and the output), with random weights, so that a chain can stand for the whole step's bytes and links
     while the real MLA sublayer is not built. Returns its "o" phase."""
     d, H, lat = cfg.hidden_size, cfg.num_attention_heads, 256
+    if len(out) == 1 and out[0] in c.mixes:         # (AttnRes: q_a | kv_a | g in one GEMV, as the model packs them)
+        qa = gemv_on(c, out, name + "q_kv_a", cfg.q_lora_rank + cfg.latent_dim + H * cfg.v_head_dim, d, None)
+        nq = c.gemv(name + "norms", lat, lat, qa)
+        qb = c.gemv(name + "q_b", H * cfg.qk_head_dim, cfg.q_lora_rank, nq)
+        ak = c.gemv(name + "absorb_k", H * cfg.kv_lora_rank, cfg.qk_nope_head_dim, qb)
+        sc = c.gemv(name + "scores", 1024, cfg.latent_dim, ak)
+        sm = c.gemv(name + "softmax", lat, lat, sc)
+        av = c.gemv(name + "absorb_v", H * cfg.v_head_dim, cfg.kv_lora_rank, sm)
+        return c.gemv(name + "o", d, H * cfg.v_head_dim, av)
     qa = gemv_on(c, out, name + "q_kv_a", cfg.q_lora_rank + cfg.latent_dim, d, None)
     nq = c.gemv(name + "norms", lat, lat, qa)
     qb = c.gemv(name + "q_b", H * cfg.qk_head_dim, cfg.q_lora_rank, nq)
@@ -203,10 +215,16 @@ def layers_chain(model, layers: list[int], slot_bytes: int = 65536, packed_out: 
         if type(moe.routed_expert_down_proj) is not torch.nn.Linear:
             raise ValueError(f"layer {l}: the model is packed; build the chain from the model as loaded")
         sh, ex, n = moe.shared_experts, moe.experts, f"L{l}.moe."
-        proj = gemv_on(c, out, n + "proj", L + 2 * Is, d, torch.cat(
-            [moe.routed_expert_down_proj.weight, sh.gate_proj.weight, sh.up_proj.weight]))
-        router = gemv_on(c, out, n + "router", E, d, moe.gate.weight)
-        tk = c.topk(n + "topk", K, router, score=mc.XSeg("score", router, E, aux=moe.gate.e_score_correction_bias,
+        if attnres:     # the router's rows in proj: one AttnRes x load a sublayer, not two (12-02 19:30)
+            proj = gemv_on(c, out, n + "proj", L + 2 * Is + E, d, torch.cat(
+                [moe.routed_expert_down_proj.weight, sh.gate_proj.weight, sh.up_proj.weight, moe.gate.weight]))
+            router, r_off = proj, L + 2 * Is
+        else:
+            proj = gemv_on(c, out, n + "proj", L + 2 * Is, d, torch.cat(
+                [moe.routed_expert_down_proj.weight, sh.gate_proj.weight, sh.up_proj.weight]))
+            router, r_off = gemv_on(c, out, n + "router", E, d, moe.gate.weight), 0
+        tk = c.topk(n + "topk", K, router, score=mc.XSeg("score", router, E, off=r_off,
+                                                       aux=moe.gate.e_score_correction_bias,
                                                        renorm=cfg.moe_renormalize and K > 1,
                                                        scaling=cfg.routed_scaling_factor))
         shared_h = mc.XSeg("glu", proj, Is, off=L, off2=Is, round_in=True, beta=beta, lb=lb)
@@ -228,7 +246,7 @@ def layers_chain(model, layers: list[int], slot_bytes: int = 65536, packed_out: 
     if head and attnres:
         m = model.model
         x = mixed("final.mix", m.output_attn_res_norm, m.output_attn_res_proj, m.norm)
-        c.gemv("lm_head", cfg.vocab_size, d, x[0], weight=model.lm_head.weight)
+        gemv_on(c, x, "lm_head", cfg.vocab_size, d, model.lm_head.weight)
     elif head:
         if len(out) > 2:
             raise ValueError("the LM head after the dense layer: its norm adds two phases' words at most")
@@ -281,7 +299,11 @@ def chosen(bufs: mc.Buffers) -> list[list[int]]:
 
 
 def sublayer_inputs(bufs: mc.Buffers) -> list[torch.Tensor]:
-    """The bf16 input of each sublayer as the kernel read it: the external x, then each previous output."""
+    """The bf16 input of each sublayer as the kernel read it: the external x, then each previous output; with
+    AttnRes, the x of the mix before it (normalised: the sublayer's own norm is in the mix)."""
+    ph, d = bufs.chain.phases, bufs.chain.x_len
+    if bufs.chain.mixes:
+        return [bufs.out(max(q for q in bufs.chain.mixes if q < p))[:d].bfloat16() for p in sublayer_phases(bufs)]
     return [bufs.x.bfloat16()] + [y.bfloat16() for y in outputs(bufs)[:-1]]
 
 
@@ -326,7 +348,9 @@ def parts_vs_compile(bufs: mc.Buffers, layer_index: int, moe, x: torch.Tensor) -
     ph = bufs.chain.phases
     p_out = [p for p, f in enumerate(ph) if f.name.endswith((".out", ".up"))][layer_index]
     packed = ph[p_out].name.endswith(".out")
-    p_proj, p_topk, p_down = p_out - (5 if packed else 6), p_out - (3 if packed else 4), p_out - 1
+    at = {f.name: q for q, f in enumerate(ph)}
+    base = ph[p_out].name.rsplit(".", 1)[0]
+    p_proj, p_topk, p_down = at[base + ".proj"], at[base + ".topk"], at[base + ".down"]
     comb = bufs.chain.xsegs[ph[p_out].xop]
     L, K = comb.len, ph[p_topk].ne
     w, rows = bufs.out(p_topk)[K:2 * K], bufs.out(p_down).view(K, L)
@@ -336,7 +360,7 @@ def parts_vs_compile(bufs: mc.Buffers, layer_index: int, moe, x: torch.Tensor) -
     z, h = moe.project_hidden(x[None])
     u = moe.routed(x[None], z)
     xk = bufs.xdump[p_out, 0, :ph[p_out].k]
-    hk = xk[L:] if packed else bufs.xdump[p_out - 3, 0, :ph[p_out - 3].k]
+    hk = xk[L:] if packed else bufs.xdump[at[base + ".shared_down"], 0, :ph[at[base + ".shared_down"]].k]
     return {"z": compare(bufs.out(p_proj)[:L].bfloat16(), z[0]), "shared_h": compare(hk, h[0]),
             "u": compare(u_k.bfloat16(), u[0]), "latent_normed": compare(xk[:L], moe.routed_expert_norm(u)[0])}
 
@@ -366,10 +390,13 @@ DIAGNOSTICS = ("SKIP_COMPUTE", "NOLOADX", "NOCOPY")     # chain.cu builds whose 
 def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: int = 0,
         defines: tuple[str, ...] = DEFINES, modes: tuple[str, ...] = ("stream", "serial", "nodeps"),
         baseline: bool = True, cu: Path = mc.CU, packed_out: bool = False, spread: bool = True,
-        routed_rows: int = mc.MAX_ROWS, kda: bool = True, mla_standins: bool = False, head: bool = False) -> dict:
+        routed_rows: int = mc.MAX_ROWS, kda: bool = True, mla_standins: bool = False, head: bool = False,
+        attnres: bool = False, context: int = 1024) -> dict:
     """Check (unless a diagnostic build), compare with the compile backend and time (`baseline`), time `modes`.
     A -DTRACE_TILES build also reports what each block's ring did in one stream launch (`tile_pipeline`). The
-    compile baseline runs the chain's real sublayers (the MLA stand-ins have no counterpart there)."""
+    compile baseline runs the chain's real sublayers (the MLA stand-ins have no counterpart there, nor AttnRes);
+    with attnres (the whole step), also the `compile` engine's whole real decode step at B = 1 after `context`
+    tokens ("compile step")."""
     from k3export.bench.ceilings import copy_bandwidth, graph_replay
     from k3export.bench.fp8 import gpu_random_model
     from k3export.config import PRESETS
@@ -379,7 +406,8 @@ def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: in
     layers = layers or moe_layers(cfg)
     blocks = torch.cuda.get_device_properties(0).multi_processor_count
     chain = layers_chain(model, layers, packed_out=packed_out, min_tiles=blocks if spread else 0,
-                         routed_rows=routed_rows, kda=kda, seed=seed, mla_standins=mla_standins, head=head)
+                         routed_rows=routed_rows, kda=kda, seed=seed, mla_standins=mla_standins, head=head,
+                         attnres=attnres)
     bufs = mc.Buffers(chain)
     g = torch.Generator(device="cuda").manual_seed(seed + 1)
     bufs.x.copy_(torch.randn(cfg.hidden_size, generator=g, device="cuda").bfloat16().float())
@@ -388,7 +416,7 @@ def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: in
     kern.bind(bufs)
     res = {"device": torch.cuda.get_device_name(0), "preset": preset, "layers": layers, "kda": kda,
            "mla_standins": mla_standins, "head": head, "packed_out": packed_out, "spread": spread,
-           "routed_rows": routed_rows,
+           "routed_rows": routed_rows, "attnres": attnres,
            "phases": len(chain.phases), "tiles": chain.ntiles, "bytes_read": chain.bytes_read,
            "copy_gbs": copy_bandwidth() / 1e9, "defines": list(kern.defines), "check": {}}
     # 1. the kernel against the torch emulation of its phases (stream and serial: the same outputs)
@@ -406,7 +434,13 @@ def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: in
               f"{sum(v['differ'] for v in rx.values())} of {sum(v['of'] for v in rx.values())}", flush=True)
         for name, v in e["kda"].items():
             print(f"  {name}: vs emulation {v}; vs Triton {e['kda_vs_triton'][name]}", flush=True)
-        if e["unwritten"] or e["topk_wrong"] or e["kda_out_of_bounds"] or worst > mc.CHECK_REL:
+        if e.get("mix"):
+            mx = e["mix"].values()
+            print(f"  AttnRes ({len(mx)} mixes) vs emulation: p differing {sum(v['p_differ'] for v in mx)}, x "
+                  f"differing {sum(v['x_differ'] for v in mx)} of {len(mx) * chain.x_len}, at most "
+                  f"{max(v['x_max_ulps'] for v in mx):g} bf16 steps", flush=True)
+        if (e["unwritten"] or e["topk_wrong"] or e["kda_out_of_bounds"] or e.get("mix_out_of_bounds")
+                or worst > mc.CHECK_REL):
             raise RuntimeError(f"{m}: the kernel differs from the emulation of its phases, not timing it: {e}")
     # 2. each sublayer against the model's MoE as the compile backend runs it, on the kernel's input (not for a
     # diagnostic build: its outputs are wrong by design)
@@ -424,7 +458,8 @@ def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: in
             if name.endswith(".mla.o"):                         # (a stand-in: nothing to compare)
                 continue
             if name == "lm_head":                               # the final norm and the LM head
-                row = dict(layer="head", sublayer="lm_head", **compare(y, model.lm_head(model.model.norm(x[None]))[0]))
+                xn = x[None] if chain.mixes else model.model.norm(x[None])     # (AttnRes: normalised in the mix)
+                row = dict(layer="head", sublayer="lm_head", **compare(y, model.lm_head(xn)[0]))
             elif ".dense.down." in name:
                 row = dict(layer=l, sublayer="dense", **compare(y, mlps[layers.index(l)](x[None])[0]))
             elif name.endswith(".kda.o"):       # the sublayer as compile runs it, from the same state
@@ -465,6 +500,17 @@ def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: in
         except Exception as exc:        # (the kernel's own timing still runs; the log says why there is no baseline)
             res["baseline_error"] = f"{type(exc).__name__}: {exc}"[:2000]
             print(f"compile baseline failed, timing the kernel alone: {res['baseline_error']}", flush=True)
+    if baseline and attnres:            # the compile engine's whole real step (its own copy of the model)
+        from k3export.runtime import CompileBackend, Engine
+        eng = Engine(CompileBackend(gpu_random_model(cfg, seed)), max_batch=1,
+                     max_len=context + 64 + rounds * (iters + 16))          # (each timed call decodes a token)
+        if eng.graphed:
+            tok = torch.randint(0, cfg.vocab_size, (1,), device="cuda")
+            eng.fill_slots(context)
+            eng.decode(tok)
+            fns["compile step"] = lambda: eng.decode(tok)
+        else:
+            res["baseline_error"] = f"compile step not graphed: {eng.graph_error}"
     times = {k: [] for k in fns}
     res["round_medians_ms"] = {k: [] for k in fns}
     for _ in range(rounds):
@@ -480,11 +526,12 @@ def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: in
     res["timeline_us"] = kern.timeline_us()
     if "PHASE_TIMES" in kern.defines:
         res["phase_times_us"] = pt = kern.phase_times(modes[0])
+        before = {p: max((q for q in range(p) if chain.phases[q].ntiles), default=-1) for p in range(len(chain.phases))}
         for kind in ("kda.in", "kda.o", "proj", "router", "topk", "shared_down", "gate_up", "down", "up",
                      "out"):             # (a KDA step records when it began and finished only)
-            ps = [p for p, f in enumerate(chain.phases) if f.name.endswith("." + kind)][1:-1]   # (inner layers)
-            if ps:                  # (us after the phase before it finished, mean over those layers)
-                after = lambda key: statistics.fmean(pt[key][p] - pt["done"][p - 1] for p in ps)
+            ps = [p for p, f in enumerate(chain.phases) if f.name.endswith("." + kind) and before[p] >= 0][1:-1]
+            if ps:                  # (us after the phase with tiles before it finished, mean over those layers)
+                after = lambda key: statistics.fmean(pt[key][p] - pt["done"][before[p]] for p in ps)
                 print(f"{kind}: after the phase before it finished, began {after('begin'):+.1f} us, had x "
                       f"{after('x'):+.1f} us, a tile {after('tile'):+.1f} us, done {after('done'):+.1f} us",
                       flush=True)
@@ -597,6 +644,8 @@ def main() -> None:
     ap.add_argument("--step", action="store_true", help="layers 0-11 (unless --layers), MLA stand-ins, final norm and "
                     "LM head: the whole step's bytes and links, real but for the MLA attention (and AttnRes)")
     ap.add_argument("--no-standins", action="store_true", help="with --step: no MLA stand-ins")
+    ap.add_argument("--attnres", action="store_true", help="with --step: Block AttnRes before every sublayer and the "
+                    "head, as the model has it (in the consumers' x loads), and the compile engine's whole step timed")
     ap.add_argument("--out")
     ap.add_argument("--plot", help="PNG: the launch's bytes over time and its time by sublayer kind")
     ap.add_argument("--replot", metavar="JSON", help="no run: plot a saved --out result (with --plot)")
@@ -616,10 +665,10 @@ def main() -> None:
     res = run(a.preset, layers, a.rounds, a.iters, defines=tuple(d for d in a.defines.split("+") if d),
               modes=modes, baseline=not a.no_baseline, cu=a.cu, packed_out=a.packed_out, spread=not a.no_spread,
               routed_rows=a.routed_rows, kda=not a.no_kda, mla_standins=a.step and not a.no_standins,
-              head=a.step)
+              head=a.step, attnres=a.step and a.attnres)
     floor = res["bytes_floor_ms"]
     what = ("KDA + MoE" if res["kda"] else "MoE") + (" + MLA stand-ins" if res["mla_standins"] else "") + (
-        " + LM head" if res["head"] else "")
+        " + LM head" if res["head"] else "") + (" + AttnRes" if res["attnres"] else "")
     print(f"{a.preset} {what} sublayers of layers {res['layers']}: {res['phases']} phases, "
           f"{res['bytes_read'] / 1e6:.0f} MB "
           f"(floor {floor:.3f} ms): " + ", ".join(f"{k} {v:.4f} ms" for k, v in res["ms"].items()), flush=True)

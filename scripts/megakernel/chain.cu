@@ -105,7 +105,8 @@
 #endif
 
 enum Kind : int64_t { GEMV = 0, TOPK = 1, ROUTED = 2, KDA = 3 };
-enum XOp : int32_t { X_GLU = 1, X_COMBINE_NORM = 2, X_SCORE = 3, X_KDA = 4, X_HEADNORM = 5, X_NORM = 6, X_SUM = 7 };
+enum XOp : int32_t { X_GLU = 1, X_COMBINE_NORM = 2, X_SCORE = 3, X_KDA = 4, X_HEADNORM = 5, X_NORM = 6, X_SUM = 7,
+                     X_ATTNRES = 8 };
 enum Mode : int { STREAM = 0, SERIAL = 1, NODEPS = 2 };
 
 struct Phase {                          // 16 int64 fields, built by megakernel_chain.py (`Buffers.table`)
@@ -139,6 +140,12 @@ struct Phase {                          // 16 int64 fields, built by megakernel_
 //   X_HEADNORM (after a KDA phase src, whose words are the heads' outputs o, rounded): per head of 128,
 //     bf16(bf16(aux[j] * bf16(o rsqrt(mean(o^2) + eps))) * sigmoid(g)), g the words of phase route at off2 (the
 //     KDA kernel's head RMSNorm and output gate, op for op).
+//   X_ATTNRES (Block AttnRes before a sublayer, in every consuming block's x load; aux: `MixAux`): p = bf16(p_prev
+//     + bf16(y)), y the sublayer output's parts added in order; the depth softmax over the sources (the sealed bank
+//     rows, then p), score rsqrt(mean(v^2) + eps) (v . gw); their mix in fp32, rounded; then the sublayer's RMSNorm
+//     as X_COMBINE_NORM's. src: the "mix" phase, whose words [x | p] (2 len) the block with tile 0 of phase
+//     aux.writer writes (one consumer a mix: later mixes read p there, and the check reads both). The consumers of
+//     a mix share its part (shared memory holds the table and the parts: k3-small's step came 272 bytes short).
 struct XSeg {
     int64_t aux;
     int32_t op, src, off, len;
@@ -158,19 +165,36 @@ struct KdaAux {
     int64_t conv_weight;                // bf16 [3 H 128][4]
     int64_t a_log, dt_bias;             // fp32 [H], [H 128]
 };
+// An X_ATTNRES part's sources (`megakernel_chain.py` MIX_AUX). A vector is the words at off .. off + len - 1 of
+// phase src; src -1: the external input (fp32, rounded to bf16: the embedding row); src -2 (p_prev only): none.
+#define MIX_BANK 3                      // sealed bank rows at most (k3-small: blocks of 4 layers)
+#define MIX_Y 4                         // the sublayer output's parts at most (the dense MLP's down: 4)
+#define MIX_E 4                         // elements a thread: len <= MIX_E CONSUMERS
+struct MixAux {
+    int64_t gw;                         // fp32 [len]: res_norm * res_query (the scores' weights)
+    int64_t out_w;                      // bf16 [len]: the sublayer's RMSNorm weight
+    int32_t nbank, ny;
+    int32_t bank_src[MIX_BANK], bank_off[MIX_BANK];
+    int32_t prev_src, prev_off;
+    int32_t y_src[MIX_Y];               // words 0 .. len - 1 of each
+    float eps, out_eps;
+    int32_t writer, pad;                // the phase whose block with tile 0 writes the mix's words [x | p]
+};
+static_assert(sizeof(MixAux) == 88, "MixAux is 88 bytes (megakernel_chain.py MIX_AUX)");
 #define KDA_FB_BYTES 32768
 #define KDA_TILE (KDA_FB_BYTES + 128 * 32 * 4)
 
-struct PhaseC {                         // the table as the kernel keeps it in shared memory (80 bytes a phase)
-    int64_t w, y;
-    int32_t kind, n, k, rows, ntiles, tile0, src, xlen, xstride, route, ne, n_experts, dep2, xlen2, xop, nxseg;
+struct PhaseC {                         // the table as the kernel keeps it in shared memory (64 bytes a phase; 80
+    int64_t w, y;                       // with every field 32-bit left k3-small's step with AttnRes 1.8 KB short)
+    int32_t n, k, ntiles, tile0, xlen, xstride, ne, xlen2;
+    int16_t kind, rows, src, route, n_experts, dep2, xop, nxseg;       // (the host checks that they fit)
 };
-static_assert(sizeof(PhaseC) == 80, "PhaseC is 80 bytes (megakernel_chain.py smem_bytes)");
+static_assert(sizeof(PhaseC) == 64, "PhaseC is 64 bytes (megakernel_chain.py PHASE_BYTES)");
 __device__ __forceinline__ PhaseC compact(const Phase& f) {
-    return PhaseC{f.w, f.y, (int32_t)f.kind, (int32_t)f.n, (int32_t)f.k, (int32_t)f.rows, (int32_t)f.ntiles,
-                  (int32_t)f.tile0, (int32_t)f.src, (int32_t)f.xlen, (int32_t)f.xstride, (int32_t)f.route,
-                  (int32_t)f.ne, (int32_t)f.n_experts, (int32_t)f.dep2, (int32_t)f.xlen2, (int32_t)f.xop,
-                  (int32_t)f.nxseg};
+    return PhaseC{f.w, f.y, (int32_t)f.n, (int32_t)f.k, (int32_t)f.ntiles, (int32_t)f.tile0, (int32_t)f.xlen,
+                  (int32_t)f.xstride, (int32_t)f.ne, (int32_t)f.xlen2, (int16_t)f.kind, (int16_t)f.rows,
+                  (int16_t)f.src, (int16_t)f.route, (int16_t)f.n_experts, (int16_t)f.dep2, (int16_t)f.xop,
+                  (int16_t)f.nxseg};
 }
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
@@ -616,19 +640,20 @@ __device__ __forceinline__ int kda_phase(const PhaseC& f, const PhaseC* ph, cons
     return n;
 }
 
-// The RMSNorm of X_COMBINE_NORM and X_NORM over x (g.len values, bf16 in x already; ss: this thread's sum of their
-// squares, fmaf in order): the threads' sums by warp butterflies, then over the warps in order; x = bf16(w bf16(u r))
-// with r = rsqrt(mean + eps), w = g.aux (bf16), as `RMSNorm` rounds. Every consumer thread calls it (two barriers).
-__device__ __forceinline__ bool rms_norm_x(__nv_bfloat16* x, const XSeg& g, float ss, float* red) {
+// The RMSNorm of X_COMBINE_NORM, X_NORM and X_ATTNRES over x (len values, bf16 in x already; ss: this thread's sum
+// of their squares, fmaf in order): the threads' sums by warp butterflies, then over the warps in order;
+// x = bf16(w bf16(u r)) with r = rsqrt(mean + eps), w = nw (bf16), as `RMSNorm` rounds. Every consumer thread calls
+// it (two barriers).
+__device__ __forceinline__ bool rms_norm_x(__nv_bfloat16* x, int len, float eps, const __nv_bfloat16* nw, float ss,
+                                           float* red) {
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     for (int o = 16; o; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
     if (lane == 0) red[warp] = ss;
     consumers_sync();
     float total = 0.f;
     for (int w = 0; w < CONSUMER_WARPS; ++w) total += red[w];
-    const float r = rsqrtf(__fadd_rn(__fdiv_rn(total, static_cast<float>(g.len)), g.eps));
-    const __nv_bfloat16* nw = reinterpret_cast<const __nv_bfloat16*>(g.aux);
-    for (int j = tid; j < g.len; j += CONSUMERS) {    // RMSNorm: bf16(u r), times the weight, bf16
+    const float r = rsqrtf(__fadd_rn(__fdiv_rn(total, static_cast<float>(len)), eps));
+    for (int j = tid; j < len; j += CONSUMERS) {      // RMSNorm: bf16(u r), times the weight, bf16
         const float nu = bf16r(__fmul_rn(__bfloat162float(x[j]), r));
         x[j] = __float2bfloat16_rn(__fmul_rn(__bfloat162float(nw[j]), nu));
     }
@@ -636,11 +661,278 @@ __device__ __forceinline__ bool rms_norm_x(__nv_bfloat16* x, const XSeg& g, floa
     return true;
 }
 
+__device__ __forceinline__ const __nv_bfloat16* aux_bf16(const XSeg& g) {
+    return reinterpret_cast<const __nv_bfloat16*>(g.aux);
+}
+
+// The words b[s][i CONSUMERS] for s < S (b[s] null: none) and i < n <= N as values, polled as `poll_all` does, from
+// S base pointers (not S N: the poll loop keeps its addresses live).
+template <int S, int N>
+__device__ __forceinline__ bool poll_grid(const uint64_t* const (&b)[S], int n, float (&v)[S][N], uint32_t epoch,
+                                          bool wait, uint32_t* err, int64_t ph, int64_t t) {
+    for (uint32_t spin = 0;; ++spin) {
+        uint64_t w[S][N];
+#pragma unroll
+        for (int s = 0; s < S; ++s)
+#pragma unroll
+            for (int i = 0; i < N; ++i)
+                w[s][i] = b[s] && i < n ? load_word(b[s] + i * CONSUMERS) : static_cast<uint64_t>(epoch) << 32;
+        bool fresh = true;
+#pragma unroll
+        for (int s = 0; s < S; ++s)
+#pragma unroll
+            for (int i = 0; i < N; ++i) {
+                v[s][i] = value_of(w[s][i]);
+                fresh = fresh && epoch_of(w[s][i]) == epoch;
+            }
+        if (fresh || !wait) return true;
+        if (out_of_time(spin, err, 1, ph, t)) return false;
+    }
+}
+
+// The pairs of words b[s][2 (i CONSUMERS) + {0, 1}] for s < S (b[s] null: none) and i < n <= N as values (v[s][2 i],
+// v[s][2 i + 1]), in 16-byte loads, polled as `poll_all` does.
+template <int S, int N>
+__device__ __forceinline__ bool poll_pairs(const uint64_t* const (&b)[S], int n, float (&v)[S][2 * N], uint32_t epoch,
+                                           bool wait, uint32_t* err, int64_t ph, int64_t t) {
+    for (uint32_t spin = 0;; ++spin) {
+        bool fresh = true;
+#pragma unroll
+        for (int s = 0; s < S; ++s)
+#pragma unroll
+            for (int i = 0; i < N; ++i) {
+                const uint64_t now = static_cast<uint64_t>(epoch) << 32;
+                const ulonglong2 w = b[s] && i < n ? load_words2(b[s] + 2 * i * CONSUMERS) : make_ulonglong2(now, now);
+                v[s][2 * i] = value_of(w.x);
+                v[s][2 * i + 1] = value_of(w.y);
+                fresh = fresh && epoch_of(w.x) == epoch && epoch_of(w.y) == epoch;
+            }
+        if (fresh || !wait) return true;
+        if (out_of_time(spin, err, 1, ph, t)) return false;
+    }
+}
+
+__device__ __forceinline__ float2 bf2(uint32_t bits) {         // a packed pair of bf16, as floats
+    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bits));
+}
+__device__ __forceinline__ uint32_t bits2(float a, float b) {   // two floats as a packed pair of bf16
+    const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<const uint32_t*>(&h);
+}
+// This warp's sums of 2 S values into sums[warp * 8 + i] (lane 0's butterfly view), i < 2 S.
+template <int S>
+__device__ __forceinline__ void warp_sums(float (&v)[2 * S], float* sums, int i0) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+    for (int i = 0; i < 2 * S; ++i) {
+        float x = v[i];
+        for (int o = 16; o; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+        if (lane == 0) sums[warp * 8 + i0 + i] = x;
+    }
+}
+
+// X_ATTNRES (`XSeg`): x[0 .. len) for len <= MIX_E CONSUMERS (x's only part). Thread tid takes the pairs of elements
+// q = tid + i CONSUMERS (elements 2 q, 2 q + 1), i < MIX_E / 2. A mix's p is kept as packed words {bf16 p[2 q],
+// bf16 p[2 q + 1], epoch}, so the old sources (the bank rows and p_prev, written by earlier mixes) come in one poll
+// of MIX_BANK + 1 words a pair, with gw and the norm's weight in flight beside them; their sums (squares, dots with
+// gw) are made before y is polled. Once y's parts are here (two a poll): p, its sums, one barrier, the scores, the
+// softmax, the mix, its sum of squares, a barrier, the RMSNorm. The sums: fmaf over the thread's elements in order,
+// a warp butterfly, the warps in order (`block_dot_k3(..., pairs=True)`). The bank rows wait in shared memory past x.
+// Every consumer thread calls it (two barriers). false: gave up.
+__device__ __forceinline__ bool attnres_x(__nv_bfloat16* xs, const XSeg& g, const PhaseC* ph, const float* x_in,
+                                          int64_t t, uint32_t epoch, bool wait, uint32_t* err, int64_t p,
+                                          float* red, float* sums) {
+    constexpr int NP = MIX_E / 2;
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, len = g.len;
+    const MixAux& a = *reinterpret_cast<const MixAux*>(g.aux);
+    const int nb = a.nbank;
+    const int n = min(NP, (len / 2 - tid + CONSUMERS - 1) / CONSUMERS);     // this thread's pairs
+    float2 gw[NP];
+    uint32_t ow[NP];
+#pragma unroll
+    for (int i = 0; i < NP; ++i) {
+        const int q = tid + i * CONSUMERS;
+        gw[i] = i < n && nb ? reinterpret_cast<const float2*>(a.gw)[q] : make_float2(0.f, 0.f);
+        ow[i] = i < n ? reinterpret_cast<const uint32_t*>(a.out_w)[q] : 0u;
+    }
+    // y's first two parts, loaded in flight with the old sources (one round trip where y is already written)
+    const uint64_t* yb[2];
+#pragma unroll
+    for (int q = 0; q < 2; ++q)
+        yb[q] = q < a.ny ? reinterpret_cast<const uint64_t*>(ph[a.y_src[q]].y) + 2 * tid : nullptr;
+    ulonglong2 ypre[2][NP];
+#pragma unroll
+    for (int q = 0; q < 2; ++q)
+#pragma unroll
+        for (int i = 0; i < NP; ++i) {
+            const uint64_t now = static_cast<uint64_t>(epoch) << 32;
+            ypre[q][i] = yb[q] && i < n ? load_words2(yb[q] + 2 * i * CONSUMERS) : make_ulonglong2(now, now);
+        }
+    bool ok;
+    uint32_t pp[NP];                                // p_prev, then p (packed pairs)
+    {
+        const uint64_t* b[MIX_BANK + 1];            // source s < MIX_BANK: bank row s (s < nb); MIX_BANK: p_prev
+#pragma unroll
+        for (int s = 0; s <= MIX_BANK; ++s) {
+            const int src = s < MIX_BANK ? (s < nb ? a.bank_src[s] : -2) : a.prev_src;
+            b[s] = src >= 0 ? reinterpret_cast<const uint64_t*>(ph[src].y) + (s < MIX_BANK ? a.bank_off[s] : a.prev_off)
+                                  + tid : nullptr;
+        }
+        float v[MIX_BANK + 1][NP];
+        ok = poll_grid(b, n, v, epoch, wait, err, p, t);
+        float part[2 * MIX_BANK];                   // the bank rows' sums of squares and dots
+#pragma unroll
+        for (int s = 0; s <= MIX_BANK; ++s) {
+            const int src = s < MIX_BANK ? (s < nb ? a.bank_src[s] : -2) : a.prev_src;
+            float ss = 0.f, dt = 0.f;
+#pragma unroll
+            for (int i = 0; i < NP; ++i) {
+                const int q = tid + i * CONSUMERS;
+                uint32_t w = 0u;
+                if (i < n) {
+                    if (src == -1) {
+                        const float2 xi = reinterpret_cast<const float2*>(x_in)[q];
+                        w = bits2(xi.x, xi.y);
+                    } else if (src >= 0) {
+                        w = __float_as_uint(v[s][i]);
+                    }
+                }
+                if (s == MIX_BANK) {
+                    pp[i] = w;
+                } else if (s < nb && i < n) {
+                    reinterpret_cast<uint32_t*>(xs + (1 + s) * len)[q] = w;
+                    const float2 f = bf2(w);
+                    ss = fmaf(f.y, f.y, fmaf(f.x, f.x, ss));
+                    dt = fmaf(f.y, gw[i].y, fmaf(f.x, gw[i].x, dt));
+                }
+            }
+            if (s < MIX_BANK) {
+                part[2 * s] = ss;
+                part[2 * s + 1] = dt;
+            }
+        }
+        if (nb) warp_sums<MIX_BANK>(part, sums, 0);
+    }
+    // y's parts, added in order, two parts a poll; p = bf16(p_prev + bf16(y))
+    float y[2 * NP];
+    for (int q0 = 0; q0 < a.ny; q0 += 2) {
+        const uint64_t* b[2];
+#pragma unroll
+        for (int q = 0; q < 2; ++q)
+            b[q] = q0 + q < a.ny ? reinterpret_cast<const uint64_t*>(ph[a.y_src[q0 + q]].y) + 2 * tid : nullptr;
+        float v[2][2 * NP];
+        bool fresh = q0 == 0;                       // (the first two parts: loaded above; polled again if stale)
+#pragma unroll
+        for (int q = 0; q < 2; ++q)
+#pragma unroll
+            for (int i = 0; i < NP; ++i) {
+                v[q][2 * i] = value_of(ypre[q][i].x);
+                v[q][2 * i + 1] = value_of(ypre[q][i].y);
+                fresh = fresh && epoch_of(ypre[q][i].x) == epoch && epoch_of(ypre[q][i].y) == epoch;
+            }
+        if (!fresh) ok = poll_pairs<2, NP>(b, n, v, epoch, wait, err, p, t) && ok;
+#pragma unroll
+        for (int e = 0; e < 2 * NP; ++e) {
+            y[e] = q0 ? __fadd_rn(y[e], v[0][e]) : v[0][e];
+            if (q0 + 1 < a.ny) y[e] = __fadd_rn(y[e], v[1][e]);
+        }
+    }
+    uint64_t* words = reinterpret_cast<uint64_t*>(ph[g.src].y);
+    const bool writer = a.writer == p && t == 0 && ok;
+    float ps[2] = {0.f, 0.f};                       // p's sum of squares and dot
+#pragma unroll
+    for (int i = 0; i < NP; ++i) {
+        if (a.ny) {
+            const float2 f = bf2(pp[i]);
+            pp[i] = bits2(__fadd_rn(f.x, bf16r(y[2 * i])), __fadd_rn(f.y, bf16r(y[2 * i + 1])));
+        }
+        if (i < n) {
+            const float2 f = bf2(pp[i]);
+            ps[0] = fmaf(f.y, f.y, fmaf(f.x, f.x, ps[0]));
+            ps[1] = fmaf(f.y, gw[i].y, fmaf(f.x, gw[i].x, ps[1]));
+            if (writer) {
+                const uint64_t packed = (static_cast<uint64_t>(epoch) << 32) | pp[i];
+                asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(words + len + tid + i * CONSUMERS),
+                             "l"(packed) : "memory");
+            }
+        }
+    }
+    float mix[2 * NP];
+#pragma unroll
+    for (int i = 0; i < NP; ++i) {
+        const float2 f = bf2(pp[i]);
+        mix[2 * i] = f.x;
+        mix[2 * i + 1] = f.y;
+    }
+    if (nb) {
+        warp_sums<1>(ps, sums, 2 * MIX_BANK);
+        consumers_sync();
+        float e[MIX_BANK + 1], mx = -INFINITY, tot = 0.f;
+#pragma unroll
+        for (int s = 0; s <= MIX_BANK; ++s) {       // source s's sums: bank rows at 2 s, p at 2 MIX_BANK
+            const int at = s < nb ? 2 * s : 2 * MIX_BANK;
+            float ss = 0.f, dt = 0.f;
+            for (int w2 = 0; s <= nb && w2 < CONSUMER_WARPS; ++w2) {
+                ss += sums[w2 * 8 + at];
+                dt += sums[w2 * 8 + at + 1];
+            }
+            e[s] = __fmul_rn(rsqrtf(__fadd_rn(__fdiv_rn(ss, static_cast<float>(len)), a.eps)), dt);   // the score
+            if (s <= nb) mx = fmaxf(mx, e[s]);
+        }
+#pragma unroll
+        for (int s = 0; s <= MIX_BANK; ++s) {
+            e[s] = s <= nb ? expf(__fsub_rn(e[s], mx)) : 0.f;
+            tot = __fadd_rn(tot, e[s]);
+        }
+#pragma unroll
+        for (int s = 0; s <= MIX_BANK; ++s) e[s] = __fdiv_rn(e[s], tot);      // the softmax's weights
+#pragma unroll
+        for (int i = 0; i < NP; ++i) {              // the mix: sum_s w_s v_s in source order, rounded
+            const int q = tid + i * CONSUMERS;
+            float2 acc = make_float2(0.f, 0.f);
+#pragma unroll
+            for (int s = 0; s <= MIX_BANK; ++s) {
+                if (s > nb || i >= n) continue;
+                const float2 f = s < nb ? bf2(reinterpret_cast<const uint32_t*>(xs + (1 + s) * len)[q]) : bf2(pp[i]);
+                acc.x = __fadd_rn(acc.x, __fmul_rn(e[s], f.x));
+                acc.y = __fadd_rn(acc.y, __fmul_rn(e[s], f.y));
+            }
+            mix[2 * i] = bf16r(acc.x);
+            mix[2 * i + 1] = bf16r(acc.y);
+        }
+    }
+    // the RMSNorm of the mix: bf16(w bf16(u rsqrt(mean(u^2) + eps)))
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < NP; ++i)
+        if (i < n) ss = fmaf(mix[2 * i + 1], mix[2 * i + 1], fmaf(mix[2 * i], mix[2 * i], ss));
+    for (int o = 16; o; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if (lane == 0) red[warp] = ss;
+    consumers_sync();
+    float total = 0.f;
+    for (int w2 = 0; w2 < CONSUMER_WARPS; ++w2) total += red[w2];
+    const float r = rsqrtf(__fadd_rn(__fdiv_rn(total, static_cast<float>(len)), a.out_eps));
+#pragma unroll
+    for (int i = 0; i < NP; ++i) {
+        if (i >= n) continue;
+        const int q = tid + i * CONSUMERS;
+        const float2 w = bf2(ow[i]);
+        const float x0 = bf16r(__fmul_rn(w.x, bf16r(__fmul_rn(mix[2 * i], r))));
+        const float x1 = bf16r(__fmul_rn(w.y, bf16r(__fmul_rn(mix[2 * i + 1], r))));
+        reinterpret_cast<uint32_t*>(xs)[q] = bits2(x0, x1);
+        if (writer) {
+            store_word(words + 2 * q, x0, epoch);
+            store_word(words + 2 * q + 1, x1, epoch);
+        }
+    }
+    return ok;
+}
+
 // Phase f's x by its recipe (f.nxseg parts) into xs: bf16 for a GEMV, fp32 keys then scores for a top-k. Every
 // consumer thread calls it and reaches its barriers (an RMSNorm's sum), also after a wait gave up. false: gave up.
 __device__ __forceinline__ bool load_x_recipe(__nv_bfloat16* xs, const PhaseC& f, const PhaseC* ph, const XSeg* xsegs,
-                                              int slot, uint32_t epoch, bool wait, uint32_t* err, int64_t p, int64_t t,
-                                              float* red, float* comb_w) {
+                                              int slot, uint32_t epoch, bool wait, uint32_t* err, int64_t p,
+                                              int64_t t, float* red, float* comb_w) {
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     bool ok = true;
     int j0 = 0;                                     // where this part starts in x
@@ -691,7 +983,7 @@ __device__ __forceinline__ bool load_x_recipe(__nv_bfloat16* xs, const PhaseC& f
                 xs[j0 + j] = __float2bfloat16_rn(u);
                 ss = fmaf(u, u, ss);
             }
-            ok = rms_norm_x(xs + j0, g, ss, red) && ok;
+            ok = rms_norm_x(xs + j0, g.len, g.eps, aux_bf16(g), ss, red) && ok;
         } else if (g.op == X_NORM) {
             const uint64_t* b2 = g.route >= 0 ? reinterpret_cast<const uint64_t*>(ph[g.route].y) + g.off2 : nullptr;
             float ss = 0.f;
@@ -714,7 +1006,7 @@ __device__ __forceinline__ bool load_x_recipe(__nv_bfloat16* xs, const PhaseC& f
                     ss = fmaf(x, x, ss);
                 }
             }
-            ok = rms_norm_x(xs + j0, g, ss, red) && ok;
+            ok = rms_norm_x(xs + j0, g.len, g.eps, aux_bf16(g), ss, red) && ok;
         } else if (g.op == X_SUM) {
             for (int jb = tid; ok && jb < g.len; jb += 2 * CONSUMERS) {     // 2 elements of 4 parts polled together
                 const uint64_t* a[8];
@@ -984,6 +1276,26 @@ __device__ __forceinline__ void mma_partials(const uint4* tile, const uint4* x8,
     }
 }
 
+// An MMA tile's rows into y[0 .. rows) (every consumer thread calls it: one barrier). The partials go to mma_red by
+// the parity of MMA tiles: a warp writes the half of MMA tile j + 2 only once past MMA tile j + 1's sync, which the
+// threads summing tile j reach after they have read it.
+__device__ __forceinline__ void mma_tile_sum(const unsigned char* tile, const __nv_bfloat16* xs, int rows,
+                                             const MmaSplit& ms, float* mma_red, uint32_t& mma_count, uint64_t* y,
+                                             uint32_t epoch) {
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    float* r16 = mma_red + (mma_count++ & 1u) * CONSUMER_WARPS * 16;
+#ifndef SKIP_COMPUTE
+    mma_partials(reinterpret_cast<const uint4*>(tile), reinterpret_cast<const uint4*>(xs), rows, ms, warp, lane, r16);
+#endif
+    consumers_sync();                       // every warp's partials are in (the next tile's use the other half)
+    if (tid < rows) {                       // row tid: its row block's warps' partials, in order
+        float sum = 0.f;
+        const float* part = r16 + (tid / 16) * ms.wpr * 16 + tid % 16;
+        for (int w2 = 0; w2 < ms.wpr; ++w2) sum += part[w2 * 16];
+        store_word(y + tid, sum, epoch);
+    }
+}
+
 // This block's first tile of phase f (tiles are dealt round robin: tile g goes to block g % gridDim.x).
 // In 32 bits: a 64-bit remainder of a negative number is a call to a slow routine, and every thread makes this
 // one for every phase.
@@ -1005,6 +1317,43 @@ struct Cursor {
     }
 };
 
+#if RECIPES && MMA_ONLY
+// A GEMV phase whose x is X_ATTNRES: the x once, then this block's tiles (g0, g0 + nblk, ...; ring slots from tile
+// count i on), tensor-core tiles all (MMA_ONLY). Apart from the tile loop: the x load's registers, inside it, made the
+// tile loop spill. Returns the tiles done, or -1: a wait gave up.
+__device__ __forceinline__ int attnres_phase(const PhaseC& f, const PhaseC* ph, const XSeg* xsegs, const float* x_in,
+                                             const unsigned char* ring, __nv_bfloat16* xs, uint64_t* full,
+                                             uint64_t* empty, uint32_t i, int g0, int nblk, uint32_t epoch, bool wait,
+                                             uint32_t* err, int64_t p, float* red, float* mma_red,
+                                             uint32_t& mma_count, int* gave_up, __nv_bfloat16* xdump,
+                                             unsigned long long* t_x, unsigned long long* t_tile) {
+    const int tid = threadIdx.x;
+    consumers_sync();                       // every warp is done with the last x
+    if (!attnres_x(xs, xsegs[f.xop], ph, x_in, g0 - f.tile0, epoch, wait, err, p, red, mma_red)) *gave_up = 1;
+    consumers_sync();
+    if (*gave_up) return -1;
+    if (xdump && g0 == f.tile0)
+        for (int j = tid; j < f.k; j += CONSUMERS) xdump[p * XDUMP_SLOTS * XMAX + j] = xs[j];
+#ifdef PHASE_TIMES
+    if (tid == 0) atomicMin(t_x, static_cast<unsigned long long>(now_ns()));
+#endif
+    const MmaSplit ms = mma_split(f.rows, f.k, tid / 32);
+    uint64_t* y = reinterpret_cast<uint64_t*>(f.y);
+    int n = 0;
+    for (int g = g0; g < f.tile0 + f.ntiles; g += nblk, ++i, ++n) {
+        const uint32_t s = i % NSLOT;
+        if (!wait_slot(&full[s], (i / NSLOT) & 1u, err, 2, p, g - f.tile0)) return -1;
+#ifdef PHASE_TIMES
+        if (tid == 0 && n == 0) atomicMin(t_tile, static_cast<unsigned long long>(now_ns()));
+#endif
+        mma_tile_sum(ring + s * SLOT_BYTES, xs, f.rows, ms, mma_red, mma_count, y + (g - f.tile0) * f.rows, epoch);
+        __syncwarp();
+        if (tid % 32 == 0) mbar_arrive(&empty[s]);     // this warp is done with slot s
+    }
+    return n;
+}
+#endif
+
 // Shared memory: the ring (NSLOT x SLOT_BYTES), x (XBYTES), the phase table (nphase x 80 bytes), the x recipes
 // (nxseg x 64 bytes), the barriers (2 x NSLOT). xdump (null: none): each x made by a recipe for a GEMV or routed
 // phase p, slot s, as bf16 at xdump + (p XDUMP_SLOTS + s) XMAX, written by the block with the slot's first tile (a
@@ -1023,11 +1372,15 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
     uint64_t* full = reinterpret_cast<uint64_t*>(xsegs + nxseg);
     uint64_t* empty = full + NSLOT;
     __shared__ int gave_up;
+#if RECIPES
+    __shared__ __nv_bfloat16* xdump_s;          // (read there where it is used: in a register, it was spilled)
+#endif
     __shared__ float red[CONSUMERS / 32];
 #if RECIPES
     __shared__ float comb_w[COMBINE_MAX];       // an X_COMBINE_NORM's weights
 #endif
-    __shared__ float mma_red[MMA_TILES ? 2 * CONSUMER_WARPS * 16 : 1];    // per tile parity, warp, row of 16
+    // per tile parity, warp, row of 16 (and X_ATTNRES's sums in an x load: 8 a warp)
+    __shared__ float mma_red[MMA_TILES ? 2 * CONSUMER_WARPS * 16 : (RECIPES ? 8 * CONSUMER_WARPS : 1)];
     const int tid = threadIdx.x;
     const int64_t nblk = gridDim.x;
     const bool wait = mode != NODEPS;
@@ -1043,6 +1396,9 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         gave_up = 0;
+#if RECIPES
+        xdump_s = xdump;
+#endif
         if (blockIdx.x == 0) *t_start = now_ns();
     }
     __syncthreads();
@@ -1173,6 +1529,17 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
         float4 xa[STEPS], xb[STEPS];        // this thread's x: steps m of chunk tcol + m T, the same every row
         int have_slot = -1, done = 0;
 #if RECIPES
+#if MMA_ONLY
+        if (kind == GEMV && f.xop >= 0 && xsegs[f.xop].op == X_ATTNRES) {
+            const int nt = attnres_phase(f, ph, xsegs, x_in, ring, xs, full, empty, i, g0, static_cast<int>(nblk),
+                                         epoch, wait, err, p, red, mma_red, mma_count, &gave_up,
+                                         *reinterpret_cast<__nv_bfloat16* volatile*>(&xdump_s),
+                                         t_done + 2 * nphase + p, t_done + 3 * nphase + p);
+            if (nt < 0) return;
+            i += nt;
+            done = nt;
+        } else
+#endif
         if (kind == KDA) {
             const int nt = kda_phase(f, ph, xsegs, ring, reinterpret_cast<float*>(xs), full, empty, i, g0,
                                      static_cast<int>(nblk), epoch, wait, err, p, red, &gave_up,
@@ -1220,9 +1587,10 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
                                  : load_x(xs, f, ph, x_in, slot, epoch, wait, err, p, t, had, pre, pre2)))
                     gave_up = 1;
                 consumers_sync();
-                if (xdump && f.xop >= 0 && kind != TOPK && row0 == (x_per_expert ? slot * ne : 0) && slot < XDUMP_SLOTS)
+                __nv_bfloat16* xd = *reinterpret_cast<__nv_bfloat16* volatile*>(&xdump_s);
+                if (xd && f.xop >= 0 && kind != TOPK && row0 == (x_per_expert ? slot * ne : 0) && slot < XDUMP_SLOTS)
                     for (int j = tid; j < f.k; j += CONSUMERS)
-                        xdump[(static_cast<int64_t>(p) * XDUMP_SLOTS + slot) * XMAX + j] = xs[j];
+                        xd[static_cast<int64_t>(p * XDUMP_SLOTS + slot) * XMAX + j] = xs[j];
 #else
                 if (!load_x(xs, f, ph, x_in, slot, epoch, wait, err, p, t, had, pre, pre2)) gave_up = 1;
                 consumers_sync();
@@ -1306,18 +1674,7 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
             } else if (mma_tile(rows, rows_here, static_cast<int>(f.k))) {
                 // (by the parity of MMA tiles: a warp writes the half of MMA tile j + 2 only once past MMA tile
                 // j + 1's sync, which the threads summing tile j reach after they have read it)
-                float* r16 = mma_red + (mma_count++ & 1u) * CONSUMER_WARPS * 16;
-#ifndef SKIP_COMPUTE
-                mma_partials(reinterpret_cast<const uint4*>(ring + s * SLOT_BYTES),
-                             reinterpret_cast<const uint4*>(xs), rows, ms, warp, lane, r16);
-#endif
-                consumers_sync();           // every warp's partials are in (the next tile's use the other half)
-                if (tid < rows) {           // row tid: its row block's warps' partials, in order
-                    float sum = 0.f;
-                    const float* part = r16 + (tid / 16) * ms.wpr * 16 + tid % 16;
-                    for (int w2 = 0; w2 < ms.wpr; ++w2) sum += part[w2 * 16];
-                    store_word(y + row0 + tid, sum, epoch);
-                }
+                mma_tile_sum(ring + s * SLOT_BYTES, xs, rows, ms, mma_red, mma_count, y + row0, epoch);
             } else if (WARP_ROWS) {
                 warp_rows(reinterpret_cast<const uint4*>(ring + s * SLOT_BYTES), reinterpret_cast<const uint4*>(xs),
                           chunks, rows_here, warp, lane, y + row0, epoch);
