@@ -622,11 +622,13 @@ def kda_headnorm_k3(o: torch.Tensor, g: torch.Tensor, o_norm: torch.Tensor, eps:
     return bf16r(wn * sigmoid_k3(g.view(-1, KDA_HEAD))).reshape(-1)
 
 
-def block_dot_k3(a: torch.Tensor, b: torch.Tensor, threads: int = 512, pairs: bool = False) -> torch.Tensor:
+def block_dot_k3(a: torch.Tensor, b: torch.Tensor, threads: int = 512, pairs: bool = False,
+                 tree: bool = False) -> torch.Tensor:
     """sum_j a_j b_j in fp32 as chain.cu's consumer threads make it: thread t takes j = t, t + threads, ... (pairs:
     j = 2 q, 2 q + 1 for q = t, t + threads, ..., as `attnres_x`), fmaf in that order from 0, then a butterfly in each
-    warp of 32 (lane 0's view), then the warps' sums in order from 0. a, b: [n] fp32. (The order `rms_norm_x` and
-    `attnres_x` sum in: bit for bit, given IEEE fp32 ops.)"""
+    warp of 32 (lane 0's view), then the warps' sums in order from 0 (tree: a butterfly over the warps, as
+    `attnres_x`). a, b: [n] fp32. (The orders `rms_norm_x` and `attnres_x` sum in: bit for bit, given IEEE fp32
+    ops.)"""
     n = a.numel()
     e = -(-n // threads)
     t = torch.arange(threads, device=a.device)[None]
@@ -642,6 +644,13 @@ def block_dot_k3(a: torch.Tensor, b: torch.Tensor, threads: int = 512, pairs: bo
     lane = torch.arange(32, device=a.device)
     for o in (16, 8, 4, 2, 1):
         w = w + w[:, lane ^ o]
+    if tree:
+        v, i = w[:, 0], torch.arange(w.shape[0], device=a.device)
+        o = w.shape[0] // 2
+        while o:
+            v = v + v[i ^ o]
+            o //= 2
+        return v[0]
     total = torch.zeros((), device=a.device)
     for v in w[:, 0]:
         total = total + v
@@ -651,7 +660,8 @@ def block_dot_k3(a: torch.Tensor, b: torch.Tensor, threads: int = 512, pairs: bo
 def rms_norm_k3(u: torch.Tensor, w: torch.Tensor, eps: float, pairs: bool = False) -> torch.Tensor:
     """chain.cu's `rms_norm_x` (as `RMSNorm` rounds): bf16(w bf16(u rsqrt(mean(u^2) + eps))), the sum of squares in
     the kernel's order (`block_dot_k3`; pairs: `attnres_x`'s). u: bf16 values."""
-    r = torch.rsqrt(block_dot_k3(u, u, pairs=pairs) / torch.tensor(float(u.numel()), device=u.device) + eps)
+    ss = block_dot_k3(u, u, pairs=pairs)
+    r = torch.rsqrt(ss / torch.tensor(float(u.numel()), device=u.device) + eps)
     return bf16r(w.float() * bf16r(u * r))
 
 
@@ -668,7 +678,8 @@ def attnres_k3(bank: list[torch.Tensor], p_prev: torch.Tensor | None, y: torch.T
         V = [v.float() for v in [*bank, p]]
         gw = res_norm.float() * res_query.float().reshape(-1)
         d = torch.tensor(float(p.numel()), device=p.device)
-        sc = [torch.rsqrt(block_dot_k3(v, v, pairs=True) / d + eps) * block_dot_k3(v, gw, pairs=True) for v in V]
+        dot = lambda u, w: block_dot_k3(u, w, pairs=True)
+        sc = [torch.rsqrt(dot(v, v) / d + eps) * dot(v, gw) for v in V]
         mx = torch.stack(sc).max()
         e = [torch.exp(s - mx) for s in sc]
         tot = torch.zeros((), device=p.device)

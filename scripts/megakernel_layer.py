@@ -591,7 +591,7 @@ def plot(res: dict, path: str, target_ms: float | None = None) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     by = time_by_group(res)
-    names = [g for g in KIND_COLOURS if g in by]
+    names = [g for g in KIND_COLOURS if g in by and (by[g] or g != "attnres")]   # (AttnRes: in its consumers')
     left = 0.0
     for g in names:
         bx.barh(["kernel"], [by[g] / 1e3], left=left, color=KIND_COLOURS[g], label=f"{g} {by[g]:.0f} us")
@@ -599,6 +599,9 @@ def plot(res: dict, path: str, target_ms: float | None = None) -> None:
     if "compile" in res["ms"]:
         bx.barh(["compile"], [res["ms"]["compile"]], color="tab:red", alpha=0.6,
                 label=f"compile {res['ms']['compile']:.3f} ms (real sublayers only)")
+    if "compile step" in res["ms"]:
+        bx.barh(["compile step"], [res["ms"]["compile step"]], color="tab:red",
+                label=f"compile engine's whole step {res['ms']['compile step']:.3f} ms")
     if target_ms:
         bx.axvline(target_ms, color="k", ls="--", lw=1, label=f"target {target_ms} ms")
     bx.set_xlabel("ms (kernel: one launch's timeline, by kind)")
