@@ -622,13 +622,11 @@ def kda_headnorm_k3(o: torch.Tensor, g: torch.Tensor, o_norm: torch.Tensor, eps:
     return bf16r(wn * sigmoid_k3(g.view(-1, KDA_HEAD))).reshape(-1)
 
 
-def block_dot_k3(a: torch.Tensor, b: torch.Tensor, threads: int = 512, pairs: bool = False,
-                 tree: bool = False) -> torch.Tensor:
+def block_dot_k3(a: torch.Tensor, b: torch.Tensor, threads: int = 512, pairs: bool = False) -> torch.Tensor:
     """sum_j a_j b_j in fp32 as chain.cu's consumer threads make it: thread t takes j = t, t + threads, ... (pairs:
     j = 2 q, 2 q + 1 for q = t, t + threads, ..., as `attnres_x`), fmaf in that order from 0, then a butterfly in each
-    warp of 32 (lane 0's view), then the warps' sums in order from 0 (tree: a butterfly over the warps, as
-    `attnres_x`). a, b: [n] fp32. (The orders `rms_norm_x` and `attnres_x` sum in: bit for bit, given IEEE fp32
-    ops.)"""
+    warp of 32 (lane 0's view), then the warps' sums in order from 0. a, b: [n] fp32. (The orders `rms_norm_x` and
+    `attnres_x` sum in: bit for bit, given IEEE fp32 ops.)"""
     n = a.numel()
     e = -(-n // threads)
     t = torch.arange(threads, device=a.device)[None]
@@ -644,13 +642,6 @@ def block_dot_k3(a: torch.Tensor, b: torch.Tensor, threads: int = 512, pairs: bo
     lane = torch.arange(32, device=a.device)
     for o in (16, 8, 4, 2, 1):
         w = w + w[:, lane ^ o]
-    if tree:
-        v, i = w[:, 0], torch.arange(w.shape[0], device=a.device)
-        o = w.shape[0] // 2
-        while o:
-            v = v + v[i ^ o]
-            o //= 2
-        return v[0]
     total = torch.zeros((), device=a.device)
     for v in w[:, 0]:
         total = total + v

@@ -125,23 +125,16 @@ def mla_standin(c: mc.Chain, out: list[int], name: str, cfg) -> int:
     the gate and the output), with random weights, so that a chain can stand for the whole step's bytes and links
     while the real MLA sublayer is not built. Returns its "o" phase."""
     d, H, lat = cfg.hidden_size, cfg.num_attention_heads, 256
-    if len(out) == 1 and out[0] in c.mixes:         # (AttnRes: q_a | kv_a | g in one GEMV, as the model packs them)
-        qa = gemv_on(c, out, name + "q_kv_a", cfg.q_lora_rank + cfg.latent_dim + H * cfg.v_head_dim, d, None)
-        nq = c.gemv(name + "norms", lat, lat, qa)
-        qb = c.gemv(name + "q_b", H * cfg.qk_head_dim, cfg.q_lora_rank, nq)
-        ak = c.gemv(name + "absorb_k", H * cfg.kv_lora_rank, cfg.qk_nope_head_dim, qb)
-        sc = c.gemv(name + "scores", 1024, cfg.latent_dim, ak)
-        sm = c.gemv(name + "softmax", lat, lat, sc)
-        av = c.gemv(name + "absorb_v", H * cfg.v_head_dim, cfg.kv_lora_rank, sm)
-        return c.gemv(name + "o", d, H * cfg.v_head_dim, av)
-    qa = gemv_on(c, out, name + "q_kv_a", cfg.q_lora_rank + cfg.latent_dim, d, None)
+    packed = len(out) == 1 and out[0] in c.mixes    # (AttnRes: q_a | kv_a | g in one GEMV, as the model packs them)
+    qa = gemv_on(c, out, name + "q_kv_a", cfg.q_lora_rank + cfg.latent_dim + (H * cfg.v_head_dim if packed else 0),
+                 d, None)
     nq = c.gemv(name + "norms", lat, lat, qa)
     qb = c.gemv(name + "q_b", H * cfg.qk_head_dim, cfg.q_lora_rank, nq)
     ak = c.gemv(name + "absorb_k", H * cfg.kv_lora_rank, cfg.qk_nope_head_dim, qb)
     sc = c.gemv(name + "scores", 1024, cfg.latent_dim, ak)
     sm = c.gemv(name + "softmax", lat, lat, sc)
     av = c.gemv(name + "absorb_v", H * cfg.v_head_dim, cfg.kv_lora_rank, sm)
-    gt = gemv_on(c, out, name + "gate", H * cfg.v_head_dim, d, None)
+    gt = -1 if packed else gemv_on(c, out, name + "gate", H * cfg.v_head_dim, d, None)
     return c.gemv(name + "o", d, H * cfg.v_head_dim, av, dep2=gt)
 
 
