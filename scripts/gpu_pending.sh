@@ -97,6 +97,7 @@
 #   attnres  the layer's cuda tests (with the whole step and AttnRes in the kernel: emulation checks), then the whole
 #            step with AttnRes (`--step --attnres`: MLA stand-ins) against the compile engine's real step, with its plot;
 #            with an untracked scripts/megakernel/chain_prev.cu, the step without AttnRes, that version vs chain.cu
+#   abmix    the AttnRes cuda tests, then the step with AttnRes, an untracked chain_prev.cu against chain.cu, twice
 #   profile  scripts/profile_decode.py --backend $PROFILE_BACKEND (default compile): kernels per decode step, and the
 #            graph replay's critical path (what each kernel adds to the span under PDL; 15:25: an upper bound only)
 set -uo pipefail
@@ -252,9 +253,17 @@ for part in $parts; do
                  --cu $cu --out "$OUT/step-$(basename $cu .cu).json" >> "$OUT/attnres.log" 2>&1
              done
            fi ;;
+    abmix) timeout 200 python3 -m pytest -q -m cuda tests/test_megakernel_layer.py -s -rs -k attnres \
+             -p no:cacheprovider > "$OUT/abmix.log" 2>&1
+           for r in 1 2; do                       # (an untracked chain_prev.cu: the version before, with AttnRes)
+             for cu in scripts/megakernel/chain_prev.cu scripts/megakernel/chain.cu; do
+               timeout 100 python3 scripts/megakernel_layer.py --step --attnres --no-baseline --modes stream \
+                 --rounds 3 --cu $cu --out "$OUT/ab$r-$(basename $cu .cu).json" >> "$OUT/abmix.log" 2>&1
+             done
+           done ;;
     profile) timeout 150 python3 scripts/profile_decode.py --backend ${PROFILE_BACKEND:-compile} ${PROFILE_ARGS:-} \
              > "$OUT/profile.log" 2>&1 ;;
-    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe trtfp8 fp8eng grouped grpsmall fp8comp overlap chain layer step attnres profile)"; continue ;;
+    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe trtfp8 fp8eng grouped grpsmall fp8comp overlap chain layer step attnres abmix profile)"; continue ;;
   esac
   echo "$part: exit $? in $((SECONDS - t)) s" | tee -a "$OUT/pending.log"
   tail -4 "$OUT/$part.log" 2>/dev/null

@@ -867,15 +867,17 @@ __device__ __forceinline__ bool attnres_x(__nv_bfloat16* xs, const XSeg& g, cons
     if (nb) {
         warp_sums<1>(ps, sums, 2 * MIX_BANK);
         consumers_sync();
+        // the warps' sums added in warp order, lane j & 7 making total j (its 16 loads issue before the first add; as
+        // a loop per source in every thread, each add waited for its load), then shuffled to the warp
+        static_assert(2 * MIX_BANK + 2 == 8, "a warp's sums are 8 floats");
+        float tsum = 0.f;
+#pragma unroll
+        for (int w2 = 0; w2 < CONSUMER_WARPS; ++w2) tsum += sums[w2 * 8 + (lane & 7)];
         float e[MIX_BANK + 1], mx = -INFINITY, tot = 0.f;
 #pragma unroll
         for (int s = 0; s <= MIX_BANK; ++s) {       // source s's sums: bank rows at 2 s, p at 2 MIX_BANK
             const int at = s < nb ? 2 * s : 2 * MIX_BANK;
-            float ss = 0.f, dt = 0.f;
-            for (int w2 = 0; s <= nb && w2 < CONSUMER_WARPS; ++w2) {
-                ss += sums[w2 * 8 + at];
-                dt += sums[w2 * 8 + at + 1];
-            }
+            const float ss = __shfl_sync(0xffffffffu, tsum, at), dt = __shfl_sync(0xffffffffu, tsum, at + 1);
             e[s] = __fmul_rn(rsqrtf(__fadd_rn(__fdiv_rn(ss, static_cast<float>(len)), a.eps)), dt);   // the score
             if (s <= nb) mx = fmaxf(mx, e[s]);
         }
@@ -1375,12 +1377,12 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
 #if RECIPES
     __shared__ __nv_bfloat16* xdump_s;          // (read there where it is used: in a register, it was spilled)
 #endif
-    __shared__ float red[CONSUMERS / 32];
+    __shared__ __align__(16) float red[CONSUMERS / 32];
 #if RECIPES
     __shared__ float comb_w[COMBINE_MAX];       // an X_COMBINE_NORM's weights
 #endif
     // per tile parity, warp, row of 16 (and X_ATTNRES's sums in an x load: 8 a warp)
-    __shared__ float mma_red[MMA_TILES ? 2 * CONSUMER_WARPS * 16 : (RECIPES ? 8 * CONSUMER_WARPS : 1)];
+    __shared__ __align__(16) float mma_red[MMA_TILES ? 2 * CONSUMER_WARPS * 16 : (RECIPES ? 8 * CONSUMER_WARPS : 1)];
     const int tid = threadIdx.x;
     const int64_t nblk = gridDim.x;
     const bool wait = mode != NODEPS;
