@@ -53,10 +53,10 @@ import torch
 CU = Path(__file__).resolve().parent / "megakernel" / "chain.cu"
 FIELDS = ("kind", "n", "k", "rows", "ntiles", "tile0", "src", "xlen", "xstride", "route", "ne", "w", "y",
           "n_experts", "dep2", "xlen2", "xop", "nxseg")        # chain.cu's `struct Phase`, one int64 each
-KINDS = {"gemv": 0, "topk": 1, "routed": 2, "kda": 3, "mix": 5, "mla": 6}   # (mix: no tiles, its words written
-#                                                                   by a consumer's x load; mla: emulated only)
+KINDS = {"gemv": 0, "topk": 1, "routed": 2, "kda": 3, "attn": 4, "mix": 5, "mla": 6}   # (mix: no tiles, its words
+#                                             written by a consumer's x load; mla: emulated only; attn: `Chain.attn`)
 XOPS = {"glu": 1, "combine_norm": 2, "score": 3, "kda": 4, "headnorm": 5, "norm": 6,
-        "sum": 7, "attnres": 8}                      # chain.cu's `enum XOp`
+        "sum": 7, "attnres": 8, "mla_q": 9, "mla_combine": 10, "gate": 11}     # chain.cu's `enum XOp`
 SUM_MAX = 4                                          # ... "sum" adds at most this many phases' words
 KDA_HEAD, KDA_CONV = 128, 4          # chain.cu's KDA phase: head dim (and f_a rank) and conv taps it is written for
 KDA_FB_BYTES, KDA_COLS = 32768, 32   # chain.cu: a KDA tile is f_b's rows for a head, then 32 of its state's columns
@@ -115,6 +115,8 @@ KDA_BOUNDS = {"o_max_rel": 2.0 ** -8, "state_max_rel": 2.0 ** -8, "conv_differ":
 # 12-02 18:50: a mix with cancellation between its sources is small against the terms, so a score's last bits move
 # it by steps). What is left are rsqrtf and expf, torch's on the GPU against chain.cu's.
 MIX_BOUNDS = {"p_differ": 0, "x_max_ulps": 2}
+ATTN_HEADS = cu_default("ATTN_HEADS")    # chain.cu: heads an ATTN tile (its x holds their queries)
+ATTN_SPLITS = 32                         # ... key blocks an X_MLA_COMBINE adds at most (its m, l and a in x's scratch)
 WAITS = {1: "an input word of this launch", 2: "a filled ring slot", 3: "a free ring slot",
          4: "the top-k's words", 5: "an input phase's counter"}
 
@@ -148,14 +150,21 @@ class Phase:
     @property
     def bytes_read(self) -> int:
         """Weight bytes this phase reads per launch (routed: only the chosen experts' rows; KDA: the fp32 state,
-        which it also writes back)."""
+        which it also writes back; attn: the cache rows, once a head group)."""
+        if self.kind == "attn":
+            return (self.n - 1) * self.k * 2 * self.ne
         return 0 if self.kind == "topk" else self.n * self.k * 2
+
+    @property
+    def words(self) -> int:
+        """Output words (attn: per tile and head of its group, [m, l, O]; `Chain.attn`)."""
+        return self.ntiles * ATTN_HEADS * (self.xlen + 2) if self.kind == "attn" else self.n
 
     @property
     def weight_elems(self) -> int:
         """Weight elements stored in the chain's weight buffer (routed: every expert; KDA: none, its state is its
         own buffer)."""
-        return {"gemv": self.n * self.k, "topk": 0, "kda": 0, "mix": 0, "mla": 0,
+        return {"gemv": self.n * self.k, "topk": 0, "kda": 0, "mix": 0, "mla": 0, "attn": 0,
                 "routed": self.n_experts * self.ne * self.k}[self.kind]
 
 
@@ -229,6 +238,7 @@ class Chain:
         self.xsegs: list[XSeg] = []
         self.mixes: dict[int, Mix] = {}
         self.mlas: dict[int, dict] = {}
+        self.caches: dict[int, dict] = {}       # attn phase -> its cache ("cache") and cache_len
 
     def _recipe(self, ph: Phase, segs: list[XSeg] | None, weight: torch.Tensor | None) -> Phase:
         """Attach x recipe parts and given weights to the phase about to be added (checked here)."""
@@ -244,7 +254,7 @@ class Chain:
             ph.xop, ph.nxseg = len(self.xsegs), 1
             self.xsegs += segs
             return ph
-        width = ph.xlen if ph.kind == "topk" else ph.k
+        width = ph.xlen if ph.kind == "topk" else (ATTN_HEADS + 1) * ph.k if ph.kind == "attn" else ph.k
         if sum(g.len for g in segs) != width:
             raise ValueError(f"{ph.name}: x recipe parts cover {sum(g.len for g in segs)} of x's {width}")
         for g in segs:
@@ -261,6 +271,10 @@ class Chain:
                 ph.xop, ph.nxseg = len(self.xsegs), 1
                 self.xsegs += segs
                 return ph
+            if (g.op == "mla_q") != (ph.kind == "attn" and g is segs[0]):
+                raise ValueError(f"{ph.name}: an 'mla_q' part is an attn phase's first (Chain.attn)")
+            if g.op == "mla_q":             # (checked by `attn`)
+                continue
             if (g.op == "score") != (ph.kind == "topk"):
                 raise ValueError(f"{ph.name}: a top-k's x recipe is one 'score' part, and 'score' is only a top-k's")
             if not 0 <= g.src < p:
@@ -293,12 +307,18 @@ class Chain:
                     raise ValueError(f"{ph.name}: 'headnorm' reads g at words {g.off2}.. of phase {g.route}, which "
                                      f"is not an earlier phase with that many")
             # the last word it reads must be src's: over the combine's slots, or a per-slot x's (routed) slots
-            slots = g.nslot if g.op == "combine_norm" else (
-                self.phases[ph.route].ne if ph.kind == "routed" and ph.xstride else 1)
+            slots = g.nslot if g.op in ("combine_norm", "mla_combine") else self.slots(ph)
             end = g.off + (slots - 1) * g.stride + (g.off2 if g.op == "glu" else 0) + g.len
-            if end > self.phases[g.src].n:
+            if g.op == "mla_combine":       # (and the head's partials: [m, l, O] a head)
+                end += (self.slots(ph) - 1) * (g.len + 2) + 2
+            if g.op in ("gate",) and not (0 <= g.route < p and g.off2 + g.len <= self.phases[g.route].n):
+                raise ValueError(f"{ph.name}: 'gate' reads g at words {g.off2}.. of phase {g.route}, which is not an "
+                                 f"earlier phase with that many")
+            if g.op == "mla_combine" and (self.phases[g.src].kind != "attn" or not 0 < g.nslot <= ATTN_SPLITS):
+                raise ValueError(f"{ph.name}: 'mla_combine' adds 1..{ATTN_SPLITS} key blocks of an attn phase")
+            if end > self.phases[g.src].words:
                 raise ValueError(f"{ph.name}: x recipe reads words up to {end} of phase {g.src} "
-                                 f"({self.phases[g.src].name}), which has {self.phases[g.src].n}")
+                                 f"({self.phases[g.src].name}), which has {self.phases[g.src].words}")
         ph.xop, ph.nxseg = len(self.xsegs), len(segs)
         self.xsegs += segs
         return ph
@@ -329,6 +349,15 @@ class Chain:
         if not -1 <= src < len(self.phases):
             raise ValueError(f"{name}: depends on phase {src}, which is not before it (phase {len(self.phases)})")
         return self.x_len if src < 0 else self.phases[src].n
+
+    def slots(self, ph: Phase) -> int:
+        """The x slots of a phase: a routed phase with per-slot x, its top-k's k (a fixed route: every expert); an
+        attn phase, its head groups; else 1."""
+        if ph.kind == "attn":
+            return ph.ne
+        if ph.kind == "routed" and ph.xstride:
+            return ph.n_experts if ph.route < 0 else self.phases[ph.route].ne
+        return 1
 
     def gemv(self, name: str, n: int, k: int, src: int, dep2: int = -1, xsegs: list[XSeg] | None = None,
              weight: torch.Tensor | None = None) -> int:
@@ -362,6 +391,48 @@ class Chain:
             raise ValueError(f"{name}: per-slot recipe parts must step {xstride} words a slot")
         return self._add(self._recipe(Phase(name, "routed", n, k, src, xlen, xstride, route, ne, n_experts,
                                             rows=rows, ntiles=n // rows), xsegs, weight))
+
+    def heads(self, name: str, heads: int, ne: int, k: int, src: int, xstride: int,
+              xsegs: list[XSeg] | None = None, weight: torch.Tensor | None = None) -> int:
+        """A routed phase with a fixed route, slot h = expert h for h < heads (MLA's per-head BMM1 and BMM2): `ne`
+        rows of [heads, ne, k] a head, slot h's x the k words at h xstride of src (or by the per-slot recipe)."""
+        self._xlen(src, name)
+        rows = self._rows(heads * ne, k, ne)
+        return self._add(self._recipe(Phase(name, "routed", heads * ne, k, src, k, xstride, -1, ne, heads,
+                                            rows=rows, ntiles=heads * ne // rows), xsegs, weight))
+
+    def attn(self, name: str, ql: int, qb: int, proj: int, kv_off: int, heads: int, rank: int, nope: int, pe: int,
+             cache: torch.Tensor, cache_len: int, scale: float, kv_norm: torch.Tensor, eps: float) -> int:
+        """MLA decode attention at B = 1 over the latent cache (chain.cu's ATTN): keys the cache's rows
+        [:cache_len] (`cache` [rows > cache_len, rank + pe], the layer's, which the launch appends the new row to)
+        and the new row, [RMSNorm(kv_norm, eps) of proj's words kv_off .. + rank | its pe words after them]; each
+        head's query [ql_h (BMM1's words, rank a head) | q_pe_h (q_b's words, nope + pe a head, at nope)]. Tiles:
+        key blocks of `rows` keys x head groups of ATTN_HEADS; the words per tile and head [m, l, O] (X_MLA_COMBINE
+        adds them, in BMM2's x)."""
+        R = rank + pe
+        if heads % ATTN_HEADS:
+            raise ValueError(f"{name}: {heads} heads; chain.cu's attention takes them {ATTN_HEADS} a tile")
+        if tuple(cache.shape[1:]) != (R,) or not 0 <= cache_len < cache.shape[0]:
+            raise ValueError(f"{name}: cache {tuple(cache.shape)}, rows of {R} and room for row {cache_len}")
+        fits = lambda r: ((ATTN_HEADS + 1) * R * 2 + 15) // 16 * 16 + ATTN_HEADS * r * 4 <= XMAX * 2
+        rows = next((r for r in (48, 56, 64) if -(-(cache_len + 1) // r) <= ATTN_SPLITS and r * R * 2
+                     <= self.slot_bytes and fits(r)), None)
+        if rows is None:
+            raise ValueError(f"{name}: {cache_len + 1} keys of {R} do not split into {ATTN_SPLITS} blocks that fit "
+                             f"a slot and x's scratch")
+        segs = [XSeg("mla_q", ql, ATTN_HEADS * R, stride=rank, off2=nope, route=qb, nslot=ATTN_HEADS,
+                     scaling=scale),
+                XSeg("norm", proj, rank, off=kv_off, aux=kv_norm, eps=eps),
+                XSeg("sum", proj, pe, off=kv_off + rank, nslot=1)]
+        if not (0 <= ql < qb < proj or 0 <= proj < qb < ql) or self.phases[ql].n != heads * rank or \
+                self.phases[qb].n != heads * (nope + pe) or kv_off + R > self.phases[proj].n:
+            raise ValueError(f"{name}: BMM1 ({ql}), q_b ({qb}) and the projection ({proj}) do not have the shapes "
+                             f"of {heads} heads of rank {rank}, nope {nope}, pe {pe}")
+        nblk = -(-(cache_len + 1) // rows)
+        p = self._add(self._recipe(Phase(name, "attn", cache_len + 1, R, ql, rank, ne=heads // ATTN_HEADS,
+                                         rows=rows, ntiles=nblk * heads // ATTN_HEADS), segs, None))
+        self.caches[p] = {"cache": cache.detach(), "cache_len": cache_len}
+        return p
 
     def kda(self, name: str, src: int, heads: int, q_off: int, b_off: int, fa_off: int, lb: float,
             **tensors: torch.Tensor) -> int:
@@ -700,7 +771,7 @@ class Buffers:
             self.w_off.append(nw)
             self.y_off.append(ny)
             nw += -(-p.weight_elems // 8) * 8          # 16-byte aligned starts
-            ny += -(-p.n // 4) * 4
+            ny += -(-p.words // 4) * 4
         self.w = torch.empty(max(nw, 8), dtype=torch.bfloat16, device=device)
         for i, (p, off) in enumerate(zip(chain.phases, self.w_off)):
             if p.weight_elems:
@@ -734,6 +805,11 @@ class Buffers:
                 self.kda_init[p] = {"state": t["state"].contiguous(), "conv_state": t["conv_state"].contiguous()}
                 self.kda_set_state(p, t["state"])
                 self.table[p, FIELDS.index("w")] = tiles.data_ptr()
+        # an attn phase's cache (its "weights"; the launch writes the new row at cache_len) and its first rows
+        self.cache = {p: c["cache"].to(device, torch.bfloat16).contiguous() for p, c in chain.caches.items()}
+        self.cache_init = {p: c.clone() for p, c in self.cache.items()}
+        for p, c in self.cache.items():
+            self.table[p, FIELDS.index("w")] = c.data_ptr()
         kda_of = {ph.xop: p for p, ph in self.kda_phases()}
         aux_of = lambda p: [self.kda[p]["conv2" if k == "conv_state" else k].data_ptr() for k in KDA_AUX]
         self.mix_tensors = {}
@@ -795,6 +871,7 @@ class Buffers:
                     self.w_packed[off:off + ph.weight_elems] = pack_mma_tiles(v, ph.rows, min_k).reshape(-1)
         base = (self.w_packed if min_k is not None else self.w).data_ptr()
         self.table[:, FIELDS.index("w")] = torch.tensor([self.kda[p]["tiles"].data_ptr() if p in self.kda else
+                                                         self.cache[p].data_ptr() if p in self.cache else
                                                          base + 2 * off for p, off in enumerate(self.w_off)],
                                                         dtype=torch.int64, device=self.table.device)
 
@@ -805,11 +882,13 @@ class Buffers:
 
     def out(self, p: int) -> torch.Tensor:
         """Phase p's output values (a view)."""
-        return self.values[self.y_off[p]:self.y_off[p] + self.chain.phases[p].n]
+        return self.values[self.y_off[p]:self.y_off[p] + self.chain.phases[p].words]
 
     def clear(self) -> None:
         """Every output NaN and of no launch (epoch 0), so that an unwritten row shows; each KDA step's state and
         conv window back to their first values."""
+        for p, init in self.cache_init.items():
+            self.cache[p].copy_(init)
         for p, init in self.kda_init.items():
             self.kda_set_state(p, init["state"])
             self.kda[p]["conv2"].copy_(init["conv_state"].expand_as(self.kda[p]["conv2"]))
@@ -848,6 +927,24 @@ class Buffers:
                 parts.append(rms_norm_k3(bf16r(u), aux, xs.eps))
             elif xs.op == "attnres":
                 parts.append(self.mix_out(xs.src)[:xs.len])
+            elif xs.op == "mla_q":                              # the head group's [ql | q_pe] a head
+                hw = xs.len // xs.nslot
+                pe, qb = hw - xs.stride, self.out(xs.route)
+                q = [torch.cat([src[xs.off + h * xs.stride:xs.off + (h + 1) * xs.stride],
+                                qb[h * (xs.off2 + pe) + xs.off2:(h + 1) * (xs.off2 + pe)]])
+                     for h in range(slot * xs.nslot, (slot + 1) * xs.nslot)]
+                parts.append(bf16r(torch.cat(q)))
+            elif xs.op == "mla_combine":                        # the head's key blocks, in order
+                w = src[xs.off + slot * (xs.len + 2):].unfold(0, xs.len + 2, xs.stride)[:xs.nslot]
+                m, l, o = w[:, 0], w[:, 1], w[:, 2:]
+                a = torch.exp(m - m.max())
+                den, acc = torch.zeros((), device=w.device), torch.zeros(xs.len, device=w.device)
+                for q in range(xs.nslot):
+                    den = den + a[q] * l[q]
+                    acc = acc + a[q] * o[q]
+                parts.append(bf16r(acc / den))
+            elif xs.op == "gate":
+                parts.append(bf16r(sigmoid_k3(bf16r(self.out(xs.route)[xs.off2 + j])) * bf16r(src[xs.off + j])))
             elif xs.op == "headnorm":
                 parts.append(kda_headnorm_k3(src[xs.off + j], bf16r(self.out(xs.route)[xs.off2 + j]), aux, xs.eps))
             else:                                               # score
@@ -861,7 +958,7 @@ class Buffers:
         ph = self.chain.phases[p]
         if ph.xop >= 0:
             if self.dumped and ph.kind != "topk":
-                return self.xdump[p, slot, :ph.k].float()
+                return self.xdump[p, slot, :self.x_width(p)].float()
             return self.recipe_x(p, slot)
         src = self.x if ph.src < 0 else self.out(ph.src)
         j = torch.arange(ph.xlen if ph.kind == "topk" else ph.k, device=src.device)
@@ -869,6 +966,28 @@ class Buffers:
         if ph.dep2 >= 0:
             x = x + self.out(ph.dep2)[j % ph.xlen2]
         return x if ph.kind == "topk" else x.bfloat16().float()     # a GEMV's x as a bf16 model feeds it
+
+    def x_width(self, p: int) -> int:
+        """The length of phase p's x (attn: its head group's queries and the new row)."""
+        ph = self.chain.phases[p]
+        return (ATTN_HEADS + 1) * ph.k if ph.kind == "attn" else ph.xlen if ph.kind == "topk" else ph.k
+
+    def attn_out(self, p: int) -> torch.Tensor:
+        """Attn phase p's words from its x (per head group: `x_of`) and the cache as the launch found it, in fp64:
+        per tile and head [m, l, O] over the tile's keys (chain.cu's ATTN; its sums are fp32, in other orders)."""
+        ph, c = self.chain.phases[p], self.chain.caches[p]
+        R, rank, L, scale = ph.k, ph.xlen, c["cache_len"], self.chain.xsegs[ph.xop].scaling
+        out = []
+        for t in range(ph.ntiles):
+            x = self.x_of(p, t % ph.ne).double()
+            q, new = x[:ATTN_HEADS * R].view(ATTN_HEADS, R), x[ATTN_HEADS * R:]
+            r0 = (t // ph.ne) * ph.rows
+            keys = torch.cat([self.cache_init[p][:L].double(), new[None]])[r0:r0 + ph.rows]
+            s = (q @ keys.T) * float(torch.tensor(scale, dtype=torch.float32))
+            m = s.max(dim=1).values
+            e = torch.exp(s - m[:, None])
+            out.append(torch.cat([m[:, None], e.sum(1)[:, None], e @ keys[:, :rank]], dim=1))
+        return torch.cat(out).reshape(-1).float()
 
     def kda_inputs(self, p: int) -> dict:
         """KDA phase p's inputs from the words now in the buffers and its tensors' first values (`kda_init`: what a
@@ -934,13 +1053,16 @@ class Buffers:
             return torch.cat([y[0].float(), row[0].float()])
         if ph.kind == "kda":
             return kda_step_k3(**self.kda_inputs(p))[0]
+        if ph.kind == "attn":
+            return self.attn_out(p)
         if ph.kind == "topk" and ph.xop >= 0:
             return self.scored_topk(p)
         if ph.kind == "topk":
             return torch.topk(self.x_of(p), ph.ne).indices.float()       # (descending, as the kernel's rounds)
         if ph.kind == "gemv":
             return self.weights(p).float() @ self.x_of(p)
-        ids = self.out(ph.route)[:self.chain.phases[ph.route].ne].long()      # (a scored top-k: then weights)
+        ids = (torch.arange(ph.n_experts) if ph.route < 0 else                  # (a fixed route: every expert)
+               self.out(ph.route)[:self.chain.phases[ph.route].ne].long())      # (a scored top-k: then weights)
         xs = [self.x_of(p, s) for s in range(len(ids))]
         return torch.cat([self.weights(p)[e].float() @ (xs[s] if ph.xstride else xs[0]) for s, e in enumerate(ids)])
 
@@ -965,12 +1087,12 @@ class Buffers:
         for p, ph in enumerate(self.chain.phases):
             if ph.xop < 0 or ph.kind in ("topk", "kda"):
                 continue
-            slots = self.chain.phases[ph.route].ne if ph.kind == "routed" and ph.xstride else 1
+            slots = self.chain.slots(ph)
             for s in range(slots):
-                got, ref = self.xdump[p, s, :ph.k].float(), self.recipe_x(p, s)
+                got, ref = self.xdump[p, s, :self.x_width(p)].float(), self.recipe_x(p, s)
                 diff = (got - ref).abs()
                 out[f"{ph.name}[{s}]" if slots > 1 else ph.name] = {
-                    "differ": int((diff > 0).sum()) + int(torch.isnan(got).sum()), "of": ph.k,
+                    "differ": int((diff > 0).sum()) + int(torch.isnan(got).sum()), "of": self.x_width(p),
                     "max_abs": float(diff.nan_to_num(float("inf")).max())}
         return out
 
@@ -988,6 +1110,8 @@ class Buffers:
                 self.set_mix(p, v[:ph.n // 2], v[ph.n // 2:])
             else:
                 self.out(p).copy_(self.expected(p))
+                if ph.kind == "attn":       # (the new row: the x's last k values)
+                    self.cache[p][ph.n - 1] = self.x_of(p)[ATTN_HEADS * ph.k:].bfloat16()
 
     def kda_errors(self, p: int) -> dict:
         """After a launch that followed `clear`: KDA phase p against `kda_step_k3` on the kernel's own inputs. Its
@@ -1006,7 +1130,7 @@ class Buffers:
         inputs), the top-k phases that differ, and the phases with unwritten (NaN) rows; per KDA phase
         `kda_errors` (not in max_rel: its bounds are `KDA_BOUNDS`)."""
         worst = {k: 0.0 for k in KINDS if k not in ("kda", "mix", "mla")}
-        topk_wrong, nan, kda, mix = [], [], {}, {}
+        topk_wrong, nan, kda, mix, cache_row = [], [], {}, {}, []
         writers = self.chain.mix_writers()
         for p, ph in enumerate(self.chain.phases):
             if (ph.kind == "mix" and p not in writers) or ph.kind == "mla":
@@ -1028,7 +1152,10 @@ class Buffers:
                 continue
             rel = ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
             worst[ph.kind] = max(worst[ph.kind], rel)
-        out = {"max_rel": worst, "topk_wrong": topk_wrong, "unwritten": nan, "kda": kda,
+            if ph.kind == "attn" and not torch.equal(self.cache[p][ph.n - 1].float(),
+                                                     self.x_of(p)[ATTN_HEADS * ph.k:]):
+                cache_row.append(ph.name)       # (the new row the launch appended: the x's, as it read it)
+        out = {"max_rel": worst, "topk_wrong": topk_wrong + cache_row, "unwritten": nan, "kda": kda,
                "kda_out_of_bounds": [k for k, v in kda.items() if any(v[b] > KDA_BOUNDS[b] for b in KDA_BOUNDS)]}
         if mix:
             out["mix"] = mix
@@ -1089,6 +1216,9 @@ def block_tiles(chain: Chain, nblk: int) -> list[list[tuple[int, int, int]]]:
             row0 = t * ph.rows
             slot = row0 // ph.ne if ph.kind == "routed" and ph.xstride else 0
             nbytes = 0 if ph.kind == "topk" else min(ph.rows, ph.n - row0) * ph.k * 2
+            if ph.kind == "attn":           # (key block t / ne, head group t % ne; the new row is not loaded)
+                slot, row0 = t % ph.ne, t // ph.ne * ph.rows
+                nbytes = max(0, min(ph.rows, ph.n - 1 - row0)) * ph.k * 2
             out[(ph.tile0 + t) % nblk].append((p, slot, nbytes))
     return out
 
@@ -1239,6 +1369,13 @@ def not_resident(per_sm: int, threads: int, regs: int, smem: int, static: int = 
     return None
 
 
+def kernel_report(ptxas: str) -> list[str]:
+    """ptxas's lines on chain_kernel itself (its frame and spills, its registers): not those of a function it calls."""
+    lines = [ln.strip() for ln in ptxas.strip().splitlines()]
+    k = next((i for i, ln in enumerate(lines) if ln.endswith("for chain_kernel")), len(lines) - 3)
+    return lines[k + 1:k + 3]
+
+
 class ChainKernel:
     """chain.cu compiled for one ring, launched through cupy on torch's current stream."""
 
@@ -1249,15 +1386,16 @@ class ChainKernel:
         cubin, self.ptxas = compile_cubin(nslot, slot_bytes, build_dir or tempfile.mkdtemp(prefix="k3chain-"),
                                           spin_limit, defines, cu)
         print(f"{cu.name} {nslot}x{slot_bytes} {' '.join(defines)}: "
-              + " | ".join(self.ptxas.strip().splitlines()[-2:]), flush=True)
+              + " | ".join(kernel_report(self.ptxas)), flush=True)
         self.fn = cupy.RawModule(path=cubin).get_function("chain_kernel")
         self.consumers = 32 * define_value(defines, "CONSUMER_WARPS", cu)
         # + the producer warp (and -DTRACE_TILES's observer warp)
         self.threads = self.consumers + 32 * (2 if "TRACE_TILES" in defines else 1)
         self.steps = define_value(defines, "STEPS", cu)
         self.per_sm = define_value(defines, "BLOCKS_PER_SM", cu, default=1)
-        self.regs = int(re.search(r"Used (\d+) registers", self.ptxas).group(1))
-        self.static_smem = int(re.search(r"(\d+) bytes smem", self.ptxas).group(1))
+        own = " ".join(kernel_report(self.ptxas))
+        self.regs = int(re.search(r"Used (\d+) registers", own).group(1))
+        self.static_smem = int(re.search(r"(\d+) bytes smem", own).group(1))
         self.blocks = self.per_sm * torch.cuda.get_device_properties(0).multi_processor_count
         self.epoch = 0
         self.counters = self.err = None
@@ -1294,12 +1432,16 @@ class ChainKernel:
         if any(ph.kind == "kda" for ph in bufs.chain.phases) and self.consumers != 512:
             raise ValueError(f"this chain has KDA phases, which chain.cu runs on 512 consumer threads; the kernel "
                              f"has {self.consumers} (CONSUMER_WARPS)")
+        if bufs.chain.caches and not define_value(self.defines, "MMA_ONLY", self.cu, default=0):
+            raise ValueError("this chain has MLA attention (attn) phases, which chain.cu runs only built with "
+                             "RECIPES=1 MMA_ONLY=1")
         self.smem = smem_bytes(self.nslot, self.slot_bytes, n, len(bufs.chain.xsegs))
         why = not_resident(self.per_sm, self.threads, self.regs, self.smem, self.static_smem)
         if why:
             raise ValueError(f"ring {self.nslot}x{self.slot_bytes} with {n} phases, {self.per_sm} block(s) an SM: "
                              f"{why}; the blocks would not all be resident, and would wait on each other")
-        groups = max((row_groups(p, self.consumers, self.steps) for p in bufs.chain.phases if p.kind != "topk"),
+        groups = max((row_groups(p, self.consumers, self.steps) for p in bufs.chain.phases
+                      if p.kind not in ("topk", "attn")),                  # (attn tiles: `attn_tile`, no groups)
                      default=1)
         if groups > GROUPS:
             raise ValueError(f"a tile of this chain takes {groups} row groups with {self.consumers} consumer "

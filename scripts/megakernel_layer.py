@@ -138,9 +138,44 @@ def mla_standin(c: mc.Chain, out: list[int], name: str, cfg) -> int:
     return c.gemv(name + "o", d, H * cfg.v_head_dim, av, dep2=gt)
 
 
+def mla_sublayer(c: mc.Chain, attn, out: list[int], name: str, cache: torch.Tensor, cache_len: int) -> int:
+    """A Gated MLA attention sublayer at B = 1 (`GatedMLA.decode`) over the latent cache's rows [:cache_len] (`cache`
+    [> cache_len, rank + pe]; the launch appends the new row at cache_len), as six phases:
+
+        proj   GEMV [q_rank + rank + pe + H v, d]: q_a | kv_a | g            (the model's packing)
+        q_b    GEMV [H (nope + pe), q_rank] on RMSNorm(q_a) (the x recipe "norm")
+        bmm1   per head h (a fixed route): W_UK[h]^T [rank, nope] on q_b's nope words of head h
+        attn   the latent attention (chain.cu's ATTN): the queries [bmm1 | q_pe], the keys the cache rows and the new
+               row [RMSNorm(kv_a's latent) | its pe]; per key block and head the partial max, sum and output
+        bmm2   per head: W_UV[h] [v, rank] on the head's partials combined (the recipe "mla_combine")
+        o      GEMV [d, H v] on bf16(sigmoid(g) o) (the recipe "gate")
+
+    Its x is the sublayer output `out` (`gemv_on`); returns the "o" phase."""
+    H, rank, nope, pe, v = attn.num_heads, attn.rank, attn.nope, attn.rope, attn.v_dim
+    qr, d = attn.q_a_proj.out_features, attn.q_a_proj.in_features
+    w = torch.cat([attn.q_a_proj.weight, attn.kv_a_proj_with_mqa.weight, attn.g_proj.weight])
+    proj = gemv_on(c, out, name + "proj", w.shape[0], d, w)
+    qb = c.gemv(name + "q_b", H * (nope + pe), qr, proj, weight=attn.q_b_proj.weight,
+                xsegs=[mc.XSeg("norm", proj, qr, aux=attn.q_a_layernorm.weight, eps=attn.q_a_layernorm.eps)])
+    w_uk, w_uv = attn.absorbed_weights()
+    ql = c.heads(name + "bmm1", H, rank, nope, qb, nope + pe, weight=w_uk.transpose(1, 2))
+    at = c.attn(name + "attn", ql, qb, proj, qr, H, rank, nope, pe, cache, cache_len, attn.scale,
+                attn.kv_a_layernorm.weight, attn.kv_a_layernorm.eps)
+    blocks = c.phases[at].ntiles // c.phases[at].ne
+    o = c.heads(name + "bmm2", H, v, rank, at, rank + 2, weight=w_uv,
+                xsegs=[mc.XSeg("mla_combine", at, rank, stride=H * (rank + 2), nslot=blocks)])
+    return c.gemv(name + "o", d, H * v, o, weight=attn.o_proj.weight,
+                  xsegs=[mc.XSeg("gate", o, H * v, route=proj, off2=qr + rank + pe)])
+
+
+def random_cache(cfg, rows: int, gen: torch.Generator) -> torch.Tensor:
+    """A random latent cache of `rows` rows (N(0, 1), bf16) and room for the new one."""
+    return torch.cat([torch.randn(rows, cfg.latent_dim, generator=gen), torch.zeros(1, cfg.latent_dim)]).bfloat16()
+
+
 def layers_chain(model, layers: list[int], slot_bytes: int = 65536, packed_out: bool = False, min_tiles: int = 0,
                  routed_rows: int = mc.MAX_ROWS, kda: bool = False, seed: int = 0, mla_standins: bool = False,
-                 head: bool = False, attnres: bool = False, mla_cache: int = 0) -> mc.Chain:
+                 head: bool = False, attnres: bool = False, mla_cache: int = 0, mla: int = 0) -> mc.Chain:
     """The sublayers of `layers` as one chain, with the model's weights (an unpacked model: the weights are read
     from its modules as loaded). The first sublayer reads the chain's external input; each later one the output of
     the one before (no AttnRes: `docs/megakernel.md`, "Next"). Layer 0's MLP is dense (`dense_sublayer`), every
@@ -160,7 +195,8 @@ def layers_chain(model, layers: list[int], slot_bytes: int = 65536, packed_out: 
     every layer, from 0, in order): the chain is then the model's decode step (the MLA layers as stand-ins). The
     "mix" phases are emulated only: chain.cu does not run them yet. mla_cache > 0: each MLA layer's attention as an
     emulated "mla" phase (`Chain.mla`: the model's own decode, chain.cu does not run it) over a random latent
-    cache of that many rows (seeded by `seed`), instead of stand-ins."""
+    cache of that many rows (seeded by `seed`), instead of stand-ins. mla > 0: each MLA layer's attention as chain.cu
+    runs it (`mla_sublayer`) over a random cache of that many rows (`random_cache`)."""
     cfg = model.config
     if not (cfg.latent_moe_use_norm and cfg.num_shared_experts):
         raise ValueError("layers_chain builds LatentMoE with its latent norm and shared experts (every K3 preset)")
@@ -192,6 +228,8 @@ def layers_chain(model, layers: list[int], slot_bytes: int = 65536, packed_out: 
                 bank, p_ref = bank + [p_ref], None
         if kda and not cfg.is_mla(l):
             out = [kda_sublayer(c, attn, out, f"L{l}.kda.", kda_start(attn, gen))]
+        elif mla and cfg.is_mla(l):
+            out = [mla_sublayer(c, attn, out, f"L{l}.gmla.", random_cache(cfg, mla, gen), mla)]
         elif mla_cache and cfg.is_mla(l):
             if not attnres:
                 raise ValueError("mla_cache: the emulated MLA attention is for the model's whole step (attnres)")
@@ -250,7 +288,7 @@ def layers_chain(model, layers: list[int], slot_bytes: int = 65536, packed_out: 
 
 
 # the phases whose output is a sublayer's (and the dense MLP's last "down.N")
-OUTPUTS = (".out", ".up", ".kda.o", ".mla.o", ".mla.attn", "lm_head")
+OUTPUTS = (".out", ".up", ".kda.o", ".mla.o", ".gmla.o", ".mla.attn", "lm_head")
 
 
 def sublayer_phases(bufs: mc.Buffers) -> list[int]:
@@ -384,23 +422,26 @@ def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: in
         defines: tuple[str, ...] = DEFINES, modes: tuple[str, ...] = ("stream", "serial", "nodeps"),
         baseline: bool = True, cu: Path = mc.CU, packed_out: bool = False, spread: bool = True,
         routed_rows: int = mc.MAX_ROWS, kda: bool = True, mla_standins: bool = False, head: bool = False,
-        attnres: bool = False, context: int = 1024) -> dict:
+        attnres: bool = False, context: int = 1024, mla: int = 0) -> dict:
     """Check (unless a diagnostic build), compare with the compile backend and time (`baseline`), time `modes`.
     A -DTRACE_TILES build also reports what each block's ring did in one stream launch (`tile_pipeline`). The
-    compile baseline runs the chain's real sublayers (the MLA stand-ins have no counterpart there, nor AttnRes);
+    compile baseline runs the chain's real sublayers (the MLA stand-ins have no counterpart there, nor AttnRes; the
+    real MLA attention is the model's decode over the same cache);
     with attnres (the whole step), also the `compile` engine's whole real decode step at B = 1 after `context`
-    tokens ("compile step")."""
+    tokens ("compile step"). mla > 0: the MLA attention real (`mla_sublayer`), over random caches of that many rows,
+    each checked against the model's own decode on the kernel's input and cache."""
     from k3export.bench.ceilings import copy_bandwidth, graph_replay
     from k3export.bench.fp8 import gpu_random_model
     from k3export.config import PRESETS
     from k3export.plugins.launch import pdl
     cfg = PRESETS[preset]
+    mla_standins = mla_standins and not mla         # (the real MLA attention replaces the stand-ins)
     model = gpu_random_model(cfg, seed)
     layers = layers or moe_layers(cfg)
     blocks = torch.cuda.get_device_properties(0).multi_processor_count
     chain = layers_chain(model, layers, packed_out=packed_out, min_tiles=blocks if spread else 0,
-                         routed_rows=routed_rows, kda=kda, seed=seed, mla_standins=mla_standins, head=head,
-                         attnres=attnres)
+                         routed_rows=routed_rows, kda=kda, seed=seed, mla_standins=mla_standins and not mla,
+                         head=head, attnres=attnres, mla=mla)
     bufs = mc.Buffers(chain)
     g = torch.Generator(device="cuda").manual_seed(seed + 1)
     bufs.x.copy_(torch.randn(cfg.hidden_size, generator=g, device="cuda").bfloat16().float())
@@ -409,7 +450,7 @@ def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: in
     kern.bind(bufs)
     res = {"device": torch.cuda.get_device_name(0), "preset": preset, "layers": layers, "kda": kda,
            "mla_standins": mla_standins, "head": head, "packed_out": packed_out, "spread": spread,
-           "routed_rows": routed_rows, "attnres": attnres,
+           "routed_rows": routed_rows, "attnres": attnres, "mla": mla,
            "phases": len(chain.phases), "tiles": chain.ntiles, "bytes_read": chain.bytes_read,
            "copy_gbs": copy_bandwidth() / 1e9, "defines": list(kern.defines), "check": {}}
     # 1. the kernel against the torch emulation of its phases (stream and serial: the same outputs)
@@ -450,6 +491,16 @@ def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: in
             y, l = y.bfloat16(), None if name == "lm_head" else layer_of(name)
             if name.endswith(".mla.o"):                         # (a stand-in: nothing to compare)
                 continue
+            if name.endswith(".gmla.o"):        # the model's own MLA decode on the kernel's input and cache
+                cp = next(q for q in chain.caches if layer_of(chain.phases[q].name) == l)
+                L = chain.caches[cp]["cache_len"]
+                ref, new = model.model.layers[l].self_attn.decode(
+                    x[None], bufs.cache_init[cp][:L][None], torch.tensor([L], device=x.device))
+                row = dict(layer=l, sublayer="mla", **compare(y, ref[0]),
+                           new_row=compare(bufs.cache[cp][L], new[0]))
+                res["vs_compile"].append(row)
+                print(f"L{l}: {row}", flush=True)
+                continue
             if name == "lm_head":                               # the final norm and the LM head
                 xn = x[None] if chain.mixes else model.model.norm(x[None])     # (AttnRes: normalised in the mix)
                 row = dict(layer="head", sublayer="lm_head", **compare(y, model.lm_head(xn)[0]))
@@ -477,10 +528,17 @@ def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: in
     kda_state = {l: (bufs.kda_init[p]["conv_state"].clone()[None], bufs.kda_init[p]["state"].clone()[None])
                  for l, p in kda_p.items()}
 
+    mla_in = {layer_of(chain.phases[p].name): (model.model.layers[layer_of(chain.phases[p].name)].self_attn,
+                                                bufs.cache_init[p][:c["cache_len"]][None].clone(),
+                                                torch.tensor([c["cache_len"]], device="cuda"))
+              for p, c in chain.caches.items()}           # (the real MLA attention: the model's decode, its cache)
+
     def stack(x):
         for l, mlp in zip(layers, mlps):
             if l in attns:
                 x = attns[l].decode_(x, *kda_state[l])
+            if l in mla_in:
+                x = mla_in[l][0].decode(x, *mla_in[l][1:])[0]
             x = mlp(x)
         return model.lm_head(model.model.norm(x)) if head else x
     fns = {m: (lambda m=m: kern.launch(m)) for m in modes}
@@ -541,12 +599,14 @@ KIND_COLOURS = {"kda": "tab:blue", "moe": "tab:orange", "dense": "tab:green", "m
 
 
 def phase_group(name: str) -> str:
-    """The sublayer kind a phase belongs to, for the plot: kda, moe, dense, mla stand-in or head."""
+    """The sublayer kind a phase belongs to, for the plot: kda, moe, dense, mla (emulated or chain.cu's), mla stand-in,
+    attnres or head."""
     if name == "lm_head":
         return "head"
     if name.endswith(".mla.attn"):
         return "mla"
-    return {"kda": "kda", "moe": "moe", "dense": "dense", "mla": "mla stand-in", "mix": "attnres"}[name.split(".")[1]]
+    return {"kda": "kda", "moe": "moe", "dense": "dense", "mla": "mla stand-in", "gmla": "mla",
+            "mix": "attnres"}[name.split(".")[1]]
 
 
 def time_by_group(res: dict) -> dict:
@@ -591,7 +651,8 @@ def plot(res: dict, path: str, target_ms: float | None = None) -> None:
         left += by[g] / 1e3
     if "compile" in res["ms"]:
         bx.barh(["compile"], [res["ms"]["compile"]], color="tab:red", alpha=0.6,
-                label=f"compile {res['ms']['compile']:.3f} ms (real sublayers only)")
+                label=f"compile {res['ms']['compile']:.3f} ms (the sublayers "
+                      f"{'without AttnRes' if res.get('mla') else 'that are real'})")
     if "compile step" in res["ms"]:
         bx.barh(["compile step"], [res["ms"]["compile step"]], color="tab:red",
                 label=f"compile engine's whole step {res['ms']['compile step']:.3f} ms")
@@ -642,6 +703,9 @@ def main() -> None:
     ap.add_argument("--no-standins", action="store_true", help="with --step: no MLA stand-ins")
     ap.add_argument("--attnres", action="store_true", help="with --step: Block AttnRes before every sublayer and the "
                     "head, as the model has it (in the consumers' x loads), and the compile engine's whole step timed")
+    ap.add_argument("--mla", type=int, default=0, metavar="ROWS",
+                    help="with --step: the MLA attention real (chain.cu's ATTN) over random caches of ROWS rows, not "
+                         "stand-ins")
     ap.add_argument("--out")
     ap.add_argument("--plot", help="PNG: the launch's bytes over time and its time by sublayer kind")
     ap.add_argument("--replot", metavar="JSON", help="no run: plot a saved --out result (with --plot)")
@@ -661,9 +725,10 @@ def main() -> None:
     res = run(a.preset, layers, a.rounds, a.iters, defines=tuple(d for d in a.defines.split("+") if d),
               modes=modes, baseline=not a.no_baseline, cu=a.cu, packed_out=a.packed_out, spread=not a.no_spread,
               routed_rows=a.routed_rows, kda=not a.no_kda, mla_standins=a.step and not a.no_standins,
-              head=a.step, attnres=a.step and a.attnres)
+              head=a.step, attnres=a.step and a.attnres, mla=a.mla if a.step else 0)
     floor = res["bytes_floor_ms"]
-    what = ("KDA + MoE" if res["kda"] else "MoE") + (" + MLA stand-ins" if res["mla_standins"] else "") + (
+    what = ("KDA + MoE" if res["kda"] else "MoE") + (" + MLA stand-ins" if res["mla_standins"] and not res.get(
+        "mla") else "") + (f" + MLA over {res['mla']} cache rows" if res.get("mla") else "") + (
         " + LM head" if res["head"] else "") + (" + AttnRes" if res["attnres"] else "")
     print(f"{a.preset} {what} sublayers of layers {res['layers']}: {res['phases']} phases, "
           f"{res['bytes_read'] / 1e6:.0f} MB "

@@ -104,9 +104,9 @@
 #define SPIN_LIMIT (1u << 24)          // polls before a wait gives up (-DSPIN_LIMIT=...)
 #endif
 
-enum Kind : int64_t { GEMV = 0, TOPK = 1, ROUTED = 2, KDA = 3 };
+enum Kind : int64_t { GEMV = 0, TOPK = 1, ROUTED = 2, KDA = 3, ATTN = 4 };
 enum XOp : int32_t { X_GLU = 1, X_COMBINE_NORM = 2, X_SCORE = 3, X_KDA = 4, X_HEADNORM = 5, X_NORM = 6, X_SUM = 7,
-                     X_ATTNRES = 8 };
+                     X_ATTNRES = 8, X_MLA_Q = 9, X_MLA_COMBINE = 10, X_GATE = 11 };
 enum Mode : int { STREAM = 0, SERIAL = 1, NODEPS = 2 };
 
 struct Phase {                          // 16 int64 fields, built by megakernel_chain.py (`Buffers.table`)
@@ -146,6 +146,15 @@ struct Phase {                          // 16 int64 fields, built by megakernel_
 //     as X_COMBINE_NORM's. src: the "mix" phase, whose words [x | p] (2 len) the block with tile 0 of phase
 //     aux.writer writes (one consumer a mix: later mixes read p there, and the check reads both). The consumers of
 //     a mix share its part (shared memory holds the table and the parts: k3-small's step came 272 bytes short).
+//   X_MLA_Q (an ATTN phase's first part; slot: the tile's head group): for its nslot heads h = slot nslot + i, the
+//     query [ql_h (stride words at off + h stride of src, BMM1's output) | q_pe_h (the last len / nslot - stride
+//     words of head h in phase route, q_b's output, heads len / nslot - stride + off2 words apart, q_pe at off2)];
+//     scaling: the softmax scale (read by the ATTN phase).
+//   X_MLA_COMBINE (BMM2's per-slot x; slot: the head): the ATTN phase src's nslot partials of the head (split s at
+//     off + s stride + slot (len + 2): max m_s, sum l_s, then len outputs), a_s = exp(m_s - max m), x = bf16(sum_s
+//     a_s O_s / sum_s a_s l_s), the sums in split order.
+//   X_GATE: bf16(sigmoid(g) o), o = bf16(y_src[off + j]), g = bf16 of the words of phase route at off2 + j (the MLA's
+//     output gate).
 struct XSeg {
     int64_t aux;
     int32_t op, src, off, len;
@@ -1064,6 +1073,75 @@ __device__ __forceinline__ bool load_x_recipe(__nv_bfloat16* xs, const PhaseC& f
                 }
                 consumers_sync();                   // (sq is reused by the next rounds)
             }
+        } else if (g.op == X_MLA_Q) {               // the head group's queries: [ql | q_pe] a head
+            const int hw = g.len / g.nslot, pe = hw - g.stride, qw = g.off2 + pe;   // q_b's head: [nope | pe]
+            const uint64_t* qb = reinterpret_cast<const uint64_t*>(ph[g.route].y);
+            for (int jb = tid; ok && jb < g.len; jb += 8 * CONSUMERS) {
+                const uint64_t* a[8];
+                float v[8];
+#pragma unroll
+                for (int u = 0; u < 8; ++u) {
+                    const int j = jb + u * CONSUMERS, h = slot * g.nslot + j / hw, c = j % hw;
+                    a[u] = j >= g.len ? nullptr : c < g.stride ? base + h * g.stride + c
+                                                               : qb + h * qw + g.off2 + (c - g.stride);
+                }
+                ok = poll_all(a, v, epoch, wait, err, p, t);
+#pragma unroll
+                for (int u = 0; u < 8; ++u) {
+                    const int j = jb + u * CONSUMERS;
+                    if (j < g.len) xs[j0 + j] = __float2bfloat16_rn(v[u]);
+                }
+            }
+        } else if (g.op == X_MLA_COMBINE) {         // BMM2's x: the head's split partials combined
+            // (past x in shared memory: m_s at sc[s], l_s at sc[32 + s], a_s at sc[64 + s]; nslot <= 32)
+            float* sc = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(xs) + XBYTES / 2);
+            const uint64_t* hb = base + static_cast<int64_t>(slot) * (g.len + 2);
+            if (tid < g.nslot) {
+                float ml[2];
+                ok = poll_strided(hb + static_cast<int64_t>(tid) * g.stride, 1, 2, ml, epoch, wait, err, p, t);
+                sc[tid] = ml[0];
+                sc[32 + tid] = ml[1];
+            }
+            consumers_sync();
+            float mx = -INFINITY;
+            for (int q2 = 0; q2 < g.nslot; ++q2) mx = fmaxf(mx, sc[q2]);
+            if (tid < g.nslot) sc[64 + tid] = expf(__fsub_rn(sc[tid], mx));
+            consumers_sync();
+            float den = 0.f;
+            for (int q2 = 0; q2 < g.nslot; ++q2) den = __fadd_rn(den, __fmul_rn(sc[64 + q2], sc[32 + q2]));
+            for (int j = tid; ok && j < g.len; j += CONSUMERS) {
+                float acc = 0.f;
+                for (int s0 = 0; ok && s0 < g.nslot; s0 += 8) {     // 8 splits' words at a time
+                    float v[8];
+                    const int ns = min(8, g.nslot - s0);
+                    ok = poll_strided(hb + static_cast<int64_t>(s0) * g.stride + 2 + j, g.stride, ns, v, epoch,
+                                      wait, err, p, t);
+#pragma unroll
+                    for (int q2 = 0; q2 < 8; ++q2)
+                        if (q2 < ns) acc = __fadd_rn(acc, __fmul_rn(sc[64 + s0 + q2], v[q2]));
+                }
+                xs[j0 + j] = __float2bfloat16_rn(__fdiv_rn(acc, den));
+            }
+            consumers_sync();                       // (sc is free again)
+        } else if (g.op == X_GATE) {                // bf16(sigmoid(g) o)
+            const uint64_t* gb = reinterpret_cast<const uint64_t*>(ph[g.route].y) + g.off2;
+            for (int jb = tid; ok && jb < g.len; jb += 4 * CONSUMERS) {
+                const uint64_t* a[8];
+                float v[8];
+#pragma unroll
+                for (int u = 0; u < 4; ++u) {
+                    const int j = jb + u * CONSUMERS;
+                    a[u] = j < g.len ? base + j : nullptr;
+                    a[4 + u] = j < g.len ? gb + j : nullptr;
+                }
+                ok = poll_all(a, v, epoch, wait, err, p, t);
+#pragma unroll
+                for (int u = 0; u < 4; ++u) {
+                    const int j = jb + u * CONSUMERS;
+                    if (j < g.len)             // (both a bf16 GEMV's outputs: rounded first)
+                        xs[j0 + j] = __float2bfloat16_rn(__fmul_rn(sigmoid_k3(bf16r(v[4 + u])), bf16r(v[u])));
+                }
+            }
         } else if (g.op == X_SCORE) {               // a top-k's x: keys, then the scores
             float* xf = reinterpret_cast<float*>(xs);
             const float* bias = reinterpret_cast<const float*>(g.aux);
@@ -1320,6 +1398,129 @@ struct Cursor {
 };
 
 #if RECIPES && MMA_ONLY
+#define ATTN_HEADS 8                    // ATTN: heads a tile (a head group; the tile's x holds their queries)
+// An ATTN phase (MLA decode attention over the latent cache, B = 1): f.n keys, the f.n - 1 cache rows (f.w, bf16
+// [rows][k], k = rank + pe) and the new row; tile t covers key block t / f.ne (f.rows keys) for head group t % f.ne
+// (its x slot). Its x (X_MLA_Q, then the new row: X_NORM of the latent and the pe words as they are) is
+// [ATTN_HEADS queries | the new row], k each. Per tile and head, the words [m, l, O (rank)]: the block's max score m,
+// l = sum exp(s - m) and O = sum exp(s - m) row[:rank] over its keys (fp32; scores s = scale (q . row), the dot in
+// each lane's order, then a warp butterfly). The block with tile 0 appends the new row to the cache (row f.n - 1,
+// which no tile reads from there). Every consumer thread calls it (512; three barriers).
+__device__ __noinline__ void attn_tile(const PhaseC& f, const XSeg& q0, const __nv_bfloat16* tile,
+                                          const __nv_bfloat16* xs, int t, uint32_t epoch) {
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int k = f.k, rows = f.rows, keys = f.n, cache_len = keys - 1;
+    const int rank = q0.stride, k2 = k / 2, row0 = (t / f.ne) * rows;
+    const float scale = q0.scaling;
+    // the scores, then the weights, [ATTN_HEADS][rows] fp32 past x in shared memory (the host checks that they fit)
+    float* sc = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(const_cast<__nv_bfloat16*>(xs)) +
+                                         ((ATTN_HEADS + 1) * k * 2 + 15) / 16 * 16);
+    uint64_t* y = reinterpret_cast<uint64_t*>(f.y);
+    const __nv_bfloat16* nrow = xs + ATTN_HEADS * k;                  // the new row
+    consumers_sync();                       // every warp is done with the last tile's weights in sc
+    if (t == 0)                             // the cache's new row (no tile of this launch reads it from there)
+        for (int j = tid; j < k; j += CONSUMERS)
+            const_cast<__nv_bfloat16*>(reinterpret_cast<const __nv_bfloat16*>(f.w))[
+                static_cast<int64_t>(cache_len) * k + j] = nrow[j];
+    const int nkeys = min(rows, keys - row0), ncache = min(nkeys, cache_len - row0);   // keys from the tile: ncache
+    // the scores: warp w takes keys w, w + 16, ...; lane l the pairs l, l + 32, ... of the row
+    for (int r = warp; r < rows; r += CONSUMER_WARPS) {
+        float acc[ATTN_HEADS];
+#pragma unroll
+        for (int h = 0; h < ATTN_HEADS; ++h) acc[h] = 0.f;
+        if (r < nkeys) {
+            const __nv_bfloat162* row = reinterpret_cast<const __nv_bfloat162*>(r < ncache ? tile + r * k : nrow);
+            const __nv_bfloat162* qh = reinterpret_cast<const __nv_bfloat162*>(xs);
+            for (int q = lane; q < k2; q += 32) {
+                const float2 c = __bfloat1622float2(row[q]);
+#pragma unroll
+                for (int h = 0; h < ATTN_HEADS; ++h) {
+                    const float2 qv = __bfloat1622float2(qh[h * k2 + q]);
+                    acc[h] = fmaf(c.y, qv.y, fmaf(c.x, qv.x, acc[h]));
+                }
+            }
+        }
+#pragma unroll
+        for (int h = 0; h < ATTN_HEADS; ++h) {
+            for (int o = 16; o; o >>= 1) acc[h] += __shfl_xor_sync(0xffffffffu, acc[h], o);
+            if (lane == h) sc[h * rows + r] = r < nkeys ? __fmul_rn(acc[h], scale) : -INFINITY;
+        }
+    }
+    consumers_sync();
+    if (warp < ATTN_HEADS) {                // warp h: head h's max, weights and sum over the block's keys
+        float m = -INFINITY;
+        for (int r = lane; r < rows; r += 32) m = fmaxf(m, sc[warp * rows + r]);
+        for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+        float l = 0.f;
+        for (int r = lane; r < rows; r += 32) {
+            const float e = r < nkeys ? expf(__fsub_rn(sc[warp * rows + r], m)) : 0.f;
+            sc[warp * rows + r] = e;
+            l += e;
+        }
+        for (int o = 16; o; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
+        if (lane == 0) {
+            uint64_t* yh = y + static_cast<int64_t>(t * ATTN_HEADS + warp) * (rank + 2);
+            store_word(yh, m, epoch);
+            store_word(yh + 1, l, epoch);
+        }
+    }
+    consumers_sync();
+    uint64_t* yo = y + static_cast<int64_t>(t * ATTN_HEADS) * (rank + 2) + 2;
+    for (int c = tid; c < rank; c += CONSUMERS) {     // O: thread c, every head, keys in order
+        float o[ATTN_HEADS];
+#pragma unroll
+        for (int h = 0; h < ATTN_HEADS; ++h) o[h] = 0.f;
+        for (int r = 0; r < nkeys; ++r) {
+            const float v = __bfloat162float(r < ncache ? tile[r * k + c] : nrow[c]);
+#pragma unroll
+            for (int h = 0; h < ATTN_HEADS; ++h) o[h] = fmaf(sc[h * rows + r], v, o[h]);
+        }
+#pragma unroll
+        for (int h = 0; h < ATTN_HEADS; ++h) store_word(yo + h * (rank + 2) + c, o[h], epoch);
+    }
+}
+#endif
+
+#if RECIPES && MMA_ONLY
+// An ATTN phase: this block's tiles (g0, g0 + nblk, ...; ring slots from tile count i on), x loaded where the head
+// group changes. Returns the tiles done, or -1: a wait gave up.
+__device__ __forceinline__ int attn_phase(const PhaseC& f, const PhaseC* ph, const XSeg* xsegs,
+                                          const unsigned char* ring, __nv_bfloat16* xs, uint64_t* full,
+                                          uint64_t* empty, uint32_t i, int g0, int nblk, uint32_t epoch, bool wait,
+                                          uint32_t* err, int64_t p, float* red, float* comb_w, int* gave_up,
+                                          __nv_bfloat16* xdump,
+                                          unsigned long long* t_x, unsigned long long* t_tile) {
+    const int tid = threadIdx.x;
+    int n = 0, have = -1;
+    for (int gt = g0; gt < f.tile0 + f.ntiles; gt += nblk, ++i, ++n) {
+        const int t = gt - f.tile0, hg = t % f.ne;
+        const uint32_t s = i % NSLOT;
+        if (hg != have) {
+            consumers_sync();               // every warp is done with the last x
+            if (!load_x_recipe(xs, f, ph, xsegs, hg, epoch, wait, err, p, t, red, comb_w)) *gave_up = 1;
+            consumers_sync();
+            if (*gave_up) return -1;
+            if (xdump && t < f.ne && hg < XDUMP_SLOTS)
+                for (int j = tid; j < (ATTN_HEADS + 1) * f.k; j += CONSUMERS)
+                    xdump[(p * XDUMP_SLOTS + hg) * XMAX + j] = xs[j];
+            have = hg;
+        }
+#ifdef PHASE_TIMES
+        if (tid == 0 && n == 0) atomicMin(t_x, static_cast<unsigned long long>(now_ns()));
+#endif
+        if (!wait_slot(&full[s], (i / NSLOT) & 1u, err, 2, p, t)) return -1;
+        attn_tile(f, xsegs[f.xop], reinterpret_cast<const __nv_bfloat16*>(ring + s * SLOT_BYTES), xs, t, epoch);
+#ifdef PHASE_TIMES
+        if (tid == 0 && n == 0) atomicMin(t_tile, static_cast<unsigned long long>(now_ns()));
+#endif
+        __syncwarp();
+        if (tid % 32 == 0) mbar_arrive(&empty[s]);     // this warp is done with slot s
+    }
+    return n;
+}
+#endif
+
+#if RECIPES && MMA_ONLY
 // A GEMV phase whose x is X_ATTNRES: the x once, then this block's tiles (g0, g0 + nblk, ...; ring slots from tile
 // count i on), tensor-core tiles all (MMA_ONLY). Apart from the tile loop: the x load's registers, inside it, made the
 // tile loop spill. Returns the tiles done, or -1: a wait gave up.
@@ -1468,6 +1669,21 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
                     continue;
                 }
                 int64_t wrow = row0;
+#if RECIPES && MMA_ONLY                     // (the MLA attention's kinds: built with them only)
+                int64_t nrows = min(static_cast<int64_t>(f.rows), f.n - row0);
+                if (f.kind == ATTN) {           // key block t / ne of the cache (the new row is the consumers')
+                    wrow = (t / f.ne) * f.rows;
+                    nrows = min(static_cast<int64_t>(f.rows), f.n - 1 - wrow);
+                    if (nrows <= 0) {           // (a block of the new row alone: nothing to load)
+                        TT_SET(i, 2);
+                        mbar_arrive(&full[s]);
+                        continue;
+                    }
+                }
+                if (f.kind == ROUTED && f.route < 0) {    // a fixed route: slot s is expert s (MLA's BMM1, BMM2)
+                    wrow = row0;
+                } else
+#endif
                 if (f.kind == ROUTED) {         // the expert top-k chose for this tile's slot
                     if (row0 / f.ne != have_slot) {
                         have_slot = row0 / f.ne;
@@ -1484,8 +1700,12 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
                 mbar_arrive(&full[s]);
                 continue;
 #endif
+#if RECIPES && MMA_ONLY
+                const uint32_t bytes = static_cast<uint32_t>(nrows * f.k * 2);    // (the last tile may be part of one)
+#else
                 const uint32_t bytes =                  // (the last tile may be part of one)
                     static_cast<uint32_t>(min(static_cast<int64_t>(f.rows), f.n - row0) * f.k * 2);
+#endif
                 mbar_expect_tx(&full[s], bytes);
                 bulk_load(ring + s * SLOT_BYTES, w + wrow * f.k, bytes, &full[s], policy);
                 TT_SET(i, 2);
@@ -1537,6 +1757,14 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
                                          epoch, wait, err, p, red, mma_red, mma_count, &gave_up,
                                          *reinterpret_cast<__nv_bfloat16* volatile*>(&xdump_s),
                                          t_done + 2 * nphase + p, t_done + 3 * nphase + p);
+            if (nt < 0) return;
+            i += nt;
+            done = nt;
+        } else if (kind == ATTN) {
+            const int nt = attn_phase(f, ph, xsegs, ring, xs, full, empty, i, g0, static_cast<int>(nblk), epoch, wait,
+                                      err, p, red, comb_w, &gave_up,
+                                      *reinterpret_cast<__nv_bfloat16* volatile*>(&xdump_s),
+                                      t_done + 2 * nphase + p, t_done + 3 * nphase + p);
             if (nt < 0) return;
             i += nt;
             done = nt;
