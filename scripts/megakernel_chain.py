@@ -116,7 +116,8 @@ KDA_BOUNDS = {"o_max_rel": 2.0 ** -8, "state_max_rel": 2.0 ** -8, "conv_differ":
 # it by steps). What is left are rsqrtf and expf, torch's on the GPU against chain.cu's.
 MIX_BOUNDS = {"p_differ": 0, "x_max_ulps": 2}
 ATTN_HEADS = cu_default("ATTN_HEADS")    # chain.cu: heads an ATTN tile (its x holds their queries)
-ATTN_SPLITS = 32                         # ... key blocks an X_MLA_COMBINE adds at most (its m, l and a in x's scratch)
+ATTN_ROWS = cu_default("ATTN_ROWS_WARP") * cu_default("CONSUMER_WARPS")    # ... and its keys
+ATTN_SPLITS = cu_default("ATTN_SPLITS")  # ... key blocks an X_MLA_COMBINE adds at most
 WAITS = {1: "an input word of this launch", 2: "a filled ring slot", 3: "a free ring slot",
          4: "the top-k's words", 5: "an input phase's counter"}
 
@@ -414,12 +415,11 @@ class Chain:
             raise ValueError(f"{name}: {heads} heads; chain.cu's attention takes them {ATTN_HEADS} a tile")
         if tuple(cache.shape[1:]) != (R,) or not 0 <= cache_len < cache.shape[0]:
             raise ValueError(f"{name}: cache {tuple(cache.shape)}, rows of {R} and room for row {cache_len}")
-        fits = lambda r: ((ATTN_HEADS + 1) * R * 2 + 15) // 16 * 16 + ATTN_HEADS * r * 4 <= XMAX * 2
-        rows = next((r for r in (48, 56, 64) if -(-(cache_len + 1) // r) <= ATTN_SPLITS and r * R * 2
-                     <= self.slot_bytes and fits(r)), None)
-        if rows is None:
-            raise ValueError(f"{name}: {cache_len + 1} keys of {R} do not split into {ATTN_SPLITS} blocks that fit "
-                             f"a slot and x's scratch")
+        rows, nblk = ATTN_ROWS, -(-(cache_len + 1) // ATTN_ROWS)
+        if nblk > ATTN_SPLITS or rows * R * 2 > self.slot_bytes or \
+                ((ATTN_HEADS + 1) * R * 2 + 15) // 16 * 16 + ATTN_HEADS * rows * 4 > XMAX * 2:
+            raise ValueError(f"{name}: {cache_len + 1} keys of {R} do not split into {ATTN_SPLITS} blocks of {rows} "
+                             f"that fit a slot and x's scratch (chain.cu's ATTN_SPLITS, ATTN_ROWS_WARP)")
         segs = [XSeg("mla_q", ql, ATTN_HEADS * R, stride=rank, off2=nope, route=qb, nslot=ATTN_HEADS,
                      scaling=scale),
                 XSeg("norm", proj, rank, off=kv_off, aux=kv_norm, eps=eps),
@@ -428,7 +428,6 @@ class Chain:
                 self.phases[qb].n != heads * (nope + pe) or kv_off + R > self.phases[proj].n:
             raise ValueError(f"{name}: BMM1 ({ql}), q_b ({qb}) and the projection ({proj}) do not have the shapes "
                              f"of {heads} heads of rank {rank}, nope {nope}, pe {pe}")
-        nblk = -(-(cache_len + 1) // rows)
         p = self._add(self._recipe(Phase(name, "attn", cache_len + 1, R, ql, rank, ne=heads // ATTN_HEADS,
                                          rows=rows, ntiles=nblk * heads // ATTN_HEADS), segs, None))
         self.caches[p] = {"cache": cache.detach(), "cache_len": cache_len}
@@ -1435,6 +1434,11 @@ class ChainKernel:
         if bufs.chain.caches and not define_value(self.defines, "MMA_ONLY", self.cu, default=0):
             raise ValueError("this chain has MLA attention (attn) phases, which chain.cu runs only built with "
                              "RECIPES=1 MMA_ONLY=1")
+        rows = define_value(self.defines, "ATTN_ROWS_WARP", self.cu, default=0) * self.consumers // 32
+        bad = [ph.name for ph in bufs.chain.phases if ph.kind == "attn" and ph.rows != rows]
+        if bad:
+            raise ValueError(f"attention phases {', '.join(bad[:3])} have tiles of {ATTN_ROWS} keys; this build's "
+                             f"are {rows} (ATTN_ROWS_WARP x CONSUMER_WARPS)")
         self.smem = smem_bytes(self.nslot, self.slot_bytes, n, len(bufs.chain.xsegs))
         why = not_resident(self.per_sm, self.threads, self.regs, self.smem, self.static_smem)
         if why:

@@ -578,8 +578,8 @@ def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: in
     if "PHASE_TIMES" in kern.defines:
         res["phase_times_us"] = pt = kern.phase_times(modes[0])
         before = {p: max((q for q in range(p) if chain.phases[q].ntiles), default=-1) for p in range(len(chain.phases))}
-        for kind in ("kda.in", "kda.o", "proj", "router", "topk", "shared_down", "gate_up", "down", "up",
-                     "out"):             # (a KDA step records when it began and finished only)
+        for kind in ("kda.in", "kda.o", "moe.proj", "router", "topk", "shared_down", "gate_up", "down", "up",
+                     "out", "gmla.proj", "gmla.q_b", "gmla.bmm1", "gmla.attn", "gmla.bmm2", "gmla.o"):             # (a KDA step records when it began and finished only)
             ps = [p for p, f in enumerate(chain.phases) if f.name.endswith("." + kind) and before[p] >= 0][1:-1]
             if ps:                  # (us after the phase with tiles before it finished, mean over those layers)
                 after = lambda key: statistics.fmean(pt[key][p] - pt["done"][before[p]] for p in ps)

@@ -442,6 +442,7 @@ __device__ __forceinline__ bool poll_all(const uint64_t* const (&a)[N], float (&
 }
 
 #define COMBINE_MAX 16                 // X_COMBINE_NORM: top-k slots at most (K3: 16)
+#define ATTN_SPLITS 64                 // X_MLA_COMBINE: key blocks at most
 #define HEADNORM_ROUNDS 4              // X_HEADNORM: rounds of CONSUMERS elements whose words are polled together
 #define XDUMP_SLOTS 16                 // xdump: x slots a phase at most
 
@@ -1093,22 +1094,23 @@ __device__ __forceinline__ bool load_x_recipe(__nv_bfloat16* xs, const PhaseC& f
                 }
             }
         } else if (g.op == X_MLA_COMBINE) {         // BMM2's x: the head's split partials combined
-            // (past x in shared memory: m_s at sc[s], l_s at sc[32 + s], a_s at sc[64 + s]; nslot <= 32)
+            // (past x in shared memory: m_s at sc[s], l_s at sc[S + s], a_s at sc[2 S + s]; S = ATTN_SPLITS >= nslot)
             float* sc = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(xs) + XBYTES / 2);
             const uint64_t* hb = base + static_cast<int64_t>(slot) * (g.len + 2);
             if (tid < g.nslot) {
                 float ml[2];
                 ok = poll_strided(hb + static_cast<int64_t>(tid) * g.stride, 1, 2, ml, epoch, wait, err, p, t);
                 sc[tid] = ml[0];
-                sc[32 + tid] = ml[1];
+                sc[ATTN_SPLITS + tid] = ml[1];
             }
             consumers_sync();
             float mx = -INFINITY;
             for (int q2 = 0; q2 < g.nslot; ++q2) mx = fmaxf(mx, sc[q2]);
-            if (tid < g.nslot) sc[64 + tid] = expf(__fsub_rn(sc[tid], mx));
+            if (tid < g.nslot) sc[2 * ATTN_SPLITS + tid] = expf(__fsub_rn(sc[tid], mx));
             consumers_sync();
             float den = 0.f;
-            for (int q2 = 0; q2 < g.nslot; ++q2) den = __fadd_rn(den, __fmul_rn(sc[64 + q2], sc[32 + q2]));
+            for (int q2 = 0; q2 < g.nslot; ++q2)
+                den = __fadd_rn(den, __fmul_rn(sc[2 * ATTN_SPLITS + q2], sc[ATTN_SPLITS + q2]));
             for (int j = tid; ok && j < g.len; j += CONSUMERS) {
                 float acc = 0.f;
                 for (int s0 = 0; ok && s0 < g.nslot; s0 += 8) {     // 8 splits' words at a time
@@ -1118,7 +1120,7 @@ __device__ __forceinline__ bool load_x_recipe(__nv_bfloat16* xs, const PhaseC& f
                                       wait, err, p, t);
 #pragma unroll
                     for (int q2 = 0; q2 < 8; ++q2)
-                        if (q2 < ns) acc = __fadd_rn(acc, __fmul_rn(sc[64 + s0 + q2], v[q2]));
+                        if (q2 < ns) acc = __fadd_rn(acc, __fmul_rn(sc[2 * ATTN_SPLITS + s0 + q2], v[q2]));
                 }
                 xs[j0 + j] = __float2bfloat16_rn(__fdiv_rn(acc, den));
             }
@@ -1399,6 +1401,7 @@ struct Cursor {
 
 #if RECIPES && MMA_ONLY
 #define ATTN_HEADS 8                    // ATTN: heads a tile (a head group; the tile's x holds their queries)
+#define ATTN_ROWS_WARP 2                // ... keys a warp: a tile is ATTN_ROWS_WARP CONSUMER_WARPS keys (3: spills)
 // An ATTN phase (MLA decode attention over the latent cache, B = 1): f.n keys, the f.n - 1 cache rows (f.w, bf16
 // [rows][k], k = rank + pe) and the new row; tile t covers key block t / f.ne (f.rows keys) for head group t % f.ne
 // (its x slot). Its x (X_MLA_Q, then the new row: X_NORM of the latent and the pe words as they are) is
@@ -1423,27 +1426,39 @@ __device__ __noinline__ void attn_tile(const PhaseC& f, const XSeg& q0, const __
             const_cast<__nv_bfloat16*>(reinterpret_cast<const __nv_bfloat16*>(f.w))[
                 static_cast<int64_t>(cache_len) * k + j] = nrow[j];
     const int nkeys = min(rows, keys - row0), ncache = min(nkeys, cache_len - row0);   // keys from the tile: ncache
-    // the scores: warp w takes keys w, w + 16, ...; lane l the pairs l, l + 32, ... of the row
-    for (int r = warp; r < rows; r += CONSUMER_WARPS) {
-        float acc[ATTN_HEADS];
+    // the scores: warp w takes keys w + 16 m (m < ATTN_ROWS_WARP: rows = ATTN_ROWS_WARP CONSUMER_WARPS, the host
+    // checks), lane l the pairs l, l + 32, ... of each: the queries' pair loaded once for the warp's keys
+    const __nv_bfloat162* qh = reinterpret_cast<const __nv_bfloat162*>(xs);
+    const __nv_bfloat162* krow[ATTN_ROWS_WARP];
 #pragma unroll
-        for (int h = 0; h < ATTN_HEADS; ++h) acc[h] = 0.f;
-        if (r < nkeys) {
-            const __nv_bfloat162* row = reinterpret_cast<const __nv_bfloat162*>(r < ncache ? tile + r * k : nrow);
-            const __nv_bfloat162* qh = reinterpret_cast<const __nv_bfloat162*>(xs);
-            for (int q = lane; q < k2; q += 32) {
-                const float2 c = __bfloat1622float2(row[q]);
+    for (int m = 0; m < ATTN_ROWS_WARP; ++m) {
+        const int r = warp + m * CONSUMER_WARPS;
+        krow[m] = r >= nkeys ? nullptr : reinterpret_cast<const __nv_bfloat162*>(r < ncache ? tile + r * k : nrow);
+    }
+    float acc[ATTN_ROWS_WARP][ATTN_HEADS];
 #pragma unroll
-                for (int h = 0; h < ATTN_HEADS; ++h) {
-                    const float2 qv = __bfloat1622float2(qh[h * k2 + q]);
-                    acc[h] = fmaf(c.y, qv.y, fmaf(c.x, qv.x, acc[h]));
-                }
-            }
+    for (int m = 0; m < ATTN_ROWS_WARP; ++m)
+#pragma unroll
+        for (int h = 0; h < ATTN_HEADS; ++h) acc[m][h] = 0.f;
+    for (int q = lane; q < k2; q += 32) {
+        float2 qv[ATTN_HEADS];
+#pragma unroll
+        for (int h = 0; h < ATTN_HEADS; ++h) qv[h] = __bfloat1622float2(qh[h * k2 + q]);
+#pragma unroll
+        for (int m = 0; m < ATTN_ROWS_WARP; ++m) {
+            if (!krow[m]) continue;
+            const float2 c = __bfloat1622float2(krow[m][q]);
+#pragma unroll
+            for (int h = 0; h < ATTN_HEADS; ++h) acc[m][h] = fmaf(c.y, qv[h].y, fmaf(c.x, qv[h].x, acc[m][h]));
         }
+    }
+#pragma unroll
+    for (int m = 0; m < ATTN_ROWS_WARP; ++m) {
+        const int r = warp + m * CONSUMER_WARPS;
 #pragma unroll
         for (int h = 0; h < ATTN_HEADS; ++h) {
-            for (int o = 16; o; o >>= 1) acc[h] += __shfl_xor_sync(0xffffffffu, acc[h], o);
-            if (lane == h) sc[h * rows + r] = r < nkeys ? __fmul_rn(acc[h], scale) : -INFINITY;
+            for (int o = 16; o; o >>= 1) acc[m][h] += __shfl_xor_sync(0xffffffffu, acc[m][h], o);
+            if (lane == h) sc[h * rows + r] = r < nkeys ? __fmul_rn(acc[m][h], scale) : -INFINITY;
         }
     }
     consumers_sync();
@@ -1470,10 +1485,15 @@ __device__ __noinline__ void attn_tile(const PhaseC& f, const XSeg& q0, const __
         float o[ATTN_HEADS];
 #pragma unroll
         for (int h = 0; h < ATTN_HEADS; ++h) o[h] = 0.f;
-        for (int r = 0; r < nkeys; ++r) {
-            const float v = __bfloat162float(r < ncache ? tile[r * k + c] : nrow[c]);
+        for (int r = 0; r < nkeys; r += 2) {        // 2 keys a step: their weights one 8-byte load a head
+            const float v0 = __bfloat162float(r < ncache ? tile[r * k + c] : nrow[c]);
+            const float v1 = r + 1 >= nkeys ? 0.f              // (past the keys: 0, and so is its weight)
+                                            : __bfloat162float(r + 1 < ncache ? tile[(r + 1) * k + c] : nrow[c]);
 #pragma unroll
-            for (int h = 0; h < ATTN_HEADS; ++h) o[h] = fmaf(sc[h * rows + r], v, o[h]);
+            for (int h = 0; h < ATTN_HEADS; ++h) {
+                const float2 w = *reinterpret_cast<const float2*>(sc + h * rows + r);
+                o[h] = fmaf(w.y, v1, fmaf(w.x, v0, o[h]));
+            }
         }
 #pragma unroll
         for (int h = 0; h < ATTN_HEADS; ++h) store_word(yo + h * (rank + 2) + c, o[h], epoch);
