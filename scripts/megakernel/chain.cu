@@ -1529,10 +1529,10 @@ __device__ __forceinline__ int attn_phase(const PhaseC& f, const PhaseC* ph, con
         if (tid == 0 && n == 0) atomicMin(t_x, static_cast<unsigned long long>(now_ns()));
 #endif
         if (!wait_slot(&full[s], (i / NSLOT) & 1u, err, 2, p, t)) return -1;
-        attn_tile(f, xsegs[f.xop], reinterpret_cast<const __nv_bfloat16*>(ring + s * SLOT_BYTES), xs, t, epoch);
 #ifdef PHASE_TIMES
         if (tid == 0 && n == 0) atomicMin(t_tile, static_cast<unsigned long long>(now_ns()));
 #endif
+        attn_tile(f, xsegs[f.xop], reinterpret_cast<const __nv_bfloat16*>(ring + s * SLOT_BYTES), xs, t, epoch);
         __syncwarp();
         if (tid % 32 == 0) mbar_arrive(&empty[s]);     // this warp is done with slot s
     }
