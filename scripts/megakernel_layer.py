@@ -30,6 +30,8 @@ A KDA layer's attention is three phases before its MoE (`kda_sublayer`: in | ste
 its own, checked also against the KDA plugin's Triton kernel on the kernel's own inputs (`kda_vs_triton`).
 `--step`: layers 0-11 with layer 0's dense MLP (`dense_sublayer`), the final norm and the LM head, and the MLA
 attention as stand-in GEMVs at its shapes (`mla_standin`, random weights; `--no-standins` leaves them out).
+`--mla ROWS`: the MLA attention real instead (`mla_sublayer`: chain.cu's ATTN phase over a random ROWS-row latent
+cache), each MLA sublayer also checked against the model's own decode on the kernel's input and cache.
 
 It checks the kernel against the torch emulation of the same phases first (`megakernel_chain.Buffers`: every GEMV
 from the kernel's own x, every recipe x element for element), then each sublayer against the model's MoE as the
