@@ -403,22 +403,26 @@ class Chain:
                                             rows=rows, ntiles=heads * ne // rows), xsegs, weight))
 
     def attn(self, name: str, ql: int, qb: int, proj: int, kv_off: int, heads: int, rank: int, nope: int, pe: int,
-             cache: torch.Tensor, cache_len: int, scale: float, kv_norm: torch.Tensor, eps: float) -> int:
+             cache: torch.Tensor, cache_len: int, scale: float, kv_norm: torch.Tensor, eps: float,
+             capacity: int = 0) -> int:
         """MLA decode attention at B = 1 over the latent cache (chain.cu's ATTN): keys the cache's rows
         [:cache_len] (`cache` [rows > cache_len, rank + pe], the layer's, which the launch appends the new row to)
         and the new row, [RMSNorm(kv_norm, eps) of proj's words kv_off .. + rank | its pe words after them]; each
         head's query [ql_h (BMM1's words, rank a head) | q_pe_h (q_b's words, nope + pe a head, at nope)]. Tiles:
         key blocks of `rows` keys x head groups of ATTN_HEADS; the words per tile and head [m, l, O] (X_MLA_COMBINE
-        adds them, in BMM2's x)."""
+        adds them, in BMM2's x). capacity: the most keys a launch may have (its tiles; default cache_len + 1):
+        `Buffers.set_cache_len` moves cache_len up to capacity - 1 between launches, the tiles past the keys empty."""
         R = rank + pe
+        capacity = capacity or cache_len + 1
         if heads % ATTN_HEADS:
             raise ValueError(f"{name}: {heads} heads; chain.cu's attention takes them {ATTN_HEADS} a tile")
-        if tuple(cache.shape[1:]) != (R,) or not 0 <= cache_len < cache.shape[0]:
-            raise ValueError(f"{name}: cache {tuple(cache.shape)}, rows of {R} and room for row {cache_len}")
-        rows, nblk = ATTN_ROWS, -(-(cache_len + 1) // ATTN_ROWS)
+        if tuple(cache.shape[1:]) != (R,) or not 0 <= cache_len < capacity <= cache.shape[0]:
+            raise ValueError(f"{name}: cache {tuple(cache.shape)}, rows of {R} and room for rows up to {capacity - 1}; "
+                             f"cache_len {cache_len}")
+        rows, nblk = ATTN_ROWS, -(-capacity // ATTN_ROWS)
         if nblk > ATTN_SPLITS or rows * R * 2 > self.slot_bytes or \
                 ((ATTN_HEADS + 1) * R * 2 + 15) // 16 * 16 + ATTN_HEADS * rows * 4 > XMAX * 2:
-            raise ValueError(f"{name}: {cache_len + 1} keys of {R} do not split into {ATTN_SPLITS} blocks of {rows} "
+            raise ValueError(f"{name}: {capacity} keys of {R} do not split into {ATTN_SPLITS} blocks of {rows} "
                              f"that fit a slot and x's scratch (chain.cu's ATTN_SPLITS, ATTN_ROWS_WARP)")
         segs = [XSeg("mla_q", ql, ATTN_HEADS * R, stride=rank, off2=nope, route=qb, nslot=ATTN_HEADS,
                      scaling=scale),
@@ -430,7 +434,7 @@ class Chain:
                              f"of {heads} heads of rank {rank}, nope {nope}, pe {pe}")
         p = self._add(self._recipe(Phase(name, "attn", cache_len + 1, R, ql, rank, ne=heads // ATTN_HEADS,
                                          rows=rows, ntiles=nblk * heads // ATTN_HEADS), segs, None))
-        self.caches[p] = {"cache": cache.detach(), "cache_len": cache_len}
+        self.caches[p] = {"cache": cache.detach(), "cache_len": cache_len, "capacity": capacity}
         return p
 
     def kda(self, name: str, src: int, heads: int, q_off: int, b_off: int, fa_off: int, lb: float,
@@ -966,6 +970,27 @@ class Buffers:
             x = x + self.out(ph.dep2)[j % ph.xlen2]
         return x if ph.kind == "topk" else x.bfloat16().float()     # a GEMV's x as a bf16 model feeds it
 
+    def set_cache_len(self, cache_len: int) -> None:
+        """Every attention phase's keys for the next launch: its cache's rows [:cache_len] and the new row (appended
+        at cache_len), up to its capacity (`Chain.attn`); the table's n, which the kernel reads."""
+        for p, c in self.chain.caches.items():
+            if not 0 <= cache_len < c["capacity"]:
+                raise ValueError(f"{self.chain.phases[p].name}: cache_len {cache_len}; its tiles hold "
+                                 f"{c['capacity']} keys")
+            c["cache_len"] = cache_len
+            self.chain.phases[p].n = cache_len + 1
+            self.table[p, FIELDS.index("n")] = cache_len + 1
+
+    def advance(self) -> None:
+        """After a launch: its states (KDA state and conv window, the caches with their new rows) become where the
+        next launch starts (what `clear` puts back and the checks start from); the caches' cache_len moves on."""
+        for p in self.kda_init:
+            self.kda_init[p] = {"state": self.kda_state(p).contiguous(), "conv_state": self.kda_conv(p).clone()}
+        for p in self.cache:
+            self.cache_init[p] = self.cache[p].clone()
+        if self.chain.caches:
+            self.set_cache_len(next(iter(self.chain.caches.values()))["cache_len"] + 1)
+
     def x_width(self, p: int) -> int:
         """The length of phase p's x (attn: its head group's queries and the new row)."""
         ph = self.chain.phases[p]
@@ -982,6 +1007,10 @@ class Buffers:
             q, new = x[:ATTN_HEADS * R].view(ATTN_HEADS, R), x[ATTN_HEADS * R:]
             r0 = (t // ph.ne) * ph.rows
             keys = torch.cat([self.cache_init[p][:L].double(), new[None]])[r0:r0 + ph.rows]
+            if not len(keys):                   # (a block past the keys: max -inf, sum and output 0)
+                out.append(torch.cat([torch.full((ATTN_HEADS, 1), -math.inf, dtype=torch.float64, device=x.device),
+                                      torch.zeros(ATTN_HEADS, rank + 1, dtype=torch.float64, device=x.device)], 1))
+                continue
             s = (q @ keys.T) * float(torch.tensor(scale, dtype=torch.float32))
             m = s.max(dim=1).values
             e = torch.exp(s - m[:, None])
@@ -1149,6 +1178,11 @@ class Buffers:
                 if not torch.equal(got, ref):     # (a scored top-k's weights too: the same ops on the same inputs)
                     topk_wrong.append(ph.name)
                 continue
+            if ph.kind == "attn":               # (empty key blocks: max -inf in both)
+                same = (got == ref) & torch.isinf(ref)
+                if (torch.isinf(ref) != same).any():
+                    topk_wrong.append(ph.name)
+                got, ref = got.masked_fill(same, 0.0), ref.masked_fill(same, 0.0)
             rel = ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
             worst[ph.kind] = max(worst[ph.kind], rel)
             if ph.kind == "attn" and not torch.equal(self.cache[p][ph.n - 1].float(),

@@ -140,7 +140,8 @@ def mla_standin(c: mc.Chain, out: list[int], name: str, cfg) -> int:
     return c.gemv(name + "o", d, H * cfg.v_head_dim, av, dep2=gt)
 
 
-def mla_sublayer(c: mc.Chain, attn, out: list[int], name: str, cache: torch.Tensor, cache_len: int) -> int:
+def mla_sublayer(c: mc.Chain, attn, out: list[int], name: str, cache: torch.Tensor, cache_len: int,
+                 capacity: int = 0) -> int:
     """A Gated MLA attention sublayer at B = 1 (`GatedMLA.decode`) over the latent cache's rows [:cache_len] (`cache`
     [> cache_len, rank + pe]; the launch appends the new row at cache_len), as six phases:
 
@@ -152,7 +153,8 @@ def mla_sublayer(c: mc.Chain, attn, out: list[int], name: str, cache: torch.Tens
         bmm2   per head: W_UV[h] [v, rank] on the head's partials combined (the recipe "mla_combine")
         o      GEMV [d, H v] on bf16(sigmoid(g) o) (the recipe "gate")
 
-    Its x is the sublayer output `out` (`gemv_on`); returns the "o" phase."""
+    Its x is the sublayer output `out` (`gemv_on`); returns the "o" phase. capacity: keys the attention's tiles hold
+    (`Chain.attn`; default cache_len + 1)."""
     H, rank, nope, pe, v = attn.num_heads, attn.rank, attn.nope, attn.rope, attn.v_dim
     qr, d = attn.q_a_proj.out_features, attn.q_a_proj.in_features
     w = torch.cat([attn.q_a_proj.weight, attn.kv_a_proj_with_mqa.weight, attn.g_proj.weight])
@@ -162,7 +164,7 @@ def mla_sublayer(c: mc.Chain, attn, out: list[int], name: str, cache: torch.Tens
     w_uk, w_uv = attn.absorbed_weights()
     ql = c.heads(name + "bmm1", H, rank, nope, qb, nope + pe, weight=w_uk.transpose(1, 2))
     at = c.attn(name + "attn", ql, qb, proj, qr, H, rank, nope, pe, cache, cache_len, attn.scale,
-                attn.kv_a_layernorm.weight, attn.kv_a_layernorm.eps)
+                attn.kv_a_layernorm.weight, attn.kv_a_layernorm.eps, capacity=capacity)
     blocks = c.phases[at].ntiles // c.phases[at].ne
     o = c.heads(name + "bmm2", H, v, rank, at, rank + 2, weight=w_uv,
                 xsegs=[mc.XSeg("mla_combine", at, rank, stride=H * (rank + 2), nslot=blocks)])
@@ -170,14 +172,15 @@ def mla_sublayer(c: mc.Chain, attn, out: list[int], name: str, cache: torch.Tens
                   xsegs=[mc.XSeg("gate", o, H * v, route=proj, off2=qr + rank + pe)])
 
 
-def random_cache(cfg, rows: int, gen: torch.Generator) -> torch.Tensor:
-    """A random latent cache of `rows` rows (N(0, 1), bf16) and room for the new one."""
-    return torch.cat([torch.randn(rows, cfg.latent_dim, generator=gen), torch.zeros(1, cfg.latent_dim)]).bfloat16()
+def random_cache(cfg, rows: int, gen: torch.Generator, room: int = 1) -> torch.Tensor:
+    """A random latent cache of `rows` rows (N(0, 1), bf16) and `room` for new ones."""
+    return torch.cat([torch.randn(rows, cfg.latent_dim, generator=gen), torch.zeros(room, cfg.latent_dim)]).bfloat16()
 
 
 def layers_chain(model, layers: list[int], slot_bytes: int = 65536, packed_out: bool = False, min_tiles: int = 0,
                  routed_rows: int = mc.MAX_ROWS, kda: bool = False, seed: int = 0, mla_standins: bool = False,
-                 head: bool = False, attnres: bool = False, mla_cache: int = 0, mla: int = 0) -> mc.Chain:
+                 head: bool = False, attnres: bool = False, mla_cache: int = 0, mla: int = 0,
+                 mla_room: int = 1) -> mc.Chain:
     """The sublayers of `layers` as one chain, with the model's weights (an unpacked model: the weights are read
     from its modules as loaded). The first sublayer reads the chain's external input; each later one the output of
     the one before (no AttnRes: `docs/megakernel.md`, "Next"). Layer 0's MLP is dense (`dense_sublayer`), every
@@ -198,7 +201,8 @@ def layers_chain(model, layers: list[int], slot_bytes: int = 65536, packed_out: 
     "mix" phases are emulated only: chain.cu does not run them yet. mla_cache > 0: each MLA layer's attention as an
     emulated "mla" phase (`Chain.mla`: the model's own decode, chain.cu does not run it) over a random latent
     cache of that many rows (seeded by `seed`), instead of stand-ins. mla > 0: each MLA layer's attention as chain.cu
-    runs it (`mla_sublayer`) over a random cache of that many rows (`random_cache`)."""
+    runs it (`mla_sublayer`) over a random cache of that many rows (`random_cache`), with room for `mla_room` new rows
+    (the tiles hold mla + mla_room keys: `greedy_steps` decodes that many tokens)."""
     cfg = model.config
     if not (cfg.latent_moe_use_norm and cfg.num_shared_experts):
         raise ValueError("layers_chain builds LatentMoE with its latent norm and shared experts (every K3 preset)")
@@ -231,7 +235,8 @@ def layers_chain(model, layers: list[int], slot_bytes: int = 65536, packed_out: 
         if kda and not cfg.is_mla(l):
             out = [kda_sublayer(c, attn, out, f"L{l}.kda.", kda_start(attn, gen))]
         elif mla and cfg.is_mla(l):
-            out = [mla_sublayer(c, attn, out, f"L{l}.gmla.", random_cache(cfg, mla, gen), mla)]
+            out = [mla_sublayer(c, attn, out, f"L{l}.gmla.", random_cache(cfg, mla, gen, mla_room), mla,
+                                capacity=mla + mla_room)]
         elif mla_cache and cfg.is_mla(l):
             if not attnres:
                 raise ValueError("mla_cache: the emulated MLA attention is for the model's whole step (attnres)")
@@ -287,6 +292,87 @@ def layers_chain(model, layers: list[int], slot_bytes: int = 65536, packed_out: 
                        eps=cfg.rms_norm_eps)
         c.gemv("lm_head", cfg.vocab_size, d, out[0], xsegs=[norm], weight=model.lm_head.weight)
     return c
+
+
+def greedy_steps(model, bufs: mc.Buffers, token: int, steps: int, step=None, follow: bool = False) -> list[dict]:
+    """Greedy decoding of `steps` tokens after `token` with a whole-step chain (`layers_chain(..., attnres=True,
+    head=True)`), each step's states (KDA state and conv window, the MLA caches with their new rows) carried to the
+    next (`Buffers.advance`); `step()`: one launch and its checks (None: the emulation, `run_reference`). Beside it
+    the model's own `forward_decode` from the same start states and caches, fed the chain's tokens: per step the
+    chain's token, the model's argmax and the logits' largest difference over the largest logit. follow: the model
+    restarts every step from the chain's states (each step's own error, not the two trajectories' drift apart: a
+    random model amplifies bf16 differences from step to step)."""
+    kp = [p for p, _ in bufs.kda_phases()]
+    cps = sorted(bufs.chain.caches)
+    L = bufs.chain.caches[cps[0]]["cache_len"] if cps else 0
+
+    def chain_states(n):
+        conv = torch.stack([bufs.kda_init[p]["conv_state"] for p in kp])[:, None]
+        state = torch.stack([bufs.kda_init[p]["state"] for p in kp])[:, None]
+        cache = (torch.stack([bufs.cache_init[p][:n] for p in cps])[:, None] if cps
+                 else torch.zeros(0, 1, 0, model.config.latent_dim, device=bufs.x.device))
+        return conv, state, cache
+    conv, state, cache = chain_states(L)
+    out, last = [], len(bufs.chain.phases) - 1
+    for i in range(steps):
+        if follow and i:
+            conv, state, cache = chain_states(L + i)
+        bufs.x.copy_(model.model.embed_tokens.weight[token].float())
+        if step is None:
+            bufs.clear()
+            bufs.run_reference()
+        else:
+            step()
+        logits = bufs.out(last).clone()
+        with torch.no_grad():
+            ref, conv, state, rows = model.forward_decode(torch.tensor([token], device=bufs.x.device), conv, state,
+                                                          cache, torch.tensor([L + i], device=bufs.x.device))
+        cache = torch.cat([cache, rows.to(cache.dtype)], dim=2)
+        ref = ref[0].float()
+        token = int(logits.argmax())
+        out.append({"step": i, "cache_len": L + i, "token": token, "model_token": int(ref.argmax()),
+                    "logits_max_rel": float((logits - ref).abs().max() / ref.abs().max())})
+        if i + 1 < steps:
+            bufs.advance()
+    return out
+
+
+def greedy_run(preset: str, steps: int, mla: int = 1024, room: int = 40, seed: int = 0, token: int = 11,
+               follow: bool = False) -> dict:
+    """`greedy_steps` with the kernel (`RECIPES=1 MMA_ONLY=1`): a random `preset` model's whole step, everything real,
+    over random MLA caches of `mla` rows with room for `room` more (past the first key blocks' some stay empty),
+    `steps` tokens. Each launch is checked against the emulation of its phases on its own inputs (raises unless
+    they agree as `run` requires); then the tokens against the model's own decode, fed the kernel's tokens."""
+    from k3export.bench.fp8 import gpu_random_model
+    from k3export.config import PRESETS
+    cfg = PRESETS[preset]
+    model = gpu_random_model(cfg, seed)
+    chain = layers_chain(model, list(range(cfg.num_hidden_layers)), kda=True, seed=seed, head=True, attnres=True,
+                         mla=mla, mla_room=room, min_tiles=torch.cuda.get_device_properties(0).multi_processor_count)
+    bufs = mc.Buffers(chain)
+    kern = mc.ChainKernel(defines=DEFINES)
+    kern.bind(bufs)
+    checks = []
+
+    def step():
+        bufs.clear()
+        kern.launch("stream", dump=True)
+        kern.check()
+        e = bufs.errors()
+        e["recipe_x"] = rx = bufs.recipe_errors()
+        differ = sum(v["differ"] for v in rx.values())
+        checks.append({"max_rel": e["max_rel"], "recipe_x_differ": differ, "topk_wrong": e["topk_wrong"],
+                       "kda_out_of_bounds": e["kda_out_of_bounds"], "mix_out_of_bounds": e.get("mix_out_of_bounds")})
+        if (e["unwritten"] or e["topk_wrong"] or e["kda_out_of_bounds"] or e.get("mix_out_of_bounds") or differ
+                or max(e["max_rel"].values()) > mc.CHECK_REL):
+            raise RuntimeError(f"step {len(checks) - 1}: the kernel differs from the emulation of its phases: {e}")
+    res = greedy_steps(model, bufs, token, steps, step, follow=follow)
+    for r, c in zip(res, checks):
+        r["check"] = c
+        print(f"step {r['step']}: cache_len {r['cache_len']}, token {r['token']} (model {r['model_token']}), logits "
+              f"within {r['logits_max_rel']:.4f} of the model's; checks {c}", flush=True)
+    return {"device": torch.cuda.get_device_name(0), "preset": preset, "mla": mla, "room": room, "follow": follow,
+            "steps": res}
 
 
 # the phases whose output is a sublayer's (and the dense MLP's last "down.N")
@@ -708,6 +794,11 @@ def main() -> None:
     ap.add_argument("--mla", type=int, default=0, metavar="ROWS",
                     help="with --step: the MLA attention real (chain.cu's ATTN) over random caches of ROWS rows, not "
                          "stand-ins")
+    ap.add_argument("--greedy", type=int, default=0, metavar="STEPS",
+                    help="no timing: decode STEPS tokens greedily with the whole step in the kernel (--mla rows of "
+                         "cache, default 1024), each launch checked, against the model's own decode")
+    ap.add_argument("--follow", action="store_true",
+                    help="with --greedy: the model restarts each step from the kernel's states (each step's own error)")
     ap.add_argument("--out")
     ap.add_argument("--plot", help="PNG: the launch's bytes over time and its time by sublayer kind")
     ap.add_argument("--replot", metavar="JSON", help="no run: plot a saved --out result (with --plot)")
@@ -719,6 +810,16 @@ def main() -> None:
             saved = json.load(f)
         plot(saved, a.plot, TARGET_MS.get(saved["preset"]) if saved.get("head") else None)
         print(f"wrote {a.plot}")
+        return
+    if a.greedy:
+        res = greedy_run(a.preset, a.greedy, mla=a.mla or 1024, follow=a.follow)
+        agree = sum(r["token"] == r["model_token"] for r in res["steps"])
+        print(f"{a.preset}: {a.greedy} greedy steps in the kernel, every launch equal to its emulation; the model's "
+              f"own decode picked the same token in {agree} of {a.greedy}")
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump(res, f, indent=1)
+            print(f"wrote {a.out}")
         return
     modes = tuple(a.modes.split(","))
     if not set(modes) <= set(mc.MODES):

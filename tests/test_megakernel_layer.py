@@ -796,3 +796,54 @@ def test_step_with_the_mla_attention_in_the_kernel_matches_emulation_and_the_mod
     assert len(rows) == 3, res["vs_compile"]
     assert all(r["max_rel"] <= 1e-2 and r["new_row"]["differ"] == 0 for r in rows), rows
 
+
+
+def test_greedy_steps_carry_the_states_as_the_model_does(tiny_mla8):
+    """Six greedy steps of the whole k3-tiny step (8 MLA heads, AttnRes, the MLA attention as chain.cu runs it over
+    16 cache rows with room for 40 more: the tiles' second key block starts empty), each step's KDA states and MLA
+    caches carried to the next (`Buffers.advance`, `set_cache_len`), emulated: every step's token the model's own
+    `forward_decode` picks from the same states (fed the same tokens), each launch's words equal to their expected
+    values (empty key blocks included); a cache length past the tiles is refused."""
+    cfg, model = tiny_mla8
+    chain = ml.layers_chain(model, list(range(cfg.num_hidden_layers)), kda=True, head=True, attnres=True, mla=16,
+                            mla_room=40)
+    at = next(iter(chain.caches))
+    assert chain.phases[at].ntiles == 2 * cfg.num_attention_heads // 8      # (56 keys: two blocks of 32)
+    bufs = mc.Buffers(chain, device="cpu")
+    errs = []
+
+    def step():
+        bufs.clear()
+        bufs.run_reference()
+        errs.append(bufs.errors())
+    res = ml.greedy_steps(model, bufs, 11, 6, step)
+    assert [r["cache_len"] for r in res] == list(range(16, 22))
+    assert all(r["token"] == r["model_token"] for r in res), res
+    assert all(max(e["max_rel"].values()) == 0 and not e["topk_wrong"] and not e["unwritten"] for e in errs), errs
+    assert all(torch.equal(bufs.cache[p][21], bufs.x_of(p)[8 * chain.phases[p].k:].bfloat16()) for p in chain.caches)
+    with pytest.raises(ValueError, match="tiles hold 56 keys"):
+        bufs.set_cache_len(56)
+    # the model restarted from the chain's states every step: the same tokens, each step's logits as close as the
+    # first's (measured 0.2035 at step 0, the random model's drift over its layers; at most 0.0213 after)
+    chain2 = ml.layers_chain(model, list(range(cfg.num_hidden_layers)), kda=True, head=True, attnres=True, mla=16,
+                             mla_room=40)
+    follow = ml.greedy_steps(model, mc.Buffers(chain2, device="cpu"), 11, 6, follow=True)
+    assert [r["token"] for r in follow] == [r["token"] for r in res]
+    assert all(r["token"] == r["model_token"] and r["logits_max_rel"] <= follow[0]["logits_max_rel"]
+               for r in follow), follow
+
+
+@pytest.mark.cuda
+def test_greedy_steps_in_the_kernel_match_their_emulation():
+    """k3-small's whole step in the kernel for 4 greedy steps, the states (KDA state in its tiles, the conv windows'
+    two copies, the MLA caches with their appended rows) carried from launch to launch: greedy_run raises unless
+    every launch matches the emulation of its phases on its own inputs. (The tokens against the model's own decode
+    are reported, not asserted: a random model's logits can tie within the kernels' bf16 differences.)"""
+    if not torch.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU; run `make test-gpu` on the GPU machine")
+    pytest.importorskip("cupy", reason="the chain kernel launches through cupy")
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("sm_90a kernel")
+    res = ml.greedy_run("k3-small", 4)
+    assert [r["cache_len"] for r in res["steps"]] == [1024, 1025, 1026, 1027]
+    print("tokens", [(r["token"], r["model_token"], round(r["logits_max_rel"], 4)) for r in res["steps"]])
