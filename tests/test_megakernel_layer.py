@@ -23,6 +23,15 @@ from k3export.config import K3Config, PRESETS  # noqa: E402
 from k3export.plugins.moe.naive import situ_glu  # noqa: E402
 
 
+def _needs_the_kernel():
+    """Skip unless chain.cu can run here: an NVIDIA GPU of compute capability 9.0 and cupy."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU; run `make test-gpu` on the GPU machine")
+    pytest.importorskip("cupy", reason="the chain kernel launches through cupy")
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("sm_90a kernel")
+
+
 @pytest.fixture(scope="module")
 def tiny():
     from k3export.model.weights import random_model
@@ -289,11 +298,7 @@ def test_moe_sublayers_in_the_kernel_match_emulation_and_compile():
     """Two k3-small MoE sublayers in one launch: every GEMV / routed phase from the kernel's own x within
     CHECK_REL, the top-k bit for bit, the recipes' x element for element (the RMSNorm's sum of squares is summed in
     another order: a few flips allowed); against the compile backend's MoE on the same input, the same experts."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs an NVIDIA GPU; run `make test-gpu` on the GPU machine")
-    pytest.importorskip("cupy", reason="the chain kernel launches through cupy")
-    if torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("sm_90a kernel")
+    _needs_the_kernel()
     res = ml.run("k3-small", [1, 2], rounds=1, iters=3)       # (raises where the kernel differs from emulation)
     for m in ("stream", "serial"):
         rx = {k: v for k, v in res["check"][m]["recipe_x"].items() if ".moe." in k}
@@ -311,11 +316,7 @@ def test_kda_sublayers_in_the_kernel_match_triton_and_compile():
     why); against
     the emulation within KDA_BOUNDS (run raises otherwise); the whole sublayer against compile's (its GEMVs sum in
     another order) within 2e-2."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs an NVIDIA GPU; run `make test-gpu` on the GPU machine")
-    pytest.importorskip("cupy", reason="the chain kernel launches through cupy")
-    if torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("sm_90a kernel")
+    _needs_the_kernel()
     res = ml.run("k3-small", [1, 2], rounds=1, iters=3, modes=("stream",))
     assert res["kda"]
     for m in ("stream", "serial"):
@@ -677,11 +678,7 @@ def test_step_with_attnres_in_the_kernel_matches_emulation():
     consumers' x loads: run raises unless every phase matches its emulation on the kernel's own inputs (GEMVs within
     CHECK_REL, top-k bit for bit, KDA within KDA_BOUNDS, every mix within MIX_BOUNDS: p exact); every mix written;
     the KDA steps against the Triton kernel's state within 1e-6."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs an NVIDIA GPU; run `make test-gpu` on the GPU machine")
-    pytest.importorskip("cupy", reason="the chain kernel launches through cupy")
-    if torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("sm_90a kernel")
+    _needs_the_kernel()
     L = ml.preset_layers("k3-small")
     res = ml.run("k3-small", list(range(L)), rounds=1, iters=3, modes=("stream",), baseline=False,
                  mla_standins=True, head=True, attnres=True)
@@ -784,11 +781,7 @@ def test_step_with_the_mla_attention_in_the_kernel_matches_emulation_and_the_mod
     (the attention's words within CHECK_REL of fp64, recipe x element for element, the appended rows equal); each
     MLA sublayer against the model's own decode on the kernel's input and cache within 1e-2 of its largest element
     (the MLA plugin's contract), the new rows equal."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs an NVIDIA GPU; run `make test-gpu` on the GPU machine")
-    pytest.importorskip("cupy", reason="the chain kernel launches through cupy")
-    if torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("sm_90a kernel")
+    _needs_the_kernel()
     L = ml.preset_layers("k3-small")
     res = ml.run("k3-small", list(range(L)), rounds=1, iters=3, modes=("stream",), head=True, attnres=True,
                  mla=1024)
@@ -839,11 +832,7 @@ def test_greedy_steps_in_the_kernel_match_their_emulation():
     two copies, the MLA caches with their appended rows) carried from launch to launch: greedy_run raises unless
     every launch matches the emulation of its phases on its own inputs. (The tokens against the model's own decode
     are reported, not asserted: a random model's logits can tie within the kernels' bf16 differences.)"""
-    if not torch.cuda.is_available():
-        pytest.skip("needs an NVIDIA GPU; run `make test-gpu` on the GPU machine")
-    pytest.importorskip("cupy", reason="the chain kernel launches through cupy")
-    if torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("sm_90a kernel")
+    _needs_the_kernel()
     res = ml.greedy_run("k3-small", 4)
     assert [r["cache_len"] for r in res["steps"]] == [1024, 1025, 1026, 1027]
     print("tokens", [(r["token"], r["model_token"], round(r["logits_max_rel"], 4)) for r in res["steps"]])
