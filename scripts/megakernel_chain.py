@@ -312,7 +312,7 @@ class Chain:
             end = g.off + (slots - 1) * g.stride + (g.off2 if g.op == "glu" else 0) + g.len
             if g.op == "mla_combine":       # (and the head's partials: [m, l, O] a head)
                 end += (self.slots(ph) - 1) * (g.len + 2) + 2
-            if g.op in ("gate",) and not (0 <= g.route < p and g.off2 + g.len <= self.phases[g.route].n):
+            if g.op == "gate" and not (0 <= g.route < p and g.off2 + g.len <= self.phases[g.route].n):
                 raise ValueError(f"{ph.name}: 'gate' reads g at words {g.off2}.. of phase {g.route}, which is not an "
                                  f"earlier phase with that many")
             if g.op == "mla_combine" and (self.phases[g.src].kind != "attn" or not 0 < g.nslot <= ATTN_SPLITS):
