@@ -337,6 +337,26 @@ def greedy_steps(model, bufs: mc.Buffers, token: int, steps: int, step=None, fol
     return out
 
 
+def load_model_state(bufs: mc.Buffers, model, state, b: int = 0) -> int:
+    """Sequence b of a model's `K3State` (after its prefill) into the chain's layouts, as where the next launch starts:
+    each KDA layer's state and conv window (`kda_init`: `clear` puts them into the state's tiles and both copies of
+    the window), each MLA layer's cache rows [:length] (`cache_init`), and the attention's key count
+    (`set_cache_len`). Returns the sequence's length (the next token's position)."""
+    L = int(state.lengths[b])
+    for p, ph in bufs.kda_phases():
+        s = model.state_slot[layer_of(ph.name)]
+        bufs.kda_init[p] = {"state": state.kda_state[s, b].float().contiguous(),
+                            "conv_state": state.kda_conv[s, b].to(torch.bfloat16).contiguous()}
+    for p in bufs.chain.caches:
+        if L > bufs.cache_init[p].shape[0]:
+            raise ValueError(f"{bufs.chain.phases[p].name}: the sequence has {L} rows; the chain's cache holds "
+                             f"{bufs.cache_init[p].shape[0]}")
+        bufs.cache_init[p][:L] = state.mla_cache[model.state_slot[layer_of(bufs.chain.phases[p].name)], b, :L]
+    bufs.set_cache_len(L)
+    bufs.clear()
+    return L
+
+
 def greedy_run(preset: str, steps: int, mla: int = 1024, room: int = 40, seed: int = 0, token: int = 11,
                follow: bool = False) -> dict:
     """`greedy_steps` with the kernel (`RECIPES=1 MMA_ONLY=1`): a random `preset` model's whole step, everything real,

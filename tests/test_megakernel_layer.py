@@ -836,3 +836,30 @@ def test_greedy_steps_in_the_kernel_match_their_emulation():
     res = ml.greedy_run("k3-small", 4)
     assert [r["cache_len"] for r in res["steps"]] == [1024, 1025, 1026, 1027]
     print("tokens", [(r["token"], r["model_token"], round(r["logits_max_rel"], 4)) for r in res["steps"]])
+
+
+def test_greedy_steps_from_the_models_prefill(tiny_mla8):
+    """The model's prefill of a 20-token prompt into a K3State, loaded into the chain's layouts (`load_model_state`:
+    the KDA states and conv windows, the MLA caches, the key count), then 5 greedy steps of the chain (emulated)
+    against the model's own `decode` from its own state: the same tokens."""
+    cfg, model = tiny_mla8
+    prompt = torch.tensor([[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79, 50, 28, 84, 19]])
+    state = model.new_state(1, 32)
+    with torch.no_grad():
+        first = int(model.prefill(prompt, state)[0, -1].argmax())
+    chain = ml.layers_chain(model, list(range(cfg.num_hidden_layers)), kda=True, head=True, attnres=True, mla=20,
+                            mla_room=8)
+    bufs = mc.Buffers(chain, device="cpu")
+    assert ml.load_model_state(bufs, model, state) == 20
+    res = ml.greedy_steps(model, bufs, first, 5)
+    tokens, tok = [], first
+    with torch.no_grad():
+        for _ in range(5):
+            tok = int(model.decode(torch.tensor([tok]), state)[0].argmax())
+            tokens.append(tok)
+    assert [r["token"] for r in res] == tokens, (res, tokens)
+    with pytest.raises(ValueError, match="cache holds"):
+        long = model.new_state(1, 64)
+        with torch.no_grad():
+            model.prefill(torch.arange(40)[None] % cfg.vocab_size, long)
+        ml.load_model_state(bufs, model, long)
