@@ -100,6 +100,8 @@
 #   abmix    the AttnRes cuda tests, then the step with AttnRes, an untracked chain_prev.cu against chain.cu, twice
 #   gmla     the persistent kernel's cuda tests (the MLA attention in the kernel too), then the whole step with
 #            AttnRes and the real MLA attention (`--mla 1024`) against the compile engine's step, then its PHASE_TIMES
+#   greedy   the persistent kernel's greedy cuda tests (random states; from the model's prefill), then 8 steps
+#            with the model restarted from the kernel's states every step (`--greedy 8 --follow`)
 #   profile  scripts/profile_decode.py --backend $PROFILE_BACKEND (default compile): kernels per decode step, and the
 #            graph replay's critical path (what each kernel adds to the span under PDL; 15:25: an upper bound only)
 set -uo pipefail
@@ -269,9 +271,13 @@ for part in $parts; do
              --plot "$OUT/step-mla.png" >> "$OUT/gmla.log" 2>&1
            timeout 100 python3 scripts/megakernel_layer.py --step --attnres --mla 1024 --no-baseline --modes stream \
              --rounds 1 --defines PHASE_TIMES --out "$OUT/step-mla-phase-times.json" >> "$OUT/gmla.log" 2>&1 ;;
+    greedy) timeout 300 python3 -m pytest -q -m cuda tests/test_megakernel_layer.py -k "greedy" -s -rs \
+             -p no:cacheprovider > "$OUT/greedy.log" 2>&1
+           timeout 200 python3 scripts/megakernel_layer.py --greedy 8 --follow --out "$OUT/greedy-follow.json" \
+             >> "$OUT/greedy.log" 2>&1 ;;
     profile) timeout 150 python3 scripts/profile_decode.py --backend ${PROFILE_BACKEND:-compile} ${PROFILE_ARGS:-} \
              > "$OUT/profile.log" 2>&1 ;;
-    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe trtfp8 fp8eng grouped grpsmall fp8comp overlap chain layer step attnres abmix gmla profile)"; continue ;;
+    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe trtfp8 fp8eng grouped grpsmall fp8comp overlap chain layer step attnres abmix gmla greedy profile)"; continue ;;
   esac
   echo "$part: exit $? in $((SECONDS - t)) s" | tee -a "$OUT/pending.log"
   tail -4 "$OUT/$part.log" 2>/dev/null

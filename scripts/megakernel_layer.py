@@ -358,11 +358,13 @@ def load_model_state(bufs: mc.Buffers, model, state, b: int = 0) -> int:
 
 
 def greedy_run(preset: str, steps: int, mla: int = 1024, room: int = 40, seed: int = 0, token: int = 11,
-               follow: bool = False) -> dict:
+               follow: bool = False, prefill: int = 0) -> dict:
     """`greedy_steps` with the kernel (`RECIPES=1 MMA_ONLY=1`): a random `preset` model's whole step, everything real,
     over random MLA caches of `mla` rows with room for `room` more (past the first key blocks' some stay empty),
     `steps` tokens. Each launch is checked against the emulation of its phases on its own inputs (raises unless
-    they agree as `run` requires); then the tokens against the model's own decode, fed the kernel's tokens."""
+    they agree as `run` requires); then the tokens against the model's own decode, fed the kernel's tokens.
+    prefill > 0: instead of random states and caches, the model's eager prefill of that many random tokens, loaded
+    into the kernel's layouts (`load_model_state`), the first token its last logits' argmax."""
     from k3export.bench.fp8 import gpu_random_model
     from k3export.config import PRESETS
     cfg = PRESETS[preset]
@@ -370,6 +372,15 @@ def greedy_run(preset: str, steps: int, mla: int = 1024, room: int = 40, seed: i
     chain = layers_chain(model, list(range(cfg.num_hidden_layers)), kda=True, seed=seed, head=True, attnres=True,
                          mla=mla, mla_room=room, min_tiles=torch.cuda.get_device_properties(0).multi_processor_count)
     bufs = mc.Buffers(chain)
+    if prefill:
+        if prefill > mla + room:
+            raise ValueError(f"prefill {prefill}: the chain's caches hold {mla + room} rows (--mla, room)")
+        prompt = torch.randint(0, cfg.vocab_size, (1, prefill), device="cuda",
+                               generator=torch.Generator(device="cuda").manual_seed(seed + 2))
+        state = model.new_state(1, prefill + steps)
+        with torch.no_grad():
+            token = int(model.prefill(prompt, state)[0, -1].argmax())
+        load_model_state(bufs, model, state)
     kern = mc.ChainKernel(defines=DEFINES)
     kern.bind(bufs)
     checks = []
@@ -392,7 +403,7 @@ def greedy_run(preset: str, steps: int, mla: int = 1024, room: int = 40, seed: i
         print(f"step {r['step']}: cache_len {r['cache_len']}, token {r['token']} (model {r['model_token']}), logits "
               f"within {r['logits_max_rel']:.4f} of the model's; checks {c}", flush=True)
     return {"device": torch.cuda.get_device_name(0), "preset": preset, "mla": mla, "room": room, "follow": follow,
-            "steps": res}
+            "prefill": prefill, "steps": res}
 
 
 # the phases whose output is a sublayer's (and the dense MLP's last "down.N")
@@ -819,6 +830,9 @@ def main() -> None:
                          "cache, default 1024), each launch checked, against the model's own decode")
     ap.add_argument("--follow", action="store_true",
                     help="with --greedy: the model restarts each step from the kernel's states (each step's own error)")
+    ap.add_argument("--prefill", type=int, default=0, metavar="T",
+                    help="with --greedy: start from the model's prefill of T random tokens (T <= --mla + 40), not "
+                         "random states")
     ap.add_argument("--out")
     ap.add_argument("--plot", help="PNG: the launch's bytes over time and its time by sublayer kind")
     ap.add_argument("--replot", metavar="JSON", help="no run: plot a saved --out result (with --plot)")
@@ -832,7 +846,7 @@ def main() -> None:
         print(f"wrote {a.plot}")
         return
     if a.greedy:
-        res = greedy_run(a.preset, a.greedy, mla=a.mla or 1024, follow=a.follow)
+        res = greedy_run(a.preset, a.greedy, mla=a.mla or 1024, follow=a.follow, prefill=a.prefill)
         agree = sum(r["token"] == r["model_token"] for r in res["steps"])
         print(f"{a.preset}: {a.greedy} greedy steps in the kernel, every launch equal to its emulation; the model's "
               f"own decode picked the same token in {agree} of {a.greedy}")

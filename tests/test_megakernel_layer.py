@@ -863,3 +863,15 @@ def test_greedy_steps_from_the_models_prefill(tiny_mla8):
         with torch.no_grad():
             model.prefill(torch.arange(40)[None] % cfg.vocab_size, long)
         ml.load_model_state(bufs, model, long)
+
+
+@pytest.mark.cuda
+def test_greedy_steps_in_the_kernel_from_the_models_prefill():
+    """k3-small: the model's eager prefill of 256 random tokens loaded into the kernel's layouts, then 4 greedy steps
+    in the kernel, the model restarted from the kernel's states every step (`follow`): greedy_run raises unless
+    every launch matches its emulation; the cache lengths move from 256. (Written 12-03 without device time left:
+    not yet run on the GPU.)"""
+    _needs_the_kernel()
+    res = ml.greedy_run("k3-small", 4, mla=256, follow=True, prefill=256)
+    assert [r["cache_len"] for r in res["steps"]] == [256, 257, 258, 259]
+    print("tokens", [(r["token"], r["model_token"], round(r["logits_max_rel"], 4)) for r in res["steps"]])
