@@ -239,7 +239,7 @@ class Chain:
         self.xsegs: list[XSeg] = []
         self.mixes: dict[int, Mix] = {}
         self.mlas: dict[int, dict] = {}
-        self.caches: dict[int, dict] = {}       # attn phase -> its cache ("cache") and cache_len
+        self.caches: dict[int, dict] = {}       # attn phase -> its cache ("cache") and "capacity" (`attn`)
 
     def _recipe(self, ph: Phase, segs: list[XSeg] | None, weight: torch.Tensor | None) -> Phase:
         """Attach x recipe parts and given weights to the phase about to be added (checked here)."""
@@ -434,8 +434,12 @@ class Chain:
                              f"of {heads} heads of rank {rank}, nope {nope}, pe {pe}")
         p = self._add(self._recipe(Phase(name, "attn", cache_len + 1, R, ql, rank, ne=heads // ATTN_HEADS,
                                          rows=rows, ntiles=nblk * heads // ATTN_HEADS), segs, None))
-        self.caches[p] = {"cache": cache.detach(), "cache_len": cache_len, "capacity": capacity}
+        self.caches[p] = {"cache": cache.detach(), "capacity": capacity}
         return p
+
+    def cache_len(self, p: int) -> int:
+        """Attn phase p's cache rows before this launch's (its keys but the new row: the phase's n - 1)."""
+        return self.phases[p].n - 1
 
     def kda(self, name: str, src: int, heads: int, q_off: int, b_off: int, fa_off: int, lb: float,
             **tensors: torch.Tensor) -> int:
@@ -977,7 +981,6 @@ class Buffers:
             if not 0 <= cache_len < c["capacity"]:
                 raise ValueError(f"{self.chain.phases[p].name}: cache_len {cache_len}; its tiles hold "
                                  f"{c['capacity']} keys")
-            c["cache_len"] = cache_len
             self.chain.phases[p].n = cache_len + 1
             self.table[p, FIELDS.index("n")] = cache_len + 1
 
@@ -989,7 +992,7 @@ class Buffers:
         for p in self.cache:
             self.cache_init[p] = self.cache[p].clone()
         if self.chain.caches:
-            self.set_cache_len(next(iter(self.chain.caches.values()))["cache_len"] + 1)
+            self.set_cache_len(self.chain.cache_len(next(iter(self.chain.caches))) + 1)
 
     def x_width(self, p: int) -> int:
         """The length of phase p's x (attn: its head group's queries and the new row)."""
@@ -999,8 +1002,8 @@ class Buffers:
     def attn_out(self, p: int) -> torch.Tensor:
         """Attn phase p's words from its x (per head group: `x_of`) and the cache as the launch found it, in fp64:
         per tile and head [m, l, O] over the tile's keys (chain.cu's ATTN; its sums are fp32, in other orders)."""
-        ph, c = self.chain.phases[p], self.chain.caches[p]
-        R, rank, L, scale = ph.k, ph.xlen, c["cache_len"], self.chain.xsegs[ph.xop].scaling
+        ph = self.chain.phases[p]
+        R, rank, L, scale = ph.k, ph.xlen, self.chain.cache_len(p), self.chain.xsegs[ph.xop].scaling
         out = []
         for t in range(ph.ntiles):
             x = self.x_of(p, t % ph.ne).double()
@@ -1194,6 +1197,13 @@ class Buffers:
             out["mix"] = mix
             out["mix_out_of_bounds"] = [k for k, v in mix.items() if any(v[b] > MIX_BOUNDS[b] for b in MIX_BOUNDS)]
         return out
+
+    @staticmethod
+    def failed(e: dict) -> bool:
+        """Whether `errors()`' result e fails the kernel: unwritten rows, a wrong top-k (or attention -inf / appended
+        row), a KDA step or mix out of its bounds, or a phase past CHECK_REL."""
+        return bool(e["unwritten"] or e["topk_wrong"] or e["kda_out_of_bounds"] or e.get("mix_out_of_bounds")
+                    or max(e["max_rel"].values()) > CHECK_REL)
 
     def mix_errors(self, p: int) -> dict:
         """A mix phase's words as its writer left them against `mix_out` on the kernel's own inputs: p (exact: one
@@ -1606,7 +1616,7 @@ def run_chain(name: str, kern: ChainKernel, modes: list[str], rounds: int, iters
             res["check"][m] = "not checked: outputs wrong by design (no waits, or no sums)"
         else:
             e = res["check"][m] = bufs.errors()
-            if e["unwritten"] or e["topk_wrong"] or e["kda_out_of_bounds"] or max(e["max_rel"].values()) > CHECK_REL:
+            if Buffers.failed(e):
                 raise RuntimeError(f"{name} {m}: outputs differ from the torch reference, not timing it: {e}")
         print(f"{name} {m}: {res['check'][m]}", flush=True)
     times = {m: [] for m in modes}

@@ -572,8 +572,8 @@ def _model_step(model, tok, bufs, chain):
     conv = torch.stack([bufs.kda_init[p]["conv_state"] for p in kp])[:, None]
     state = torch.stack([bufs.kda_init[p]["state"] for p in kp])[:, None]
     mlas = [chain.mlas[p] for p in sorted(chain.mlas)] or [      # (emulated "mla" phases, or chain.cu's attn)
-        {"cache": bufs.cache_init[p][:c["cache_len"]], "cache_len": c["cache_len"]}
-        for p, c in sorted(chain.caches.items())]
+        {"cache": bufs.cache_init[p][:chain.cache_len(p)], "cache_len": chain.cache_len(p)}
+        for p in sorted(chain.caches)]
     cache = (torch.stack([m["cache"] for m in mlas])[:, None] if mlas else torch.zeros(0, 1, 4, cfg.latent_dim))
     cache_len = torch.tensor([mlas[0]["cache_len"] if mlas else 0])
     try:
