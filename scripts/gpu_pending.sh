@@ -96,7 +96,7 @@
 #            then without the stand-ins (ran 12-02 15:48 as two direct calls: 0.628 / 0.557 ms)
 #   attnres  the layer's cuda tests (with the whole step and AttnRes in the kernel: emulation checks), then the whole
 #            step with AttnRes (`--step --attnres`: MLA stand-ins) against the compile engine's real step, with its plot;
-#            with an untracked scripts/megakernel/chain_prev.cu, the step without AttnRes, that version vs chain.cu
+#            with an untracked k3export/megakernel/chain_prev.cu, the step without AttnRes, that version vs chain.cu
 #   abmix    the AttnRes cuda tests, then the step with AttnRes, an untracked chain_prev.cu against chain.cu, twice
 #   gmla     the persistent kernel's cuda tests (the MLA attention in the kernel too), then the whole step with
 #            AttnRes and the real MLA attention (`--mla 1024`) against the compile engine's step, then its PHASE_TIMES
@@ -251,8 +251,8 @@ for part in $parts; do
              > "$OUT/attnres.log" 2>&1
            timeout 200 python3 scripts/megakernel_layer.py --step --attnres --out "$OUT/step-attnres.json" \
              --plot "$OUT/step-attnres.png" >> "$OUT/attnres.log" 2>&1
-           if [[ -f scripts/megakernel/chain_prev.cu ]]; then        # (an untracked copy: the A/B without AttnRes)
-             for cu in scripts/megakernel/chain_prev.cu scripts/megakernel/chain.cu; do
+           if [[ -f k3export/megakernel/chain_prev.cu ]]; then        # (an untracked copy: the A/B without AttnRes)
+             for cu in k3export/megakernel/chain_prev.cu k3export/megakernel/chain.cu; do
                timeout 100 python3 scripts/megakernel_layer.py --step --no-baseline --modes stream --rounds 3 \
                  --cu $cu --out "$OUT/step-$(basename $cu .cu).json" >> "$OUT/attnres.log" 2>&1
              done
@@ -260,7 +260,7 @@ for part in $parts; do
     abmix) timeout 200 python3 -m pytest -q -m cuda tests/test_megakernel_layer.py -s -rs -k attnres \
              -p no:cacheprovider > "$OUT/abmix.log" 2>&1
            for r in 1 2; do                       # (an untracked chain_prev.cu: the version before, with AttnRes)
-             for cu in scripts/megakernel/chain_prev.cu scripts/megakernel/chain.cu; do
+             for cu in k3export/megakernel/chain_prev.cu k3export/megakernel/chain.cu; do
                timeout 100 python3 scripts/megakernel_layer.py --step --attnres --no-baseline --modes stream \
                  --rounds 3 --cu $cu --out "$OUT/ab$r-$(basename $cu .cu).json" >> "$OUT/abmix.log" 2>&1
              done

@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import megakernel_chain as mc  # noqa: E402
+from k3export.megakernel import chain as mc  # noqa: E402
 
 # every kind of link at toy widths: 4 layers (dense layer 0, KDA 1-2, MLA 3), 8 experts, top-2
 TINY = dict(mc.SKELETON, d=64, q_rank=32, e_lat=64, e_w=32, dense=64, vocab=128, kda_in=256, heads=2, experts=8,

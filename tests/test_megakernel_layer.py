@@ -15,9 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import megakernel_chain as mc  # noqa: E402
-import megakernel_layer as ml  # noqa: E402
+from k3export.megakernel import chain as mc  # noqa: E402
+from k3export.megakernel import layer as ml  # noqa: E402
 
 from k3export.config import K3Config, PRESETS  # noqa: E402
 from k3export.plugins.moe.naive import situ_glu  # noqa: E402
