@@ -71,6 +71,9 @@ class Backend(Protocol):
     # (`K3Model.forward_prefill_last`); the engine uses it when the backend has it.
     # Optional: `state_views = True`: decode takes the state as strided views of the first n slots (what
     # `Engine(decode_buckets=True)` passes); programs compiled for contiguous inputs (AOTI, TensorRT) do not.
+    # Optional: `check_engine(max_batch, max_len)` raises for an engine the backend cannot serve; `cuda_graphs = False`
+    # keeps the engine from capturing its steps; `state_changed()` is called after the engine writes the slots' state
+    # outside decode (prefill, `fill_slots`): `k3export.megakernel.backend.MegakernelBackend` uses all three.
 
 
 class EagerBackend:
@@ -346,6 +349,8 @@ class Engine:
             raise ValueError(f"need max_batch >= 1 and max_len >= 2, got {max_batch}, {max_len}")
         self.backend, self.config = backend, backend.config
         self.max_batch, self.max_len = max_batch, max_len
+        if hasattr(backend, "check_engine"):             # a backend with limits of its own (megakernel: B = 1)
+            backend.check_engine(max_batch, max_len)
         self.device = torch.device(backend.device)
         self.state = K3State.empty(self.config, max_batch, max_len, dtype=backend.dtype, device=self.device)
         self.active = torch.zeros(max_batch, dtype=torch.bool, device=self.device)
@@ -360,7 +365,8 @@ class Engine:
         self._greedy_logits: torch.Tensor | None = None
         self.last_logits: torch.Tensor | None = None                      # `decode_greedy`'s logits
         self.graph_error: str | None = None
-        self._graphs_on = cuda_graphs and self.device.type == "cuda"
+        # (a backend whose step cannot be captured says so: `cuda_graphs = False`)
+        self._graphs_on = cuda_graphs and self.device.type == "cuda" and getattr(backend, "cuda_graphs", True)
         self._prefill_graphs: OrderedDict[tuple[int, int], tuple] = OrderedDict()      # least recently used first
         self._prefill_pool = None                     # one memory pool for every prefill graph (replayed in turn)
         self._prefill_seen: dict[tuple[int, int], int] = {}        # sightings per shape, halved every so often
@@ -429,6 +435,7 @@ class Engine:
         self.active[idx] = True
         for slot, p in zip(slots, prompts):
             self._host_active[slot], self._host_lengths[slot] = True, len(p)
+        self._state_changed()
         return last.clone()               # a prefill graph's output buffer is the next prefill graph's memory
 
     def _fresh_prefill(self, ids, lengths):
@@ -504,6 +511,13 @@ class Engine:
         self.state.lengths.fill_(context)
         self._host_active = [True] * self.max_batch
         self._host_lengths = [context] * self.max_batch
+        self._state_changed()
+
+    def _state_changed(self) -> None:
+        """Tell a backend that keeps the decode state in layouts of its own (`state_changed`) that the slots' state
+        tensors were written outside decode: its next step starts from them."""
+        if hasattr(self.backend, "state_changed"):
+            self.backend.state_changed()
 
     def release(self, slot: int) -> None:
         """Free a slot; its state is left as is and overwritten by the next prefill into it."""

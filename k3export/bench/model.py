@@ -15,6 +15,8 @@ each hold `context` tokens (`Engine.decode`, state commit included). Backends:
     compile-nofp8cols `compile` with an FP8 model's MoE output pair (FP8 up + shared down) as two launches
     compile-gemv4   `compile` with linears of up to 4 rows (decode at B = 2-4) on `k3::gemv` too
     aoti      an AOTInductor engine from `k3export build` (built or reused under --engines), CUDA graphs on top
+    megakernel  the persistent decode kernel (`k3export.megakernel`: the whole step in one launch; GPU, B = 1,
+              decode and generation rows only: its prefill is the `compile` backend's, timed on that row)
 
 Napkin math beside every time. Decode floor = bytes a step must move / measured copy bandwidth: every weight
 except the routed experts and the embedding table, the routed experts a batch of B hits in expectation
@@ -55,7 +57,7 @@ COMPILE_VARIANTS = {"compile": {}, "compile-frozen": {"freezing": True}, "compil
                     "compile-nofp8cols": {"fp8_cols": False}, "compile-gemv1": {"gemv_rows": 1},
                     "compile-gemv4": {"gemv_rows": 4},
                     "compile-fast": {"glu": True, "moe_pdl": True, "fold_norm": True}}
-BACKENDS = ("eager", "graph", *COMPILE_VARIANTS, "aoti")
+BACKENDS = ("eager", "graph", *COMPILE_VARIANTS, "aoti", "megakernel")
 
 
 # ---------------------------------------------------------------------------------------------- napkin math
@@ -130,10 +132,19 @@ def ceilings(cuda: bool) -> tuple[float, float | None, str]:
 
 
 # ---------------------------------------------------------------------------------------------- backends
-def make_backend(name: str, model, engines: Path, profiles: dict, log) -> tuple[object, bool, dict]:
-    """-> (runtime backend, use CUDA graphs, build info)."""
+def make_backend(name: str, model, engines: Path, profiles: dict, log, max_len: int = 0) -> tuple[object, bool, dict]:
+    """-> (runtime backend, use CUDA graphs, build info). max_len: the longest sequence the decode and generation
+    engines hold (the megakernel sizes its caches for it)."""
     from k3export.runtime import CompileBackend, EagerBackend
     cuda = model.device.type == "cuda"
+    if name == "megakernel":
+        from k3export.megakernel.backend import MegakernelBackend
+        from k3export.megakernel.chain import kernel_report
+        mc_report = lambda b: kernel_report(b.kernel.ptxas)
+        t0 = time.perf_counter()
+        b = MegakernelBackend(model, max_len=max_len)
+        return b, False, {"build_s": round(time.perf_counter() - t0, 2), "max_len": max_len,
+                          "kernel": " | ".join(mc_report(b)) if b.kernel else None}
     if name == "eager":
         return EagerBackend(model), False, {}
     if name == "graph":
@@ -163,7 +174,10 @@ def run_backend(name, backend, graphs, model, args, bw, rate, pb, bar) -> list[d
     cuda = dev.type == "cuda"
     rows = []
     g = torch.Generator().manual_seed(0)
-    for T in args["prefill_lengths"]:
+    decode_only = hasattr(backend, "prefill_backend")          # (megakernel: its prefill is another backend's)
+    if decode_only:
+        bar.update(len(args["prefill_lengths"]))
+    for T in [] if decode_only else args["prefill_lengths"]:
         t_first = time.perf_counter()
         eng = Engine(backend, max_batch=1, max_len=T + 1, cuda_graphs=graphs)
         prompt = torch.randint(0, cfg.vocab_size, (T,), generator=g).tolist()
@@ -191,6 +205,9 @@ def run_backend(name, backend, graphs, model, args, bw, rate, pb, bar) -> list[d
         bar.update(1)
     ctx_max = max(args["contexts"])
     for B in args["batches"]:
+        if B > getattr(backend, "max_batch", B):               # (megakernel: B = 1 only)
+            bar.update(len(args["contexts"]))
+            continue
         steps = args["warmup"] + args["decode_iters"]
         eng = Engine(backend, max_batch=B, max_len=ctx_max + len(args["contexts"]) * steps + 2, cuda_graphs=graphs)
         tok = torch.randint(0, cfg.vocab_size, (B,), generator=g).to(dev)
@@ -379,6 +396,8 @@ def model_bench(ctx, preset, dtype, device, backends, prefill_lengths, batches, 
     pb = param_bytes(cfg, PRECISIONS[dtype])
     profiles = profiles_for(max(args["batches"]), max(args["prefill_lengths"]),
                             max(args["contexts"]) + len(args["contexts"]) * (warmup + args["decode_iters"]) + 2)
+    decode_len = max(max(args["contexts"]) + len(args["contexts"]) * (warmup + args["decode_iters"]) + 2,
+                     min(args["contexts"]) + generate_tokens + 2)
     rows, builds = [], {}
     n_cases = len(names) * (len(args["prefill_lengths"]) + len(args["batches"]) * len(args["contexts"]) +
                             2 * bool(generate_tokens))
@@ -386,7 +405,8 @@ def model_bench(ctx, preset, dtype, device, backends, prefill_lengths, batches, 
         for name in names:
             bar.set_postfix_str(name)
             try:
-                backend, graphs, info = make_backend(name, model, engines, profiles, lambda s: bar.write(s))
+                backend, graphs, info = make_backend(name, model, engines, profiles, lambda s: bar.write(s),
+                                                     max_len=decode_len)
             except Exception as e:                                  # a backend that cannot build is reported
                 bar.write(f"{name}: not run ({type(e).__name__}: {str(e)[:200]})")
                 builds[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}

@@ -984,14 +984,16 @@ class Buffers:
             self.chain.phases[p].n = cache_len + 1
             self.table[p, FIELDS.index("n")] = cache_len + 1
 
-    def advance(self) -> None:
+    def advance(self, move: bool = True) -> None:
         """After a launch: its states (KDA state and conv window, the caches with their new rows) become where the
-        next launch starts (what `clear` puts back and the checks start from); the caches' cache_len moves on."""
+        next launch starts (what `clear` puts back and the checks start from); with `move`, the caches' cache_len
+        moves on (the caller sets it otherwise: after a sequence's last row there is no next launch)."""
         for p in self.kda_init:
             self.kda_init[p] = {"state": self.kda_state(p).contiguous(), "conv_state": self.kda_conv(p).clone()}
         for p in self.cache:
-            self.cache_init[p] = self.cache[p].clone()
-        if self.chain.caches:
+            n = self.chain.phases[p].n                   # (only the launch's new row changed)
+            self.cache_init[p][n - 1] = self.cache[p][n - 1]
+        if self.chain.caches and move:
             self.set_cache_len(self.chain.cache_len(next(iter(self.chain.caches))) + 1)
 
     def x_width(self, p: int) -> int:

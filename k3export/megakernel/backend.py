@@ -1,0 +1,180 @@
+"""`MegakernelBackend`: the persistent decode kernel (`chain.cu`) behind the runtime's `Engine`, at B = 1.
+
+A decode step is one launch of the whole model step (every layer's KDA / MLA attention, MoE or dense MLP, Block
+AttnRes and the LM head), its weights and states streamed through each SM's shared-memory ring (docs/megakernel.md).
+Around the launch, on the device and without the host reading anything: the next token's embedding row into the
+kernel's input, and the key count of the attention phases; the engine then commits the appended MLA rows and takes
+the argmax of the logits, as for every backend.
+
+The kernel keeps the decode state in its own layouts (the KDA state in its weight tiles, each conv window in two
+copies, the MLA caches sized for `max_len` keys), carried from launch to launch. The engine's state tensors are
+where a sequence starts: after a prefill (the engine calls `state_changed`), the first decode step loads them into
+the kernel's layouts (`layer.load_model_state`; one host read of the length). From then on the engine's MLA cache
+gets every appended row, but its KDA tensors keep the prefill's values: the kernel holds the live ones.
+
+Prefill runs on `prefill_backend` (`compile` on a GPU). `emulate=True` runs the kernel's torch emulation instead of
+the launch (`chain.Buffers.run_reference`, the same phases op for op; slow): the backend's plumbing on any device.
+
+Limits, each refused with its reason: one sequence (`max_batch` 1); an sm_90 GPU with nvcc and cupy (the GPU
+image); the shapes chain.cu is written for (MLA heads a multiple of 8, every GEMV's k a multiple of 32, KDA heads
+of 128, at most `chain.ATTN_SPLITS` key blocks of `chain.ATTN_ROWS`); a bf16 model. k3-small qualifies, k3-tiny
+does not (4 MLA heads, latent rank 24). The launch is not captured in a CUDA graph (its epoch is a launch argument):
+the host queues each step ahead of the GPU, which a B = 1 step of ~0.75 ms leaves ample time for.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from k3export.megakernel import chain as mc
+from k3export.megakernel import layer as ml
+
+
+class MegakernelBackend:
+    """The runtime backend over one persistent-kernel chain of `model` (an unpacked or packed K3Model; the chain
+    copies its weights). max_len: the longest sequence (cache rows) it serves; the attention's tiles are sized for
+    it, so a longer capacity costs empty key blocks on every step."""
+
+    name = "megakernel"
+    state_views = False
+    max_batch = 1
+    cuda_graphs = False             # the engine must not capture the step (see the module docstring)
+
+    def __init__(self, model, max_len: int, prefill_backend=None, emulate: bool = False, defines=ml.DEFINES):
+        from k3export.model import packing
+        cfg = model.config
+        self.model, self.config, self.dtype, self.device = model, cfg, model.dtype, model.device
+        self.max_len, self.emulate = max_len, emulate
+        why = unsupported(model, max_len, emulate)
+        if why:
+            raise ValueError(f"megakernel backend: {why}")
+        packing.unpack_projections(model)               # (the chain reads the projections as loaded)
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 0
+        chain = ml.layers_chain(model, list(range(cfg.num_hidden_layers)), kda=True, head=True, attnres=True,
+                                mla=1, mla_room=max_len - 1, min_tiles=sms)
+        self.bufs = mc.Buffers(chain, device=str(self.device))
+        self.kernel = None
+        if not emulate:
+            self.kernel = mc.ChainKernel(defines=defines)
+            self.kernel.bind(self.bufs)
+        if prefill_backend is None:
+            from k3export.runtime import CompileBackend, EagerBackend
+            prefill_backend = CompileBackend(model) if self.device.type == "cuda" else EagerBackend(model)
+        self.prefill_backend = prefill_backend
+        self.max_prefill_tokens = prefill_backend.max_prefill_tokens
+        if hasattr(prefill_backend, "prefill_last"):
+            self.prefill_last = self._prefill_last
+        self.embed = model.model.embed_tokens.weight
+        self.logits = self.bufs.out(len(chain.phases) - 1)
+        self.attn = sorted(chain.caches)
+        n_col = mc.FIELDS.index("n")
+        self._n_index = torch.tensor([p * len(mc.FIELDS) + n_col for p in self.attn], device=self.device)
+        self.pos: int | None = None          # the kernel's sequence length (None: load the engine's state first)
+        self.steps = 0
+
+    def check_engine(self, max_batch: int, max_len: int) -> None:
+        """Refuse an engine this backend cannot serve (called by `Engine`)."""
+        if max_batch != 1:
+            raise ValueError(f"megakernel backend: decodes one sequence; make the engine with max_batch=1, not "
+                             f"{max_batch}")
+        if max_len > self.max_len:
+            raise ValueError(f"megakernel backend: built for sequences of {self.max_len} rows; the engine asks for "
+                             f"{max_len} (make the backend with max_len >= {max_len})")
+
+    # ---------------------------------------------------------------------------------------- prefill
+    def prefill(self, *args):
+        self.pos = None
+        return self.prefill_backend.prefill(*args)
+
+    def _prefill_last(self, *args):
+        self.pos = None
+        return self.prefill_backend.prefill_last(*args)
+
+    def state_changed(self) -> None:
+        """The engine's state tensors were written outside decode (a prefill, `fill_slots`): the next step starts
+        from them."""
+        self.pos = None
+
+    # ---------------------------------------------------------------------------------------- decode
+    def decode(self, ids, kda_conv, kda_state, mla_cache, cache_len):
+        """As `K3Model.forward_decode`, for the engines that commit the KDA tensors themselves: they get the
+        tensors as given (the kernel holds the live state; see the module docstring)."""
+        logits, rows = self.decode_(ids, kda_conv, kda_state, mla_cache, cache_len)
+        return logits, kda_conv, kda_state, rows
+
+    @torch.no_grad()
+    def decode_(self, ids, kda_conv, kda_state, mla_cache, cache_len):
+        """One step of the one sequence: ids `[1]` (device), the engine's state (read only when the kernel has not
+        started from it yet) -> (logits `[1, V]`, a view valid until the next step; the new MLA rows `[n_mla, 1, 1,
+        R]`)."""
+        if ids.shape[0] != 1:
+            raise ValueError(f"megakernel backend: decodes one sequence (an engine with max_batch=1), got "
+                             f"{ids.shape[0]}")
+        b = self.bufs
+        if self.pos is None:
+            self._load(kda_conv, kda_state, mla_cache, cache_len)
+        elif self.pos >= self.max_len:
+            raise ValueError(f"megakernel backend: the sequence holds {self.pos} rows; its caches hold "
+                             f"{self.max_len}")
+        else:
+            for p in self.attn:
+                b.chain.phases[p].n = self.pos + 1
+            b.table.view(-1).index_fill_(0, self._n_index, self.pos + 1)      # (one launch; no host read)
+        b.x.copy_(torch.index_select(self.embed, 0, ids[:1])[0])
+        if self.emulate:
+            b.clear()
+            b.run_reference()
+            b.advance(move=False)
+        else:
+            self.kernel.launch("stream")
+        rows = torch.stack([b.cache[p][self.pos] for p in self.attn]) if self.attn else \
+            torch.zeros(0, b.x.shape[0], dtype=self.dtype, device=self.device)
+        self.pos += 1
+        self.steps += 1
+        return self.logits[None], rows[:, None, None]
+
+    def _load(self, kda_conv, kda_state, mla_cache, cache_len) -> None:
+        """The engine's state of sequence 0 into the kernel's layouts (after checking that no launch gave up)."""
+        self.check()
+        state = SimpleNamespace(lengths=cache_len, kda_conv=kda_conv, kda_state=kda_state, mla_cache=mla_cache)
+        self.pos = ml.load_model_state(self.bufs, self.model, state)
+        if self.pos >= self.max_len:
+            raise ValueError(f"megakernel backend: the sequence holds {self.pos} rows; its caches hold "
+                             f"{self.max_len}")
+
+    def check(self) -> None:
+        """Raise if a launch so far gave up waiting (a kernel error, not an input error; reads the device)."""
+        if self.kernel is not None and self.steps:
+            self.kernel.check()
+
+
+def unsupported(model, max_len: int, emulate: bool = False) -> str | None:
+    """Why `MegakernelBackend` cannot serve `model` with `max_len` rows (None: it can). The chain's own checks
+    (`Chain`, `ChainKernel.bind`) catch the rest with their own messages."""
+    cfg = model.config
+    mla_heads = cfg.num_attention_heads
+    if not emulate:
+        if model.device.type != "cuda":
+            return "runs on an NVIDIA GPU (sm_90); emulate=True runs its torch emulation anywhere"
+        if torch.cuda.get_device_capability(model.device) != (9, 0):
+            return f"chain.cu is built for sm_90a (H100 / H200); this GPU is sm_" \
+                   f"{''.join(map(str, torch.cuda.get_device_capability(model.device)))}"
+        import importlib.util
+        import shutil
+        if shutil.which("nvcc") is None or importlib.util.find_spec("cupy") is None:
+            return "needs nvcc (to build chain.cu) and cupy (to launch it); the GPU image has both"
+    if model.dtype != torch.bfloat16:
+        return f"serves a bf16 model (the kernel streams bf16 weights), not {model.dtype}"
+    if cfg.mla_layers and mla_heads % mc.ATTN_HEADS:
+        return f"the config has {mla_heads} MLA heads; chain.cu's attention takes them " \
+               f"{mc.ATTN_HEADS} a tile"
+    if cfg.linear_attn_config.head_dim != mc.KDA_HEAD:
+        return f"KDA heads of {cfg.linear_attn_config.head_dim}; chain.cu's KDA step is written for {mc.KDA_HEAD}"
+    if max_len < 2:
+        return f"max_len {max_len}: at least 2"
+    if -(-max_len // mc.ATTN_ROWS) > mc.ATTN_SPLITS:
+        return f"max_len {max_len}: the attention's combine adds at most {mc.ATTN_SPLITS} key blocks of " \
+               f"{mc.ATTN_ROWS} ({mc.ATTN_SPLITS * mc.ATTN_ROWS} rows; chain.cu's ATTN_SPLITS)"
+    return None
