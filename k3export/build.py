@@ -44,7 +44,7 @@ from k3export.manifest import (atomic_write, checkpoint_fingerprint, file_sha256
                                replacing, save_tensors)
 
 FORMAT = "k3export.engine/1"
-BACKENDS = ("eager", "compile", "aoti", "tensorrt")
+BACKENDS = ("eager", "compile", "aoti", "tensorrt", "megakernel")
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 WEIGHTS = "weights.safetensors"
 DEFAULT_PROFILES = {"prefill": {"batch": [1, 1, 8], "tokens": [1, 128, 4096]},
@@ -229,6 +229,9 @@ def build(backend: str, model, out_root: str | Path = "engines", *, graphs: str 
     elif backend == "tensorrt":
         from k3export.build_trt import build_tensorrt
         files.update(build_tensorrt(out, graphs, manifest, log))
+    elif backend == "megakernel":
+        from k3export.megakernel.backend import build_megakernel
+        files.update(build_megakernel(model, out, manifest, log))
     manifest["weights_key"] = weights_key
     manifest["files"] = {name: {"bytes": (out / rel).stat().st_size, "sha256": file_sha256(out / rel)}
                          for name, rel in files.items()}
@@ -378,7 +381,12 @@ def check_engine_dir(path: str | Path, device=None, config: K3Config | None = No
                         f"the model given has {config.hash()} ({preset_name(config)})")
     if not m.get("load_check", {}).get("ok", True):
         problems.append(load_check_failure(m["load_check"]))
-    if m["backend"] in ("aoti", "tensorrt"):
+    if m["backend"] == "megakernel":
+        from k3export.megakernel.backend import stale_build
+        why = stale_build(m)
+        if why:
+            problems.append(why)
+    if m["backend"] in ("aoti", "tensorrt", "megakernel"):
         now = _versions()
         for lib in ("torch", "triton", "cuda"):
             if m["versions"].get(lib) != now.get(lib) and (lib != "triton" or m["device"] == "cuda"):
@@ -413,6 +421,9 @@ def open_backend(path: str | Path, device=None, config: K3Config | None = None):
         from k3export.build_trt import TensorRTBackend
         return TensorRTBackend(path, m, device)
     model = _load_model(path, m, device)
+    if m["backend"] == "megakernel":
+        from k3export.megakernel.backend import open_megakernel
+        return open_megakernel(path, m, model)
     if m["backend"] == "compile":
         from k3export.runtime import CompileBackend
         return CompileBackend(model, cache_dir=path)
@@ -516,6 +527,8 @@ def build_command(backend, checkpoint, preset, seed, dtype, device, graphs, out,
     if backend == "best":
         backend = "compile" if scales and torch.device(device).type == "cuda" else \
             "eager" if scales else best_backend(device)
+    if backend == "megakernel" and max_batch != 1:
+        raise click.UsageError(f"--backend megakernel decodes one sequence: pass --max-batch 1 (not {max_batch})")
     try:
         if scales:
             check_fp8_backend(backend, graphs, file_sha256(scales))     # before loading the model

@@ -102,9 +102,10 @@
 #            AttnRes and the real MLA attention (`--mla 1024`) against the compile engine's step, then its PHASE_TIMES
 #   greedy   the persistent kernel's greedy cuda tests (random states; from the model's prefill), then 8 steps
 #            with the model restarted from the kernel's states every step (`--greedy 8 --follow`)
-#   mkback   the megakernel backend (k3export/megakernel/backend.py): its cuda test (k3-small through the engine
-#            vs its emulation and eager), `--greedy 8 --follow` with the routing diagnostics, then bench model
-#            eager, compile, megakernel at B = 1, context 1024 ($MKBENCH_BACKENDS)
+#   mkback   the megakernel backend (k3export/megakernel/backend.py): its cuda tests (k3-small through the engine
+#            vs its emulation and eager; an engine directory built, opened, decoding, refused when corrupt), then
+#            `--greedy 8 --follow` with the routing diagnostics
+#   mkbench  bench model eager, compile, megakernel at B = 1, context 1024 ($MKBENCH_BACKENDS)
 #   profile  scripts/profile_decode.py --backend $PROFILE_BACKEND (default compile): kernels per decode step, and the
 #            graph replay's critical path (what each kernel adds to the span under PDL; 15:25: an upper bound only)
 set -uo pipefail
@@ -278,17 +279,17 @@ for part in $parts; do
              -p no:cacheprovider > "$OUT/greedy.log" 2>&1
            timeout 200 python3 scripts/megakernel_layer.py --greedy 8 --follow --out "$OUT/greedy-follow.json" \
              >> "$OUT/greedy.log" 2>&1 ;;
-    mkback) timeout 200 python3 -m pytest -q -m cuda tests/test_megakernel_backend.py -s -rs -p no:cacheprovider \
+    mkback) timeout 330 python3 -m pytest -q -m cuda tests/test_megakernel_backend.py -s -rs -p no:cacheprovider \
              > "$OUT/mkback.log" 2>&1
            timeout 110 python3 scripts/megakernel_layer.py --greedy 8 --follow --out "$OUT/greedy-follow.json" \
-             >> "$OUT/mkback.log" 2>&1
-           timeout ${MKBENCH_TIMEOUT:-270} python3 -m k3export.cli bench model --preset k3-small --dtype bf16 \
+             >> "$OUT/mkback.log" 2>&1 ;;
+    mkbench) timeout ${MKBENCH_TIMEOUT:-400} python3 -m k3export.cli bench model --preset k3-small --dtype bf16 \
              --backends ${MKBENCH_BACKENDS:-eager,compile,megakernel} --prefill-lengths 2048 --batches 1 \
              --contexts 1024 --warmup 3 --iters 5 --decode-iters 100 --generate-tokens 64 --no-new-lengths \
              --out "$OUT/mkbench" > "$OUT/mkbench.log" 2>&1 ;;
     profile) timeout 150 python3 scripts/profile_decode.py --backend ${PROFILE_BACKEND:-compile} ${PROFILE_ARGS:-} \
              > "$OUT/profile.log" 2>&1 ;;
-    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe trtfp8 fp8eng grouped grpsmall fp8comp overlap chain layer step attnres abmix gmla greedy mkback profile)"; continue ;;
+    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe trtfp8 fp8eng grouped grpsmall fp8comp overlap chain layer step attnres abmix gmla greedy mkback mkbench profile)"; continue ;;
   esac
   echo "$part: exit $? in $((SECONDS - t)) s" | tee -a "$OUT/pending.log"
   tail -4 "$OUT/$part.log" 2>/dev/null

@@ -8,6 +8,7 @@ itself (k3-small) against the same emulation and against eager's tokens."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -139,3 +140,44 @@ def test_the_kernel_backend_follows_its_emulation_on_k3_small():
     print("kernel vs emulation", [round(v, 4) for v in vs_emu], "vs eager", [round(v, 4) for v in vs_eager])
     assert all(torch.isfinite(v).all() for v in logits["kernel"])
     assert vs_emu[0] <= 0.05, vs_emu
+
+
+def test_megakernel_engine_directories_are_refused_where_they_cannot_run(tmp_path, tiny_mla8):
+    """`k3export build --backend megakernel` says why it cannot build (here: no GPU; more than one sequence), and
+    an engine directory whose cubin came from another chain.cu is refused with that reason."""
+    from click.testing import CliRunner
+    from k3export.build import build_command
+    from k3export.manifest import file_sha256
+    from k3export.megakernel import chain as mc
+    r = CliRunner().invoke(build_command, ["--backend", "megakernel", "--preset", "k3-tiny", "--dtype", "bf16",
+                                           "--out", str(tmp_path)])
+    assert r.exit_code != 0 and "--max-batch 1" in r.output, r.output
+    r = CliRunner().invoke(build_command, ["--backend", "megakernel", "--preset", "k3-tiny", "--dtype", "bf16",
+                                           "--max-batch", "1", "--out", str(tmp_path)])
+    assert r.exit_code != 0 and "NVIDIA GPU" in r.output, r.output
+    assert mb.stale_build({"megakernel": {"chain_cu_sha256": file_sha256(mc.CU)}}) is None
+    assert "another chain.cu" in mb.stale_build({"megakernel": {"chain_cu_sha256": "0" * 64}})
+
+
+@pytest.mark.cuda
+def test_a_megakernel_engine_directory_builds_opens_and_decodes(tmp_path):
+    """k3-small: `build --backend megakernel` (nvcc, the chain bound to the new cubin), `load_engine` through the
+    manifest's checks, greedy tokens equal to a backend made in process (the same kernel: deterministic), and a
+    corrupted cubin refused."""
+    _needs_the_kernel()
+    from k3export.bench.fp8 import gpu_random_model
+    from k3export.build import EngineError, build, load_engine, profiles_for
+    model = gpu_random_model(K3Config.from_name("k3-small"), 0)
+    prompt = list(range(100, 164))
+    path = build("megakernel", model, tmp_path, profiles=profiles_for(1, 128, 96), echo=print)
+    m = json.loads((path / "manifest.json").read_text())
+    assert m["megakernel"]["max_len"] == 96 and (path / mb.CUBIN).stat().st_size > 0
+    print("build:", m["build"]["seconds"])
+    got = Generator(load_engine(path, 1, 96)).generate([prompt], 6)
+    direct = mb.MegakernelBackend(model, max_len=96)
+    assert Generator(Engine(direct, 1, 96)).generate([prompt], 6) == got
+    data = bytearray((path / mb.CUBIN).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (path / mb.CUBIN).write_bytes(bytes(data))
+    with pytest.raises(EngineError, match="corrupt"):
+        load_engine(path, 1, 96)

@@ -42,7 +42,8 @@ class MegakernelBackend:
     max_batch = 1
     cuda_graphs = False             # the engine must not capture the step (see the module docstring)
 
-    def __init__(self, model, max_len: int, prefill_backend=None, emulate: bool = False, defines=ml.DEFINES):
+    def __init__(self, model, max_len: int, prefill_backend=None, emulate: bool = False, defines=ml.DEFINES,
+                 cubin: tuple[str, str] | None = None):
         from k3export.model import packing
         cfg = model.config
         self.model, self.config, self.dtype, self.device = model, cfg, model.dtype, model.device
@@ -57,7 +58,7 @@ class MegakernelBackend:
         self.bufs = mc.Buffers(chain, device=str(self.device))
         self.kernel = None
         if not emulate:
-            self.kernel = mc.ChainKernel(defines=defines)
+            self.kernel = mc.ChainKernel(defines=defines, cubin=cubin, quiet=cubin is not None)
             self.kernel.bind(self.bufs)
         if prefill_backend is None:
             from k3export.runtime import CompileBackend, EagerBackend
@@ -178,3 +179,70 @@ def unsupported(model, max_len: int, emulate: bool = False) -> str | None:
         return f"max_len {max_len}: the attention's combine adds at most {mc.ATTN_SPLITS} key blocks of " \
                f"{mc.ATTN_ROWS} ({mc.ATTN_SPLITS * mc.ATTN_ROWS} rows; chain.cu's ATTN_SPLITS)"
     return None
+
+
+# ---------------------------------------------------------------------------------------------- engine directories
+CUBIN = "chain.cubin"
+
+
+def build_megakernel(model, out, manifest: dict, log) -> dict:
+    """`k3export build --backend megakernel`: chain.cu compiled for sm_90a (nvcc) into the engine directory, and
+    checked against the model: its chain built and bound to the new cubin (every shape check the kernel makes),
+    then dropped. Records the build (defines, ring, chain.cu's sha256, ptxas's report, the caches' rows) in the
+    manifest's "megakernel" entry; returns {file name: path relative to `out`}."""
+    import os
+    import tempfile
+    from k3export.build import EngineError
+    from k3export.manifest import file_sha256
+    dec = manifest["profiles"]["decode"]
+    max_len = dec["cache"][2]
+    if dec["batch"][2] != 1:
+        raise EngineError(f"megakernel: decodes one sequence; its decode profile's batch is {dec['batch']} "
+                          "(build with --max-batch 1)")
+    why = unsupported(model, max_len)
+    if why:
+        raise EngineError(f"megakernel: {why}")
+    nslot, slot_bytes = mc.cu_default("NSLOT"), mc.cu_default("SLOT_BYTES")
+    with tempfile.TemporaryDirectory(prefix="k3chain-") as tmp:
+        path, ptxas = log.step("nvcc chain.cu (sm_90a)", mc.compile_cubin, nslot, slot_bytes, tmp, None, ml.DEFINES)
+        tmp_cubin = out / (CUBIN + ".tmp")
+        tmp_cubin.write_bytes(open(path, "rb").read())
+        os.replace(tmp_cubin, out / CUBIN)
+
+    def check():
+        from k3export.model import packing
+        packing.unpack_projections(model)
+        sms = torch.cuda.get_device_properties(model.device).multi_processor_count
+        chain = ml.layers_chain(model, list(range(model.config.num_hidden_layers)), kda=True, head=True,
+                                attnres=True, mla=1, mla_room=max_len - 1, min_tiles=sms)
+        kern = mc.ChainKernel(nslot, slot_bytes, defines=ml.DEFINES, cubin=(str(out / CUBIN), ptxas), quiet=True)
+        kern.bind(mc.Buffers(chain, device=str(model.device)))
+        return len(chain.phases)
+    phases = log.step("chain built and bound (the kernel's shape checks)", check)
+    torch.cuda.empty_cache()
+    report = mc.kernel_report(ptxas)
+    log.note(f"chain.cu: {phases} phases; " + " | ".join(report))
+    manifest["megakernel"] = {"defines": list(ml.DEFINES), "ring": [nslot, slot_bytes], "max_len": max_len,
+                              "chain_cu_sha256": file_sha256(mc.CU), "ptxas": ptxas, "phases": phases}
+    return {CUBIN: CUBIN}
+
+
+def stale_build(manifest: dict) -> str | None:
+    """Why an engine directory's kernel cannot be used with this k3export (None: it can): it was compiled from
+    another chain.cu (the table and recipes this Python lays out are for this one)."""
+    from k3export.manifest import file_sha256
+    rec = manifest.get("megakernel") or {}
+    if rec.get("chain_cu_sha256") != file_sha256(mc.CU):
+        return (f"its {CUBIN} was compiled from another chain.cu (sha256 {str(rec.get('chain_cu_sha256'))[:12]}..., "
+                f"this k3export's is {file_sha256(mc.CU)[:12]}...)")
+    return None
+
+
+def open_megakernel(path, manifest: dict, model) -> MegakernelBackend:
+    """The backend of a megakernel engine directory (checked by `build.check_engine_dir`)."""
+    rec = manifest["megakernel"]
+    if tuple(rec["defines"]) != tuple(ml.DEFINES):
+        from k3export.build import EngineError
+        raise EngineError(f"{path}: built with defines {rec['defines']}, this k3export runs {list(ml.DEFINES)}; "
+                          "rebuild with `k3export build --backend megakernel`")
+    return MegakernelBackend(model, max_len=rec["max_len"], cubin=(str(path / CUBIN), rec["ptxas"]))

@@ -1425,13 +1425,17 @@ class ChainKernel:
     """chain.cu compiled for one ring, launched through cupy on torch's current stream."""
 
     def __init__(self, nslot: int = 3, slot_bytes: int = 65536, build_dir: str | None = None,
-                 spin_limit: int | None = None, defines: tuple[str, ...] = (), cu: Path = CU):
+                 spin_limit: int | None = None, defines: tuple[str, ...] = (), cu: Path = CU,
+                 cubin: tuple[str, str] | None = None, quiet: bool = False):
+        """cubin: (path, ptxas's report) of a build of `cu` with these settings (an engine directory's), instead
+        of running nvcc."""
         import cupy
         self.cupy, self.nslot, self.slot_bytes, self.defines, self.cu = cupy, nslot, slot_bytes, defines, cu
-        cubin, self.ptxas = compile_cubin(nslot, slot_bytes, build_dir or tempfile.mkdtemp(prefix="k3chain-"),
-                                          spin_limit, defines, cu)
-        print(f"{cu.name} {nslot}x{slot_bytes} {' '.join(defines)}: "
-              + " | ".join(kernel_report(self.ptxas)), flush=True)
+        cubin, self.ptxas = cubin or compile_cubin(nslot, slot_bytes, build_dir or tempfile.mkdtemp(prefix="k3chain-"),
+                                                   spin_limit, defines, cu)
+        if not quiet:
+            print(f"{cu.name} {nslot}x{slot_bytes} {' '.join(defines)}: "
+                  + " | ".join(kernel_report(self.ptxas)), flush=True)
         self.fn = cupy.RawModule(path=cubin).get_function("chain_kernel")
         self.consumers = 32 * define_value(defines, "CONSUMER_WARPS", cu)
         # + the producer warp (and -DTRACE_TILES's observer warp)
