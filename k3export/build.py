@@ -45,6 +45,9 @@ from k3export.manifest import (atomic_write, checkpoint_fingerprint, file_sha256
 
 FORMAT = "k3export.engine/1"
 BACKENDS = ("eager", "compile", "aoti", "tensorrt", "megakernel")
+# what the main job (`k3export demo`) builds and serves: its engines are fp32 / any-batch; `megakernel` is a bf16,
+# one-sequence decode kernel for presets of its shapes (k3-small), served with `k3export run` / `bench model`
+DEMO_BACKENDS = ("eager", "compile", "aoti", "tensorrt")
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 WEIGHTS = "weights.safetensors"
 DEFAULT_PROFILES = {"prefill": {"batch": [1, 1, 8], "tokens": [1, 128, 4096]},

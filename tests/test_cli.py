@@ -68,11 +68,13 @@ def test_demo_runs_end_to_end(tmp_path):
 
 
 def test_demo_backend_choices_are_the_build_backends(tmp_path):
-    """`demo --backend` offers exactly `build`'s backends and "best"; an unknown one is refused before any work."""
-    from k3export.build import BACKENDS
+    """`demo --backend` offers `build`'s backends that the main job's pipeline serves (all but megakernel, a bf16
+    one-sequence kernel) and "best"; an unknown one is refused before any work."""
+    from k3export.build import BACKENDS, DEMO_BACKENDS
     from k3export.commands import demo
     opt = next(p for p in demo.params if p.name == "backend")
-    assert tuple(opt.type.choices) == ("best", *BACKENDS) and opt.default == "best"
+    assert tuple(opt.type.choices) == ("best", *DEMO_BACKENDS) and opt.default == "best"
+    assert set(BACKENDS) - set(DEMO_BACKENDS) == {"megakernel"}
     r = run("demo", "--out", str(tmp_path / "d"), "--backend", "nope")
     assert r.exit_code != 0 and "nope" in r.output and not (tmp_path / "d").exists()
 
