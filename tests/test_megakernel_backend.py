@@ -105,10 +105,11 @@ def _needs_the_kernel():
 def test_the_kernel_backend_follows_its_emulation_on_k3_small():
     """k3-small on the GPU through the engine: a 64-token prompt's prefill loaded into the kernel's layouts, then 8
     steps, the same tokens fed to the kernel backend, the emulated backend and eager (the emulation's greedy
-    tokens). Each launch's phases equal their emulation (`megakernel_layer.py --greedy`); end to end the kernel's
-    fp32 sums in another order move bf16 roundings, which a random model amplifies over 12 layers, so this asserts
-    the first step within 0.05 of the largest logit (0.047 measured against the model's own decode on the H200,
-    12-03 `--greedy 8 --follow`), every step finite, and reports the rest."""
+    tokens). Each launch's phases equal their emulation (`megakernel_layer.py --greedy`), so the first step's logits
+    do too up to the fp32 sums' order (measured under 5e-5 of the largest, 12-03 08:53; asserted within 1e-4). The
+    KDA states carried are not bit-equal (fp32 sums in another order, ~1e-7), and a random model amplifies the bf16
+    roundings they move over 12 layers and 11 routers (0.012-1.6 later in that run, as the kernel against the
+    model's own decode from the same states: `--greedy 8 --follow`), so the later steps are reported only."""
     _needs_the_kernel()
     from k3export.bench.fp8 import gpu_random_model
     model = gpu_random_model(K3Config.from_name("k3-small"), 0)
@@ -137,9 +138,9 @@ def test_the_kernel_backend_follows_its_emulation_on_k3_small():
     print("tokens (emulated)", tokens)
     print("kernel argmax", [int(v.argmax()) for v in logits["kernel"]], "eager", [int(v.argmax()) for v in
                                                                               logits["eager"]])
-    print("kernel vs emulation", [round(v, 4) for v in vs_emu], "vs eager", [round(v, 4) for v in vs_eager])
+    print("kernel vs emulation", [f"{v:.3g}" for v in vs_emu], "vs eager", [f"{v:.3g}" for v in vs_eager])
     assert all(torch.isfinite(v).all() for v in logits["kernel"])
-    assert vs_emu[0] <= 0.05, vs_emu
+    assert vs_emu[0] <= 1e-4, vs_emu
 
 
 def test_megakernel_engine_directories_are_refused_where_they_cannot_run(tmp_path, tiny_mla8):
