@@ -73,7 +73,8 @@ class Backend(Protocol):
     # `Engine(decode_buckets=True)` passes); programs compiled for contiguous inputs (AOTI, TensorRT) do not.
     # Optional: `check_engine(max_batch, max_len)` raises for an engine the backend cannot serve; `cuda_graphs = False`
     # keeps the engine from capturing its steps; `state_changed()` is called after the engine writes the slots' state
-    # outside decode (prefill, `fill_slots`): `k3export.megakernel.backend.MegakernelBackend` uses all three.
+    # outside decode (prefill, `fill_slots`), `before_decode(state)` before every decode step, outside its CUDA
+    # graph: `k3export.megakernel.backend.MegakernelBackend` uses them to keep the decode state in its own layouts.
 
 
 class EagerBackend:
@@ -552,6 +553,8 @@ class Engine:
 
     def _run(self, greedy: bool) -> torch.Tensor:
         """One step over `decode_rows()` slots (its graph's replay when captured) -> its logits."""
+        if hasattr(self.backend, "before_decode"):        # (outside the graph: e.g. load the state it keeps)
+            self.backend.before_decode(self.state)
         n = self.decode_rows()
         if n < self.max_batch:
             g = self._bucket_graph(n)

@@ -15,6 +15,7 @@ import torch
 
 from k3export.config import K3Config
 from k3export.megakernel import backend as mb
+from k3export.megakernel import chain as mc
 from k3export.runtime import EagerBackend, Engine, Generator
 
 PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79, 50, 28, 84, 19], [7, 1, 8, 2, 8, 1, 8]]
@@ -45,11 +46,13 @@ def test_the_emulated_backend_gives_eager_tokens_request_after_request(tiny_mla8
     eng = Engine(be, max_batch=1, max_len=40)
     got = Generator(eng).generate(PROMPTS, 6)
     assert got == want
-    assert be.steps == 2 * 5 and be.pos == len(PROMPTS[1]) + 5       # (each request: the prefill, 5 decode steps)
+    assert be.steps == 2 * 5                      # (each request: the prefill, then 5 decode steps)
     # the engine's cache rows of the last request equal the kernel's own cache rows
+    n = len(PROMPTS[1]) + 5
+    assert eng.state.lengths.tolist() == [n]
     for i, p in enumerate(be.attn):
         slot = model.state_slot[int(be.bufs.chain.phases[p].name.split(".")[0][1:])]
-        assert torch.equal(eng.state.mla_cache[slot, 0, :be.pos], be.bufs.cache[p][:be.pos])
+        assert torch.equal(eng.state.mla_cache[slot, 0, :n], be.bufs.cache[p][:n])
 
 
 def test_the_emulated_backend_reloads_after_fill_slots(tiny_mla8):
@@ -60,11 +63,14 @@ def test_the_emulated_backend_reloads_after_fill_slots(tiny_mla8):
     eng = Engine(be, max_batch=1, max_len=24)
     eng.fill_slots(9)
     eng.decode(torch.tensor([5]))
-    assert be.pos == 10 and eng.state.lengths.tolist() == [10]
-    assert be.bufs.chain.cache_len(be.attn[0]) == 9
-    eng.fill_slots(3)
+    assert be.loaded and eng.state.lengths.tolist() == [10]
+    assert be.bufs.chain.cache_len(be.attn[0]) == 9 and int(be.bufs.table[be.attn[0], mc.FIELDS.index("n")]) == 10
     eng.decode(torch.tensor([5]))
-    assert be.pos == 4
+    assert be.bufs.chain.cache_len(be.attn[0]) == 10
+    eng.fill_slots(3)
+    assert not be.loaded
+    eng.decode(torch.tensor([5]))
+    assert be.bufs.chain.cache_len(be.attn[0]) == 3
 
 
 def test_the_backend_refuses_what_it_cannot_serve(tiny_mla8):
@@ -104,8 +110,8 @@ def _needs_the_kernel():
 @pytest.mark.cuda
 def test_the_kernel_backend_follows_its_emulation_on_k3_small():
     """k3-small on the GPU through the engine: a 64-token prompt's prefill loaded into the kernel's layouts, then 8
-    steps, the same tokens fed to the kernel backend, the emulated backend and eager (the emulation's greedy
-    tokens). Each launch's phases equal their emulation (`megakernel_layer.py --greedy`), so the first step's logits
+    steps, the same tokens fed to the kernel backend (launched, and replayed as the engine's CUDA graph), the
+    emulated backend and eager (the emulation's greedy tokens). Each launch's phases equal their emulation (`megakernel_layer.py --greedy`), so the first step's logits
     do too up to the fp32 sums' order (measured under 5e-5 of the largest, 12-03 08:53; asserted within 1e-4). The
     KDA states carried are not bit-equal (fp32 sums in another order, ~1e-7), and a random model amplifies the bf16
     roundings they move over 12 layers and 11 routers (0.012-1.6 later in that run, as the kernel against the
@@ -114,13 +120,14 @@ def test_the_kernel_backend_follows_its_emulation_on_k3_small():
     from k3export.bench.fp8 import gpu_random_model
     model = gpu_random_model(K3Config.from_name("k3-small"), 0)
     prompt = torch.randint(0, model.config.vocab_size, (64,), generator=torch.Generator().manual_seed(1)).tolist()
+    kernel = mb.MegakernelBackend(model, max_len=96, prefill_backend=EagerBackend(model))
     backends = {"emulated": mb.MegakernelBackend(model, max_len=96, prefill_backend=EagerBackend(model),
                                                  emulate=True),
-                "kernel": mb.MegakernelBackend(model, max_len=96, prefill_backend=EagerBackend(model)),
-                "eager": EagerBackend(model)}
+                "kernel": kernel, "kernel, CUDA graph": kernel, "eager": EagerBackend(model)}
     tokens, logits = None, {}
     for name, be in backends.items():
-        eng = Engine(be, max_batch=1, max_len=96, cuda_graphs=False)
+        eng = Engine(be, max_batch=1, max_len=96, cuda_graphs=name == "kernel, CUDA graph")
+        assert eng.graphed == (name == "kernel, CUDA graph"), eng.graph_error
         first = int(eng.prefill([0], [prompt])[0].argmax())
         feed, got = [first] + (tokens or []), []
         for i in range(8):
@@ -129,9 +136,10 @@ def test_the_kernel_backend_follows_its_emulation_on_k3_small():
                 feed.append(int(got[-1].argmax()))
         tokens = tokens or feed[1:]
         logits[name] = got
-    be = backends["kernel"]
-    be.check()
-    assert be.steps == 8 and be.pos == 64 + 8
+    kernel.check()
+    assert kernel.steps == 16
+    # the step replayed as a CUDA graph == launched step by step, bit for bit (the kernel's sums have fixed orders)
+    assert all(torch.equal(a, b) for a, b in zip(logits["kernel, CUDA graph"], logits["kernel"]))
     rel = lambda a, b: float((a - b).abs().max() / b.abs().max())
     vs_emu = [rel(a, b) for a, b in zip(logits["kernel"], logits["emulated"])]
     vs_eager = [rel(a, b) for a, b in zip(logits["kernel"], logits["eager"])]

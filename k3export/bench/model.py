@@ -15,8 +15,8 @@ each hold `context` tokens (`Engine.decode`, state commit included). Backends:
     compile-nofp8cols `compile` with an FP8 model's MoE output pair (FP8 up + shared down) as two launches
     compile-gemv4   `compile` with linears of up to 4 rows (decode at B = 2-4) on `k3::gemv` too
     aoti      an AOTInductor engine from `k3export build` (built or reused under --engines), CUDA graphs on top
-    megakernel  the persistent decode kernel (`k3export.megakernel`: the whole step in one launch; GPU, B = 1,
-              decode and generation rows only: its prefill is the `compile` backend's, timed on that row)
+    megakernel  the persistent decode kernel (`k3export.megakernel`: the whole step in one launch, CUDA graphs on
+              top; GPU, B = 1, decode and generation rows only: its prefill is the `compile` backend's)
 
 Napkin math beside every time. Decode floor = bytes a step must move / measured copy bandwidth: every weight
 except the routed experts and the embedding table, the routed experts a batch of B hits in expectation
@@ -143,7 +143,7 @@ def make_backend(name: str, model, engines: Path, profiles: dict, log, max_len: 
         mc_report = lambda b: kernel_report(b.kernel.ptxas)
         t0 = time.perf_counter()
         b = MegakernelBackend(model, max_len=max_len)
-        return b, False, {"build_s": round(time.perf_counter() - t0, 2), "max_len": max_len,
+        return b, cuda, {"build_s": round(time.perf_counter() - t0, 2), "max_len": max_len,
                           "kernel": " | ".join(mc_report(b)) if b.kernel else None}
     if name == "eager":
         return EagerBackend(model), False, {}

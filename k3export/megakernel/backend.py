@@ -2,24 +2,27 @@
 
 A decode step is one launch of the whole model step (every layer's KDA / MLA attention, MoE or dense MLP, Block
 AttnRes and the LM head), its weights and states streamed through each SM's shared-memory ring (docs/megakernel.md).
-Around the launch, on the device and without the host reading anything: the next token's embedding row into the
-kernel's input, and the key count of the attention phases; the engine then commits the appended MLA rows and takes
-the argmax of the logits, as for every backend.
+Around the launch, on the device: the next token's embedding row into the kernel's input, the attention phases'
+key count from the engine's lengths, and the launch's epoch (chain.cu built with EPOCH_PTR=1 reads it from device
+memory); the engine then commits the appended MLA rows and takes the argmax, as for every backend. Nothing reads the
+device, so the engine captures the step, launch included, as a CUDA graph and replays it.
 
 The kernel keeps the decode state in its own layouts (the KDA state in its weight tiles, each conv window in two
 copies, the MLA caches sized for `max_len` keys), carried from launch to launch. The engine's state tensors are
-where a sequence starts: after a prefill (the engine calls `state_changed`), the first decode step loads them into
-the kernel's layouts (`layer.load_model_state`; one host read of the length). From then on the engine's MLA cache
-gets every appended row, but its KDA tensors keep the prefill's values: the kernel holds the live ones.
+where a sequence starts: after a prefill (the engine calls `state_changed`), `before_decode` loads them into the
+kernel's layouts outside the graph (`layer.load_model_state`; one host read of the length). From then on the
+engine's MLA cache gets every appended row, but its KDA tensors keep the prefill's values: the kernel holds the live
+ones.
 
 Prefill runs on `prefill_backend` (`compile` on a GPU). `emulate=True` runs the kernel's torch emulation instead of
-the launch (`chain.Buffers.run_reference`, the same phases op for op; slow): the backend's plumbing on any device.
+the launch (`chain.Buffers.run_reference`, the same phases op for op; slow, not capturable): the backend's plumbing
+on any device.
 
 Limits, each refused with its reason: one sequence (`max_batch` 1); an sm_90 GPU with nvcc and cupy (the GPU
 image); the shapes chain.cu is written for (MLA heads a multiple of 8, every GEMV's k a multiple of 32, KDA heads
 of 128, at most `chain.ATTN_SPLITS` key blocks of `chain.ATTN_ROWS`); a bf16 model. k3-small qualifies, k3-tiny
-does not (4 MLA heads, latent rank 24). The launch is not captured in a CUDA graph (its epoch is a launch argument):
-the host queues each step ahead of the GPU, which a B = 1 step of ~0.75 ms leaves ample time for.
+does not (4 MLA heads, latent rank 24). The attention's tiles cover `max_len` keys whatever the length: key blocks
+past it are empty tiles, cheap but not free, so size `max_len` to the sequences served.
 """
 
 from __future__ import annotations
@@ -31,6 +34,10 @@ import torch
 from k3export.megakernel import chain as mc
 from k3export.megakernel import layer as ml
 
+# chain.cu's build for the backend: the recipes, tensor-core tiles only, and the epoch in device memory (so that the
+# engine can capture the step, launch included, as a CUDA graph)
+DEFINES = (*ml.DEFINES, "EPOCH_PTR=1")
+
 
 class MegakernelBackend:
     """The runtime backend over one persistent-kernel chain of `model` (an unpacked or packed K3Model; the chain
@@ -40,9 +47,8 @@ class MegakernelBackend:
     name = "megakernel"
     state_views = False
     max_batch = 1
-    cuda_graphs = False             # the engine must not capture the step (see the module docstring)
 
-    def __init__(self, model, max_len: int, prefill_backend=None, emulate: bool = False, defines=ml.DEFINES,
+    def __init__(self, model, max_len: int, prefill_backend=None, emulate: bool = False, defines=None,
                  cubin: tuple[str, str] | None = None):
         from k3export.model import packing
         cfg = model.config
@@ -58,7 +64,7 @@ class MegakernelBackend:
         self.bufs = mc.Buffers(chain, device=str(self.device))
         self.kernel = None
         if not emulate:
-            self.kernel = mc.ChainKernel(defines=defines, cubin=cubin, quiet=cubin is not None)
+            self.kernel = mc.ChainKernel(defines=defines or DEFINES, cubin=cubin, quiet=cubin is not None)
             self.kernel.bind(self.bufs)
         if prefill_backend is None:
             from k3export.runtime import CompileBackend, EagerBackend
@@ -72,8 +78,9 @@ class MegakernelBackend:
         self.attn = sorted(chain.caches)
         n_col = mc.FIELDS.index("n")
         self._n_index = torch.tensor([p * len(mc.FIELDS) + n_col for p in self.attn], device=self.device)
-        self.pos: int | None = None          # the kernel's sequence length (None: load the engine's state first)
-        self.steps = 0
+        self.loaded = False                  # the kernel holds the engine's sequence (else: load it first)
+        self.steps = 0                       # decode steps run
+        self.cuda_graphs = not emulate       # (the emulation reads the device on the host)
 
     def check_engine(self, max_batch: int, max_len: int) -> None:
         """Refuse an engine this backend cannot serve (called by `Engine`)."""
@@ -86,17 +93,29 @@ class MegakernelBackend:
 
     # ---------------------------------------------------------------------------------------- prefill
     def prefill(self, *args):
-        self.pos = None
+        self.loaded = False
         return self.prefill_backend.prefill(*args)
 
     def _prefill_last(self, *args):
-        self.pos = None
+        self.loaded = False
         return self.prefill_backend.prefill_last(*args)
 
     def state_changed(self) -> None:
         """The engine's state tensors were written outside decode (a prefill, `fill_slots`): the next step starts
-        from them."""
-        self.pos = None
+        from them (`before_decode`)."""
+        self.loaded = False
+
+    def before_decode(self, state) -> None:
+        """Called by the engine before each decode step (outside its CUDA graph): after a change of the engine's
+        state, load sequence 0's into the kernel's layouts (after checking that no launch so far gave up; one host
+        read of the length)."""
+        if not self.loaded:
+            self.check()
+            L = ml.load_model_state(self.bufs, self.model, state)
+            if L >= self.max_len:
+                raise ValueError(f"megakernel backend: the sequence holds {L} rows; its caches hold {self.max_len}")
+            self.loaded = True
+        self.steps += 1
 
     # ---------------------------------------------------------------------------------------- decode
     def decode(self, ids, kda_conv, kda_state, mla_cache, cache_len):
@@ -107,43 +126,28 @@ class MegakernelBackend:
 
     @torch.no_grad()
     def decode_(self, ids, kda_conv, kda_state, mla_cache, cache_len):
-        """One step of the one sequence: ids `[1]` (device), the engine's state (read only when the kernel has not
-        started from it yet) -> (logits `[1, V]`, a view valid until the next step; the new MLA rows `[n_mla, 1, 1,
-        R]`)."""
+        """One step of the one sequence, on the device only (capturable): ids `[1]`, cache_len `[1]` (the engine's
+        lengths); the other state tensors are not read (`before_decode` loaded them) -> (logits `[1, V]`, a view
+        valid until the next step; the new MLA rows `[n_mla, 1, 1, R]`)."""
         if ids.shape[0] != 1:
             raise ValueError(f"megakernel backend: decodes one sequence (an engine with max_batch=1), got "
                              f"{ids.shape[0]}")
         b = self.bufs
-        if self.pos is None:
-            self._load(kda_conv, kda_state, mla_cache, cache_len)
-        elif self.pos >= self.max_len:
-            raise ValueError(f"megakernel backend: the sequence holds {self.pos} rows; its caches hold "
-                             f"{self.max_len}")
-        else:
-            for p in self.attn:
-                b.chain.phases[p].n = self.pos + 1
-            b.table.view(-1).index_fill_(0, self._n_index, self.pos + 1)      # (one launch; no host read)
+        n = cache_len[:1].to(torch.int64) + 1                   # the keys: the cache rows and the new one
+        b.table.view(-1).index_put_((self._n_index,), n.expand(len(self._n_index)))
         b.x.copy_(torch.index_select(self.embed, 0, ids[:1])[0])
         if self.emulate:
+            for p in self.attn:                                  # (the emulation reads the key count on the host)
+                b.chain.phases[p].n = int(n)
             b.clear()
             b.run_reference()
             b.advance(move=False)
         else:
             self.kernel.launch("stream")
-        rows = torch.stack([b.cache[p][self.pos] for p in self.attn]) if self.attn else \
-            torch.zeros(0, b.x.shape[0], dtype=self.dtype, device=self.device)
-        self.pos += 1
-        self.steps += 1
-        return self.logits[None], rows[:, None, None]
-
-    def _load(self, kda_conv, kda_state, mla_cache, cache_len) -> None:
-        """The engine's state of sequence 0 into the kernel's layouts (after checking that no launch gave up)."""
-        self.check()
-        state = SimpleNamespace(lengths=cache_len, kda_conv=kda_conv, kda_state=kda_state, mla_cache=mla_cache)
-        self.pos = ml.load_model_state(self.bufs, self.model, state)
-        if self.pos >= self.max_len:
-            raise ValueError(f"megakernel backend: the sequence holds {self.pos} rows; its caches hold "
-                             f"{self.max_len}")
+        pos = cache_len[:1].to(torch.int64)
+        rows = torch.stack([b.cache[p].index_select(0, pos) for p in self.attn]) if self.attn else \
+            torch.zeros(0, 1, b.x.shape[0], dtype=self.dtype, device=self.device)
+        return self.logits[None], rows[:, :, None]
 
     def check(self) -> None:
         """Raise if a launch so far gave up waiting (a kernel error, not an input error; reads the device)."""
@@ -204,7 +208,7 @@ def build_megakernel(model, out, manifest: dict, log) -> dict:
         raise EngineError(f"megakernel: {why}")
     nslot, slot_bytes = mc.cu_default("NSLOT"), mc.cu_default("SLOT_BYTES")
     with tempfile.TemporaryDirectory(prefix="k3chain-") as tmp:
-        path, ptxas = log.step("nvcc chain.cu (sm_90a)", mc.compile_cubin, nslot, slot_bytes, tmp, None, ml.DEFINES)
+        path, ptxas = log.step("nvcc chain.cu (sm_90a)", mc.compile_cubin, nslot, slot_bytes, tmp, None, DEFINES)
         tmp_cubin = out / (CUBIN + ".tmp")
         tmp_cubin.write_bytes(open(path, "rb").read())
         os.replace(tmp_cubin, out / CUBIN)
@@ -215,14 +219,14 @@ def build_megakernel(model, out, manifest: dict, log) -> dict:
         sms = torch.cuda.get_device_properties(model.device).multi_processor_count
         chain = ml.layers_chain(model, list(range(model.config.num_hidden_layers)), kda=True, head=True,
                                 attnres=True, mla=1, mla_room=max_len - 1, min_tiles=sms)
-        kern = mc.ChainKernel(nslot, slot_bytes, defines=ml.DEFINES, cubin=(str(out / CUBIN), ptxas), quiet=True)
+        kern = mc.ChainKernel(nslot, slot_bytes, defines=DEFINES, cubin=(str(out / CUBIN), ptxas), quiet=True)
         kern.bind(mc.Buffers(chain, device=str(model.device)))
         return len(chain.phases)
     phases = log.step("chain built and bound (the kernel's shape checks)", check)
     torch.cuda.empty_cache()
     report = mc.kernel_report(ptxas)
     log.note(f"chain.cu: {phases} phases; " + " | ".join(report))
-    manifest["megakernel"] = {"defines": list(ml.DEFINES), "ring": [nslot, slot_bytes], "max_len": max_len,
+    manifest["megakernel"] = {"defines": list(DEFINES), "ring": [nslot, slot_bytes], "max_len": max_len,
                               "chain_cu_sha256": file_sha256(mc.CU), "ptxas": ptxas, "phases": phases}
     return {CUBIN: CUBIN}
 
@@ -241,8 +245,8 @@ def stale_build(manifest: dict) -> str | None:
 def open_megakernel(path, manifest: dict, model) -> MegakernelBackend:
     """The backend of a megakernel engine directory (checked by `build.check_engine_dir`)."""
     rec = manifest["megakernel"]
-    if tuple(rec["defines"]) != tuple(ml.DEFINES):
+    if tuple(rec["defines"]) != DEFINES:
         from k3export.build import EngineError
-        raise EngineError(f"{path}: built with defines {rec['defines']}, this k3export runs {list(ml.DEFINES)}; "
+        raise EngineError(f"{path}: built with defines {rec['defines']}, this k3export runs {list(DEFINES)}; "
                           "rebuild with `k3export build --backend megakernel`")
     return MegakernelBackend(model, max_len=rec["max_len"], cubin=(str(path / CUBIN), rec["ptxas"]))

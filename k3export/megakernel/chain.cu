@@ -66,6 +66,9 @@
 #if WARP_ROWS && TILE_IN_REGS
 #error "WARP_ROWS and TILE_IN_REGS are two consumer layouts: pick one"
 #endif
+#ifndef EPOCH_PTR                      // 1: the launch's epoch is read from device memory (the `megakernel` backend,
+#define EPOCH_PTR 0                    // which bumps it before each launch, so that the step is a CUDA graph)
+#endif
 #ifndef RECIPES
 #define RECIPES 0                      // 1: phases may form x by a recipe (real layers, milestone 2); 0: the synthetic
 #endif                                 // chains' kernel (with the recipes, the diagnostic builds spill registers)
@@ -1584,7 +1587,12 @@ __device__ __forceinline__ int attnres_phase(const PhaseC& f, const PhaseC* ph, 
 // phase, this block's tiles of each phase.
 extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM)
 chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* __restrict__ x_in,
+#if EPOCH_PTR
+             uint32_t* counters, const uint32_t* __restrict__ epoch_at, int mode, uint32_t* err,
+             unsigned long long* t_done,
+#else
              uint32_t* counters, uint32_t epoch, int mode, uint32_t* err, unsigned long long* t_done,
+#endif
              unsigned long long* t_start, unsigned long long* trace, unsigned long long* tile_trace,
              const XSeg* __restrict__ xseg_global, int64_t nxseg, __nv_bfloat16* xdump) {
     extern __shared__ __align__(128) unsigned char smem[];
@@ -1607,6 +1615,9 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
     const int tid = threadIdx.x;
     const int64_t nblk = gridDim.x;
     const bool wait = mode != NODEPS;
+#if EPOCH_PTR
+    const uint32_t epoch = *epoch_at;       // this launch's epoch, from device memory: a CUDA graph can replay it
+#endif
 
     for (int64_t p = tid; p < nphase; p += THREADS) ph[p] = compact(ph_global[p]);
 #if RECIPES

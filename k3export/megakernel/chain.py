@@ -1448,9 +1448,20 @@ class ChainKernel:
         self.blocks = self.per_sm * torch.cuda.get_device_properties(0).multi_processor_count
         self.epoch = 0
         self.counters = self.err = None
-        with warnings.catch_warnings():                      # (cupy 14 prefers Stream.from_external)
-            warnings.simplefilter("ignore", DeprecationWarning)
-            self.stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)   # torch's stream
+        # -DEPOCH_PTR=1: the kernel reads its epoch from `epoch_dev`, which each launch bumps on the device first,
+        # so that a CUDA graph of launches replays with a new epoch each time
+        self.epoch_ptr = bool(define_value(defines, "EPOCH_PTR", cu, default=0))
+        self.epoch_dev = None
+        self._streams: dict[int, object] = {}
+
+    def stream(self):
+        """cupy's handle of torch's current stream (the one a launch goes to, a capturing one included)."""
+        ptr = torch.cuda.current_stream().cuda_stream
+        if ptr not in self._streams:
+            with warnings.catch_warnings():                  # (cupy 14 prefers Stream.from_external)
+                warnings.simplefilter("ignore", DeprecationWarning)
+                self._streams[ptr] = self.cupy.cuda.ExternalStream(ptr)
+        return self._streams[ptr]
 
     def bind(self, bufs: Buffers) -> None:
         n = len(bufs.chain.phases)
@@ -1512,6 +1523,7 @@ class ChainKernel:
         self.tile_trace = (torch.zeros(self.blocks * TILE_TRACE_MAX * TILE_FIELDS, dtype=torch.int64, device="cuda")
                            if "TRACE_TILES" in self.defines else None)
         self.epoch = 0
+        self.epoch_dev = torch.zeros(1, dtype=torch.int32, device="cuda") if self.epoch_ptr else None
 
     def launch(self, mode: str, dump: bool = False) -> None:
         """One launch. dump: the x of each recipe goes to bufs.xdump (a check launch; see `Buffers.x_of`)."""
@@ -1519,15 +1531,17 @@ class ChainKernel:
         b, u = self.bufs, np.uint64
         self.epoch += 1
         b.kda_conv_out = (self.epoch & 1) ^ 1           # (chain.cu: the copy of each conv window this launch writes)
+        if self.epoch_dev is not None:                   # (replayed in a graph, the host's count stays behind)
+            self.epoch_dev.add_(1)
         dump = dump and b.xdump is not None
         args = (u(b.table.data_ptr()), np.int64(len(b.chain.phases)), u(b.x.data_ptr()),
-                u(self.counters.data_ptr()), np.uint32(self.epoch), np.int32(MODES[mode]), u(self.err.data_ptr()),
+                u(self.counters.data_ptr()), (u(self.epoch_dev.data_ptr()) if self.epoch_ptr else np.uint32(self.epoch)), np.int32(MODES[mode]), u(self.err.data_ptr()),
                 u(self.t_done.data_ptr()), u(self.t_start.data_ptr()),
                 u(self.trace.data_ptr() if self.trace is not None else 0),
                 u(self.tile_trace.data_ptr() if self.tile_trace is not None else 0),
                 u(b.xsegs.data_ptr()), np.int64(len(b.chain.xsegs)), u(b.xdump.data_ptr() if dump else 0))
         b.dumped = dump
-        with self.stream:
+        with self.stream():
             self.fn((self.blocks,), (self.threads,), args, shared_mem=self.smem)
 
     def check(self) -> None:
@@ -1541,6 +1555,8 @@ class ChainKernel:
             self.err.zero_()
             self.bufs.clear()
             self.epoch = 0
+            if self.epoch_dev is not None:
+                self.epoch_dev.zero_()
             raise RuntimeError(f"chain kernel gave up waiting for {WAITS.get(what, what)}: block {blk}, "
                                f"phase {p} ({name}), tile {t}")
 
