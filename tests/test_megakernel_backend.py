@@ -111,11 +111,12 @@ def _needs_the_kernel():
 def test_the_kernel_backend_follows_its_emulation_on_k3_small():
     """k3-small on the GPU through the engine: a 64-token prompt's prefill loaded into the kernel's layouts, then 8
     steps, the same tokens fed to the kernel backend (launched, and replayed as the engine's CUDA graph), the
-    emulated backend and eager (the emulation's greedy tokens). Each launch's phases equal their emulation (`megakernel_layer.py --greedy`), so the first step's logits
-    do too up to the fp32 sums' order (measured under 5e-5 of the largest, 12-03 08:53; asserted within 1e-4). The
-    KDA states carried are not bit-equal (fp32 sums in another order, ~1e-7), and a random model amplifies the bf16
-    roundings they move over 12 layers and 11 routers (0.012-1.6 later in that run, as the kernel against the
-    model's own decode from the same states: `--greedy 8 --follow`), so the later steps are reported only."""
+    emulated backend and eager (the emulation's greedy tokens). Each launch's phases equal their emulation
+    (`megakernel_layer.py --greedy`), so the first step's logits do too up to the fp32 sums' order (measured under
+    5e-5 of the largest, 12-03 08:53; asserted within 1e-4). The KDA states carried are not bit-equal (fp32 sums in
+    another order, ~1e-7), and a random model amplifies the bf16 roundings they move over 12 layers and 11 routers
+    (0.012-1.6 later in that run, as the kernel against the model's own decode from the same states: `--greedy 8
+    --follow`), so the later steps are reported only."""
     _needs_the_kernel()
     from k3export.bench.fp8 import gpu_random_model
     model = gpu_random_model(K3Config.from_name("k3-small"), 0)

@@ -1534,8 +1534,9 @@ class ChainKernel:
         if self.epoch_dev is not None:                   # (replayed in a graph, the host's count stays behind)
             self.epoch_dev.add_(1)
         dump = dump and b.xdump is not None
+        epoch = u(self.epoch_dev.data_ptr()) if self.epoch_ptr else np.uint32(self.epoch)
         args = (u(b.table.data_ptr()), np.int64(len(b.chain.phases)), u(b.x.data_ptr()),
-                u(self.counters.data_ptr()), (u(self.epoch_dev.data_ptr()) if self.epoch_ptr else np.uint32(self.epoch)), np.int32(MODES[mode]), u(self.err.data_ptr()),
+                u(self.counters.data_ptr()), epoch, np.int32(MODES[mode]), u(self.err.data_ptr()),
                 u(self.t_done.data_ptr()), u(self.t_start.data_ptr()),
                 u(self.trace.data_ptr() if self.trace is not None else 0),
                 u(self.tile_trace.data_ptr() if self.tile_trace is not None else 0),
