@@ -145,8 +145,11 @@ class MegakernelBackend:
         else:
             self.kernel.launch("stream")
         pos = cache_len[:1].to(torch.int64)
-        rows = torch.stack([b.cache[p].index_select(0, pos) for p in self.attn]) if self.attn else \
-            torch.zeros(0, 1, b.x.shape[0], dtype=self.dtype, device=self.device)
+        if b.cache_all is not None:                      # (the caches in chain order: the model's MLA slot order)
+            rows = b.cache_all.index_select(1, pos)
+        else:
+            rows = torch.stack([b.cache[p].index_select(0, pos) for p in self.attn]) if self.attn else \
+                torch.zeros(0, 1, self.config.latent_dim, dtype=self.dtype, device=self.device)
         return self.logits[None], rows[:, :, None]
 
     def check(self) -> None:
