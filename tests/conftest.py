@@ -34,3 +34,17 @@ def interp(request):
     run = subprocess.run([sys.executable, request.module.__file__], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def tiny_mla8():
+    """k3-tiny with KDA heads of 128 and 8 MLA heads (the persistent kernel's shapes: chain.cu's attention takes
+    heads 8 a tile), bf16, random weights (one per test module: the megakernel backend unpacks the model)."""
+    import dataclasses
+    from k3export.config import K3Config
+    from k3export.model.weights import random_model
+    base = K3Config.from_name("k3-tiny")
+    cfg = dataclasses.replace(base, linear_attn_config=dataclasses.replace(base.linear_attn_config, num_heads=2,
+                                                                           head_dim=128),
+                              num_attention_heads=8, num_key_value_heads=8)
+    return cfg, random_model(cfg, seed=0, dtype=torch.bfloat16)

@@ -21,17 +21,6 @@ from k3export.runtime import EagerBackend, Engine, Generator
 PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79, 50, 28, 84, 19], [7, 1, 8, 2, 8, 1, 8]]
 
 
-@pytest.fixture(scope="module")
-def tiny_mla8():
-    """k3-tiny with KDA heads of 128 and 8 MLA heads (chain.cu's attention takes heads 8 a tile), bf16."""
-    from k3export.model.weights import random_model
-    base = K3Config.from_name("k3-tiny")
-    cfg = dataclasses.replace(base, linear_attn_config=dataclasses.replace(base.linear_attn_config, num_heads=2,
-                                                                           head_dim=128),
-                              num_attention_heads=8, num_key_value_heads=8)
-    return cfg, random_model(cfg, seed=0, dtype=torch.bfloat16)
-
-
 def _eager_tokens(model, prompts, n, max_len):
     return Generator(Engine(EagerBackend(model), max_batch=1, max_len=max_len)).generate(prompts, n)
 

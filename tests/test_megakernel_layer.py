@@ -48,17 +48,6 @@ def tiny128():
     return cfg, random_model(cfg, seed=0, dtype=torch.bfloat16)
 
 
-@pytest.fixture(scope="module")
-def tiny_mla8():
-    """k3-tiny with KDA heads of 128 and 8 MLA heads (chain.cu's attention takes heads 8 a tile)."""
-    from k3export.model.weights import random_model
-    base = K3Config.from_name("k3-tiny")
-    cfg = dataclasses.replace(base, linear_attn_config=dataclasses.replace(base.linear_attn_config, num_heads=2,
-                                                                           head_dim=128),
-                              num_attention_heads=8, num_key_value_heads=8)
-    return cfg, random_model(cfg, seed=0, dtype=torch.bfloat16)
-
-
 def _moe_f64(cfg, moe, x):
     """The MoE sublayer of the spec in fp64 from the model's weights (no intermediate rounding); its experts."""
     D = torch.Tensor.double
