@@ -7,7 +7,6 @@ itself (k3-small) against the same emulation and against eager's tokens."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
