@@ -294,7 +294,8 @@ def plot(rows: list[dict], path: Path, title: str) -> Path | None:
     backends = list(dict.fromkeys(r["backend"] for r in rows))
     for name in backends:
         pre = [r for r in rows if r["backend"] == name and r["phase"] == "prefill"]
-        a.plot([r["tokens"] for r in pre], [r["ms"] for r in pre], "o-", label=name)
+        # (a backend without prefill rows, megakernel: its colour without a legend entry there)
+        a.plot([r["tokens"] for r in pre], [r["ms"] for r in pre], "o-", label=name if pre else "_" + name)
         for i, ctx in enumerate(sorted({r["context"] for r in rows if r["phase"] == "decode"})):
             dec = [r for r in rows if r["backend"] == name and r["phase"] == "decode" and r["context"] == ctx]
             b.plot([r["batch"] for r in dec], [r["ms"] for r in dec], "o" + ("-", "--", ":")[i % 3],
@@ -306,8 +307,9 @@ def plot(rows: list[dict], path: Path, title: str) -> Path | None:
     floor = [r for r in rows if r["backend"] == backends[0] and r["phase"] == "decode"]
     if floor:
         ctx0 = floor[0]["context"]
-        b.plot([r["batch"] for r in floor if r["context"] == ctx0], [r["floor_ms"] for r in floor if r["context"] == ctx0],
-               "k:", label=f"bytes floor, ctx {ctx0}")
+        at = [r for r in floor if r["context"] == ctx0]
+        b.plot([r["batch"] for r in at], [r["floor_ms"] for r in at], "k:" if len(at) > 1 else "k_", markersize=14,
+               label=f"bytes floor, ctx {ctx0}")
     for ax, xl, t in ((a, "prompt tokens", "prefill latency"), (b, "batch (sequences)", "decode step latency")):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
