@@ -27,7 +27,6 @@ past it are empty tiles, cheap but not free, so size `max_len` to the sequences 
 
 from __future__ import annotations
 
-
 import torch
 
 from k3export.megakernel import chain as mc
