@@ -292,14 +292,24 @@ def layers_chain(model, layers: list[int], slot_bytes: int = 65536, packed_out: 
     return c
 
 
-def greedy_steps(model, bufs: mc.Buffers, token: int, steps: int, step=None, follow: bool = False) -> list[dict]:
+def greedy_steps(model, bufs: mc.Buffers, token: int, steps: int, step=None, follow: bool = False,
+                 ref64: bool = False) -> list[dict]:
     """Greedy decoding of `steps` tokens after `token` with a whole-step chain (`layers_chain(..., attnres=True,
     head=True)`), each step's states (KDA state and conv window, the MLA caches with their new rows) carried to the
     next (`Buffers.advance`); `step()`: one launch and its checks (None: the emulation, `run_reference`). Beside it
     the model's own `forward_decode` from the same start states and caches, fed the chain's tokens: per step the
     chain's token, the model's argmax and the logits' largest difference over the largest logit. follow: the model
     restarts every step from the chain's states (each step's own error, not the two trajectories' drift apart: a
-    random model amplifies bf16 differences from step to step)."""
+    random model amplifies bf16 differences from step to step). ref64 (with follow): also the model in fp64 on the
+    CPU from the same states: each bf16 computation's largest difference from its logits over their largest ("fp64":
+    kernel, model), and its argmax. On random weights it measures the chaos: on k3-tiny in the kernel's shapes both
+    bf16 computations are 0.13-1.6 of the largest logit away from fp64, alike (tests/test_megakernel_layer.py)."""
+    if ref64 and not follow:
+        raise ValueError("ref64: the fp64 model starts from the chain's states every step (follow=True)")
+    model64 = None
+    if ref64:
+        import copy
+        model64 = copy.deepcopy(model).to("cpu", torch.float64)
     kp = [p for p, _ in bufs.kda_phases()]
     cps = sorted(bufs.chain.caches)
     L = bufs.chain.cache_len(cps[0]) if cps else 0
@@ -333,6 +343,11 @@ def greedy_steps(model, bufs: mc.Buffers, token: int, steps: int, step=None, fol
             with torch.no_grad():
                 ref, conv, state, rows = model.forward_decode(torch.tensor([token], device=bufs.x.device), conv,
                                                               state, cache, torch.tensor([L + i], device=bufs.x.device))
+            r64 = None
+            if model64 is not None:
+                with torch.no_grad():
+                    r64 = model64.forward_decode(torch.tensor([token]), *(t.cpu().double() for t in (conv, state, cache)),
+                                                 torch.tensor([L + i]))[0][0]
             cache = torch.cat([cache, rows.to(cache.dtype)], dim=2)
             ref = ref[0].float()
             token = int(logits.argmax())
@@ -340,6 +355,9 @@ def greedy_steps(model, bufs: mc.Buffers, token: int, steps: int, step=None, fol
                         "logits_max_rel": float((logits - ref).abs().max() / ref.abs().max()),
                         "top2_gap": {"kernel": top2_gap(logits), "model": top2_gap(ref)},
                         "routes_differ": routes_differ(bufs, topks, moes, seen)})
+            if r64 is not None:
+                rel64 = lambda v: float((v.double().cpu() - r64).abs().max() / r64.abs().max())
+                out[-1].update(fp64={"kernel": rel64(logits), "model": rel64(ref)}, fp64_token=int(r64.argmax()))
             if i + 1 < steps:
                 bufs.advance()
     finally:
@@ -394,7 +412,7 @@ def load_model_state(bufs: mc.Buffers, model, state, b: int = 0) -> int:
 
 
 def greedy_run(preset: str, steps: int, mla: int = 1024, room: int = 40, seed: int = 0, token: int = 11,
-               follow: bool = False, prefill: int = 0) -> dict:
+               follow: bool = False, prefill: int = 0, ref64: bool = False) -> dict:
     """`greedy_steps` with the kernel (`RECIPES=1 MMA_ONLY=1`): a random `preset` model's whole step, everything real,
     over random MLA caches of `mla` rows with room for `room` more (past the first key blocks' some stay empty),
     `steps` tokens. Each launch is checked against the emulation of its phases on its own inputs (raises unless
@@ -432,12 +450,13 @@ def greedy_run(preset: str, steps: int, mla: int = 1024, room: int = 40, seed: i
                        "kda_out_of_bounds": e["kda_out_of_bounds"], "mix_out_of_bounds": e.get("mix_out_of_bounds")})
         if bufs.failed(e) or differ:
             raise RuntimeError(f"step {len(checks) - 1}: the kernel differs from the emulation of its phases: {e}")
-    res = greedy_steps(model, bufs, token, steps, step, follow=follow)
+    res = greedy_steps(model, bufs, token, steps, step, follow=follow, ref64=ref64)
     for r, c in zip(res, checks):
         r["check"] = c
         print(f"step {r['step']}: cache_len {r['cache_len']}, token {r['token']} (model {r['model_token']}), logits "
               f"within {r['logits_max_rel']:.4f} of the model's; top-2 gap {r['top2_gap']}; routing differs "
-              f"{r['routes_differ'] or 'nowhere'}; checks {c}", flush=True)
+              f"{r['routes_differ'] or 'nowhere'}; " + (f"against fp64 {r['fp64']} (its token {r['fp64_token']}); "
+                                                        if "fp64" in r else "") + f"checks {c}", flush=True)
     return {"device": torch.cuda.get_device_name(0), "preset": preset, "mla": mla, "room": room, "follow": follow,
             "prefill": prefill, "steps": res}
 
@@ -865,6 +884,9 @@ def main() -> None:
                          "cache, default 1024), each launch checked, against the model's own decode")
     ap.add_argument("--follow", action="store_true",
                     help="with --greedy: the model restarts each step from the kernel's states (each step's own error)")
+    ap.add_argument("--ref64", action="store_true",
+                    help="with --greedy --follow: also the model in fp64 on the CPU from the kernel's states (how "
+                         "far the kernel's and the model's bf16 logits each are from it)")
     ap.add_argument("--prefill", type=int, default=0, metavar="T",
                     help="with --greedy: start from the model's prefill of T random tokens (T <= --mla + 40), not "
                          "random states")
@@ -881,7 +903,7 @@ def main() -> None:
         print(f"wrote {a.plot}")
         return
     if a.greedy:
-        res = greedy_run(a.preset, a.greedy, mla=a.mla or 1024, follow=a.follow, prefill=a.prefill)
+        res = greedy_run(a.preset, a.greedy, mla=a.mla or 1024, follow=a.follow, prefill=a.prefill, ref64=a.ref64)
         agree = sum(r["token"] == r["model_token"] for r in res["steps"])
         print(f"{a.preset}: {a.greedy} greedy steps in the kernel, every launch equal to its emulation; the model's "
               f"own decode picked the same token in {agree} of {a.greedy}")
