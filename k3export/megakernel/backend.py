@@ -67,10 +67,11 @@ class MegakernelBackend:
         if prefill_backend is None:
             from k3export.runtime import CompileBackend, EagerBackend
             prefill_backend = CompileBackend(model) if self.device.type == "cuda" else EagerBackend(model)
-        self.prefill_backend = prefill_backend
+        self.prefill_backend = prefill_backend        # (the engine calls `state_changed` after each prefill)
         self.max_prefill_tokens = prefill_backend.max_prefill_tokens
+        self.prefill = prefill_backend.prefill
         if hasattr(prefill_backend, "prefill_last"):
-            self.prefill_last = self._prefill_last
+            self.prefill_last = prefill_backend.prefill_last
         self.embed = model.model.embed_tokens.weight
         self.logits = self.bufs.out(len(chain.phases) - 1)
         self.attn = sorted(chain.caches)
@@ -89,15 +90,7 @@ class MegakernelBackend:
             raise ValueError(f"megakernel backend: built for sequences of {self.max_len} rows; the engine asks for "
                              f"{max_len} (make the backend with max_len >= {max_len})")
 
-    # ---------------------------------------------------------------------------------------- prefill
-    def prefill(self, *args):
-        self.loaded = False
-        return self.prefill_backend.prefill(*args)
-
-    def _prefill_last(self, *args):
-        self.loaded = False
-        return self.prefill_backend.prefill_last(*args)
-
+    # ---------------------------------------------------------------------------------------- state
     def state_changed(self) -> None:
         """The engine's state tensors were written outside decode (a prefill, `fill_slots`): the next step starts
         from them (`before_decode`)."""
