@@ -107,6 +107,8 @@
 #            `--greedy 8 --follow` with the routing diagnostics
 #   greedy64 (not yet run) `--greedy 8 --follow --ref64`: each step's kernel and model logits against the model in
 #            fp64 on the CPU from the kernel's states (the scale of the random model's chaos at the step that differs)
+#   mkinputs (not yet run) chain.cu -DSTEP_INPUTS=1 (the launch reads the embedding row and key count itself): its
+#            cuda test (== the default build bit for bit), then mkbench with megakernel and megakernel-inputs
 #   mkbench  bench model eager, compile, megakernel at B = 1, context 1024 ($MKBENCH_BACKENDS)
 #   profile  scripts/profile_decode.py --backend $PROFILE_BACKEND (default compile): kernels per decode step, and the
 #            graph replay's critical path (what each kernel adds to the span under PDL; 15:25: an upper bound only)
@@ -287,13 +289,16 @@ for part in $parts; do
              >> "$OUT/mkback.log" 2>&1 ;;
     greedy64) timeout 300 python3 scripts/megakernel_layer.py --greedy 8 --follow --ref64 \
              --out "$OUT/greedy-ref64.json" > "$OUT/greedy64.log" 2>&1 ;;
+    mkinputs) timeout 200 python3 -m pytest -q -m cuda tests/test_megakernel_backend.py -k step_inputs -s -rs \
+             -p no:cacheprovider > "$OUT/mkinputs.log" 2>&1
+           MKBENCH_BACKENDS=eager,megakernel,megakernel-inputs bash "$0" mkbench ;;
     mkbench) timeout ${MKBENCH_TIMEOUT:-400} python3 -m k3export.cli bench model --preset k3-small --dtype bf16 \
              --backends ${MKBENCH_BACKENDS:-eager,compile,megakernel} --prefill-lengths 2048 --batches 1 \
              --contexts 1024 --warmup 3 --iters 5 --decode-iters 100 --generate-tokens 64 --no-new-lengths \
              --out "$OUT/mkbench" > "$OUT/mkbench.log" 2>&1 ;;
     profile) timeout 150 python3 scripts/profile_decode.py --backend ${PROFILE_BACKEND:-compile} ${PROFILE_ARGS:-} \
              > "$OUT/profile.log" 2>&1 ;;
-    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe trtfp8 fp8eng grouped grpsmall fp8comp overlap chain layer step attnres abmix gmla greedy greedy64 mkback mkbench profile)"; continue ;;
+    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe trtfp8 fp8eng grouped grpsmall fp8comp overlap chain layer step attnres abmix gmla greedy greedy64 mkback mkinputs mkbench profile)"; continue ;;
   esac
   echo "$part: exit $? in $((SECONDS - t)) s" | tee -a "$OUT/pending.log"
   tail -4 "$OUT/$part.log" 2>/dev/null

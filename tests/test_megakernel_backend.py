@@ -179,3 +179,29 @@ def test_a_megakernel_engine_directory_builds_opens_and_decodes(tmp_path):
     (path / mb.CUBIN).write_bytes(bytes(data))
     with pytest.raises(EngineError, match="corrupt"):
         load_engine(path, 1, 96)
+
+
+@pytest.mark.cuda
+def test_the_kernel_reading_its_step_inputs_equals_the_default_build():
+    """chain.cu built with STEP_INPUTS=1 (`MegakernelBackend(step_inputs=True)`: the launch reads the token's
+    embedding row and the key count from the engine's buffers) gives the default build's logits bit for bit, step
+    after step under the engine's CUDA graph (the same x values, bf16 rows as the host set them in fp32, and the
+    same key counts)."""
+    _needs_the_kernel()
+    from k3export.bench.fp8 import gpu_random_model
+    model = gpu_random_model(K3Config.from_name("k3-small"), 0)
+    prompt = torch.randint(0, model.config.vocab_size, (64,), generator=torch.Generator().manual_seed(2)).tolist()
+    runs = []
+    for step_inputs in (False, True):
+        be = mb.MegakernelBackend(model, max_len=96, prefill_backend=EagerBackend(model), step_inputs=step_inputs)
+        eng = Engine(be, max_batch=1, max_len=96)
+        assert eng.graphed, eng.graph_error
+        tok = int(eng.prefill([0], [prompt])[0].argmax())
+        feed = [tok] + (runs[0][0] if runs else [])
+        out, toks = [], []
+        for i in range(6):
+            out.append(eng.decode(torch.tensor([feed[i]], device="cuda"))[0].float().clone())
+            toks.append(int(out[-1].argmax()))
+        runs.append((toks, out))
+        del eng, be
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))

@@ -47,7 +47,9 @@ class MegakernelBackend:
     max_batch = 1
 
     def __init__(self, model, max_len: int, prefill_backend=None, emulate: bool = False, defines=None,
-                 cubin: tuple[str, str] | None = None):
+                 cubin: tuple[str, str] | None = None, step_inputs: bool = False):
+        """step_inputs (not yet run on a GPU): chain.cu built with STEP_INPUTS=1 reads the token's embedding row and
+        the key count from the engine's buffers itself, two launches fewer a step than setting them around it."""
         from k3export.model import packing
         cfg = model.config
         self.model, self.config, self.dtype, self.device = model, cfg, model.dtype, model.device
@@ -62,7 +64,8 @@ class MegakernelBackend:
         self.bufs = mc.Buffers(chain, device=str(self.device))
         self.kernel = None
         if not emulate:
-            self.kernel = mc.ChainKernel(defines=defines or DEFINES, cubin=cubin, quiet=cubin is not None)
+            defines = defines or (DEFINES + ("STEP_INPUTS=1",) if step_inputs else DEFINES)
+            self.kernel = mc.ChainKernel(defines=defines, cubin=cubin, quiet=cubin is not None)
             self.kernel.bind(self.bufs)
         if prefill_backend is None:
             from k3export.runtime import CompileBackend, EagerBackend
@@ -124,9 +127,12 @@ class MegakernelBackend:
             raise ValueError(f"megakernel backend: decodes one sequence (an engine with max_batch=1), got "
                              f"{ids.shape[0]}")
         b = self.bufs
-        n = cache_len[:1].to(torch.int64) + 1                   # the keys: the cache rows and the new one
-        b.table.view(-1).index_put_((self._n_index,), n.expand(len(self._n_index)))
-        b.x.copy_(torch.index_select(self.embed, 0, ids[:1])[0])
+        if self.kernel is not None and self.kernel.step_inputs:   # (the launch reads them itself)
+            self.kernel.step_args = (self.embed, ids, cache_len)
+        else:
+            n = cache_len[:1].to(torch.int64) + 1               # the keys: the cache rows and the new one
+            b.table.view(-1).index_put_((self._n_index,), n.expand(len(self._n_index)))
+            b.x.copy_(torch.index_select(self.embed, 0, ids[:1])[0])
         if self.emulate:
             for p in self.attn:                                  # (the emulation reads the key count on the host)
                 b.chain.phases[p].n = int(n)

@@ -69,6 +69,9 @@
 #ifndef EPOCH_PTR                      // 1: the launch's epoch is read from device memory (the `megakernel` backend,
 #define EPOCH_PTR 0                    // which bumps it before each launch, so that the step is a CUDA graph)
 #endif
+#ifndef STEP_INPUTS                    // 1 (with EPOCH_PTR; not yet run on a GPU): the step's inputs from the engine's
+#define STEP_INPUTS 0                  // buffers: x_in is the bf16 embedding table, the row the token at step_ids[0]
+#endif                                 // picks, and every ATTN phase's key count step_lengths[0] + 1
 #ifndef RECIPES
 #define RECIPES 0                      // 1: phases may form x by a recipe (real layers, milestone 2); 0: the synthetic
 #endif                                 // chains' kernel (with the recipes, the diagnostic builds spill registers)
@@ -728,6 +731,15 @@ __device__ __forceinline__ bool poll_pairs(const uint64_t* const (&b)[S], int n,
 __device__ __forceinline__ float2 bf2(uint32_t bits) {         // a packed pair of bf16, as floats
     return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bits));
 }
+// The chain's external input x_in: fp32 values, or (STEP_INPUTS) the bf16 embedding row of the step's token.
+#if STEP_INPUTS
+typedef __nv_bfloat16 XIn;
+__device__ __forceinline__ float x_in_at(const XIn* x, int64_t j) { return __bfloat162float(x[j]); }
+#else
+typedef float XIn;
+__device__ __forceinline__ float x_in_at(const XIn* x, int64_t j) { return x[j]; }
+#endif
+
 __device__ __forceinline__ uint32_t bits2(float a, float b) {   // two floats as a packed pair of bf16
     const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
     return *reinterpret_cast<const uint32_t*>(&h);
@@ -752,7 +764,7 @@ __device__ __forceinline__ void warp_sums(float (&v)[2 * S], float* sums, int i0
 // softmax, the mix, its sum of squares, a barrier, the RMSNorm. The sums: fmaf over the thread's elements in order,
 // a warp butterfly, the warps in order (`block_dot_k3(..., pairs=True)`). The bank rows wait in shared memory past x.
 // Every consumer thread calls it (two barriers). false: gave up.
-__device__ __forceinline__ bool attnres_x(__nv_bfloat16* xs, const XSeg& g, const PhaseC* ph, const float* x_in,
+__device__ __forceinline__ bool attnres_x(__nv_bfloat16* xs, const XSeg& g, const PhaseC* ph, const XIn* x_in,
                                           int64_t t, uint32_t epoch, bool wait, uint32_t* err, int64_t p,
                                           float* red, float* sums) {
     constexpr int NP = MIX_E / 2;
@@ -804,8 +816,12 @@ __device__ __forceinline__ bool attnres_x(__nv_bfloat16* xs, const XSeg& g, cons
                 uint32_t w = 0u;
                 if (i < n) {
                     if (src == -1) {
+#if STEP_INPUTS
+                        w = reinterpret_cast<const uint32_t*>(x_in)[q];     // (the bf16 pair as it is)
+#else
                         const float2 xi = reinterpret_cast<const float2*>(x_in)[q];
                         w = bits2(xi.x, xi.y);
+#endif
                     } else if (src >= 0) {
                         w = __float_as_uint(v[s][i]);
                     }
@@ -1199,7 +1215,7 @@ __device__ __forceinline__ bool load_x_recipe(__nv_bfloat16* xs, const PhaseC& f
     return ok;
 }
 
-__device__ __forceinline__ bool load_x(__nv_bfloat16* xs, const PhaseC& f, const PhaseC* ph, const float* x_in,
+__device__ __forceinline__ bool load_x(__nv_bfloat16* xs, const PhaseC& f, const PhaseC* ph, const XIn* x_in,
                                       int64_t slot, uint32_t epoch, bool wait, uint32_t* err, int64_t p, int64_t t,
                                       bool had, const uint64_t (&pre)[XPREFETCH_N],
                                       const uint64_t (&pre2)[XPREFETCH_N]) {
@@ -1232,7 +1248,7 @@ __device__ __forceinline__ bool load_x(__nv_bfloat16* xs, const PhaseC& f, const
                 if (!poll_word(src + wrap(j, f.xlen), v[u], epoch, wait, err, 1, p, t)) return false;
                 x = value_of(v[u]);
             } else {
-                x = x_in[wrap(j, f.xlen)];
+                x = x_in_at(x_in, wrap(j, f.xlen));
             }
             if (src2) {
                 if (!poll_word(src2 + wrap(j, f.xlen2), v2[u], epoch, wait, err, 1, p, t)) return false;
@@ -1547,7 +1563,7 @@ __device__ __forceinline__ int attn_phase(const PhaseC& f, const PhaseC* ph, con
 // A GEMV phase whose x is X_ATTNRES: the x once, then this block's tiles (g0, g0 + nblk, ...; ring slots from tile
 // count i on), tensor-core tiles all (MMA_ONLY). Apart from the tile loop: the x load's registers, inside it, made the
 // tile loop spill. Returns the tiles done, or -1: a wait gave up.
-__device__ __forceinline__ int attnres_phase(const PhaseC& f, const PhaseC* ph, const XSeg* xsegs, const float* x_in,
+__device__ __forceinline__ int attnres_phase(const PhaseC& f, const PhaseC* ph, const XSeg* xsegs, const XIn* x_in,
                                              const unsigned char* ring, __nv_bfloat16* xs, uint64_t* full,
                                              uint64_t* empty, uint32_t i, int g0, int nblk, uint32_t epoch, bool wait,
                                              uint32_t* err, int64_t p, float* red, float* mma_red,
@@ -1586,7 +1602,7 @@ __device__ __forceinline__ int attnres_phase(const PhaseC& f, const PhaseC* ph, 
 // check of the recipes against the host's). Producer and consumers walk the same tiles in the same order: phase by
 // phase, this block's tiles of each phase.
 extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM)
-chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* __restrict__ x_in,
+chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __restrict__ x_in,
 #if EPOCH_PTR
              uint32_t* counters, const uint32_t* __restrict__ epoch_at, int mode, uint32_t* err,
              unsigned long long* t_done,
@@ -1594,7 +1610,11 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
              uint32_t* counters, uint32_t epoch, int mode, uint32_t* err, unsigned long long* t_done,
 #endif
              unsigned long long* t_start, unsigned long long* trace, unsigned long long* tile_trace,
-             const XSeg* __restrict__ xseg_global, int64_t nxseg, __nv_bfloat16* xdump) {
+             const XSeg* __restrict__ xseg_global, int64_t nxseg, __nv_bfloat16* xdump
+#if STEP_INPUTS
+             , const int64_t* __restrict__ step_ids, const int64_t* __restrict__ step_lengths, int64_t x_len
+#endif
+             ) {
     extern __shared__ __align__(128) unsigned char smem[];
     unsigned char* ring = smem;
     __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem + NSLOT * SLOT_BYTES);   // (top-k: fp32)
@@ -1605,6 +1625,12 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
     __shared__ int gave_up;
 #if RECIPES
     __shared__ __nv_bfloat16* xdump_s;          // (read there where it is used: in a register, it was spilled)
+#endif
+#if STEP_INPUTS
+    __shared__ const XIn* x_row_s;              // the token's embedding row (in shared memory: as a register, spilled)
+#define X_IN x_row_s
+#else
+#define X_IN x_in
 #endif
     __shared__ __align__(16) float red[CONSUMERS / 32];
 #if RECIPES
@@ -1619,7 +1645,16 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
     const uint32_t epoch = *epoch_at;       // this launch's epoch, from device memory: a CUDA graph can replay it
 #endif
 
+#if STEP_INPUTS
+    const int32_t keys = static_cast<int32_t>(*step_lengths) + 1;   // the cache rows and the new one
+    for (int64_t p = tid; p < nphase; p += THREADS) {
+        PhaseC c = compact(ph_global[p]);
+        if (c.kind == ATTN) c.n = keys;
+        ph[p] = c;
+    }
+#else
     for (int64_t p = tid; p < nphase; p += THREADS) ph[p] = compact(ph_global[p]);
+#endif
 #if RECIPES
     for (int64_t q = tid; q < nxseg; q += THREADS) xsegs[q] = xseg_global[q];
 #endif
@@ -1634,6 +1669,9 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
         xdump_s = xdump;
 #endif
         if (blockIdx.x == 0) *t_start = now_ns();
+#if STEP_INPUTS
+        x_row_s = x_in + *step_ids * x_len;
+#endif
     }
     __syncthreads();
 
@@ -1784,7 +1822,7 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
 #if RECIPES
 #if MMA_ONLY
         if (kind == GEMV && f.xop >= 0 && xsegs[f.xop].op == X_ATTNRES) {
-            const int nt = attnres_phase(f, ph, xsegs, x_in, ring, xs, full, empty, i, g0, static_cast<int>(nblk),
+            const int nt = attnres_phase(f, ph, xsegs, X_IN, ring, xs, full, empty, i, g0, static_cast<int>(nblk),
                                          epoch, wait, err, p, red, mma_red, mma_count, &gave_up,
                                          *reinterpret_cast<__nv_bfloat16* volatile*>(&xdump_s),
                                          t_done + 2 * nphase + p, t_done + 3 * nphase + p);
@@ -1845,7 +1883,7 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
                 const bool had = XPREFETCH && pre_p == p && have_slot < 0;   // (loaded for the phase's first slot)
 #if RECIPES
                 if (!(f.xop >= 0 ? load_x_recipe(xs, f, ph, xsegs, slot, epoch, wait, err, p, t, red, comb_w)
-                                 : load_x(xs, f, ph, x_in, slot, epoch, wait, err, p, t, had, pre, pre2)))
+                                 : load_x(xs, f, ph, X_IN, slot, epoch, wait, err, p, t, had, pre, pre2)))
                     gave_up = 1;
                 consumers_sync();
                 __nv_bfloat16* xd = *reinterpret_cast<__nv_bfloat16* volatile*>(&xdump_s);
@@ -1853,7 +1891,7 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const float* _
                     for (int j = tid; j < f.k; j += CONSUMERS)
                         xd[static_cast<int64_t>(p * XDUMP_SLOTS + slot) * XMAX + j] = xs[j];
 #else
-                if (!load_x(xs, f, ph, x_in, slot, epoch, wait, err, p, t, had, pre, pre2)) gave_up = 1;
+                if (!load_x(xs, f, ph, X_IN, slot, epoch, wait, err, p, t, had, pre, pre2)) gave_up = 1;
                 consumers_sync();
 #endif
 #endif

@@ -1457,6 +1457,10 @@ class ChainKernel:
         # so that a CUDA graph of launches replays with a new epoch each time
         self.epoch_ptr = bool(define_value(defines, "EPOCH_PTR", cu, default=0))
         self.epoch_dev = None
+        # -DSTEP_INPUTS=1: the launch reads the token's embedding row and the key count itself: `step_args` =
+        # (embedding table [V, d] bf16, token ids [>= 1] int64, lengths [>= 1] int64), the engine's own buffers
+        self.step_inputs = bool(define_value(defines, "STEP_INPUTS", cu, default=0))
+        self.step_args = None
         self._streams: dict[int, object] = {}
 
     def stream(self):
@@ -1546,6 +1550,16 @@ class ChainKernel:
                 u(self.trace.data_ptr() if self.trace is not None else 0),
                 u(self.tile_trace.data_ptr() if self.tile_trace is not None else 0),
                 u(b.xsegs.data_ptr()), np.int64(len(b.chain.xsegs)), u(b.xdump.data_ptr() if dump else 0))
+        if self.step_inputs:
+            if self.step_args is None:
+                raise ValueError("built with STEP_INPUTS: set step_args (embedding table, token ids, lengths) first")
+            embed, ids, lengths = self.step_args
+            if embed.dtype != torch.bfloat16 or embed.shape[1] != b.x.shape[0] or ids.dtype != torch.int64 \
+                    or lengths.dtype != torch.int64:
+                raise ValueError(f"STEP_INPUTS: an embedding table [V, {b.x.shape[0]}] bf16 and int64 ids and "
+                                 f"lengths, got {embed.dtype} {tuple(embed.shape)}, {ids.dtype}, {lengths.dtype}")
+            args = (args[0], args[1], u(embed.data_ptr()), *args[3:], u(ids.data_ptr()), u(lengths.data_ptr()),
+                    np.int64(embed.shape[1]))
         b.dumped = dump
         with self.stream():
             self.fn((self.blocks,), (self.threads,), args, shared_mem=self.smem)

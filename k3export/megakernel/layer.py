@@ -346,8 +346,8 @@ def greedy_steps(model, bufs: mc.Buffers, token: int, steps: int, step=None, fol
             r64 = None
             if model64 is not None:
                 with torch.no_grad():
-                    r64 = model64.forward_decode(torch.tensor([token]), *(t.cpu().double() for t in (conv, state, cache)),
-                                                 torch.tensor([L + i]))[0][0]
+                    states64 = (t.cpu().double() for t in (conv, state, cache))
+                    r64 = model64.forward_decode(torch.tensor([token]), *states64, torch.tensor([L + i]))[0][0]
             cache = torch.cat([cache, rows.to(cache.dtype)], dim=2)
             ref = ref[0].float()
             token = int(logits.argmax())
