@@ -142,11 +142,10 @@ def make_backend(name: str, model, engines: Path, profiles: dict, log, max_len: 
     if name in ("megakernel", "megakernel-inputs"):
         from k3export.megakernel.backend import MegakernelBackend
         from k3export.megakernel.chain import kernel_report
-        mc_report = lambda b: kernel_report(b.kernel.ptxas)
         t0 = time.perf_counter()
         b = MegakernelBackend(model, max_len=max_len, step_inputs=name == "megakernel-inputs")
         return b, cuda, {"build_s": round(time.perf_counter() - t0, 2), "max_len": max_len,
-                          "kernel": " | ".join(mc_report(b)) if b.kernel else None}
+                          "kernel": " | ".join(kernel_report(b.kernel.ptxas))}
     if name == "eager":
         return EagerBackend(model), False, {}
     if name == "graph":

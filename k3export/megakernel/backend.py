@@ -50,17 +50,13 @@ class MegakernelBackend:
                  cubin: tuple[str, str] | None = None, step_inputs: bool = False):
         """step_inputs (not yet run on a GPU): chain.cu built with STEP_INPUTS=1 reads the token's embedding row and
         the key count from the engine's buffers itself, two launches fewer a step than setting them around it."""
-        from k3export.model import packing
         cfg = model.config
         self.model, self.config, self.dtype, self.device = model, cfg, model.dtype, model.device
         self.max_len, self.emulate = max_len, emulate
         why = unsupported(model, max_len, emulate)
         if why:
             raise ValueError(f"megakernel backend: {why}")
-        packing.unpack_projections(model)               # (the chain reads the projections as loaded)
-        sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 0
-        chain = ml.layers_chain(model, list(range(cfg.num_hidden_layers)), kda=True, head=True, attnres=True,
-                                mla=1, mla_room=max_len - 1, min_tiles=sms)
+        chain = decode_chain(model, max_len)
         self.bufs = mc.Buffers(chain, device=str(self.device))
         self.kernel = None
         if not emulate:
@@ -103,11 +99,9 @@ class MegakernelBackend:
         """Called by the engine before each decode step (outside its CUDA graph): after a change of the engine's
         state, load sequence 0's into the kernel's layouts (after checking that no launch so far gave up; one host
         read of the length)."""
-        if not self.loaded:
+        if not self.loaded:             # (the engine keeps a sequence under its max_len, at most the backend's)
             self.check()
-            L = ml.load_model_state(self.bufs, self.model, state)
-            if L >= self.max_len:
-                raise ValueError(f"megakernel backend: the sequence holds {L} rows; its caches hold {self.max_len}")
+            ml.load_model_state(self.bufs, self.model, state)
             self.loaded = True
         self.steps += 1
 
@@ -127,32 +121,39 @@ class MegakernelBackend:
             raise ValueError(f"megakernel backend: decodes one sequence (an engine with max_batch=1), got "
                              f"{ids.shape[0]}")
         b = self.bufs
+        pos = cache_len[:1].to(torch.int64)                      # the new row's; the keys: pos + 1
         if self.kernel is not None and self.kernel.step_inputs:   # (the launch reads them itself)
             self.kernel.step_args = (self.embed, ids, cache_len)
         else:
-            n = cache_len[:1].to(torch.int64) + 1               # the keys: the cache rows and the new one
-            b.table.view(-1).index_put_((self._n_index,), n.expand(len(self._n_index)))
+            b.table.view(-1).index_put_((self._n_index,), (pos + 1).expand(len(self._n_index)))
             b.x.copy_(torch.index_select(self.embed, 0, ids[:1])[0])
         if self.emulate:
             for p in self.attn:                                  # (the emulation reads the key count on the host)
-                b.chain.phases[p].n = int(n)
+                b.chain.phases[p].n = int(pos) + 1
             b.clear()
             b.run_reference()
             b.advance(move=False)
         else:
             self.kernel.launch("stream")
-        pos = cache_len[:1].to(torch.int64)
-        if b.cache_all is not None:                      # (the caches in chain order: the model's MLA slot order)
-            rows = b.cache_all.index_select(1, pos)
-        else:
-            rows = torch.stack([b.cache[p].index_select(0, pos) for p in self.attn]) if self.attn else \
-                torch.zeros(0, 1, self.config.latent_dim, dtype=self.dtype, device=self.device)
+        # (the caches, one shape each, in chain order: the model's MLA slot order)
+        rows = b.cache_all.index_select(1, pos) if self.attn else \
+            torch.zeros(0, 1, self.config.latent_dim, dtype=self.dtype, device=self.device)
         return self.logits[None], rows[:, :, None]
 
     def check(self) -> None:
         """Raise if a launch so far gave up waiting (a kernel error, not an input error; reads the device)."""
         if self.kernel is not None and self.steps:
             self.kernel.check()
+
+
+def decode_chain(model, max_len: int):
+    """The whole decode step of `model` as the backend's chain: every layer, AttnRes, the LM head, the MLA caches
+    sized for `max_len` keys (projections unpacked first: the chain reads them as loaded)."""
+    from k3export.model import packing
+    packing.unpack_projections(model)
+    sms = torch.cuda.get_device_properties(model.device).multi_processor_count if model.device.type == "cuda" else 0
+    return ml.layers_chain(model, list(range(model.config.num_hidden_layers)), kda=True, head=True, attnres=True,
+                           mla=1, mla_room=max_len - 1, min_tiles=sms)
 
 
 def unsupported(model, max_len: int, emulate: bool = False) -> str | None:
@@ -214,11 +215,7 @@ def build_megakernel(model, out, manifest: dict, log) -> dict:
         os.replace(tmp_cubin, out / CUBIN)
 
     def check():
-        from k3export.model import packing
-        packing.unpack_projections(model)
-        sms = torch.cuda.get_device_properties(model.device).multi_processor_count
-        chain = ml.layers_chain(model, list(range(model.config.num_hidden_layers)), kda=True, head=True,
-                                attnres=True, mla=1, mla_room=max_len - 1, min_tiles=sms)
+        chain = decode_chain(model, max_len)
         kern = mc.ChainKernel(nslot, slot_bytes, defines=DEFINES, cubin=(str(out / CUBIN), ptxas), quiet=True)
         kern.bind(mc.Buffers(chain, device=str(model.device)))
         return len(chain.phases)
