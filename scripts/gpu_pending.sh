@@ -106,7 +106,7 @@
 #            vs its emulation and eager; an engine directory built, opened, decoding, refused when corrupt), then
 #            `--greedy 8 --follow` with the routing diagnostics
 #   greedy64 (not yet run) `--greedy 8 --follow --ref64`: each step's kernel and model logits against the model in
-#            fp64 on the CPU from the kernel's states (the scale of the random model's chaos at the step that differs)
+#            fp64 on the CPU from the kernel's states (which of the two is nearer fp64 at the step that differs)
 #   mkinputs (not yet run) chain.cu -DSTEP_INPUTS=1 (the launch reads the embedding row and key count itself): its
 #            cuda test (== the default build bit for bit), then mkbench with megakernel and megakernel-inputs
 #   mkbench  bench model eager, compile, megakernel at B = 1, context 1024 ($MKBENCH_BACKENDS)

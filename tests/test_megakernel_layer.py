@@ -815,10 +815,11 @@ def test_greedy_steps_carry_the_states_as_the_model_does(tiny_mla8):
     assert [r["token"] for r in follow] == [r["token"] for r in res]
     assert all(r["token"] == r["model_token"] and r["logits_max_rel"] <= follow[0]["logits_max_rel"]
                for r in follow), follow
-    # the model in fp64 from the same states: the chain's and the model's bf16 logits are alike far from it (0.13-1.6
-    # of the largest logit, measured): the scale of a random model's chaos, which the GPU runs' differences are in
-    far = [r["fp64"] for r in follow]
-    assert all(abs(f["kernel"] - f["model"]) <= 0.1 * max(f["kernel"], f["model"]) for f in far), far
+    # the model in fp64 from the same states: its argmax is the chain's token every step, and after the first step
+    # (from random KDA states and caches: 1.08 of the largest logit for the chain, 1.17 for the model's own bf16) the
+    # chain's logits are within 0.05 of its largest (measured 0.003-0.042; the model's own bf16 0.006-0.049)
+    assert all(r["fp64_token"] == r["token"] for r in follow), follow
+    assert all(r["fp64"]["kernel"] <= 0.05 for r in follow[1:]), [r["fp64"] for r in follow]
     with pytest.raises(ValueError, match="follow"):
         ml.greedy_steps(model, mc.Buffers(chain2, device="cpu"), 11, 1, ref64=True)
 
