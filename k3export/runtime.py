@@ -66,7 +66,8 @@ class Backend(Protocol):
         """As `K3Model.forward_decode`: -> (logits `[B, V]`, kda_conv, kda_state, rows `[n_mla, B, 1, R]`)."""
 
     # Optional: `decode_(input_ids, kda_conv, kda_state, mla_cache, cache_len) -> (logits, rows)`, as
-    # `K3Model.forward_decode_` (KDA state updated in place). The engine uses it when the backend has it.
+    # `K3Model.forward_decode_` (KDA state updated in place). The engine uses it when the backend has it. rows None:
+    # the backend wrote each slot's new MLA row into mla_cache at cache_len itself (the engine only counts it).
     # Optional: `prefill_last(...)`: `prefill` returning only each sequence's last new token's logits `[B, V]`
     # (`K3Model.forward_prefill_last`); the engine uses it when the backend has it.
     # Optional: `state_views = True`: decode takes the state as strided views of the first n slots (what
@@ -613,7 +614,7 @@ class Engine:
             conv.copy_(new_conv)
             rec.copy_(new_rec)
         n_mla, B, _, R = cache.shape
-        if n_mla:
+        if n_mla and rows is not None:                             # (None: the backend wrote them there)
             pos = lengths.clamp(max=self.max_len - 1).view(1, B, 1, 1).expand(n_mla, B, 1, R)
             cache.scatter_(2, pos, rows.to(cache.dtype))
         lengths.add_(active)

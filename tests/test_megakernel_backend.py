@@ -104,7 +104,10 @@ def test_the_kernel_backend_follows_its_emulation_on_k3_small():
     5e-5 of the largest, 12-03 08:53; asserted within 1e-4). The KDA states carried are not bit-equal (fp32 sums in
     another order, ~1e-7), and a random model amplifies the bf16 roundings they move over 12 layers and 11 routers
     (0.012-1.6 later in that run, as the kernel against the model's own decode from the same states: `--greedy 8
-    --follow`), so the later steps are reported only."""
+    --follow`), so the later steps are reported only.
+    The kernel reads and appends the MLA rows in the engine's own cache (`bind_engine_cache`): its 8 new rows are
+    written there, equal between the launched and the graphed runs, and the first step's within two bf16 ulps (at
+    the rows' largest element) of the emulation's (the layers before are fp32 sums in another order)."""
     _needs_the_kernel()
     from k3export.bench.fp8 import gpu_random_model
     model = gpu_random_model(K3Config.from_name("k3-small"), 0)
@@ -113,7 +116,7 @@ def test_the_kernel_backend_follows_its_emulation_on_k3_small():
     backends = {"emulated": mb.MegakernelBackend(model, max_len=96, prefill_backend=EagerBackend(model),
                                                  emulate=True),
                 "kernel": kernel, "kernel, CUDA graph": kernel, "eager": EagerBackend(model)}
-    tokens, logits = None, {}
+    tokens, logits, rows = None, {}, {}
     for name, be in backends.items():
         eng = Engine(be, max_batch=1, max_len=96, cuda_graphs=name == "kernel, CUDA graph")
         assert eng.graphed == (name == "kernel, CUDA graph"), eng.graph_error
@@ -125,6 +128,7 @@ def test_the_kernel_backend_follows_its_emulation_on_k3_small():
                 feed.append(int(got[-1].argmax()))
         tokens = tokens or feed[1:]
         logits[name] = got
+        rows[name] = eng.state.mla_cache[:, 0, 64:72].float().clone()        # (the 8 steps' new rows)
     kernel.check()
     assert kernel.steps == 16
     # the step replayed as a CUDA graph == launched step by step, bit for bit (the kernel's sums have fixed orders)
@@ -138,6 +142,11 @@ def test_the_kernel_backend_follows_its_emulation_on_k3_small():
     print("kernel vs emulation", [f"{v:.3g}" for v in vs_emu], "vs eager", [f"{v:.3g}" for v in vs_eager])
     assert all(torch.isfinite(v).all() for v in logits["kernel"])
     assert vs_emu[0] <= 1e-4, vs_emu
+    assert torch.equal(rows["kernel, CUDA graph"], rows["kernel"])
+    assert all(bool(rows["kernel"][:, i].abs().amax(-1).gt(0).all()) for i in range(8)), "a step's row is unwritten"
+    row0 = rel(rows["kernel"][:, 0], rows["emulated"][:, 0])
+    print("first step's new MLA rows, kernel vs emulation (of the largest):", f"{row0:.3g}")
+    assert row0 <= 2 ** -6
 
 
 def test_megakernel_engine_directories_are_refused_where_they_cannot_run(tmp_path, tiny_mla8):
@@ -184,24 +193,38 @@ def test_a_megakernel_engine_directory_builds_opens_and_decodes(tmp_path):
 @pytest.mark.cuda
 def test_the_kernel_reading_its_step_inputs_equals_the_default_build():
     """chain.cu built with STEP_INPUTS=1 (`MegakernelBackend(step_inputs=True)`: the launch reads the token's
-    embedding row and the key count from the engine's buffers) gives the default build's logits bit for bit, step
-    after step under the engine's CUDA graph (the same x values, bf16 rows as the host set them in fp32, and the
-    same key counts)."""
+    embedding row, the key count and its epoch from the engine's buffers) gives the default build's logits bit for
+    bit, step after step under the engine's CUDA graph (the same x values, bf16 rows as the host set them in fp32,
+    and the same key counts), for a request and then a shorter one (its epochs restart from a new base above the
+    first's: a stale word of the first request would pass for the second's if they did not)."""
     _needs_the_kernel()
     from k3export.bench.fp8 import gpu_random_model
     model = gpu_random_model(K3Config.from_name("k3-small"), 0)
-    prompt = torch.randint(0, model.config.vocab_size, (64,), generator=torch.Generator().manual_seed(2)).tolist()
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in (64, 40)]
     runs = []
     for step_inputs in (False, True):
         be = mb.MegakernelBackend(model, max_len=96, prefill_backend=EagerBackend(model), step_inputs=step_inputs)
         eng = Engine(be, max_batch=1, max_len=96)
         assert eng.graphed, eng.graph_error
-        tok = int(eng.prefill([0], [prompt])[0].argmax())
-        feed = [tok] + (runs[0][0] if runs else [])
         out, toks = [], []
-        for i in range(6):
-            out.append(eng.decode(torch.tensor([feed[i]], device="cuda"))[0].float().clone())
-            toks.append(int(out[-1].argmax()))
+        for r, prompt in enumerate(prompts):
+            tok = int(eng.prefill([0], [prompt])[0].argmax())
+            feed = [tok] + (runs[0][0][r] if runs else [])        # the second build is fed the first's tokens
+            toks.append([])
+            for i in range(6):
+                out.append(eng.decode(torch.tensor([feed[i]], device="cuda"))[0].float().clone())
+                toks[-1].append(int(out[-1].argmax()))
+                if not runs:
+                    feed.append(toks[-1][-1])
+            eng.release(0)
+            if step_inputs:                 # [base, largest epoch]: the request's last launch was at length n + 5
+                base, high = be.kernel.epoch_dev.tolist()
+                print("request", r, "epoch base, largest epoch:", base, high)
+                assert high == base + len(prompt) + 5 and (r == 0 or base + len(prompt) == first_high + 1)
+                first_high = high
+        be.check()
         runs.append((toks, out))
         del eng, be
+    assert runs[0][0] == runs[1][0]
     assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))

@@ -4,15 +4,17 @@ A decode step is one launch of the whole model step (every layer's KDA / MLA att
 AttnRes and the LM head), its weights and states streamed through each SM's shared-memory ring (docs/megakernel.md).
 Around the launch, on the device: the next token's embedding row into the kernel's input, the attention phases'
 key count from the engine's lengths, and the launch's epoch (chain.cu built with EPOCH_PTR=1 reads it from device
-memory); the engine then commits the appended MLA rows and takes the argmax, as for every backend. Nothing reads the
-device, so the engine captures the step, launch included, as a CUDA graph and replays it.
+memory, bumped before each launch); by default (`step_inputs`, chain.cu built with STEP_INPUTS=1) the launch reads
+all three itself (its epoch is a base plus the length), and nothing runs before it. The engine then counts the step and
+takes the argmax, as for every backend. Nothing reads the device, so the engine captures the step, launch included,
+as a CUDA graph and replays it.
 
-The kernel keeps the decode state in its own layouts (the KDA state in its weight tiles, each conv window in two
-copies, the MLA caches sized for `max_len` keys), carried from launch to launch. The engine's state tensors are
-where a sequence starts: after a prefill (the engine calls `state_changed`), `before_decode` loads them into the
-kernel's layouts outside the graph (`layer.load_model_state`; one host read of the length). From then on the
-engine's MLA cache gets every appended row, but its KDA tensors keep the prefill's values: the kernel holds the live
-ones.
+The kernel keeps the KDA state in its own layouts (the state in its weight tiles, each conv window in two copies),
+carried from launch to launch, and reads and appends the MLA rows in the engine's own cache (`bind_engine_cache`:
+the engine commits nothing). The engine's state tensors are where a sequence starts: after a prefill (the engine
+calls `state_changed`), `before_decode` loads them into the kernel's layouts outside the graph
+(`layer.load_model_state`; one host read of the length). From then on the engine's MLA cache has every row, but its
+KDA tensors keep the prefill's values: the kernel holds the live ones.
 
 Prefill runs on `prefill_backend` (`compile` on a GPU). `emulate=True` runs the kernel's torch emulation instead of
 the launch (`chain.Buffers.run_reference`, the same phases op for op; slow, not capturable): the backend's plumbing
@@ -32,9 +34,13 @@ import torch
 from k3export.megakernel import chain as mc
 from k3export.megakernel import layer as ml
 
-# chain.cu's build for the backend: the recipes, tensor-core tiles only, and the epoch in device memory (so that the
-# engine can capture the step, launch included, as a CUDA graph)
-DEFINES = (*ml.DEFINES, "EPOCH_PTR=1")
+# chain.cu's build for the backend: the recipes, tensor-core tiles only, the epoch in device memory (so that the
+# engine can capture the step, launch included, as a CUDA graph), and the step's inputs read by the launch itself
+# (the token's embedding row, the key count, the epoch as a base plus the length: nothing runs before the launch).
+# HOST_INPUTS_DEFINES (`step_inputs=False`): those set by small kernels around it (bench `megakernel-host-inputs`;
+# 12-03 12:01, 300 steps: 0.777 ms a step against 0.769 ms, the same logits bit for bit).
+DEFINES = (*ml.DEFINES, "EPOCH_PTR=1", "STEP_INPUTS=1")
+HOST_INPUTS_DEFINES = (*ml.DEFINES, "EPOCH_PTR=1")
 
 
 class MegakernelBackend:
@@ -47,9 +53,10 @@ class MegakernelBackend:
     max_batch = 1
 
     def __init__(self, model, max_len: int, prefill_backend=None, emulate: bool = False, defines=None,
-                 cubin: tuple[str, str] | None = None, step_inputs: bool = False):
-        """step_inputs (not yet run on a GPU): chain.cu built with STEP_INPUTS=1 reads the token's embedding row and
-        the key count from the engine's buffers itself, two launches fewer a step than setting them around it."""
+                 cubin: tuple[str, str] | None = None, step_inputs: bool = True):
+        """step_inputs (the default): chain.cu built with STEP_INPUTS=1 reads the token's embedding row, the key
+        count and its epoch from the engine's buffers itself, four small kernels fewer a step than setting them
+        around it (False: `HOST_INPUTS_DEFINES`). defines: another build (the engine directory's)."""
         cfg = model.config
         self.model, self.config, self.dtype, self.device = model, cfg, model.dtype, model.device
         self.max_len, self.emulate = max_len, emulate
@@ -60,7 +67,7 @@ class MegakernelBackend:
         self.bufs = mc.Buffers(chain, device=str(self.device))
         self.kernel = None
         if not emulate:
-            defines = defines or (DEFINES + ("STEP_INPUTS=1",) if step_inputs else DEFINES)
+            defines = defines or (DEFINES if step_inputs else HOST_INPUTS_DEFINES)
             self.kernel = mc.ChainKernel(defines=defines, cubin=cubin, quiet=cubin is not None)
             self.kernel.bind(self.bufs)
         if prefill_backend is None:
@@ -101,28 +108,50 @@ class MegakernelBackend:
         read of the length)."""
         if not self.loaded:             # (the engine keeps a sequence under its max_len, at most the backend's)
             self.check()
-            ml.load_model_state(self.bufs, self.model, state)
+            length = ml.load_model_state(self.bufs, self.model, state)
+            if self.kernel is not None:
+                self.bind_engine_cache(state)
+                if self.kernel.step_inputs:
+                    self.kernel.start_sequence(length)
             self.loaded = True
         self.steps += 1
+
+    def bind_engine_cache(self, state) -> None:
+        """Point the kernel's attention phases at the engine's MLA cache (sequence 0's rows of each layer's slot):
+        the launch reads its keys there and appends the new row there itself, so the engine has nothing to commit
+        (`decode_` returns rows None). The kernel's own caches stay allocated, unused."""
+        cache = state.mla_cache
+        R = self.config.latent_dim
+        if cache.dtype != torch.bfloat16 or cache.shape[-1] != R or cache.stride(-2) != R or cache.stride(-1) != 1:
+            raise ValueError(f"megakernel backend: the engine's MLA cache must be bf16 rows of {R} contiguous "
+                             f"elements, got {cache.dtype} shape {tuple(cache.shape)} strides {cache.stride()}")
+        w = mc.FIELDS.index("w")
+        for p in self.attn:
+            rows = cache[self.model.state_slot[ml.layer_of(self.bufs.chain.phases[p].name)], 0]
+            self.bufs.table[p, w] = rows.data_ptr()
+        self._engine_cache = cache                 # (keeps the memory the table points at alive)
 
     # ---------------------------------------------------------------------------------------- decode
     def decode(self, ids, kda_conv, kda_state, mla_cache, cache_len):
         """As `K3Model.forward_decode`, for the engines that commit the KDA tensors themselves: they get the
         tensors as given (the kernel holds the live state; see the module docstring)."""
         logits, rows = self.decode_(ids, kda_conv, kda_state, mla_cache, cache_len)
+        if rows is None:                           # (the launch appended them to mla_cache itself)
+            rows = mla_cache.index_select(2, cache_len[:1].to(torch.int64))
         return logits, kda_conv, kda_state, rows
 
     @torch.no_grad()
     def decode_(self, ids, kda_conv, kda_state, mla_cache, cache_len):
         """One step of the one sequence, on the device only (capturable): ids `[1]`, cache_len `[1]` (the engine's
         lengths); the other state tensors are not read (`before_decode` loaded them) -> (logits `[1, V]`, a view
-        valid until the next step; the new MLA rows `[n_mla, 1, 1, R]`)."""
+        valid until the next step; None for the new MLA rows: the launch appended them to the engine's cache itself,
+        which `before_decode` bound, and the emulation copies them there)."""
         if ids.shape[0] != 1:
             raise ValueError(f"megakernel backend: decodes one sequence (an engine with max_batch=1), got "
                              f"{ids.shape[0]}")
         b = self.bufs
         pos = cache_len[:1].to(torch.int64)                      # the new row's; the keys: pos + 1
-        if self.kernel is not None and self.kernel.step_inputs:   # (the launch reads them itself)
+        if self.kernel is not None and self.kernel.step_inputs:   # (the launch reads them, and its epoch, itself)
             self.kernel.step_args = (self.embed, ids, cache_len)
         else:
             b.table.view(-1).index_put_((self._n_index,), (pos + 1).expand(len(self._n_index)))
@@ -133,12 +162,11 @@ class MegakernelBackend:
             b.clear()
             b.run_reference()
             b.advance(move=False)
+            for p in self.attn:                   # (as the launch does: the new rows into the engine's cache)
+                mla_cache[self.model.state_slot[ml.layer_of(b.chain.phases[p].name)], 0, pos] = b.cache[p][pos]
         else:
             self.kernel.launch("stream")
-        # (the caches, one shape each, in chain order: the model's MLA slot order)
-        rows = b.cache_all.index_select(1, pos) if self.attn else \
-            torch.zeros(0, 1, self.config.latent_dim, dtype=self.dtype, device=self.device)
-        return self.logits[None], rows[:, :, None]
+        return self.logits[None], None            # (the rows: in the engine's cache, `bind_engine_cache`)
 
     def check(self) -> None:
         """Raise if a launch so far gave up waiting (a kernel error, not an input error; reads the device)."""

@@ -69,9 +69,15 @@
 #ifndef EPOCH_PTR                      // 1: the launch's epoch is read from device memory (the `megakernel` backend,
 #define EPOCH_PTR 0                    // which bumps it before each launch, so that the step is a CUDA graph)
 #endif
-#ifndef STEP_INPUTS                    // 1 (with EPOCH_PTR; not yet run on a GPU): the step's inputs from the engine's
-#define STEP_INPUTS 0                  // buffers: x_in is the bf16 embedding table, the row the token at step_ids[0]
-#endif                                 // picks, and every ATTN phase's key count step_lengths[0] + 1
+#ifndef STEP_INPUTS                    // 1 (with EPOCH_PTR): the step's inputs from the engine's buffers: x_in is the
+#define STEP_INPUTS 0                  // bf16 embedding table, the row the token at step_ids[0] picks, every ATTN
+#endif                                 // phase's key count step_lengths[0] + 1, and the launch's epoch
+                                       // epoch_at[0] + step_lengths[0] (a base the host moves when it loads a
+                                       // sequence; so nothing is bumped between launches), whose largest so far the
+                                       // launch leaves at epoch_at[1] (atomicMax), for the host's next base
+#if STEP_INPUTS && !EPOCH_PTR
+#error "STEP_INPUTS takes its epoch base from device memory: build it with EPOCH_PTR=1"
+#endif
 #ifndef RECIPES
 #define RECIPES 0                      // 1: phases may form x by a recipe (real layers, milestone 2); 0: the synthetic
 #endif                                 // chains' kernel (with the recipes, the diagnostic builds spill registers)
@@ -1604,7 +1610,7 @@ __device__ __forceinline__ int attnres_phase(const PhaseC& f, const PhaseC* ph, 
 extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM)
 chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __restrict__ x_in,
 #if EPOCH_PTR
-             uint32_t* counters, const uint32_t* __restrict__ epoch_at, int mode, uint32_t* err,
+             uint32_t* counters, uint32_t* __restrict__ epoch_at, int mode, uint32_t* err,
              unsigned long long* t_done,
 #else
              uint32_t* counters, uint32_t epoch, int mode, uint32_t* err, unsigned long long* t_done,
@@ -1641,7 +1647,9 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
     const int tid = threadIdx.x;
     const int64_t nblk = gridDim.x;
     const bool wait = mode != NODEPS;
-#if EPOCH_PTR
+#if STEP_INPUTS                             // this launch's epoch: the base plus the sequence's length
+    const uint32_t epoch = epoch_at[0] + static_cast<uint32_t>(*step_lengths);
+#elif EPOCH_PTR
     const uint32_t epoch = *epoch_at;       // this launch's epoch, from device memory: a CUDA graph can replay it
 #endif
 
@@ -1671,6 +1679,7 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
         if (blockIdx.x == 0) *t_start = now_ns();
 #if STEP_INPUTS
         x_row_s = x_in + *step_ids * x_len;
+        if (blockIdx.x == 0) atomicMax(epoch_at + 1, epoch);
 #endif
     }
     __syncthreads();

@@ -1458,7 +1458,8 @@ class ChainKernel:
         self.epoch_ptr = bool(define_value(defines, "EPOCH_PTR", cu, default=0))
         self.epoch_dev = None
         # -DSTEP_INPUTS=1: the launch reads the token's embedding row and the key count itself: `step_args` =
-        # (embedding table [V, d] bf16, token ids [>= 1] int64, lengths [>= 1] int64), the engine's own buffers
+        # (embedding table [V, d] bf16, token ids [>= 1] int64, lengths [>= 1] int64), the engine's own buffers;
+        # its epoch is epoch_dev[0] + lengths[0] (`start_sequence` sets the base), so nothing runs between launches
         self.step_inputs = bool(define_value(defines, "STEP_INPUTS", cu, default=0))
         self.step_args = None
         self._streams: dict[int, object] = {}
@@ -1532,16 +1533,27 @@ class ChainKernel:
         self.tile_trace = (torch.zeros(self.blocks * TILE_TRACE_MAX * TILE_FIELDS, dtype=torch.int64, device="cuda")
                            if "TRACE_TILES" in self.defines else None)
         self.epoch = 0
-        self.epoch_dev = torch.zeros(1, dtype=torch.int32, device="cuda") if self.epoch_ptr else None
+        # (STEP_INPUTS: [the base, the largest epoch so far]; a base of 1 before any `start_sequence`)
+        self.epoch_dev = (torch.tensor([1, 0], dtype=torch.int32, device="cuda") if self.step_inputs else
+                          torch.zeros(1, dtype=torch.int32, device="cuda") if self.epoch_ptr else None)
+
+    def start_sequence(self, length: int) -> None:
+        """STEP_INPUTS: the next launch is a sequence's step at `length` rows; its epoch (the base + the length) is
+        set above every epoch so far (a word of an earlier launch never passes for this one's). Reads the device."""
+        high = int(self.epoch_dev[1])
+        self.epoch_dev[0] = high + 1 - length
 
     def launch(self, mode: str, dump: bool = False) -> None:
         """One launch. dump: the x of each recipe goes to bufs.xdump (a check launch; see `Buffers.x_of`)."""
         import numpy as np
         b, u = self.bufs, np.uint64
+        if self.step_inputs and mode == "serial":
+            raise ValueError("STEP_INPUTS: mode serial counts tiles by epoch; its epochs (base + length) are not "
+                             "consecutive across sequences; use stream")
         self.epoch += 1
-        b.kda_conv_out = (self.epoch & 1) ^ 1           # (chain.cu: the copy of each conv window this launch writes)
-        if self.epoch_dev is not None:                   # (replayed in a graph, the host's count stays behind)
-            self.epoch_dev.add_(1)
+        b.kda_conv_out = (self.epoch & 1) ^ 1           # (chain.cu: the copy of each conv window this launch writes;
+        if self.epoch_dev is not None and not self.step_inputs:  # STEP_INPUTS and graph replays: the host's count
+            self.epoch_dev.add_(1)                               # stays behind)
         dump = dump and b.xdump is not None
         epoch = u(self.epoch_dev.data_ptr()) if self.epoch_ptr else np.uint32(self.epoch)
         args = (u(b.table.data_ptr()), np.int64(len(b.chain.phases)), u(b.x.data_ptr()),
@@ -1577,6 +1589,8 @@ class ChainKernel:
             self.epoch = 0
             if self.epoch_dev is not None:
                 self.epoch_dev.zero_()
+                if self.step_inputs:
+                    self.epoch_dev[0] = 1
             raise RuntimeError(f"chain kernel gave up waiting for {WAITS.get(what, what)}: block {blk}, "
                                f"phase {p} ({name}), tile {t}")
 
