@@ -107,13 +107,14 @@
 #            `--greedy 8 --follow` with the routing diagnostics
 #   greedy64 (not yet run) `--greedy 8 --follow --ref64`: each step's kernel and model logits against the model in
 #            fp64 on the CPU from the kernel's states (which of the two is nearer fp64 at the step that differs)
-#   mkinputs (not yet run) chain.cu -DSTEP_INPUTS=1 (the launch reads the embedding row and key count itself): its
-#            cuda test (== the default build bit for bit), then mkbench with megakernel and megakernel-inputs
-#   mkstep   the STEP_INPUTS cuda test alone, then scripts/profile_decode.py --timeline for megakernel and
-#            megakernel-inputs: the CUDA-graph step's kernels in order, with the gaps between them
+#   mkinputs chain.cu -DSTEP_INPUTS=1 (the launch reads the embedding row and key count itself): its cuda test (==
+#            the build with them set around the launch, bit for bit), then mkbench with both (12-03: the names were
+#            megakernel-inputs and megakernel; now megakernel and megakernel-host-inputs)
+#   mkstep   the STEP_INPUTS cuda test alone, then scripts/profile_decode.py --timeline for both builds: the
+#            CUDA-graph step's kernels in order, with the gaps between them
 #   mkcache  the backend's cuda tests (the kernel reading and appending the engine's own MLA cache; STEP_INPUTS
-#            epochs over two requests), bench model megakernel and megakernel-inputs (300 decode steps), and the
-#            graph step's timeline of megakernel-inputs
+#            epochs over two requests), bench model of both builds (300 decode steps), and the graph step's
+#            timeline of the STEP_INPUTS one
 #   mkfinal  bench model eager, compile, megakernel (the default build now: STEP_INPUTS, the engine's cache), then
 #            profile_decode.py --backend megakernel --timeline --generate 6 (the pipelined generation's GPU timeline)
 #   mkbench  bench model eager, compile, megakernel at B = 1, context 1024 ($MKBENCH_BACKENDS)
@@ -298,26 +299,26 @@ for part in $parts; do
              --out "$OUT/greedy-ref64.json" > "$OUT/greedy64.log" 2>&1 ;;
     mkinputs) timeout 200 python3 -m pytest -q -m cuda tests/test_megakernel_backend.py -k step_inputs -s -rs \
              -p no:cacheprovider > "$OUT/mkinputs.log" 2>&1
-           MKBENCH_BACKENDS=eager,megakernel,megakernel-inputs bash "$0" mkbench ;;
+           MKBENCH_BACKENDS=eager,megakernel-host-inputs,megakernel bash "$0" mkbench ;;
     mkstep) timeout 200 python3 -m pytest -q -m cuda tests/test_megakernel_backend.py -k step_inputs -s -rs \
              -p no:cacheprovider > "$OUT/mkstep.log" 2>&1
-           for be in megakernel megakernel-inputs; do
+           for be in megakernel-host-inputs megakernel; do
              timeout 150 python3 scripts/profile_decode.py --backend $be --timeline --top 15 >> "$OUT/mkstep.log" 2>&1
            done ;;
     mkcache) timeout 300 python3 -m pytest -q -m cuda tests/test_megakernel_backend.py -s -rs -p no:cacheprovider \
              > "$OUT/mkcache.log" 2>&1
-           MKBENCH_BACKENDS=megakernel,megakernel-inputs MKBENCH_ITERS=300 bash "$0" mkbench
-           timeout 150 python3 scripts/profile_decode.py --backend megakernel-inputs --timeline --top 15 \
+           MKBENCH_BACKENDS=megakernel-host-inputs,megakernel MKBENCH_ITERS=300 bash "$0" mkbench
+           timeout 150 python3 scripts/profile_decode.py --backend megakernel --timeline --top 15 \
              >> "$OUT/mkcache.log" 2>&1 ;;
-    mkfinal) timeout 200 python3 -m pytest -q -m cuda tests/test_megakernel_backend.py -k "directory or follows" -s -rs \
-             -p no:cacheprovider > "$OUT/mkfinal-tests.log" 2>&1
+    mkfinal) timeout 200 python3 -m pytest -q -m cuda tests/test_megakernel_backend.py -k "directory or follows" \
+             -s -rs -p no:cacheprovider > "$OUT/mkfinal-tests.log" 2>&1
            bash "$0" mkbench
            timeout 200 python3 scripts/profile_decode.py --backend megakernel --timeline --generate 6 --top 10 \
              > "$OUT/mkfinal.log" 2>&1 ;;
     mkbench) timeout ${MKBENCH_TIMEOUT:-400} python3 -m k3export.cli bench model --preset k3-small --dtype bf16 \
              --backends ${MKBENCH_BACKENDS:-eager,compile,megakernel} --prefill-lengths 2048 --batches 1 \
-             --contexts 1024 --warmup 3 --iters 5 --decode-iters ${MKBENCH_ITERS:-100} --generate-tokens 64 --no-new-lengths \
-             --out "$OUT/mkbench" > "$OUT/mkbench.log" 2>&1 ;;
+             --contexts 1024 --warmup 3 --iters 5 --decode-iters ${MKBENCH_ITERS:-100} --generate-tokens 64 \
+             --no-new-lengths --out "$OUT/mkbench" > "$OUT/mkbench.log" 2>&1 ;;
     profile) timeout 150 python3 scripts/profile_decode.py --backend ${PROFILE_BACKEND:-compile} ${PROFILE_ARGS:-} \
              > "$OUT/profile.log" 2>&1 ;;
     *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe trtfp8 fp8eng grouped grpsmall fp8comp overlap chain layer step attnres abmix gmla greedy greedy64 mkback mkinputs mkstep mkcache mkfinal mkbench profile)"; continue ;;

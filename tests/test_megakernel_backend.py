@@ -191,10 +191,10 @@ def test_a_megakernel_engine_directory_builds_opens_and_decodes(tmp_path):
 
 
 @pytest.mark.cuda
-def test_the_kernel_reading_its_step_inputs_equals_the_default_build():
-    """chain.cu built with STEP_INPUTS=1 (`MegakernelBackend(step_inputs=True)`: the launch reads the token's
-    embedding row, the key count and its epoch from the engine's buffers) gives the default build's logits bit for
-    bit, step after step under the engine's CUDA graph (the same x values, bf16 rows as the host set them in fp32,
+def test_the_kernel_reading_its_step_inputs_equals_the_host_set_build():
+    """chain.cu built with STEP_INPUTS=1 (the backend's default: the launch reads the token's embedding row, the key
+    count and its epoch from the engine's buffers) gives the logits of the build whose inputs are set around the
+    launch (`step_inputs=False`) bit for bit, step after step under the engine's CUDA graph (the same x values, bf16 rows as the host set them in fp32,
     and the same key counts), for a request and then a shorter one (its epochs restart from a new base above the
     first's: a stale word of the first request would pass for the second's if they did not)."""
     _needs_the_kernel()
