@@ -43,6 +43,34 @@ def test_the_emulated_backend_gives_eager_tokens_request_after_request(tiny_mla8
         assert torch.equal(eng.state.mla_cache[slot, 0, :n], be.bufs.cache[p][:n])
 
 
+def test_the_router_first_layout_gives_the_same_step(tiny_mla8):
+    """`router_first` moves each MoE's router rows to right after the latent rows in its packed projection (the top-k
+    then reads them from the phase's first round of tiles): the same phases' arithmetic on the same rows, so the
+    emulated step's logits equal the default layout's bit for bit, step after step; on k3-small the router's tiles
+    are among the projection's first 132 (an H200's blocks: each block's first tile; 16-row tiles, the slot's limit
+    at k = 2048), where by default they are its last (second-round tiles)."""
+    cfg, model = tiny_mla8
+    runs = []
+    for first in (False, True):
+        be = mb.MegakernelBackend(model, max_len=40, prefill_backend=EagerBackend(model), emulate=True,
+                                  router_first=first)
+        eng = Engine(be, max_batch=1, max_len=40)
+        eng.prefill([0], [PROMPTS[0]])
+        runs.append([eng.decode(torch.tensor([t]))[0].clone() for t in (5, 9, 2)])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    from k3export.model import K3Model
+    with torch.device("meta"):                      # (the layout only: no weights' values)
+        small = K3Model(K3Config.from_name("k3-small")).to(torch.bfloat16)
+    for first in (False, True):
+        chain = mb.decode_chain(small, 64, router_first=first)
+        tops = [ph for ph in chain.phases if ph.kind == "topk"]
+        assert len(tops) == 11
+        for ph in tops:
+            proj, score = chain.phases[ph.src], chain.xsegs[ph.xop]
+            tiles = range(score.off // proj.rows, (score.off + score.len - 1) // proj.rows + 1)
+            assert proj.rows == 16 and (max(tiles) < 132 if first else min(tiles) >= 132), (proj.name, tiles)
+
+
 def test_the_emulated_backend_reloads_after_fill_slots(tiny_mla8):
     """`Engine.fill_slots` (how `bench model` times a context) writes the state outside decode: the next step
     loads it (the key count from the engine's lengths)."""
@@ -228,3 +256,28 @@ def test_the_kernel_reading_its_step_inputs_equals_the_host_set_build():
         del eng, be
     assert runs[0][0] == runs[1][0]
     assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+
+
+@pytest.mark.cuda
+def test_the_router_first_kernel_equals_the_default_layout():
+    """k3-small in the kernel (written 12-03, not yet run on a GPU): the router rows early in each MoE's packed
+    projection (`router_first`) give the default layout's logits bit for bit under the engine's CUDA graph (each
+    row's sum is the same tensor-core sum wherever its tile is)."""
+    _needs_the_kernel()
+    from k3export.bench.fp8 import gpu_random_model
+    model = gpu_random_model(K3Config.from_name("k3-small"), 0)
+    prompt = torch.randint(0, model.config.vocab_size, (64,), generator=torch.Generator().manual_seed(3)).tolist()
+    runs = []
+    for first in (False, True):
+        be = mb.MegakernelBackend(model, max_len=96, prefill_backend=EagerBackend(model), router_first=first)
+        eng = Engine(be, max_batch=1, max_len=96)
+        assert eng.graphed, eng.graph_error
+        feed = [int(eng.prefill([0], [prompt])[0].argmax())]
+        out = []
+        for i in range(6):
+            out.append(eng.decode(torch.tensor([feed[i]], device="cuda"))[0].float().clone())
+            feed.append(int(out[-1].argmax()))
+        be.check()
+        runs.append(out)
+        del eng, be
+    assert all(torch.equal(a, b) for a, b in zip(*runs))

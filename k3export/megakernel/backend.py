@@ -53,17 +53,19 @@ class MegakernelBackend:
     max_batch = 1
 
     def __init__(self, model, max_len: int, prefill_backend=None, emulate: bool = False, defines=None,
-                 cubin: tuple[str, str] | None = None, step_inputs: bool = True):
+                 cubin: tuple[str, str] | None = None, step_inputs: bool = True, router_first: bool = False):
         """step_inputs (the default): chain.cu built with STEP_INPUTS=1 reads the token's embedding row, the key
         count and its epoch from the engine's buffers itself, four small kernels fewer a step than setting them
-        around it (False: `HOST_INPUTS_DEFINES`). defines: another build (the engine directory's)."""
+        around it (False: `HOST_INPUTS_DEFINES`). defines: another build (the engine directory's). router_first
+        (written 12-03, not yet timed on a GPU): each MoE's router rows early in its packed projection
+        (`layer.layers_chain`), so that the top-k is off the critical path; the same logits."""
         cfg = model.config
         self.model, self.config, self.dtype, self.device = model, cfg, model.dtype, model.device
         self.max_len, self.emulate = max_len, emulate
         why = unsupported(model, max_len, emulate)
         if why:
             raise ValueError(f"megakernel backend: {why}")
-        chain = decode_chain(model, max_len)
+        chain = decode_chain(model, max_len, router_first)
         self.bufs = mc.Buffers(chain, device=str(self.device))
         self.kernel = None
         if not emulate:
@@ -174,14 +176,15 @@ class MegakernelBackend:
             self.kernel.check()
 
 
-def decode_chain(model, max_len: int):
+def decode_chain(model, max_len: int, router_first: bool = False):
     """The whole decode step of `model` as the backend's chain: every layer, AttnRes, the LM head, the MLA caches
-    sized for `max_len` keys (projections unpacked first: the chain reads them as loaded)."""
+    sized for `max_len` keys (projections unpacked first: the chain reads them as loaded); router_first: see
+    `layer.layers_chain`."""
     from k3export.model import packing
     packing.unpack_projections(model)
     sms = torch.cuda.get_device_properties(model.device).multi_processor_count if model.device.type == "cuda" else 0
     return ml.layers_chain(model, list(range(model.config.num_hidden_layers)), kda=True, head=True, attnres=True,
-                           mla=1, mla_room=max_len - 1, min_tiles=sms)
+                           mla=1, mla_room=max_len - 1, min_tiles=sms, router_first=router_first)
 
 
 def unsupported(model, max_len: int, emulate: bool = False) -> str | None:

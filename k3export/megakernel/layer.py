@@ -178,7 +178,7 @@ def random_cache(cfg, rows: int, gen: torch.Generator, room: int = 1) -> torch.T
 def layers_chain(model, layers: list[int], slot_bytes: int = 65536, packed_out: bool = False, min_tiles: int = 0,
                  routed_rows: int = mc.MAX_ROWS, kda: bool = False, seed: int = 0, mla_standins: bool = False,
                  head: bool = False, attnres: bool = False, mla_cache: int = 0, mla: int = 0,
-                 mla_room: int = 1) -> mc.Chain:
+                 mla_room: int = 1, router_first: bool = False) -> mc.Chain:
     """The sublayers of `layers` as one chain, with the model's weights (an unpacked model: the weights are read
     from its modules as loaded). The first sublayer reads the chain's external input; each later one the output of
     the one before (no AttnRes: `docs/megakernel.md`, "Next"). Layer 0's MLP is dense (`dense_sublayer`), every
@@ -200,7 +200,10 @@ def layers_chain(model, layers: list[int], slot_bytes: int = 65536, packed_out: 
     emulated "mla" phase (`Chain.mla`: the model's own decode, chain.cu does not run it) over a random latent
     cache of that many rows (seeded by `seed`), instead of stand-ins. mla > 0: each MLA layer's attention as chain.cu
     runs it (`mla_sublayer`) over a random cache of that many rows (`random_cache`), with room for `mla_room` new rows
-    (the tiles hold mla + mla_room keys: `greedy_steps` decodes that many tokens)."""
+    (the tiles hold mla + mla_room keys: `greedy_steps` decodes that many tokens). router_first (with attnres):
+    the router's rows in proj right after the latent down projection's, not last, so that they are in the phase's
+    first round of tiles (each block's first) and the top-k can choose while the shared experts' rows stream
+    (`docs/megakernel.md`, "Next (12-03, afternoon)"); the same outputs, in another place of proj's words."""
     cfg = model.config
     if not (cfg.latent_moe_use_norm and cfg.num_shared_experts):
         raise ValueError("layers_chain builds LatentMoE with its latent norm and shared experts (every K3 preset)")
@@ -251,10 +254,14 @@ def layers_chain(model, layers: list[int], slot_bytes: int = 65536, packed_out: 
         if type(moe.routed_expert_down_proj) is not torch.nn.Linear:
             raise ValueError(f"layer {l}: the model is packed; build the chain from the model as loaded")
         sh, ex, n = moe.shared_experts, moe.experts, f"L{l}.moe."
+        sh_off = L                      # the shared experts' gate rows in proj
         if attnres:     # the router's rows in proj: one AttnRes x load a sublayer, not two (12-02 19:30)
-            proj = gemv_on(c, out, n + "proj", L + 2 * Is + E, d, torch.cat(
-                [moe.routed_expert_down_proj.weight, sh.gate_proj.weight, sh.up_proj.weight, moe.gate.weight]))
-            router, r_off = proj, L + 2 * Is
+            parts = [moe.routed_expert_down_proj.weight, sh.gate_proj.weight, sh.up_proj.weight]
+            r_off = L if router_first else L + 2 * Is
+            parts.insert(1 if router_first else 3, moe.gate.weight)
+            sh_off = L + E if router_first else L
+            proj = gemv_on(c, out, n + "proj", L + 2 * Is + E, d, torch.cat(parts))
+            router = proj
         else:
             proj = gemv_on(c, out, n + "proj", L + 2 * Is, d, torch.cat(
                 [moe.routed_expert_down_proj.weight, sh.gate_proj.weight, sh.up_proj.weight]))
@@ -263,7 +270,7 @@ def layers_chain(model, layers: list[int], slot_bytes: int = 65536, packed_out: 
                                                        aux=moe.gate.e_score_correction_bias,
                                                        renorm=cfg.moe_renormalize and K > 1,
                                                        scaling=cfg.routed_scaling_factor))
-        shared_h = mc.XSeg("glu", proj, Is, off=L, off2=Is, round_in=True, beta=beta, lb=lb)
+        shared_h = mc.XSeg("glu", proj, Is, off=sh_off, off2=Is, round_in=True, beta=beta, lb=lb)
         if not packed_out:
             sd = c.gemv(n + "shared_down", d, Is, proj, xsegs=[shared_h], weight=sh.down_proj.weight)
         c.max_rows = routed_rows
