@@ -813,12 +813,7 @@ class Buffers:
                 self.kda_set_state(p, t["state"])
                 self.table[p, FIELDS.index("w")] = tiles.data_ptr()
         # an attn phase's cache (its "weights"; the launch writes the new row at cache_len) and its first rows
-        # (of one shape, the caches are views of one tensor `cache_all` [attention phases, rows, R]: a step's new rows
-        # are then one gather)
-        caches = [c["cache"].to(device, torch.bfloat16) for c in chain.caches.values()]
-        self.cache_all = torch.stack(caches) if caches and all(c.shape == caches[0].shape for c in caches) else None
-        self.cache = {p: self.cache_all[i] if self.cache_all is not None else c.contiguous()
-                      for i, (p, c) in enumerate(zip(chain.caches, caches))}
+        self.cache = {p: c["cache"].to(device, torch.bfloat16).contiguous() for p, c in chain.caches.items()}
         self.cache_init = {p: c.clone() for p, c in self.cache.items()}
         for p, c in self.cache.items():
             self.table[p, FIELDS.index("w")] = c.data_ptr()
