@@ -8,7 +8,7 @@ torch.profiler after warm-up; prints the kernel count, the sum of kernel times a
 `--backend graph` (default): the model's programs as they are (one kernel per aten/k3 op); `compile`: the same
 programs through torch.compile (Inductor), as the `compile` backend of `k3export bench model` runs them;
 `compile-frozen`: the same with Inductor freezing (weights as constants, matmuls sharing an input merged).
-`megakernel` / `megakernel-host-inputs`: the persistent decode kernel (`k3export.megakernel`, B = 1, prefill on
+`megakernel` (and its `bench model` variants): the persistent decode kernel (`k3export.megakernel`, B = 1, prefill on
 `compile`). `--timeline` also prints the replay's kernels in order, each with its start, length and the gap before
 it; `--generate N` then profiles N tokens of a pipelined greedy `Generator` (what `bench model`'s "generate
 pipelined" row times) and prints its GPU timeline the same way, with the time from one step's first kernel to the
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -32,16 +33,15 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--top", type=int, default=25)
-    from k3export.bench.model import COMPILE_VARIANTS
-    ap.add_argument("--backend", choices=("graph", *COMPILE_VARIANTS, "megakernel", "megakernel-host-inputs"),
-                    default="graph")
+    from k3export.bench.model import BACKENDS, make_backend
+    ap.add_argument("--backend", choices=[b for b in BACKENDS if b not in ("eager", "aoti")], default="graph")
     ap.add_argument("--timeline", action="store_true", help="the graph replay's kernels in order, with their gaps")
     ap.add_argument("--generate", type=int, default=0, help="also profile this many pipelined greedy tokens")
     ap.add_argument("--fp8", action="store_true", help="the model quantized by the default recipe first")
     a = ap.parse_args()
     from k3export.config import K3Config
     from k3export.model.weights import random_model
-    from k3export.runtime import CompileBackend, EagerBackend, Engine
+    from k3export.runtime import Engine
     model = random_model(K3Config.from_name(a.preset), seed=0, dtype=torch.bfloat16, device="cuda")
     if a.fp8:
         from k3export.calibrate import DEFAULT_RECIPE, Recipe, calibrate, default_batches
@@ -49,14 +49,9 @@ def main() -> None:
         scales = calibrate(model, Recipe.load(DEFAULT_RECIPE), default_batches(model.config.vocab_size),
                            progress=False)
         print("quantized:", quantize_model(model, scales))
-    if a.backend.startswith("megakernel"):
-        from k3export.megakernel.backend import MegakernelBackend
-        backend = MegakernelBackend(model, max_len=a.context + 16 + a.generate, step_inputs=a.backend == "megakernel")
-    elif a.backend == "graph":
-        backend = EagerBackend(model)
-    else:
-        backend = CompileBackend(model, **COMPILE_VARIANTS[a.backend])
-    eng = Engine(backend, max_batch=a.batch, max_len=a.context + 16 + a.generate, cuda_graphs=True)
+    max_len = a.context + 16 + a.generate
+    backend = make_backend(a.backend, model, Path("engines"), {}, print, max_len)[0]     # (as `bench model` makes it)
+    eng = Engine(backend, max_batch=a.batch, max_len=max_len, cuda_graphs=True)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, model.config.vocab_size, (a.context,), generator=g).tolist() for _ in range(a.batch)]
     eng.prefill(list(range(a.batch)), prompts)

@@ -256,12 +256,9 @@ def layers_chain(model, layers: list[int], slot_bytes: int = 65536, packed_out: 
         sh, ex, n = moe.shared_experts, moe.experts, f"L{l}.moe."
         sh_off = L                      # the shared experts' gate rows in proj
         if attnres:     # the router's rows in proj: one AttnRes x load a sublayer, not two (12-02 19:30)
-            parts = [moe.routed_expert_down_proj.weight, sh.gate_proj.weight, sh.up_proj.weight]
-            r_off = L if router_first else L + 2 * Is
-            parts.insert(1 if router_first else 3, moe.gate.weight)
-            sh_off = L + E if router_first else L
-            proj = gemv_on(c, out, n + "proj", L + 2 * Is + E, d, torch.cat(parts))
-            router = proj
+            z, r, sg, su = moe.routed_expert_down_proj.weight, moe.gate.weight, sh.gate_proj.weight, sh.up_proj.weight
+            parts, r_off, sh_off = ([z, r, sg, su], L, L + E) if router_first else ([z, sg, su, r], L + 2 * Is, L)
+            router = proj = gemv_on(c, out, n + "proj", L + 2 * Is + E, d, torch.cat(parts))
         else:
             proj = gemv_on(c, out, n + "proj", L + 2 * Is, d, torch.cat(
                 [moe.routed_expert_down_proj.weight, sh.gate_proj.weight, sh.up_proj.weight]))
