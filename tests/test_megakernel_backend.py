@@ -259,17 +259,20 @@ def test_the_kernel_reading_its_step_inputs_equals_the_host_set_build():
 
 
 @pytest.mark.cuda
-def test_the_router_first_kernel_equals_the_default_layout():
-    """k3-small in the kernel (written 12-03, not yet run on a GPU): the router rows early in each MoE's packed
-    projection (`router_first`) give the default layout's logits bit for bit under the engine's CUDA graph (each
-    row's sum is the same tensor-core sum wherever its tile is)."""
+@pytest.mark.parametrize("variant", [{"router_first": True}, {"router_warp": True},
+                                     {"router_warp": True, "router_first": True}], ids=str)
+def test_the_router_variants_equal_the_default_kernel(variant):
+    """k3-small in the kernel: the router rows early in each MoE's packed projection (`router_first`; 12-03 14:04 on
+    the H200: passed) and each block's router warp choosing the experts (`router_warp`; written 12-03, not yet run on
+    a GPU) give the default kernel's logits bit for bit under the engine's CUDA graph, over 6 steps (each row's sum
+    is the same tensor-core sum wherever its tile is; the router warp picks the TOPK tile's ids by the same ops)."""
     _needs_the_kernel()
     from k3export.bench.fp8 import gpu_random_model
     model = gpu_random_model(K3Config.from_name("k3-small"), 0)
     prompt = torch.randint(0, model.config.vocab_size, (64,), generator=torch.Generator().manual_seed(3)).tolist()
     runs = []
-    for first in (False, True):
-        be = mb.MegakernelBackend(model, max_len=96, prefill_backend=EagerBackend(model), router_first=first)
+    for kw in ({}, variant):
+        be = mb.MegakernelBackend(model, max_len=96, prefill_backend=EagerBackend(model), **kw)
         eng = Engine(be, max_batch=1, max_len=96)
         assert eng.graphed, eng.graph_error
         feed = [int(eng.prefill([0], [prompt])[0].argmax())]

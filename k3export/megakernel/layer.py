@@ -601,7 +601,7 @@ def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: in
         defines: tuple[str, ...] = DEFINES, modes: tuple[str, ...] = ("stream", "serial", "nodeps"),
         baseline: bool = True, cu: Path = mc.CU, packed_out: bool = False, spread: bool = True,
         routed_rows: int = mc.MAX_ROWS, kda: bool = True, mla_standins: bool = False, head: bool = False,
-        attnres: bool = False, context: int = 1024, mla: int = 0) -> dict:
+        attnres: bool = False, context: int = 1024, mla: int = 0, router_first: bool = False) -> dict:
     """Check (unless a diagnostic build), compare with the compile backend and time (`baseline`), time `modes`.
     A -DTRACE_TILES build also reports what each block's ring did in one stream launch (`tile_pipeline`). The
     compile baseline runs the chain's real sublayers (the MLA stand-ins have no counterpart there, nor AttnRes; the
@@ -620,7 +620,7 @@ def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: in
     blocks = torch.cuda.get_device_properties(0).multi_processor_count
     chain = layers_chain(model, layers, packed_out=packed_out, min_tiles=blocks if spread else 0,
                          routed_rows=routed_rows, kda=kda, seed=seed, mla_standins=mla_standins and not mla,
-                         head=head, attnres=attnres, mla=mla)
+                         head=head, attnres=attnres, mla=mla, router_first=router_first)
     bufs = mc.Buffers(chain)
     g = torch.Generator(device="cuda").manual_seed(seed + 1)
     bufs.x.copy_(torch.randn(cfg.hidden_size, generator=g, device="cuda").bfloat16().float())
@@ -895,6 +895,8 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=0, metavar="T",
                     help="with --greedy: start from the model's prefill of T random tokens (T <= --mla + 40), not "
                          "random states")
+    ap.add_argument("--router-first", action="store_true",
+                    help="with --step --attnres: each MoE's router rows right after the latent rows in its projection")
     ap.add_argument("--out")
     ap.add_argument("--plot", help="PNG: the launch's bytes over time and its time by sublayer kind")
     ap.add_argument("--replot", metavar="JSON", help="no run: plot a saved --out result (with --plot)")
@@ -924,7 +926,7 @@ def main() -> None:
     res = run(a.preset, layers, a.rounds, a.iters, defines=tuple(d for d in a.defines.split("+") if d),
               modes=modes, baseline=not a.no_baseline, cu=a.cu, packed_out=a.packed_out, spread=not a.no_spread,
               routed_rows=a.routed_rows, kda=not a.no_kda, mla_standins=a.step and not a.no_standins,
-              head=a.step, attnres=a.step and a.attnres, mla=a.mla if a.step else 0)
+              head=a.step, attnres=a.step and a.attnres, mla=a.mla if a.step else 0, router_first=a.router_first)
     floor = res["bytes_floor_ms"]
     what = ("KDA + MoE" if res["kda"] else "MoE") + (" + MLA stand-ins" if res["mla_standins"] and not res.get(
         "mla") else "") + (f" + MLA over {res['mla']} cache rows" if res.get("mla") else "") + (
