@@ -121,7 +121,7 @@
 #            megakernel-router-first, 300 decode steps (12-03 14:04: passed; 0.779 ms pipelined both)
 #   mkwarp   ROUTER_WARP: the router variants' cuda tests (== the default kernel bit for bit), bench model
 #            megakernel, -router-warp, -router-warp-first (300 steps), the step's PHASE_TIMES with both (12-03
-#            15:14: passed, 35-40 us slower)
+#            14:24: passed, 35-40 us slower)
 #   mkbench  bench model eager, compile, megakernel at B = 1, context 1024 ($MKBENCH_BACKENDS)
 #   profile  scripts/profile_decode.py --backend $PROFILE_BACKEND (default compile): kernels per decode step, and the
 #            graph replay's critical path (what each kernel adds to the span under PDL; 15:25: an upper bound only)

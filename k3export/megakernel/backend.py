@@ -64,7 +64,7 @@ class MegakernelBackend:
         each MoE's router rows early in its packed projection (`layer.layers_chain`), meant to take the top-k off
         the critical path; the same logits bit for bit, and the same step (12-03 14:04: 0.779 ms pipelined both).
         router_warp: chain.cu built with ROUTER_WARP=1 (`ROUTER_WARP_DEFINE`), each block's own warp choosing the
-        experts for its producer; the same logits bit for bit, 35-40 us a step slower (12-03 15:14-15:49)."""
+        experts for its producer; the same logits bit for bit, 35-40 us a step slower (12-03 14:24-14:32)."""
         cfg = model.config
         self.model, self.config, self.dtype, self.device = model, cfg, model.dtype, model.device
         self.max_len, self.emulate = max_len, emulate

@@ -1617,7 +1617,7 @@ __device__ __forceinline__ int attnres_phase(const PhaseC& f, const PhaseC* ph, 
 #if ROUTER_WARP
 #define ROUTER_KEYS 4                   // ROUTER_WARP: keys a lane (a scored top-k of 128 experts at most)
 #ifndef ROUTER_PREFETCH                 // ... this block's tiles a routed phase that it asks L2 for, once chosen
-#define ROUTER_PREFETCH 0               // (12-03 15:40, 4: 0.874 ms a pipelined step against 0.778: slower)
+#define ROUTER_PREFETCH 0               // (12-03 14:30, 4: 0.874 ms a pipelined step against 0.778: slower)
 #endif
 // Whether the router warp serves top-k phase f: a scored top-k (its x one X_SCORE part) of <= 32 ROUTER_KEYS keys
 // and <= COMBINE_MAX slots. A routed phase whose route it serves takes its ids from the router warp.
