@@ -22,9 +22,6 @@ each hold `context` tokens (`Engine.decode`, state commit included). Backends:
     megakernel-router-first  the same with each MoE's router rows early in its packed projection
               (`MegakernelBackend(router_first=True)`; 12-03 14:04, 300 steps: 0.784 ms against 0.808, pipelined
               generation 0.779 both)
-    megakernel-router-warp  the same with each block's router warp choosing the experts for its producer
-              (`MegakernelBackend(router_warp=True)`: the routed weights fetched without waiting for the top-k tile)
-    megakernel-router-warp-first  both
 
 Napkin math beside every time. Decode floor = bytes a step must move / measured copy bandwidth: every weight
 except the routed experts and the embedding table, the routed experts a batch of B hits in expectation
@@ -66,9 +63,7 @@ COMPILE_VARIANTS = {"compile": {}, "compile-frozen": {"freezing": True}, "compil
                     "compile-gemv4": {"gemv_rows": 4},
                     "compile-fast": {"glu": True, "moe_pdl": True, "fold_norm": True}}
 MEGAKERNEL_VARIANTS = {"megakernel": {}, "megakernel-host-inputs": {"step_inputs": False},
-                       "megakernel-router-first": {"router_first": True},
-                       "megakernel-router-warp": {"router_warp": True},
-                       "megakernel-router-warp-first": {"router_warp": True, "router_first": True}}
+                       "megakernel-router-first": {"router_first": True}}
 BACKENDS = ("eager", "graph", *COMPILE_VARIANTS, "aoti", *MEGAKERNEL_VARIANTS)
 
 

@@ -39,11 +39,8 @@ from k3export.megakernel import layer as ml
 # (the token's embedding row, the key count, the epoch as a base plus the length: nothing runs before the launch).
 # HOST_INPUTS_DEFINES (`step_inputs=False`): those set by small kernels around it (bench `megakernel-host-inputs`;
 # 12-03 12:01, 300 steps: 0.777 ms a step against 0.769 ms, the same logits bit for bit).
-# ROUTER_WARP (`router_warp=True`): a router warp in every block computes each MoE's top-k ids from the router's
-# words itself (the TOPK tile's ops, so the same ids), so a routed phase's producer need not wait for the TOPK tile.
 DEFINES = (*ml.DEFINES, "EPOCH_PTR=1", "STEP_INPUTS=1")
 HOST_INPUTS_DEFINES = (*ml.DEFINES, "EPOCH_PTR=1")
-ROUTER_WARP_DEFINE = "ROUTER_WARP=1"
 
 
 class MegakernelBackend:
@@ -56,15 +53,12 @@ class MegakernelBackend:
     max_batch = 1
 
     def __init__(self, model, max_len: int, prefill_backend=None, emulate: bool = False, defines=None,
-                 cubin: tuple[str, str] | None = None, step_inputs: bool = True, router_first: bool = False,
-                 router_warp: bool = False):
+                 cubin: tuple[str, str] | None = None, step_inputs: bool = True, router_first: bool = False):
         """step_inputs (the default): chain.cu built with STEP_INPUTS=1 reads the token's embedding row, the key
         count and its epoch from the engine's buffers itself, four small kernels fewer a step than setting them
         around it (False: `HOST_INPUTS_DEFINES`). defines: another build (the engine directory's). router_first:
         each MoE's router rows early in its packed projection (`layer.layers_chain`), meant to take the top-k off
-        the critical path; the same logits bit for bit, and the same step (12-03 14:04: 0.779 ms pipelined both).
-        router_warp: chain.cu built with ROUTER_WARP=1 (`ROUTER_WARP_DEFINE`), each block's own warp choosing the
-        experts for its producer; the same logits bit for bit, 35-40 us a step slower (12-03 14:24-14:32)."""
+        the critical path; the same logits bit for bit, and the same step (12-03 14:04: 0.779 ms pipelined both)."""
         cfg = model.config
         self.model, self.config, self.dtype, self.device = model, cfg, model.dtype, model.device
         self.max_len, self.emulate = max_len, emulate
@@ -75,8 +69,7 @@ class MegakernelBackend:
         self.bufs = mc.Buffers(chain, device=str(self.device))
         self.kernel = None
         if not emulate:
-            defines = defines or (*(DEFINES if step_inputs else HOST_INPUTS_DEFINES),
-                                  *((ROUTER_WARP_DEFINE,) if router_warp else ()))
+            defines = defines or (DEFINES if step_inputs else HOST_INPUTS_DEFINES)
             self.kernel = mc.ChainKernel(defines=defines, cubin=cubin, quiet=cubin is not None)
             self.kernel.bind(self.bufs)
         if prefill_backend is None:

@@ -107,17 +107,10 @@
 #define STEPS 4                        // 16-byte steps per thread and row, at most (even; x kept in registers)
 #endif
 #define CONSUMERS (32 * CONSUMER_WARPS)
-#ifndef ROUTER_WARP                    // 1: a router warp (the block's last) computes each scored top-k's ids from
-#define ROUTER_WARP 0                  // the router's words itself, as the TOPK tile does, and hands them to this
-#endif                                 // block's producer in shared memory: a routed phase's weights are fetched
-                                       // one hop earlier (no wait for the TOPK tile's words); see `router_warp`
-#if ROUTER_WARP && !(RECIPES && MMA_ONLY)
-#error "ROUTER_WARP reads the top-k's recipe: build it with RECIPES=1 MMA_ONLY=1"
-#endif
 #ifdef TRACE_TILES
-#define THREADS (CONSUMERS + 64 + 32 * ROUTER_WARP)    // + the producer warp + an observer warp that records when
-#else                                                   // each copy lands (+ the router warp)
-#define THREADS (CONSUMERS + 32 + 32 * ROUTER_WARP)    // + the producer warp (+ the router warp)
+#define THREADS (CONSUMERS + 64)       // + the producer warp + an observer warp that records when each copy lands
+#else
+#define THREADS (CONSUMERS + 32)       // + the producer warp
 #endif
 #ifndef SPIN_LIMIT
 #define SPIN_LIMIT (1u << 24)          // polls before a wait gives up (-DSPIN_LIMIT=...)
@@ -1614,100 +1607,6 @@ __device__ __forceinline__ int attnres_phase(const PhaseC& f, const PhaseC* ph, 
 // phase p, slot s, as bf16 at xdump + (p XDUMP_SLOTS + s) XMAX, written by the block with the slot's first tile (a
 // check of the recipes against the host's). Producer and consumers walk the same tiles in the same order: phase by
 // phase, this block's tiles of each phase.
-#if ROUTER_WARP
-#define ROUTER_KEYS 4                   // ROUTER_WARP: keys a lane (a scored top-k of 128 experts at most)
-#ifndef ROUTER_PREFETCH                 // ... this block's tiles a routed phase that it asks L2 for, once chosen
-#define ROUTER_PREFETCH 0               // (12-03 14:30, 4: 0.874 ms a pipelined step against 0.778: slower)
-#endif
-// Whether the router warp serves top-k phase f: a scored top-k (its x one X_SCORE part) of <= 32 ROUTER_KEYS keys
-// and <= COMBINE_MAX slots. A routed phase whose route it serves takes its ids from the router warp.
-__device__ __forceinline__ bool router_serves(const PhaseC& f, const XSeg* xsegs) {
-    return f.kind == TOPK && f.xop >= 0 && f.nxseg == 1 && xsegs[f.xop].op == X_SCORE &&
-           xsegs[f.xop].len <= 32 * ROUTER_KEYS && f.ne <= COMBINE_MAX;
-}
-
-// The router warp: for every top-k phase p it serves, in order, once this block's producer has reached p (so it is
-// done with the ids of the top-k before, which its routed phases before p read), the router's words polled (lane
-// l: keys l + 32 u), the keys sigmoid(s) + bias and each key's rank among them as the TOPK tile's x load makes them
-// (larger first, ties: the lower id first; so the same ids bit for bit), the k best ids written to ids and then p
-// to tag. The producer, at a routed phase's expert slot, waits for its route in tag and reads the id there instead
-// of the TOPK tile's word. (Waiting for the producer matters where words pass for fresh early: the words of a
-// zeroed buffer at epoch 0, mode NODEPS.) Then it asks L2 for this block's first tiles of those routed phases.
-__device__ __noinline__ void router_warp(const PhaseC* ph, int64_t nphase, const XSeg* xsegs, int* ids,
-                                         volatile int* tag, const volatile int* at, uint32_t epoch, bool wait,
-                                         uint32_t* err) {
-    const int lane = threadIdx.x % 32;
-    const int64_t nblk = gridDim.x;
-    uint64_t keep;
-    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(keep));
-    for (int64_t p = 0; p < nphase; ++p) {
-        const PhaseC& f = ph[p];
-        if (!router_serves(f, xsegs)) continue;
-        for (uint32_t spin = 0; *at < p; ++spin) {     // (slept: a tight loop here takes the consumers' issue slots)
-            __nanosleep(128);
-            if (out_of_time(spin, err, 6, p, 0)) return;
-        }
-        const XSeg& g = xsegs[f.xop];
-        const uint64_t* base = reinterpret_cast<const uint64_t*>(ph[g.src].y) + g.off;
-        const float* bias = reinterpret_cast<const float*>(g.aux);
-        const uint64_t* a[ROUTER_KEYS];
-        float v[ROUTER_KEYS], key[ROUTER_KEYS];
-        int rank[ROUTER_KEYS];
-#pragma unroll
-        for (int u = 0; u < ROUTER_KEYS; ++u) {
-            const int j = lane + 32 * u;
-            a[u] = j < g.len ? base + j : nullptr;
-        }
-        if (!poll_all(a, v, epoch, wait, err, p, 0)) return;
-#pragma unroll
-        for (int u = 0; u < ROUTER_KEYS; ++u) {
-            const int j = lane + 32 * u;
-            key[u] = j < g.len ? __fadd_rn(sigmoid_k3(v[u]), bias[j]) : 0.f;
-            rank[u] = 0;
-        }
-#pragma unroll
-        for (int w = 0; w < ROUTER_KEYS; ++w) {         // key i = 32 w + l, from lane l
-            if (32 * w >= g.len) break;
-            for (int l = 0; l < 32; ++l) {
-                const int i = 32 * w + l;
-                if (i >= g.len) break;                  // (i is the same in every lane)
-                const float ki = __shfl_sync(0xffffffffu, key[w], l);
-#pragma unroll
-                for (int u = 0; u < ROUTER_KEYS; ++u) {
-                    const int j = lane + 32 * u;
-                    rank[u] += ki > key[u] || (ki == key[u] && i < j);
-                }
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < ROUTER_KEYS; ++u) {
-            const int j = lane + 32 * u;
-            if (j < g.len && rank[u] < f.ne) ids[rank[u]] = j;
-        }
-        __syncwarp();
-        if (lane == 0) {
-            __threadfence_block();
-            *tag = static_cast<int>(p);
-        }
-        __syncwarp();
-        // this block's tiles of the phases p routes (up to the next top-k), ROUTER_PREFETCH a phase at most, asked
-        // of L2 now: HBM streams the experts' rows while the ring still holds the tiles before them (lane: a tile)
-        for (int64_t q = p + 1; ROUTER_PREFETCH && q < nphase; ++q) {
-            const PhaseC& h = ph[q];
-            if (h.kind == TOPK) break;
-            if (h.kind != ROUTED || h.route != p) continue;
-            const int g = first_tile(h, nblk) + lane * static_cast<int>(nblk);
-            if (lane >= ROUTER_PREFETCH || g >= h.tile0 + h.ntiles) continue;
-            const int64_t row0 = static_cast<int64_t>(g - h.tile0) * h.rows;
-            int64_t e = ids[row0 / h.ne];
-            e = e < 0 ? 0 : (e >= h.n_experts ? h.n_experts - 1 : e);
-            prefetch_l2(reinterpret_cast<const __nv_bfloat16*>(h.w) + (e * h.ne + row0 % h.ne) * h.k,
-                        static_cast<uint32_t>(min(static_cast<int64_t>(h.rows), h.n - row0) * h.k * 2), keep);
-        }
-    }
-}
-#endif
-
 extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM)
 chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __restrict__ x_in,
 #if EPOCH_PTR
@@ -1743,11 +1642,6 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
 #if RECIPES
     __shared__ float comb_w[COMBINE_MAX];       // an X_COMBINE_NORM's weights
 #endif
-#if ROUTER_WARP
-    __shared__ int route_ids[COMBINE_MAX];      // the router warp's ids (`router_warp`)
-    __shared__ int route_tag;                   // ... of this top-k phase (-1: none yet)
-    __shared__ int prod_phase;                  // the phase this block's producer is at
-#endif
     // per tile parity, warp, row of 16 (and X_ATTNRES's sums in an x load: 8 a warp)
     __shared__ __align__(16) float mma_red[MMA_TILES ? 2 * CONSUMER_WARPS * 16 : (RECIPES ? 8 * CONSUMER_WARPS : 1)];
     const int tid = threadIdx.x;
@@ -1782,9 +1676,6 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
 #if RECIPES
         xdump_s = xdump;
 #endif
-#if ROUTER_WARP
-        route_tag = prod_phase = -1;
-#endif
         if (blockIdx.x == 0) *t_start = now_ns();
 #if STEP_INPUTS
         x_row_s = x_in + *step_ids * x_len;
@@ -1814,12 +1705,6 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
 #else
 #define TT_SET(i, field) do { } while (0)
 #endif
-#if ROUTER_WARP
-    if (tid >= THREADS - 32) {              // ------------------------------------------------ router warp
-        router_warp(ph, nphase, xsegs, route_ids, &route_tag, &prod_phase, epoch, wait, err);
-        return;
-    }
-#endif
     if (tid >= CONSUMERS) {                 // ---------------------------------------------- producer warp
         if (tid != CONSUMERS) return;
 #ifdef NOHANDSHAKE                          // -DNOHANDSHAKE (with NOCOPY): a diagnostic, no producer; the consumers
@@ -1836,9 +1721,6 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
         for (int64_t p = 0; p < nphase; ++p) {
             const PhaseC& f = ph[p];
             const __nv_bfloat16* w = reinterpret_cast<const __nv_bfloat16*>(f.w);
-#if ROUTER_WARP
-            *reinterpret_cast<volatile int*>(&prod_phase) = static_cast<int>(p);   // (the router warp waits for it)
-#endif
             int64_t have_slot = -1, e = 0;
             bool inputs_done = mode != SERIAL;
             for (int64_t g = first_tile(f, nblk); g < f.tile0 + f.ntiles; g += nblk, ++i) {
@@ -1883,22 +1765,10 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
                 if (f.kind == ROUTED) {         // the expert top-k chose for this tile's slot
                     if (row0 / f.ne != have_slot) {
                         have_slot = row0 / f.ne;
-#if ROUTER_WARP
-                        if (router_serves(ph[f.route], xsegs)) {     // the router warp's id (no word to wait for)
-                            for (uint32_t spin = 0; *reinterpret_cast<volatile int*>(&route_tag) != f.route; ++spin) {
-                                __nanosleep(32);
-                                if (out_of_time(spin, err, 4, p, t)) return;
-                            }
-                            __threadfence_block();
-                            e = reinterpret_cast<const volatile int*>(route_ids)[have_slot];
-                        } else
-#endif
-                        {
-                            const uint64_t* id = reinterpret_cast<const uint64_t*>(ph[f.route].y) + have_slot;
-                            uint64_t v = load_word(id);
-                            if (!poll_word(id, v, epoch, wait, err, 4, p, t)) return;
-                            e = static_cast<int64_t>(value_of(v));
-                        }
+                        const uint64_t* id = reinterpret_cast<const uint64_t*>(ph[f.route].y) + have_slot;
+                        uint64_t v = load_word(id);
+                        if (!poll_word(id, v, epoch, wait, err, 4, p, t)) return;
+                        e = static_cast<int64_t>(value_of(v));
                         e = e < 0 ? 0 : (e >= f.n_experts ? f.n_experts - 1 : e);
                     }
                     wrow = e * f.ne + row0 % f.ne;

@@ -119,8 +119,7 @@ ATTN_HEADS = cu_default("ATTN_HEADS")    # chain.cu: heads an ATTN tile (its x h
 ATTN_ROWS = cu_default("ATTN_ROWS_WARP") * cu_default("CONSUMER_WARPS")    # ... and its keys
 ATTN_SPLITS = cu_default("ATTN_SPLITS")  # ... key blocks an X_MLA_COMBINE adds at most
 WAITS = {1: "an input word of this launch", 2: "a filled ring slot", 3: "a free ring slot",
-         4: "the top-k's words (ROUTER_WARP: the router warp's ids)", 5: "an input phase's counter",
-         6: "the producer to reach the top-k (the router warp)"}
+         4: "the top-k's words", 5: "an input phase's counter"}
 
 # k3-small at B = 1, context 1024 (docs/megakernel.md's table); `lat` is the width of the few-byte links.
 WIDTHS = dict(d=2048, q_rank=768, e_lat=1024, e_w=768, dense=8192, vocab=32768, kda_in=8376, heads=16,
@@ -1439,8 +1438,8 @@ class ChainKernel:
                   + " | ".join(kernel_report(self.ptxas)), flush=True)
         self.fn = cupy.RawModule(path=cubin).get_function("chain_kernel")
         self.consumers = 32 * define_value(defines, "CONSUMER_WARPS", cu)
-        # + the producer warp (and -DTRACE_TILES's observer warp, -DROUTER_WARP=1's router warp)
-        self.threads = self.consumers + 32 * (1 + ("TRACE_TILES" in defines) + ("ROUTER_WARP=1" in defines))
+        # + the producer warp (and -DTRACE_TILES's observer warp)
+        self.threads = self.consumers + 32 * (2 if "TRACE_TILES" in defines else 1)
         self.steps = define_value(defines, "STEPS", cu)
         self.per_sm = define_value(defines, "BLOCKS_PER_SM", cu, default=1)
         own = " ".join(kernel_report(self.ptxas))
