@@ -60,11 +60,37 @@ def test_shapes_full_k3_tp8():
     assert data["layers"]["MLA + LatentMoE"]["layer"] == 3
 
 
-def test_demo_runs_end_to_end(tmp_path):
-    r = run("demo", "--out", str(tmp_path / "demo"))
+def test_demo_runs_end_to_end(tmp_path, monkeypatch):
+    """`k3export demo` end to end; its engine (the best backend on a CPU: AOTInductor) is also the suite's AOTI
+    engine test, so that the AOTI compile (~2 min on 2 cores) runs once: packages built from the exported graphs,
+    loaded without the model code, eager's greedy tokens; a second build of the same graphs reuses the cached
+    packages instead of compiling, and a child process opens that engine and runs a decode step (load check)."""
+    from k3export.build import build, load_engine
+    from k3export.generate import generate
+    from k3export.model import K3Model
+    from k3export.runtime import Generator
+    monkeypatch.setenv("K3EXPORT_CACHE", str(tmp_path / "cache"))
+    demo = tmp_path / "demo"
+    r = run("demo", "--out", str(demo))
     assert r.exit_code == 0, r.output
-    assert (tmp_path / "demo" / "checkpoint" / "model.safetensors").exists()
-    assert json.loads((tmp_path / "demo" / "generate.json").read_text())["tokens"]
+    assert (demo / "checkpoint" / "model.safetensors").exists()
+    gen = json.loads((demo / "generate.json").read_text())
+    assert gen["tokens"] and gen["tokens"] == gen["eager"], gen
+    path = demo / "engines" / "k3-tiny-fp32-cpu-aoti"
+    m = json.loads((path / "manifest.json").read_text())
+    assert {"prefill.aoti.pt2", "decode.aoti.pt2", "weights.safetensors"} <= set(m["files"])
+    assert any(k.startswith("aoti compile") for k in m["build"]["seconds"])
+    assert m["aoti"]["extern_ops"] == ["attn_res", "kda_decode", "kda_prefill", "mla_decode", "mla_prefill",
+                                       "moe_routed"]           # CPU: every k3 op stays a call to its reference
+    prompts = [[1, 2, 3, 4, 5], [7, 7, 7], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11]]
+    model = K3Model.from_pretrained(demo / "checkpoint", dtype=torch.float32)
+    engine = load_engine(path, max_batch=2, max_len=32)       # three prompts in two slots
+    assert Generator(engine).generate(prompts, 5) == generate(model, prompts, 5)
+    again = build("aoti", model, tmp_path / "engines", graphs=demo / "graphs", echo=lambda *_: None,
+                  load_check=True)
+    log = (again / "build.log").read_text()
+    assert "reused cached package" in log and "aoti compile" not in log
+    assert json.loads((again / "manifest.json").read_text())["load_check"]["ok"]   # a child process ran a step
 
 
 def test_demo_backend_choices_are_the_build_backends(tmp_path):
