@@ -1,6 +1,8 @@
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,15 +27,30 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def _interpreter_run(script: str) -> str:
+    run = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout.strip().splitlines()[-1]
+
+
 @pytest.fixture(scope="module")
-def interp(request):
+def interp(request, tmp_path_factory):
     """Results of the requesting test module run as a script under the Triton interpreter. `triton.jit` (and
     triton's own library functions) pick the interpreter when triton is first imported, so the CPU kernel cases
     run in a fresh process with TRITON_INTERPRET=1 set before that import; the script prints one JSON dict of
-    relative errors as its last line."""
-    run = subprocess.run([sys.executable, request.module.__file__], capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    relative errors as its last line. Under pytest-xdist one module's tests can run on both workers (the collection
+    is cut in halves and workers steal each other's tests; measured: the MLA module's script ran on both), so the
+    first worker to need a module's results runs its script and keeps the line in the session's shared temporary
+    directory, under a lock: the other worker reads it there (or waits for it) instead of running it again."""
+    script = request.module.__file__
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return json.loads(_interpreter_run(script))
+    from filelock import FileLock
+    shared = tmp_path_factory.getbasetemp().parent / f"interp-{Path(script).stem}.json"
+    with FileLock(f"{shared}.lock"):
+        if not shared.exists():
+            shared.write_text(_interpreter_run(script))
+        return json.loads(shared.read_text())
 
 
 @pytest.fixture(scope="module")

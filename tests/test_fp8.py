@@ -218,18 +218,24 @@ def test_qdq_linear_in_a_16bit_model_passes_the_onnx_checker_and_runs(tmp_path, 
     assert rel(y, m(x)) < ROUND_FLIP_BOUND[dtype]
 
 
+@pytest.fixture(scope="module")
+def fp8_decode(fp8_model, tmp_path_factory):
+    """`export_fp8_graph` of the FP8 model's decode graph (.pt2 and ONNX), exported once for the two tests below."""
+    from k3export.fp8_onnx import export_fp8_graph
+    return export_fp8_graph(fp8_model, tmp_path_factory.mktemp("fp8_decode"))
+
+
 @pytest.mark.slow
-def test_whole_fp8_decode_graph_pt2_reloads_and_onnx_has_qdq_where_the_recipe_says(tmp_path, fp8_model):
+def test_whole_fp8_decode_graph_pt2_reloads_and_onnx_has_qdq_where_the_recipe_says(fp8_decode, fp8_model):
     import collections
 
     import onnx
 
     from k3export.export import DecodeGraph
-    from k3export.fp8_onnx import export_fp8_graph
     targets = Recipe.load(DEFAULT_RECIPE).resolve(random_model(CFG, seed=0))
     n_lin = sum(k == "linear" for k in targets.values())
     n_exp = len(targets) - n_lin
-    r = export_fp8_graph(fp8_model, tmp_path)
+    r = fp8_decode
     ep = torch.export.load(r["pt2"])                                       # re-loaded from disk, runs
     for a, b in zip(ep.module()(*r["args"]), DecodeGraph(fp8_model)(*r["args"])):
         assert torch.equal(a, b)
@@ -245,7 +251,7 @@ def test_whole_fp8_decode_graph_pt2_reloads_and_onnx_has_qdq_where_the_recipe_sa
     onnx.checker.check_model(model)
 
 
-def test_fp8_onnx_rewritten_for_tensorrt(tmp_path, fp8_model, monkeypatch):
+def test_fp8_onnx_rewritten_for_tensorrt(tmp_path, fp8_decode, monkeypatch):
     """The FP8 decode graph's ONNX rewritten for TensorRT (`trt_onnx.rewrite`): each `moe_routed_fp8` node becomes
     the FP8 plugin chain of max_tokens' regime (k3-tiny: 8 experts, top-3; 8 tokens = 24 pairs: weight-only; 64:
     W8A8; 2048: W8A8 with the chunked align), no k3 op node is left, every plugin node has exactly the inputs,
@@ -258,13 +264,12 @@ def test_fp8_onnx_rewritten_for_tensorrt(tmp_path, fp8_model, monkeypatch):
 
     import trt_standin
     from k3export import build_trt
-    from k3export.fp8_onnx import export_fp8_graph, qdq_census
+    from k3export.fp8_onnx import qdq_census
     from k3export.trt_onnx import rewrite
     _, trtp = trt_standin.install(monkeypatch)
     assert build_trt.register_plugins() == list(build_trt.PLUGIN_MODULES)
     assert set(trtp.registered) == {f"k3::{p}" for p in build_trt.PLUGINS}
-    r = export_fp8_graph(fp8_model, tmp_path)
-    model = onnx.load(str(r["onnx"]))
+    model = onnx.load(str(fp8_decode["onnx"]))
     n_moe = sum(n.op_type == "moe_routed_fp8" for n in model.graph.node)
     assert n_moe == CFG.num_hidden_layers - CFG.first_k_dense_replace > 0
     chains = {8: ["moe_align", "moe_fp8_wo_gemm1", "moe_fp8_wo_gemm2"],
