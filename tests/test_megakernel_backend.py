@@ -71,6 +71,23 @@ def test_the_router_first_layout_gives_the_same_step(tiny_mla8):
             assert proj.rows == 16 and (max(tiles) < 132 if first else min(tiles) >= 132), (proj.name, tiles)
 
 
+def test_paired_tiles_give_each_block_one_expert_of_k3_smalls_moe_down():
+    """On an H200 (132 blocks), k3-small's MoE down projections (256 tiles of 32 rows, 32 an expert): by default a
+    block with two tiles has two experts' (two x loads); with PAIR_TILES, one (a meta-device model, the layout
+    only)."""
+    from k3export.model import K3Model
+    with torch.device("meta"):
+        small = K3Model(K3Config.from_name("k3-small")).to(torch.bfloat16)
+    chain = mb.decode_chain(small, 64)
+    downs = [p for p, ph in enumerate(chain.phases) if ph.name.endswith("moe.down")]
+    assert len(downs) == 11
+    for paired, most in ((False, 2), (True, 1)):
+        tiles = mc.block_tiles(chain, 132, paired=paired)
+        for p in downs:
+            slots = [{s for q, s, _ in bt if q == p} for bt in tiles]
+            assert max(map(len, slots)) == most and sum(len(bt) for bt in tiles) == chain.ntiles
+
+
 def test_the_emulated_backend_reloads_after_fill_slots(tiny_mla8):
     """`Engine.fill_slots` (how `bench model` times a context) writes the state outside decode: the next step
     loads it (the key count from the engine's lengths)."""
@@ -259,12 +276,14 @@ def test_the_kernel_reading_its_step_inputs_equals_the_host_set_build():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("variant", [{"router_first": True}], ids=str)
+@pytest.mark.parametrize("variant", [{"router_first": True}, {"pair_tiles": False}], ids=str)
 def test_the_kernel_variants_equal_the_default_kernel(variant):
     """k3-small in the kernel: the router rows early in each MoE's packed projection (`router_first`; 12-03 14:04 on
-    the H200: passed) give the default kernel's logits bit for bit under the engine's CUDA graph, over 6 steps (each
-    row's sum is the same tensor-core sum wherever its tile is). (A router warp choosing each block's experts passed
-    here too, 12-03 14:24, before it was dropped as slower: commit aef7f58.)"""
+    the H200: passed), and each block's MoE down tiles two experts' as before PAIR_TILES (`pair_tiles=False`; the
+    paired build against the unpaired one passed 12-03 14:43, before pairing became the default) give the default
+    kernel's logits bit for bit under the engine's CUDA graph, over 6 steps (each row's sum is the same tensor-core
+    sum wherever its tile is). (A router warp choosing each block's experts passed here too, 12-03 14:24, before it
+    was dropped as slower: commit aef7f58.)"""
     _needs_the_kernel()
     from k3export.bench.fp8 import gpu_random_model
     model = gpu_random_model(K3Config.from_name("k3-small"), 0)

@@ -198,6 +198,33 @@ def test_chain_cu_builds_for_sm90a_without_spills(tmp_path):
                               for f in frames), report
 
 
+@pytest.mark.parametrize("nblk", [3, 5, 8])
+def test_paired_tiles_are_a_permutation_and_give_a_block_one_expert(nblk):
+    """PAIR_TILES (`tile_row0(paired=True)`, chain.cu's `tile_row0`): in a routed phase with x per expert over more
+    tiles than blocks, the tiles' first rows are every row block once, and a block's tiles run over consecutive row
+    blocks, so they share an expert wherever its row blocks are a multiple of the run; every other phase is as
+    before."""
+    c = mc.k3_small_chain(mc.SKELETON)          # (its routed down projections: 16 tiles, 2 an expert)
+    assert any(ph.kind == "routed" and ph.xstride and ph.ntiles > nblk for ph in c.phases)
+    shared = 0
+    for ph in c.phases:
+        rows = [mc.tile_row0(ph, t, nblk, paired=True) for t in range(ph.ntiles)]
+        assert sorted(rows) == [t * ph.rows for t in range(ph.ntiles)], ph.name
+        if not (ph.kind == "routed" and ph.xstride and ph.ntiles > nblk):
+            assert rows == [mc.tile_row0(ph, t, nblk) for t in range(ph.ntiles)], ph.name
+            continue
+        R = -(-ph.ntiles // nblk)
+        for col in range(nblk):
+            blocks = [rows[t] // ph.rows for t in range(col, ph.ntiles, nblk)]
+            assert blocks == list(range(blocks[0], blocks[0] + len(blocks))), (ph.name, col)
+            if (ph.ne // ph.rows) % R == 0 and len(blocks) == R:
+                assert len({rows[t] // ph.ne for t in range(col, ph.ntiles, nblk)}) == 1, (ph.name, col)
+                shared += 1
+    assert shared or nblk != 8                  # (8 blocks: runs of 2, one expert each)
+    paired, plain = mc.block_tiles(c, nblk, paired=True), mc.block_tiles(c, nblk)
+    assert sorted(x for bt in paired for x in bt) == sorted(x for bt in plain for x in bt)
+
+
 def test_block_tiles_follow_the_kernels_walk():
     """Tile g of the chain goes to block g % blocks; a block takes its tiles phase by phase; routed tiles carry
     their x slot; a top-k's tile moves no bytes."""

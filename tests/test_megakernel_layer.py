@@ -275,8 +275,8 @@ def test_layer_build_has_no_spills(tmp_path):
     """The real layers' build (RECIPES=1 MMA_ONLY=1). Without MMA_ONLY, the KDA phase makes the recipe build spill
     into the tile loop (16-64 bytes; nvdisasm placed loads in the tile loop), and the k3-small MoE launch took
     0.357 ms against 0.347 before it (12-02). The same for the megakernel backend's build (EPOCH_PTR=1
-    STEP_INPUTS=1: the embedding row pointer kept in shared memory, as a register it spilled 4 bytes) and its build
-    with the inputs set around the launch (EPOCH_PTR=1 alone)."""
+    STEP_INPUTS=1 PAIR_TILES=1: the embedding row pointer kept in shared memory, as a register it spilled 4 bytes)
+    and its build with the inputs set around the launch (EPOCH_PTR=1 PAIR_TILES=1)."""
     from k3export.megakernel.backend import DEFINES, HOST_INPUTS_DEFINES
     for defines in (ml.DEFINES, DEFINES, HOST_INPUTS_DEFINES):
         _, report = mc.compile_cubin(3, 65536, str(tmp_path), defines=defines)

@@ -22,6 +22,8 @@ each hold `context` tokens (`Engine.decode`, state commit included). Backends:
     megakernel-router-first  the same with each MoE's router rows early in its packed projection
               (`MegakernelBackend(router_first=True)`; 12-03 14:04, 300 steps: 0.784 ms against 0.808, pipelined
               generation 0.779 both)
+    megakernel-unpaired  the same with each block's MoE down tiles two experts' (`MegakernelBackend(pair_tiles=False)`:
+              two x loads a block, not one; 12-03 14:43, 300 steps: 0.784 ms against the default's 0.769)
 
 Napkin math beside every time. Decode floor = bytes a step must move / measured copy bandwidth: every weight
 except the routed experts and the embedding table, the routed experts a batch of B hits in expectation
@@ -63,7 +65,8 @@ COMPILE_VARIANTS = {"compile": {}, "compile-frozen": {"freezing": True}, "compil
                     "compile-gemv4": {"gemv_rows": 4},
                     "compile-fast": {"glu": True, "moe_pdl": True, "fold_norm": True}}
 MEGAKERNEL_VARIANTS = {"megakernel": {}, "megakernel-host-inputs": {"step_inputs": False},
-                       "megakernel-router-first": {"router_first": True}}
+                       "megakernel-router-first": {"router_first": True},
+                       "megakernel-unpaired": {"pair_tiles": False}}
 BACKENDS = ("eager", "graph", *COMPILE_VARIANTS, "aoti", *MEGAKERNEL_VARIANTS)
 
 

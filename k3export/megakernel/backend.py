@@ -39,8 +39,12 @@ from k3export.megakernel import layer as ml
 # (the token's embedding row, the key count, the epoch as a base plus the length: nothing runs before the launch).
 # HOST_INPUTS_DEFINES (`step_inputs=False`): those set by small kernels around it (bench `megakernel-host-inputs`;
 # 12-03 12:01, 300 steps: 0.777 ms a step against 0.769 ms, the same logits bit for bit).
-DEFINES = (*ml.DEFINES, "EPOCH_PTR=1", "STEP_INPUTS=1")
-HOST_INPUTS_DEFINES = (*ml.DEFINES, "EPOCH_PTR=1")
+# PAIR_TILES (`pair_tiles`, the default): each block's tiles of a MoE down projection are one expert's, so that it
+# loads that expert's x once, not once a tile (chain.cu `tile_row0`; 12-03 14:43, 300 steps: 0.769 ms a step against
+# 0.784 unpaired, the same logits bit for bit).
+PAIR_TILES_DEFINE = "PAIR_TILES=1"
+DEFINES = (*ml.DEFINES, "EPOCH_PTR=1", "STEP_INPUTS=1", PAIR_TILES_DEFINE)
+HOST_INPUTS_DEFINES = (*ml.DEFINES, "EPOCH_PTR=1", PAIR_TILES_DEFINE)
 
 
 class MegakernelBackend:
@@ -53,12 +57,15 @@ class MegakernelBackend:
     max_batch = 1
 
     def __init__(self, model, max_len: int, prefill_backend=None, emulate: bool = False, defines=None,
-                 cubin: tuple[str, str] | None = None, step_inputs: bool = True, router_first: bool = False):
+                 cubin: tuple[str, str] | None = None, step_inputs: bool = True, router_first: bool = False,
+                 pair_tiles: bool = True):
         """step_inputs (the default): chain.cu built with STEP_INPUTS=1 reads the token's embedding row, the key
         count and its epoch from the engine's buffers itself, four small kernels fewer a step than setting them
         around it (False: `HOST_INPUTS_DEFINES`). defines: another build (the engine directory's). router_first:
         each MoE's router rows early in its packed projection (`layer.layers_chain`), meant to take the top-k off
-        the critical path; the same logits bit for bit, and the same step (12-03 14:04: 0.779 ms pipelined both)."""
+        the critical path; the same logits bit for bit, and the same step (12-03 14:04: 0.779 ms pipelined both).
+        pair_tiles (the default): chain.cu built with PAIR_TILES=1, a block's tiles of each MoE down projection one
+        expert's (one x load, not two); the same logits bit for bit as without (False)."""
         cfg = model.config
         self.model, self.config, self.dtype, self.device = model, cfg, model.dtype, model.device
         self.max_len, self.emulate = max_len, emulate
@@ -69,7 +76,8 @@ class MegakernelBackend:
         self.bufs = mc.Buffers(chain, device=str(self.device))
         self.kernel = None
         if not emulate:
-            defines = defines or (DEFINES if step_inputs else HOST_INPUTS_DEFINES)
+            defines = defines or tuple(d for d in (DEFINES if step_inputs else HOST_INPUTS_DEFINES)
+                                       if pair_tiles or d != PAIR_TILES_DEFINE)
             self.kernel = mc.ChainKernel(defines=defines, cubin=cubin, quiet=cubin is not None)
             self.kernel.bind(self.bufs)
         if prefill_backend is None:

@@ -107,6 +107,9 @@
 #define STEPS 4                        // 16-byte steps per thread and row, at most (even; x kept in registers)
 #endif
 #define CONSUMERS (32 * CONSUMER_WARPS)
+#ifndef PAIR_TILES                     // 1: a routed phase with x per expert (the MoE down projection) hands each
+#define PAIR_TILES 0                   // block consecutive row blocks, so that its tiles share an expert and it
+#endif                                 // loads that x once (`tile_row0`)
 #ifdef TRACE_TILES
 #define THREADS (CONSUMERS + 64)       // + the producer warp + an observer warp that records when each copy lands
 #else
@@ -1411,6 +1414,22 @@ __device__ __forceinline__ int first_tile(const PhaseC& f, int64_t nblk) {
     return f.tile0 + (d < 0 ? d + static_cast<int>(nblk) : d);
 }
 
+// The first row of phase f's tile t. Block b takes the tiles t = c, c + nblk, c + 2 nblk, ... (c = (b - tile0) mod
+// nblk); with PAIR_TILES, in a ROUTED phase with x per expert (xstride) over more tiles than blocks, the tiles of
+// column c are row blocks in a run (c R, c R + 1, ... for the F columns of R = ceil(ntiles / nblk) tiles, then runs
+// of R - 1), so that a block's tiles are one expert's (ne a multiple of R rows blocks) and it loads that x once;
+// else tile t is row block t. Every row is computed as before, by another block: the same outputs bit for bit.
+// (`megakernel_chain.py` `tile_row0`.)
+__device__ __forceinline__ int tile_row0(const PhaseC& f, int t, int nblk) {
+#if PAIR_TILES
+    if (f.kind == ROUTED && f.xstride && f.ntiles > nblk) {
+        const int R = (f.ntiles + nblk - 1) / nblk, F = f.ntiles - (R - 1) * nblk, r = t / nblk, c = t % nblk;
+        return (c < F ? c * R + r : F * R + (c - F) * (R - 1) + r) * f.rows;
+    }
+#endif
+    return t * f.rows;
+}
+
 // This block's tiles in order (phase p, global tile g; p == nphase past the last), for the L2 prefetches.
 struct Cursor {
     int64_t p, g;
@@ -1724,7 +1743,9 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
             int64_t have_slot = -1, e = 0;
             bool inputs_done = mode != SERIAL;
             for (int64_t g = first_tile(f, nblk); g < f.tile0 + f.ntiles; g += nblk, ++i) {
-                const int64_t t = g - f.tile0, row0 = t * f.rows;
+                const int64_t t = g - f.tile0;
+                const int64_t row0 = PAIR_TILES ? tile_row0(f, static_cast<int>(t), static_cast<int>(nblk))
+                                                : t * f.rows;
                 const uint32_t s = i % NSLOT;
                 // keep PREFETCH_TILES tiles past the ring on their way into L2 (GEMV tiles: routed ones wait for
                 // their expert), so that HBM keeps streaming while the ring is full
@@ -1858,7 +1879,7 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
         } else
 #endif
         for (int g = g0; g < gend; g += static_cast<int>(nblk), ++i, ++done) {
-            const int t = g - tile0, row0 = t * rows;
+            const int t = g - tile0, row0 = PAIR_TILES ? tile_row0(f, t, static_cast<int>(nblk)) : t * rows;
             const int slot = x_per_expert ? row0 / ne : 0;     // whose x (routed: per expert)
             const uint32_t s = i % NSLOT;
             const int rows_here = min(rows, n - row0);          // (the last tile may be part of one)

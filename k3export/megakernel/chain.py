@@ -1253,12 +1253,24 @@ def pack_mma_tiles(w: torch.Tensor, rows: int, min_k: int = 32) -> torch.Tensor:
     return out
 
 
-def block_tiles(chain: Chain, nblk: int) -> list[list[tuple[int, int, int]]]:
-    """Per block, its tiles in the order chain.cu walks them: (phase, x slot, weight bytes)."""
+def tile_row0(ph: Phase, t: int, nblk: int, paired: bool = False) -> int:
+    """chain.cu's `tile_row0`: the first row of phase ph's tile t on nblk blocks; paired (a PAIR_TILES=1 build): in a
+    routed phase with x per expert over more tiles than blocks, block c's tiles t = c, c + nblk, ... are row blocks
+    in a run (runs of R = ceil(ntiles / nblk) for the first F = ntiles - (R - 1) nblk columns, then of R - 1)."""
+    if paired and ph.kind == "routed" and ph.xstride and ph.ntiles > nblk:
+        R = -(-ph.ntiles // nblk)
+        F, r, c = ph.ntiles - (R - 1) * nblk, t // nblk, t % nblk
+        return (c * R + r if c < F else F * R + (c - F) * (R - 1) + r) * ph.rows
+    return t * ph.rows
+
+
+def block_tiles(chain: Chain, nblk: int, paired: bool = False) -> list[list[tuple[int, int, int]]]:
+    """Per block, its tiles in the order chain.cu walks them: (phase, x slot, weight bytes); paired: a PAIR_TILES=1
+    build's (`tile_row0`)."""
     out = [[] for _ in range(nblk)]
     for p, ph in enumerate(chain.phases):
         for t in range(ph.ntiles):
-            row0 = t * ph.rows
+            row0 = tile_row0(ph, t, nblk, paired)
             slot = row0 // ph.ne if ph.kind == "routed" and ph.xstride else 0
             nbytes = 0 if ph.kind == "topk" else min(ph.rows, ph.n - row0) * ph.k * 2
             if ph.kind == "attn":           # (key block t / ne, head group t % ne; the new row is not loaded)
@@ -1613,7 +1625,7 @@ class ChainKernel:
         self.launch(mode)
         self.check()
         tr = self.tile_trace.view(self.blocks, TILE_TRACE_MAX, TILE_FIELDS).cpu()
-        return tile_pipeline(tr, block_tiles(self.bufs.chain, self.blocks))
+        return tile_pipeline(tr, block_tiles(self.bufs.chain, self.blocks, "PAIR_TILES=1" in self.defines))
 
     def timeline_us(self) -> list[float]:
         """When each phase of the last launch finished, us after block 0 started (a phase without tiles, a mix: when
