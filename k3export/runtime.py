@@ -76,6 +76,8 @@ class Backend(Protocol):
     # keeps the engine from capturing its steps; `state_changed()` is called after the engine writes the slots' state
     # outside decode (prefill, `fill_slots`), `before_decode(state)` before every decode step, outside its CUDA
     # graph: `k3export.megakernel.backend.MegakernelBackend` uses them to keep the decode state in its own layouts.
+    # Optional: `argmax_into(logits, out)` writes each row's argmax (`torch.argmax`'s index) into out `[B]` int64 for
+    # the greedy step (`decode_greedy`), capturable; the megakernel backend's reads its strided logits in one program.
 
 
 class EagerBackend:
@@ -591,7 +593,10 @@ class Engine:
 
     def _greedy_step(self, n: int | None = None) -> torch.Tensor:
         logits = self._step(n)
-        self._ids[:logits.shape[0]].copy_(logits.argmax(-1))
+        if hasattr(self.backend, "argmax_into"):
+            self.backend.argmax_into(logits, self._ids[:logits.shape[0]])
+        else:
+            self._ids[:logits.shape[0]].copy_(logits.argmax(-1))
         return logits
 
     def _rows(self, n: int | None) -> tuple[torch.Tensor, ...]:
