@@ -1,11 +1,11 @@
 """Greedy decoding's argmax over a strided row of logits, in one Triton program a row.
 
 The `megakernel` backend's logits are the fp32 halves of the launch's 8-byte output words (a stride-2 view), and
-torch's argmax over them took 11.8 us of each generated token on the H200 (12-03 14:05, `profile_decode.py --generate`:
-one `reduce_kernel` over 32768 values). `argmax_rows` reads the row as it lies, `BLOCK` values a round: each lane keeps
-the first index of its largest value, then the row's first index of the largest is taken across the lanes, as
-`torch.argmax` picks it (NaN: counted as +inf, where torch counts it as the largest; they differ only in a row with both).
-On any other device, or without Triton, it is `torch.argmax`.
+torch's argmax over them took 11.8 us of each generated token on the H200 (12-03 14:05, `profile_decode.py
+--generate`: one `reduce_kernel` over 32768 values). `argmax_rows` reads the row as it lies, `BLOCK` values a round:
+each lane keeps the first index of its largest value, then the row's first index of the largest is taken across the
+lanes, as `torch.argmax` picks it (NaN counts as +inf, where torch counts it as the largest: they differ only in a
+row with both). On any other device, or without Triton, it is `torch.argmax`.
 """
 
 from __future__ import annotations
