@@ -71,6 +71,27 @@ def test_the_argmax_off_the_gpu_is_torch_argmax():
         argmax_rows(x[0])
 
 
+def test_the_backend_falls_back_to_torch_argmax_once_the_program_fails(tiny_mla8, monkeypatch):
+    """`MegakernelBackend.argmax_into`: a Triton argmax that raises (a build problem on some machine) warns once and
+    leaves torch.argmax's index; later calls go straight to torch."""
+    from k3export.megakernel import backend as mb
+    from k3export.runtime import EagerBackend
+    cfg, model = tiny_mla8
+    be = mb.MegakernelBackend(model, max_len=24, prefill_backend=EagerBackend(model), emulate=True)
+    calls = []
+
+    def broken(x, out=None):
+        calls.append(1)
+        raise RuntimeError("no sm_90 build\nmore")
+    monkeypatch.setattr(mb, "argmax_rows", broken)
+    x, out = torch.randn(1, 40)[:, ::2], torch.full((1,), -1, dtype=torch.int64)
+    with pytest.warns(RuntimeWarning, match="torch.argmax instead"):
+        be.argmax_into(x, out)
+    assert out.tolist() == x.argmax(-1).tolist() and be.argmax_error == "RuntimeError: no sm_90 build"
+    be.argmax_into(x * -1, out)
+    assert out.tolist() == (x * -1).argmax(-1).tolist() and len(calls) == 1
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("vocab", [32768, 163840])
 def test_the_argmax_program_on_the_gpu(vocab):
