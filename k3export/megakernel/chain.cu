@@ -1417,9 +1417,9 @@ __device__ __forceinline__ int first_tile(const PhaseC& f, int64_t nblk) {
 // The first row of phase f's tile t. Block b takes the tiles t = c, c + nblk, c + 2 nblk, ... (c = (b - tile0) mod
 // nblk); with PAIR_TILES, in a ROUTED phase with x per expert (xstride) over more tiles than blocks, the tiles of
 // column c are row blocks in a run (c R, c R + 1, ... for the F columns of R = ceil(ntiles / nblk) tiles, then runs
-// of R - 1), so that a block's tiles are one expert's (ne a multiple of R rows blocks) and it loads that x once;
+// of R - 1), so that a block's tiles are one expert's (ne a multiple of R row blocks) and it loads that x once;
 // else tile t is row block t. Every row is computed as before, by another block: the same outputs bit for bit.
-// (`megakernel_chain.py` `tile_row0`.)
+// (`chain.py` `tile_row0`.)
 __device__ __forceinline__ int tile_row0(const PhaseC& f, int t, int nblk) {
 #if PAIR_TILES
     if (f.kind == ROUTED && f.xstride && f.ntiles > nblk) {
