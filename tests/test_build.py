@@ -203,8 +203,9 @@ def test_fp8_engine_refuses_scales_of_other_weights_dtypes_and_backends(fp8_case
     assert (tmp_path / "k3-tiny-bf16-fp8-cpu-eager" / "manifest.json").exists()       # best = eager on a CPU
 
 
-def test_fp8_graphs_for_tensorrt(fp8_case, tmp_path):
-    """The FP8 TensorRT path up to TensorRT itself: `export --scales` writes FP8 graphs (`k3::fp8_linear` and
+def test_fp8_graphs_for_tensorrt(tmp_path):
+    """On k3-tiny cut to 4 layers (every op kind, 3 MoE layers; half of k3-tiny's nodes to export, convert and
+    verify), the FP8 TensorRT path up to TensorRT itself: `export --scales` writes FP8 graphs (`k3::fp8_linear` and
     `k3::moe_routed_fp8` nodes, the manifest's `quant` entry); `onnx` turns them into Q/DQ + one bare
     `k3.moe_routed_fp8` node per MoE layer; `verify` re-quantizes the eager reference from the recorded scales
     file and the re-loaded .pt2 matches it; the builder's ONNX rewrite leaves no node TensorRT could not take in
@@ -216,24 +217,34 @@ def test_fp8_graphs_for_tensorrt(fp8_case, tmp_path):
     from k3export.build_trt import onnx_inputs, plugin_gaps, plugin_onnx
     from k3export.cli import main
     from k3export.fp8_onnx import qdq_census
+    from k3export.calibrate import DEFAULT_RECIPE, Recipe
     from k3export.manifest import file_sha256, load_manifest, write_manifest
-    _, scales, _ = fp8_case
+    from test_export import small_tiny
+    cfg = small_tiny()
+    model = random_model(cfg, seed=0, dtype=torch.bfloat16)
+    targets = Recipe.load(DEFAULT_RECIPE).resolve(model)
+    n_lin = sum(k == "linear" for k in targets.values())
+    n_exp = len(targets) - n_lin
+    assert n_exp == cfg.num_hidden_layers - cfg.first_k_dense_replace > 0 and n_lin > 0
+    ckpt = tmp_path / "ckpt"
+    save_checkpoint(model, ckpt)
+    scales, _ = _scales_file(model, tmp_path / "small.safetensors")
     d = tmp_path / "graphs"
-    common = ["--preset", "k3-tiny", "--dtype", "bfloat16", "--max-batch", "4", "--max-tokens", "64",
+    common = ["--checkpoint", str(ckpt), "--dtype", "bfloat16", "--max-batch", "4", "--max-tokens", "64",
               "--max-cache", "128"]
     r = CliRunner().invoke(main, ["export", *common, "--scales", str(scales), "--out", str(d)])
-    assert r.exit_code == 0 and "FP8: quantized {'linear': 88, 'experts': 8}" in r.output, r.output
+    assert r.exit_code == 0 and f"FP8: quantized {{'linear': {n_lin}, 'experts': {n_exp}}}" in r.output, r.output
     gm = load_manifest(d)
-    assert gm["quant"]["scales_sha256"] == file_sha256(scales) and gm["quant"]["quantized"]["experts"] == 8
+    assert gm["quant"]["scales_sha256"] == file_sha256(scales) and gm["quant"]["quantized"]["experts"] == n_exp
     for g in ("prefill", "decode"):
         ops = gm["graphs"][g]["k3_ops"]
-        assert ops["fp8_linear"] == 88 and ops["moe_routed_fp8"] == 8 and "moe_routed" not in ops, ops
+        assert ops["fp8_linear"] == n_lin and ops["moe_routed_fp8"] == n_exp and "moe_routed" not in ops, ops
     r = CliRunner().invoke(main, ["onnx", "--graphs", str(d)])
     assert r.exit_code == 0, r.output
     dec = onnx.load(str(d / "decode.onnx"), load_external_data=False)
     c = qdq_census(dec)
-    assert (c["QuantizeLinear"], c["DequantizeLinear"], len(c["fp8_weights"])) == (88, 176, 88 + 2 * 8)
-    assert sum(n.op_type == "moe_routed_fp8" for n in dec.graph.node) == 8
+    assert (c["QuantizeLinear"], c["DequantizeLinear"], len(c["fp8_weights"])) == (n_lin, 2 * n_lin, n_lin + 2 * n_exp)
+    assert sum(n.op_type == "moe_routed_fp8" for n in dec.graph.node) == n_exp
     r = CliRunner().invoke(main, ["verify", "--graphs", str(d)])   # bf16: the ONNX check is float32 only, so this
     assert r.exit_code == 0 and "FAIL" not in r.output, r.output    # is the --no-onnx check (pt2 vs eager)
     assert "the ONNX is not run: onnxruntime runs it on the CPU in float32" in r.output, r.output
@@ -267,20 +278,18 @@ def test_fp8_graphs_for_tensorrt(fp8_case, tmp_path):
                                   str(scales)])
     assert r.exit_code == 0 and "every plugin node builds and compiles" in r.output, r.output
     plan = json.loads((d / "trt-plan.json").read_text())
-    assert plan["fp8"] and plan["plugins"]["prefill"]["moe_fp8_gemm1"]["nodes"] == 8
+    assert plan["fp8"] and plan["plugins"]["prefill"]["moe_fp8_gemm1"]["nodes"] == n_exp
     assert plan["plugins"]["decode"]["moe_fp8_wo_gemm1"]["kernels"] == ["moe_fp8_wo_gemm1_trt_kernel"]
-    assert plan["plugins"]["decode"]["kda_decode"]["nodes"] == len(K3Config.from_name("k3-tiny").kda_layers)
-    build_args = ["build", "--backend", "tensorrt", "--dtype", "bf16", "--scales", str(scales), "--out",
-                  str(tmp_path / "engines")]
+    assert plan["plugins"]["decode"]["kda_decode"]["nodes"] == len(cfg.kda_layers)
+    build_args = ["build", "--backend", "tensorrt", "--checkpoint", str(ckpt), "--dtype", "bf16", "--scales",
+                  str(scales), "--out", str(tmp_path / "engines")]
     r = CliRunner().invoke(main, [*build_args, "--graphs", str(d)])
     try:
         import tensorrt  # noqa: F401
     except ImportError:
         assert r.exit_code == 1 and "TensorRT is not installed" in r.output, r.output   # past the FP8 checks
-    plain, ckpt = tmp_path / "plain", tmp_path / "ckpt"       # unquantized graphs: k3-tiny cut to 4 layers will do
-    from test_export import small_tiny
-    save_checkpoint(random_model(small_tiny(), seed=0), ckpt)
-    r = CliRunner().invoke(main, ["export", "--checkpoint", str(ckpt), *common[2:], "--out", str(plain)])
+    plain = tmp_path / "plain"                                  # unquantized graphs of the same checkpoint
+    r = CliRunner().invoke(main, ["export", *common, "--out", str(plain)])
     assert r.exit_code == 0, r.output
     r = CliRunner().invoke(main, [*build_args, "--graphs", str(plain)])
     assert r.exit_code == 1 and "holds unquantized graphs" in r.output, r.output
