@@ -125,6 +125,8 @@
 #   mkargmax (not yet run) the greedy step's argmax as one Triton program over the launch's strided logits
 #            (`MegakernelBackend.argmax_into`): its cuda tests and the backend's, bench model megakernel (300 steps),
 #            and the pipelined generation's timeline (was: torch's argmax 11.8 us a token)
+#   mksleep  (not yet run) POLL_SLEEP: the variant's cuda test (== the default kernel bit for bit), bench model
+#            megakernel, megakernel-poll-sleep64, -poll-sleep256 (300 steps)
 #   mkbench  bench model eager, compile, megakernel at B = 1, context 1024 ($MKBENCH_BACKENDS)
 #   profile  scripts/profile_decode.py --backend $PROFILE_BACKEND (default compile): kernels per decode step, and the
 #            graph replay's critical path (what each kernel adds to the span under PDL; 15:25: an upper bound only)
@@ -334,13 +336,17 @@ for part in $parts; do
            MKBENCH_BACKENDS=megakernel MKBENCH_ITERS=300 bash "$0" mkbench
            timeout 150 python3 scripts/profile_decode.py --backend megakernel --timeline --generate 6 --top 10 \
              >> "$OUT/mkargmax.log" 2>&1 ;;
+    mksleep) timeout 200 python3 -m pytest -q -m cuda tests/test_megakernel_backend.py -k "poll_sleep" -s -rs \
+             -p no:cacheprovider > "$OUT/mksleep.log" 2>&1
+           MKBENCH_BACKENDS=megakernel,megakernel-poll-sleep64,megakernel-poll-sleep256 MKBENCH_ITERS=300 \
+             bash "$0" mkbench ;;
     mkbench) timeout ${MKBENCH_TIMEOUT:-400} python3 -m k3export.cli bench model --preset k3-small --dtype bf16 \
              --backends ${MKBENCH_BACKENDS:-eager,compile,megakernel} --prefill-lengths 2048 --batches 1 \
              --contexts 1024 --warmup 3 --iters 5 --decode-iters ${MKBENCH_ITERS:-100} --generate-tokens 64 \
              --no-new-lengths --out "$OUT/mkbench" > "$OUT/mkbench.log" 2>&1 ;;
     profile) timeout 150 python3 scripts/profile_decode.py --backend ${PROFILE_BACKEND:-compile} ${PROFILE_ARGS:-} \
              > "$OUT/profile.log" 2>&1 ;;
-    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe trtfp8 fp8eng grouped grpsmall fp8comp overlap chain layer step attnres abmix gmla greedy greedy64 mkback mkinputs mkstep mkcache mkfinal mkrouter mkpair mkargmax mkbench profile)"; continue ;;
+    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe trtfp8 fp8eng grouped grpsmall fp8comp overlap chain layer step attnres abmix gmla greedy greedy64 mkback mkinputs mkstep mkcache mkfinal mkrouter mkpair mkargmax mksleep mkbench profile)"; continue ;;
   esac
   echo "$part: exit $? in $((SECONDS - t)) s" | tee -a "$OUT/pending.log"
   tail -4 "$OUT/$part.log" 2>/dev/null

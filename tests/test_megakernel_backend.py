@@ -115,6 +115,8 @@ def test_the_backend_refuses_what_it_cannot_serve(tiny_mla8):
         Engine(be, max_batch=1, max_len=32)
     with pytest.raises(ValueError, match="NVIDIA GPU"):
         mb.MegakernelBackend(model, max_len=24)
+    with pytest.raises(ValueError, match="poll_sleep is whole ns"):
+        mb.MegakernelBackend(model, max_len=24, emulate=True, poll_sleep=-5)
     from k3export.model.weights import random_model
     tiny = random_model(K3Config.from_name("k3-tiny"), seed=0, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="4 MLA heads"):
@@ -276,13 +278,14 @@ def test_the_kernel_reading_its_step_inputs_equals_the_host_set_build():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("variant", [{"router_first": True}, {"pair_tiles": False}], ids=str)
+@pytest.mark.parametrize("variant", [{"router_first": True}, {"pair_tiles": False}, {"poll_sleep": 256}], ids=str)
 def test_the_kernel_variants_equal_the_default_kernel(variant):
     """k3-small in the kernel: the router rows early in each MoE's packed projection (`router_first`; 12-03 14:04 on
     the H200: passed), and each block's MoE down tiles two experts' as before PAIR_TILES (`pair_tiles=False`; the
     paired build against the unpaired one passed 12-03 14:43, before pairing became the default) give the default
     kernel's logits bit for bit under the engine's CUDA graph, over 6 steps (each row's sum is the same tensor-core
-    sum wherever its tile is). (A router warp choosing each block's experts passed here too, 12-03 14:24, before it
+    sum wherever its tile is); so does a build whose waiting consumers sleep between polls (`poll_sleep`; written
+    12-03, not yet run on a GPU). (A router warp choosing each block's experts passed here too, 12-03 14:24, before it
     was dropped as slower: commit aef7f58.)"""
     _needs_the_kernel()
     from k3export.bench.fp8 import gpu_random_model

@@ -24,6 +24,8 @@ each hold `context` tokens (`Engine.decode`, state commit included). Backends:
               generation 0.779 both)
     megakernel-unpaired  the same with each block's MoE down tiles two experts' (`MegakernelBackend(pair_tiles=False)`:
               two x loads a block, not one; 12-03 14:43, 300 steps: 0.784 ms against the default's 0.769)
+    megakernel-poll-sleep64, megakernel-poll-sleep256  the same with a consumer sleeping 64 / 256 ns between two
+              polls of words not yet written (`MegakernelBackend(poll_sleep=N)`; not yet run on a GPU)
 
 Napkin math beside every time. Decode floor = bytes a step must move / measured copy bandwidth: every weight
 except the routed experts and the embedding table, the routed experts a batch of B hits in expectation
@@ -66,7 +68,9 @@ COMPILE_VARIANTS = {"compile": {}, "compile-frozen": {"freezing": True}, "compil
                     "compile-fast": {"glu": True, "moe_pdl": True, "fold_norm": True}}
 MEGAKERNEL_VARIANTS = {"megakernel": {}, "megakernel-host-inputs": {"step_inputs": False},
                        "megakernel-router-first": {"router_first": True},
-                       "megakernel-unpaired": {"pair_tiles": False}}
+                       "megakernel-unpaired": {"pair_tiles": False},
+                       "megakernel-poll-sleep64": {"poll_sleep": 64},
+                       "megakernel-poll-sleep256": {"poll_sleep": 256}}
 BACKENDS = ("eager", "graph", *COMPILE_VARIANTS, "aoti", *MEGAKERNEL_VARIANTS)
 
 

@@ -59,17 +59,21 @@ class MegakernelBackend:
 
     def __init__(self, model, max_len: int, prefill_backend=None, emulate: bool = False, defines=None,
                  cubin: tuple[str, str] | None = None, step_inputs: bool = True, router_first: bool = False,
-                 pair_tiles: bool = True):
+                 pair_tiles: bool = True, poll_sleep: int = 0):
         """step_inputs (the default): chain.cu built with STEP_INPUTS=1 reads the token's embedding row, the key
         count and its epoch from the engine's buffers itself, four small kernels fewer a step than setting them
         around it (False: `HOST_INPUTS_DEFINES`). defines: another build (the engine directory's). router_first:
         each MoE's router rows early in its packed projection (`layer.layers_chain`), meant to take the top-k off
         the critical path; the same logits bit for bit, and the same step (12-03 14:04: 0.779 ms pipelined both).
         pair_tiles (the default): chain.cu built with PAIR_TILES=1, a block's tiles of each MoE down projection one
-        expert's (one x load, not two); the same logits bit for bit as without (False)."""
+        expert's (one x load, not two); the same logits bit for bit as without (False). poll_sleep (written 12-03,
+        not yet run on a GPU): chain.cu built with POLL_SLEEP=N, a consumer thread sleeping N ns between two polls
+        of words not yet written (fewer back-to-back L2 requests from the waiting blocks); the same logits."""
         cfg = model.config
         self.model, self.config, self.dtype, self.device = model, cfg, model.dtype, model.device
         self.max_len, self.emulate = max_len, emulate
+        if not isinstance(poll_sleep, int) or poll_sleep < 0:
+            raise ValueError(f"megakernel backend: poll_sleep is whole ns (>= 0), got {poll_sleep!r}")
         why = unsupported(model, max_len, emulate)
         if why:
             raise ValueError(f"megakernel backend: {why}")
@@ -77,8 +81,9 @@ class MegakernelBackend:
         self.bufs = mc.Buffers(chain, device=str(self.device))
         self.kernel = None
         if not emulate:
-            defines = defines or tuple(d for d in (DEFINES if step_inputs else HOST_INPUTS_DEFINES)
-                                       if pair_tiles or d != PAIR_TILES_DEFINE)
+            defines = defines or (*(d for d in (DEFINES if step_inputs else HOST_INPUTS_DEFINES)
+                                    if pair_tiles or d != PAIR_TILES_DEFINE),
+                                  *((f"POLL_SLEEP={int(poll_sleep)}",) if poll_sleep else ()))
             self.kernel = mc.ChainKernel(defines=defines, cubin=cubin, quiet=cubin is not None)
             self.kernel.bind(self.bufs)
         if prefill_backend is None:

@@ -107,6 +107,9 @@
 #define STEPS 4                        // 16-byte steps per thread and row, at most (even; x kept in registers)
 #endif
 #define CONSUMERS (32 * CONSUMER_WARPS)
+#ifndef POLL_SLEEP                     // ns a consumer sleeps between two polls of words not yet written (0: none;
+#define POLL_SLEEP 0                   // every waiting thread of 132 blocks polls L2 back to back otherwise)
+#endif
 #ifndef PAIR_TILES                     // 1: a routed phase with x per expert (the MoE down projection) hands each
 #define PAIR_TILES 0                   // block consecutive row blocks, so that its tiles share an expert and it
 #endif                                 // loads that x once (`tile_row0`)
@@ -291,8 +294,12 @@ __device__ bool give_up(uint32_t* err, uint32_t what, int64_t phase, int64_t til
     return false;
 }
 __device__ __forceinline__ bool stopped(const uint32_t* err) { return *(volatile const uint32_t*)err != 0u; }
-// Called on every poll of a wait: true once the wait must end (it ran out: recorded; or another one did).
+// Called on every poll of a wait: true once the wait must end (it ran out: recorded; or another one did). With
+// POLL_SLEEP, a poll of words not yet written (what 1) sleeps that many ns before the next one.
 __device__ __forceinline__ bool out_of_time(uint32_t spin, uint32_t* err, uint32_t what, int64_t phase, int64_t tile) {
+#if POLL_SLEEP
+    if (what == 1) __nanosleep(POLL_SLEEP);
+#endif
     if ((spin & 1023u) != 1023u) return false;
     if (spin >= SPIN_LIMIT) {
         give_up(err, what, phase, tile);
