@@ -88,9 +88,9 @@ def fp8_case(tmp_path_factory):
 def test_fp8_onnx_runs_in_onnxruntime(tmp_path):
     """A float32 FP8 export's ONNX runs end to end in onnxruntime: its Q/DQ nodes in onnxruntime's own kernels,
     each `k3.moe_routed_fp8` node as a Python op on the torch reference (E4M3 weights handed over as their bytes);
-    `verify` runs it by default and it matches the re-quantized eager model (measured 1.8e-6 relative at worst,
-    the decode's KDA state: the fp32 bound 1e-3 holds with room). On k3-tiny cut to 4 layers (every op kind, 3 MoE
-    layers: half the nodes to export and convert)."""
+    `verify` runs it by default and it matches the re-quantized eager model (measured on k3-tiny: 1.8e-6 relative
+    at worst, the decode's KDA state: the fp32 bound 1e-3 holds with room). On k3-tiny cut to 4 layers (every op
+    kind, 3 MoE layers: half the nodes to export and convert)."""
     from click.testing import CliRunner
     from k3export.cli import main
     from test_export import small_tiny
@@ -215,9 +215,9 @@ def test_fp8_graphs_for_tensorrt(tmp_path):
     import onnx
     from click.testing import CliRunner
     from k3export.build_trt import onnx_inputs, plugin_gaps, plugin_onnx
+    from k3export.calibrate import DEFAULT_RECIPE, Recipe
     from k3export.cli import main
     from k3export.fp8_onnx import qdq_census
-    from k3export.calibrate import DEFAULT_RECIPE, Recipe
     from k3export.manifest import file_sha256, load_manifest, write_manifest
     from test_export import small_tiny
     cfg = small_tiny()
