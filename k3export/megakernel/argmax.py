@@ -55,6 +55,4 @@ def launch(x: torch.Tensor, out: torch.Tensor | None = None, block: int = BLOCK)
     res = out if out is not None and out.dtype == torch.int64 and out.is_contiguous() else \
         torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
     _argmax_kernel[(x.shape[0],)](x, res, x.shape[1], x.stride(0), x.stride(1), BLOCK=block, num_warps=8)
-    if out is not None and res is not out:
-        out.copy_(res)
-    return res if out is None else out
+    return res if out is None or res is out else out.copy_(res)

@@ -43,9 +43,16 @@ from k3export.megakernel.argmax import argmax_rows
 # PAIR_TILES (`pair_tiles`, the default): each block's tiles of a MoE down projection are one expert's, so that it
 # loads that expert's x once, not once a tile (chain.cu `tile_row0`; 12-03 14:43, 300 steps: 0.769 ms a step against
 # 0.784 unpaired, the same logits bit for bit).
-PAIR_TILES_DEFINE = "PAIR_TILES=1"
-DEFINES = (*ml.DEFINES, "EPOCH_PTR=1", "STEP_INPUTS=1", PAIR_TILES_DEFINE)
-HOST_INPUTS_DEFINES = (*ml.DEFINES, "EPOCH_PTR=1", PAIR_TILES_DEFINE)
+
+
+def kernel_defines(step_inputs: bool = True, pair_tiles: bool = True, poll_sleep: int = 0) -> tuple[str, ...]:
+    """chain.cu's defines for the backend's build with these options (`DEFINES`: the defaults)."""
+    return (*ml.DEFINES, "EPOCH_PTR=1", *(("STEP_INPUTS=1",) if step_inputs else ()),
+            *(("PAIR_TILES=1",) if pair_tiles else ()), *((f"POLL_SLEEP={poll_sleep}",) if poll_sleep else ()))
+
+
+DEFINES = kernel_defines()
+HOST_INPUTS_DEFINES = kernel_defines(step_inputs=False)
 
 
 class MegakernelBackend:
@@ -81,9 +88,7 @@ class MegakernelBackend:
         self.bufs = mc.Buffers(chain, device=str(self.device))
         self.kernel = None
         if not emulate:
-            defines = defines or (*(d for d in (DEFINES if step_inputs else HOST_INPUTS_DEFINES)
-                                    if pair_tiles or d != PAIR_TILES_DEFINE),
-                                  *((f"POLL_SLEEP={int(poll_sleep)}",) if poll_sleep else ()))
+            defines = defines or kernel_defines(step_inputs, pair_tiles, poll_sleep)
             self.kernel = mc.ChainKernel(defines=defines, cubin=cubin, quiet=cubin is not None)
             self.kernel.bind(self.bufs)
         if prefill_backend is None:
