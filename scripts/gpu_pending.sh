@@ -127,6 +127,8 @@
 #            and the pipelined generation's timeline (was: torch's argmax 11.8 us a token)
 #   mksleep  (not yet run) POLL_SLEEP: the variant's cuda test (== the default kernel bit for bit), bench model
 #            megakernel, megakernel-poll-sleep64, -poll-sleep256 (300 steps)
+#   mkrun    mkargmax's and mksleep's tests in one pytest, one bench of megakernel and both POLL_SLEEP builds, the
+#            pipelined generation's timeline, and the layer step's PHASE_TIMES with PAIR_TILES
 #   mkbench  bench model eager, compile, megakernel at B = 1, context 1024 ($MKBENCH_BACKENDS)
 #   profile  scripts/profile_decode.py --backend $PROFILE_BACKEND (default compile): kernels per decode step, and the
 #            graph replay's critical path (what each kernel adds to the span under PDL; 15:25: an upper bound only)
@@ -340,13 +342,22 @@ for part in $parts; do
              -p no:cacheprovider > "$OUT/mksleep.log" 2>&1
            MKBENCH_BACKENDS=megakernel,megakernel-poll-sleep64,megakernel-poll-sleep256 MKBENCH_ITERS=300 \
              bash "$0" mkbench ;;
+    mkrun)  timeout 260 python3 -m pytest -q -m cuda tests/test_megakernel_argmax.py tests/test_megakernel_backend.py \
+             -k "argmax or poll_sleep or directory" -s -rs -p no:cacheprovider > "$OUT/mkrun.log" 2>&1
+           MKBENCH_BACKENDS=megakernel,megakernel-poll-sleep64,megakernel-poll-sleep256 MKBENCH_ITERS=300 \
+             bash "$0" mkbench
+           timeout 120 python3 scripts/profile_decode.py --backend megakernel --timeline --generate 6 --top 10 \
+             >> "$OUT/mkrun.log" 2>&1
+           timeout 110 python3 scripts/megakernel_layer.py --step --attnres --mla 1024 --no-baseline --modes stream \
+             --rounds 1 --defines PHASE_TIMES+PAIR_TILES=1 --out "$OUT/step-phase-times-paired.json" \
+             >> "$OUT/mkrun.log" 2>&1 ;;
     mkbench) timeout ${MKBENCH_TIMEOUT:-400} python3 -m k3export.cli bench model --preset k3-small --dtype bf16 \
              --backends ${MKBENCH_BACKENDS:-eager,compile,megakernel} --prefill-lengths 2048 --batches 1 \
              --contexts 1024 --warmup 3 --iters 5 --decode-iters ${MKBENCH_ITERS:-100} --generate-tokens 64 \
              --no-new-lengths --out "$OUT/mkbench" > "$OUT/mkbench.log" 2>&1 ;;
     profile) timeout 150 python3 scripts/profile_decode.py --backend ${PROFILE_BACKEND:-compile} ${PROFILE_ARGS:-} \
              > "$OUT/profile.log" 2>&1 ;;
-    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe trtfp8 fp8eng grouped grpsmall fp8comp overlap chain layer step attnres abmix gmla greedy greedy64 mkback mkinputs mkstep mkcache mkfinal mkrouter mkpair mkargmax mksleep mkbench profile)"; continue ;;
+    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe trtfp8 fp8eng grouped grpsmall fp8comp overlap chain layer step attnres abmix gmla greedy greedy64 mkback mkinputs mkstep mkcache mkfinal mkrouter mkpair mkargmax mksleep mkrun mkbench profile)"; continue ;;
   esac
   echo "$part: exit $? in $((SECONDS - t)) s" | tee -a "$OUT/pending.log"
   tail -4 "$OUT/$part.log" 2>/dev/null
