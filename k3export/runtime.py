@@ -20,6 +20,7 @@ the slots up to the highest active one, rounded up to a power of two, each such 
 from __future__ import annotations
 
 import contextlib
+import os
 import itertools
 import json
 from collections import OrderedDict, deque
@@ -158,6 +159,21 @@ def check_inductor_options(options: dict | None) -> None:
                          "(pdl=True)")
 
 
+@contextlib.contextmanager
+def _environ(**values):
+    """os.environ with `values` set inside the block, as it was after it."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 class CompileBackend(EagerBackend):
     """torch.compile of the two forwards (Inductor). The k3 ops stay opaque calls into their registered kernels.
     Compilation happens on first use per shape; `cache_dir` (the engine directory) keeps Inductor's on-disk
@@ -249,9 +265,9 @@ class CompileBackend(EagerBackend):
         self.pdl = bool(pdl and dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9)
         self.moe_pdl = moe_pdl
         self.pdl_early = bool(pdl_early and self.pdl)
-        if cache_dir is not None:
-            import os
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(cache_dir).resolve() / "inductor-cache")
+        # Inductor reads TORCHINDUCTOR_CACHE_DIR when it compiles, i.e. inside the calls: set there, then restored,
+        # so that other compiles in this process keep their own cache.
+        self._cache_dir = None if cache_dir is None else str(Path(cache_dir).resolve() / "inductor-cache")
         self._freezing = None
         fns = (model.forward_prefill, model.forward_decode, getattr(model, "forward_decode_", None),
                getattr(model, "forward_prefill_last", None))
@@ -284,6 +300,8 @@ class CompileBackend(EagerBackend):
     def _call(self, fn, args, decode: bool = True):
         from k3export.plugins.launch import pdl
         with contextlib.ExitStack() as stack:
+            if self._cache_dir is not None:
+                stack.enter_context(_environ(TORCHINDUCTOR_CACHE_DIR=self._cache_dir))
             if self._freezing is not None:
                 stack.enter_context(self._freezing)
             if self.pdl and decode:

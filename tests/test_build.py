@@ -52,10 +52,14 @@ def test_eager_engine_dir(eager_dir, reference):
 def test_compile_engine_matches_eager(model, reference, tmp_path):
     """torch.compile backend (Inductor, CPU). Two prompts in two slots, so prefill (batch 2) and decode
     (batch 2) compile once each (~1 min on 2 CPU cores)."""
+    import os
+    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     path = build("compile", model, tmp_path, profiles=PROFILES, echo=lambda *_: None)
     assert (path / "inductor-cache").is_dir()
     out = Generator(load_engine(path, max_batch=2, max_len=32)).generate(PROMPTS[:2], 5)
     assert out == reference[:2]
+    assert any((path / "inductor-cache").iterdir())                      # the compiles wrote their code there
+    assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") == before          # and only they: the process's is unchanged
 
 
 # The AOTI engine (compiled packages, load check, eager's tokens, the second build reusing the cached packages) is
