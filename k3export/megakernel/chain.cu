@@ -1648,6 +1648,9 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
 #endif
              ) {
     extern __shared__ __align__(128) unsigned char smem[];
+#ifdef BLOCK_TIMES     // -DBLOCK_TIMES (with PHASE_TIMES): the four times per phase of each block, not of the first
+    t_done += static_cast<int64_t>(blockIdx.x) * 4 * nphase;   // / last block ([blocks][4][nphase] on the host)
+#endif
     unsigned char* ring = smem;
     __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem + NSLOT * SLOT_BYTES);   // (top-k: fp32)
     PhaseC* ph = reinterpret_cast<PhaseC*>(smem + NSLOT * SLOT_BYTES + XBYTES);

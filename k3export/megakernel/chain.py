@@ -1533,7 +1533,9 @@ class ChainKernel:
         self.bufs = bufs
         self.counters = torch.zeros(n, dtype=torch.int32, device="cuda")
         self.err = torch.zeros(4, dtype=torch.int32, device="cuda")
-        self.t_done = torch.zeros(4 * n, dtype=torch.int64, device="cuda")   # (-DPHASE_TIMES: 4 per phase)
+        # (-DPHASE_TIMES: 4 per phase; -DBLOCK_TIMES: 4 per phase and block)
+        self.t_done = torch.zeros(4 * n * (self.blocks if "BLOCK_TIMES" in self.defines else 1), dtype=torch.int64,
+                                  device="cuda")
         self.t_start = torch.zeros(1, dtype=torch.int64, device="cuda")
         self.trace = (torch.zeros(self.blocks * TRACE_UNITS * TRACE_FIELDS, dtype=torch.int64, device="cuda")
                       if "TRACE" in self.defines else None)
@@ -1632,7 +1634,7 @@ class ChainKernel:
         the phase before it did; its work is in its consumers' x loads)."""
         torch.cuda.synchronize()
         n = len(self.bufs.chain.phases)
-        t = ((self.t_done[:n] - self.t_start).double() / 1e3).tolist()
+        t = ((self.t_done.view(-1, 4 * n)[:, :n].amax(0) - self.t_start).double() / 1e3).tolist()
         for p, ph in enumerate(self.bufs.chain.phases):
             if ph.ntiles == 0:
                 t[p] = t[p - 1] if p else 0.0
@@ -1640,14 +1642,22 @@ class ChainKernel:
 
     def phase_times(self, mode: str) -> dict:
         """One launch of a -DPHASE_TIMES build: per phase, us after block 0 started, when the first block began it,
-        had its x, had its first tile in the ring, and when the last block finished it."""
+        had its x, had its first tile in the ring, and when the last block finished it. A -DBLOCK_TIMES build adds
+        "blocks": the four per block ([blocks][phases] each; nan where the block has no tile of the phase)."""
         n = len(self.bufs.chain.phases)
-        self.t_done[:n] = 0
-        self.t_done[n:] = -1                    # (as unsigned: the largest; the kernel takes minima)
+        t_done = self.t_done.view(-1, 4, n)
+        t_done[:, 0] = 0
+        t_done[:, 1:] = -1                      # (as unsigned: the largest; the kernel takes minima)
         self.launch(mode)
         self.check()
-        t = ((self.t_done - self.t_start).double() / 1e3).view(4, n)
-        return {"begin": t[1].tolist(), "x": t[2].tolist(), "tile": t[3].tolist(), "done": t[0].tolist()}
+        unset = (t_done == -1) | ((t_done == 0) & (torch.arange(4, device="cuda") == 0).view(1, 4, 1))
+        t = ((t_done - self.t_start).double() / 1e3).masked_fill(unset, math.nan)
+        first = t[:, 1:].nan_to_num(math.inf).amin(0).masked_fill(unset[:, 1:].all(0), math.nan)
+        last = t[:, 0].nan_to_num(-math.inf).amax(0).masked_fill(unset[:, 0].all(0), math.nan)
+        out = {"begin": first[0].tolist(), "x": first[1].tolist(), "tile": first[2].tolist(), "done": last.tolist()}
+        if t.shape[0] > 1:
+            out["blocks"] = {k: t[:, i].tolist() for i, k in enumerate(("done", "begin", "x", "tile"))}
+        return out
 
 
 def events_ms(fn, iters: int) -> list[float]:

@@ -764,12 +764,30 @@ def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: in
                 print(f"{kind}: after the phase before it finished, began {after('begin'):+.1f} us, had x "
                       f"{after('x'):+.1f} us, a tile {after('tile'):+.1f} us, done {after('done'):+.1f} us",
                       flush=True)
+                if "blocks" in pt:      # -DBLOCK_TIMES: over the phase's blocks, first / median / last
+                    print("    " + block_spread(pt, ps, before), flush=True)
     if kern.tile_trace is not None:
         tp = res["tile_pipeline"] = kern.tiles_traced(modes[0])
         print("tiles: " + json.dumps({k: v for k, v in tp.items() if k != "landed_tbs"}), flush=True)
     res["phase_names"] = [p.name for p in chain.phases]
     res["phase_bytes"] = [p.bytes_read for p in chain.phases]
     return res
+
+
+def block_spread(pt: dict, ps: list[int], before: dict) -> str:
+    """A -DBLOCK_TIMES run's phases ps (one kind, a layer each): when their blocks had x, had the first tile and were
+    done, us after the phase before finished: the first, median and last block, means over the phases."""
+    out, nblk = [], 0
+    for key in ("x", "tile", "done"):
+        per = []                                # per phase: (first, median, last) over its blocks
+        for p in ps:
+            v = sorted(b[p] - pt["done"][before[p]] for b in pt["blocks"][key] if b[p] == b[p])
+            if v:
+                per.append((v[0], v[(len(v) - 1) // 2], v[-1]))
+                nblk = max(nblk, len(v))
+        if per:
+            out.append(f"{key} " + " / ".join(f"{statistics.fmean(c):+.1f}" for c in zip(*per)))
+    return f"blocks (up to {nblk}): " + ", ".join(out) + " us (first / median / last)"
 
 
 KIND_COLOURS = {"kda": "tab:blue", "moe": "tab:orange", "dense": "tab:green", "mla stand-in": "tab:gray",
