@@ -130,6 +130,8 @@
 #   mkrun    mkargmax's and mksleep's tests in one pytest, one bench of megakernel and both POLL_SLEEP builds, the
 #            pipelined generation's timeline, and the layer step's PHASE_TIMES with PAIR_TILES
 #   mkblocks the layer step's PHASE_TIMES per block (BLOCK_TIMES): each phase kind's first / median / last block
+#   mkattn   mkblocks, then the layer step with ATTN_ROW_FIRST=1 and with ATTN_HEADS=4 against the default, two
+#            interleaved rounds of each
 #   mkbench  bench model eager, compile, megakernel at B = 1, context 1024 ($MKBENCH_BACKENDS)
 #   profile  scripts/profile_decode.py --backend $PROFILE_BACKEND (default compile): kernels per decode step, and the
 #            graph replay's critical path (what each kernel adds to the span under PDL; 15:25: an upper bound only)
@@ -355,13 +357,22 @@ for part in $parts; do
     mkblocks) timeout 150 python3 scripts/megakernel_layer.py --step --attnres --mla 1024 --no-baseline --modes stream \
              --rounds 1 --defines PHASE_TIMES+BLOCK_TIMES+PAIR_TILES=1 --out "$OUT/step-block-times.json" \
              > "$OUT/mkblocks.log" 2>&1 ;;
+    mkattn) bash "$0" mkblocks
+           for r in 1 2; do
+             for v in base ATTN_ROW_FIRST=1 ATTN_HEADS=4; do
+               timeout 100 python3 scripts/megakernel_layer.py --step --attnres --mla 1024 --no-baseline \
+                 --modes stream --rounds 2 --defines PAIR_TILES=1+${v/base/} --out "$OUT/attn$r-${v%%=*}.json" \
+                 >> "$OUT/mkattn.log" 2>&1
+             done
+           done
+           grep -h "stream: GEMV\|^round\|k3-small KDA" "$OUT/mkattn.log" | tail -30 ;;
     mkbench) timeout ${MKBENCH_TIMEOUT:-400} python3 -m k3export.cli bench model --preset k3-small --dtype bf16 \
              --backends ${MKBENCH_BACKENDS:-eager,compile,megakernel} --prefill-lengths 2048 --batches 1 \
              --contexts 1024 --warmup 3 --iters 5 --decode-iters ${MKBENCH_ITERS:-100} --generate-tokens 64 \
              --no-new-lengths --out "$OUT/mkbench" > "$OUT/mkbench.log" 2>&1 ;;
     profile) timeout 150 python3 scripts/profile_decode.py --backend ${PROFILE_BACKEND:-compile} ${PROFILE_ARGS:-} \
              > "$OUT/profile.log" 2>&1 ;;
-    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe trtfp8 fp8eng grouped grpsmall fp8comp overlap chain layer step attnres abmix gmla greedy greedy64 mkback mkinputs mkstep mkcache mkfinal mkrouter mkpair mkargmax mksleep mkrun mkblocks mkbench profile)"; continue ;;
+    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe trtfp8 fp8eng grouped grpsmall fp8comp overlap chain layer step attnres abmix gmla greedy greedy64 mkback mkinputs mkstep mkcache mkfinal mkrouter mkpair mkargmax mksleep mkrun mkblocks mkattn mkbench profile)"; continue ;;
   esac
   echo "$part: exit $? in $((SECONDS - t)) s" | tee -a "$OUT/pending.log"
   tail -4 "$OUT/$part.log" 2>/dev/null

@@ -110,6 +110,9 @@
 #ifndef POLL_SLEEP                     // ns a consumer sleeps between two polls of words not yet written (0: none;
 #define POLL_SLEEP 0                   // every waiting thread of 132 blocks polls L2 back to back otherwise)
 #endif
+#ifndef ATTN_ROW_FIRST                 // 1: an ATTN phase loads the new row's parts of its x before the queries
+#define ATTN_ROW_FIRST 0               // (the same x; the queries wait on BMM1, the new row does not)
+#endif
 #ifndef PAIR_TILES                     // 1: a routed phase with x per expert (the MoE down projection) hands each
 #define PAIR_TILES 0                   // block consecutive row blocks, so that its tiles share an expert and it
 #endif                                 // loads that x once (`tile_row0`)
@@ -983,7 +986,16 @@ __device__ __forceinline__ bool load_x_recipe(__nv_bfloat16* xs, const PhaseC& f
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     bool ok = true;
     int j0 = 0;                                     // where this part starts in x
-    for (int q = 0; q < f.nxseg; ++q) {
+    for (int qq = 0; qq < f.nxseg; ++qq) {
+#if ATTN_ROW_FIRST                                  // an ATTN phase's x: the new row's parts (which BMM1 does not
+        const int q = f.kind == ATTN ? (qq + 1) % f.nxseg : qq;    // gate) first, the queries last; the same x
+        if (f.kind == ATTN) {
+            j0 = 0;
+            for (int r = 0; r < q; ++r) j0 += xsegs[f.xop + r].len;
+        }
+#else
+        const int q = qq;
+#endif
         const XSeg& g = xsegs[f.xop + q];
         const uint64_t* base = reinterpret_cast<const uint64_t*>(ph[g.src].y) + g.off;
         if (g.op == X_GLU) {
@@ -1451,7 +1463,9 @@ struct Cursor {
 };
 
 #if RECIPES && MMA_ONLY
+#ifndef ATTN_HEADS
 #define ATTN_HEADS 8                    // ATTN: heads a tile (a head group; the tile's x holds their queries)
+#endif
 #define ATTN_ROWS_WARP 2                // ... keys a warp: a tile is ATTN_ROWS_WARP CONSUMER_WARPS keys (3: spills)
 // An ATTN phase (MLA decode attention over the latent cache, B = 1): f.n keys, the f.n - 1 cache rows (f.w, bf16
 // [rows][k], k = rank + pe) and the new row; tile t covers key block t / f.ne (f.rows keys) for head group t % f.ne

@@ -1517,6 +1517,11 @@ class ChainKernel:
         if bad:
             raise ValueError(f"attention phases {', '.join(bad[:3])} have tiles of {ATTN_ROWS} keys; this build's "
                              f"are {rows} (ATTN_ROWS_WARP x CONSUMER_WARPS)")
+        heads = define_value(self.defines, "ATTN_HEADS", self.cu)
+        bad = [ph.name for ph in bufs.chain.phases if ph.kind == "attn" and bufs.chain.xsegs[ph.xop].nslot != heads]
+        if bad:
+            raise ValueError(f"attention phases {', '.join(bad[:3])} were built with {ATTN_HEADS} heads a tile; this "
+                             f"build's tiles take {heads} (ATTN_HEADS)")
         self.smem = smem_bytes(self.nslot, self.slot_bytes, n, len(bufs.chain.xsegs))
         why = not_resident(self.per_sm, self.threads, self.regs, self.smem, self.static_smem)
         if why:

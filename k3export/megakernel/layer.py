@@ -941,7 +941,11 @@ def main() -> None:
     if not set(modes) <= set(mc.MODES):
         raise SystemExit(f"modes: choose from {', '.join(mc.MODES)}")
     layers = parse_layers(a.layers) or (list(range(preset_layers(a.preset))) if a.step else None)
-    res = run(a.preset, layers, a.rounds, a.iters, defines=tuple(d for d in a.defines.split("+") if d),
+    defines = tuple(d for d in a.defines.split("+") if d)
+    heads = [int(d.split("=", 1)[1]) for d in defines if d.startswith("ATTN_HEADS=")]
+    if heads:                   # the chain's attention tiles in the build's head groups (an experiment's build)
+        mc.ATTN_HEADS = heads[-1]
+    res = run(a.preset, layers, a.rounds, a.iters, defines=defines,
               modes=modes, baseline=not a.no_baseline, cu=a.cu, packed_out=a.packed_out, spread=not a.no_spread,
               routed_rows=a.routed_rows, kda=not a.no_kda, mla_standins=a.step and not a.no_standins,
               head=a.step, attnres=a.step and a.attnres, mla=a.mla if a.step else 0, router_first=a.router_first)
