@@ -130,7 +130,7 @@
 #   mkrun    mkargmax's and mksleep's tests in one pytest, one bench of megakernel and both POLL_SLEEP builds, the
 #            pipelined generation's timeline, and the layer step's PHASE_TIMES with PAIR_TILES
 #   mkblocks the layer step's PHASE_TIMES per block (BLOCK_TIMES): each phase kind's first / median / last block
-#   mkattn   mkblocks, then the layer step with ATTN_ROW_FIRST=1 and with ATTN_HEADS=4 against the default, two
+#   mkattn   mkblocks, then the layer step with ATTN_ROW_FIRST=1, ATTN_HEADS=4, COMBINE_PAIRS=1 against the default, two
 #            interleaved rounds of each
 #   mkbench  bench model eager, compile, megakernel at B = 1, context 1024 ($MKBENCH_BACKENDS)
 #   profile  scripts/profile_decode.py --backend $PROFILE_BACKEND (default compile): kernels per decode step, and the
@@ -359,7 +359,7 @@ for part in $parts; do
              > "$OUT/mkblocks.log" 2>&1 ;;
     mkattn) bash "$0" mkblocks
            for r in 1 2; do
-             for v in base ATTN_ROW_FIRST=1 ATTN_HEADS=4; do
+             for v in base ATTN_ROW_FIRST=1 ATTN_HEADS=4 COMBINE_PAIRS=1; do
                timeout 100 python3 scripts/megakernel_layer.py --step --attnres --mla 1024 --no-baseline \
                  --modes stream --rounds 2 --defines PAIR_TILES=1+${v/base/} --out "$OUT/attn$r-${v%%=*}.json" \
                  >> "$OUT/mkattn.log" 2>&1

@@ -113,6 +113,9 @@
 #ifndef ATTN_ROW_FIRST                 // 1: an ATTN phase loads the new row's parts of its x before the queries
 #define ATTN_ROW_FIRST 0               // (the same x; the queries wait on BMM1, the new row does not)
 #endif
+#ifndef COMBINE_PAIRS                  // 1: X_COMBINE_NORM (nslot <= 8) polls two elements' words together
+#define COMBINE_PAIRS 0
+#endif
 #ifndef PAIR_TILES                     // 1: a routed phase with x per expert (the MoE down projection) hands each
 #define PAIR_TILES 0                   // block consecutive row blocks, so that its tiles share an expert and it
 #endif                                 // loads that x once (`tile_row0`)
@@ -482,6 +485,28 @@ __device__ __forceinline__ bool poll_strided(const uint64_t* p, int64_t stride, 
         bool fresh = true;
 #pragma unroll
         for (int i = 0; i < N; ++i) {
+            v[i] = value_of(w[i]);
+            fresh = fresh && epoch_of(w[i]) == epoch;
+        }
+        if (fresh || !wait) return true;
+        if (out_of_time(spin, err, 1, ph, t)) return false;
+    }
+}
+
+// Two runs of n <= 8 words, p[i * stride] and p[d + i * stride] (d < 0: the first run only), as values v[i] and
+// v[8 + i], polled together as `poll_all` does.
+__device__ __forceinline__ bool poll_two(const uint64_t* p, int d, int64_t stride, int n, float (&v)[16],
+                                         uint32_t epoch, bool wait, uint32_t* err, int64_t ph, int64_t t) {
+    for (uint32_t spin = 0;; ++spin) {
+        uint64_t w[16];
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            const bool on = (i & 7) < n && (i < 8 || d >= 0);
+            w[i] = on ? load_word(p + (i < 8 ? 0 : d) + (i & 7) * stride) : static_cast<uint64_t>(epoch) << 32;
+        }
+        bool fresh = true;
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
             v[i] = value_of(w[i]);
             fresh = fresh && epoch_of(w[i]) == epoch;
         }
@@ -1027,7 +1052,30 @@ __device__ __forceinline__ bool load_x_recipe(__nv_bfloat16* xs, const PhaseC& f
             }
             consumers_sync();
             float ss = 0.f;
+#if COMBINE_PAIRS
+            // two elements' words polled together (one round trip for both), sums as below, the same order
+            for (int jb = tid; ok && g.nslot <= 8 && jb < g.len; jb += 2 * CONSUMERS) {
+                float v[16];
+                ok = poll_two(base + jb, jb + CONSUMERS < g.len ? CONSUMERS : -1, g.stride, g.nslot, v, epoch, wait,
+                              err, p, t);
+#pragma unroll
+                for (int u = 0; u < 2; ++u) {
+                    const int j = jb + u * CONSUMERS;
+                    float acc = 0.f;
+#pragma unroll
+                    for (int s = 0; s < 8; ++s)
+                        if (s < g.nslot) acc = fmaf(comb_w[s], v[8 * u + s], acc);
+                    const float u2 = bf16r(acc);
+                    if (ok && j < g.len) {
+                        xs[j0 + j] = __float2bfloat16_rn(u2);
+                        ss = fmaf(u2, u2, ss);
+                    }
+                }
+            }
+            for (int j = tid; ok && g.nslot > 8 && j < g.len; j += CONSUMERS) {
+#else
             for (int j = tid; ok && j < g.len; j += CONSUMERS) {
+#endif
                 float acc = 0.f;                    // `_ticket_combine`: out += w_s * y_s in slot order
                 for (int s0 = 0; ok && s0 < g.nslot; s0 += 8) {     // 8 slots' rows at a time
                     float v[8];
