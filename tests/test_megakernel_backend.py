@@ -71,6 +71,32 @@ def test_the_router_first_layout_gives_the_same_step(tiny_mla8):
             assert proj.rows == 16 and (max(tiles) < 132 if first else min(tiles) >= 132), (proj.name, tiles)
 
 
+def test_attention_tiles_of_fewer_heads_give_the_same_step(tiny_mla8):
+    """`attn_heads`: the MLA attention's tiles take 4 or 2 heads each instead of 8 (more tiles, the same key
+    blocks); every (key block, head)'s words are computed as before, so the emulated step's logits equal the
+    default's bit for bit, step after step. On k3-small (16 heads) at 1025 keys, 4 heads a tile make 132 tiles (an
+    H200's blocks, each one) where 8 make 66; a kernel built for other head groups refuses the chain."""
+    cfg, model = tiny_mla8
+    runs = []
+    for heads in (8, 4, 2):
+        be = mb.MegakernelBackend(model, max_len=40, prefill_backend=EagerBackend(model), emulate=True,
+                                  attn_heads=heads)
+        assert {be.bufs.chain.phases[p].heads for p in be.attn} == {heads}
+        eng = Engine(be, max_batch=1, max_len=40)
+        eng.prefill([0], [PROMPTS[0]])
+        runs.append([eng.decode(torch.tensor([t]))[0].clone() for t in (5, 9, 2)])
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(*runs))
+    from k3export.model import K3Model
+    with torch.device("meta"):
+        small = K3Model(K3Config.from_name("k3-small")).to(torch.bfloat16)
+    for heads, tiles in ((8, 66), (4, 132)):
+        chain = mb.decode_chain(small, 1025, attn_heads=heads)
+        assert [ph.ntiles for ph in chain.phases if ph.kind == "attn"] == [tiles] * 3
+    assert mb.kernel_defines(attn_heads=4)[-1] == "ATTN_HEADS=4" and "ATTN_HEADS=8" not in mb.kernel_defines()
+    assert "16 MLA heads; chain.cu's attention takes them 3 a tile" in mb.unsupported(small, 64, emulate=True,
+                                                                                        attn_heads=3)
+
+
 def test_paired_tiles_give_each_block_one_expert_of_k3_smalls_moe_down():
     """On an H200 (132 blocks), k3-small's MoE down projections (256 tiles of 32 rows, 32 an expert): by default a
     block with two tiles has two experts' (two x loads); with PAIR_TILES, one (a meta-device model, the layout
@@ -278,14 +304,15 @@ def test_the_kernel_reading_its_step_inputs_equals_the_host_set_build():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("variant", [{"router_first": True}, {"pair_tiles": False}, {"poll_sleep": 256}], ids=str)
+@pytest.mark.parametrize("variant", [{"router_first": True}, {"pair_tiles": False}, {"poll_sleep": 256},
+                                     {"attn_heads": 4}], ids=str)
 def test_the_kernel_variants_equal_the_default_kernel(variant):
     """k3-small in the kernel: the router rows early in each MoE's packed projection (`router_first`; 12-03 14:04 on
     the H200: passed), and each block's MoE down tiles two experts' as before PAIR_TILES (`pair_tiles=False`; the
     paired build against the unpaired one passed 12-03 14:43, before pairing became the default) give the default
     kernel's logits bit for bit under the engine's CUDA graph, over 6 steps (each row's sum is the same tensor-core
-    sum wherever its tile is); so does a build whose waiting consumers sleep between polls (`poll_sleep`; written
-    12-03, not yet run on a GPU). (A router warp choosing each block's experts passed here too, 12-03 14:24, before it
+    sum wherever its tile is); so does a build whose waiting consumers sleep between polls (`poll_sleep`; passed
+    12-03 16:10), and attention tiles of 4 heads (`attn_heads`: each key block and head's words as before). (A router warp choosing each block's experts passed here too, 12-03 14:24, before it
     was dropped as slower: commit aef7f58.)"""
     _needs_the_kernel()
     from k3export.bench.fp8 import gpu_random_model

@@ -45,10 +45,12 @@ from k3export.megakernel.argmax import argmax_rows
 # 0.784 unpaired, the same logits bit for bit).
 
 
-def kernel_defines(step_inputs: bool = True, pair_tiles: bool = True, poll_sleep: int = 0) -> tuple[str, ...]:
+def kernel_defines(step_inputs: bool = True, pair_tiles: bool = True, poll_sleep: int = 0,
+                   attn_heads: int = mc.ATTN_HEADS) -> tuple[str, ...]:
     """chain.cu's defines for the backend's build with these options (`DEFINES`: the defaults)."""
     return (*ml.DEFINES, "EPOCH_PTR=1", *(("STEP_INPUTS=1",) if step_inputs else ()),
-            *(("PAIR_TILES=1",) if pair_tiles else ()), *((f"POLL_SLEEP={poll_sleep}",) if poll_sleep else ()))
+            *(("PAIR_TILES=1",) if pair_tiles else ()), *((f"POLL_SLEEP={poll_sleep}",) if poll_sleep else ()),
+            *((f"ATTN_HEADS={attn_heads}",) if attn_heads != mc.ATTN_HEADS else ()))
 
 
 DEFINES = kernel_defines()
@@ -66,7 +68,7 @@ class MegakernelBackend:
 
     def __init__(self, model, max_len: int, prefill_backend=None, emulate: bool = False, defines=None,
                  cubin: tuple[str, str] | None = None, step_inputs: bool = True, router_first: bool = False,
-                 pair_tiles: bool = True, poll_sleep: int = 0):
+                 pair_tiles: bool = True, poll_sleep: int = 0, attn_heads: int = mc.ATTN_HEADS):
         """step_inputs (the default): chain.cu built with STEP_INPUTS=1 reads the token's embedding row, the key
         count and its epoch from the engine's buffers itself, four small kernels fewer a step than setting them
         around it (False: `HOST_INPUTS_DEFINES`). defines: another build (the engine directory's). router_first:
@@ -75,20 +77,22 @@ class MegakernelBackend:
         pair_tiles (the default): chain.cu built with PAIR_TILES=1, a block's tiles of each MoE down projection one
         expert's (one x load, not two); the same logits bit for bit as without (False). poll_sleep (written 12-03,
         not yet run on a GPU): chain.cu built with POLL_SLEEP=N, a consumer thread sleeping N ns between two polls
-        of words not yet written (fewer back-to-back L2 requests from the waiting blocks); the same logits."""
+        of words not yet written (fewer back-to-back L2 requests from the waiting blocks); the same logits (12-03
+        16:12: no faster). attn_heads: the MLA attention's heads a tile (chain.cu built with ATTN_HEADS=N when not
+        its default); each (key block, head)'s words are computed as before, so the same logits."""
         cfg = model.config
         self.model, self.config, self.dtype, self.device = model, cfg, model.dtype, model.device
         self.max_len, self.emulate = max_len, emulate
         if not isinstance(poll_sleep, int) or poll_sleep < 0:
             raise ValueError(f"megakernel backend: poll_sleep is whole ns (>= 0), got {poll_sleep!r}")
-        why = unsupported(model, max_len, emulate)
+        why = unsupported(model, max_len, emulate, attn_heads)
         if why:
             raise ValueError(f"megakernel backend: {why}")
-        chain = decode_chain(model, max_len, router_first)
+        chain = decode_chain(model, max_len, router_first, attn_heads)
         self.bufs = mc.Buffers(chain, device=str(self.device))
         self.kernel = None
         if not emulate:
-            defines = defines or kernel_defines(step_inputs, pair_tiles, poll_sleep)
+            defines = defines or kernel_defines(step_inputs, pair_tiles, poll_sleep, attn_heads)
             self.kernel = mc.ChainKernel(defines=defines, cubin=cubin, quiet=cubin is not None)
             self.kernel.bind(self.bufs)
         if prefill_backend is None:
@@ -213,18 +217,19 @@ class MegakernelBackend:
             self.kernel.check()
 
 
-def decode_chain(model, max_len: int, router_first: bool = False):
+def decode_chain(model, max_len: int, router_first: bool = False, attn_heads: int = mc.ATTN_HEADS):
     """The whole decode step of `model` as the backend's chain: every layer, AttnRes, the LM head, the MLA caches
     sized for `max_len` keys (projections unpacked first: the chain reads them as loaded); router_first: see
-    `layer.layers_chain`."""
+    `layer.layers_chain`; attn_heads: the attention's heads a tile."""
     from k3export.model import packing
     packing.unpack_projections(model)
     sms = torch.cuda.get_device_properties(model.device).multi_processor_count if model.device.type == "cuda" else 0
     return ml.layers_chain(model, list(range(model.config.num_hidden_layers)), kda=True, head=True, attnres=True,
-                           mla=1, mla_room=max_len - 1, min_tiles=sms, router_first=router_first)
+                           mla=1, mla_room=max_len - 1, min_tiles=sms, router_first=router_first,
+                           attn_heads=attn_heads)
 
 
-def unsupported(model, max_len: int, emulate: bool = False) -> str | None:
+def unsupported(model, max_len: int, emulate: bool = False, attn_heads: int = mc.ATTN_HEADS) -> str | None:
     """Why `MegakernelBackend` cannot serve `model` with `max_len` rows (None: it can). The chain's own checks
     (`Chain`, `ChainKernel.bind`) catch the rest with their own messages."""
     cfg = model.config
@@ -241,9 +246,9 @@ def unsupported(model, max_len: int, emulate: bool = False) -> str | None:
             return "needs nvcc (to build chain.cu) and cupy (to launch it); the GPU image has both"
     if model.dtype != torch.bfloat16:
         return f"serves a bf16 model (the kernel streams bf16 weights), not {model.dtype}"
-    if cfg.mla_layers and mla_heads % mc.ATTN_HEADS:
+    if cfg.mla_layers and mla_heads % attn_heads:
         return f"the config has {mla_heads} MLA heads; chain.cu's attention takes them " \
-               f"{mc.ATTN_HEADS} a tile"
+               f"{attn_heads} a tile"
     if cfg.linear_attn_config.head_dim != mc.KDA_HEAD:
         return f"KDA heads of {cfg.linear_attn_config.head_dim}; chain.cu's KDA step is written for {mc.KDA_HEAD}"
     if max_len < 2:

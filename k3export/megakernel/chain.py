@@ -147,6 +147,7 @@ class Phase:
     tile0: int = 0
     xop: int = -1           # x by recipe: Chain.xsegs[xop : xop + nxseg] (-1: x as above)
     nxseg: int = 0
+    heads: int = 0          # attn: heads a tile (its head group; chain.cu's ATTN_HEADS; not a kernel field)
 
     @property
     def bytes_read(self) -> int:
@@ -159,7 +160,7 @@ class Phase:
     @property
     def words(self) -> int:
         """Output words (attn: per tile and head of its group, [m, l, O]; `Chain.attn`)."""
-        return self.ntiles * ATTN_HEADS * (self.xlen + 2) if self.kind == "attn" else self.n
+        return self.ntiles * self.heads * (self.xlen + 2) if self.kind == "attn" else self.n
 
     @property
     def weight_elems(self) -> int:
@@ -255,7 +256,7 @@ class Chain:
             ph.xop, ph.nxseg = len(self.xsegs), 1
             self.xsegs += segs
             return ph
-        width = ph.xlen if ph.kind == "topk" else (ATTN_HEADS + 1) * ph.k if ph.kind == "attn" else ph.k
+        width = ph.xlen if ph.kind == "topk" else (ph.heads + 1) * ph.k if ph.kind == "attn" else ph.k
         if sum(g.len for g in segs) != width:
             raise ValueError(f"{ph.name}: x recipe parts cover {sum(g.len for g in segs)} of x's {width}")
         for g in segs:
@@ -404,27 +405,28 @@ class Chain:
 
     def attn(self, name: str, ql: int, qb: int, proj: int, kv_off: int, heads: int, rank: int, nope: int, pe: int,
              cache: torch.Tensor, cache_len: int, scale: float, kv_norm: torch.Tensor, eps: float,
-             capacity: int = 0) -> int:
+             capacity: int = 0, heads_tile: int = ATTN_HEADS) -> int:
         """MLA decode attention at B = 1 over the latent cache (chain.cu's ATTN): keys the cache's rows
         [:cache_len] (`cache` [rows > cache_len, rank + pe], the layer's, which the launch appends the new row to)
         and the new row, [RMSNorm(kv_norm, eps) of proj's words kv_off .. + rank | its pe words after them]; each
         head's query [ql_h (BMM1's words, rank a head) | q_pe_h (q_b's words, nope + pe a head, at nope)]. Tiles:
-        key blocks of `rows` keys x head groups of ATTN_HEADS; the words per tile and head [m, l, O] (X_MLA_COMBINE
+        key blocks of `rows` keys x head groups of heads_tile (the kernel's ATTN_HEADS, default its default: a
+        build with -DATTN_HEADS=heads_tile runs it); the words per tile and head [m, l, O] (X_MLA_COMBINE
         adds them, in BMM2's x). capacity: the most keys a launch may have (its tiles; default cache_len + 1):
         `Buffers.set_cache_len` moves cache_len up to capacity - 1 between launches, the tiles past the keys empty."""
         R = rank + pe
         capacity = capacity or cache_len + 1
-        if heads % ATTN_HEADS:
-            raise ValueError(f"{name}: {heads} heads; chain.cu's attention takes them {ATTN_HEADS} a tile")
+        if heads % heads_tile:
+            raise ValueError(f"{name}: {heads} heads; chain.cu's attention takes them {heads_tile} a tile")
         if tuple(cache.shape[1:]) != (R,) or not 0 <= cache_len < capacity <= cache.shape[0]:
             raise ValueError(f"{name}: cache {tuple(cache.shape)}, rows of {R} and room for rows up to {capacity - 1}; "
                              f"cache_len {cache_len}")
         rows, nblk = ATTN_ROWS, -(-capacity // ATTN_ROWS)
         if nblk > ATTN_SPLITS or rows * R * 2 > self.slot_bytes or \
-                ((ATTN_HEADS + 1) * R * 2 + 15) // 16 * 16 + ATTN_HEADS * rows * 4 > XMAX * 2:
+                ((heads_tile + 1) * R * 2 + 15) // 16 * 16 + heads_tile * rows * 4 > XMAX * 2:
             raise ValueError(f"{name}: {capacity} keys of {R} do not split into {ATTN_SPLITS} blocks of {rows} "
                              f"that fit a slot and x's scratch (chain.cu's ATTN_SPLITS, ATTN_ROWS_WARP)")
-        segs = [XSeg("mla_q", ql, ATTN_HEADS * R, stride=rank, off2=nope, route=qb, nslot=ATTN_HEADS,
+        segs = [XSeg("mla_q", ql, heads_tile * R, stride=rank, off2=nope, route=qb, nslot=heads_tile,
                      scaling=scale),
                 XSeg("norm", proj, rank, off=kv_off, aux=kv_norm, eps=eps),
                 XSeg("sum", proj, pe, off=kv_off + rank, nslot=1)]
@@ -432,8 +434,9 @@ class Chain:
                 self.phases[qb].n != heads * (nope + pe) or kv_off + R > self.phases[proj].n:
             raise ValueError(f"{name}: BMM1 ({ql}), q_b ({qb}) and the projection ({proj}) do not have the shapes "
                              f"of {heads} heads of rank {rank}, nope {nope}, pe {pe}")
-        p = self._add(self._recipe(Phase(name, "attn", cache_len + 1, R, ql, rank, ne=heads // ATTN_HEADS,
-                                         rows=rows, ntiles=nblk * heads // ATTN_HEADS), segs, None))
+        p = self._add(self._recipe(Phase(name, "attn", cache_len + 1, R, ql, rank, ne=heads // heads_tile,
+                                         rows=rows, ntiles=nblk * heads // heads_tile, heads=heads_tile), segs,
+                                   None))
         self.caches[p] = {"cache": cache.detach(), "capacity": capacity}
         return p
 
@@ -999,22 +1002,23 @@ class Buffers:
     def x_width(self, p: int) -> int:
         """The length of phase p's x (attn: its head group's queries and the new row)."""
         ph = self.chain.phases[p]
-        return (ATTN_HEADS + 1) * ph.k if ph.kind == "attn" else ph.xlen if ph.kind == "topk" else ph.k
+        return (ph.heads + 1) * ph.k if ph.kind == "attn" else ph.xlen if ph.kind == "topk" else ph.k
 
     def attn_out(self, p: int) -> torch.Tensor:
         """Attn phase p's words from its x (per head group: `x_of`) and the cache as the launch found it, in fp64:
         per tile and head [m, l, O] over the tile's keys (chain.cu's ATTN; its sums are fp32, in other orders)."""
         ph = self.chain.phases[p]
-        R, rank, L, scale = ph.k, ph.xlen, self.chain.cache_len(p), self.chain.xsegs[ph.xop].scaling
+        R, rank, L, A = ph.k, ph.xlen, self.chain.cache_len(p), ph.heads
+        scale = self.chain.xsegs[ph.xop].scaling
         out = []
         for t in range(ph.ntiles):
             x = self.x_of(p, t % ph.ne).double()
-            q, new = x[:ATTN_HEADS * R].view(ATTN_HEADS, R), x[ATTN_HEADS * R:]
+            q, new = x[:A * R].view(A, R), x[A * R:]
             r0 = (t // ph.ne) * ph.rows
             keys = torch.cat([self.cache_init[p][:L].double(), new[None]])[r0:r0 + ph.rows]
             if not len(keys):                   # (a block past the keys: max -inf, sum and output 0)
-                out.append(torch.cat([torch.full((ATTN_HEADS, 1), -math.inf, dtype=torch.float64, device=x.device),
-                                      torch.zeros(ATTN_HEADS, rank + 1, dtype=torch.float64, device=x.device)], 1))
+                out.append(torch.cat([torch.full((A, 1), -math.inf, dtype=torch.float64, device=x.device),
+                                      torch.zeros(A, rank + 1, dtype=torch.float64, device=x.device)], 1))
                 continue
             s = (q @ keys.T) * float(torch.tensor(scale, dtype=torch.float32))
             m = s.max(dim=1).values
@@ -1144,7 +1148,7 @@ class Buffers:
             else:
                 self.out(p).copy_(self.expected(p))
                 if ph.kind == "attn":       # (the new row: the x's last k values)
-                    self.cache[p][ph.n - 1] = self.x_of(p)[ATTN_HEADS * ph.k:].bfloat16()
+                    self.cache[p][ph.n - 1] = self.x_of(p)[ph.heads * ph.k:].bfloat16()
 
     def kda_errors(self, p: int) -> dict:
         """After a launch that followed `clear`: KDA phase p against `kda_step_k3` on the kernel's own inputs. Its
@@ -1191,7 +1195,7 @@ class Buffers:
             rel = ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
             worst[ph.kind] = max(worst[ph.kind], rel)
             if ph.kind == "attn" and not torch.equal(self.cache[p][ph.n - 1].float(),
-                                                     self.x_of(p)[ATTN_HEADS * ph.k:]):
+                                                     self.x_of(p)[ph.heads * ph.k:]):
                 cache_row.append(ph.name)       # (the new row the launch appended: the x's, as it read it)
         out = {"max_rel": worst, "topk_wrong": topk_wrong + cache_row, "unwritten": nan, "kda": kda,
                "kda_out_of_bounds": [k for k, v in kda.items() if any(v[b] > KDA_BOUNDS[b] for b in KDA_BOUNDS)]}
@@ -1518,10 +1522,10 @@ class ChainKernel:
             raise ValueError(f"attention phases {', '.join(bad[:3])} have tiles of {ATTN_ROWS} keys; this build's "
                              f"are {rows} (ATTN_ROWS_WARP x CONSUMER_WARPS)")
         heads = define_value(self.defines, "ATTN_HEADS", self.cu)
-        bad = [ph.name for ph in bufs.chain.phases if ph.kind == "attn" and bufs.chain.xsegs[ph.xop].nslot != heads]
+        bad = [(ph.name, ph.heads) for ph in bufs.chain.phases if ph.kind == "attn" and ph.heads != heads]
         if bad:
-            raise ValueError(f"attention phases {', '.join(bad[:3])} were built with {ATTN_HEADS} heads a tile; this "
-                             f"build's tiles take {heads} (ATTN_HEADS)")
+            raise ValueError(f"attention phases {', '.join(n for n, _ in bad[:3])} were built with {bad[0][1]} heads "
+                             f"a tile; this build's tiles take {heads} (ATTN_HEADS)")
         self.smem = smem_bytes(self.nslot, self.slot_bytes, n, len(bufs.chain.xsegs))
         why = not_resident(self.per_sm, self.threads, self.regs, self.smem, self.static_smem)
         if why:

@@ -139,7 +139,7 @@ def mla_standin(c: mc.Chain, out: list[int], name: str, cfg) -> int:
 
 
 def mla_sublayer(c: mc.Chain, attn, out: list[int], name: str, cache: torch.Tensor, cache_len: int,
-                 capacity: int = 0) -> int:
+                 capacity: int = 0, heads_tile: int = mc.ATTN_HEADS) -> int:
     """A Gated MLA attention sublayer at B = 1 (`GatedMLA.decode`) over the latent cache's rows [:cache_len] (`cache`
     [> cache_len, rank + pe]; the launch appends the new row at cache_len), as six phases:
 
@@ -152,7 +152,7 @@ def mla_sublayer(c: mc.Chain, attn, out: list[int], name: str, cache: torch.Tens
         o      GEMV [d, H v] on bf16(sigmoid(g) o) (the recipe "gate")
 
     Its x is the sublayer output `out` (`gemv_on`); returns the "o" phase. capacity: keys the attention's tiles hold
-    (`Chain.attn`; default cache_len + 1)."""
+    (`Chain.attn`; default cache_len + 1); heads_tile: the attention's heads a tile (`Chain.attn`)."""
     H, rank, nope, pe, v = attn.num_heads, attn.rank, attn.nope, attn.rope, attn.v_dim
     qr, d = attn.q_a_proj.out_features, attn.q_a_proj.in_features
     w = torch.cat([attn.q_a_proj.weight, attn.kv_a_proj_with_mqa.weight, attn.g_proj.weight])
@@ -162,7 +162,7 @@ def mla_sublayer(c: mc.Chain, attn, out: list[int], name: str, cache: torch.Tens
     w_uk, w_uv = attn.absorbed_weights()
     ql = c.heads(name + "bmm1", H, rank, nope, qb, nope + pe, weight=w_uk.transpose(1, 2))
     at = c.attn(name + "attn", ql, qb, proj, qr, H, rank, nope, pe, cache, cache_len, attn.scale,
-                attn.kv_a_layernorm.weight, attn.kv_a_layernorm.eps, capacity=capacity)
+                attn.kv_a_layernorm.weight, attn.kv_a_layernorm.eps, capacity=capacity, heads_tile=heads_tile)
     blocks = c.phases[at].ntiles // c.phases[at].ne
     o = c.heads(name + "bmm2", H, v, rank, at, rank + 2, weight=w_uv,
                 xsegs=[mc.XSeg("mla_combine", at, rank, stride=H * (rank + 2), nslot=blocks)])
@@ -178,7 +178,7 @@ def random_cache(cfg, rows: int, gen: torch.Generator, room: int = 1) -> torch.T
 def layers_chain(model, layers: list[int], slot_bytes: int = 65536, packed_out: bool = False, min_tiles: int = 0,
                  routed_rows: int = mc.MAX_ROWS, kda: bool = False, seed: int = 0, mla_standins: bool = False,
                  head: bool = False, attnres: bool = False, mla_cache: int = 0, mla: int = 0,
-                 mla_room: int = 1, router_first: bool = False) -> mc.Chain:
+                 mla_room: int = 1, router_first: bool = False, attn_heads: int = mc.ATTN_HEADS) -> mc.Chain:
     """The sublayers of `layers` as one chain, with the model's weights (an unpacked model: the weights are read
     from its modules as loaded). The first sublayer reads the chain's external input; each later one the output of
     the one before (no AttnRes: `docs/megakernel.md`, "Next"). Layer 0's MLP is dense (`dense_sublayer`), every
@@ -203,7 +203,8 @@ def layers_chain(model, layers: list[int], slot_bytes: int = 65536, packed_out: 
     (the tiles hold mla + mla_room keys: `greedy_steps` decodes that many tokens). router_first (with attnres):
     the router's rows in proj right after the latent down projection's, not last, so that they are in the phase's
     first round of tiles (each block's first) and the top-k can choose while the shared experts' rows stream
-    (`docs/megakernel.md`, "Next (12-03, afternoon)"); the same outputs, in another place of proj's words."""
+    (`docs/megakernel.md`, "Next (12-03, afternoon)"); the same outputs, in another place of proj's words.
+    attn_heads: the MLA attention's heads a tile (`Chain.attn`; a build with -DATTN_HEADS=attn_heads runs it)."""
     cfg = model.config
     if not (cfg.latent_moe_use_norm and cfg.num_shared_experts):
         raise ValueError("layers_chain builds LatentMoE with its latent norm and shared experts (every K3 preset)")
@@ -237,7 +238,7 @@ def layers_chain(model, layers: list[int], slot_bytes: int = 65536, packed_out: 
             out = [kda_sublayer(c, attn, out, f"L{l}.kda.", kda_start(attn, gen))]
         elif mla and cfg.is_mla(l):
             out = [mla_sublayer(c, attn, out, f"L{l}.gmla.", random_cache(cfg, mla, gen, mla_room), mla,
-                                capacity=mla + mla_room)]
+                                capacity=mla + mla_room, heads_tile=attn_heads)]
         elif mla_cache and cfg.is_mla(l):
             if not attnres:
                 raise ValueError("mla_cache: the emulated MLA attention is for the model's whole step (attnres)")
@@ -601,7 +602,8 @@ def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: in
         defines: tuple[str, ...] = DEFINES, modes: tuple[str, ...] = ("stream", "serial", "nodeps"),
         baseline: bool = True, cu: Path = mc.CU, packed_out: bool = False, spread: bool = True,
         routed_rows: int = mc.MAX_ROWS, kda: bool = True, mla_standins: bool = False, head: bool = False,
-        attnres: bool = False, context: int = 1024, mla: int = 0, router_first: bool = False) -> dict:
+        attnres: bool = False, context: int = 1024, mla: int = 0, router_first: bool = False,
+        attn_heads: int = mc.ATTN_HEADS) -> dict:
     """Check (unless a diagnostic build), compare with the compile backend and time (`baseline`), time `modes`.
     A -DTRACE_TILES build also reports what each block's ring did in one stream launch (`tile_pipeline`). The
     compile baseline runs the chain's real sublayers (the MLA stand-ins have no counterpart there, nor AttnRes; the
@@ -620,7 +622,7 @@ def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: in
     blocks = torch.cuda.get_device_properties(0).multi_processor_count
     chain = layers_chain(model, layers, packed_out=packed_out, min_tiles=blocks if spread else 0,
                          routed_rows=routed_rows, kda=kda, seed=seed, mla_standins=mla_standins and not mla,
-                         head=head, attnres=attnres, mla=mla, router_first=router_first)
+                         head=head, attnres=attnres, mla=mla, router_first=router_first, attn_heads=attn_heads)
     bufs = mc.Buffers(chain)
     g = torch.Generator(device="cuda").manual_seed(seed + 1)
     bufs.x.copy_(torch.randn(cfg.hidden_size, generator=g, device="cuda").bfloat16().float())
@@ -942,13 +944,11 @@ def main() -> None:
         raise SystemExit(f"modes: choose from {', '.join(mc.MODES)}")
     layers = parse_layers(a.layers) or (list(range(preset_layers(a.preset))) if a.step else None)
     defines = tuple(d for d in a.defines.split("+") if d)
-    heads = [int(d.split("=", 1)[1]) for d in defines if d.startswith("ATTN_HEADS=")]
-    if heads:                   # the chain's attention tiles in the build's head groups (an experiment's build)
-        mc.ATTN_HEADS = heads[-1]
     res = run(a.preset, layers, a.rounds, a.iters, defines=defines,
               modes=modes, baseline=not a.no_baseline, cu=a.cu, packed_out=a.packed_out, spread=not a.no_spread,
               routed_rows=a.routed_rows, kda=not a.no_kda, mla_standins=a.step and not a.no_standins,
-              head=a.step, attnres=a.step and a.attnres, mla=a.mla if a.step else 0, router_first=a.router_first)
+              head=a.step, attnres=a.step and a.attnres, mla=a.mla if a.step else 0, router_first=a.router_first,
+              attn_heads=mc.define_value(defines, "ATTN_HEADS", a.cu))
     floor = res["bytes_floor_ms"]
     what = ("KDA + MoE" if res["kda"] else "MoE") + (" + MLA stand-ins" if res["mla_standins"] and not res.get(
         "mla") else "") + (f" + MLA over {res['mla']} cache rows" if res.get("mla") else "") + (
