@@ -305,23 +305,26 @@ def test_the_kernel_reading_its_step_inputs_equals_the_host_set_build():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("variant", [{"router_first": True}, {"pair_tiles": False}, {"poll_sleep": 256},
-                                     {"attn_heads": 4}], ids=str)
+                                     {"attn_heads": 4}, {"live_splits": True},
+                                     {"live_splits": True, "attn_heads": 4}], ids=str)
 def test_the_kernel_variants_equal_the_default_kernel(variant):
     """k3-small in the kernel: the router rows early in each MoE's packed projection (`router_first`; 12-03 14:04 on
     the H200: passed), and each block's MoE down tiles two experts' as before PAIR_TILES (`pair_tiles=False`; the
     paired build against the unpaired one passed 12-03 14:43, before pairing became the default) give the default
     kernel's logits bit for bit under the engine's CUDA graph, over 6 steps (each row's sum is the same tensor-core
     sum wherever its tile is); so does a build whose waiting consumers sleep between polls (`poll_sleep`; passed
-    12-03 16:10), and attention tiles of 4 heads (`attn_heads`: each key block and head's words as before). (A router warp choosing each block's experts passed here too, 12-03 14:24, before it
-    was dropped as slower: commit aef7f58.)"""
+    12-03 16:10), attention tiles of 4 heads (`attn_heads`: each key block and head's words as before; passed 16:46)
+    and the attention skipping its key blocks past the keys (`live_splits`: 5 key blocks of room, 3 with keys). (A
+    router warp choosing each block's experts passed here too, 12-03 14:24, before it was dropped as slower: commit
+    aef7f58.)"""
     _needs_the_kernel()
     from k3export.bench.fp8 import gpu_random_model
     model = gpu_random_model(K3Config.from_name("k3-small"), 0)
     prompt = torch.randint(0, model.config.vocab_size, (64,), generator=torch.Generator().manual_seed(3)).tolist()
     runs = []
     for kw in ({}, variant):
-        be = mb.MegakernelBackend(model, max_len=96, prefill_backend=EagerBackend(model), **kw)
-        eng = Engine(be, max_batch=1, max_len=96)
+        be = mb.MegakernelBackend(model, max_len=160, prefill_backend=EagerBackend(model), **kw)
+        eng = Engine(be, max_batch=1, max_len=160)
         assert eng.graphed, eng.graph_error
         feed = [int(eng.prefill([0], [prompt])[0].argmax())]
         out = []

@@ -46,11 +46,12 @@ from k3export.megakernel.argmax import argmax_rows
 
 
 def kernel_defines(step_inputs: bool = True, pair_tiles: bool = True, poll_sleep: int = 0,
-                   attn_heads: int = mc.ATTN_HEADS) -> tuple[str, ...]:
+                   attn_heads: int = mc.ATTN_HEADS, live_splits: bool = False) -> tuple[str, ...]:
     """chain.cu's defines for the backend's build with these options (`DEFINES`: the defaults)."""
     return (*ml.DEFINES, "EPOCH_PTR=1", *(("STEP_INPUTS=1",) if step_inputs else ()),
             *(("PAIR_TILES=1",) if pair_tiles else ()), *((f"POLL_SLEEP={poll_sleep}",) if poll_sleep else ()),
-            *((f"ATTN_HEADS={attn_heads}",) if attn_heads != mc.ATTN_HEADS else ()))
+            *((f"ATTN_HEADS={attn_heads}",) if attn_heads != mc.ATTN_HEADS else ()),
+            *(("LIVE_SPLITS=1",) if live_splits else ()))
 
 
 DEFINES = kernel_defines()
@@ -68,7 +69,8 @@ class MegakernelBackend:
 
     def __init__(self, model, max_len: int, prefill_backend=None, emulate: bool = False, defines=None,
                  cubin: tuple[str, str] | None = None, step_inputs: bool = True, router_first: bool = False,
-                 pair_tiles: bool = True, poll_sleep: int = 0, attn_heads: int = mc.ATTN_HEADS):
+                 pair_tiles: bool = True, poll_sleep: int = 0, attn_heads: int = mc.ATTN_HEADS,
+                 live_splits: bool = False):
         """step_inputs (the default): chain.cu built with STEP_INPUTS=1 reads the token's embedding row, the key
         count and its epoch from the engine's buffers itself, four small kernels fewer a step than setting them
         around it (False: `HOST_INPUTS_DEFINES`). defines: another build (the engine directory's). router_first:
@@ -79,7 +81,9 @@ class MegakernelBackend:
         not yet run on a GPU): chain.cu built with POLL_SLEEP=N, a consumer thread sleeping N ns between two polls
         of words not yet written (fewer back-to-back L2 requests from the waiting blocks); the same logits (12-03
         16:12: no faster). attn_heads: the MLA attention's heads a tile (chain.cu built with ATTN_HEADS=N when not
-        its default); each (key block, head)'s words are computed as before, so the same logits."""
+        its default); each (key block, head)'s words are computed as before, so the same logits. live_splits:
+        chain.cu built with LIVE_SPLITS=1, the attention skipping its tiles past the launch's keys (the cache's room
+        up to max_len) and BMM2's combine adding only the key blocks that hold keys; the same logits."""
         cfg = model.config
         self.model, self.config, self.dtype, self.device = model, cfg, model.dtype, model.device
         self.max_len, self.emulate = max_len, emulate
@@ -92,7 +96,7 @@ class MegakernelBackend:
         self.bufs = mc.Buffers(chain, device=str(self.device))
         self.kernel = None
         if not emulate:
-            defines = defines or kernel_defines(step_inputs, pair_tiles, poll_sleep, attn_heads)
+            defines = defines or kernel_defines(step_inputs, pair_tiles, poll_sleep, attn_heads, live_splits)
             self.kernel = mc.ChainKernel(defines=defines, cubin=cubin, quiet=cubin is not None)
             self.kernel.bind(self.bufs)
         if prefill_backend is None:

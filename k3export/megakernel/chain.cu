@@ -116,6 +116,9 @@
 #ifndef COMBINE_PAIRS                  // 1: X_COMBINE_NORM (nslot <= 8) polls two elements' words together
 #define COMBINE_PAIRS 0
 #endif
+#ifndef LIVE_SPLITS                    // 1: an ATTN phase skips its tiles past this launch's keys (no words), and
+#define LIVE_SPLITS 0                  // BMM2's combine (X_MLA_COMBINE) adds only the key blocks that hold keys
+#endif
 #ifndef PAIR_TILES                     // 1: a routed phase with x per expert (the MoE down projection) hands each
 #define PAIR_TILES 0                   // block consecutive row blocks, so that its tiles share an expert and it
 #endif                                 // loads that x once (`tile_row0`)
@@ -1192,7 +1195,13 @@ __device__ __forceinline__ bool load_x_recipe(__nv_bfloat16* xs, const PhaseC& f
             // (past x in shared memory: m_s at sc[s], l_s at sc[S + s], a_s at sc[2 S + s]; S = ATTN_SPLITS >= nslot)
             float* sc = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(xs) + XBYTES / 2);
             const uint64_t* hb = base + static_cast<int64_t>(slot) * (g.len + 2);
-            if (tid < g.nslot) {
+#if LIVE_SPLITS                                 // the key blocks that hold keys this launch (the rest: not written)
+            const int live = min(static_cast<int>(g.nslot),
+                                 static_cast<int>((ph[g.src].n + ph[g.src].rows - 1) / ph[g.src].rows));
+#else
+            const int live = g.nslot;
+#endif
+            if (tid < live) {
                 float ml[2];
                 ok = poll_strided(hb + static_cast<int64_t>(tid) * g.stride, 1, 2, ml, epoch, wait, err, p, t);
                 sc[tid] = ml[0];
@@ -1200,17 +1209,17 @@ __device__ __forceinline__ bool load_x_recipe(__nv_bfloat16* xs, const PhaseC& f
             }
             consumers_sync();
             float mx = -INFINITY;
-            for (int q2 = 0; q2 < g.nslot; ++q2) mx = fmaxf(mx, sc[q2]);
-            if (tid < g.nslot) sc[2 * ATTN_SPLITS + tid] = expf(__fsub_rn(sc[tid], mx));
+            for (int q2 = 0; q2 < live; ++q2) mx = fmaxf(mx, sc[q2]);
+            if (tid < live) sc[2 * ATTN_SPLITS + tid] = expf(__fsub_rn(sc[tid], mx));
             consumers_sync();
             float den = 0.f;
-            for (int q2 = 0; q2 < g.nslot; ++q2)
+            for (int q2 = 0; q2 < live; ++q2)
                 den = __fadd_rn(den, __fmul_rn(sc[2 * ATTN_SPLITS + q2], sc[ATTN_SPLITS + q2]));
             for (int j = tid; ok && j < g.len; j += CONSUMERS) {
                 float acc = 0.f;
-                for (int s0 = 0; ok && s0 < g.nslot; s0 += 8) {     // 8 splits' words at a time
+                for (int s0 = 0; ok && s0 < live; s0 += 8) {     // 8 splits' words at a time
                     float v[8];
-                    const int ns = min(8, g.nslot - s0);
+                    const int ns = min(8, live - s0);
                     ok = poll_strided(hb + static_cast<int64_t>(s0) * g.stride + 2 + j, g.stride, ns, v, epoch,
                                       wait, err, p, t);
 #pragma unroll
@@ -1628,7 +1637,8 @@ __device__ __forceinline__ int attn_phase(const PhaseC& f, const PhaseC* ph, con
     for (int gt = g0; gt < f.tile0 + f.ntiles; gt += nblk, ++i, ++n) {
         const int t = gt - f.tile0, hg = t % f.ne;
         const uint32_t s = i % NSLOT;
-        if (hg != have) {
+        const bool no_keys = LIVE_SPLITS && (t / f.ne) * f.rows >= f.n;   // (no x, no words; BMM2 skips it)
+        if (!no_keys && hg != have) {
             consumers_sync();               // every warp is done with the last x
             if (!load_x_recipe(xs, f, ph, xsegs, hg, epoch, wait, err, p, t, red, comb_w)) *gave_up = 1;
             consumers_sync();
@@ -1645,7 +1655,8 @@ __device__ __forceinline__ int attn_phase(const PhaseC& f, const PhaseC* ph, con
 #ifdef PHASE_TIMES
         if (tid == 0 && n == 0) atomicMin(t_tile, static_cast<unsigned long long>(now_ns()));
 #endif
-        attn_tile(f, xsegs[f.xop], reinterpret_cast<const __nv_bfloat16*>(ring + s * SLOT_BYTES), xs, t, epoch);
+        if (!no_keys)
+            attn_tile(f, xsegs[f.xop], reinterpret_cast<const __nv_bfloat16*>(ring + s * SLOT_BYTES), xs, t, epoch);
         __syncwarp();
         if (tid % 32 == 0) mbar_arrive(&empty[s]);     // this warp is done with slot s
     }
