@@ -130,8 +130,8 @@
 #   mkrun    mkargmax's and mksleep's tests in one pytest, one bench of megakernel and both POLL_SLEEP builds, the
 #            pipelined generation's timeline, and the layer step's PHASE_TIMES with PAIR_TILES
 #   mkblocks the layer step's PHASE_TIMES per block (BLOCK_TIMES): each phase kind's first / median / last block
-#   mkattn   mkblocks, then the layer step with ATTN_ROW_FIRST=1, ATTN_HEADS=4, COMBINE_PAIRS=1 against the default, two
-#            interleaved rounds of each
+#   mkattn   mkblocks, then the layer step with ATTN_HEADS=4 against the default, two interleaved rounds of each (run
+#            16:29 also with ATTN_ROW_FIRST=1 and COMBINE_PAIRS=1, both slower and removed since: commit 1013a3e)
 #   mkheads  attention tiles of 4 heads: the variant's cuda test (bit for bit), bench megakernel vs -attn-heads4
 #   mklive   LIVE_SPLITS (with and without 4 heads a tile): cuda tests (bit for bit), bench against megakernel
 #   mkbench  bench model eager, compile, megakernel at B = 1, context 1024 ($MKBENCH_BACKENDS)
@@ -361,7 +361,7 @@ for part in $parts; do
              > "$OUT/mkblocks.log" 2>&1 ;;
     mkattn) bash "$0" mkblocks
            for r in 1 2; do
-             for v in base ATTN_ROW_FIRST=1 ATTN_HEADS=4 COMBINE_PAIRS=1; do
+             for v in base ATTN_HEADS=4; do
                timeout 100 python3 scripts/megakernel_layer.py --step --attnres --mla 1024 --no-baseline \
                  --modes stream --rounds 2 --defines PAIR_TILES=1+${v/base/} --out "$OUT/attn$r-${v%%=*}.json" \
                  >> "$OUT/mkattn.log" 2>&1

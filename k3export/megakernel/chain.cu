@@ -110,12 +110,6 @@
 #ifndef POLL_SLEEP                     // ns a consumer sleeps between two polls of words not yet written (0: none;
 #define POLL_SLEEP 0                   // every waiting thread of 132 blocks polls L2 back to back otherwise)
 #endif
-#ifndef ATTN_ROW_FIRST                 // 1: an ATTN phase loads the new row's parts of its x before the queries
-#define ATTN_ROW_FIRST 0               // (the same x; the queries wait on BMM1, the new row does not)
-#endif
-#ifndef COMBINE_PAIRS                  // 1: X_COMBINE_NORM (nslot <= 8) polls two elements' words together
-#define COMBINE_PAIRS 0
-#endif
 #ifndef LIVE_SPLITS                    // 1: an ATTN phase skips its tiles past this launch's keys (no words), and
 #define LIVE_SPLITS 0                  // BMM2's combine (X_MLA_COMBINE) adds only the key blocks that hold keys
 #endif
@@ -488,28 +482,6 @@ __device__ __forceinline__ bool poll_strided(const uint64_t* p, int64_t stride, 
         bool fresh = true;
 #pragma unroll
         for (int i = 0; i < N; ++i) {
-            v[i] = value_of(w[i]);
-            fresh = fresh && epoch_of(w[i]) == epoch;
-        }
-        if (fresh || !wait) return true;
-        if (out_of_time(spin, err, 1, ph, t)) return false;
-    }
-}
-
-// Two runs of n <= 8 words, p[i * stride] and p[d + i * stride] (d < 0: the first run only), as values v[i] and
-// v[8 + i], polled together as `poll_all` does.
-__device__ __forceinline__ bool poll_two(const uint64_t* p, int d, int64_t stride, int n, float (&v)[16],
-                                         uint32_t epoch, bool wait, uint32_t* err, int64_t ph, int64_t t) {
-    for (uint32_t spin = 0;; ++spin) {
-        uint64_t w[16];
-#pragma unroll
-        for (int i = 0; i < 16; ++i) {
-            const bool on = (i & 7) < n && (i < 8 || d >= 0);
-            w[i] = on ? load_word(p + (i < 8 ? 0 : d) + (i & 7) * stride) : static_cast<uint64_t>(epoch) << 32;
-        }
-        bool fresh = true;
-#pragma unroll
-        for (int i = 0; i < 16; ++i) {
             v[i] = value_of(w[i]);
             fresh = fresh && epoch_of(w[i]) == epoch;
         }
@@ -1014,16 +986,7 @@ __device__ __forceinline__ bool load_x_recipe(__nv_bfloat16* xs, const PhaseC& f
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     bool ok = true;
     int j0 = 0;                                     // where this part starts in x
-    for (int qq = 0; qq < f.nxseg; ++qq) {
-#if ATTN_ROW_FIRST                                  // an ATTN phase's x: the new row's parts (which BMM1 does not
-        const int q = f.kind == ATTN ? (qq + 1) % f.nxseg : qq;    // gate) first, the queries last; the same x
-        if (f.kind == ATTN) {
-            j0 = 0;
-            for (int r = 0; r < q; ++r) j0 += xsegs[f.xop + r].len;
-        }
-#else
-        const int q = qq;
-#endif
+    for (int q = 0; q < f.nxseg; ++q) {
         const XSeg& g = xsegs[f.xop + q];
         const uint64_t* base = reinterpret_cast<const uint64_t*>(ph[g.src].y) + g.off;
         if (g.op == X_GLU) {
@@ -1055,30 +1018,7 @@ __device__ __forceinline__ bool load_x_recipe(__nv_bfloat16* xs, const PhaseC& f
             }
             consumers_sync();
             float ss = 0.f;
-#if COMBINE_PAIRS
-            // two elements' words polled together (one round trip for both), sums as below, the same order
-            for (int jb = tid; ok && g.nslot <= 8 && jb < g.len; jb += 2 * CONSUMERS) {
-                float v[16];
-                ok = poll_two(base + jb, jb + CONSUMERS < g.len ? CONSUMERS : -1, g.stride, g.nslot, v, epoch, wait,
-                              err, p, t);
-#pragma unroll
-                for (int u = 0; u < 2; ++u) {
-                    const int j = jb + u * CONSUMERS;
-                    float acc = 0.f;
-#pragma unroll
-                    for (int s = 0; s < 8; ++s)
-                        if (s < g.nslot) acc = fmaf(comb_w[s], v[8 * u + s], acc);
-                    const float u2 = bf16r(acc);
-                    if (ok && j < g.len) {
-                        xs[j0 + j] = __float2bfloat16_rn(u2);
-                        ss = fmaf(u2, u2, ss);
-                    }
-                }
-            }
-            for (int j = tid; ok && g.nslot > 8 && j < g.len; j += CONSUMERS) {
-#else
             for (int j = tid; ok && j < g.len; j += CONSUMERS) {
-#endif
                 float acc = 0.f;                    // `_ticket_combine`: out += w_s * y_s in slot order
                 for (int s0 = 0; ok && s0 < g.nslot; s0 += 8) {     // 8 slots' rows at a time
                     float v[8];
