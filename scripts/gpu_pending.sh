@@ -134,6 +134,7 @@
 #            16:29 also with ATTN_ROW_FIRST=1 and COMBINE_PAIRS=1, both slower and removed since: commit 1013a3e)
 #   mkheads  attention tiles of 4 heads: the variant's cuda test (bit for bit), bench megakernel vs -attn-heads4
 #   mklive   LIVE_SPLITS (with and without 4 heads a tile): cuda tests (bit for bit), bench against megakernel
+#   mktrace  mkblocks with -DTRACE: when each block had each part of the MLA attention's x
 #   mkbench  bench model eager, compile, megakernel at B = 1, context 1024 ($MKBENCH_BACKENDS)
 #   profile  scripts/profile_decode.py --backend $PROFILE_BACKEND (default compile): kernels per decode step, and the
 #            graph replay's critical path (what each kernel adds to the span under PDL; 15:25: an upper bound only)
@@ -377,13 +378,17 @@ for part in $parts; do
            MKBENCH_BACKENDS=megakernel,megakernel-live-splits,megakernel-live-splits-heads4 MKBENCH_ITERS=300 \
              bash "$0" mkbench
            rm -f "$OUT/mkbench/model.png" "$OUT/mkbench/model.partial.json" "$OUT/gpu.txt" ;;
+    mktrace) timeout 150 python3 scripts/megakernel_layer.py --step --attnres --mla 1024 --no-baseline --modes stream \
+             --rounds 1 --defines PHASE_TIMES+BLOCK_TIMES+TRACE+PAIR_TILES=1 --out "$OUT/step-trace.json" \
+             > "$OUT/mktrace.log" 2>&1
+           rm -f "$OUT/step-trace.json" ;;
     mkbench) timeout ${MKBENCH_TIMEOUT:-400} python3 -m k3export.cli bench model --preset k3-small --dtype bf16 \
              --backends ${MKBENCH_BACKENDS:-eager,compile,megakernel} --prefill-lengths 2048 --batches 1 \
              --contexts 1024 --warmup 3 --iters 5 --decode-iters ${MKBENCH_ITERS:-100} --generate-tokens 64 \
              --no-new-lengths --out "$OUT/mkbench" > "$OUT/mkbench.log" 2>&1 ;;
     profile) timeout 150 python3 scripts/profile_decode.py --backend ${PROFILE_BACKEND:-compile} ${PROFILE_ARGS:-} \
              > "$OUT/profile.log" 2>&1 ;;
-    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe trtfp8 fp8eng grouped grpsmall fp8comp overlap chain layer step attnres abmix gmla greedy greedy64 mkback mkinputs mkstep mkcache mkfinal mkrouter mkpair mkargmax mksleep mkrun mkblocks mkattn mkheads mklive mkbench profile)"; continue ;;
+    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe trtfp8 fp8eng grouped grpsmall fp8comp overlap chain layer step attnres abmix gmla greedy greedy64 mkback mkinputs mkstep mkcache mkfinal mkrouter mkpair mkargmax mksleep mkrun mkblocks mkattn mkheads mklive mktrace mkbench profile)"; continue ;;
   esac
   echo "$part: exit $? in $((SECONDS - t)) s" | tee -a "$OUT/pending.log"
   tail -4 "$OUT/$part.log" 2>/dev/null

@@ -982,7 +982,8 @@ __device__ __forceinline__ bool attnres_x(__nv_bfloat16* xs, const XSeg& g, cons
 // consumer thread calls it and reaches its barriers (an RMSNorm's sum), also after a wait gave up. false: gave up.
 __device__ __forceinline__ bool load_x_recipe(__nv_bfloat16* xs, const PhaseC& f, const PhaseC* ph, const XSeg* xsegs,
                                               int slot, uint32_t epoch, bool wait, uint32_t* err, int64_t p,
-                                              int64_t t, float* red, float* comb_w) {
+                                              int64_t t, float* red, float* comb_w,
+                                              unsigned long long* part_t = nullptr) {
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     bool ok = true;
     int j0 = 0;                                     // where this part starts in x
@@ -1235,6 +1236,9 @@ __device__ __forceinline__ bool load_x_recipe(__nv_bfloat16* xs, const PhaseC& f
                 store_word(y + f.ne + tid, __fmul_rn(w, g.scaling), epoch);
             }
         }
+#ifdef TRACE                                        // (-DTRACE: an ATTN x load's parts, thread 0's view)
+        if (part_t && tid == 0 && q < TRACE_FIELDS) part_t[q] = now_ns();
+#endif
         j0 += g.len;
     }
     return ok;
@@ -1563,6 +1567,14 @@ __device__ __noinline__ void attn_tile(const PhaseC& f, const XSeg& q0, const __
 }
 #endif
 
+#if RECIPES && MMA_ONLY && defined(TRACE)
+__device__ __forceinline__ int attn_before(const PhaseC* ph, int64_t p) {     // ATTN phases before p
+    int a = 0;
+    for (int64_t q = 0; q < p; ++q) a += ph[q].kind == ATTN;
+    return a;
+}
+#endif
+
 #if RECIPES && MMA_ONLY
 // An ATTN phase: this block's tiles (g0, g0 + nblk, ...; ring slots from tile count i on), x loaded where the head
 // group changes. Returns the tiles done, or -1: a wait gave up.
@@ -1571,7 +1583,8 @@ __device__ __forceinline__ int attn_phase(const PhaseC& f, const PhaseC* ph, con
                                           uint64_t* empty, uint32_t i, int g0, int nblk, uint32_t epoch, bool wait,
                                           uint32_t* err, int64_t p, float* red, float* comb_w, int* gave_up,
                                           __nv_bfloat16* xdump,
-                                          unsigned long long* t_x, unsigned long long* t_tile) {
+                                          unsigned long long* t_x, unsigned long long* t_tile,
+                                          unsigned long long* part_t) {
     const int tid = threadIdx.x;
     int n = 0, have = -1;
     for (int gt = g0; gt < f.tile0 + f.ntiles; gt += nblk, ++i, ++n) {
@@ -1580,7 +1593,8 @@ __device__ __forceinline__ int attn_phase(const PhaseC& f, const PhaseC* ph, con
         const bool no_keys = LIVE_SPLITS && (t / f.ne) * f.rows >= f.n;   // (no x, no words; BMM2 skips it)
         if (!no_keys && hg != have) {
             consumers_sync();               // every warp is done with the last x
-            if (!load_x_recipe(xs, f, ph, xsegs, hg, epoch, wait, err, p, t, red, comb_w)) *gave_up = 1;
+            if (!load_x_recipe(xs, f, ph, xsegs, hg, epoch, wait, err, p, t, red, comb_w, n ? nullptr : part_t))
+                *gave_up = 1;
             consumers_sync();
             if (*gave_up) return -1;
             if (xdump && t < f.ne && hg < XDUMP_SLOTS)
@@ -1886,7 +1900,14 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
             const int nt = attn_phase(f, ph, xsegs, ring, xs, full, empty, i, g0, static_cast<int>(nblk), epoch, wait,
                                       err, p, red, comb_w, &gave_up,
                                       *reinterpret_cast<__nv_bfloat16* volatile*>(&xdump_s),
-                                      t_done + 2 * nphase + p, t_done + 3 * nphase + p);
+                                      t_done + 2 * nphase + p, t_done + 3 * nphase + p,
+#ifdef TRACE                                // (the block's a-th ATTN phase: trace unit TRACE_UNITS - 1 - a)
+                                      trace + (blockIdx.x * TRACE_UNITS + TRACE_UNITS - 1 - attn_before(ph, p)) *
+                                                  TRACE_FIELDS
+#else
+                                      nullptr
+#endif
+                                      );
             if (nt < 0) return;
             i += nt;
             done = nt;
@@ -1927,7 +1948,7 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
             }                               // (a top-k's slot too: it holds nothing)
             if (slot != have_slot) {        // this tile's x (the first sync: every warp is done with the last x)
 #ifdef TRACE
-                tr = tid == 0 && unit < TRACE_UNITS ? trace + (blockIdx.x * TRACE_UNITS + unit) * TRACE_FIELDS
+                tr = tid == 0 && unit < TRACE_UNITS - 4 ? trace + (blockIdx.x * TRACE_UNITS + unit) * TRACE_FIELDS
                                                     : nullptr;
                 if (tr) tr[0] = now_ns();
 #endif

@@ -756,6 +756,8 @@ def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: in
     kern.launch(modes[0])
     res["timeline_us"] = kern.timeline_us()
     if "PHASE_TIMES" in kern.defines:
+        if kern.trace is not None:
+            kern.trace.zero_()
         res["phase_times_us"] = pt = kern.phase_times(modes[0])
         before = {p: max((q for q in range(p) if chain.phases[q].ntiles), default=-1) for p in range(len(chain.phases))}
         for kind in ("kda.in", "kda.o", "moe.proj", "router", "topk", "shared_down", "gate_up", "down", "up",
@@ -768,6 +770,8 @@ def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: in
                       flush=True)
                 if "blocks" in pt:      # -DBLOCK_TIMES: over the phase's blocks, first / median / last
                     print("    " + block_spread(pt, ps, before), flush=True)
+                if "blocks" in pt and kind == "gmla.attn" and kern.trace is not None:   # (+ -DTRACE)
+                    print("    " + attn_x_parts(kern, chain, pt, before), flush=True)
     if kern.tile_trace is not None:
         tp = res["tile_pipeline"] = kern.tiles_traced(modes[0])
         print("tiles: " + json.dumps({k: v for k, v in tp.items() if k != "landed_tbs"}), flush=True)
@@ -790,6 +794,25 @@ def block_spread(pt: dict, ps: list[int], before: dict) -> str:
         if per:
             out.append(f"{key} " + " / ".join(f"{statistics.fmean(c):+.1f}" for c in zip(*per)))
     return f"blocks (up to {nblk}): " + ", ".join(out) + " us (first / median / last)"
+
+
+def attn_x_parts(kern, chain, pt: dict, before: dict) -> str:
+    """A -DPHASE_TIMES -DBLOCK_TIMES -DTRACE run: when each block's thread 0 had each part of its first ATTN x load
+    (the queries, the new row's RMSNorm, its pe words), us after the phase before finished: the first, median and
+    last block, means over the attention phases."""
+    ps = [p for p, f in enumerate(chain.phases) if f.kind == "attn"]
+    tr = kern.trace.view(kern.blocks, mc.TRACE_UNITS, mc.TRACE_FIELDS).cpu()
+    t0 = int(kern.t_start.cpu())
+    per = {q: [] for q in range(mc.TRACE_FIELDS)}
+    for a, p in enumerate(ps):
+        unit = tr[:, mc.TRACE_UNITS - 1 - a]
+        for q in range(mc.TRACE_FIELDS):
+            v = sorted((int(x) - t0) / 1e3 - pt["done"][before[p]] for x in unit[:, q] if int(x))
+            if v:
+                per[q].append((v[0], v[(len(v) - 1) // 2], v[-1]))
+    names = ("queries", "new row norm", "new row pe")
+    return "x parts: " + ", ".join(f"{names[q]} " + " / ".join(f"{statistics.fmean(c):+.1f}" for c in zip(*per[q]))
+                                   for q in per if per[q]) + " us (first / median / last block)"
 
 
 KIND_COLOURS = {"kda": "tab:blue", "moe": "tab:orange", "dense": "tab:green", "mla stand-in": "tab:gray",
