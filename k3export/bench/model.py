@@ -28,11 +28,12 @@ each hold `context` tokens (`Engine.decode`, state commit included). Backends:
               polls of words not yet written (`MegakernelBackend(poll_sleep=N)`; 12-03 16:12, 300 steps: 0.762 ms
               both against the default's 0.764, pipelined 0.767 / 0.765 against 0.762)
     megakernel-attn-heads4  the same with the MLA attention's tiles 4 heads each, not 8
-              (`MegakernelBackend(attn_heads=4)`: 132 tiles at 1024 keys, every block one; 12-03 16:47, 300 steps:
-              0.769 ms against 0.760, pipelined 0.762 against 0.761: the engine's room to max_len adds empty tiles)
-    megakernel-live-splits, megakernel-live-splits-heads4  the same (and with 4 heads a tile) with the attention's
-              tiles past the launch's keys skipped and BMM2 combining only the key blocks that hold keys
-              (`MegakernelBackend(live_splits=True)`)
+              (`MegakernelBackend(attn_heads=4)`: 132 tiles at 1024 keys, every block one; 12-03 17:03, 300 steps,
+              with LIVE_SPLITS: pipelined 0.755 ms against 0.760, decode 0.763 against 0.756; at max_len over
+              1056 rows its live tiles can outnumber 132 blocks)
+    megakernel-dead-splits  the same with the attention's tiles past the launch's keys run and combined as
+              before LIVE_SPLITS (`MegakernelBackend(live_splits=False)`; 12-03 17:03: 0.763 ms pipelined against
+              0.760)
 
 Napkin math beside every time. Decode floor = bytes a step must move / measured copy bandwidth: every weight
 except the routed experts and the embedding table, the routed experts a batch of B hits in expectation
@@ -79,8 +80,7 @@ MEGAKERNEL_VARIANTS = {"megakernel": {}, "megakernel-host-inputs": {"step_inputs
                        "megakernel-poll-sleep64": {"poll_sleep": 64},
                        "megakernel-poll-sleep256": {"poll_sleep": 256},
                        "megakernel-attn-heads4": {"attn_heads": 4},
-                       "megakernel-live-splits": {"live_splits": True},
-                       "megakernel-live-splits-heads4": {"live_splits": True, "attn_heads": 4}}
+                       "megakernel-dead-splits": {"live_splits": False}}
 BACKENDS = ("eager", "graph", *COMPILE_VARIANTS, "aoti", *MEGAKERNEL_VARIANTS)
 
 

@@ -43,10 +43,13 @@ from k3export.megakernel.argmax import argmax_rows
 # PAIR_TILES (`pair_tiles`, the default): each block's tiles of a MoE down projection are one expert's, so that it
 # loads that expert's x once, not once a tile (chain.cu `tile_row0`; 12-03 14:43, 300 steps: 0.769 ms a step against
 # 0.784 unpaired, the same logits bit for bit).
+# LIVE_SPLITS (`live_splits`, the default): the MLA attention skips its tiles past the launch's keys (the engine
+# sizes them for max_len) and BMM2's combine adds only the key blocks that hold keys (12-03 17:03, 300 steps:
+# pipelined generation 0.760 ms against 0.763, decode 0.756; the same logits bit for bit).
 
 
 def kernel_defines(step_inputs: bool = True, pair_tiles: bool = True, poll_sleep: int = 0,
-                   attn_heads: int = mc.ATTN_HEADS, live_splits: bool = False) -> tuple[str, ...]:
+                   attn_heads: int = mc.ATTN_HEADS, live_splits: bool = True) -> tuple[str, ...]:
     """chain.cu's defines for the backend's build with these options (`DEFINES`: the defaults)."""
     return (*ml.DEFINES, "EPOCH_PTR=1", *(("STEP_INPUTS=1",) if step_inputs else ()),
             *(("PAIR_TILES=1",) if pair_tiles else ()), *((f"POLL_SLEEP={poll_sleep}",) if poll_sleep else ()),
@@ -70,7 +73,7 @@ class MegakernelBackend:
     def __init__(self, model, max_len: int, prefill_backend=None, emulate: bool = False, defines=None,
                  cubin: tuple[str, str] | None = None, step_inputs: bool = True, router_first: bool = False,
                  pair_tiles: bool = True, poll_sleep: int = 0, attn_heads: int = mc.ATTN_HEADS,
-                 live_splits: bool = False):
+                 live_splits: bool = True):
         """step_inputs (the default): chain.cu built with STEP_INPUTS=1 reads the token's embedding row, the key
         count and its epoch from the engine's buffers itself, four small kernels fewer a step than setting them
         around it (False: `HOST_INPUTS_DEFINES`). defines: another build (the engine directory's). router_first:
@@ -81,9 +84,10 @@ class MegakernelBackend:
         not yet run on a GPU): chain.cu built with POLL_SLEEP=N, a consumer thread sleeping N ns between two polls
         of words not yet written (fewer back-to-back L2 requests from the waiting blocks); the same logits (12-03
         16:12: no faster). attn_heads: the MLA attention's heads a tile (chain.cu built with ATTN_HEADS=N when not
-        its default); each (key block, head)'s words are computed as before, so the same logits. live_splits:
-        chain.cu built with LIVE_SPLITS=1, the attention skipping its tiles past the launch's keys (the cache's room
-        up to max_len) and BMM2's combine adding only the key blocks that hold keys; the same logits."""
+        its default); each (key block, head)'s words are computed as before, so the same logits. live_splits (the
+        default): chain.cu built with LIVE_SPLITS=1, the attention skipping its tiles past the launch's keys (the
+        cache's room up to max_len) and BMM2's combine adding only the key blocks that hold keys; the same logits
+        as without (False) bit for bit (12-03 17:03, cuda test)."""
         cfg = model.config
         self.model, self.config, self.dtype, self.device = model, cfg, model.dtype, model.device
         self.max_len, self.emulate = max_len, emulate
