@@ -711,6 +711,31 @@ def test_mla_sublayer_emulation_is_the_models_decode(tiny_mla8, cache_len):
     assert e["max_rel"]["attn"] < 1e-6 and not e["topk_wrong"] and not e["unwritten"], e
 
 
+def test_key_blocks_past_the_keys_are_neither_checked_nor_combined(tiny_mla8):
+    """A launch built with LIVE_SPLITS leaves the attention's words of the key blocks past its keys unwritten (the
+    tiles' room up to the capacity): errors() does not count them as unwritten, and BMM2's combine (its x, as the
+    emulation forms it from the words there) is the same whatever they hold."""
+    cfg, model = tiny_mla8
+    l = cfg.mla_layers[0]
+    attn, gen = model.model.layers[l].self_attn, torch.Generator().manual_seed(1)
+    c = mc.Chain(cfg.hidden_size)
+    ml.mla_sublayer(c, attn, [], "L3.gmla.", ml.random_cache(cfg, 40, gen, room=88), 40, capacity=128)
+    at, bmm2 = c.phases[3], 4
+    assert at.ntiles == 4 * at.ne and -(-at.n // at.rows) == 2           # 4 key blocks, 2 with keys
+    b = mc.Buffers(c, device="cpu")
+    b.x.copy_(torch.randn(cfg.hidden_size, generator=gen).bfloat16().float())
+    b.clear()
+    b.run_reference()
+    x = torch.cat([b.x_of(bmm2, h) for h in range(cfg.num_attention_heads)])
+    live = 2 * at.ne * at.heads * (at.xlen + 2)
+    b.out(3)[live:] = math.nan                                           # as a LIVE_SPLITS launch leaves them
+    e = b.errors()
+    assert not e["unwritten"] and not e["topk_wrong"] and e["max_rel"]["attn"] < 1e-6, e
+    assert torch.equal(torch.cat([b.x_of(bmm2, h) for h in range(cfg.num_attention_heads)]), x)
+    b.out(3)[live - 1] = math.nan                                        # (a live word: caught)
+    assert b.errors()["unwritten"] == ["L3.gmla.attn"]
+
+
 def test_mla_attention_phase_is_checked_and_refused_where_it_cannot_run(tiny_mla8, tiny128):
     """errors() finds a wrong attention word and a wrong appended row; Chain.attn refuses heads that are not a
     multiple of 8 and a cache whose keys do not fit 32 key blocks."""
