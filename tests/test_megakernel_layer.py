@@ -721,7 +721,7 @@ def test_key_blocks_past_the_keys_are_neither_checked_nor_combined(tiny_mla8):
     c = mc.Chain(cfg.hidden_size)
     ml.mla_sublayer(c, attn, [], "L3.gmla.", ml.random_cache(cfg, 40, gen, room=88), 40, capacity=128)
     at, bmm2 = c.phases[3], 4
-    assert at.ntiles == 4 * at.ne and -(-at.n // at.rows) == 2           # 4 key blocks, 2 with keys
+    assert at.ntiles == 4 * at.ne and at.live_blocks == 2                # 4 key blocks, 2 with keys
     b = mc.Buffers(c, device="cpu")
     b.x.copy_(torch.randn(cfg.hidden_size, generator=gen).bfloat16().float())
     b.clear()

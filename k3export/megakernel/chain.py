@@ -158,6 +158,12 @@ class Phase:
         return 0 if self.kind == "topk" else self.n * self.k * 2
 
     @property
+    def live_blocks(self) -> int:
+        """attn: the key blocks that hold keys this launch (chain.cu built with LIVE_SPLITS writes and combines only
+        these: the first live_blocks ne tiles)."""
+        return -(-self.n // self.rows)
+
+    @property
     def words(self) -> int:
         """Output words (attn: per tile and head of its group, [m, l, O]; `Chain.attn`)."""
         return self.ntiles * self.heads * (self.xlen + 2) if self.kind == "attn" else self.n
@@ -945,8 +951,7 @@ class Buffers:
                      for h in range(slot * xs.nslot, (slot + 1) * xs.nslot)]
                 parts.append(bf16r(torch.cat(q)))
             elif xs.op == "mla_combine":                        # the head's key blocks that hold keys, in order
-                at = self.chain.phases[xs.src]                  # (the others add 0: max -inf, sum and output 0)
-                live = min(xs.nslot, -(-at.n // at.rows))
+                live = min(xs.nslot, self.chain.phases[xs.src].live_blocks)   # (the others add 0)
                 w = src[xs.off + slot * (xs.len + 2):].unfold(0, xs.len + 2, xs.stride)[:live]
                 m, l, o = w[:, 0], w[:, 1], w[:, 2:]
                 a = torch.exp(m - m.max())
@@ -1176,7 +1181,7 @@ class Buffers:
                 continue                    # (emulated only: no kernel writes them)
             got = torch.cat(self.mix_words(p)) if ph.kind == "mix" else self.out(p)
             if ph.kind == "attn":               # (the key blocks that hold keys; `LIVE_SPLITS` writes no others)
-                got = got[:-(-ph.n // ph.rows) * ph.ne * ph.heads * (ph.xlen + 2)]
+                got = got[:ph.live_blocks * ph.ne * ph.heads * (ph.xlen + 2)]
             if torch.isnan(got).any():
                 nan.append(ph.name)
                 continue

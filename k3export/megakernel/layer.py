@@ -780,19 +780,29 @@ def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: in
     return res
 
 
+def _spread(per: list[tuple[float, float, float]]) -> str:
+    """Per phase (first, median, last) block: their means over the phases, "a / b / c"."""
+    return " / ".join(f"{statistics.fmean(c):+.1f}" for c in zip(*per))
+
+
+def _first_median_last(v: list[float]) -> tuple[float, float, float]:
+    v = sorted(v)
+    return v[0], v[(len(v) - 1) // 2], v[-1]
+
+
 def block_spread(pt: dict, ps: list[int], before: dict) -> str:
     """A -DBLOCK_TIMES run's phases ps (one kind, a layer each): when their blocks had x, had the first tile and were
     done, us after the phase before finished: the first, median and last block, means over the phases."""
     out, nblk = [], 0
     for key in ("x", "tile", "done"):
-        per = []                                # per phase: (first, median, last) over its blocks
+        per = []
         for p in ps:
-            v = sorted(b[p] - pt["done"][before[p]] for b in pt["blocks"][key] if b[p] == b[p])
+            v = [b[p] - pt["done"][before[p]] for b in pt["blocks"][key] if b[p] == b[p]]
             if v:
-                per.append((v[0], v[(len(v) - 1) // 2], v[-1]))
+                per.append(_first_median_last(v))
                 nblk = max(nblk, len(v))
         if per:
-            out.append(f"{key} " + " / ".join(f"{statistics.fmean(c):+.1f}" for c in zip(*per)))
+            out.append(f"{key} {_spread(per)}")
     return f"blocks (up to {nblk}): " + ", ".join(out) + " us (first / median / last)"
 
 
@@ -807,12 +817,12 @@ def attn_x_parts(kern, chain, pt: dict, before: dict) -> str:
     for a, p in enumerate(ps):
         unit = tr[:, mc.TRACE_UNITS - 1 - a]
         for q in range(mc.TRACE_FIELDS):
-            v = sorted((int(x) - t0) / 1e3 - pt["done"][before[p]] for x in unit[:, q] if int(x))
+            v = [(int(x) - t0) / 1e3 - pt["done"][before[p]] for x in unit[:, q] if int(x)]
             if v:
-                per[q].append((v[0], v[(len(v) - 1) // 2], v[-1]))
+                per[q].append(_first_median_last(v))
     names = ("queries", "new row norm", "new row pe")
-    return "x parts: " + ", ".join(f"{names[q]} " + " / ".join(f"{statistics.fmean(c):+.1f}" for c in zip(*per[q]))
-                                   for q in per if per[q]) + " us (first / median / last block)"
+    return "x parts: " + ", ".join(f"{names[q]} {_spread(per[q])}" for q in per if per[q]) + \
+        " us (first / median / last block)"
 
 
 KIND_COLOURS = {"kda": "tab:blue", "moe": "tab:orange", "dense": "tab:green", "mla stand-in": "tab:gray",
