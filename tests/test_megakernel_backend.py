@@ -95,6 +95,8 @@ def test_attention_tiles_of_fewer_heads_give_the_same_step(tiny_mla8):
     assert "ATTN_HEADS=4" in mb.kernel_defines(attn_heads=4) and "ATTN_HEADS=8" not in mb.kernel_defines()
     assert "16 MLA heads; chain.cu's attention takes them 3 a tile" in mb.unsupported(small, 64, emulate=True,
                                                                                         attn_heads=3)
+    with pytest.raises(ValueError, match="attn_heads is the MLA heads an attention tile takes"):
+        mb.MegakernelBackend(model, max_len=40, prefill_backend=EagerBackend(model), emulate=True, attn_heads=0)
 
 
 def test_paired_tiles_give_each_block_one_expert_of_k3_smalls_moe_down():

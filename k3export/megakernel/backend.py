@@ -93,6 +93,9 @@ class MegakernelBackend:
         self.max_len, self.emulate = max_len, emulate
         if not isinstance(poll_sleep, int) or poll_sleep < 0:
             raise ValueError(f"megakernel backend: poll_sleep is whole ns (>= 0), got {poll_sleep!r}")
+        if not isinstance(attn_heads, int) or attn_heads < 1:
+            raise ValueError(f"megakernel backend: attn_heads is the MLA heads an attention tile takes (>= 1), got "
+                             f"{attn_heads!r}")
         why = unsupported(model, max_len, emulate, attn_heads)
         if why:
             raise ValueError(f"megakernel backend: {why}")
