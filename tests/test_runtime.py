@@ -42,18 +42,6 @@ def test_frozen_compile_equals_eager_generate(model):
     assert "_frozen_param" in "".join(code)               # the weights really became constants (see the backend)
 
 
-@pytest.mark.slow
-def test_packed_and_fused_compile_equals_eager_generate():
-    """torch.compile through both serving swaps (packed projections, `k3::attn_res_norm`) traces and gives the
-    eager greedy tokens of the model as written; ~1 min on 2 CPU cores."""
-    model = random_model(K3Config.from_name("k3-tiny"), seed=0)
-    ref = generate(model, PROMPTS[:2], 4)
-    backend = CompileBackend(model, fuse_norms=True)
-    assert backend.packed > 0 and backend.fused == 2
-    engine = Engine(backend, max_batch=2, max_len=32, cuda_graphs=False)
-    assert Generator(engine).generate(PROMPTS[:2], 4) == ref
-
-
 class _TwoLinears(torch.nn.Module):
     """The smallest stand-in a backend accepts: the two forwards, device, dtype, config."""
 
