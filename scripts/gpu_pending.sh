@@ -133,7 +133,8 @@
 #   mkattn   mkblocks, then the layer step with ATTN_HEADS=4 against the default, two interleaved rounds of each (run
 #            16:29 also with ATTN_ROW_FIRST=1 and COMBINE_PAIRS=1, both slower and removed since: commit 1013a3e)
 #   mkheads  attention tiles of 4 heads: the variant's cuda test (bit for bit), bench megakernel vs -attn-heads4
-#   mklive   LIVE_SPLITS (with and without 4 heads a tile): cuda tests (bit for bit), bench against megakernel
+#   mklive   LIVE_SPLITS (the default since 17:03; with and without 4 heads a tile): cuda tests (bit for bit), bench
+#            against the build without it (megakernel-dead-splits)
 #   mktrace  mkblocks with -DTRACE: when each block had each part of the MLA attention's x
 #   mkbench  bench model eager, compile, megakernel at B = 1, context 1024 ($MKBENCH_BACKENDS)
 #   profile  scripts/profile_decode.py --backend $PROFILE_BACKEND (default compile): kernels per decode step, and the
@@ -142,6 +143,10 @@ set -uo pipefail
 parts=${*:-model profile}
 parts=${parts//fp8fused/fp8ftest fp8fab}
 source "$(dirname "$0")/gpu_setup.sh"
+# The whole k3-small step in chain.cu with the real MLA attention over 1024 cache rows, stream mode, no baseline:
+# layer_step TIMEOUT_S [megakernel_layer.py options]
+layer_step() { timeout "$1" python3 scripts/megakernel_layer.py --step --attnres --mla 1024 --no-baseline \
+  --modes stream "${@:2}"; }
 for part in $parts; do
   t=$SECONDS
   case "$part" in
@@ -354,17 +359,14 @@ for part in $parts; do
              bash "$0" mkbench
            timeout 120 python3 scripts/profile_decode.py --backend megakernel --timeline --generate 6 --top 10 \
              >> "$OUT/mkrun.log" 2>&1
-           timeout 110 python3 scripts/megakernel_layer.py --step --attnres --mla 1024 --no-baseline --modes stream \
-             --rounds 1 --defines PHASE_TIMES+PAIR_TILES=1 --out "$OUT/step-phase-times-paired.json" \
+           layer_step 110 --rounds 1 --defines PHASE_TIMES+PAIR_TILES=1 --out "$OUT/step-phase-times-paired.json" \
              >> "$OUT/mkrun.log" 2>&1 ;;
-    mkblocks) timeout 150 python3 scripts/megakernel_layer.py --step --attnres --mla 1024 --no-baseline --modes stream \
-             --rounds 1 --defines PHASE_TIMES+BLOCK_TIMES+PAIR_TILES=1 --out "$OUT/step-block-times.json" \
-             > "$OUT/mkblocks.log" 2>&1 ;;
+    mkblocks) layer_step 150 --rounds 1 --defines PHASE_TIMES+BLOCK_TIMES+PAIR_TILES=1 \
+             --out "$OUT/step-block-times.json" > "$OUT/mkblocks.log" 2>&1 ;;
     mkattn) bash "$0" mkblocks
            for r in 1 2; do
              for v in base ATTN_HEADS=4; do
-               timeout 100 python3 scripts/megakernel_layer.py --step --attnres --mla 1024 --no-baseline \
-                 --modes stream --rounds 2 --defines PAIR_TILES=1+${v/base/} --out "$OUT/attn$r-${v%%=*}.json" \
+               layer_step 100 --rounds 2 --defines PAIR_TILES=1+${v/base/} --out "$OUT/attn$r-${v%%=*}.json" \
                  >> "$OUT/mkattn.log" 2>&1
              done
            done
@@ -375,12 +377,11 @@ for part in $parts; do
            rm -f "$OUT/mkbench/model.png" "$OUT/mkbench/model.partial.json" ;;
     mklive) timeout 200 python3 -m pytest -q -m cuda tests/test_megakernel_backend.py -k "live_splits" -s -rs \
              -p no:cacheprovider > "$OUT/mklive.log" 2>&1
-           MKBENCH_BACKENDS=megakernel,megakernel-live-splits,megakernel-live-splits-heads4 MKBENCH_ITERS=300 \
+           MKBENCH_BACKENDS=megakernel-dead-splits,megakernel,megakernel-attn-heads4 MKBENCH_ITERS=300 \
              bash "$0" mkbench
            rm -f "$OUT/mkbench/model.png" "$OUT/mkbench/model.partial.json" "$OUT/gpu.txt" ;;
-    mktrace) timeout 150 python3 scripts/megakernel_layer.py --step --attnres --mla 1024 --no-baseline --modes stream \
-             --rounds 1 --defines PHASE_TIMES+BLOCK_TIMES+TRACE+PAIR_TILES=1 --out "$OUT/step-trace.json" \
-             > "$OUT/mktrace.log" 2>&1
+    mktrace) layer_step 150 --rounds 1 --defines PHASE_TIMES+BLOCK_TIMES+TRACE+PAIR_TILES=1 \
+             --out "$OUT/step-trace.json" > "$OUT/mktrace.log" 2>&1
            rm -f "$OUT/step-trace.json" ;;
     mkbench) timeout ${MKBENCH_TIMEOUT:-400} python3 -m k3export.cli bench model --preset k3-small --dtype bf16 \
              --backends ${MKBENCH_BACKENDS:-eager,compile,megakernel} --prefill-lengths 2048 --batches 1 \
