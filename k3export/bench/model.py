@@ -80,7 +80,10 @@ MEGAKERNEL_VARIANTS = {"megakernel": {}, "megakernel-host-inputs": {"step_inputs
                        "megakernel-poll-sleep64": {"poll_sleep": 64},
                        "megakernel-poll-sleep256": {"poll_sleep": 256},
                        "megakernel-attn-heads4": {"attn_heads": 4},
-                       "megakernel-dead-splits": {"live_splits": False}}
+                       "megakernel-dead-splits": {"live_splits": False},
+                       "megakernel-attn-one-poll": {"attn_one_poll": True},
+                       "megakernel-attn-halves": {"attn_halves": True},
+                       "megakernel-attn-both": {"attn_one_poll": True, "attn_halves": True}}
 BACKENDS = ("eager", "graph", *COMPILE_VARIANTS, "aoti", *MEGAKERNEL_VARIANTS)
 
 

@@ -85,7 +85,9 @@
 #ifndef TRACE_UNITS
 #define TRACE_UNITS 256                // -DTRACE: per block, the first TRACE_UNITS (phase, slot) x loads' times:
 #endif                                 // x load begun, x in shared memory, the x's first tile in the ring
-#define TRACE_FIELDS 3
+#define TRACE_FIELDS 17                // (an ATTN phase's first x load and tile: its x parts, then tile begun,
+                                       // scores, softmax, done; -DATTN_TWICE: the same four for the tile again;
+                                       // then clock64 at the tile's begun and done: [11], [12] ([15], [16]))
 #ifndef TILE_TRACE_MAX
 #define TILE_TRACE_MAX 256             // -DTRACE_TILES: per block, the first TILE_TRACE_MAX tiles' times (TILE_FIELDS):
 #endif                                 // producer: wants the slot, has it free, has issued the copy; observer warp:
@@ -113,6 +115,15 @@
 #ifndef LIVE_SPLITS                    // 1: an ATTN phase skips its tiles past this launch's keys (no words), and
 #define LIVE_SPLITS 0                  // BMM2's combine (X_MLA_COMBINE) adds only the key blocks that hold keys
 #endif
+#ifndef ATTN_ONE_POLL                  // 1: an ATTN phase's x (the queries, the new row and its pe words) polled in
+#define ATTN_ONE_POLL 0                // one round, not part by part (`attn_x`; the same x bit for bit)
+#endif
+#ifndef ATTN_SUMS_TOGETHER             // 1: an ATTN tile's 16 score sums a warp butterflied a level at a time, not
+#define ATTN_SUMS_TOGETHER 0           // one sum after another (the same adds in the same order)
+#endif
+#ifndef ATTN_HALVES                    // 1: an ATTN tile's warps take half its heads each (twice the keys a warp), the
+#define ATTN_HALVES 0                  // scores' warp sums transposed (16 shuffles, not 80) and O by column pairs
+#endif                                 // with 4 keys' weights a load (`attn_tile`)
 #ifndef PAIR_TILES                     // 1: a routed phase with x per expert (the MoE down projection) hands each
 #define PAIR_TILES 0                   // block consecutive row blocks, so that its tiles share an expert and it
 #endif                                 // loads that x once (`tile_row0`)
@@ -1474,9 +1485,45 @@ struct Cursor {
 // [ATTN_HEADS queries | the new row], k each. Per tile and head, the words [m, l, O (rank)]: the block's max score m,
 // l = sum exp(s - m) and O = sum exp(s - m) row[:rank] over its keys (fp32; scores s = scale (q . row), the dot in
 // each lane's order, then a warp butterfly). The block with tile 0 appends the new row to the cache (row f.n - 1,
-// which no tile reads from there). Every consumer thread calls it (512; three barriers).
+// which no tile reads from there). Every consumer thread calls it (512; three barriers). With ATTN_HALVES: warps
+// 0-7 take the first half of the heads, 8-15 the second, each warp 4 keys (less of the queries read a warp), the
+// scores' warp sums transposed (`warp_transpose_sums`: each lane ends with one sum, 16 shuffles where the butterflies
+// took 80) and O by column pairs, a thread's pair for its half of the heads, 4 keys' weights a load: the same O
+// sums in the same order, from scores summed in another. part_t (-DTRACE, the phase's first tile): thread 0's times
+// [3] begun, [4] scores, [5] softmax, [6] done.
+#if ATTN_HALVES
+#if ATTN_HEADS % 2
+#error "ATTN_HALVES splits a tile's heads in two: ATTN_HEADS must be even"
+#endif
+#define ATTN_HH (ATTN_HEADS / 2)                          // heads a warp
+#define ATTN_KW (ATTN_ROWS_WARP * 2)                      // keys a warp
+// v: a lane's NV partial sums (NV a power of 2, at most 32). Returns the warp's sum of value lane / (32 / NV): NV / 2
+// values exchanged at each of log2(NV) halvings, then a butterfly over the lanes left (each adds in its own order).
+template <int NV>
+__device__ __forceinline__ float warp_transpose_sums(float (&v)[NV], int lane) {
+#pragma unroll
+    for (int n = NV, o = 16; n > 1; n >>= 1, o >>= 1) {
+        const bool hi = lane & o;
+#pragma unroll
+        for (int i = 0; i < n / 2; ++i) {
+            const float send = hi ? v[i] : v[n / 2 + i], keep = hi ? v[n / 2 + i] : v[i];
+            v[i] = __fadd_rn(keep, __shfl_xor_sync(0xffffffffu, send, o));
+        }
+    }
+    float s = v[0];
+#pragma unroll
+    for (int o = 16 / NV; o; o >>= 1) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, o));
+    return s;
+}
+__device__ __forceinline__ void store_words2(uint64_t* p, float a, float b, uint32_t epoch) {   // p 16-byte aligned
+    const uint64_t e = static_cast<uint64_t>(epoch) << 32;
+    asm volatile("st.relaxed.gpu.global.v2.u64 [%0], {%1, %2};" ::"l"(p), "l"(e | __float_as_uint(a)),
+                 "l"(e | __float_as_uint(b)) : "memory");
+}
+#endif
 __device__ __noinline__ void attn_tile(const PhaseC& f, const XSeg& q0, const __nv_bfloat16* tile,
-                                          const __nv_bfloat16* xs, int t, uint32_t epoch) {
+                                          const __nv_bfloat16* xs, int t, uint32_t epoch,
+                                          unsigned long long* part_t) {
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int k = f.k, rows = f.rows, keys = f.n, cache_len = keys - 1;
     const int rank = q0.stride, k2 = k / 2, row0 = (t / f.ne) * rows;
@@ -1487,14 +1534,53 @@ __device__ __noinline__ void attn_tile(const PhaseC& f, const XSeg& q0, const __
     uint64_t* y = reinterpret_cast<uint64_t*>(f.y);
     const __nv_bfloat16* nrow = xs + ATTN_HEADS * k;                  // the new row
     consumers_sync();                       // every warp is done with the last tile's weights in sc
+#ifdef TRACE
+    if (part_t && tid == 0) {
+        part_t[3] = now_ns();
+        part_t[11] = clock64();
+    }
+#endif
     if (t == 0)                             // the cache's new row (no tile of this launch reads it from there)
         for (int j = tid; j < k; j += CONSUMERS)
             const_cast<__nv_bfloat16*>(reinterpret_cast<const __nv_bfloat16*>(f.w))[
                 static_cast<int64_t>(cache_len) * k + j] = nrow[j];
     const int nkeys = min(rows, keys - row0), ncache = min(nkeys, cache_len - row0);   // keys from the tile: ncache
+    const __nv_bfloat162* qh = reinterpret_cast<const __nv_bfloat162*>(xs);
+#if ATTN_HALVES
+    // the scores: warp w takes heads h0 .. h0 + ATTN_HH - 1 (its half) and keys w % 8 + 8 m (m < ATTN_KW), lane l the
+    // pairs l, l + 32, ... of each
+    const int hw = CONSUMER_WARPS / 2, h0 = (warp / hw) * ATTN_HH, wk = warp % hw;
+    const __nv_bfloat162* krow[ATTN_KW];
+#pragma unroll
+    for (int m = 0; m < ATTN_KW; ++m) {
+        const int r = wk + m * hw;
+        krow[m] = r >= nkeys ? nullptr : reinterpret_cast<const __nv_bfloat162*>(r < ncache ? tile + r * k : nrow);
+    }
+    float acc[ATTN_KW * ATTN_HH];
+#pragma unroll
+    for (int i = 0; i < ATTN_KW * ATTN_HH; ++i) acc[i] = 0.f;
+    for (int q = lane; q < k2; q += 32) {
+        float2 qv[ATTN_HH];
+#pragma unroll
+        for (int h = 0; h < ATTN_HH; ++h) qv[h] = __bfloat1622float2(qh[(h0 + h) * k2 + q]);
+#pragma unroll
+        for (int m = 0; m < ATTN_KW; ++m) {
+            if (!krow[m]) continue;
+            const float2 c = __bfloat1622float2(krow[m][q]);
+#pragma unroll
+            for (int h = 0; h < ATTN_HH; ++h)
+                acc[m * ATTN_HH + h] = fmaf(c.y, qv[h].y, fmaf(c.x, qv[h].x, acc[m * ATTN_HH + h]));
+        }
+    }
+    {
+        constexpr int NV = ATTN_KW * ATTN_HH, per = 32 / NV;     // (lanes holding each sum)
+        const float s = warp_transpose_sums<NV>(acc, lane);
+        const int i = lane / per, r = wk + (i / ATTN_HH) * hw;
+        if (lane % per == 0) sc[(h0 + i % ATTN_HH) * rows + r] = r < nkeys ? __fmul_rn(s, scale) : -INFINITY;
+    }
+#else
     // the scores: warp w takes keys w + 16 m (m < ATTN_ROWS_WARP: rows = ATTN_ROWS_WARP CONSUMER_WARPS, the host
     // checks), lane l the pairs l, l + 32, ... of each: the queries' pair loaded once for the warp's keys
-    const __nv_bfloat162* qh = reinterpret_cast<const __nv_bfloat162*>(xs);
     const __nv_bfloat162* krow[ATTN_ROWS_WARP];
 #pragma unroll
     for (int m = 0; m < ATTN_ROWS_WARP; ++m) {
@@ -1518,6 +1604,22 @@ __device__ __noinline__ void attn_tile(const PhaseC& f, const XSeg& q0, const __
             for (int h = 0; h < ATTN_HEADS; ++h) acc[m][h] = fmaf(c.y, qv[h].y, fmaf(c.x, qv[h].x, acc[m][h]));
         }
     }
+#if ATTN_SUMS_TOGETHER                      // every sum's butterfly a level at a time (independent shuffles in
+#pragma unroll                                  // flight), then lane h stores head h's: the same adds in the same order
+    for (int o = 16; o; o >>= 1)
+#pragma unroll
+        for (int m = 0; m < ATTN_ROWS_WARP; ++m)
+#pragma unroll
+            for (int h = 0; h < ATTN_HEADS; ++h) acc[m][h] += __shfl_xor_sync(0xffffffffu, acc[m][h], o);
+#pragma unroll
+    for (int m = 0; m < ATTN_ROWS_WARP; ++m) {
+        const int r = warp + m * CONSUMER_WARPS;
+        float mine = acc[m][0];
+#pragma unroll
+        for (int h = 1; h < ATTN_HEADS; ++h) mine = lane == h ? acc[m][h] : mine;
+        if (lane < ATTN_HEADS) sc[lane * rows + r] = r < nkeys ? __fmul_rn(mine, scale) : -INFINITY;
+    }
+#else
 #pragma unroll
     for (int m = 0; m < ATTN_ROWS_WARP; ++m) {
         const int r = warp + m * CONSUMER_WARPS;
@@ -1527,7 +1629,12 @@ __device__ __noinline__ void attn_tile(const PhaseC& f, const XSeg& q0, const __
             if (lane == h) sc[h * rows + r] = r < nkeys ? __fmul_rn(acc[m][h], scale) : -INFINITY;
         }
     }
+#endif
+#endif
     consumers_sync();
+#ifdef TRACE
+    if (part_t && tid == 0) part_t[4] = now_ns();
+#endif
     if (warp < ATTN_HEADS) {                // warp h: head h's max, weights and sum over the block's keys
         float m = -INFINITY;
         for (int r = lane; r < rows; r += 32) m = fmaxf(m, sc[warp * rows + r]);
@@ -1546,7 +1653,38 @@ __device__ __noinline__ void attn_tile(const PhaseC& f, const XSeg& q0, const __
         }
     }
     consumers_sync();
+#ifdef TRACE
+    if (part_t && tid == 0) part_t[5] = now_ns();
+#endif
     uint64_t* yo = y + static_cast<int64_t>(t * ATTN_HEADS) * (rank + 2) + 2;
+#if ATTN_HALVES
+    {   // O: thread c of a half, columns 2 c and 2 c + 1 (2 c + CONSUMERS, ...) for the half's heads, keys in order
+        const int th = CONSUMERS / 2, ho = (tid / th) * ATTN_HH;
+        const uint32_t* tile2 = reinterpret_cast<const uint32_t*>(tile);
+        const uint32_t* nrow2 = reinterpret_cast<const uint32_t*>(nrow);
+        for (int c = tid % th; 2 * c < rank; c += th) {
+            float o[ATTN_HH][2];
+#pragma unroll
+            for (int h = 0; h < ATTN_HH; ++h) o[h][0] = o[h][1] = 0.f;
+            for (int r = 0; r < nkeys; r += 4) {    // 4 keys a step: their weights one 16-byte load a head
+                float2 v[4];
+#pragma unroll
+                for (int i = 0; i < 4; ++i)         // (past the keys: 0, and so is its weight)
+                    v[i] = r + i < ncache ? bf2(tile2[(r + i) * k2 + c])
+                                          : r + i < nkeys ? bf2(nrow2[c]) : make_float2(0.f, 0.f);
+#pragma unroll
+                for (int h = 0; h < ATTN_HH; ++h) {
+                    const float4 w = *reinterpret_cast<const float4*>(sc + (ho + h) * rows + r);
+                    o[h][0] = fmaf(w.w, v[3].x, fmaf(w.z, v[2].x, fmaf(w.y, v[1].x, fmaf(w.x, v[0].x, o[h][0]))));
+                    o[h][1] = fmaf(w.w, v[3].y, fmaf(w.z, v[2].y, fmaf(w.y, v[1].y, fmaf(w.x, v[0].y, o[h][1]))));
+                }
+            }
+#pragma unroll
+            for (int h = 0; h < ATTN_HH; ++h)
+                store_words2(yo + (ho + h) * (rank + 2) + 2 * c, o[h][0], o[h][1], epoch);
+        }
+    }
+#else
     for (int c = tid; c < rank; c += CONSUMERS) {     // O: thread c, every head, keys in order
         float o[ATTN_HEADS];
 #pragma unroll
@@ -1564,6 +1702,77 @@ __device__ __noinline__ void attn_tile(const PhaseC& f, const XSeg& q0, const __
 #pragma unroll
         for (int h = 0; h < ATTN_HEADS; ++h) store_word(yo + h * (rank + 2) + c, o[h], epoch);
     }
+#endif
+#ifdef TRACE
+    if (part_t) {
+        consumers_sync();
+        if (tid == 0) {
+            part_t[6] = now_ns();
+            part_t[12] = clock64();
+        }
+    }
+#endif
+}
+#endif
+
+#if RECIPES && MMA_ONLY && ATTN_ONE_POLL
+#define ATTN_X_WORDS 11                 // ATTN_ONE_POLL: words a thread polls at most (8 heads of 576: 9 + 1 + 1)
+// An ATTN phase's x (`Chain.attn`'s recipe: "mla_q" the head group's queries, "norm" the new row's RMSNorm, "sum" its
+// pe words) with every thread's words of the three parts polled together, one round trip (`load_x_recipe` takes a
+// part at a time: four). Element j of a part is taken by thread j % CONSUMERS, as there, and the values are made
+// as there, so the x and the norm's sums of squares are the same bit for bit. Every consumer thread calls it (the
+// norm's barriers). part_t (-DTRACE): thread 0's times [0] polled, [1] and [2] the norm done.
+__device__ __noinline__ bool attn_x(__nv_bfloat16* xs, const PhaseC& f, const PhaseC* ph, const XSeg* xsegs, int slot,
+                                    uint32_t epoch, bool wait, uint32_t* err, int64_t p, int64_t t, float* red,
+                                    unsigned long long* part_t) {
+    const int tid = threadIdx.x;
+    const XSeg &gq = xsegs[f.xop], &gn = xsegs[f.xop + 1], &gp = xsegs[f.xop + 2];
+    const int uq = (gq.len + CONSUMERS - 1) / CONSUMERS, un = (gn.len + CONSUMERS - 1) / CONSUMERS;
+    const int hw = gq.len / gq.nslot, qw = gq.off2 + hw - gq.stride;         // a head's x; q_b's head
+    const uint64_t* qbase = reinterpret_cast<const uint64_t*>(ph[gq.src].y) + gq.off;
+    const uint64_t* qb = reinterpret_cast<const uint64_t*>(ph[gq.route].y);
+    const uint64_t* nbase = reinterpret_cast<const uint64_t*>(ph[gn.src].y) + gn.off;
+    const uint64_t* pbase = reinterpret_cast<const uint64_t*>(ph[gp.src].y) + gp.off;
+    const uint64_t* a[ATTN_X_WORDS];
+#pragma unroll
+    for (int u = 0; u < ATTN_X_WORDS; ++u) {    // u < uq: queries; then the row (un); then pe
+        const int j = tid + (u < uq ? u : u < uq + un ? u - uq : u - uq - un) * CONSUMERS;
+        if (u < uq) {
+            const int h = slot * gq.nslot + j / hw, c = j % hw;
+            a[u] = j >= gq.len ? nullptr : c < gq.stride ? qbase + h * gq.stride + c
+                                                         : qb + h * qw + gq.off2 + (c - gq.stride);
+        } else if (u < uq + un) {
+            a[u] = j < gn.len ? nbase + j : nullptr;
+        } else {                                // (the host checks pe <= CONSUMERS)
+            a[u] = u == uq + un && j < gp.len ? pbase + j : nullptr;
+        }
+    }
+    float v[ATTN_X_WORDS];
+    const bool ok = poll_all(a, v, epoch, wait, err, p, t);
+#ifdef TRACE
+    if (part_t && tid == 0) part_t[0] = now_ns();
+#endif
+    float ss = 0.f;
+#pragma unroll
+    for (int u = 0; u < ATTN_X_WORDS; ++u) {
+        const int j = tid + (u < uq ? u : u < uq + un ? u - uq : u - uq - un) * CONSUMERS;
+        if (u < uq) {
+            if (j < gq.len) xs[j] = __float2bfloat16_rn(v[u]);
+        } else if (u < uq + un) {
+            if (j < gn.len) {                   // ("norm" without a second part: + 0, as there)
+                const float x = bf16r(__fadd_rn(v[u], 0.f));
+                xs[gq.len + j] = __float2bfloat16_rn(x);
+                ss = fmaf(x, x, ss);
+            }
+        } else if (u == uq + un && j < gp.len) {
+            xs[gq.len + gn.len + j] = __float2bfloat16_rn(v[u]);
+        }
+    }
+    rms_norm_x(xs + gq.len, gn.len, gn.eps, aux_bf16(gn), ss, red);
+#ifdef TRACE
+    if (part_t && tid == 0) part_t[1] = part_t[2] = now_ns();
+#endif
+    return ok;
 }
 #endif
 
@@ -1593,8 +1802,12 @@ __device__ __forceinline__ int attn_phase(const PhaseC& f, const PhaseC* ph, con
         const bool no_keys = LIVE_SPLITS && (t / f.ne) * f.rows >= f.n;   // (no x, no words; BMM2 skips it)
         if (!no_keys && hg != have) {
             consumers_sync();               // every warp is done with the last x
+#if ATTN_ONE_POLL
+            if (!attn_x(xs, f, ph, xsegs, hg, epoch, wait, err, p, t, red, n ? nullptr : part_t)) *gave_up = 1;
+#else
             if (!load_x_recipe(xs, f, ph, xsegs, hg, epoch, wait, err, p, t, red, comb_w, n ? nullptr : part_t))
                 *gave_up = 1;
+#endif
             consumers_sync();
             if (*gave_up) return -1;
             if (xdump && t < f.ne && hg < XDUMP_SLOTS)
@@ -1609,8 +1822,14 @@ __device__ __forceinline__ int attn_phase(const PhaseC& f, const PhaseC* ph, con
 #ifdef PHASE_TIMES
         if (tid == 0 && n == 0) atomicMin(t_tile, static_cast<unsigned long long>(now_ns()));
 #endif
-        if (!no_keys)
-            attn_tile(f, xsegs[f.xop], reinterpret_cast<const __nv_bfloat16*>(ring + s * SLOT_BYTES), xs, t, epoch);
+        if (!no_keys) {
+            attn_tile(f, xsegs[f.xop], reinterpret_cast<const __nv_bfloat16*>(ring + s * SLOT_BYTES), xs, t, epoch,
+                      n ? nullptr : part_t);
+#if defined(TRACE) && defined(ATTN_TWICE)       // (a diagnostic: the tile run again, its code and data now warm;
+            attn_tile(f, xsegs[f.xop], reinterpret_cast<const __nv_bfloat16*>(ring + s * SLOT_BYTES), xs, t, epoch,
+                      n ? nullptr : part_t + 4);  // the same words stored again, timed in part_t[7..10])
+#endif
+        }
         __syncwarp();
         if (tid % 32 == 0) mbar_arrive(&empty[s]);     // this warp is done with slot s
     }

@@ -1230,6 +1230,21 @@ class Buffers:
                 "x_max_ulps": bf16_ulps(x, ref[:d])}
 
 
+def one_poll_refusal(chain: Chain, consumers: int, words: int) -> str | None:
+    """Why chain.cu built with ATTN_ONE_POLL (`attn_x`: at most `words` words a thread of `consumers`) cannot load
+    an attention phase's x of `chain` (None: it can): the recipe must be `Chain.attn`'s, the pe words one a thread."""
+    for ph in chain.phases:
+        if ph.kind != "attn":
+            continue
+        q, row, pe = chain.xsegs[ph.xop:ph.xop + 3]
+        need = -(-q.len // consumers) + -(-row.len // consumers) + 1
+        if (q.op, row.op, pe.op, row.route, pe.nslot) != ("mla_q", "norm", "sum", -1, 1) or pe.len > consumers \
+                or need > words:
+            return (f"{ph.name}: its x takes {need} words a thread (queries {q.len}, row {row.len}, pe {pe.len}); "
+                    f"chain.cu built with ATTN_ONE_POLL polls at most {words} (ATTN_X_WORDS), pe at most one")
+    return None
+
+
 def bf16_ulps(got: torch.Tensor, ref: torch.Tensor) -> float:
     """The largest |got - ref| in units of ref's bf16 spacing there (NaN: inf)."""
     ulp = 2.0 ** (torch.floor(torch.log2(ref.abs().clamp_min(2.0 ** -126))) - 7)
@@ -1536,6 +1551,10 @@ class ChainKernel:
         if bad:
             raise ValueError(f"attention phases {', '.join(n for n, _ in bad[:3])} were built with {bad[0][1]} heads "
                              f"a tile; this build's tiles take {heads} (ATTN_HEADS)")
+        if define_value(self.defines, "ATTN_ONE_POLL", self.cu, default=0):
+            why = one_poll_refusal(bufs.chain, self.consumers, define_value(self.defines, "ATTN_X_WORDS", self.cu))
+            if why:
+                raise ValueError(why)
         self.smem = smem_bytes(self.nslot, self.slot_bytes, n, len(bufs.chain.xsegs))
         why = not_resident(self.per_sm, self.threads, self.regs, self.smem, self.static_smem)
         if why:

@@ -808,21 +808,28 @@ def block_spread(pt: dict, ps: list[int], before: dict) -> str:
 
 def attn_x_parts(kern, chain, pt: dict, before: dict) -> str:
     """A -DPHASE_TIMES -DBLOCK_TIMES -DTRACE run: when each block's thread 0 had each part of its first ATTN x load
-    (the queries, the new row's RMSNorm, its pe words), us after the phase before finished: the first, median and
-    last block, means over the attention phases."""
+    (the queries, the new row's RMSNorm, its pe words) and reached each part of its first tile (begun: its weights
+    in the ring; the scores; the softmax; done, its words stored), us after the phase before finished: the first,
+    median and last block, means over the attention phases."""
     ps = [p for p, f in enumerate(chain.phases) if f.kind == "attn"]
     tr = kern.trace.view(kern.blocks, mc.TRACE_UNITS, mc.TRACE_FIELDS).cpu()
     t0 = int(kern.t_start.cpu())
-    per = {q: [] for q in range(mc.TRACE_FIELDS)}
+    per = {q: [] for q in range(11)}                 # (the times; [11..] are SM clocks)
     for a, p in enumerate(ps):
         unit = tr[:, mc.TRACE_UNITS - 1 - a]
-        for q in range(mc.TRACE_FIELDS):
+        for q in per:
             v = [(int(x) - t0) / 1e3 - pt["done"][before[p]] for x in unit[:, q] if int(x)]
             if v:
                 per[q].append(_first_median_last(v))
-    names = ("queries", "new row norm", "new row pe")
-    return "x parts: " + ", ".join(f"{names[q]} {_spread(per[q])}" for q in per if per[q]) + \
-        " us (first / median / last block)"
+    names = ("queries", "new row norm", "new row pe", "tile begun", "scores", "softmax", "tile done",
+             "again: begun", "scores", "softmax", "done")                    # (the last four: -DATTN_TWICE)
+    # the SM clock over the first tile, from clock64 at its begun and done ([11], [12]) against %globaltimer
+    mhz = [float(r[12] - r[11]) / float(r[6] - r[3]) * 1e3 for a in range(len(ps))
+           for r in tr[:, mc.TRACE_UNITS - 1 - a].tolist() if r[3] and r[6] > r[3] and r[12] > r[11]]
+    return "x and tile parts: " + ", ".join(f"{names[q]} {_spread(per[q])}" for q in per
+                                            if q < len(names) and per[q]) + \
+        " us (first / median / last block)" + \
+        (f"; SM clock over the tile {_spread([_first_median_last(mhz)])} MHz" if mhz else "")
 
 
 KIND_COLOURS = {"kda": "tab:blue", "moe": "tab:orange", "dense": "tab:green", "mla stand-in": "tab:gray",
