@@ -136,12 +136,12 @@
 #   mklive   LIVE_SPLITS (the default since 17:03; with and without 4 heads a tile): cuda tests (bit for bit), bench
 #            against the build without it (megakernel-dead-splits)
 #   mktrace  mkblocks with -DTRACE: when each block had each part of the MLA attention's x
-#   mkhalves (not yet run) the attention's x in one poll (ATTN_ONE_POLL) and its tile's warps on half the heads
-#            (ATTN_HALVES): their cuda tests, then the layer step with each and both against the default
-#   mktiles  (not yet run) mktrace's run with the tile's parts too (begun, scores, softmax, done), default and
-#            ATTN_HALVES
-#   mksums   (not yet run) the attention's score sums butterflied a level at a time (ATTN_SUMS_TOGETHER) against
+#   mktiles  mktrace's run with the tile's parts too (begun, scores, softmax, done, the SM clock), for each of
+#            $MKTILES_VARIANTS (default: the default build) with $MKTILES_DEFINES (e.g. ATTN_TWICE+: the tile again)
+#   mksums   the attention's score sums butterflied a level at a time (ATTN_SUMS_TOGETHER) against
 #            the default, layer step, two processes each; then mktiles with it and ATTN_TWICE (the SM clock too)
+#   mkmma    (not yet run) the attention tile on tensor cores (ATTN_MMA): its cuda tests (and sums_apart's, bit
+#            for bit), the layer step against the default, two processes each, then mktiles with it
 #   mkbench  bench model eager, compile, megakernel at B = 1, context 1024 ($MKBENCH_BACKENDS)
 #   profile  scripts/profile_decode.py --backend $PROFILE_BACKEND (default compile): kernels per decode step, and the
 #            graph replay's critical path (what each kernel adds to the span under PDL; 15:25: an upper bound only)
@@ -389,14 +389,7 @@ for part in $parts; do
     mktrace) layer_step 150 --rounds 1 --defines PHASE_TIMES+BLOCK_TIMES+TRACE+PAIR_TILES=1 \
              --out "$OUT/step-trace.json" > "$OUT/mktrace.log" 2>&1
            rm -f "$OUT/step-trace.json" ;;
-    mkhalves) timeout 240 python3 -m pytest -q -m cuda tests/test_megakernel_backend.py -k "one_poll or halves" -s -rs \
-             -p no:cacheprovider > "$OUT/mkhalves.log" 2>&1
-           for v in base ATTN_ONE_POLL=1 ATTN_HALVES=1 ATTN_ONE_POLL=1+ATTN_HALVES=1; do
-             layer_step 90 --rounds 2 --defines PAIR_TILES=1+LIVE_SPLITS=1+${v/base/} \
-               --out "$OUT/halves-${v//[=+]/_}.json" >> "$OUT/mkhalves.log" 2>&1
-           done
-           grep -h "stream: GEMV\|^round\|k3-small KDA\|passed\|failed" "$OUT/mkhalves.log" | tail -30 ;;
-    mktiles) for v in base ATTN_HALVES=1; do
+    mktiles) for v in ${MKTILES_VARIANTS:-base}; do
              layer_step 100 --rounds 1 --defines PHASE_TIMES+BLOCK_TIMES+TRACE+${MKTILES_DEFINES:-}PAIR_TILES=1+LIVE_SPLITS=1+${v/base/} \
                --out "$OUT/tiles.json" >> "$OUT/mktiles.log" 2>&1
            done
@@ -409,13 +402,22 @@ for part in $parts; do
            rm -f "$OUT/sums.json"
            MKTILES_DEFINES=ATTN_TWICE+ATTN_SUMS_TOGETHER=1+ bash "$0" mktiles
            grep -h "^round\|k3-small KDA\|x and tile" "$OUT/mksums.log" "$OUT/mktiles.log" ;;
+    mkmma) timeout 240 python3 -m pytest -q -m cuda tests/test_megakernel_backend.py -k "attn_mma or sums_apart" \
+             -s -rs -p no:cacheprovider > "$OUT/mkmma.log" 2>&1
+           for v in base ATTN_MMA=1 base ATTN_MMA=1; do
+             layer_step 90 --rounds 2 --defines PAIR_TILES=1+LIVE_SPLITS=1+${v/base/} \
+               --out "$OUT/mma.json" >> "$OUT/mkmma.log" 2>&1
+           done
+           rm -f "$OUT/mma.json"
+           MKTILES_DEFINES=ATTN_TWICE+ATTN_MMA=1+ bash "$0" mktiles
+           grep -h "passed\|failed\|max rel\|^round\|k3-small KDA\|x and tile" "$OUT/mkmma.log" "$OUT/mktiles.log" ;;
     mkbench) timeout ${MKBENCH_TIMEOUT:-400} python3 -m k3export.cli bench model --preset k3-small --dtype bf16 \
              --backends ${MKBENCH_BACKENDS:-eager,compile,megakernel} --prefill-lengths 2048 --batches 1 \
              --contexts 1024 --warmup 3 --iters 5 --decode-iters ${MKBENCH_ITERS:-100} --generate-tokens 64 \
              --no-new-lengths --out "$OUT/mkbench" > "$OUT/mkbench.log" 2>&1 ;;
     profile) timeout 150 python3 scripts/profile_decode.py --backend ${PROFILE_BACKEND:-compile} ${PROFILE_ARGS:-} \
              > "$OUT/profile.log" 2>&1 ;;
-    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe trtfp8 fp8eng grouped grpsmall fp8comp overlap chain layer step attnres abmix gmla greedy greedy64 mkback mkinputs mkstep mkcache mkfinal mkrouter mkpair mkargmax mksleep mkrun mkblocks mkattn mkheads mklive mktrace mkhalves mktiles mksums mkbench profile)"; continue ;;
+    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe trtfp8 fp8eng grouped grpsmall fp8comp overlap chain layer step attnres abmix gmla greedy greedy64 mkback mkinputs mkstep mkcache mkfinal mkrouter mkpair mkargmax mksleep mkrun mkblocks mkattn mkheads mklive mktrace mktiles mksums mkmma mkbench profile)"; continue ;;
   esac
   echo "$part: exit $? in $((SECONDS - t)) s" | tee -a "$OUT/pending.log"
   tail -4 "$OUT/$part.log" 2>/dev/null

@@ -99,20 +99,20 @@ def test_attention_tiles_of_fewer_heads_give_the_same_step(tiny_mla8):
         mb.MegakernelBackend(model, max_len=40, prefill_backend=EagerBackend(model), emulate=True, attn_heads=0)
 
 
-def test_the_attention_x_in_one_poll_fits_k3_smalls_heads():
-    """chain.cu's ATTN_ONE_POLL polls an attention x's words in one round, at most ATTN_X_WORDS (11) a thread: 8
-    heads of k3-small's 576-wide queries take 9, the new row 1 and its pe words 1; a build with fewer refuses the
-    chain, saying why. The backend's options map to their defines."""
+def test_the_attention_on_tensor_cores_takes_k3_smalls_tiles():
+    """chain.cu's ATTN_MMA runs an attention tile on tensor cores (m16n8k16: 8 heads, two blocks of 16 keys), its
+    score partials in x's scratch: k3-small's tiles (8 heads of 576-wide rows, rank 512) fit; 4 heads a tile are
+    refused with the reason. The backend's options map to their defines."""
     from k3export.model import K3Model
     with torch.device("meta"):
         small = K3Model(K3Config.from_name("k3-small")).to(torch.bfloat16)
-    words = mc.cu_default("ATTN_X_WORDS")
-    for heads in (8, 4):
-        assert mc.one_poll_refusal(mb.decode_chain(small, 1025, attn_heads=heads), 512, words) is None
-    why = mc.one_poll_refusal(mb.decode_chain(small, 1025), 512, 10)
-    assert why and "takes 11 words a thread (queries 4608, row 512, pe 64)" in why and "at most 10" in why
-    assert mb.kernel_defines(attn_one_poll=True, attn_halves=True)[-2:] == ("ATTN_ONE_POLL=1", "ATTN_HALVES=1")
-    assert not {"ATTN_ONE_POLL=1", "ATTN_HALVES=1"} & set(mb.DEFINES)
+    chunks = mc.cu_default("ATTN_KCHUNKS")
+    assert mc.attn_mma_refusal(mb.decode_chain(small, 1025), chunks) is None
+    why = mc.attn_mma_refusal(mb.decode_chain(small, 1025, attn_heads=4), chunks)
+    assert why and "tiles of 8 heads and 32 keys" in why and "has 4 heads, 32 keys, rows of 576, rank 512" in why
+    assert mb.kernel_defines(sums_apart=True, attn_mma=True)[-2:] == ("ATTN_SUMS_TOGETHER=0", "ATTN_MMA=1")
+    assert not {"ATTN_SUMS_TOGETHER=0", "ATTN_MMA=1"} & set(mb.DEFINES)
+
 
 
 def test_paired_tiles_give_each_block_one_expert_of_k3_smalls_moe_down():
@@ -187,7 +187,7 @@ def _needs_the_kernel():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("variant", [{}, {"attn_halves": True}], ids=str)
+@pytest.mark.parametrize("variant", [{}, {"attn_mma": True}], ids=str)
 def test_the_kernel_backend_follows_its_emulation_on_k3_small(variant):
     """k3-small on the GPU through the engine: a 64-token prompt's prefill loaded into the kernel's layouts, then 8
     steps, the same tokens fed to the kernel backend (launched, and replayed as the engine's CUDA graph), the
@@ -200,7 +200,8 @@ def test_the_kernel_backend_follows_its_emulation_on_k3_small(variant):
     The kernel reads and appends the MLA rows in the engine's own cache (`bind_engine_cache`): its 8 new rows are
     written there, equal between the launched and the graphed runs, and the first step's within two bf16 ulps (at
     the rows' largest element) of the emulation's (the layers before are fp32 sums in another order).
-    `attn_halves` (the attention's scores summed in another order; not yet run) is held to the same bounds."""
+    `attn_mma` (the attention tile on tensor cores: fp32 sums in other orders; not yet run) is held to the same
+    bounds."""
     _needs_the_kernel()
     from k3export.bench.fp8 import gpu_random_model
     model = gpu_random_model(K3Config.from_name("k3-small"), 0)
@@ -325,7 +326,7 @@ def test_the_kernel_reading_its_step_inputs_equals_the_host_set_build():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("variant", [{"router_first": True}, {"pair_tiles": False}, {"poll_sleep": 256},
-                                     {"attn_heads": 4}, {"live_splits": False}, {"attn_one_poll": True}], ids=str)
+                                     {"attn_heads": 4}, {"live_splits": False}, {"sums_apart": True}], ids=str)
 def test_the_kernel_variants_equal_the_default_kernel(variant):
     """k3-small in the kernel: the router rows early in each MoE's packed projection (`router_first`; 12-03 14:04 on
     the H200: passed), and each block's MoE down tiles two experts' as before PAIR_TILES (`pair_tiles=False`; the
@@ -335,7 +336,8 @@ def test_the_kernel_variants_equal_the_default_kernel(variant):
     12-03 16:10), attention tiles of 4 heads (`attn_heads`: each key block and head's words as before; passed 16:46
     and, with LIVE_SPLITS, 17:03) and the attention running its key blocks past the keys as before LIVE_SPLITS
     became the default (`live_splits=False`: 5 key blocks of room, 3 with keys; LIVE_SPLITS against that build
-    passed 17:03); so does the attention's x polled in one round (`attn_one_poll`: the same x; not yet run). (A
+    passed 17:03); so does the attention tile's score sums butterflied one after another as before
+    ATTN_SUMS_TOGETHER (`sums_apart`: the same adds; not yet run). (A
     router warp choosing each block's experts passed here too, 12-03 14:24, before it was dropped as slower: commit
     aef7f58.)"""
     _needs_the_kernel()

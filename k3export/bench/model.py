@@ -81,9 +81,8 @@ MEGAKERNEL_VARIANTS = {"megakernel": {}, "megakernel-host-inputs": {"step_inputs
                        "megakernel-poll-sleep256": {"poll_sleep": 256},
                        "megakernel-attn-heads4": {"attn_heads": 4},
                        "megakernel-dead-splits": {"live_splits": False},
-                       "megakernel-attn-one-poll": {"attn_one_poll": True},
-                       "megakernel-attn-halves": {"attn_halves": True},
-                       "megakernel-attn-both": {"attn_one_poll": True, "attn_halves": True}}
+                       "megakernel-sums-apart": {"sums_apart": True},
+                       "megakernel-attn-mma": {"attn_mma": True}}
 BACKENDS = ("eager", "graph", *COMPILE_VARIANTS, "aoti", *MEGAKERNEL_VARIANTS)
 
 

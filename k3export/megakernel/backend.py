@@ -49,14 +49,14 @@ from k3export.megakernel.argmax import argmax_rows
 
 
 def kernel_defines(step_inputs: bool = True, pair_tiles: bool = True, poll_sleep: int = 0,
-                   attn_heads: int = mc.ATTN_HEADS, live_splits: bool = True, attn_one_poll: bool = False,
-                   attn_halves: bool = False) -> tuple[str, ...]:
+                   attn_heads: int = mc.ATTN_HEADS, live_splits: bool = True, sums_apart: bool = False,
+                   attn_mma: bool = False) -> tuple[str, ...]:
     """chain.cu's defines for the backend's build with these options (`DEFINES`: the defaults)."""
     return (*ml.DEFINES, "EPOCH_PTR=1", *(("STEP_INPUTS=1",) if step_inputs else ()),
             *(("PAIR_TILES=1",) if pair_tiles else ()), *((f"POLL_SLEEP={poll_sleep}",) if poll_sleep else ()),
             *((f"ATTN_HEADS={attn_heads}",) if attn_heads != mc.ATTN_HEADS else ()),
-            *(("LIVE_SPLITS=1",) if live_splits else ()), *(("ATTN_ONE_POLL=1",) if attn_one_poll else ()),
-            *(("ATTN_HALVES=1",) if attn_halves else ()))
+            *(("LIVE_SPLITS=1",) if live_splits else ()), *(("ATTN_SUMS_TOGETHER=0",) if sums_apart else ()),
+            *(("ATTN_MMA=1",) if attn_mma else ()))
 
 
 DEFINES = kernel_defines()
@@ -75,7 +75,7 @@ class MegakernelBackend:
     def __init__(self, model, max_len: int, prefill_backend=None, emulate: bool = False, defines=None,
                  cubin: tuple[str, str] | None = None, step_inputs: bool = True, router_first: bool = False,
                  pair_tiles: bool = True, poll_sleep: int = 0, attn_heads: int = mc.ATTN_HEADS,
-                 live_splits: bool = True, attn_one_poll: bool = False, attn_halves: bool = False):
+                 live_splits: bool = True, sums_apart: bool = False, attn_mma: bool = False):
         """step_inputs (the default): chain.cu built with STEP_INPUTS=1 reads the token's embedding row, the key
         count and its epoch from the engine's buffers itself, four small kernels fewer a step than setting them
         around it (False: `HOST_INPUTS_DEFINES`). defines: another build (the engine directory's). router_first:
@@ -89,11 +89,11 @@ class MegakernelBackend:
         its default); each (key block, head)'s words are computed as before, so the same logits. live_splits (the
         default): chain.cu built with LIVE_SPLITS=1, the attention skipping its tiles past the launch's keys (the
         cache's room up to max_len) and BMM2's combine adding only the key blocks that hold keys; the same logits
-        as without (False) bit for bit (12-03 17:03, cuda test). attn_one_poll (written 12-03 evening, not yet run
-        on a GPU): chain.cu built with ATTN_ONE_POLL=1, the attention's x (queries, new row, pe) polled in one round
-        trip, not four; the same x bit for bit. attn_halves (written 12-03 evening, not yet run on a GPU): chain.cu
-        built with ATTN_HALVES=1, the attention tile's warps on half its heads each, its scores' warp sums
-        transposed and O by column pairs; the scores are fp32 sums in another order, so not bit for bit."""
+        as without (False) bit for bit (12-03 17:03, cuda test). sums_apart: chain.cu built with ATTN_SUMS_TOGETHER=0,
+        the attention tile's score sums butterflied one after another as before 12-03 evening (the same adds: the
+        same logits). attn_mma (written 12-03 evening, not yet run on a GPU): chain.cu built with ATTN_MMA=1, the
+        attention tile's scores and O on tensor cores (fp32 sums in other orders, the weights as three bf16 parts:
+        not bit for bit)."""
         cfg = model.config
         self.model, self.config, self.dtype, self.device = model, cfg, model.dtype, model.device
         self.max_len, self.emulate = max_len, emulate
@@ -110,7 +110,7 @@ class MegakernelBackend:
         self.kernel = None
         if not emulate:
             defines = defines or kernel_defines(step_inputs, pair_tiles, poll_sleep, attn_heads, live_splits,
-                                                attn_one_poll, attn_halves)
+                                                sums_apart, attn_mma)
             self.kernel = mc.ChainKernel(defines=defines, cubin=cubin, quiet=cubin is not None)
             self.kernel.bind(self.bufs)
         if prefill_backend is None:

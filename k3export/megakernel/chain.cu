@@ -115,15 +115,12 @@
 #ifndef LIVE_SPLITS                    // 1: an ATTN phase skips its tiles past this launch's keys (no words), and
 #define LIVE_SPLITS 0                  // BMM2's combine (X_MLA_COMBINE) adds only the key blocks that hold keys
 #endif
-#ifndef ATTN_ONE_POLL                  // 1: an ATTN phase's x (the queries, the new row and its pe words) polled in
-#define ATTN_ONE_POLL 0                // one round, not part by part (`attn_x`; the same x bit for bit)
-#endif
 #ifndef ATTN_SUMS_TOGETHER             // 1: an ATTN tile's 16 score sums a warp butterflied a level at a time, not
-#define ATTN_SUMS_TOGETHER 0           // one sum after another (the same adds in the same order)
+#define ATTN_SUMS_TOGETHER 1           // one sum after another (the same adds in the same order; 12-03 18:50, layer
+#endif                                 // step: 0.7326 / 0.7313 ms against 0.7350 / 0.7341)
+#ifndef ATTN_MMA                       // 1: an ATTN tile's scores and O on tensor cores (`attn_tile`; fp32 sums in
+#define ATTN_MMA 0                     // other orders, the weights as three bf16 parts)
 #endif
-#ifndef ATTN_HALVES                    // 1: an ATTN tile's warps take half its heads each (twice the keys a warp), the
-#define ATTN_HALVES 0                  // scores' warp sums transposed (16 shuffles, not 80) and O by column pairs
-#endif                                 // with 4 keys' weights a load (`attn_tile`)
 #ifndef PAIR_TILES                     // 1: a routed phase with x per expert (the MoE down projection) hands each
 #define PAIR_TILES 0                   // block consecutive row blocks, so that its tiles share an expert and it
 #endif                                 // loads that x once (`tile_row0`)
@@ -1485,40 +1482,31 @@ struct Cursor {
 // [ATTN_HEADS queries | the new row], k each. Per tile and head, the words [m, l, O (rank)]: the block's max score m,
 // l = sum exp(s - m) and O = sum exp(s - m) row[:rank] over its keys (fp32; scores s = scale (q . row), the dot in
 // each lane's order, then a warp butterfly). The block with tile 0 appends the new row to the cache (row f.n - 1,
-// which no tile reads from there). Every consumer thread calls it (512; three barriers). With ATTN_HALVES: warps
-// 0-7 take the first half of the heads, 8-15 the second, each warp 4 keys (less of the queries read a warp), the
-// scores' warp sums transposed (`warp_transpose_sums`: each lane ends with one sum, 16 shuffles where the butterflies
-// took 80) and O by column pairs, a thread's pair for its half of the heads, 4 keys' weights a load: the same O
-// sums in the same order, from scores summed in another. part_t (-DTRACE, the phase's first tile): thread 0's times
-// [3] begun, [4] scores, [5] softmax, [6] done.
-#if ATTN_HALVES
-#if ATTN_HEADS % 2
-#error "ATTN_HALVES splits a tile's heads in two: ATTN_HEADS must be even"
+// which no tile reads from there). Every consumer thread calls it (512; three barriers). part_t (-DTRACE, the
+// phase's first tile): thread 0's times [3] begun, [4] scores, [5] softmax, [6] done.
+#if ATTN_MMA
+#if ATTN_HEADS != 8 || ATTN_ROWS_WARP * CONSUMER_WARPS != 32
+#error "ATTN_MMA: tiles of 8 heads (the mma's n) and 32 keys (two blocks of 16)"
 #endif
-#define ATTN_HH (ATTN_HEADS / 2)                          // heads a warp
-#define ATTN_KW (ATTN_ROWS_WARP * 2)                      // keys a warp
-// v: a lane's NV partial sums (NV a power of 2, at most 32). Returns the warp's sum of value lane / (32 / NV): NV / 2
-// values exchanged at each of log2(NV) halvings, then a butterfly over the lanes left (each adds in its own order).
-template <int NV>
-__device__ __forceinline__ float warp_transpose_sums(float (&v)[NV], int lane) {
-#pragma unroll
-    for (int n = NV, o = 16; n > 1; n >>= 1, o >>= 1) {
-        const bool hi = lane & o;
-#pragma unroll
-        for (int i = 0; i < n / 2; ++i) {
-            const float send = hi ? v[i] : v[n / 2 + i], keep = hi ? v[n / 2 + i] : v[i];
-            v[i] = __fadd_rn(keep, __shfl_xor_sync(0xffffffffu, send, o));
-        }
-    }
-    float s = v[0];
-#pragma unroll
-    for (int o = 16 / NV; o; o >>= 1) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, o));
-    return s;
+#define ATTN_KCHUNKS 4                  // ATTN_MMA: the scores' k split over warps (2 key blocks x 4: warps 0-7)
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {      // ldmatrix: lanes 8 i .. 8 i + 7
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"   // give matrix i's rows
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
-__device__ __forceinline__ void store_words2(uint64_t* p, float a, float b, uint32_t epoch) {   // p 16-byte aligned
-    const uint64_t e = static_cast<uint64_t>(epoch) << 32;
-    asm volatile("st.relaxed.gpu.global.v2.u64 [%0], {%1, %2};" ::"l"(p), "l"(e | __float_as_uint(a)),
-                 "l"(e | __float_as_uint(b)) : "memory");
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x2(uint32_t (&r)[2], uint32_t addr) {      // (lanes 0-15's addresses)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];" : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
+}
+// x = hi + mid + lo, three bf16 (x - hi and its rest exact in fp32): a pair's three parts as packed bf16 pairs
+__device__ __forceinline__ void bf16_parts(float a, float b, uint32_t (&p)[3]) {
+    const float ah = bf16r(a), bh = bf16r(b), ar = __fsub_rn(a, ah), br = __fsub_rn(b, bh);
+    const float am = bf16r(ar), bm = bf16r(br);
+    p[0] = bits2(ah, bh);
+    p[1] = bits2(am, bm);
+    p[2] = bits2(__fsub_rn(ar, am), __fsub_rn(br, bm));
 }
 #endif
 __device__ __noinline__ void attn_tile(const PhaseC& f, const XSeg& q0, const __nv_bfloat16* tile,
@@ -1545,40 +1533,38 @@ __device__ __noinline__ void attn_tile(const PhaseC& f, const XSeg& q0, const __
             const_cast<__nv_bfloat16*>(reinterpret_cast<const __nv_bfloat16*>(f.w))[
                 static_cast<int64_t>(cache_len) * k + j] = nrow[j];
     const int nkeys = min(rows, keys - row0), ncache = min(nkeys, cache_len - row0);   // keys from the tile: ncache
-    const __nv_bfloat162* qh = reinterpret_cast<const __nv_bfloat162*>(xs);
-#if ATTN_HALVES
-    // the scores: warp w takes heads h0 .. h0 + ATTN_HH - 1 (its half) and keys w % 8 + 8 m (m < ATTN_KW), lane l the
-    // pairs l, l + 32, ... of each
-    const int hw = CONSUMER_WARPS / 2, h0 = (warp / hw) * ATTN_HH, wk = warp % hw;
-    const __nv_bfloat162* krow[ATTN_KW];
-#pragma unroll
-    for (int m = 0; m < ATTN_KW; ++m) {
-        const int r = wk + m * hw;
-        krow[m] = r >= nkeys ? nullptr : reinterpret_cast<const __nv_bfloat162*>(r < ncache ? tile + r * k : nrow);
-    }
-    float acc[ATTN_KW * ATTN_HH];
-#pragma unroll
-    for (int i = 0; i < ATTN_KW * ATTN_HH; ++i) acc[i] = 0.f;
-    for (int q = lane; q < k2; q += 32) {
-        float2 qv[ATTN_HH];
-#pragma unroll
-        for (int h = 0; h < ATTN_HH; ++h) qv[h] = __bfloat1622float2(qh[(h0 + h) * k2 + q]);
-#pragma unroll
-        for (int m = 0; m < ATTN_KW; ++m) {
-            if (!krow[m]) continue;
-            const float2 c = __bfloat1622float2(krow[m][q]);
-#pragma unroll
-            for (int h = 0; h < ATTN_HH; ++h)
-                acc[m * ATTN_HH + h] = fmaf(c.y, qv[h].y, fmaf(c.x, qv[h].x, acc[m * ATTN_HH + h]));
+#if ATTN_MMA
+    // the scores, keys x heads = K Q^T on tensor cores (m16n8k16): warp w < 8 takes key block w & 1 (16 keys; a key
+    // past the cache's rows reads the new row, masked below if past the keys) and the k steps of chunk w >> 1, its
+    // sums into part[chunk][key][head]; then thread (key, head) adds the chunks in order
+    const uint32_t tile_s = smem_u32(tile), nrow_s = smem_u32(nrow);
+    float* part = sc + ATTN_HEADS * rows;
+    if (warp < 2 * ATTN_KCHUNKS) {
+        const int mt = warp & 1, kc = warp >> 1, S = k / 16, g = lane >> 2, tq = lane & 3;
+        const int r = mt * 16 + (lane & 15);
+        const uint32_t ra = (r < ncache ? tile_s + r * k * 2 : nrow_s) + (lane >> 4) * 16;
+        const uint32_t qa = smem_u32(xs) + (lane & 7) * k * 2 + ((lane >> 3) & 1) * 16;
+        float d[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int st = kc * S / ATTN_KCHUNKS; st < (kc + 1) * S / ATTN_KCHUNKS; ++st) {
+            uint32_t a[4], b[2];
+            ldsm_x4(a, ra + st * 32);
+            ldsm_x2(b, qa + st * 32);
+            mma_bf16(d, a[0], a[1], a[2], a[3], b[0], b[1]);
         }
+        float* pp = part + (kc * rows + mt * 16 + g) * ATTN_HEADS + 2 * tq;
+        *reinterpret_cast<float2*>(pp) = make_float2(d[0], d[1]);
+        *reinterpret_cast<float2*>(pp + 8 * ATTN_HEADS) = make_float2(d[2], d[3]);
     }
-    {
-        constexpr int NV = ATTN_KW * ATTN_HH, per = 32 / NV;     // (lanes holding each sum)
-        const float s = warp_transpose_sums<NV>(acc, lane);
-        const int i = lane / per, r = wk + (i / ATTN_HH) * hw;
-        if (lane % per == 0) sc[(h0 + i % ATTN_HH) * rows + r] = r < nkeys ? __fmul_rn(s, scale) : -INFINITY;
+    consumers_sync();
+    if (tid < rows * ATTN_HEADS) {
+        const int r = tid / ATTN_HEADS;
+        float s = part[tid];
+#pragma unroll
+        for (int c = 1; c < ATTN_KCHUNKS; ++c) s = __fadd_rn(s, part[c * rows * ATTN_HEADS + tid]);
+        sc[(tid % ATTN_HEADS) * rows + r] = r < nkeys ? __fmul_rn(s, scale) : -INFINITY;
     }
 #else
+    const __nv_bfloat162* qh = reinterpret_cast<const __nv_bfloat162*>(xs);
     // the scores: warp w takes keys w + 16 m (m < ATTN_ROWS_WARP: rows = ATTN_ROWS_WARP CONSUMER_WARPS, the host
     // checks), lane l the pairs l, l + 32, ... of each: the queries' pair loaded once for the warp's keys
     const __nv_bfloat162* krow[ATTN_ROWS_WARP];
@@ -1657,31 +1643,38 @@ __device__ __noinline__ void attn_tile(const PhaseC& f, const XSeg& q0, const __
     if (part_t && tid == 0) part_t[5] = now_ns();
 #endif
     uint64_t* yo = y + static_cast<int64_t>(t * ATTN_HEADS) * (rank + 2) + 2;
-#if ATTN_HALVES
-    {   // O: thread c of a half, columns 2 c and 2 c + 1 (2 c + CONSUMERS, ...) for the half's heads, keys in order
-        const int th = CONSUMERS / 2, ho = (tid / th) * ATTN_HH;
-        const uint32_t* tile2 = reinterpret_cast<const uint32_t*>(tile);
-        const uint32_t* nrow2 = reinterpret_cast<const uint32_t*>(nrow);
-        for (int c = tid % th; 2 * c < rank; c += th) {
-            float o[ATTN_HH][2];
+#if ATTN_MMA
+    {   // O^T, columns x heads = V^T P^T on tensor cores: warp w the column blocks w, w + 16, ... (16 columns), two k
+        // steps of 16 keys; the weights (B) as three bf16 parts, each part's mma adding into the same fp32 sums
+        const int g = lane >> 2, tq = lane & 3;
+        uint32_t pb[2][3][2];                       // [k step][part][b0, b1]
 #pragma unroll
-            for (int h = 0; h < ATTN_HH; ++h) o[h][0] = o[h][1] = 0.f;
-            for (int r = 0; r < nkeys; r += 4) {    // 4 keys a step: their weights one 16-byte load a head
-                float2 v[4];
+        for (int ks = 0; ks < 2; ++ks)
 #pragma unroll
-                for (int i = 0; i < 4; ++i)         // (past the keys: 0, and so is its weight)
-                    v[i] = r + i < ncache ? bf2(tile2[(r + i) * k2 + c])
-                                          : r + i < nkeys ? bf2(nrow2[c]) : make_float2(0.f, 0.f);
+            for (int half = 0; half < 2; ++half) {
+                const float2 w = *reinterpret_cast<const float2*>(sc + g * rows + ks * 16 + half * 8 + 2 * tq);
+                uint32_t p3[3];
+                bf16_parts(w.x, w.y, p3);
 #pragma unroll
-                for (int h = 0; h < ATTN_HH; ++h) {
-                    const float4 w = *reinterpret_cast<const float4*>(sc + (ho + h) * rows + r);
-                    o[h][0] = fmaf(w.w, v[3].x, fmaf(w.z, v[2].x, fmaf(w.y, v[1].x, fmaf(w.x, v[0].x, o[h][0]))));
-                    o[h][1] = fmaf(w.w, v[3].y, fmaf(w.z, v[2].y, fmaf(w.y, v[1].y, fmaf(w.x, v[0].y, o[h][1]))));
-                }
+                for (int q = 0; q < 3; ++q) pb[ks][q][half] = p3[q];
             }
+        for (int mt = warp; mt * 16 < rank; mt += CONSUMER_WARPS) {
+            float d[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-            for (int h = 0; h < ATTN_HH; ++h)
-                store_words2(yo + (ho + h) * (rank + 2) + 2 * c, o[h][0], o[h][1], epoch);
+            for (int ks = 0; ks < 2; ++ks) {
+                const int key = ks * 16 + (lane & 7) + ((lane >> 4) << 3);      // (past the keys: weight 0)
+                const uint32_t va = (key < ncache ? tile_s + key * k * 2 : nrow_s) +
+                                    (mt * 16 + ((lane >> 3) & 1) * 8) * 2;
+                uint32_t a[4];
+                ldsm_x4_trans(a, va);
+#pragma unroll
+                for (int q = 0; q < 3; ++q) mma_bf16(d, a[0], a[1], a[2], a[3], pb[ks][q][0], pb[ks][q][1]);
+            }
+            const int c = mt * 16 + g;
+            store_word(yo + (2 * tq) * (rank + 2) + c, d[0], epoch);
+            store_word(yo + (2 * tq + 1) * (rank + 2) + c, d[1], epoch);
+            store_word(yo + (2 * tq) * (rank + 2) + c + 8, d[2], epoch);
+            store_word(yo + (2 * tq + 1) * (rank + 2) + c + 8, d[3], epoch);
         }
     }
 #else
@@ -1715,67 +1708,6 @@ __device__ __noinline__ void attn_tile(const PhaseC& f, const XSeg& q0, const __
 }
 #endif
 
-#if RECIPES && MMA_ONLY && ATTN_ONE_POLL
-#define ATTN_X_WORDS 11                 // ATTN_ONE_POLL: words a thread polls at most (8 heads of 576: 9 + 1 + 1)
-// An ATTN phase's x (`Chain.attn`'s recipe: "mla_q" the head group's queries, "norm" the new row's RMSNorm, "sum" its
-// pe words) with every thread's words of the three parts polled together, one round trip (`load_x_recipe` takes a
-// part at a time: four). Element j of a part is taken by thread j % CONSUMERS, as there, and the values are made
-// as there, so the x and the norm's sums of squares are the same bit for bit. Every consumer thread calls it (the
-// norm's barriers). part_t (-DTRACE): thread 0's times [0] polled, [1] and [2] the norm done.
-__device__ __noinline__ bool attn_x(__nv_bfloat16* xs, const PhaseC& f, const PhaseC* ph, const XSeg* xsegs, int slot,
-                                    uint32_t epoch, bool wait, uint32_t* err, int64_t p, int64_t t, float* red,
-                                    unsigned long long* part_t) {
-    const int tid = threadIdx.x;
-    const XSeg &gq = xsegs[f.xop], &gn = xsegs[f.xop + 1], &gp = xsegs[f.xop + 2];
-    const int uq = (gq.len + CONSUMERS - 1) / CONSUMERS, un = (gn.len + CONSUMERS - 1) / CONSUMERS;
-    const int hw = gq.len / gq.nslot, qw = gq.off2 + hw - gq.stride;         // a head's x; q_b's head
-    const uint64_t* qbase = reinterpret_cast<const uint64_t*>(ph[gq.src].y) + gq.off;
-    const uint64_t* qb = reinterpret_cast<const uint64_t*>(ph[gq.route].y);
-    const uint64_t* nbase = reinterpret_cast<const uint64_t*>(ph[gn.src].y) + gn.off;
-    const uint64_t* pbase = reinterpret_cast<const uint64_t*>(ph[gp.src].y) + gp.off;
-    const uint64_t* a[ATTN_X_WORDS];
-#pragma unroll
-    for (int u = 0; u < ATTN_X_WORDS; ++u) {    // u < uq: queries; then the row (un); then pe
-        const int j = tid + (u < uq ? u : u < uq + un ? u - uq : u - uq - un) * CONSUMERS;
-        if (u < uq) {
-            const int h = slot * gq.nslot + j / hw, c = j % hw;
-            a[u] = j >= gq.len ? nullptr : c < gq.stride ? qbase + h * gq.stride + c
-                                                         : qb + h * qw + gq.off2 + (c - gq.stride);
-        } else if (u < uq + un) {
-            a[u] = j < gn.len ? nbase + j : nullptr;
-        } else {                                // (the host checks pe <= CONSUMERS)
-            a[u] = u == uq + un && j < gp.len ? pbase + j : nullptr;
-        }
-    }
-    float v[ATTN_X_WORDS];
-    const bool ok = poll_all(a, v, epoch, wait, err, p, t);
-#ifdef TRACE
-    if (part_t && tid == 0) part_t[0] = now_ns();
-#endif
-    float ss = 0.f;
-#pragma unroll
-    for (int u = 0; u < ATTN_X_WORDS; ++u) {
-        const int j = tid + (u < uq ? u : u < uq + un ? u - uq : u - uq - un) * CONSUMERS;
-        if (u < uq) {
-            if (j < gq.len) xs[j] = __float2bfloat16_rn(v[u]);
-        } else if (u < uq + un) {
-            if (j < gn.len) {                   // ("norm" without a second part: + 0, as there)
-                const float x = bf16r(__fadd_rn(v[u], 0.f));
-                xs[gq.len + j] = __float2bfloat16_rn(x);
-                ss = fmaf(x, x, ss);
-            }
-        } else if (u == uq + un && j < gp.len) {
-            xs[gq.len + gn.len + j] = __float2bfloat16_rn(v[u]);
-        }
-    }
-    rms_norm_x(xs + gq.len, gn.len, gn.eps, aux_bf16(gn), ss, red);
-#ifdef TRACE
-    if (part_t && tid == 0) part_t[1] = part_t[2] = now_ns();
-#endif
-    return ok;
-}
-#endif
-
 #if RECIPES && MMA_ONLY && defined(TRACE)
 __device__ __forceinline__ int attn_before(const PhaseC* ph, int64_t p) {     // ATTN phases before p
     int a = 0;
@@ -1802,12 +1734,8 @@ __device__ __forceinline__ int attn_phase(const PhaseC& f, const PhaseC* ph, con
         const bool no_keys = LIVE_SPLITS && (t / f.ne) * f.rows >= f.n;   // (no x, no words; BMM2 skips it)
         if (!no_keys && hg != have) {
             consumers_sync();               // every warp is done with the last x
-#if ATTN_ONE_POLL
-            if (!attn_x(xs, f, ph, xsegs, hg, epoch, wait, err, p, t, red, n ? nullptr : part_t)) *gave_up = 1;
-#else
             if (!load_x_recipe(xs, f, ph, xsegs, hg, epoch, wait, err, p, t, red, comb_w, n ? nullptr : part_t))
                 *gave_up = 1;
-#endif
             consumers_sync();
             if (*gave_up) return -1;
             if (xdump && t < f.ne && hg < XDUMP_SLOTS)

@@ -1230,18 +1230,17 @@ class Buffers:
                 "x_max_ulps": bf16_ulps(x, ref[:d])}
 
 
-def one_poll_refusal(chain: Chain, consumers: int, words: int) -> str | None:
-    """Why chain.cu built with ATTN_ONE_POLL (`attn_x`: at most `words` words a thread of `consumers`) cannot load
-    an attention phase's x of `chain` (None: it can): the recipe must be `Chain.attn`'s, the pe words one a thread."""
+def attn_mma_refusal(chain: Chain, kchunks: int) -> str | None:
+    """Why chain.cu built with ATTN_MMA (`attn_tile` on tensor cores: m16n8k16, the scores' k over `kchunks` warps
+    per key block, their sums in x's scratch) cannot run `chain`'s attention phases (None: it can)."""
     for ph in chain.phases:
         if ph.kind != "attn":
             continue
-        q, row, pe = chain.xsegs[ph.xop:ph.xop + 3]
-        need = -(-q.len // consumers) + -(-row.len // consumers) + 1
-        if (q.op, row.op, pe.op, row.route, pe.nslot) != ("mla_q", "norm", "sum", -1, 1) or pe.len > consumers \
-                or need > words:
-            return (f"{ph.name}: its x takes {need} words a thread (queries {q.len}, row {row.len}, pe {pe.len}); "
-                    f"chain.cu built with ATTN_ONE_POLL polls at most {words} (ATTN_X_WORDS), pe at most one")
+        need = ((ph.heads + 1) * ph.k * 2 + 15) // 16 * 16 + (1 + kchunks) * ph.heads * ph.rows * 4
+        if ph.heads != 8 or ph.rows != 32 or ph.k % 16 or ph.xlen % 16 or need > XMAX * 2:
+            return (f"{ph.name}: chain.cu built with ATTN_MMA takes tiles of 8 heads and 32 keys, rows and rank "
+                    f"multiples of 16, and {need} bytes of x and scratch within {XMAX * 2}; this phase has "
+                    f"{ph.heads} heads, {ph.rows} keys, rows of {ph.k}, rank {ph.xlen}")
     return None
 
 
@@ -1551,8 +1550,8 @@ class ChainKernel:
         if bad:
             raise ValueError(f"attention phases {', '.join(n for n, _ in bad[:3])} were built with {bad[0][1]} heads "
                              f"a tile; this build's tiles take {heads} (ATTN_HEADS)")
-        if define_value(self.defines, "ATTN_ONE_POLL", self.cu, default=0):
-            why = one_poll_refusal(bufs.chain, self.consumers, define_value(self.defines, "ATTN_X_WORDS", self.cu))
+        if define_value(self.defines, "ATTN_MMA", self.cu, default=0):
+            why = attn_mma_refusal(bufs.chain, define_value(self.defines, "ATTN_KCHUNKS", self.cu))
             if why:
                 raise ValueError(why)
         self.smem = smem_bytes(self.nslot, self.slot_bytes, n, len(bufs.chain.xsegs))

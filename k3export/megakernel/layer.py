@@ -644,7 +644,8 @@ def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: in
         e["kda_vs_triton"] = {bufs.chain.phases[p].name: kda_vs_triton(bufs, p) for p, _ in bufs.kda_phases()}
         res["check"][m] = e
         worst = max(e["max_rel"].values())
-        print(f"{m}: GEMV / routed max rel {worst:.2e}; top-k differing {e['topk_wrong']}; unwritten "
+        attn = f" (attention {e['max_rel']['attn']:.2e})" if "attn" in e["max_rel"] else ""
+        print(f"{m}: GEMV / routed max rel {worst:.2e}{attn}; top-k differing {e['topk_wrong']}; unwritten "
               f"{e['unwritten']}; recipe x elements differing "
               f"{sum(v['differ'] for v in rx.values())} of {sum(v['of'] for v in rx.values())}", flush=True)
         for name, v in e["kda"].items():
