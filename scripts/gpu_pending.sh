@@ -140,8 +140,11 @@
 #            $MKTILES_VARIANTS (default: the default build) with $MKTILES_DEFINES (e.g. ATTN_TWICE+: the tile again)
 #   mksums   the attention's score sums butterflied a level at a time (ATTN_SUMS_TOGETHER) against
 #            the default, layer step, two processes each; then mktiles with it and ATTN_TWICE (the SM clock too)
-#   mkmma    (not yet run) the attention tile on tensor cores (ATTN_MMA): its cuda tests (and sums_apart's, bit
-#            for bit), the layer step against the default, two processes each, then mktiles with it
+#   mkmma    the attention tile on tensor cores (ATTN_MMA) and its x's row in the queries' last round
+#            (ATTN_X_TAIL): cuda tests (sums_apart's and x_tail's bit for bit), the layer step with each and both
+#            against the default, then mktiles with ATTN_MMA
+#   mkmmafinal (not yet run) the default build since 19:10 (ATTN_MMA, ATTN_X_TAIL): the engine directory's cuda test
+#            and x_tail's (bit for bit), then bench megakernel against megakernel-attn-cuda-cores (300 steps)
 #   mkbench  bench model eager, compile, megakernel at B = 1, context 1024 ($MKBENCH_BACKENDS)
 #   profile  scripts/profile_decode.py --backend $PROFILE_BACKEND (default compile): kernels per decode step, and the
 #            graph replay's critical path (what each kernel adds to the span under PDL; 15:25: an upper bound only)
@@ -402,22 +405,27 @@ for part in $parts; do
            rm -f "$OUT/sums.json"
            MKTILES_DEFINES=ATTN_TWICE+ATTN_SUMS_TOGETHER=1+ bash "$0" mktiles
            grep -h "^round\|k3-small KDA\|x and tile" "$OUT/mksums.log" "$OUT/mktiles.log" ;;
-    mkmma) timeout 240 python3 -m pytest -q -m cuda tests/test_megakernel_backend.py -k "attn_mma or sums_apart" \
-             -s -rs -p no:cacheprovider > "$OUT/mkmma.log" 2>&1
-           for v in base ATTN_MMA=1 base ATTN_MMA=1; do
+    mkmma) timeout 280 python3 -m pytest -q -m cuda tests/test_megakernel_backend.py \
+             -k "attn_mma or sums_apart or x_tail" -s -rs -p no:cacheprovider > "$OUT/mkmma.log" 2>&1
+           for v in base ATTN_MMA=1 ATTN_MMA=1+ATTN_X_TAIL=1 ATTN_X_TAIL=1 base; do
              layer_step 90 --rounds 2 --defines PAIR_TILES=1+LIVE_SPLITS=1+${v/base/} \
                --out "$OUT/mma.json" >> "$OUT/mkmma.log" 2>&1
            done
            rm -f "$OUT/mma.json"
            MKTILES_DEFINES=ATTN_TWICE+ATTN_MMA=1+ bash "$0" mktiles
            grep -h "passed\|failed\|max rel\|^round\|k3-small KDA\|x and tile" "$OUT/mkmma.log" "$OUT/mktiles.log" ;;
+    mkmmafinal) timeout 150 python3 -m pytest -q -m cuda tests/test_megakernel_backend.py -k "directory or x_tail" \
+             -s -rs -p no:cacheprovider > "$OUT/mkmmafinal.log" 2>&1
+           MKBENCH_BACKENDS=megakernel,megakernel-attn-cuda-cores MKBENCH_ITERS=300 MKBENCH_TIMEOUT=260 \
+             bash "$0" mkbench
+           rm -f "$OUT/mkbench/model.png" "$OUT/mkbench/model.partial.json" "$OUT/gpu.txt" ;;
     mkbench) timeout ${MKBENCH_TIMEOUT:-400} python3 -m k3export.cli bench model --preset k3-small --dtype bf16 \
              --backends ${MKBENCH_BACKENDS:-eager,compile,megakernel} --prefill-lengths 2048 --batches 1 \
              --contexts 1024 --warmup 3 --iters 5 --decode-iters ${MKBENCH_ITERS:-100} --generate-tokens 64 \
              --no-new-lengths --out "$OUT/mkbench" > "$OUT/mkbench.log" 2>&1 ;;
     profile) timeout 150 python3 scripts/profile_decode.py --backend ${PROFILE_BACKEND:-compile} ${PROFILE_ARGS:-} \
              > "$OUT/profile.log" 2>&1 ;;
-    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe trtfp8 fp8eng grouped grpsmall fp8comp overlap chain layer step attnres abmix gmla greedy greedy64 mkback mkinputs mkstep mkcache mkfinal mkrouter mkpair mkargmax mksleep mkrun mkblocks mkattn mkheads mklive mktrace mktiles mksums mkmma mkbench profile)"; continue ;;
+    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe trtfp8 fp8eng grouped grpsmall fp8comp overlap chain layer step attnres abmix gmla greedy greedy64 mkback mkinputs mkstep mkcache mkfinal mkrouter mkpair mkargmax mksleep mkrun mkblocks mkattn mkheads mklive mktrace mktiles mksums mkmma mkmmafinal mkbench profile)"; continue ;;
   esac
   echo "$part: exit $? in $((SECONDS - t)) s" | tee -a "$OUT/pending.log"
   tail -4 "$OUT/$part.log" 2>/dev/null

@@ -92,7 +92,10 @@ def test_attention_tiles_of_fewer_heads_give_the_same_step(tiny_mla8):
     for heads, tiles in ((8, 66), (4, 132)):
         chain = mb.decode_chain(small, 1025, attn_heads=heads)
         assert [ph.ntiles for ph in chain.phases if ph.kind == "attn"] == [tiles] * 3
-    assert "ATTN_HEADS=4" in mb.kernel_defines(attn_heads=4) and "ATTN_HEADS=8" not in mb.kernel_defines()
+    assert "ATTN_HEADS=4" in mb.kernel_defines(attn_heads=4, attn_mma=False) and \
+        "ATTN_HEADS=8" not in mb.kernel_defines()
+    with pytest.raises(ValueError, match="takes tiles of 8 heads .*pass attn_mma=False"):
+        mb.kernel_defines(attn_heads=4)
     assert "16 MLA heads; chain.cu's attention takes them 3 a tile" in mb.unsupported(small, 64, emulate=True,
                                                                                         attn_heads=3)
     with pytest.raises(ValueError, match="attn_heads is the MLA heads an attention tile takes"):
@@ -110,8 +113,9 @@ def test_the_attention_on_tensor_cores_takes_k3_smalls_tiles():
     assert mc.attn_mma_refusal(mb.decode_chain(small, 1025), chunks) is None
     why = mc.attn_mma_refusal(mb.decode_chain(small, 1025, attn_heads=4), chunks)
     assert why and "tiles of 8 heads and 32 keys" in why and "has 4 heads, 32 keys, rows of 576, rank 512" in why
-    assert mb.kernel_defines(sums_apart=True, attn_mma=True)[-2:] == ("ATTN_SUMS_TOGETHER=0", "ATTN_MMA=1")
-    assert not {"ATTN_SUMS_TOGETHER=0", "ATTN_MMA=1"} & set(mb.DEFINES)
+    assert mb.DEFINES[-2:] == ("ATTN_MMA=1", "ATTN_X_TAIL=1")
+    assert "ATTN_SUMS_TOGETHER=0" in mb.kernel_defines(sums_apart=True)
+    assert not {"ATTN_MMA=1", "ATTN_X_TAIL=1"} & set(mb.kernel_defines(attn_mma=False, x_tail=False))
 
 
 
@@ -187,7 +191,7 @@ def _needs_the_kernel():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("variant", [{}, {"attn_mma": True}], ids=str)
+@pytest.mark.parametrize("variant", [{}, {"attn_mma": False, "x_tail": False}], ids=str)
 def test_the_kernel_backend_follows_its_emulation_on_k3_small(variant):
     """k3-small on the GPU through the engine: a 64-token prompt's prefill loaded into the kernel's layouts, then 8
     steps, the same tokens fed to the kernel backend (launched, and replayed as the engine's CUDA graph), the
@@ -200,8 +204,8 @@ def test_the_kernel_backend_follows_its_emulation_on_k3_small(variant):
     The kernel reads and appends the MLA rows in the engine's own cache (`bind_engine_cache`): its 8 new rows are
     written there, equal between the launched and the graphed runs, and the first step's within two bf16 ulps (at
     the rows' largest element) of the emulation's (the layers before are fp32 sums in another order).
-    `attn_mma` (the attention tile on tensor cores: fp32 sums in other orders; not yet run) is held to the same
-    bounds."""
+    The default build's attention runs on tensor cores (`attn_mma`: fp32 sums in other orders; passed 12-03 19:10,
+    first step 2.4e-7); the CUDA-core tile (`attn_mma=False`) is held to the same bounds."""
     _needs_the_kernel()
     from k3export.bench.fp8 import gpu_random_model
     model = gpu_random_model(K3Config.from_name("k3-small"), 0)
@@ -324,10 +328,16 @@ def test_the_kernel_reading_its_step_inputs_equals_the_host_set_build():
     assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
 
 
+CUDA_CORES = {"attn_mma": False}        # (the attention tile on CUDA cores: the variants of that tile compare to it)
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("variant", [{"router_first": True}, {"pair_tiles": False}, {"poll_sleep": 256},
-                                     {"attn_heads": 4}, {"live_splits": False}, {"sums_apart": True}], ids=str)
-def test_the_kernel_variants_equal_the_default_kernel(variant):
+@pytest.mark.parametrize("base, variant", [({}, {"router_first": True}), ({}, {"pair_tiles": False}),
+                                           ({}, {"poll_sleep": 256}), ({}, {"x_tail": False}),
+                                           (CUDA_CORES, {**CUDA_CORES, "attn_heads": 4}),
+                                           (CUDA_CORES, {**CUDA_CORES, "live_splits": False}),
+                                           (CUDA_CORES, {**CUDA_CORES, "sums_apart": True})], ids=str)
+def test_the_kernel_variants_equal_the_default_kernel(base, variant):
     """k3-small in the kernel: the router rows early in each MoE's packed projection (`router_first`; 12-03 14:04 on
     the H200: passed), and each block's MoE down tiles two experts' as before PAIR_TILES (`pair_tiles=False`; the
     paired build against the unpaired one passed 12-03 14:43, before pairing became the default) give the default
@@ -337,7 +347,10 @@ def test_the_kernel_variants_equal_the_default_kernel(variant):
     and, with LIVE_SPLITS, 17:03) and the attention running its key blocks past the keys as before LIVE_SPLITS
     became the default (`live_splits=False`: 5 key blocks of room, 3 with keys; LIVE_SPLITS against that build
     passed 17:03); so does the attention tile's score sums butterflied one after another as before
-    ATTN_SUMS_TOGETHER (`sums_apart`: the same adds; not yet run). (A
+    ATTN_SUMS_TOGETHER (`sums_apart`: the same adds; passed 19:10), and the attention x's new row polled in four
+    round trips as before ATTN_X_TAIL (`x_tail=False`: the same x; x_tail against that passed 19:10). The
+    attention-tile variants compare with the CUDA-core tile (`attn_mma=False`), the default being on tensor cores.
+    (A
     router warp choosing each block's experts passed here too, 12-03 14:24, before it was dropped as slower: commit
     aef7f58.)"""
     _needs_the_kernel()
@@ -345,7 +358,7 @@ def test_the_kernel_variants_equal_the_default_kernel(variant):
     model = gpu_random_model(K3Config.from_name("k3-small"), 0)
     prompt = torch.randint(0, model.config.vocab_size, (64,), generator=torch.Generator().manual_seed(3)).tolist()
     runs = []
-    for kw in ({}, variant):
+    for kw in (base, variant):
         be = mb.MegakernelBackend(model, max_len=160, prefill_backend=EagerBackend(model), **kw)
         eng = Engine(be, max_batch=1, max_len=160)
         assert eng.graphed, eng.graph_error

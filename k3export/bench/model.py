@@ -27,13 +27,19 @@ each hold `context` tokens (`Engine.decode`, state commit included). Backends:
     megakernel-poll-sleep64, megakernel-poll-sleep256  the same with a consumer sleeping 64 / 256 ns between two
               polls of words not yet written (`MegakernelBackend(poll_sleep=N)`; 12-03 16:12, 300 steps: 0.762 ms
               both against the default's 0.764, pipelined 0.767 / 0.765 against 0.762)
-    megakernel-attn-heads4  the same with the MLA attention's tiles 4 heads each, not 8
-              (`MegakernelBackend(attn_heads=4)`: 132 tiles at 1024 keys, every block one; 12-03 17:03, 300 steps,
+    megakernel-attn-heads4  the same with the MLA attention's tiles 4 heads each, not 8, on CUDA cores
+              (`MegakernelBackend(attn_heads=4, attn_mma=False)`: 132 tiles at 1024 keys, every block one; 12-03 17:03, 300 steps,
               with LIVE_SPLITS: pipelined 0.755 ms against 0.760, decode 0.763 against 0.756; at max_len over
               1056 rows its live tiles can outnumber 132 blocks)
     megakernel-dead-splits  the same with the attention's tiles past the launch's keys run and combined as
               before LIVE_SPLITS (`MegakernelBackend(live_splits=False)`; 12-03 17:03: 0.763 ms pipelined against
               0.760)
+    megakernel-sums-apart  the same with the attention tile's score sums butterflied one after another (before
+              ATTN_SUMS_TOGETHER, the default since 12-03 18:50: the same adds; layer step 0.7350 / 0.7341 ms against
+              0.7326 / 0.7313)
+    megakernel-attn-cuda-cores  the same with the attention tile on CUDA cores and its x in four round trips, as
+              before 12-03 19:10 (`MegakernelBackend(attn_mma=False, x_tail=False)`; layer step 0.7421 ms against
+              0.7317)
 
 Napkin math beside every time. Decode floor = bytes a step must move / measured copy bandwidth: every weight
 except the routed experts and the embedding table, the routed experts a batch of B hits in expectation
@@ -79,10 +85,10 @@ MEGAKERNEL_VARIANTS = {"megakernel": {}, "megakernel-host-inputs": {"step_inputs
                        "megakernel-unpaired": {"pair_tiles": False},
                        "megakernel-poll-sleep64": {"poll_sleep": 64},
                        "megakernel-poll-sleep256": {"poll_sleep": 256},
-                       "megakernel-attn-heads4": {"attn_heads": 4},
+                       "megakernel-attn-heads4": {"attn_heads": 4, "attn_mma": False},
                        "megakernel-dead-splits": {"live_splits": False},
                        "megakernel-sums-apart": {"sums_apart": True},
-                       "megakernel-attn-mma": {"attn_mma": True}}
+                       "megakernel-attn-cuda-cores": {"attn_mma": False, "x_tail": False}}
 BACKENDS = ("eager", "graph", *COMPILE_VARIANTS, "aoti", *MEGAKERNEL_VARIANTS)
 
 

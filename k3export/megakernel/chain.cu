@@ -118,6 +118,9 @@
 #ifndef ATTN_SUMS_TOGETHER             // 1: an ATTN tile's 16 score sums a warp butterflied a level at a time, not
 #define ATTN_SUMS_TOGETHER 1           // one sum after another (the same adds in the same order; 12-03 18:50, layer
 #endif                                 // step: 0.7326 / 0.7313 ms against 0.7350 / 0.7341)
+#ifndef ATTN_X_TAIL                    // 1: an ATTN x's new row and pe words polled in its queries' last round (one
+#define ATTN_X_TAIL 0                  // round trip a thread, not three; the same x bit for bit)
+#endif
 #ifndef ATTN_MMA                       // 1: an ATTN tile's scores and O on tensor cores (`attn_tile`; fp32 sums in
 #define ATTN_MMA 0                     // other orders, the weights as three bf16 parts)
 #endif
@@ -1124,7 +1127,18 @@ __device__ __forceinline__ bool load_x_recipe(__nv_bfloat16* xs, const PhaseC& f
         } else if (g.op == X_MLA_Q) {               // the head group's queries: [ql | q_pe] a head
             const int hw = g.len / g.nslot, pe = hw - g.stride, qw = g.off2 + pe;   // q_b's head: [nope | pe]
             const uint64_t* qb = reinterpret_cast<const uint64_t*>(ph[g.route].y);
-            for (int jb = tid; ok && jb < g.len; jb += 8 * CONSUMERS) {
+            const int nr = (g.len + 8 * CONSUMERS - 1) / (8 * CONSUMERS);             // rounds of 8 words a thread
+#if ATTN_X_TAIL
+            const int uq = (g.len - (nr - 1) * 8 * CONSUMERS + CONSUMERS - 1) / CONSUMERS;   // ... in the last     // the attention's x (`Chain.attn`: then "norm", "sum"): the new row's and its pe words (one a
+            // thread each) polled in the queries' last round, where it has room: two round trips, not four
+            const XSeg* gn = q + 2 < f.nxseg ? &xsegs[f.xop + q + 1] : nullptr;
+            const bool tail = gn && gn->op == X_NORM && gn->route < 0 && gn->len <= CONSUMERS && gn[1].op == X_SUM &&
+                              gn[1].nslot == 1 && gn[1].len <= CONSUMERS && uq <= 6;
+#else
+            const bool tail = false;
+#endif
+            for (int i = 0; ok && i < nr - tail; ++i) {    // (every thread takes every round; with the row, the
+                const int jb = tid + i * 8 * CONSUMERS;          // last one below)
                 const uint64_t* a[8];
                 float v[8];
 #pragma unroll
@@ -1140,6 +1154,41 @@ __device__ __forceinline__ bool load_x_recipe(__nv_bfloat16* xs, const PhaseC& f
                     if (j < g.len) xs[j0 + j] = __float2bfloat16_rn(v[u]);
                 }
             }
+#if ATTN_X_TAIL
+            if (tail) {                             // the last round, the row's element and pe word in its slots 6
+                const int jb = tid + (nr - 1) * 8 * CONSUMERS;          // and 7 (uq <= 6; fixed slots keep a and v
+                const uint64_t* a[8];                                   // in registers)
+                float v[8];
+#pragma unroll
+                for (int u = 0; u < 6; ++u) {
+                    const int j = jb + u * CONSUMERS, h = slot * g.nslot + j / hw, c = j % hw;
+                    a[u] = j >= g.len ? nullptr : c < g.stride ? base + h * g.stride + c
+                                                               : qb + h * qw + g.off2 + (c - g.stride);
+                }
+                a[6] = tid < gn->len ? reinterpret_cast<const uint64_t*>(ph[gn->src].y) + gn->off + tid : nullptr;
+                a[7] = tid < gn[1].len ? reinterpret_cast<const uint64_t*>(ph[gn[1].src].y) + gn[1].off + tid : nullptr;
+                ok = poll_all(a, v, epoch, wait, err, p, t) && ok;
+#pragma unroll
+                for (int u = 0; u < 6; ++u) {
+                    const int j = jb + u * CONSUMERS;
+                    if (j < g.len) xs[j0 + j] = __float2bfloat16_rn(v[u]);
+                }
+                const float rv = v[6], pv = v[7];
+                float ss = 0.f;                     // as "norm" and "sum" make them
+                if (tid < gn->len) {
+                    const float x = bf16r(__fadd_rn(rv, 0.f));
+                    xs[j0 + g.len + tid] = __float2bfloat16_rn(x);
+                    ss = fmaf(x, x, ss);
+                }
+                if (tid < gn[1].len) xs[j0 + g.len + gn->len + tid] = __float2bfloat16_rn(pv);
+                ok = rms_norm_x(xs + j0 + g.len, gn->len, gn->eps, aux_bf16(*gn), ss, red) && ok;
+#ifdef TRACE
+                if (part_t && tid == 0) part_t[0] = part_t[1] = now_ns();
+#endif
+                j0 += gn->len + gn[1].len;
+                q += 2;
+            }
+#endif
         } else if (g.op == X_MLA_COMBINE) {         // BMM2's x: the head's split partials combined
             // (past x in shared memory: m_s at sc[s], l_s at sc[S + s], a_s at sc[2 S + s]; S = ATTN_SPLITS >= nslot)
             float* sc = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(xs) + XBYTES / 2);
@@ -1514,7 +1563,7 @@ __device__ __noinline__ void attn_tile(const PhaseC& f, const XSeg& q0, const __
                                           unsigned long long* part_t) {
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int k = f.k, rows = f.rows, keys = f.n, cache_len = keys - 1;
-    const int rank = q0.stride, k2 = k / 2, row0 = (t / f.ne) * rows;
+    const int rank = q0.stride, row0 = (t / f.ne) * rows;
     const float scale = q0.scaling;
     // the scores, then the weights, [ATTN_HEADS][rows] fp32 past x in shared memory (the host checks that they fit)
     float* sc = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(const_cast<__nv_bfloat16*>(xs)) +
@@ -1564,6 +1613,7 @@ __device__ __noinline__ void attn_tile(const PhaseC& f, const XSeg& q0, const __
         sc[(tid % ATTN_HEADS) * rows + r] = r < nkeys ? __fmul_rn(s, scale) : -INFINITY;
     }
 #else
+    const int k2 = k / 2;
     const __nv_bfloat162* qh = reinterpret_cast<const __nv_bfloat162*>(xs);
     // the scores: warp w takes keys w + 16 m (m < ATTN_ROWS_WARP: rows = ATTN_ROWS_WARP CONSUMER_WARPS, the host
     // checks), lane l the pairs l, l + 32, ... of each: the queries' pair loaded once for the warp's keys
