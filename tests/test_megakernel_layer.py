@@ -274,15 +274,19 @@ def test_compare_counts_bf16_spacings():
 def test_layer_build_has_no_spills(tmp_path):
     """The real layers' build (RECIPES=1 MMA_ONLY=1). Without MMA_ONLY, the KDA phase makes the recipe build spill
     into the tile loop (16-64 bytes; nvdisasm placed loads in the tile loop), and the k3-small MoE launch took
-    0.357 ms against 0.347 before it (12-02). The same for the megakernel backend's build (EPOCH_PTR=1
-    STEP_INPUTS=1 PAIR_TILES=1: the embedding row pointer kept in shared memory, as a register it spilled 4 bytes)
-    and its build with the inputs set around the launch (EPOCH_PTR=1 PAIR_TILES=1)."""
+    0.357 ms against 0.347 before it (12-02). The same for the megakernel backend's builds (EPOCH_PTR=1
+    STEP_INPUTS=1 PAIR_TILES=1: the embedding row pointer kept in shared memory, as a register it spilled 4 bytes;
+    and with the inputs set around the launch), with one measured exception: since 12-03 19:10 they poll the
+    attention x's new row with its queries (ATTN_X_TAIL) beside the tensor-core tile (ATTN_MMA), which spills 4
+    bytes, one value stored at the launch's start and loaded once a tile outside the tensor-core loops (nvdisasm);
+    that build's layer step took 0.7317 ms against 0.7362 for ATTN_MMA alone, spill-free. Any other spill fails."""
     from k3export.megakernel.backend import DEFINES, HOST_INPUTS_DEFINES
-    for defines in (ml.DEFINES, DEFINES, HOST_INPUTS_DEFINES):
+    clean = "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads"
+    measured = "8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads"
+    for defines, kernel in ((ml.DEFINES, clean), (DEFINES, measured), (HOST_INPUTS_DEFINES, measured)):
         _, report = mc.compile_cubin(3, 65536, str(tmp_path), defines=defines)
         frames = [ln.strip() for ln in report.splitlines() if "spill stores" in ln]   # (the kernel and attn_tile)
-        assert len(frames) == 2 and all(f == "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads"
-                                        for f in frames), (defines, report)
+        assert frames == [kernel, clean], (defines, report)
 
 
 @pytest.mark.cuda

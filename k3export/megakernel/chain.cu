@@ -1128,9 +1128,9 @@ __device__ __forceinline__ bool load_x_recipe(__nv_bfloat16* xs, const PhaseC& f
             const int hw = g.len / g.nslot, pe = hw - g.stride, qw = g.off2 + pe;   // q_b's head: [nope | pe]
             const uint64_t* qb = reinterpret_cast<const uint64_t*>(ph[g.route].y);
             const int nr = (g.len + 8 * CONSUMERS - 1) / (8 * CONSUMERS);             // rounds of 8 words a thread
-#if ATTN_X_TAIL
-            const int uq = (g.len - (nr - 1) * 8 * CONSUMERS + CONSUMERS - 1) / CONSUMERS;   // ... in the last     // the attention's x (`Chain.attn`: then "norm", "sum"): the new row's and its pe words (one a
+#if ATTN_X_TAIL     // the attention's x (`Chain.attn`: then "norm", "sum"): the new row's and its pe words (one a
             // thread each) polled in the queries' last round, where it has room: two round trips, not four
+            const int uq = (g.len - (nr - 1) * 8 * CONSUMERS + CONSUMERS - 1) / CONSUMERS;   // ... in the last
             const XSeg* gn = q + 2 < f.nxseg ? &xsegs[f.xop + q + 1] : nullptr;
             const bool tail = gn && gn->op == X_NORM && gn->route < 0 && gn->len <= CONSUMERS && gn[1].op == X_SUM &&
                               gn[1].nslot == 1 && gn[1].len <= CONSUMERS && uq <= 6;
