@@ -417,6 +417,30 @@ def test_bench_model_writes_json_table_and_plot(tmp_path):
     assert (out / "model.png").stat().st_size > 0
 
 
+def test_bench_model_rounds_pool_the_decode_samples(tmp_path):
+    """`bench model --rounds 3`: the decode cases run twice more after the first pass (the backends kept built, in
+    a rotated order), each decode row pooling its rounds' samples and keeping each round's median; prefill rows are
+    timed once and carry no rounds (times are never asserted on)."""
+    from click.testing import CliRunner
+    from k3export.cli import main
+    out = tmp_path / "bench"
+    threads = torch.get_num_threads()
+    r = CliRunner().invoke(main, ["bench", "model", "--backends", "eager", "--prefill-lengths", "8", "--batches",
+                                  "1", "--contexts", "8", "--warmup", "0", "--iters", "2", "--rounds", "3",
+                                  "--generate-tokens", "0", "--no-new-lengths", "--threads", "1", "--device", "cpu",
+                                  "--out", str(out)])
+    torch.set_num_threads(threads)
+    assert r.exit_code == 0, r.output
+    rows = json.loads((out / "model.json").read_text())["rows"]
+    assert [x["phase"] for x in rows] == ["prefill", "decode"]
+    dec = rows[1]
+    assert len(dec["rounds"]) == 3 and all(v > 0 for v in dec["rounds"]) and "rounds" not in rows[0]
+    assert dec["p10"] <= dec["ms"] <= dec["p90"] and dec["x_floor"] == pytest.approx(dec["ms"] / dec["floor_ms"])
+    assert not any(k.startswith("_") for x in rows for k in x)
+    assert "--rounds 3" in json.loads((out / "model.json").read_text())["meta"]["command"]
+    assert "Decode medians per round (ms): eager B 1 context 8: " in (out / "model.md").read_text()
+
+
 def test_bench_mla_table_and_plot(tmp_path):
     """`bench mla`'s markdown table and plot from decode rows (the GPU writes the rows; this checks the rendering):
     cache GB/s and TFLOP/s from the graph-replay time, baselines only where measured."""

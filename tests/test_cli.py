@@ -122,7 +122,8 @@ def test_more_bad_input_gives_a_message_not_a_traceback(tmp_path):
              (["bench", "model", "--device", "cpu", "--batches", "0"], "Invalid value for '--batches'"),
              (["bench", "moe", "--tokens", "4096,0"], "token counts must be >= 1"),
              (["bench", "model", "--device", "cpu", "--contexts", "8,x"], "Invalid value for '--contexts'"),
-             (["bench", "model", "--device", "cpu", "--backends", "eager,nope"], "unknown backend(s) nope")]
+             (["bench", "model", "--device", "cpu", "--backends", "eager,nope"], "unknown backend(s) nope"),
+             (["bench", "model", "--device", "cpu", "--rounds", "0"], "Invalid value for '--rounds'")]
     if not torch.cuda.is_available():
         cases.append((["generate", "--ids", "1", "--device", "cuda"], "CUDA is not available here"))
         cases += [(["bench", name], f"bench {name} needs a CUDA GPU") for name in ("kda", "mla", "moe", "layer", "fp8")]

@@ -28,9 +28,9 @@ each hold `context` tokens (`Engine.decode`, state commit included). Backends:
               polls of words not yet written (`MegakernelBackend(poll_sleep=N)`; 12-03 16:12, 300 steps: 0.762 ms
               both against the default's 0.764, pipelined 0.767 / 0.765 against 0.762)
     megakernel-attn-heads4  the same with the MLA attention's tiles 4 heads each, not 8, on CUDA cores
-              (`MegakernelBackend(attn_heads=4, attn_mma=False)`: 132 tiles at 1024 keys, every block one; 12-03 17:03, 300 steps,
-              with LIVE_SPLITS: pipelined 0.755 ms against 0.760, decode 0.763 against 0.756; at max_len over
-              1056 rows its live tiles can outnumber 132 blocks)
+              (`MegakernelBackend(attn_heads=4, attn_mma=False)`: 132 tiles at 1024 keys, every block one; 12-03
+              17:03, 300 steps, with LIVE_SPLITS: pipelined 0.755 ms against 0.760, decode 0.763 against 0.756; at
+              max_len over 1056 rows its live tiles can outnumber 132 blocks)
     megakernel-dead-splits  the same with the attention's tiles past the launch's keys run and combined as
               before LIVE_SPLITS (`MegakernelBackend(live_splits=False)`; 12-03 17:03: 0.763 ms pipelined against
               0.760)
@@ -47,7 +47,10 @@ except the routed experts and the embedding table, the routed experts a batch of
 written, the MLA cache rows read and one row written per sequence. Prefill floor = max(that byte count with
 all experts, matmul FLOPs 2 T x active params + causal MLA attention / measured bf16 matmul rate).
 Medians of --iters timed runs (decode: --decode-iters, default --iters) after --warmup (CUDA events on GPU), spread
-as p10..p90. A repeated prefill shape replays a captured CUDA graph (graph backends); with --new-lengths (default)
+as p10..p90. With --rounds N the decode cases run N - 1 more times after the first pass, the backends in a rotated
+order each round (all kept built), every sample pooled into the row and each round's median kept ("rounds"): the
+first backend timed in a process has been the slow one more than once (12-03), and the rounds spread that over
+all of them. A repeated prefill shape replays a captured CUDA graph (graph backends); with --new-lengths (default)
 each T also gets "prefill new length" rows, a prompt of a length not seen before at every call (T - 1, T - 2, ...),
 as serving meets them: with the engine's length buckets (`runtime.prefill_bucket`) and, where the engine buckets,
 without them.
@@ -234,6 +237,24 @@ def run_backend(name, backend, graphs, model, args, bw, rate, pb, bar) -> list[d
             del engines, e
         del eng
         bar.update(1)
+    for (B, ctx), (ms, eng) in decode_samples(backend, graphs, model, args, bar).items():
+        nbytes = decode_bytes(cfg, dtype, pb, B, ctx)
+        rows.append(decode_row({"phase": "decode", "backend": name, "batch": B, "context": ctx,
+                                "floor_ms": nbytes / bw * 1e3, "graphed": eng["graphed"],
+                                "graph_error": eng["graph_error"], "_bytes": nbytes}, [ms]))
+    if args.get("generate_tokens"):
+        rows += generate_rows(name, backend, graphs, model, args, bw, pb, g)
+        bar.update(2)
+    return rows
+
+
+def decode_samples(backend, graphs, model, args, bar) -> dict:
+    """Every decode case of `backend` once: {(B, context): (ms samples, {"graphed", "graph_error"})}, the B
+    sequences' tokens the same every call (a fixed seed). Batches past the backend's max_batch are skipped."""
+    from k3export.runtime import Engine
+    cfg, dev = model.config, model.device
+    g = torch.Generator().manual_seed(1)
+    out = {}
     ctx_max = max(args["contexts"])
     for B in args["batches"]:
         if B > getattr(backend, "max_batch", B):               # (megakernel: B = 1 only)
@@ -244,19 +265,35 @@ def run_backend(name, backend, graphs, model, args, bw, rate, pb, bar) -> list[d
         tok = torch.randint(0, cfg.vocab_size, (B,), generator=g).to(dev)
         for ctx in args["contexts"]:
             eng.fill_slots(ctx)
-            ms = time_ms(lambda: eng.decode(tok), args["warmup"], args["decode_iters"], cuda)
-            nbytes = decode_bytes(cfg, dtype, pb, B, ctx)
-            s = summary(ms)
-            rows.append({"phase": "decode", "backend": name, "batch": B, "context": ctx, **s,
-                         "tokens_per_s": B / s["ms"] * 1e3, "gb_s": nbytes / s["ms"] / 1e6,
-                         "floor_ms": nbytes / bw * 1e3, "x_floor": s["ms"] / (nbytes / bw * 1e3),
-                         "graphed": eng.graphed, "graph_error": eng.graph_error})
+            ms = time_ms(lambda: eng.decode(tok), args["warmup"], args["decode_iters"], dev.type == "cuda")
+            out[(B, ctx)] = (ms, {"graphed": eng.graphed, "graph_error": eng.graph_error})
             bar.update(1)
         del eng
-    if args.get("generate_tokens"):
-        rows += generate_rows(name, backend, graphs, model, args, bw, pb, g)
-        bar.update(2)
-    return rows
+    return out
+
+
+def decode_row(row: dict, rounds: list[list[float]]) -> dict:
+    """A decode row from its rounds' samples (pooled; each round's median kept when there are several), the napkin
+    math from the step's bytes (`_bytes`, dropped before the row is written) and floor."""
+    ms = [v for r in rounds for v in r]
+    s = summary(ms)
+    row.update(s, tokens_per_s=row["batch"] / s["ms"] * 1e3, gb_s=row["_bytes"] / s["ms"] / 1e6,
+               x_floor=s["ms"] / row["floor_ms"], _rounds=rounds)
+    if len(rounds) > 1:
+        row["rounds"] = [statistics.median(r) for r in rounds]
+    return row
+
+
+def more_rounds(kept: list, rows: list[dict], model, args, bar) -> None:
+    """--rounds: the decode cases of every kept (name, backend, graphs) again, args["rounds"] - 1 times, the
+    backends' order rotated by one each round; each decode row pools its new samples (`decode_row`)."""
+    by_key = {(r["backend"], r["batch"], r["context"]): r for r in rows if r["phase"] == "decode"}
+    for k in range(1, args["rounds"]):
+        for name, backend, graphs in kept[k % len(kept):] + kept[:k % len(kept)]:
+            bar.set_postfix_str(f"{name}, round {k + 1}")
+            for (B, ctx), (ms, _) in decode_samples(backend, graphs, model, args, bar).items():
+                r = by_key[(name, B, ctx)]
+                decode_row(r, r["_rounds"] + [ms])
 
 
 def generate_rows(name, backend, graphs, model, args, bw, pb, g) -> list[dict]:
@@ -289,6 +326,11 @@ def generate_rows(name, backend, graphs, model, args, bw, pb, g) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------- reports
+def public(rows: list[dict]) -> list[dict]:
+    """The rows without their working keys (those starting with "_")."""
+    return [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
+
+
 def add_speedups(rows: list[dict]) -> None:
     base = {(r["phase"], r["batch"], r.get("tokens"), r.get("context")): r["ms"] for r in rows
             if r["backend"] == "eager"}
@@ -311,6 +353,10 @@ def markdown(rows: list[dict]) -> str:
         lines.append(f"| {r['phase']} | {r['backend']} | {r['batch']} | {r.get('tokens') or r.get('context')} | "
                      f"{r['ms']:.3f} | {r['p10']:.3f}..{r['p90']:.3f} | {r['tokens_per_s']:.0f} | {phys} | "
                      f"{r['floor_ms']:.3f} | {r['x_floor']:.1f} | {sp} |")
+    rounds = [f"{r['backend']} B {r['batch']} context {r['context']}: " + " / ".join(f"{v:.3f}" for v in r["rounds"])
+              for r in rows if r.get("rounds")]
+    if rounds:                                                  # (--rounds: each round's median, in order)
+        lines += ["", "Decode medians per round (ms): " + "; ".join(rounds) + "."]
     return "\n".join(lines) + "\n"
 
 
@@ -379,6 +425,10 @@ def _ints(text: str, option: str) -> list[int]:
 @click.option("--iters", default=10, show_default=True)
 @click.option("--decode-iters", type=int, default=None,
               help="Timed decode steps per case (default: --iters); a decode step is ~1 ms, so more are cheap.")
+@click.option("--rounds", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Decode timing rounds: after the first pass the decode cases run N - 1 more times, the backends "
+                   "in a rotated order each round (all kept built), the samples pooled and each round's median "
+                   "kept; for comparing backends whose first-timed rows drift.")
 @click.option("--generate-tokens", default=32, show_default=True,
               help="Greedy tokens per generation timed at B = 1 (inter-token latency, plain and pipelined "
                    "Generator); 0: none.")
@@ -391,7 +441,7 @@ def _ints(text: str, option: str) -> list[int]:
 @click.option("--layer", is_flag=True, help="Instead: one full-width K3 layer pair (`k3export bench layer`).")
 @click.pass_context
 def model_bench(ctx, preset, dtype, device, backends, prefill_lengths, batches, contexts, warmup, iters, decode_iters,
-                generate_tokens, new_lengths, engines, out, threads, layer):
+                rounds, generate_tokens, new_lengths, engines, out, threads, layer):
     """Prefill and decode latency per backend against eager PyTorch: JSON, markdown table and PNG plot."""
     if layer:
         from k3export.bench import layer as layer_mod
@@ -418,7 +468,7 @@ def model_bench(ctx, preset, dtype, device, backends, prefill_lengths, batches, 
     args = {"prefill_lengths": _ints(prefill_lengths, "'--prefill-lengths'"), "batches": _ints(batches, "'--batches'"),
             "contexts": _ints(contexts, "'--contexts'"),
             "warmup": warmup, "iters": iters, "decode_iters": decode_iters or iters, "generate_tokens": generate_tokens,
-            "new_lengths": new_lengths}
+            "new_lengths": new_lengths, "rounds": rounds}
     out.mkdir(parents=True, exist_ok=True)
     cfg = K3Config.from_name(preset)
     t0 = time.perf_counter()
@@ -432,8 +482,9 @@ def model_bench(ctx, preset, dtype, device, backends, prefill_lengths, batches, 
     decode_len = max(max(args["contexts"]) + len(args["contexts"]) * (warmup + args["decode_iters"]) + 2,
                      min(args["contexts"]) + generate_tokens + 2)
     rows, builds = [], {}
-    n_cases = len(names) * (len(args["prefill_lengths"]) + len(args["batches"]) * len(args["contexts"]) +
+    n_cases = len(names) * (len(args["prefill_lengths"]) + rounds * len(args["batches"]) * len(args["contexts"]) +
                             2 * bool(generate_tokens))
+    kept = []                                                   # (name, backend, graphs) for --rounds
     with tqdm(total=n_cases, desc="bench model", unit="case") as bar:
         for name in names:
             bar.set_postfix_str(name)
@@ -443,7 +494,7 @@ def model_bench(ctx, preset, dtype, device, backends, prefill_lengths, batches, 
             except Exception as e:                                  # a backend that cannot build is reported
                 bar.write(f"{name}: not run ({type(e).__name__}: {str(e)[:200]})")
                 builds[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-                bar.update(len(args["prefill_lengths"]) + len(args["batches"]) * len(args["contexts"]))
+                bar.update(len(args["prefill_lengths"]) + rounds * len(args["batches"]) * len(args["contexts"]))
                 continue
             builds[name] = info
             with dynamo_limit_watch() as watch:
@@ -452,10 +503,19 @@ def model_bench(ctx, preset, dtype, device, backends, prefill_lengths, batches, 
                 info["dynamo_recompile_limit_hit"] = watch["hits"]
                 bar.write(f"WARNING {name}: Dynamo hit its recompile limit {watch['hits']} time(s): rows timed after "
                           "that ran uncompiled (raise torch._dynamo.config.recompile_limit)")
-            (out / "model.partial.json").write_text(json.dumps({"builds": builds, "rows": rows}, indent=2))
+            (out / "model.partial.json").write_text(json.dumps({"builds": builds, "rows": public(rows)}, indent=2))
+            if rounds > 1:
+                kept.append((name, backend, graphs))
             del backend
             if cuda:
                 torch.cuda.empty_cache()
+        if kept:
+            with dynamo_limit_watch() as watch:
+                more_rounds(kept, rows, model, args, bar)
+            if watch["hits"]:
+                bar.write(f"WARNING: Dynamo hit its recompile limit {watch['hits']} time(s) in the later rounds")
+            del kept
+    rows = public(rows)
     add_speedups(rows)
     cmd = "k3export bench model " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in ctx.params.items()
                                              if k != "layer" and v is not None)
