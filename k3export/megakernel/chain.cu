@@ -991,6 +991,14 @@ __device__ __forceinline__ bool attnres_x(__nv_bfloat16* xs, const XSeg& g, cons
 
 // Phase f's x by its recipe (f.nxseg parts) into xs: bf16 for a GEMV, fp32 keys then scores for a top-k. Every
 // consumer thread calls it and reaches its barriers (an RMSNorm's sum), also after a wait gave up. false: gave up.
+// X_MLA_Q's word for element j of head group `slot`'s queries (null past them): a head's x is hw words, the
+// first g.stride (its latent query, BMM1's words from base) then its pe words (q_b's, qw words a head from qb).
+__device__ __forceinline__ const uint64_t* query_word(const XSeg& g, const uint64_t* base, const uint64_t* qb,
+                                                      int slot, int hw, int qw, int j) {
+    const int h = slot * g.nslot + j / hw, c = j % hw;
+    return j >= g.len ? nullptr : c < g.stride ? base + h * g.stride + c : qb + h * qw + g.off2 + (c - g.stride);
+}
+
 __device__ __forceinline__ bool load_x_recipe(__nv_bfloat16* xs, const PhaseC& f, const PhaseC* ph, const XSeg* xsegs,
                                               int slot, uint32_t epoch, bool wait, uint32_t* err, int64_t p,
                                               int64_t t, float* red, float* comb_w,
@@ -1142,11 +1150,7 @@ __device__ __forceinline__ bool load_x_recipe(__nv_bfloat16* xs, const PhaseC& f
                 const uint64_t* a[8];
                 float v[8];
 #pragma unroll
-                for (int u = 0; u < 8; ++u) {
-                    const int j = jb + u * CONSUMERS, h = slot * g.nslot + j / hw, c = j % hw;
-                    a[u] = j >= g.len ? nullptr : c < g.stride ? base + h * g.stride + c
-                                                               : qb + h * qw + g.off2 + (c - g.stride);
-                }
+                for (int u = 0; u < 8; ++u) a[u] = query_word(g, base, qb, slot, hw, qw, jb + u * CONSUMERS);
                 ok = poll_all(a, v, epoch, wait, err, p, t);
 #pragma unroll
                 for (int u = 0; u < 8; ++u) {
@@ -1160,11 +1164,7 @@ __device__ __forceinline__ bool load_x_recipe(__nv_bfloat16* xs, const PhaseC& f
                 const uint64_t* a[8];                                   // in registers)
                 float v[8];
 #pragma unroll
-                for (int u = 0; u < 6; ++u) {
-                    const int j = jb + u * CONSUMERS, h = slot * g.nslot + j / hw, c = j % hw;
-                    a[u] = j >= g.len ? nullptr : c < g.stride ? base + h * g.stride + c
-                                                               : qb + h * qw + g.off2 + (c - g.stride);
-                }
+                for (int u = 0; u < 6; ++u) a[u] = query_word(g, base, qb, slot, hw, qw, jb + u * CONSUMERS);
                 a[6] = tid < gn->len ? reinterpret_cast<const uint64_t*>(ph[gn->src].y) + gn->off + tid : nullptr;
                 a[7] = tid < gn[1].len ? reinterpret_cast<const uint64_t*>(ph[gn[1].src].y) + gn[1].off + tid : nullptr;
                 ok = poll_all(a, v, epoch, wait, err, p, t) && ok;
