@@ -138,8 +138,9 @@
 #   mktrace  mkblocks with -DTRACE: when each block had each part of the MLA attention's x
 #   mktiles  mktrace's run with the tile's parts too (begun, scores, softmax, done, the SM clock), for each of
 #            $MKTILES_VARIANTS (default: the default build) with $MKTILES_DEFINES (e.g. ATTN_TWICE+: the tile again)
-#   mksums   the attention's score sums butterflied a level at a time (ATTN_SUMS_TOGETHER) against
-#            the default, layer step, two processes each; then mktiles with it and ATTN_TWICE (the SM clock too)
+#   mksums   the attention's score sums butterflied a level at a time (ATTN_SUMS_TOGETHER, chain.cu's default
+#            since 18:50) against one after another, layer step, two processes each; then mktiles with
+#            ATTN_TWICE (the SM clock too)
 #   mkmma    the attention tile on tensor cores (ATTN_MMA) and its x's row in the queries' last round
 #            (ATTN_X_TAIL): cuda tests (sums_apart's and x_tail's bit for bit), the layer step with each and both
 #            against the default, then mktiles with ATTN_MMA
@@ -157,6 +158,14 @@ source "$(dirname "$0")/gpu_setup.sh"
 # layer_step TIMEOUT_S [megakernel_layer.py options]
 layer_step() { timeout "$1" python3 scripts/megakernel_layer.py --step --attnres --mla 1024 --no-baseline \
   --modes stream "${@:2}"; }
+# layer_builds LOG DEFINES...: the layer step once per build (two rounds each; "base": chain.cu's defaults), in
+# order, into $OUT/LOG.log
+layer_builds() { local log=$1; shift
+  for v in "$@"; do
+    layer_step 90 --rounds 2 --defines PAIR_TILES=1+LIVE_SPLITS=1+${v/base/} --out "$OUT/$log.json" \
+      >> "$OUT/$log.log" 2>&1
+  done
+  rm -f "$OUT/$log.json"; }
 for part in $parts; do
   t=$SECONDS
   case "$part" in
@@ -399,20 +408,12 @@ for part in $parts; do
            done
            rm -f "$OUT/tiles.json"
            grep -h "x and tile parts\|k3-small KDA" "$OUT/mktiles.log" ;;
-    mksums) for v in base ATTN_SUMS_TOGETHER=1 base ATTN_SUMS_TOGETHER=1; do
-             layer_step 90 --rounds 2 --defines PAIR_TILES=1+LIVE_SPLITS=1+${v/base/} \
-               --out "$OUT/sums.json" >> "$OUT/mksums.log" 2>&1
-           done
-           rm -f "$OUT/sums.json"
-           MKTILES_DEFINES=ATTN_TWICE+ATTN_SUMS_TOGETHER=1+ bash "$0" mktiles
+    mksums) layer_builds mksums ATTN_SUMS_TOGETHER=0 base ATTN_SUMS_TOGETHER=0 base   # (1: the default since 18:50)
+           MKTILES_DEFINES=ATTN_TWICE+ bash "$0" mktiles
            grep -h "^round\|k3-small KDA\|x and tile" "$OUT/mksums.log" "$OUT/mktiles.log" ;;
     mkmma) timeout 280 python3 -m pytest -q -m cuda tests/test_megakernel_backend.py \
              -k "attn_mma or sums_apart or x_tail" -s -rs -p no:cacheprovider > "$OUT/mkmma.log" 2>&1
-           for v in base ATTN_MMA=1 ATTN_MMA=1+ATTN_X_TAIL=1 ATTN_X_TAIL=1 base; do
-             layer_step 90 --rounds 2 --defines PAIR_TILES=1+LIVE_SPLITS=1+${v/base/} \
-               --out "$OUT/mma.json" >> "$OUT/mkmma.log" 2>&1
-           done
-           rm -f "$OUT/mma.json"
+           layer_builds mkmma base ATTN_MMA=1 ATTN_MMA=1+ATTN_X_TAIL=1 ATTN_X_TAIL=1 base
            MKTILES_DEFINES=ATTN_TWICE+ATTN_MMA=1+ bash "$0" mktiles
            grep -h "passed\|failed\|max rel\|^round\|k3-small KDA\|x and tile" "$OUT/mkmma.log" "$OUT/mktiles.log" ;;
     mkmmafinal) timeout 150 python3 -m pytest -q -m cuda tests/test_megakernel_backend.py -k "directory or x_tail" \
