@@ -144,8 +144,11 @@
 #   mkmma    the attention tile on tensor cores (ATTN_MMA) and its x's row in the queries' last round
 #            (ATTN_X_TAIL): cuda tests (sums_apart's and x_tail's bit for bit), the layer step with each and both
 #            against the default, then mktiles with ATTN_MMA
-#   mkmmafinal (not yet run) the default build since 19:10 (ATTN_MMA, ATTN_X_TAIL): the engine directory's cuda test
+#   mkmmafinal the default build since 19:10 (ATTN_MMA, ATTN_X_TAIL): the engine directory's cuda test
 #            and x_tail's (bit for bit), then bench megakernel against megakernel-attn-cuda-cores (300 steps)
+#   mkcombine (not yet run) BMM2's combine polling 12 key blocks' words a round (COMBINE_WORDS=12): its cuda test
+#            (bit for bit), the layer step against the default build, two processes each, then bench megakernel
+#            against megakernel-combine12 with --rounds 3 (the bench's rounds are not yet run either)
 #   mkbench  bench model eager, compile, megakernel at B = 1, context 1024 ($MKBENCH_BACKENDS; $MKBENCH_ROUNDS
 #            decode rounds, the backends' order rotated each round)
 #   profile  scripts/profile_decode.py --backend $PROFILE_BACKEND (default compile): kernels per decode step, and the
@@ -421,6 +424,13 @@ for part in $parts; do
            MKBENCH_BACKENDS=megakernel,megakernel-attn-cuda-cores MKBENCH_ITERS=300 MKBENCH_TIMEOUT=260 \
              bash "$0" mkbench
            rm -f "$OUT/mkbench/model.png" "$OUT/mkbench/model.partial.json" "$OUT/gpu.txt" ;;
+    mkcombine) timeout 150 python3 -m pytest -q -m cuda tests/test_megakernel_backend.py -k "combine_words" -s -rs \
+             -p no:cacheprovider > "$OUT/mkcombine.log" 2>&1
+           m=ATTN_MMA=1+ATTN_X_TAIL=1
+           layer_builds mkcombine $m $m+COMBINE_WORDS=12 $m $m+COMBINE_WORDS=12
+           grep -h "passed\|failed\|max rel\|^round\|k3-small KDA" "$OUT/mkcombine.log"
+           MKBENCH_BACKENDS=megakernel,megakernel-combine12 MKBENCH_ITERS=300 MKBENCH_ROUNDS=3 bash "$0" mkbench
+           rm -f "$OUT/mkbench/model.png" "$OUT/mkbench/model.partial.json" "$OUT/gpu.txt" ;;
     mkbench) timeout ${MKBENCH_TIMEOUT:-400} python3 -m k3export.cli bench model --preset k3-small --dtype bf16 \
              --backends ${MKBENCH_BACKENDS:-eager,compile,megakernel} --prefill-lengths 2048 --batches 1 \
              --contexts 1024 --warmup 3 --iters 5 --decode-iters ${MKBENCH_ITERS:-100} --rounds ${MKBENCH_ROUNDS:-1} \
@@ -428,7 +438,7 @@ for part in $parts; do
              --no-new-lengths --out "$OUT/mkbench" > "$OUT/mkbench.log" 2>&1 ;;
     profile) timeout 150 python3 scripts/profile_decode.py --backend ${PROFILE_BACKEND:-compile} ${PROFILE_ARGS:-} \
              > "$OUT/profile.log" 2>&1 ;;
-    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe trtfp8 fp8eng grouped grpsmall fp8comp overlap chain layer step attnres abmix gmla greedy greedy64 mkback mkinputs mkstep mkcache mkfinal mkrouter mkpair mkargmax mksleep mkrun mkblocks mkattn mkheads mklive mktrace mktiles mksums mkmma mkmmafinal mkbench profile)"; continue ;;
+    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe trtfp8 fp8eng grouped grpsmall fp8comp overlap chain layer step attnres abmix gmla greedy greedy64 mkback mkinputs mkstep mkcache mkfinal mkrouter mkpair mkargmax mksleep mkrun mkblocks mkattn mkheads mklive mktrace mktiles mksums mkmma mkmmafinal mkcombine mkbench profile)"; continue ;;
   esac
   echo "$part: exit $? in $((SECONDS - t)) s" | tee -a "$OUT/pending.log"
   tail -4 "$OUT/$part.log" 2>/dev/null

@@ -121,6 +121,9 @@
 #ifndef ATTN_X_TAIL                    // 1: an ATTN x's new row and pe words polled in its queries' last round (one
 #define ATTN_X_TAIL 0                  // round trip a thread, not three; the same x bit for bit)
 #endif
+#ifndef COMBINE_WORDS                  // X_MLA_COMBINE (BMM2's x): key blocks' words a thread polls together a round
+#define COMBINE_WORDS 8                // (12: 3 rounds at 1025 keys, not 5; the same adds in the same order; 16
+#endif                                 // spills)
 #ifndef ATTN_MMA                       // 1: an ATTN tile's scores and O on tensor cores (`attn_tile`; fp32 sums in
 #define ATTN_MMA 0                     // other orders, the weights as three bf16 parts)
 #endif
@@ -1215,13 +1218,13 @@ __device__ __forceinline__ bool load_x_recipe(__nv_bfloat16* xs, const PhaseC& f
                 den = __fadd_rn(den, __fmul_rn(sc[2 * ATTN_SPLITS + q2], sc[ATTN_SPLITS + q2]));
             for (int j = tid; ok && j < g.len; j += CONSUMERS) {
                 float acc = 0.f;
-                for (int s0 = 0; ok && s0 < live; s0 += 8) {     // 8 splits' words at a time
-                    float v[8];
-                    const int ns = min(8, live - s0);
+                for (int s0 = 0; ok && s0 < live; s0 += COMBINE_WORDS) {     // COMBINE_WORDS splits' words a round
+                    float v[COMBINE_WORDS];
+                    const int ns = min(COMBINE_WORDS, live - s0);
                     ok = poll_strided(hb + static_cast<int64_t>(s0) * g.stride + 2 + j, g.stride, ns, v, epoch,
                                       wait, err, p, t);
 #pragma unroll
-                    for (int q2 = 0; q2 < 8; ++q2)
+                    for (int q2 = 0; q2 < COMBINE_WORDS; ++q2)
                         if (q2 < ns) acc = __fadd_rn(acc, __fmul_rn(sc[2 * ATTN_SPLITS + s0 + q2], v[q2]));
                 }
                 xs[j0 + j] = __float2bfloat16_rn(__fdiv_rn(acc, den));
