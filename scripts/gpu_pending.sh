@@ -146,9 +146,10 @@
 #            against the default, then mktiles with ATTN_MMA
 #   mkmmafinal the default build since 19:10 (ATTN_MMA, ATTN_X_TAIL): the engine directory's cuda test
 #            and x_tail's (bit for bit), then bench megakernel against megakernel-attn-cuda-cores (300 steps)
-#   mkcombine (not yet run) BMM2's combine polling 12 key blocks' words a round (COMBINE_WORDS=12): its cuda test
-#            (bit for bit), the layer step against the default build, two processes each, then bench megakernel
-#            against megakernel-combine12 with --rounds 3 (the bench's rounds are not yet run either)
+#   mkcombine (not yet run) BMM2's combine polling 12 key blocks' words a round (COMBINE_WORDS=12) and the
+#            tensor-core tile's softmax in its chunk sums (ATTN_SOFTMAX_IN_SUMS): their cuda tests (bit for bit),
+#            the layer step with each and both against the default build, then bench megakernel against
+#            megakernel-combine12 with --rounds 3 (the bench's rounds are not yet run either)
 #   mkbench  bench model eager, compile, megakernel at B = 1, context 1024 ($MKBENCH_BACKENDS; $MKBENCH_ROUNDS
 #            decode rounds, the backends' order rotated each round)
 #   profile  scripts/profile_decode.py --backend $PROFILE_BACKEND (default compile): kernels per decode step, and the
@@ -424,10 +425,11 @@ for part in $parts; do
            MKBENCH_BACKENDS=megakernel,megakernel-attn-cuda-cores MKBENCH_ITERS=300 MKBENCH_TIMEOUT=260 \
              bash "$0" mkbench
            rm -f "$OUT/mkbench/model.png" "$OUT/mkbench/model.partial.json" "$OUT/gpu.txt" ;;
-    mkcombine) timeout 150 python3 -m pytest -q -m cuda tests/test_megakernel_backend.py -k "combine_words" -s -rs \
-             -p no:cacheprovider > "$OUT/mkcombine.log" 2>&1
+    mkcombine) timeout 200 python3 -m pytest -q -m cuda tests/test_megakernel_backend.py \
+             -k "combine_words or softmax_in_sums" -s -rs -p no:cacheprovider > "$OUT/mkcombine.log" 2>&1
            m=ATTN_MMA=1+ATTN_X_TAIL=1
-           layer_builds mkcombine $m $m+COMBINE_WORDS=12 $m $m+COMBINE_WORDS=12
+           layer_builds mkcombine $m $m+COMBINE_WORDS=12 $m+ATTN_SOFTMAX_IN_SUMS=1 \
+             $m+COMBINE_WORDS=12+ATTN_SOFTMAX_IN_SUMS=1 $m
            grep -h "passed\|failed\|max rel\|^round\|k3-small KDA" "$OUT/mkcombine.log"
            MKBENCH_BACKENDS=megakernel,megakernel-combine12 MKBENCH_ITERS=300 MKBENCH_ROUNDS=3 bash "$0" mkbench
            rm -f "$OUT/mkbench/model.png" "$OUT/mkbench/model.partial.json" "$OUT/gpu.txt" ;;
