@@ -243,11 +243,10 @@ def run_backend(name, backend, graphs, model, args, bw, rate, pb, bar) -> list[d
             del engines, e
         del eng
         bar.update(1)
-    for (B, ctx), (ms, eng) in decode_samples(backend, graphs, model, args, bar).items():
+    for (B, ctx), (ms, graph) in decode_samples(backend, graphs, model, args, bar).items():
         nbytes = decode_bytes(cfg, dtype, pb, B, ctx)
         rows.append(decode_row({"phase": "decode", "backend": name, "batch": B, "context": ctx,
-                                "floor_ms": nbytes / bw * 1e3, "graphed": eng["graphed"],
-                                "graph_error": eng["graph_error"], "_bytes": nbytes}, [ms]))
+                                "floor_ms": nbytes / bw * 1e3, **graph, "_bytes": nbytes}, [ms]))
     if args.get("generate_tokens"):
         rows += generate_rows(name, backend, graphs, model, args, bw, pb, g)
         bar.update(2)

@@ -430,7 +430,7 @@ class Chain:
                              f"cache_len {cache_len}")
         rows, nblk = ATTN_ROWS, -(-capacity // ATTN_ROWS)
         if nblk > ATTN_SPLITS or rows * R * 2 > self.slot_bytes or \
-                ((heads_tile + 1) * R * 2 + 15) // 16 * 16 + heads_tile * rows * 4 > XMAX * 2:
+                attn_scratch_bytes(heads_tile, R, rows) > XMAX * 2:
             raise ValueError(f"{name}: {capacity} keys of {R} do not split into {ATTN_SPLITS} blocks of {rows} "
                              f"that fit a slot and x's scratch (chain.cu's ATTN_SPLITS, ATTN_ROWS_WARP)")
         segs = [XSeg("mla_q", ql, heads_tile * R, stride=rank, off2=nope, route=qb, nslot=heads_tile,
@@ -1231,13 +1231,19 @@ class Buffers:
                 "x_max_ulps": bf16_ulps(x, ref[:d])}
 
 
+def attn_scratch_bytes(heads: int, k: int, rows: int, kchunks: int = 0) -> int:
+    """Bytes an ATTN tile uses of x's shared memory (chain.cu `attn_tile`): its x (the head group's queries and the
+    new row, bf16, to 16 bytes), the [heads][rows] fp32 scores, and with ATTN_MMA the scores' `kchunks` partials."""
+    return ((heads + 1) * k * 2 + 15) // 16 * 16 + (1 + kchunks) * heads * rows * 4
+
+
 def attn_mma_refusal(chain: Chain, kchunks: int) -> str | None:
     """Why chain.cu built with ATTN_MMA (`attn_tile` on tensor cores: m16n8k16, the scores' k over `kchunks` warps
     per key block, their sums in x's scratch) cannot run `chain`'s attention phases (None: it can)."""
     for ph in chain.phases:
         if ph.kind != "attn":
             continue
-        need = ((ph.heads + 1) * ph.k * 2 + 15) // 16 * 16 + (1 + kchunks) * ph.heads * ph.rows * 4
+        need = attn_scratch_bytes(ph.heads, ph.k, ph.rows, kchunks)
         if ph.heads != 8 or ph.rows != 32 or ph.k % 16 or ph.xlen % 16 or need > XMAX * 2:
             return (f"{ph.name}: chain.cu built with ATTN_MMA takes tiles of 8 heads and 32 keys, rows and rank "
                     f"multiples of 16, and {need} bytes of x and scratch within {XMAX * 2}; this phase has "

@@ -815,20 +815,19 @@ def attn_x_parts(kern, chain, pt: dict, before: dict) -> str:
     ps = [p for p, f in enumerate(chain.phases) if f.kind == "attn"]
     tr = kern.trace.view(kern.blocks, mc.TRACE_UNITS, mc.TRACE_FIELDS).cpu()
     t0 = int(kern.t_start.cpu())
-    per = {q: [] for q in range(11)}                 # (the times; [11..] are SM clocks)
+    names = ("queries", "new row norm", "new row pe", "tile begun", "scores", "softmax", "tile done",
+             "again: begun", "scores", "softmax", "done")                    # (the last four: -DATTN_TWICE)
+    per = {q: [] for q in range(len(names))}         # (the times; the fields past them are SM clocks)
     for a, p in enumerate(ps):
         unit = tr[:, mc.TRACE_UNITS - 1 - a]
         for q in per:
             v = [(int(x) - t0) / 1e3 - pt["done"][before[p]] for x in unit[:, q] if int(x)]
             if v:
                 per[q].append(_first_median_last(v))
-    names = ("queries", "new row norm", "new row pe", "tile begun", "scores", "softmax", "tile done",
-             "again: begun", "scores", "softmax", "done")                    # (the last four: -DATTN_TWICE)
     # the SM clock over the first tile, from clock64 at its begun and done ([11], [12]) against %globaltimer
     mhz = [float(r[12] - r[11]) / float(r[6] - r[3]) * 1e3 for a in range(len(ps))
            for r in tr[:, mc.TRACE_UNITS - 1 - a].tolist() if r[3] and r[6] > r[3] and r[12] > r[11]]
-    return "x and tile parts: " + ", ".join(f"{names[q]} {_spread(per[q])}" for q in per
-                                            if q < len(names) and per[q]) + \
+    return "x and tile parts: " + ", ".join(f"{names[q]} {_spread(per[q])}" for q in per if per[q]) + \
         " us (first / median / last block)" + \
         (f"; SM clock over the tile {_spread([_first_median_last(mhz)])} MHz" if mhz else "")
 
