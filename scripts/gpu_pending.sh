@@ -146,10 +146,10 @@
 #            against the default, then mktiles with ATTN_MMA
 #   mkmmafinal the default build since 19:10 (ATTN_MMA, ATTN_X_TAIL): the engine directory's cuda test
 #            and x_tail's (bit for bit), then bench megakernel against megakernel-attn-cuda-cores (300 steps)
-#   mkcombine (not yet run) BMM2's combine polling 12 key blocks' words a round (COMBINE_WORDS=12) and the
-#            tensor-core tile's softmax in its chunk sums (ATTN_SOFTMAX_IN_SUMS): their cuda tests (bit for bit),
-#            the layer step with each and both against the default build, then bench megakernel against
-#            megakernel-combine12 with --rounds 3 (the bench's rounds are not yet run either)
+#   mkcombine BMM2's combine polling 12 key blocks' words a round (COMBINE_WORDS=12) and the tensor-core tile's
+#            softmax in its chunk sums (ATTN_SOFTMAX_IN_SUMS): their cuda tests (bit for bit), the layer step with
+#            each and both against the default build, then bench megakernel against megakernel-combine12 with
+#            --rounds 3 (ran 12-03 21:20: neither faster; both removed since, so it needs commit 91653d6)
 #   mkbench  bench model eager, compile, megakernel at B = 1, context 1024 ($MKBENCH_BACKENDS; $MKBENCH_ROUNDS
 #            decode rounds, the backends' order rotated each round)
 #   profile  scripts/profile_decode.py --backend $PROFILE_BACKEND (default compile): kernels per decode step, and the

@@ -100,12 +100,6 @@ def test_attention_tiles_of_fewer_heads_give_the_same_step(tiny_mla8):
                                                                                         attn_heads=3)
     with pytest.raises(ValueError, match="attn_heads is the MLA heads an attention tile takes"):
         mb.MegakernelBackend(model, max_len=40, prefill_backend=EagerBackend(model), emulate=True, attn_heads=0)
-    with pytest.raises(ValueError, match=r"combine_words is the key blocks' words .* 1\.\.12 \(16 spills\), got 16"):
-        mb.MegakernelBackend(model, max_len=40, prefill_backend=EagerBackend(model), emulate=True, combine_words=16)
-    assert "COMBINE_WORDS=12" in mb.kernel_defines(combine_words=12) and \
-        not any(d.startswith("COMBINE_WORDS") for d in mb.DEFINES)
-    with pytest.raises(ValueError, match="softmax_in_sums adds the tensor-core tile's score chunks"):
-        mb.kernel_defines(attn_mma=False, softmax_in_sums=True)
 
 
 def test_the_attention_on_tensor_cores_takes_k3_smalls_tiles():
@@ -340,7 +334,6 @@ CUDA_CORES = {"attn_mma": False}        # (the attention tile on CUDA cores: the
 @pytest.mark.cuda
 @pytest.mark.parametrize("base, variant", [({}, {"router_first": True}), ({}, {"pair_tiles": False}),
                                            ({}, {"poll_sleep": 256}), ({}, {"x_tail": False}),
-                                           ({}, {"combine_words": 12}), ({}, {"softmax_in_sums": True}),
                                            (CUDA_CORES, {**CUDA_CORES, "attn_heads": 4}),
                                            (CUDA_CORES, {**CUDA_CORES, "live_splits": False}),
                                            (CUDA_CORES, {**CUDA_CORES, "sums_apart": True})], ids=str)
@@ -355,14 +348,11 @@ def test_the_kernel_variants_equal_the_default_kernel(base, variant):
     became the default (`live_splits=False`: 5 key blocks of room, 3 with keys; LIVE_SPLITS against that build
     passed 17:03); so does the attention tile's score sums butterflied one after another as before
     ATTN_SUMS_TOGETHER (`sums_apart`: the same adds; passed 19:10), and the attention x's new row polled in four
-    round trips as before ATTN_X_TAIL (`x_tail=False`: the same x; x_tail against that passed 19:10), and BMM2's
-    combine polling 12 key blocks' words a round (`combine_words`: the same adds in the same order; not yet run),
-    and the tensor-core tile's softmax warps adding its score chunks (`softmax_in_sums`: the same ops; not yet run).
-    The
+    round trips as before ATTN_X_TAIL (`x_tail=False`: the same x; x_tail against that passed 19:10). The
     attention-tile variants compare with the CUDA-core tile (`attn_mma=False`), the default being on tensor cores.
-    (A
-    router warp choosing each block's experts passed here too, 12-03 14:24, before it was dropped as slower: commit
-    aef7f58.)"""
+    (Passed here too before they were dropped as no faster: a router warp choosing each block's experts, 12-03 14:24,
+    commit aef7f58; BMM2's combine polling 12 key blocks' words a round and the tensor-core tile's softmax warps
+    adding its score chunks, 12-03 21:20, commit 91653d6.)"""
     _needs_the_kernel()
     from k3export.bench.fp8 import gpu_random_model
     model = gpu_random_model(K3Config.from_name("k3-small"), 0)

@@ -40,10 +40,6 @@ each hold `context` tokens (`Engine.decode`, state commit included). Backends:
     megakernel-attn-cuda-cores  the same with the attention tile on CUDA cores and its x in four round trips, as
               before 12-03 19:10 (`MegakernelBackend(attn_mma=False, x_tail=False)`; layer step 0.7421 ms against
               0.7317)
-    megakernel-combine12  the same with BMM2's combine polling 12 key blocks' words a round, not 8
-              (`MegakernelBackend(combine_words=12)`: 3 round trips at 1025 keys, not 5; not yet run on a GPU)
-    megakernel-softmax-in-sums  the same with the attention tile's softmax warps adding the scores' k chunks
-              themselves, one barrier fewer (`MegakernelBackend(softmax_in_sums=True)`; not yet run on a GPU)
 
 Napkin math beside every time. Decode floor = bytes a step must move / measured copy bandwidth: every weight
 except the routed experts and the embedding table, the routed experts a batch of B hits in expectation
@@ -95,9 +91,7 @@ MEGAKERNEL_VARIANTS = {"megakernel": {}, "megakernel-host-inputs": {"step_inputs
                        "megakernel-attn-heads4": {"attn_heads": 4, "attn_mma": False},
                        "megakernel-dead-splits": {"live_splits": False},
                        "megakernel-sums-apart": {"sums_apart": True},
-                       "megakernel-attn-cuda-cores": {"attn_mma": False, "x_tail": False},
-                       "megakernel-combine12": {"combine_words": 12},
-                       "megakernel-softmax-in-sums": {"softmax_in_sums": True}}
+                       "megakernel-attn-cuda-cores": {"attn_mma": False, "x_tail": False}}
 BACKENDS = ("eager", "graph", *COMPILE_VARIANTS, "aoti", *MEGAKERNEL_VARIANTS)
 
 

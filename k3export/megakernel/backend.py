@@ -54,22 +54,16 @@ from k3export.megakernel.argmax import argmax_rows
 
 def kernel_defines(step_inputs: bool = True, pair_tiles: bool = True, poll_sleep: int = 0,
                    attn_heads: int = mc.ATTN_HEADS, live_splits: bool = True, sums_apart: bool = False,
-                   attn_mma: bool = True, x_tail: bool = True, combine_words: int = mc.COMBINE_WORDS,
-                   softmax_in_sums: bool = False) -> tuple[str, ...]:
+                   attn_mma: bool = True, x_tail: bool = True) -> tuple[str, ...]:
     """chain.cu's defines for the backend's build with these options (`DEFINES`: the defaults)."""
     if attn_mma and attn_heads != mc.ATTN_HEADS:
         raise ValueError(f"megakernel backend: the attention on tensor cores (attn_mma) takes tiles of "
                          f"{mc.ATTN_HEADS} heads (the mma's n); for attn_heads={attn_heads} pass attn_mma=False")
-    if softmax_in_sums and not attn_mma:
-        raise ValueError("megakernel backend: softmax_in_sums adds the tensor-core tile's score chunks; it needs "
-                         "attn_mma=True")
     return (*ml.DEFINES, "EPOCH_PTR=1", *(("STEP_INPUTS=1",) if step_inputs else ()),
             *(("PAIR_TILES=1",) if pair_tiles else ()), *((f"POLL_SLEEP={poll_sleep}",) if poll_sleep else ()),
             *((f"ATTN_HEADS={attn_heads}",) if attn_heads != mc.ATTN_HEADS else ()),
             *(("LIVE_SPLITS=1",) if live_splits else ()), *(("ATTN_SUMS_TOGETHER=0",) if sums_apart else ()),
-            *(("ATTN_MMA=1",) if attn_mma else ()), *(("ATTN_X_TAIL=1",) if x_tail else ()),
-            *((f"COMBINE_WORDS={combine_words}",) if combine_words != mc.COMBINE_WORDS else ()),
-            *(("ATTN_SOFTMAX_IN_SUMS=1",) if softmax_in_sums else ()))
+            *(("ATTN_MMA=1",) if attn_mma else ()), *(("ATTN_X_TAIL=1",) if x_tail else ()))
 
 
 DEFINES = kernel_defines()
@@ -89,7 +83,7 @@ class MegakernelBackend:
                  cubin: tuple[str, str] | None = None, step_inputs: bool = True, router_first: bool = False,
                  pair_tiles: bool = True, poll_sleep: int = 0, attn_heads: int = mc.ATTN_HEADS,
                  live_splits: bool = True, sums_apart: bool = False, attn_mma: bool = True,
-                 x_tail: bool = True, combine_words: int = mc.COMBINE_WORDS, softmax_in_sums: bool = False):
+                 x_tail: bool = True):
         """step_inputs (the default): chain.cu built with STEP_INPUTS=1 reads the token's embedding row, the key
         count and its epoch from the engine's buffers itself, four small kernels fewer a step than setting them
         around it (False: `HOST_INPUTS_DEFINES`). defines: another build (the engine directory's). router_first:
@@ -111,20 +105,14 @@ class MegakernelBackend:
         default): chain.cu built with ATTN_X_TAIL=1, the attention x's new row and pe words polled in the queries'
         last round (two round trips, not four; the same x bit for bit). Layer step, 12-03 19:10: 0.7317 ms with
         both against 0.7421 without, 0.7362 with attn_mma alone, 0.7415 with x_tail alone (which spills 12
-        bytes without the tensor-core tile). combine_words (written 12-03 night, not yet run on a GPU): chain.cu
-        built with COMBINE_WORDS=N, BMM2's combine polling N key blocks' words a round, not 8 (12: 3 round trips at
-        1025 keys, not 5; the same adds in the same order, so the same logits; ptxas reports the default's spill).
-        softmax_in_sums (written 12-03 night, not yet run on a GPU): chain.cu built with ATTN_SOFTMAX_IN_SUMS=1, the
-        tensor-core tile's softmax warps adding the scores' k chunks themselves, one barrier fewer (the same ops:
-        the same logits)."""
+        bytes without the tensor-core tile). (Options measured no faster and removed: `combine_words=12`, BMM2's
+        combine polling 12 key blocks' words a round, and `softmax_in_sums`, the tile's softmax warps adding its
+        score chunks; both gave the default's logits bit for bit, 12-03 21:20: commit 91653d6 has them.)"""
         cfg = model.config
         self.model, self.config, self.dtype, self.device = model, cfg, model.dtype, model.device
         self.max_len, self.emulate = max_len, emulate
         if not isinstance(poll_sleep, int) or poll_sleep < 0:
             raise ValueError(f"megakernel backend: poll_sleep is whole ns (>= 0), got {poll_sleep!r}")
-        if not isinstance(combine_words, int) or not 1 <= combine_words <= 12:
-            raise ValueError(f"megakernel backend: combine_words is the key blocks' words BMM2's combine polls a "
-                             f"round, 1..12 (16 spills), got {combine_words!r}")
         if not isinstance(attn_heads, int) or attn_heads < 1:
             raise ValueError(f"megakernel backend: attn_heads is the MLA heads an attention tile takes (>= 1), got "
                              f"{attn_heads!r}")
@@ -136,7 +124,7 @@ class MegakernelBackend:
         self.kernel = None
         if not emulate:
             defines = defines or kernel_defines(step_inputs, pair_tiles, poll_sleep, attn_heads, live_splits,
-                                                sums_apart, attn_mma, x_tail, combine_words, softmax_in_sums)
+                                                sums_apart, attn_mma, x_tail)
             self.kernel = mc.ChainKernel(defines=defines, cubin=cubin, quiet=cubin is not None)
             self.kernel.bind(self.bufs)
         if prefill_backend is None:

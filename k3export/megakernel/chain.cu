@@ -121,15 +121,9 @@
 #ifndef ATTN_X_TAIL                    // 1: an ATTN x's new row and pe words polled in its queries' last round (one
 #define ATTN_X_TAIL 0                  // round trip a thread, not three; the same x bit for bit)
 #endif
-#ifndef ATTN_SOFTMAX_IN_SUMS           // 1 (with ATTN_MMA): an ATTN tile's softmax warps add the scores' k chunks
-#define ATTN_SOFTMAX_IN_SUMS 0         // themselves (warp h, lane r), one barrier fewer (the same ops, the same words)
-#endif
-#if ATTN_SOFTMAX_IN_SUMS && !ATTN_MMA
-#error "ATTN_SOFTMAX_IN_SUMS adds ATTN_MMA's score chunks: build it with ATTN_MMA=1"
-#endif
 #ifndef COMBINE_WORDS                  // X_MLA_COMBINE (BMM2's x): key blocks' words a thread polls together a round
-#define COMBINE_WORDS 8                // (12: 3 rounds at 1025 keys, not 5; the same adds in the same order; 16
-#endif                                 // spills)
+#define COMBINE_WORDS 8                // (12: 3 rounds at 1025 keys, not 5, the same adds; 16 spills. H200 12-03
+#endif                                 // 21:20: 12 no faster, layer step 0.7326 ms against 0.7310 / 0.7315)
 #ifndef ATTN_MMA                       // 1: an ATTN tile's scores and O on tensor cores (`attn_tile`; fp32 sums in
 #define ATTN_MMA 0                     // other orders, the weights as three bf16 parts)
 #endif
@@ -1614,16 +1608,6 @@ __device__ __noinline__ void attn_tile(const PhaseC& f, const XSeg& q0, const __
         *reinterpret_cast<float2*>(pp + 8 * ATTN_HEADS) = make_float2(d[2], d[3]);
     }
     consumers_sync();
-#if ATTN_SOFTMAX_IN_SUMS                    // warp h adds head h's chunks, lane r key r's (rows = 32), into v: the
-    float v = -INFINITY;                    // softmax below takes it from there, one barrier and sc's scores fewer
-    if (warp < ATTN_HEADS) {
-        const int i = lane * ATTN_HEADS + warp;
-        float s = part[i];
-#pragma unroll
-        for (int c = 1; c < ATTN_KCHUNKS; ++c) s = __fadd_rn(s, part[c * rows * ATTN_HEADS + i]);
-        v = lane < nkeys ? __fmul_rn(s, scale) : -INFINITY;
-    }
-#else
     if (tid < rows * ATTN_HEADS) {
         const int r = tid / ATTN_HEADS;
         float s = part[tid];
@@ -1631,7 +1615,6 @@ __device__ __noinline__ void attn_tile(const PhaseC& f, const XSeg& q0, const __
         for (int c = 1; c < ATTN_KCHUNKS; ++c) s = __fadd_rn(s, part[c * rows * ATTN_HEADS + tid]);
         sc[(tid % ATTN_HEADS) * rows + r] = r < nkeys ? __fmul_rn(s, scale) : -INFINITY;
     }
-#endif
 #else
     const int k2 = k / 2;
     const __nv_bfloat162* qh = reinterpret_cast<const __nv_bfloat162*>(xs);
@@ -1687,27 +1670,17 @@ __device__ __noinline__ void attn_tile(const PhaseC& f, const XSeg& q0, const __
     }
 #endif
 #endif
-#if !ATTN_SOFTMAX_IN_SUMS
     consumers_sync();
-#endif
 #ifdef TRACE
     if (part_t && tid == 0) part_t[4] = now_ns();
 #endif
     if (warp < ATTN_HEADS) {                // warp h: head h's max, weights and sum over the block's keys
         float m = -INFINITY;
-#if ATTN_SOFTMAX_IN_SUMS
-        m = fmaxf(m, v);
-#else
         for (int r = lane; r < rows; r += 32) m = fmaxf(m, sc[warp * rows + r]);
-#endif
         for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
         float l = 0.f;
         for (int r = lane; r < rows; r += 32) {
-#if ATTN_SOFTMAX_IN_SUMS
-            const float e = r < nkeys ? expf(__fsub_rn(v, m)) : 0.f;
-#else
             const float e = r < nkeys ? expf(__fsub_rn(sc[warp * rows + r], m)) : 0.f;
-#endif
             sc[warp * rows + r] = e;
             l += e;
         }

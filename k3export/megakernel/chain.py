@@ -118,7 +118,6 @@ MIX_BOUNDS = {"p_differ": 0, "x_max_ulps": 2}
 ATTN_HEADS = cu_default("ATTN_HEADS")    # chain.cu: heads an ATTN tile (its x holds their queries)
 ATTN_ROWS = cu_default("ATTN_ROWS_WARP") * cu_default("CONSUMER_WARPS")    # ... and its keys
 ATTN_SPLITS = cu_default("ATTN_SPLITS")  # ... key blocks an X_MLA_COMBINE adds at most
-COMBINE_WORDS = cu_default("COMBINE_WORDS")   # ... and polls together a round
 WAITS = {1: "an input word of this launch", 2: "a filled ring slot", 3: "a free ring slot",
          4: "the top-k's words", 5: "an input phase's counter"}
 
