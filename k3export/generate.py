@@ -1,8 +1,8 @@
 """Token generation with the eager model: one batched prefill, then decode steps on the explicit state.
 
-Sampling: greedy when temperature == 0, else temperature, then top-k, then top-p (nucleus). Each sequence draws
-from its own generator seeded with `Sampling.seed` (`row_generator`, as the runtime's `Generator` does per
-request), so a seed reproduces a prompt's tokens whatever else shares the batch.
+Sampling: greedy when temperature == 0, else temperature, then top-k, then top-p (nucleus), drawn by
+`k3export.sampling.draw` from noise keyed by (seed, the sequence's length), as the runtime's `Generator` draws a
+request's tokens, so a seed reproduces a prompt's tokens whatever else shares the batch.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from k3export.model import K3Model
+from k3export.sampling import draw
 
 
 @dataclass(frozen=True)
@@ -30,25 +31,26 @@ class Sampling:
             raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
 
 
-def sample(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None) -> torch.Tensor:
-    """logits `[B, V]` -> token ids `[B]`."""
-    if s.temperature == 0:
+def sampling_rows(samplings: list[Sampling], device) -> tuple[torch.Tensor, ...]:
+    """Per-row tensors (temperature, top_k, top_p, seed) for `k3export.sampling.draw`."""
+    return (torch.tensor([s.temperature for s in samplings], dtype=torch.float32, device=device),
+            torch.tensor([s.top_k for s in samplings], dtype=torch.int64, device=device),
+            torch.tensor([s.top_p for s in samplings], dtype=torch.float32, device=device),
+            torch.tensor([s.seed for s in samplings], dtype=torch.int64, device=device))
+
+
+def filtered(samplings: list[Sampling]) -> bool:
+    """Whether any row samples with top-k or top-p (the draw then sorts each row's logits)."""
+    return any(s.temperature and (s.top_k or s.top_p < 1.0) for s in samplings)
+
+
+def sample(logits: torch.Tensor, samplings: list[Sampling], counter: torch.Tensor) -> torch.Tensor:
+    """logits `[B, V]`, one `Sampling` a row, each row's counter `[B]` (the sequence's length: prompt + tokens so
+    far) -> token ids `[B]` (`k3export.sampling.draw`)."""
+    if all(s.temperature == 0 for s in samplings):
         return logits.argmax(-1)
-    logits = logits.float() / s.temperature
-    if s.top_k:
-        kth = torch.topk(logits, min(s.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, -1)
-    if s.top_p < 1.0:
-        sp, idx = probs.sort(-1, descending=True)
-        drop = sp.cumsum(-1) - sp > s.top_p                     # keep the smallest prefix reaching top_p
-        probs = torch.zeros_like(probs).scatter(-1, idx, sp.masked_fill(drop, 0.0))
-    return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
-
-
-def row_generator(s: Sampling) -> torch.Generator:
-    """The generator one sequence samples from (one per sequence, all seeded alike)."""
-    return torch.Generator().manual_seed(s.seed)
+    return draw(logits, *sampling_rows(samplings, logits.device), counter.to(logits.device),
+                filtered=filtered(samplings))
 
 
 def check_prompts(prompts: list[list[int]], vocab_size: int) -> None:
@@ -77,17 +79,12 @@ def generate(model: K3Model, prompts: list[list[int]], max_new_tokens: int, samp
         ids[i, :len(p)] = torch.tensor(p)
     lengths = torch.tensor([len(p) for p in prompts], device=dev)
     state = model.new_state(B, T + max_new_tokens)
-    gens = [row_generator(sampling) for _ in range(B)]
     logits = model.prefill(ids, state, lengths)
     last = logits[torch.arange(B, device=dev), lengths - 1]                      # [B, V]
     out: list[list[int]] = [[] for _ in range(B)]
     done = [False] * B
     for step in range(max_new_tokens):
-        if sampling.temperature == 0:
-            tok = last.argmax(-1)
-        else:                                  # finished rows draw nothing (as a retired request does)
-            tok = torch.stack([sample(last[i:i + 1], sampling, gens[i])[0] if not done[i] else last[i].argmax()
-                               for i in range(B)])
+        tok = sample(last, [sampling] * B, lengths + step)      # (finished rows' draws are not used)
         for i, t in enumerate(tok.tolist()):
             if not done[i]:
                 out[i].append(t)

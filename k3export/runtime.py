@@ -31,7 +31,8 @@ from typing import Callable, Protocol
 import torch
 
 from k3export.config import K3Config
-from k3export.generate import Sampling, check_prompts, row_generator, sample
+from k3export.generate import Sampling, check_prompts, filtered, sample, sampling_rows
+from k3export.sampling import draw
 from k3export.model.state import K3State
 
 
@@ -381,6 +382,12 @@ class Engine:
         self._host_active = [False] * max_batch
         self._host_lengths = [0] * max_batch
         self._ids = torch.zeros(max_batch, dtype=torch.int64, device=self.device)     # decode input buffer
+        # each slot's sampling for `decode_sampled` (set_sampling): temperature, top_k, top_p, seed
+        self._sampling = sampling_rows([Sampling()] * max_batch, self.device)
+        self._host_sampling = [Sampling()] * max_batch
+        self._draw_graphs: dict[tuple, torch.cuda.CUDAGraph | None] = {}    # (logits, rows, filtered) -> graph
+        self._draw_pool = None
+        self._replayed = False                          # whether the last step was a graph's replay
         self._graph: torch.cuda.CUDAGraph | None = None
         self._graph_logits: torch.Tensor | None = None
         self._greedy_graph: torch.cuda.CUDAGraph | None = None            # `decode_greedy`'s
@@ -572,6 +579,63 @@ class Engine:
         self.last_logits = self._run(greedy=True)
         return self._ids
 
+    def set_sampling(self, slots: list[int], samplings: list[Sampling]) -> None:
+        """How `decode_sampled` draws each of these slots' tokens (a slot keeps its setting until the next)."""
+        if len(slots) != len(samplings):
+            raise ValueError(f"need one Sampling per slot, got {len(samplings)} for slots {slots}")
+        for slot, s in zip(slots, samplings):
+            self._host_sampling[slot] = s
+        idx = torch.tensor(slots, dtype=torch.int64, device=self.device)
+        for buf, rows in zip(self._sampling, sampling_rows(samplings, self.device)):
+            buf.index_copy_(0, idx, rows)
+
+    @torch.no_grad()
+    def decode_sampled(self, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """`decode_greedy` with each slot's token drawn as `set_sampling` says (`k3export.sampling.draw`, greedy
+        where the temperature is 0), on the device: its noise is keyed by the slot's seed and its length after the
+        step, so a queued step draws what a plain one would, and the next call can take the tokens from the
+        buffer (tokens None). Returns the buffer `[max_batch]` (overwritten by the next call). The draw runs
+        after the step's graph, as a few kernels of its own (a sort a row when a slot uses top-k or top-p)."""
+        self._advance(host=True)
+        if tokens is not None:
+            self._ids.copy_(tokens)
+        logits = self._run(greedy=False)
+        n, f = logits.shape[0], filtered(self._host_sampling[:logits.shape[0]])
+        graph = self._draw_graph(logits, f) if self._replayed else None       # (a graph's logits: a fixed address)
+        if graph is None:
+            self._draw(logits, f)
+        else:
+            graph.replay()
+        self.last_logits = logits
+        return self._ids
+
+    def _draw(self, logits: torch.Tensor, filtered: bool) -> None:
+        n = logits.shape[0]
+        draw(logits, *(t[:n] for t in self._sampling), self.state.lengths[:n], out=self._ids[:n], filtered=filtered)
+
+    def _draw_graph(self, logits: torch.Tensor, filtered: bool) -> torch.cuda.CUDAGraph | None:
+        """The draw after a graphed step as a CUDA graph of its own (one replay instead of its ~15 launches from the
+        host when top-k / top-p sort the rows; H200 12-03: ~1.7 ms of host time a draw launched op by op, more than
+        the step), per step graph's logits and filter; captured at first use (it reads the logits, the slots'
+        settings and lengths, and writes only the token buffer, so no state is touched)."""
+        key = (logits.data_ptr(), logits.shape[0], filtered)
+        if key not in self._draw_graphs:
+            try:
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):                      # (warm-up: the Triton program's compile)
+                    self._draw(logits, filtered)
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._draw_pool):
+                    self._draw(logits, filtered)
+                self._draw_pool = graph.pool()
+                self._draw_graphs[key] = graph
+            except Exception as e:                                                    # noqa: BLE001
+                self._draw_graphs[key] = None
+                self._capture_failed(e, "the draw: ")
+        return self._draw_graphs[key]
+
     def _run(self, greedy: bool) -> torch.Tensor:
         """One step over `decode_rows()` slots (its graph's replay when captured) -> its logits."""
         if hasattr(self.backend, "before_decode"):        # (outside the graph: e.g. load the state it keeps)
@@ -582,6 +646,7 @@ class Engine:
         else:
             g = None if self._graph is None else (self._graph, self._graph_logits, self._greedy_graph,
                                                   self._greedy_logits)
+        self._replayed = g is not None
         if g is None:
             return self._greedy_step(n) if greedy else self._step(n)
         graph, logits = g[2:] if greedy else g[:2]
@@ -715,7 +780,6 @@ class Request:
     tokens: list[int] = field(default_factory=list)
     finish: str | None = None
     slot: int | None = None
-    _gen: torch.Generator | None = None
 
     @property
     def done(self) -> bool:
@@ -725,18 +789,19 @@ class Request:
 class Generator:
     """Continuous batching over an `Engine`: requests wait in a queue, join free slots (prefilled together),
     decode together at their own positions, and leave on a stop token or after max_new_tokens. Sampling and
-    stopping follow `k3export.generate.generate`, with one seeded torch.Generator per request, so a request's
-    tokens do not depend on what else shares the batch."""
+    stopping follow `k3export.generate.generate`: a request's tokens are drawn from noise keyed by its seed and
+    length (`k3export.sampling`), so they do not depend on what else shares the batch."""
 
     def __init__(self, engine: Engine, on_token: Callable[[Request, int], None] | None = None,
                  pipeline: bool = True):
         self.engine, self.on_token = engine, on_token
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}                       # slot -> request
-        # pipeline: while every running request is greedy and none can join, queue decode step t + 1 (its input
-        # the argmax that step t wrote on the device, `Engine.decode_greedy`) before reading step t's tokens, so
-        # the host's work overlaps the GPU's. Tokens and stops are read one step late (a request that stopped
-        # costs one discarded step; on_token fires one step later); the tokens are those of the plain loop.
+        # pipeline: while no request can join, queue decode step t + 1 (its input the tokens that step t wrote on
+        # the device: `Engine.decode_greedy` when every running request is greedy, else `decode_sampled`) before
+        # reading step t's tokens, so the host's work overlaps the GPU's. Tokens and stops are read one step late
+        # (a request that stopped costs one discarded step; on_token fires one step later); the tokens are those
+        # of the plain loop.
         # H200, k3-small bf16, `compile`, B = 1, 1024-token prompt, 64 greedy tokens (`bench model
         # --generate-tokens 64`, 2026-11-30 14:08 UTC): inter-token latency 1.003 ms plain, 0.884 pipelined (the
         # engine's own decode call 0.881 in the same run): the default.
@@ -754,7 +819,6 @@ class Generator:
             raise ValueError(f"a {len(prompt)}-token prompt with max_new_tokens={max_new_tokens} needs {need} "
                              f"cache rows; the engine holds max_len={e.max_len}")
         r = Request(list(prompt), max_new_tokens, sampling, tuple(stop_tokens))
-        r._gen = row_generator(sampling)
         self.waiting.append(r)
         return r
 
@@ -774,6 +838,7 @@ class Generator:
         if joining:
             slots = free[:len(joining)]
             logits = self.engine.prefill(slots, [r.prompt for r in joining])
+            self.engine.set_sampling(slots, [r.sampling for r in joining])
             for r, slot in zip(joining, slots):
                 r.slot = slot
                 self.running[slot] = r
@@ -782,32 +847,37 @@ class Generator:
             ids = torch.zeros(self.engine.max_batch, dtype=torch.int64)
             for slot, r in self.running.items():
                 ids[slot] = r.tokens[-1]
-            logits = self.engine.decode(ids.to(self.engine.device))
             reqs = list(self.running.values())
-            self._emit(reqs, logits[torch.tensor([r.slot for r in reqs], device=logits.device)], finished)
+            if all(r.sampling.temperature == 0 for r in reqs):
+                logits = self.engine.decode(ids.to(self.engine.device))
+                self._emit(reqs, logits[torch.tensor([r.slot for r in reqs], device=logits.device)], finished)
+            else:                               # (the draw on the device, as a queued step's: its graph on a GPU)
+                toks = self.engine.decode_sampled(ids.to(self.engine.device)).tolist()
+                self._accept(reqs, [toks[r.slot] for r in reqs], finished)
         return finished
 
     def _pipelinable(self) -> bool:
-        """Whether the next decode step may be queued before the one in flight is read: everyone greedy, no
-        request can join (no free slot or no one waiting), and the token in flight finishes no one by length
-        (the queued step would then write past the cache rows that request asked for)."""
+        """Whether the next decode step may be queued before the one in flight is read: no request can join (no
+        free slot or no one waiting), and the token in flight finishes no one by length (the queued step would
+        then write past the cache rows that request asked for)."""
         if not (self.pipeline and self.running):
             return False
         pending = self._inflight is not None
         if self.waiting and len(self.running) < self.engine.max_batch:
             return False
-        return all(r.sampling.temperature == 0 and len(r.tokens) + pending < r.max_new_tokens
-                   for r in self.running.values())
+        return all(len(r.tokens) + pending < r.max_new_tokens for r in self.running.values())
 
     def _step_pipelined(self, finished: list[Request]) -> list[Request]:
         e = self.engine
+        step = e.decode_greedy if all(r.sampling.temperature == 0 for r in self.running.values()) \
+            else e.decode_sampled
         if self._inflight is None:                                   # the inputs come from the host once
             ids = torch.zeros(e.max_batch, dtype=torch.int64)
             for slot, r in self.running.items():
                 ids[slot] = r.tokens[-1]
-            out = e.decode_greedy(ids.to(e.device))
+            out = step(ids.to(e.device))
         else:
-            out = e.decode_greedy()
+            out = step()
         cuda = out.is_cuda
         host = torch.empty(out.shape, dtype=out.dtype, pin_memory=cuda)
         host.copy_(out, non_blocking=cuda)
@@ -837,15 +907,10 @@ class Generator:
             self._read(inflight, finished)
 
     def _emit(self, reqs: list[Request], logits: torch.Tensor, finished: list[Request]) -> None:
-        """Sample one token per request from its logits row `[len(reqs), V]`; retire the finished."""
-        greedy = [i for i, r in enumerate(reqs) if r.sampling.temperature == 0]
-        toks = [0] * len(reqs)
-        if greedy:
-            for i, t in zip(greedy, logits[greedy].argmax(-1).tolist()):
-                toks[i] = t
-        for i, r in enumerate(reqs):
-            if r.sampling.temperature != 0:
-                toks[i] = int(sample(logits[i:i + 1], r.sampling, r._gen)[0])
+        """Draw one token per request from its logits row `[len(reqs), V]` (counter: its length, prompt and
+        tokens so far, as `decode_sampled` keys it); retire the finished."""
+        counter = torch.tensor([len(r.prompt) + len(r.tokens) for r in reqs])
+        toks = sample(logits, [r.sampling for r in reqs], counter).tolist()
         self._accept(reqs, toks, finished)
 
     def _accept(self, reqs: list[Request], toks: list[int], finished: list[Request]) -> None:
@@ -905,8 +970,8 @@ def _run_command():
     @click.option("--device", default=None, help="Default: the device the engine was built for.")
     @click.option("--no-cuda-graphs", is_flag=True, help="Decode without CUDA-graph capture.")
     @click.option("--no-pipeline", is_flag=True,
-                  help="Read each decode step's tokens before queueing the next (by default greedy steps are "
-                       "queued one ahead: the same tokens, the host's work off the GPU's path).")
+                  help="Read each decode step's tokens before queueing the next (by default steps are queued one "
+                       "ahead, greedy or sampled: the same tokens, the host's work off the GPU's path).")
     @click.option("--decode-buckets/--no-decode-buckets", default=None,
                   help="Decode only the slots up to the highest active one, rounded up to a power of two, instead "
                        "of every slot (eager / compile engines; default: on with CUDA graphs).")
@@ -941,7 +1006,7 @@ def _run_command():
         click.echo(f"{engine.backend.name} engine {engine_dir} ({precision}) on {engine.device} (loaded in "
                    f"{t_load:.2f}s, "
                    f"{engine.max_batch} slots, CUDA graph: {engine.graphed or engine.graph_error or 'off'}, "
-                   f"pipelined greedy decode: {'off' if no_pipeline else 'on'}, decode buckets: "
+                   f"pipelined decode: {'off' if no_pipeline else 'on'}, decode buckets: "
                    f"{'on' if engine.decode_buckets else 'off'}): "
                    f"{sum(map(len, out))} tokens in {dt:.2f}s")
         click.echo(latency_line(t0, stamps))

@@ -150,6 +150,12 @@
 #            softmax in its chunk sums (ATTN_SOFTMAX_IN_SUMS): their cuda tests (bit for bit), the layer step with
 #            each and both against the default build, then bench megakernel against megakernel-combine12 with
 #            --rounds 3 (ran 12-03 21:20: neither faster; both removed since, so it needs commit 91653d6)
+#   mksample (not yet run) sampling on the device (`k3export.sampling.draw`, `Engine.decode_sampled`): its cuda tests
+#            (the Triton program == the torch form at 32768 logits, in a CUDA graph; the graphed engine's pipelined
+#            sampled tokens == eager generate's; decode buckets with sampled requests; the megakernel engine's
+#            pipelined sampled tokens == its plain loop's), scripts/sampling_probe.py (the draw's host and GPU time),
+#            then bench model compile, megakernel with the sampled generation rows ($MKBENCH_BACKENDS, default
+#            compile,megakernel; $MKSAMPLE_K picks the tests, MKSAMPLE_NO_PROBE=1 skips the probe)
 #   mkbench  bench model eager, compile, megakernel at B = 1, context 1024 ($MKBENCH_BACKENDS; $MKBENCH_ROUNDS
 #            decode rounds, the backends' order rotated each round)
 #   profile  scripts/profile_decode.py --backend $PROFILE_BACKEND (default compile): kernels per decode step, and the
@@ -433,6 +439,14 @@ for part in $parts; do
            grep -h "passed\|failed\|max rel\|^round\|k3-small KDA" "$OUT/mkcombine.log"
            MKBENCH_BACKENDS=megakernel,megakernel-combine12 MKBENCH_ITERS=300 MKBENCH_ROUNDS=3 bash "$0" mkbench
            rm -f "$OUT/mkbench/model.png" "$OUT/mkbench/model.partial.json" "$OUT/gpu.txt" ;;
+    mksample) timeout 300 python3 -m pytest -q -m cuda tests/test_sampling.py tests/test_runtime.py \
+             tests/test_megakernel_backend.py -k "${MKSAMPLE_K:-draw_program or cuda_graph_decode_equals_plain or \
+             decode_bucket_graphs or directory_builds}" -s -rs -p no:cacheprovider > "$OUT/mksample.log" 2>&1
+           grep -h "passed\|failed\|greedy" "$OUT/mksample.log"
+           [ -z "${MKSAMPLE_NO_PROBE:-}" ] && timeout 120 python3 scripts/sampling_probe.py >> "$OUT/mksample.log" 2>&1
+           MKBENCH_BACKENDS=${MKBENCH_BACKENDS:-compile,megakernel} MKBENCH_ITERS=100 MKBENCH_TIMEOUT=280 \
+             bash "$0" mkbench
+           rm -f "$OUT/mkbench/model.partial.json" "$OUT/gpu.txt" ;;
     mkbench) timeout ${MKBENCH_TIMEOUT:-400} python3 -m k3export.cli bench model --preset k3-small --dtype bf16 \
              --backends ${MKBENCH_BACKENDS:-eager,compile,megakernel} --prefill-lengths 2048 --batches 1 \
              --contexts 1024 --warmup 3 --iters 5 --decode-iters ${MKBENCH_ITERS:-100} --rounds ${MKBENCH_ROUNDS:-1} \
@@ -440,7 +454,7 @@ for part in $parts; do
              --no-new-lengths --out "$OUT/mkbench" > "$OUT/mkbench.log" 2>&1 ;;
     profile) timeout 150 python3 scripts/profile_decode.py --backend ${PROFILE_BACKEND:-compile} ${PROFILE_ARGS:-} \
              > "$OUT/profile.log" 2>&1 ;;
-    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe trtfp8 fp8eng grouped grpsmall fp8comp overlap chain layer step attnres abmix gmla greedy greedy64 mkback mkinputs mkstep mkcache mkfinal mkrouter mkpair mkargmax mksleep mkrun mkblocks mkattn mkheads mklive mktrace mktiles mksums mkmma mkmmafinal mkcombine mkbench profile)"; continue ;;
+    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe trtfp8 fp8eng grouped grpsmall fp8comp overlap chain layer step attnres abmix gmla greedy greedy64 mkback mkinputs mkstep mkcache mkfinal mkrouter mkpair mkargmax mksleep mkrun mkblocks mkattn mkheads mklive mktrace mktiles mksums mkmma mkmmafinal mkcombine mksample mkbench profile)"; continue ;;
   esac
   echo "$part: exit $? in $((SECONDS - t)) s" | tee -a "$OUT/pending.log"
   tail -4 "$OUT/$part.log" 2>/dev/null

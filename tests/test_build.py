@@ -408,10 +408,12 @@ def test_bench_model_writes_json_table_and_plot(tmp_path):
     assert r.exit_code == 0, r.output
     rows = json.loads((out / "model.json").read_text())["rows"]
     assert [(x["phase"], x["batch"]) for x in rows] == [("prefill", 1), ("prefill new length", 1), ("decode", 1),
-                                                        ("decode", 2), ("generate", 1), ("generate pipelined", 1)]
+                                                        ("decode", 2), ("generate", 1), ("generate pipelined", 1),
+                                                        ("generate sampled", 1), ("generate sampled pipelined", 1)]
     assert all(x["speedup"] == 1.0 and x["floor_ms"] > 0 for x in rows)
     assert rows[1]["floor_ms"] == rows[0]["floor_ms"]                 # --new-lengths (default): no buckets on CPU
     assert rows[4]["floor_ms"] == rows[2]["floor_ms"] and rows[5]["ms"] > 0     # --generate-tokens 32 (default)
+    assert all(x["floor_ms"] == rows[2]["floor_ms"] and x["ms"] > 0 for x in rows[6:8])
     assert rows[3]["floor_ms"] > rows[2]["floor_ms"]                  # more sequences move more bytes
     assert "| decode | eager | 2 | 8 |" in (out / "model.md").read_text()
     assert (out / "model.png").stat().st_size > 0
@@ -568,12 +570,12 @@ def test_run_queues_prompts_beyond_the_profile_batch(eager_dir, reference):
     r = CliRunner().invoke(main, ["run", "--engine", str(eager_dir), "--ids", ";".join(",".join(map(str, p))
                                   for p in prompts), "--max-new-tokens", "5", "--device", "cpu"])
     assert r.exit_code == 0, r.output
-    assert "4 slots" in r.output and "pipelined greedy decode: on" in r.output and "decode buckets: off" in r.output
+    assert "4 slots" in r.output and "pipelined decode: on" in r.output and "decode buckets: off" in r.output
     assert "time to first token: median" in r.output and "between tokens: median" in r.output
     assert r.output.splitlines()[:3] == [f"{p} -> {o}" for p, o in zip(PROMPTS, reference)]
     plain = CliRunner().invoke(main, ["run", "--engine", str(eager_dir), "--ids", ";".join(",".join(map(str, p))
                                       for p in prompts), "--max-new-tokens", "5", "--device", "cpu", "--no-pipeline"])
-    assert plain.exit_code == 0 and "pipelined greedy decode: off" in plain.output, plain.output
+    assert plain.exit_code == 0 and "pipelined decode: off" in plain.output, plain.output
     assert plain.output.splitlines()[:5] == r.output.splitlines()[:5]            # the same tokens either way
     buckets = CliRunner().invoke(main, ["run", "--engine", str(eager_dir), "--ids", ";".join(",".join(map(str, p))
                                         for p in prompts), "--max-new-tokens", "5", "--device", "cpu",

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from k3export.config import K3Config
+from k3export.generate import Sampling
 from k3export.megakernel import backend as mb
 from k3export.megakernel import chain as mc
 from k3export.runtime import EagerBackend, Engine, Generator
@@ -278,9 +279,16 @@ def test_a_megakernel_engine_directory_builds_opens_and_decodes(tmp_path):
     m = json.loads((path / "manifest.json").read_text())
     assert m["megakernel"]["max_len"] == 96 and (path / mb.CUBIN).stat().st_size > 0
     print("build:", m["build"]["seconds"])
-    got = Generator(load_engine(path, 1, 96)).generate([prompt], 6)
+    loaded = load_engine(path, 1, 96)
+    got = Generator(loaded).generate([prompt], 6)
     direct = mb.MegakernelBackend(model, max_len=96)
     assert Generator(Engine(direct, 1, 96)).generate([prompt], 6) == got
+    # sampled on the device (`Engine.decode_sampled` over the launch's strided logits): queued ahead, the plain
+    # loop's tokens
+    s = Sampling(temperature=0.8, top_p=0.95, seed=3)
+    piped = Generator(loaded).generate([prompt], 6, s)
+    assert Generator(loaded, pipeline=False).generate([prompt], 6, s) == piped
+    print("greedy", got, "sampled", piped)
     data = bytearray((path / mb.CUBIN).read_bytes())
     data[len(data) // 2] ^= 0xFF
     (path / mb.CUBIN).write_bytes(bytes(data))

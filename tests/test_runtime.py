@@ -196,22 +196,26 @@ def _scenario(gen, model):
 
 def test_pipelined_generator_gives_the_plain_loops_tokens(model):
     """`Generator(pipeline=True)` (the default): the same requests, finishes and tokens as the plain loop (greedy
-    rows through `Engine.decode_greedy`, whose argmax feeds the next step on the device), with steps really
-    queued ahead (decode_greedy called with no host tokens) and the plain loop taking over around joins and the
-    sampled request; the slots are all released at the end."""
+    steps through `Engine.decode_greedy`, whose argmax feeds the next step on the device; once the sampled request
+    runs, `Engine.decode_sampled`, whose draw does), with steps really queued ahead (called with no host tokens)
+    and the plain loop taking over around joins; the slots are all released at the end."""
     plain = _scenario(Generator(Engine(EagerBackend(model), max_batch=2, max_len=24), pipeline=False), model)
     engine = Engine(EagerBackend(model), max_batch=2, max_len=24)
-    calls = {"host": 0, "device": 0}
-    real = engine.decode_greedy
+    calls = {}
 
-    def counted(tokens=None):
-        calls["host" if tokens is not None else "device"] += 1
-        return real(tokens)
-    engine.decode_greedy = counted
+    def counted(name, real):
+        def call(tokens=None):
+            key = (name, "host" if tokens is not None else "device")
+            calls[key] = calls.get(key, 0) + 1
+            return real(tokens)
+        return call
+    engine.decode_greedy = counted("greedy", engine.decode_greedy)
+    engine.decode_sampled = counted("sampled", engine.decode_sampled)
     piped = _scenario(Generator(engine, pipeline=True), model)
     assert [r.tokens for r in piped] == [r.tokens for r in plain]
     assert [r.finish for r in piped] == [r.finish for r in plain] and "stop" in [r.finish for r in plain]
-    assert calls["device"] >= 5 and calls["host"] >= 2, calls
+    assert calls.get(("greedy", "device"), 0) >= 2 and calls.get(("sampled", "device"), 0) >= 2, calls
+    assert calls.get(("greedy", "host"), 0) + calls.get(("sampled", "host"), 0) >= 2, calls
     assert not engine.active.any()
 
 
@@ -263,15 +267,18 @@ def test_batch_bucket():
 
 
 def _join_and_leave(model, gen):
-    """Eight requests through `gen`: three first, five joining after one step, each leaving at its own length.
-    Returns (their tokens, eager `generate`'s tokens for each alone)."""
+    """Eight requests through `gen`: three first, five joining after one step, each leaving at its own length; two
+    of them sampled (other seeds, one with top-k and top-p). Returns (their tokens, eager `generate`'s tokens for
+    each alone)."""
     prompts, lens = PROMPTS * 2, [3, 9, 5, 7, 2, 6, 8, 4]
-    reqs = [gen.submit(p, n) for p, n in zip(prompts[:3], lens[:3])]
+    samp = [Sampling()] * 8
+    samp[1], samp[5] = Sampling(temperature=0.8, seed=3), Sampling(temperature=1.1, top_k=20, top_p=0.9, seed=4)
+    reqs = [gen.submit(p, n, s) for p, n, s in zip(prompts[:3], lens[:3], samp[:3])]
     gen.step()
-    reqs += [gen.submit(p, n) for p, n in zip(prompts[3:], lens[3:])]
+    reqs += [gen.submit(p, n, s) for p, n, s in zip(prompts[3:], lens[3:], samp[3:])]
     while not gen.idle:
         gen.step()
-    return [r.tokens for r in reqs], [generate(model, [p], n)[0] for p, n in zip(prompts, lens)]
+    return [r.tokens for r in reqs], [generate(model, [p], n, s)[0] for p, n, s in zip(prompts, lens, samp)]
 
 
 @pytest.mark.parametrize("pipeline", [False, True])
@@ -455,6 +462,11 @@ def test_cuda_graph_decode_equals_plain_decode():
     piped = Generator(Engine(EagerBackend(model), max_batch=2, max_len=32), pipeline=True)
     assert piped.engine._greedy_graph is not None
     assert piped.generate(PROMPTS, 6) == ref                       # the greedy graph, queued ahead
+    sampled = Sampling(temperature=0.9, top_k=30, top_p=0.9, seed=5)
+    ref = generate(model, PROMPTS, 6, sampled)                      # (draws by the Triton program, as the engine)
+    assert piped.generate(PROMPTS, 6, sampled) == ref               # the step's graph, then the draw's
+    draws = piped.engine._draw_graphs.values()                      # (one per decode bucket's logits)
+    assert draws and all(g is not None for g in draws), piped.engine.graph_error
 
 
 @pytest.mark.cuda

@@ -295,26 +295,33 @@ def more_rounds(kept: list, rows: list[dict], model, args, bar) -> None:
                 decode_row(r, r["_rounds"] + [ms])
 
 
+SAMPLED = {"temperature": 0.8, "top_p": 0.95}     # the sampled generation row's settings (a common chat setting)
+
+
 def generate_rows(name, backend, graphs, model, args, bw, pb, g) -> list[dict]:
-    """Inter-token latency of a greedy `Generator` at B = 1 (host timestamps of the tokens as the loop hands them
-    out, after the prefill and first step), plain and pipelined (`Generator(pipeline=True)`: step t + 1 queued
-    before step t's token is read), from a prompt of the smallest context."""
+    """Inter-token latency of a `Generator` at B = 1 (host timestamps of the tokens as the loop hands them out, after
+    the prefill and first step), from a prompt of the smallest context: greedy plain and pipelined
+    (`Generator(pipeline=True)`: step t + 1 queued before step t's token is read), then the same two sampled
+    (`SAMPLED`: each token drawn on the device, `k3export.sampling.draw`, a sort of the row for top-p included)."""
+    from k3export.generate import Sampling
     from k3export.runtime import Engine, Generator
     cfg, cuda = model.config, model.device.type == "cuda"
     N, ctx = args["generate_tokens"], min(args["contexts"])
     prompt = torch.randint(0, cfg.vocab_size, (ctx,), generator=g).tolist()
     nbytes = decode_bytes(cfg, model.dtype, pb, 1, ctx)
     rows = []
-    for pipe in (False, True):
+    for phase, pipe, sampling in (("generate", False, Sampling()), ("generate pipelined", True, Sampling()),
+                                  ("generate sampled", False, Sampling(**SAMPLED)),
+                                  ("generate sampled pipelined", True, Sampling(**SAMPLED))):
         stamps: list[float] = []
         eng = Engine(backend, max_batch=1, max_len=ctx + N + 2, cuda_graphs=graphs)
         gen = Generator(eng, on_token=lambda r, t: stamps.append(time.perf_counter()), pipeline=pipe)
-        gen.submit(prompt, N)
+        gen.submit(prompt, N, sampling)
         gen.step()                                               # prefill and the first decode step: not timed
         gen.run()
         ms = [(b - a) * 1e3 for a, b in zip(stamps[2:], stamps[3:])]
         s = summary(ms)
-        rows.append({"phase": "generate" + (" pipelined" if pipe else ""), "backend": name, "batch": 1,
+        rows.append({"phase": phase, "backend": name, "batch": 1,
                      "context": ctx, **s, "tokens_per_s": 1e3 / s["ms"], "gb_s": nbytes / s["ms"] / 1e6,
                      "floor_ms": nbytes / bw * 1e3, "x_floor": s["ms"] / (nbytes / bw * 1e3),
                      "graphed": eng.graphed})
@@ -429,8 +436,8 @@ def _ints(text: str, option: str) -> list[int]:
                    "in a rotated order each round (all kept built), the samples pooled and each round's median "
                    "kept; for comparing backends whose first-timed rows drift.")
 @click.option("--generate-tokens", default=32, show_default=True,
-              help="Greedy tokens per generation timed at B = 1 (inter-token latency, plain and pipelined "
-                   "Generator); 0: none.")
+              help="Tokens per generation timed at B = 1 (inter-token latency, plain and pipelined Generator, "
+                   "greedy and sampled at temperature 0.8, top-p 0.95); 0: none.")
 @click.option("--new-lengths/--no-new-lengths", default=True, show_default=True,
               help="Also time prefills of a length not seen before at every call (T - 1, T - 2, ...), with and "
                    "without the engine's length buckets.")
