@@ -80,6 +80,24 @@ def keep_threshold(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) ->
 
 if triton is not None:
     @triton.jit
+    def load_row(base, o, n, col_stride):
+        """A block of a row's values at offsets o as fp32, NaN as +inf (-inf past n): what an argmax compares."""
+        v = tl.load(base + o.to(tl.int64) * col_stride, mask=o < n, other=float("-inf")).to(tl.float32)
+        return tl.where(v != v, float("inf"), v)
+
+    @triton.jit
+    def keep_max(s, o, best, idx):
+        """Each lane's largest value so far and its first index (strict: a later equal value does not take it)."""
+        take = s > best
+        return tl.where(take, s, best), tl.where(take, o, idx)
+
+    @triton.jit
+    def first_of_max(best, idx, n):
+        """The row's first index of its largest value across the lanes (as torch.argmax picks it)."""
+        m = tl.max(best, axis=0)
+        return tl.min(tl.where(best == m, idx, n), axis=0).to(tl.int64)
+
+    @triton.jit
     def _fmix32(h):
         h = h ^ (h >> 16)
         h = h * 0x85EBCA6B
@@ -104,19 +122,15 @@ if triton is not None:
         base = x_ptr + row.to(tl.int64) * row_stride
         for start in range(0, n, BLOCK):
             o = start + offs
-            v = tl.load(base + o.to(tl.int64) * col_stride, mask=o < n, other=float("-inf")).to(tl.float32)
-            v = tl.where(v != v, float("inf"), v)
+            v = load_row(base, o, n, col_stride)
             z = tl.math.div_rn(v, t)                # (IEEE division, as torch's)
             h = _fmix32(_fmix32(o.to(tl.uint32) * 0x9E3779B1) ^ key)
             u = ((h >> 8).to(tl.float32) + 0.5) * 5.9604644775390625e-08
             g = -tl.log(-tl.log(u))
             s = tl.where(greedy, v, tl.where(z >= thr, z + g, float("-inf")))
             s = tl.where(o < n, s, float("-inf"))
-            take = s > best                         # (strict: a lane keeps its first index of its largest)
-            best = tl.where(take, s, best)
-            idx = tl.where(take, o, idx)
-        m = tl.max(best, axis=0)
-        tl.store(out_ptr + row, tl.min(tl.where(best == m, idx, n), axis=0).to(tl.int64))
+            best, idx = keep_max(s, o, best, idx)
+        tl.store(out_ptr + row, first_of_max(best, idx, n))
 
 
 def _prepare(logits, temperature, top_k, top_p, filtered):

@@ -17,6 +17,8 @@ try:
     import triton.language as tl
 except ImportError:                                   # (the CPU wheel's machines without triton: torch.argmax)
     triton = None
+else:
+    from k3export.sampling import first_of_max, keep_max, load_row
 
 BLOCK = 8192             # values a round (4 rounds for k3-small's 32768; 20 for K3's 163840)
 
@@ -30,13 +32,8 @@ if triton is not None:
         base = x_ptr + row.to(tl.int64) * row_stride
         for start in range(0, n, BLOCK):
             o = start + offs
-            v = tl.load(base + o.to(tl.int64) * col_stride, mask=o < n, other=float("-inf")).to(tl.float32)
-            v = tl.where(v != v, float("inf"), v)
-            take = v > best                         # (strict: a lane keeps its first index of its largest)
-            best = tl.where(take, v, best)
-            idx = tl.where(take, o, idx)
-        m = tl.max(best, axis=0)
-        tl.store(out_ptr + row, tl.min(tl.where(best == m, idx, n), axis=0).to(tl.int64))
+            best, idx = keep_max(load_row(base, o, n, col_stride), o, best, idx)
+        tl.store(out_ptr + row, first_of_max(best, idx, n))
 
 
 def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
