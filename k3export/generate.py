@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from k3export.model import K3Model
-from k3export.sampling import draw
+from k3export.sampling import draw, sort_width
 
 
 @dataclass(frozen=True)
@@ -44,13 +44,20 @@ def filtered(samplings: list[Sampling]) -> bool:
     return any(s.temperature and (s.top_k or s.top_p < 1.0) for s in samplings)
 
 
+def width(samplings: list[Sampling], vocab: int) -> int | None:
+    """How many of each row's largest logits the draw's filters need (`k3export.sampling.sort_width` over the
+    sampled rows: a top-k of that many instead of a full sort when every filtered row sets top_k)."""
+    rows = [s for s in samplings if s.temperature]
+    return sort_width([s.top_k for s in rows], [s.top_p for s in rows], vocab)
+
+
 def sample(logits: torch.Tensor, samplings: list[Sampling], counter: torch.Tensor) -> torch.Tensor:
     """logits `[B, V]`, one `Sampling` a row, each row's counter `[B]` (the sequence's length: prompt + tokens so
     far) -> token ids `[B]` (`k3export.sampling.draw`)."""
     if all(s.temperature == 0 for s in samplings):
         return logits.argmax(-1)
     return draw(logits, *sampling_rows(samplings, logits.device), counter.to(logits.device),
-                filtered=filtered(samplings))
+                filtered=filtered(samplings), width=width(samplings, logits.shape[1]))
 
 
 def check_prompts(prompts: list[list[int]], vocab_size: int) -> None:

@@ -31,7 +31,7 @@ from typing import Callable, Protocol
 import torch
 
 from k3export.config import K3Config
-from k3export.generate import Sampling, check_prompts, filtered, sample, sampling_rows
+from k3export.generate import Sampling, check_prompts, filtered, sample, sampling_rows, width
 from k3export.sampling import draw
 from k3export.model.state import K3State
 
@@ -385,7 +385,7 @@ class Engine:
         # each slot's sampling for `decode_sampled` (set_sampling): temperature, top_k, top_p, seed
         self._sampling = sampling_rows([Sampling()] * max_batch, self.device)
         self._host_sampling = [Sampling()] * max_batch
-        self._draw_graphs: dict[tuple, torch.cuda.CUDAGraph | None] = {}    # (logits, rows, filtered) -> graph
+        self._draw_graphs: dict[tuple, torch.cuda.CUDAGraph | None] = {}    # (logits, rows, filtered, width) -> graph
         self._draw_pool = None
         self._replayed = False                          # whether the last step was a graph's replay
         self._graph: torch.cuda.CUDAGraph | None = None
@@ -595,12 +595,14 @@ class Engine:
         where the temperature is 0), on the device: its noise is keyed by the slot's seed and its length after the
         step, so a queued step draws what a plain one would, and the next call can take the tokens from the
         buffer (tokens None). Returns the buffer `[max_batch]` (overwritten by the next call). The draw runs
-        after the step's graph, as a few kernels of its own (a sort a row when a slot uses top-k or top-p)."""
+        after the step's graph, as a kernel or two of its own (with a sort a row, or a top-k when every filtered slot
+        sets top_k, first)."""
         self._advance(host=True)
         if tokens is not None:
             self._ids.copy_(tokens)
         logits = self._run(greedy=False)
-        n, f = logits.shape[0], filtered(self._host_sampling[:logits.shape[0]])
+        rows = self._host_sampling[:logits.shape[0]]
+        f = (filtered(rows), width(rows, logits.shape[1]))
         graph = self._draw_graph(logits, f) if self._replayed else None       # (a graph's logits: a fixed address)
         if graph is None:
             self._draw(logits, f)
@@ -609,26 +611,28 @@ class Engine:
         self.last_logits = logits
         return self._ids
 
-    def _draw(self, logits: torch.Tensor, filtered: bool) -> None:
+    def _draw(self, logits: torch.Tensor, f: tuple[bool, int | None]) -> None:
         n = logits.shape[0]
-        draw(logits, *(t[:n] for t in self._sampling), self.state.lengths[:n], out=self._ids[:n], filtered=filtered)
+        draw(logits, *(t[:n] for t in self._sampling), self.state.lengths[:n], out=self._ids[:n], filtered=f[0],
+             width=f[1])
 
-    def _draw_graph(self, logits: torch.Tensor, filtered: bool) -> torch.cuda.CUDAGraph | None:
-        """The draw after a graphed step as a CUDA graph of its own (one replay instead of its ~15 launches from the
-        host when top-k / top-p sort the rows; H200 12-03: ~1.7 ms of host time a draw launched op by op, more than
-        the step), per step graph's logits and filter; captured at first use (it reads the logits, the slots'
+    def _draw_graph(self, logits: torch.Tensor, f: tuple[bool, int | None]) -> torch.cuda.CUDAGraph | None:
+        """The draw after a graphed step as a CUDA graph of its own (one replay instead of its launches from the
+        host: the sort and the program when top-k / top-p filter; H200 12-03, when the thresholds were ~15 torch ops,
+        ~1.7 ms of host time a draw launched op by op, more than the step), per step graph's logits and filter
+        (with its width); captured at first use (it reads the logits, the slots'
         settings and lengths, and writes only the token buffer, so no state is touched)."""
-        key = (logits.data_ptr(), logits.shape[0], filtered)
+        key = (logits.data_ptr(), logits.shape[0], *f)
         if key not in self._draw_graphs:
             try:
                 side = torch.cuda.Stream()
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):                      # (warm-up: the Triton program's compile)
-                    self._draw(logits, filtered)
+                    self._draw(logits, f)
                 torch.cuda.current_stream().wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self._draw_pool):
-                    self._draw(logits, filtered)
+                    self._draw(logits, f)
                 self._draw_pool = graph.pool()
                 self._draw_graphs[key] = graph
             except Exception as e:                                                    # noqa: BLE001

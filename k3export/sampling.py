@@ -66,7 +66,8 @@ def uniforms(seed: torch.Tensor, counter: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def keep_threshold(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """The smallest z a row keeps `[B]` fp32 under its top-k (0: off) and top-p (1: off), z `[B, V]` fp32."""
+    """The smallest z a row keeps `[B]` fp32 under its top-k (0: off) and top-p (1: off), z `[B, V]` fp32 (-inf
+    where both are off)."""
     B, V = z.shape
     sz = z.sort(-1, descending=True).values
     k = torch.where(top_k > 0, top_k.clamp(max=V), torch.full_like(top_k, V)).to(torch.int64)
@@ -75,7 +76,8 @@ def keep_threshold(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) ->
     before = p.cumsum(-1) - p                       # mass of the more likely tokens
     tp = top_p.to(torch.float32)[:, None]
     n_keep = (((before <= tp) | (tp >= 1)) & (rank < k[:, None])).sum(-1).clamp(min=1)
-    return sz.gather(1, (n_keep - 1)[:, None]).squeeze(1)
+    thr = sz.gather(1, (n_keep - 1)[:, None]).squeeze(1)
+    return torch.where((top_k == 0) & (tp[:, 0] >= 1), torch.full_like(thr, float("-inf")), thr)
 
 
 if triton is not None:
@@ -106,17 +108,57 @@ if triton is not None:
         return h ^ (h >> 16)
 
     @triton.jit
-    def _draw_kernel(x_ptr, out_ptr, temp_ptr, thr_ptr, seed_ptr, counter_ptr, n, row_stride, col_stride,
-                     FILTERED: tl.constexpr, BLOCK: tl.constexpr):
+    def _sorted_z(base, r, kk, col, t):
+        return tl.math.div_rn(tl.load(base + r.to(tl.int64) * col, mask=r < kk, other=float("-inf")).to(tl.float32), t)
+
+    @triton.jit
+    def _threshold(sorted_ptr, ns, n, row, sorted_stride, sorted_col, t, topk_ptr, topp_ptr, BLOCK: tl.constexpr):
+        """A row's keep threshold (`keep_threshold`) from its values sorted in descending order (the first ns of
+        them): the top-k's normaliser in one pass, then the top-p's prefix count by a running scan, stopping at the
+        first block whose preceding mass exceeds top_p (the count can only grow within the block that crosses)."""
+        offs = tl.arange(0, BLOCK)
+        base = sorted_ptr + row.to(tl.int64) * sorted_stride
+        top_k = tl.load(topk_ptr + row).to(tl.int32)
+        tp = tl.load(topp_ptr + row).to(tl.float32)
+        kk = tl.minimum(tl.where((top_k > 0) & (top_k < n), top_k, n), ns)
+        m = tl.math.div_rn(tl.load(base).to(tl.float32), t)
+        total = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, kk, BLOCK):
+            r = start + offs
+            z = _sorted_z(base, r, kk, sorted_col, t)
+            total += tl.exp(z - m)
+        norm = tl.sum(total, axis=0)
+        keep = kk
+        if tp < 1.0:
+            carry = norm * 0.0
+            count = kk * 0
+            for start in range(0, kk, BLOCK):
+                if carry <= tp:
+                    r = start + offs
+                    z = _sorted_z(base, r, kk, sorted_col, t)
+                    p = tl.exp(z - m) / norm
+                    c = carry + tl.cumsum(p, axis=0)
+                    count += tl.sum(((c - p <= tp) & (r < kk)).to(tl.int32), axis=0)
+                    carry = tl.max(tl.where(r < kk, c, 0.0), axis=0)
+            keep = tl.maximum(count, 1)
+        thr = tl.math.div_rn(tl.load(base + (keep - 1).to(tl.int64) * sorted_col).to(tl.float32), t)
+        return tl.where((top_k == 0) & (tp >= 1.0), float("-inf"), thr)
+
+    @triton.jit
+    def _draw_kernel(x_ptr, out_ptr, temp_ptr, sorted_ptr, topk_ptr, topp_ptr, seed_ptr, counter_ptr, n, ns,
+                     row_stride, col_stride, sorted_stride, sorted_col, FILTERED: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         offs = tl.arange(0, BLOCK)
         temp = tl.load(temp_ptr + row).to(tl.float32)
-        thr = tl.load(thr_ptr + row) if FILTERED else float("-inf")
         seed = tl.load(seed_ptr + row).to(tl.uint32)                # (the low 32 bits, as `row_keys` takes them)
         counter = tl.load(counter_ptr + row).to(tl.uint32)
         key = _fmix32(seed * 0x85EBCA77 + _fmix32(counter) * 0xC2B2AE3D)
         greedy = temp == 0.0
         t = tl.where(greedy, 1.0, temp)
+        if FILTERED:
+            thr = _threshold(sorted_ptr, ns, n, row, sorted_stride, sorted_col, t, topk_ptr, topp_ptr, BLOCK)
+        else:
+            thr = float("-inf")
         best = tl.full([BLOCK], float("-inf"), tl.float32)
         idx = tl.zeros([BLOCK], tl.int32)
         base = x_ptr + row.to(tl.int64) * row_stride
@@ -131,6 +173,16 @@ if triton is not None:
             s = tl.where(o < n, s, float("-inf"))
             best, idx = keep_max(s, o, best, idx)
         tl.store(out_ptr + row, first_of_max(best, idx, n))
+
+
+    @triton.jit
+    def _threshold_kernel(sorted_ptr, thr_ptr, temp_ptr, topk_ptr, topp_ptr, n, ns, sorted_stride, sorted_col,
+                          BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        temp = tl.load(temp_ptr + row).to(tl.float32)
+        t = tl.where(temp == 0.0, 1.0, temp)
+        tl.store(thr_ptr + row, _threshold(sorted_ptr, ns, n, row, sorted_stride, sorted_col, t, topk_ptr, topp_ptr,
+                                           BLOCK))
 
 
 def _prepare(logits, temperature, top_k, top_p, filtered):
@@ -158,11 +210,13 @@ def draw_reference(logits, temperature, top_k, top_p, seed, counter, filtered: b
 
 def draw(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
          seed: torch.Tensor, counter: torch.Tensor, out: torch.Tensor | None = None,
-         filtered: bool = True) -> torch.Tensor:
+         filtered: bool = True, width: int | None = None) -> torch.Tensor:
     """Each row's token `[B]` int64 (into out when given) from logits `[B, V]` (any strides) and per-row tensors
     `[B]`: temperature (0: greedy), top_k (0: off), top_p (1: off), seed and counter (see the module docstring).
-    filtered=False skips the top-k / top-p pass (every row's are off: no sort). No host sync: queueable behind a
-    step in flight, and capturable."""
+    filtered=False skips the top-k / top-p pass (every row's are off: no sort). width: how many of each row's
+    largest values the filters can need (`sort_width`: the largest top_k when every filtered row sets one, so a
+    top-k replaces the sort); None: the whole row. No host sync: queueable behind a step in flight, and
+    capturable."""
     if logits.dim() != 2:
         raise ValueError(f"draw: logits [B, V], got shape {tuple(logits.shape)}")
     B = logits.shape[0]
@@ -170,25 +224,55 @@ def draw(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, t
                     ("counter", counter)):
         if t.numel() != B:
             raise ValueError(f"draw: {name} needs one value per row ({B}), got shape {tuple(t.shape)}")
+    if width is not None and not 0 < width:
+        raise ValueError(f"draw: width must be a positive count of values, got {width}")
     if logits.device.type != "cuda" or triton is None:
         r = draw_reference(logits, temperature, top_k, top_p, seed, counter, filtered)
         return r if out is None else out.copy_(r)
-    return launch(logits, temperature, top_k, top_p, seed, counter, out, filtered)
+    return launch(logits, temperature, top_k, top_p, seed, counter, out, filtered, width=width)
+
+
+def sort_width(top_k: list[int], top_p: list[float], vocab: int) -> int | None:
+    """`draw`'s width for these rows' settings (greedy rows excluded by the caller): the largest top_k when every
+    row with a filter sets one (a row with top-p alone needs its whole row sorted: None)."""
+    if any(k == 0 and p < 1.0 for k, p in zip(top_k, top_p)):
+        return None
+    return min(max(top_k, default=1) or 1, vocab)
 
 
 def launch(logits, temperature, top_k, top_p, seed, counter, out=None, filtered: bool = True,
-           block: int = BLOCK) -> torch.Tensor:
+           block: int = BLOCK, width: int | None = None) -> torch.Tensor:
     """The Triton program itself on the logits' device (the tests run it on the CPU under TRITON_INTERPRET=1). The
     row keys are hashed in the program, so without the filter a draw is this one launch (the engine's per-slot
-    buffers need no conversion: fp32 temperature, integer seed and counter)."""
-    dev, B = logits.device, logits.shape[0]
+    buffers need no conversion: fp32 temperature, integer seed and counter). With it, the rows' values are sorted
+    first (torch's sort, or its top-k for a width below the vocabulary), and the program finds each row's threshold
+    from them (`_threshold`) before it draws."""
+    dev, (B, V) = logits.device, logits.shape
     temp = temperature.reshape(B)
     if temp.dtype != torch.float32 or temp.device != dev:
         temp = temp.to(device=dev, dtype=torch.float32)
-    thr = _prepare(logits, temp, top_k, top_p, True)[1] if filtered else temp
     seed, counter = seed.reshape(B).to(dev), counter.reshape(B).to(dev)
+    top_k, top_p = top_k.reshape(B).to(dev), top_p.reshape(B).to(dev)
+    if filtered:
+        ns = V if width is None else min(width, V)
+        ordered = logits.sort(-1, descending=True).values if ns == V else logits.topk(ns, -1).values
+    else:
+        ns, ordered = 0, logits
     res = out if out is not None and out.dtype == torch.int64 and out.is_contiguous() else \
         torch.empty(B, dtype=torch.int64, device=dev)
-    _draw_kernel[(B,)](logits, res, temp, thr, seed, counter, logits.shape[1], logits.stride(0), logits.stride(1),
-                       FILTERED=filtered, BLOCK=block, num_warps=8)
+    _draw_kernel[(B,)](logits, res, temp, ordered, top_k, top_p, seed, counter, V, ns, *logits.stride(),
+                       *ordered.stride(), FILTERED=filtered, BLOCK=block, num_warps=8)
     return res if out is None or res is out else out.copy_(res)
+
+
+def program_thresholds(logits, temperature, top_k, top_p, width: int | None = None,
+                       block: int = BLOCK) -> torch.Tensor:
+    """The keep thresholds `[B]` fp32 the Triton program draws with (its `_threshold`, as `launch` sorts for it):
+    for the tests, against `keep_threshold`."""
+    B, V = logits.shape
+    ns = V if width is None else min(width, V)
+    ordered = logits.sort(-1, descending=True).values if ns == V else logits.topk(ns, -1).values
+    thr = torch.empty(B, dtype=torch.float32, device=logits.device)
+    _threshold_kernel[(B,)](ordered, thr, temperature.reshape(B).float(), top_k.reshape(B), top_p.reshape(B).float(),
+                            V, ns, *ordered.stride(), BLOCK=block, num_warps=8)
+    return thr

@@ -67,7 +67,7 @@ def test_top_k_and_top_p_keep_what_they_should():
     t, k, p, s = _params(N, 1.0, top_k=5, top_p=0.8)
     toks = draw_reference(logits.expand(N, 8), t, k, p, s, torch.arange(N))
     assert set(toks.tolist()) == {3, 5, 0}
-    assert keep_threshold(logits, torch.tensor([0]), torch.tensor([1.0])).item() == logits.min().item()
+    assert keep_threshold(logits, torch.tensor([0]), torch.tensor([1.0])).item() == float("-inf")
     assert keep_threshold(logits, torch.tensor([1]), torch.tensor([1.0])).item() == 2.0
 
 
@@ -103,6 +103,20 @@ def test_greedy_rows_and_a_rows_independence_of_its_batch():
         draw(logits[0], temp, top_k, top_p, seed, counter)
 
 
+def test_the_draw_width():
+    """The sorted width a batch's draw needs: the largest top_k when every filtered row sets one, None (a full sort)
+    when a row filters by top-p alone; greedy rows and rows without a filter ask for nothing."""
+    from k3export.generate import Sampling, width
+    from k3export.sampling import draw, sort_width
+    assert sort_width([50, 0], [1.0, 1.0], 100) == 50
+    assert sort_width([50, 0], [1.0, 0.9], 100) is None
+    assert sort_width([500, 7], [0.9, 1.0], 100) == 100
+    assert width([Sampling(temperature=0.0, top_p=0.5), Sampling(temperature=1.0, top_k=8)], 100) == 8
+    assert width([Sampling(temperature=1.0, top_p=0.5)], 100) is None
+    with pytest.raises(ValueError, match="width must be a positive count"):
+        draw(torch.zeros(1, 4), *_params(1, 1.0)[:3], torch.zeros(1, dtype=torch.int64), torch.zeros(1), width=0)
+
+
 def _interpreter_cases() -> dict:
     from k3export import sampling as sm
     g = torch.Generator().manual_seed(1)
@@ -125,6 +139,21 @@ def _interpreter_cases() -> dict:
                 got += sm.launch(x, temp, top_k, top_p, seed, counter, filtered=filtered, block=64).tolist()
                 want += sm.draw_reference(x, temp, top_k, top_p, seed, counter, filtered).tolist()
             res[f"{name}-{'filtered' if filtered else 'plain'}"] = {"got": got, "want": want}
+    z = torch.randn(6, 300, generator=g) * 3
+    z[4] = (z[4] * 2).round()                        # ties: at most ~40 distinct values
+    thr_args = (torch.tensor([0.0, 0.8, 1.0, 1.3, 1.0, 0.7]), torch.tensor([0, 0, 30, 5, 0, 400]),
+                torch.tensor([1.0, 0.9, 1.0, 0.8, 0.5, 0.95]))
+    zt = z / torch.where(thr_args[0] > 0, thr_args[0], torch.ones(6))[:, None]
+    want = sm.keep_threshold(zt, thr_args[1], thr_args[2]).tolist()
+    res["thresholds"] = {"got": sm.program_thresholds(z, *thr_args, block=64).tolist(), "want": want}
+    k_args = (thr_args[0][2:4], thr_args[1][2:4], thr_args[2][2:4])
+    res["thresholds-width"] = {"got": sm.program_thresholds(z[2:4], *k_args, width=30, block=64).tolist(),
+                               "want": want[2:4]}
+    res["width-30"] = {"got": [], "want": []}
+    for c in range(8):
+        counter = torch.full((2,), 100 + c)
+        res["width-30"]["got"] += sm.launch(z[2:4], *k_args, seed[:2], counter, width=30, block=64).tolist()
+        res["width-30"]["want"] += sm.draw_reference(z[2:4], *k_args, seed[:2], counter).tolist()
     into = torch.full((4,), -1, dtype=torch.int64)
     counter = torch.full((4,), 3)
     sm.launch(cases["stride2"], temp, top_k, top_p, seed, counter, out=into, block=64)
@@ -134,7 +163,7 @@ def _interpreter_cases() -> dict:
 
 
 def test_the_draw_program_equals_the_torch_form(interp):
-    assert len(interp) == 9
+    assert len(interp) == 12
     for name, r in interp.items():
         assert r["got"] == r["want"], (name, r)
 
@@ -174,6 +203,59 @@ def test_the_draw_program_on_the_gpu():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, draw_reference(x, temp, top_k, top_p, seed, counter)), c
+
+
+def _thresholds_agree(z, top_k, top_p, got) -> int:
+    """How many rows' program threshold differs from `keep_threshold`'s; each such row must sit at a near tie of
+    its top-p edge: the mass before the kept tokens' last one (in fp64) within 1e-5 of top_p, where fp32 sums of
+    32768 terms in two orders can land on either side (a few 1e-7 relative apart)."""
+    from k3export.sampling import keep_threshold
+    want = keep_threshold(z, top_k, top_p)
+    bad = (got != want).nonzero().flatten().tolist()
+    for b in bad:
+        sz = z[b].double().sort(descending=True).values
+        k = int(top_k[b]) or sz.numel()
+        p = torch.softmax(sz[:k], 0)
+        before = p.cumsum(0) - p
+        edge = [(sz[:k] == v).nonzero()[0].item() for v in (float(got[b]), float(want[b]))]
+        assert all(abs(before[i].item() - float(top_p[b])) < 1e-5 for i in edge), (b, edge, float(top_p[b]))
+    return len(bad)
+
+
+@pytest.mark.cuda
+def test_the_program_thresholds_and_widths_on_the_gpu():
+    """The program's keep thresholds (`program_thresholds`: torch's sort, then `_threshold`'s scan) against
+    `keep_threshold` over 64 rows of k3-small's 32768 logits, peaked (x 4) and flat (x 0.25: top-p 0.9 keeps
+    thousands); a top-k instead of the sort (`width`) draws the same tokens; K3's 163840-word vocabulary draws as the
+    torch form does."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU; run `make test-gpu` on the GPU machine")
+    from k3export.sampling import draw, draw_reference, program_thresholds
+    g = torch.Generator(device="cuda").manual_seed(1)
+    B, V = 64, 32768
+    rows = torch.arange(B, device="cuda")
+    temp = torch.where(rows % 4 == 0, 0.0, 0.5 + (rows % 7) / 7).float()
+    top_k = torch.where(rows % 3 == 0, 50, torch.where(rows % 3 == 1, 2000, 0))
+    top_p = torch.where(rows % 2 == 0, 0.9, torch.where(rows % 3 == 2, 1.0, 0.6)).float()
+    differ = 0
+    for scale in (4.0, 0.25):
+        x = (torch.randn(B, 2 * V, generator=g, device="cuda") * scale)[:, 0::2]
+        z = x.float() / torch.where(temp > 0, temp, torch.ones_like(temp))[:, None]
+        differ += _thresholds_agree(z, top_k, top_p, program_thresholds(x, temp, top_k, top_p))
+    print(f"thresholds: {differ} of {2 * B} rows at a near tie")
+    some = rows[top_k > 0]
+    x = (torch.randn(B, V, generator=g, device="cuda") * 2)[some]
+    args = (temp[some], top_k[some], top_p[some], some * 31 + 1)
+    for c in range(8):
+        counter = torch.full_like(some, 50 + c)
+        assert torch.equal(draw(x, *args, counter, width=2000), draw_reference(x, *args, counter)), c
+    x = torch.randn(4, 163840, generator=g, device="cuda").bfloat16() * 4
+    args = (torch.tensor([0.0, 0.7, 1.0, 1.2], device="cuda"), torch.tensor([0, 0, 40, 0], device="cuda"),
+            torch.tensor([1.0, 0.95, 1.0, 0.8], device="cuda"), torch.arange(4, device="cuda"))
+    for c in range(8):
+        counter = torch.full((4,), 9 + c, device="cuda")
+        for f in (True, False):
+            assert torch.equal(draw(x, *args, counter, filtered=f), draw_reference(x, *args, counter, f)), (c, f)
 
 
 if __name__ == "__main__":
