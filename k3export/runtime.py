@@ -23,6 +23,7 @@ import contextlib
 import os
 import itertools
 import json
+import warnings
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +33,7 @@ import torch
 
 from k3export.config import K3Config
 from k3export.generate import Sampling, check_prompts, filtered, sample, sampling_rows, width
-from k3export.sampling import draw
+from k3export.sampling import argmax_rows, draw
 from k3export.model.state import K3State
 
 
@@ -78,8 +79,6 @@ class Backend(Protocol):
     # keeps the engine from capturing its steps; `state_changed()` is called after the engine writes the slots' state
     # outside decode (prefill, `fill_slots`), `before_decode(state)` before every decode step, outside its CUDA
     # graph: `k3export.megakernel.backend.MegakernelBackend` uses them to keep the decode state in its own layouts.
-    # Optional: `argmax_into(logits, out)` writes each row's argmax (`torch.argmax`'s index) into out `[B]` int64 for
-    # the greedy step (`decode_greedy`), capturable; the megakernel backend's reads its strided logits in one program.
 
 
 class EagerBackend:
@@ -110,6 +109,7 @@ class EagerBackend:
 
 
 RECOMPILE_LIMIT = 64
+POST_ROWS = 4          # rows of the engine's host ring of tokens (a queued step never laps a read one)
 
 
 def raise_recompile_limit(limit: int = RECOMPILE_LIMIT) -> None:
@@ -387,6 +387,14 @@ class Engine:
         self._host_sampling = [Sampling()] * max_batch
         self._draw_graphs: dict[tuple, torch.cuda.CUDAGraph | None] = {}    # (logits, rows, filtered, width) -> graph
         self._draw_pool = None
+        # Each greedy / sampled step's tokens also go to a ring in host memory (pinned on a GPU), by the argmax or
+        # draw program itself: the pipelined Generator reads a queued step's tokens there (`post_mark`, `posted`)
+        # rather than copying them out between steps (H200 12-03, mkrun-01.log: the copy and the graph boundary
+        # around it left the GPU idle ~4-15 us a token). None once the Triton argmax has failed (`argmax_error`).
+        self._post: torch.Tensor | None = torch.zeros(POST_ROWS, max_batch, dtype=torch.int64,
+                                                      pin_memory=self.device.type == "cuda")
+        self._post_view = self._post.numpy()
+        self.argmax_error: str | None = None
         self._replayed = False                          # whether the last step was a graph's replay
         self._graph: torch.cuda.CUDAGraph | None = None
         self._graph_logits: torch.Tensor | None = None
@@ -614,7 +622,7 @@ class Engine:
     def _draw(self, logits: torch.Tensor, f: tuple[bool, int | None]) -> None:
         n = logits.shape[0]
         draw(logits, *(t[:n] for t in self._sampling), self.state.lengths[:n], out=self._ids[:n], filtered=f[0],
-             width=f[1])
+             width=f[1], post=self._post_rows(n))
 
     def _draw_graph(self, logits: torch.Tensor, f: tuple[bool, int | None]) -> torch.cuda.CUDAGraph | None:
         """The draw after a graphed step as a CUDA graph of its own (one replay instead of its launches from the
@@ -680,11 +688,40 @@ class Engine:
 
     def _greedy_step(self, n: int | None = None) -> torch.Tensor:
         logits = self._step(n)
-        if hasattr(self.backend, "argmax_into"):
-            self.backend.argmax_into(logits, self._ids[:logits.shape[0]])
-        else:
-            self._ids[:logits.shape[0]].copy_(logits.argmax(-1))
+        self._argmax(logits)
         return logits
+
+    def _argmax(self, logits: torch.Tensor) -> None:
+        """The greedy step's tokens into the input buffer (and the host ring): one Triton program a row over the
+        logits as they lie (`k3export.megakernel.argmax.argmax_rows`; H200 12-03 14:05: torch's argmax over the
+        megakernel's stride-2 logits took 11.8 us a token, the program 6.0), the same index as torch.argmax. Should
+        the program fail to build or launch (the warm-up before a capture is its first call), this warns once and
+        takes torch.argmax from then on, without the ring (`argmax_error` says why)."""
+        n = logits.shape[0]
+        if self.argmax_error is None:
+            try:
+                argmax_rows(logits, out=self._ids[:n], post=self._post_rows(n))
+                return
+            except Exception as e:                                                  # noqa: BLE001
+                self.argmax_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                self._post = None
+                warnings.warn(f"the Triton argmax failed ({self.argmax_error}); greedy steps take torch.argmax "
+                              "instead", RuntimeWarning, stacklevel=3)
+        self._ids[:n].copy_(logits.argmax(-1))
+
+    def _post_rows(self, n: int) -> tuple | None:
+        return None if self._post is None else (self._post[:, :n], self.state.lengths[:n])
+
+    def post_mark(self) -> list[int] | None:
+        """Where the greedy or sampled step just queued (`decode_greedy`, `decode_sampled`) leaves each slot's token
+        in the host ring: the slots' lengths after it (None when this engine does not post: copy the returned
+        buffer out instead). Read them with `posted` once the step is done (an event recorded after it)."""
+        return None if self._post is None else list(self._host_lengths)
+
+    def posted(self, mark: list[int]) -> list[int]:
+        """The tokens `[max_batch]` that the step with this `post_mark` left in the host ring (valid until the
+        ring's POST_ROWS - 1 later steps; inactive slots' entries are junk)."""
+        return [int(self._post_view[length % POST_ROWS, b]) for b, length in enumerate(mark)]
 
     def _rows(self, n: int | None) -> tuple[torch.Tensor, ...]:
         """ids, KDA conv, KDA state, MLA cache, lengths, active of the first n slots (the tensors themselves for
@@ -883,8 +920,10 @@ class Generator:
         else:
             out = step()
         cuda = out.is_cuda
-        host = torch.empty(out.shape, dtype=out.dtype, pin_memory=cuda)
-        host.copy_(out, non_blocking=cuda)
+        host = e.post_mark()                      # (the step's program leaves its tokens in host memory itself)
+        if host is None:
+            host = torch.empty(out.shape, dtype=out.dtype, pin_memory=cuda)
+            host.copy_(out, non_blocking=cuda)
         done = None
         if cuda:
             done = torch.cuda.Event()
@@ -900,7 +939,7 @@ class Generator:
         host, done, reqs = inflight
         if done is not None:
             done.synchronize()
-        toks = host.tolist()
+        toks = self.engine.posted(host) if isinstance(host, list) else host.tolist()
         live = [(slot, r) for slot, r in reqs if not r.done]
         self._accept([r for _, r in live], [toks[slot] for slot, _ in live], finished)
 

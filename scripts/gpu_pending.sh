@@ -123,7 +123,7 @@
 #            megakernel and megakernel-unpaired, 300 decode steps (12-03 14:43 as paired vs default: passed; 0.769
 #            ms against 0.784)
 #   mkargmax (not yet run) the greedy step's argmax as one Triton program over the launch's strided logits
-#            (`MegakernelBackend.argmax_into`): its cuda tests and the backend's, bench model megakernel (300 steps),
+#            (then `MegakernelBackend.argmax_into`, now the engine's): its cuda tests and the backend's, bench model megakernel (300 steps),
 #            and the pipelined generation's timeline (was: torch's argmax 11.8 us a token)
 #   mksleep  (not yet run) POLL_SLEEP: the variant's cuda test (== the default kernel bit for bit), bench model
 #            megakernel, megakernel-poll-sleep64, -poll-sleep256 (300 steps)
@@ -156,6 +156,10 @@
 #            pipelined sampled tokens == its plain loop's), scripts/sampling_probe.py (the draw's host and GPU time),
 #            then bench model compile, megakernel with the sampled generation rows ($MKBENCH_BACKENDS, default
 #            compile,megakernel; $MKSAMPLE_K picks the tests, MKSAMPLE_NO_PROBE=1 skips the probe)
+#   mkpost   (not yet run) the draw's thresholds in its program and the host ring of tokens (`Engine.post_mark` /
+#            `posted`): cuda tests of sampling, argmax and the engines' graphed / pipelined decoding ($MKPOST_K picks
+#            them), scripts/sampling_probe.py at 32768 and 163840 logits, the megakernel's pipelined timeline
+#            (profile_decode --generate 7), then bench model compile, megakernel ($MKBENCH_BACKENDS, $MKBENCH_ROUNDS)
 #   mkbench  bench model eager, compile, megakernel at B = 1, context 1024 ($MKBENCH_BACKENDS; $MKBENCH_ROUNDS
 #            decode rounds, the backends' order rotated each round)
 #   profile  scripts/profile_decode.py --backend $PROFILE_BACKEND (default compile): kernels per decode step, and the
@@ -373,7 +377,7 @@ for part in $parts; do
     mkpair) timeout 200 python3 -m pytest -q -m cuda tests/test_megakernel_backend.py -k "pair_tiles" -s -rs \
              -p no:cacheprovider > "$OUT/mkpair.log" 2>&1
            MKBENCH_BACKENDS=megakernel-unpaired,megakernel MKBENCH_ITERS=300 bash "$0" mkbench ;;
-    mkargmax) timeout 300 python3 -m pytest -q -m cuda tests/test_megakernel_argmax.py tests/test_megakernel_backend.py \
+    mkargmax) timeout 300 python3 -m pytest -q -m cuda tests/test_argmax.py tests/test_megakernel_backend.py \
              -s -rs -p no:cacheprovider > "$OUT/mkargmax.log" 2>&1
            MKBENCH_BACKENDS=megakernel MKBENCH_ITERS=300 bash "$0" mkbench
            timeout 150 python3 scripts/profile_decode.py --backend megakernel --timeline --generate 6 --top 10 \
@@ -382,7 +386,7 @@ for part in $parts; do
              -p no:cacheprovider > "$OUT/mksleep.log" 2>&1
            MKBENCH_BACKENDS=megakernel,megakernel-poll-sleep64,megakernel-poll-sleep256 MKBENCH_ITERS=300 \
              bash "$0" mkbench ;;
-    mkrun)  timeout 260 python3 -m pytest -q -m cuda tests/test_megakernel_argmax.py tests/test_megakernel_backend.py \
+    mkrun)  timeout 260 python3 -m pytest -q -m cuda tests/test_argmax.py tests/test_megakernel_backend.py \
              -k "argmax or poll_sleep or directory" -s -rs -p no:cacheprovider > "$OUT/mkrun.log" 2>&1
            MKBENCH_BACKENDS=megakernel,megakernel-poll-sleep64,megakernel-poll-sleep256 MKBENCH_ITERS=300 \
              bash "$0" mkbench
@@ -447,6 +451,19 @@ for part in $parts; do
            MKBENCH_BACKENDS=${MKBENCH_BACKENDS:-compile,megakernel} MKBENCH_ITERS=100 MKBENCH_TIMEOUT=280 \
              bash "$0" mkbench
            rm -f "$OUT/mkbench/model.partial.json" "$OUT/gpu.txt" ;;
+    mkpost) timeout 330 python3 -m pytest -q -m cuda tests/test_sampling.py tests/test_argmax.py tests/test_runtime.py \
+             tests/test_megakernel_backend.py -k "${MKPOST_K:-draw_program or thresholds or argmax or \
+             cuda_graph_decode_equals_plain or decode_bucket_graphs or directory_builds}" -s -rs -p no:cacheprovider \
+             > "$OUT/mkpost.log" 2>&1
+           grep -h "passed\|failed\|thresholds:" "$OUT/mkpost.log"
+           timeout 100 python3 scripts/sampling_probe.py > "$OUT/mkpost-probe.log" 2>&1
+           timeout 100 python3 scripts/sampling_probe.py --vocab 163840 --iters 100 >> "$OUT/mkpost-probe.log" 2>&1
+           grep -h "graph replay" "$OUT/mkpost-probe.log"
+           PROFILE_BACKEND=megakernel PROFILE_ARGS="--timeline --generate 7" bash "$0" profile
+           grep -h "step to step" "$OUT/profile.log"
+           MKBENCH_BACKENDS=${MKBENCH_BACKENDS:-compile,megakernel} MKBENCH_ITERS=100 MKBENCH_TIMEOUT=300 \
+             bash "$0" mkbench
+           rm -f "$OUT/mkbench/model.partial.json" "$OUT/gpu.txt" ;;
     mkbench) timeout ${MKBENCH_TIMEOUT:-400} python3 -m k3export.cli bench model --preset k3-small --dtype bf16 \
              --backends ${MKBENCH_BACKENDS:-eager,compile,megakernel} --prefill-lengths 2048 --batches 1 \
              --contexts 1024 --warmup 3 --iters 5 --decode-iters ${MKBENCH_ITERS:-100} --rounds ${MKBENCH_ROUNDS:-1} \
@@ -454,7 +471,7 @@ for part in $parts; do
              --no-new-lengths --out "$OUT/mkbench" > "$OUT/mkbench.log" 2>&1 ;;
     profile) timeout 150 python3 scripts/profile_decode.py --backend ${PROFILE_BACKEND:-compile} ${PROFILE_ARGS:-} \
              > "$OUT/profile.log" 2>&1 ;;
-    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe trtfp8 fp8eng grouped grpsmall fp8comp overlap chain layer step attnres abmix gmla greedy greedy64 mkback mkinputs mkstep mkcache mkfinal mkrouter mkpair mkargmax mksleep mkrun mkblocks mkattn mkheads mklive mktrace mktiles mksums mkmma mkmmafinal mkcombine mksample mkbench profile)"; continue ;;
+    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe trtfp8 fp8eng grouped grpsmall fp8comp overlap chain layer step attnres abmix gmla greedy greedy64 mkback mkinputs mkstep mkcache mkfinal mkrouter mkpair mkargmax mksleep mkrun mkblocks mkattn mkheads mklive mktrace mktiles mksums mkmma mkmmafinal mkcombine mksample mkpost mkbench profile)"; continue ;;
   esac
   echo "$part: exit $? in $((SECONDS - t)) s" | tee -a "$OUT/pending.log"
   tail -4 "$OUT/$part.log" 2>/dev/null

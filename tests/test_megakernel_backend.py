@@ -283,6 +283,8 @@ def test_a_megakernel_engine_directory_builds_opens_and_decodes(tmp_path):
     got = Generator(loaded).generate([prompt], 6)
     direct = mb.MegakernelBackend(model, max_len=96)
     assert Generator(Engine(direct, 1, 96)).generate([prompt], 6) == got
+    assert Generator(loaded, pipeline=False).generate([prompt], 6) == got        # (pipelined: from the host ring)
+    assert loaded.post_mark() is not None, loaded.argmax_error
     # sampled on the device (`Engine.decode_sampled` over the launch's strided logits): queued ahead, the plain
     # loop's tokens
     s = Sampling(temperature=0.8, top_p=0.95, seed=3)

@@ -462,6 +462,7 @@ def test_cuda_graph_decode_equals_plain_decode():
     piped = Generator(Engine(EagerBackend(model), max_batch=2, max_len=32), pipeline=True)
     assert piped.engine._greedy_graph is not None
     assert piped.generate(PROMPTS, 6) == ref                       # the greedy graph, queued ahead
+    assert piped.engine.post_mark() is not None, piped.engine.argmax_error     # (its tokens read from the host ring)
     sampled = Sampling(temperature=0.9, top_k=30, top_p=0.9, seed=5)
     ref = generate(model, PROMPTS, 6, sampled)                      # (draws by the Triton program, as the engine)
     assert piped.generate(PROMPTS, 6, sampled) == ref               # the step's graph, then the draw's

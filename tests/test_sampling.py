@@ -154,6 +154,11 @@ def _interpreter_cases() -> dict:
         counter = torch.full((2,), 100 + c)
         res["width-30"]["got"] += sm.launch(z[2:4], *k_args, seed[:2], counter, width=30, block=64).tolist()
         res["width-30"]["want"] += sm.draw_reference(z[2:4], *k_args, seed[:2], counter).tolist()
+    ring, lengths = torch.full((4, 6), -1, dtype=torch.int64), torch.tensor([9, 4, 6, 3])
+    toks = sm.launch(cases["stride2"], temp, top_k, top_p, seed, lengths, block=64, post=(ring[:, :4], lengths))
+    want = torch.full((4, 6), -1, dtype=torch.int64)
+    sm.post_reference((want[:, :4], lengths), toks)
+    res["post"] = {"got": ring.tolist(), "want": want.tolist()}
     into = torch.full((4,), -1, dtype=torch.int64)
     counter = torch.full((4,), 3)
     sm.launch(cases["stride2"], temp, top_k, top_p, seed, counter, out=into, block=64)
@@ -163,7 +168,7 @@ def _interpreter_cases() -> dict:
 
 
 def test_the_draw_program_equals_the_torch_form(interp):
-    assert len(interp) == 12
+    assert len(interp) == 13
     for name, r in interp.items():
         assert r["got"] == r["want"], (name, r)
 

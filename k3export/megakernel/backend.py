@@ -33,7 +33,6 @@ import torch
 
 from k3export.megakernel import chain as mc
 from k3export.megakernel import layer as ml
-from k3export.megakernel.argmax import argmax_rows
 
 # chain.cu's build for the backend: the recipes, tensor-core tiles only, the epoch in device memory (so that the
 # engine can capture the step, launch included, as a CUDA graph), and the step's inputs read by the launch itself
@@ -143,7 +142,6 @@ class MegakernelBackend:
         self.loaded = False                  # the kernel holds the engine's sequence (else: load it first)
         self.steps = 0                       # decode steps run
         self.cuda_graphs = not emulate       # (the emulation reads the device on the host)
-        self.argmax_error: str | None = None  # (`argmax_into`: why the Triton argmax is not used, once it failed)
 
     def check_engine(self, max_batch: int, max_len: int) -> None:
         """Refuse an engine this backend cannot serve (called by `Engine`)."""
@@ -225,23 +223,6 @@ class MegakernelBackend:
         else:
             self.kernel.launch("stream")
         return self.logits[None], None            # (the rows: in the engine's cache, `bind_engine_cache`)
-
-    def argmax_into(self, logits: torch.Tensor, out: torch.Tensor) -> None:
-        """The greedy step's argmax (the engine's hook): the launch's logits are a stride-2 view of its output words,
-        over which torch's argmax took 11.8 us a token on the H200 (12-03 14:05); `argmax.argmax_rows` reads them in
-        one Triton program (torch.argmax off the GPU). The same index as torch.argmax. Should that program fail to
-        build or launch (the engine's warm-up step, before its capture, is the first call), this warns once and
-        takes torch.argmax from then on (`argmax_error` says why)."""
-        if self.argmax_error is None:
-            try:
-                argmax_rows(logits, out=out)
-                return
-            except Exception as e:                                                  # noqa: BLE001
-                self.argmax_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                import warnings
-                warnings.warn(f"megakernel backend: the Triton argmax failed ({self.argmax_error}); greedy steps "
-                              "use torch.argmax instead", RuntimeWarning, stacklevel=2)
-        out.copy_(logits.argmax(-1))
 
     def check(self) -> None:
         """Raise if a launch so far gave up waiting (a kernel error, not an input error; reads the device)."""

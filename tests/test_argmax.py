@@ -1,5 +1,5 @@
-"""`k3export.megakernel.argmax.argmax_rows` (greedy decoding's argmax over the megakernel's stride-2 logits) against
-`torch.argmax`: the same index in every case, ties and all.
+"""`k3export.sampling.argmax_rows` (greedy decoding's argmax, e.g. over the megakernel's stride-2 logits) against
+`torch.argmax`: the same index in every case, ties and all; its post of the tokens into a ring.
 
 CPU: the Triton program runs under TRITON_INTERPRET=1 (a script run of this module, the `interp` fixture), with a
 small BLOCK so that rows take several rounds and end in a partial one: random rows (fp32 and bf16, contiguous and
@@ -43,26 +43,45 @@ def _rows(seed: int) -> dict[str, torch.Tensor]:
 
 
 def _interpreter_cases() -> dict:
-    from k3export.megakernel import argmax as am
+    from k3export import sampling as sm
     res = {}
     for name, x in _rows(0).items():
-        out = am.launch(x, block=64)
+        out = sm.launch_argmax(x, block=64)
         res[name] = {"got": out.tolist(), "want": x.float().argmax(-1).tolist()}
     into = torch.full((3,), -1, dtype=torch.int64)
     x = _rows(1)["stride2"]
-    am.launch(x, out=into, block=64)
+    sm.launch_argmax(x, out=into, block=64)
     res["into"] = {"got": into.tolist(), "want": x.argmax(-1).tolist()}
+    ring, lengths = torch.full((4, 5), -1, dtype=torch.int64), torch.tensor([7, 2, 5])
+    sm.launch_argmax(x, block=64, post=(ring[:, :3], lengths))
+    want = torch.full((4, 5), -1, dtype=torch.int64)
+    sm.post_reference((want[:, :3], lengths), x.argmax(-1))
+    res["post"] = {"got": ring.tolist(), "want": want.tolist()}
     return res
 
 
+def test_post_puts_each_rows_token_at_its_length_in_the_ring():
+    """`post_reference` (the programs' POST as torch ops): row b's token at ring[lengths[b] % rows, b], nothing else
+    written; a ring that is not [rows, slots] int64 with unit column stride is refused."""
+    from k3export.sampling import argmax_rows, post_args, post_reference
+    ring = torch.full((4, 5), -1, dtype=torch.int64)
+    post_reference((ring[:, :3], torch.tensor([7, 2, 5])), torch.tensor([11, 12, 13]))
+    assert ring[3, 0] == 11 and ring[2, 1] == 12 and ring[1, 2] == 13 and int((ring != -1).sum()) == 3
+    x = torch.randn(3, 50)
+    argmax_rows(x, post=(ring[:, :3], torch.tensor([8, 8, 8])))             # (the CPU's torch path posts too)
+    assert ring[0, :3].tolist() == x.argmax(-1).tolist()
+    with pytest.raises(ValueError, match="unit column stride"):
+        post_args((ring.t(), torch.zeros(5, dtype=torch.int64)), ring)
+
+
 def test_the_argmax_program_equals_torch_argmax(interp):
-    assert set(interp) == {"fp32", "stride2", "bf16", "ties", "neg_inf", "nan", "one", "into"}
+    assert set(interp) == {"fp32", "stride2", "bf16", "ties", "neg_inf", "nan", "one", "into", "post"}
     for name, r in interp.items():
         assert r["got"] == r["want"], (name, r)
 
 
 def test_the_argmax_off_the_gpu_is_torch_argmax():
-    from k3export.megakernel.argmax import argmax_rows
+    from k3export.sampling import argmax_rows
     x = torch.randn(2, 50)
     assert torch.equal(argmax_rows(x), x.argmax(-1))
     out = torch.empty(2, dtype=torch.int64)
@@ -71,25 +90,36 @@ def test_the_argmax_off_the_gpu_is_torch_argmax():
         argmax_rows(x[0])
 
 
-def test_the_backend_falls_back_to_torch_argmax_once_the_program_fails(tiny_mla8, monkeypatch):
-    """`MegakernelBackend.argmax_into`: a Triton argmax that raises (a build problem on some machine) warns once and
-    leaves torch.argmax's index; later calls go straight to torch."""
-    from k3export.megakernel import backend as mb
-    from k3export.runtime import EagerBackend
+def test_the_engine_posts_its_tokens_and_falls_back_to_torch_argmax_once_the_program_fails(tiny_mla8, monkeypatch):
+    """`Engine.decode_greedy` leaves each active slot's token in the host ring (`post_mark`, `posted`: the returned
+    buffer's), also for `decode_sampled`; a Triton argmax that raises (a build problem on some machine) warns once
+    and leaves torch.argmax's index, without the ring (post_mark None); later steps go straight to torch."""
+    from k3export import runtime as rt
+    from k3export.generate import Sampling
     cfg, model = tiny_mla8
-    be = mb.MegakernelBackend(model, max_len=24, prefill_backend=EagerBackend(model), emulate=True)
+    eng = rt.Engine(rt.EagerBackend(model), max_batch=3, max_len=24, cuda_graphs=False)
+    eng.prefill([0, 2], [[1, 2, 3], [4, 5]])
+    for _ in range(5):                                      # (past the ring's 4 rows)
+        ids = eng.decode_greedy().tolist()
+        mark = eng.post_mark()
+        assert mark == [4 + _, 0, 3 + _] and [eng.posted(mark)[b] for b in (0, 2)] == [ids[0], ids[2]]
+    eng.set_sampling([0, 2], [Sampling(temperature=0.9, top_p=0.8, seed=3)] * 2)
+    ids = eng.decode_sampled().tolist()
+    assert [eng.posted(eng.post_mark())[b] for b in (0, 2)] == [ids[0], ids[2]]
     calls = []
 
-    def broken(x, out=None):
+    def broken(x, out=None, post=None):
         calls.append(1)
         raise RuntimeError("no sm_90 build\nmore")
-    monkeypatch.setattr(mb, "argmax_rows", broken)
-    x, out = torch.randn(1, 40)[:, ::2], torch.full((1,), -1, dtype=torch.int64)
+    monkeypatch.setattr(rt, "argmax_rows", broken)
     with pytest.warns(RuntimeWarning, match="torch.argmax instead"):
-        be.argmax_into(x, out)
-    assert out.tolist() == x.argmax(-1).tolist() and be.argmax_error == "RuntimeError: no sm_90 build"
-    be.argmax_into(x * -1, out)
-    assert out.tolist() == (x * -1).argmax(-1).tolist() and len(calls) == 1
+        ids = eng.decode_greedy().tolist()
+    want = eng.last_logits.argmax(-1).tolist()
+    assert [ids[0], ids[2]] == [want[0], want[2]] and eng.argmax_error == "RuntimeError: no sm_90 build"
+    assert eng.post_mark() is None
+    ids = eng.decode_greedy().tolist()
+    want = eng.last_logits.argmax(-1).tolist()
+    assert [ids[0], ids[2]] == [want[0], want[2]] and len(calls) == 1
 
 
 @pytest.mark.cuda
@@ -98,7 +128,7 @@ def test_the_argmax_program_on_the_gpu(vocab):
     """k3-small's and K3's vocabularies as the backend's stride-2 view of its 8-byte words: torch.argmax's index."""
     if not torch.cuda.is_available():
         pytest.skip("needs an NVIDIA GPU; run `make test-gpu` on the GPU machine")
-    from k3export.megakernel.argmax import argmax_rows
+    from k3export.sampling import argmax_rows
     g = torch.Generator(device="cuda").manual_seed(vocab)
     for _ in range(5):
         words = torch.randn(1, 2 * vocab, generator=g, device="cuda")
