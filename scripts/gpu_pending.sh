@@ -123,7 +123,8 @@
 #            megakernel and megakernel-unpaired, 300 decode steps (12-03 14:43 as paired vs default: passed; 0.769
 #            ms against 0.784)
 #   mkargmax (not yet run) the greedy step's argmax as one Triton program over the launch's strided logits
-#            (then `MegakernelBackend.argmax_into`, now the engine's): its cuda tests and the backend's, bench model megakernel (300 steps),
+#            (then `MegakernelBackend.argmax_into`, now the engine's): its cuda tests and the backend's, bench model
+#            megakernel (300 steps),
 #            and the pipelined generation's timeline (was: torch's argmax 11.8 us a token)
 #   mksleep  (not yet run) POLL_SLEEP: the variant's cuda test (== the default kernel bit for bit), bench model
 #            megakernel, megakernel-poll-sleep64, -poll-sleep256 (300 steps)
@@ -159,7 +160,7 @@
 #   mkpost   (not yet run) the draw's thresholds in its program and the host ring of tokens (`Engine.post_mark` /
 #            `posted`): cuda tests of sampling, argmax and the engines' graphed / pipelined decoding ($MKPOST_K picks
 #            them), scripts/sampling_probe.py at 32768 and 163840 logits, the megakernel's pipelined timeline
-#            (profile_decode --generate 7), then bench model compile, megakernel ($MKBENCH_BACKENDS, $MKBENCH_ROUNDS)
+#            (profile_decode --generate 7); its bench is `mkbench` in a call of its own
 #   mkbench  bench model eager, compile, megakernel at B = 1, context 1024 ($MKBENCH_BACKENDS; $MKBENCH_ROUNDS
 #            decode rounds, the backends' order rotated each round)
 #   profile  scripts/profile_decode.py --backend $PROFILE_BACKEND (default compile): kernels per decode step, and the
@@ -460,10 +461,7 @@ for part in $parts; do
            timeout 100 python3 scripts/sampling_probe.py --vocab 163840 --iters 100 >> "$OUT/mkpost-probe.log" 2>&1
            grep -h "graph replay" "$OUT/mkpost-probe.log"
            PROFILE_BACKEND=megakernel PROFILE_ARGS="--timeline --generate 7" bash "$0" profile
-           grep -h "step to step" "$OUT/profile.log"
-           MKBENCH_BACKENDS=${MKBENCH_BACKENDS:-compile,megakernel} MKBENCH_ITERS=100 MKBENCH_TIMEOUT=300 \
-             bash "$0" mkbench
-           rm -f "$OUT/mkbench/model.partial.json" "$OUT/gpu.txt" ;;
+           grep -h "step to step" "$OUT/profile.log" ;;
     mkbench) timeout ${MKBENCH_TIMEOUT:-400} python3 -m k3export.cli bench model --preset k3-small --dtype bf16 \
              --backends ${MKBENCH_BACKENDS:-eager,compile,megakernel} --prefill-lengths 2048 --batches 1 \
              --contexts 1024 --warmup 3 --iters 5 --decode-iters ${MKBENCH_ITERS:-100} --rounds ${MKBENCH_ROUNDS:-1} \
