@@ -44,8 +44,7 @@ except ImportError:                                   # (the CPU wheel's machine
 
 M32 = 0xFFFFFFFF
 GOLDEN, SEED_MUL, COUNTER_MUL = 0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D     # (the Triton program's literals too)
-BLOCK = 4096             # values a round of the draw program (8 rounds for k3-small's 32768)
-ARGMAX_BLOCK = 8192      # values a round of the argmax program (4 rounds for k3-small's 32768; 20 for K3's 163840)
+BLOCK = 2048             # values a round of the argmax and draw programs (a part of a row: `row_parts`)
 
 
 def _mul32(a: torch.Tensor, b: int) -> torch.Tensor:
@@ -106,10 +105,31 @@ if triton is not None:
         return tl.where(take, s, best), tl.where(take, o, idx)
 
     @triton.jit
-    def first_of_max(best, idx, n):
-        """The row's first index of its largest value across the lanes (as torch.argmax picks it)."""
+    def finish_row(best, idx, n, row, part, parts, part_max, part_idx, count, out_ptr, post_ptr, len_ptr,
+                   post_stride, post_rows, POST: tl.constexpr, PARTS: tl.constexpr):
+        """A program's part of a row done: the first index of its largest value across the lanes (as torch.argmax
+        picks it) is the row's token when the row is one part (PARTS 1); else it goes to the row's scratch, and the
+        part that finishes last (a counter, acq_rel at GPU scope, reset by that part) takes the first index of the
+        parts' largest maximum. Then the token into out (and the ring, with POST)."""
         m = tl.max(best, axis=0)
-        return tl.min(tl.where(best == m, idx, n), axis=0).to(tl.int64)
+        i = tl.min(tl.where(best == m, idx, n), axis=0)
+        if PARTS == 1:
+            tl.store(out_ptr + row, i.to(tl.int64))
+            post_token(post_ptr, len_ptr, row, post_stride, post_rows, i.to(tl.int64), POST)
+        else:
+            tl.store(part_max + row * PARTS + part, m)
+            tl.store(part_idx + row * PARTS + part, i)
+            tl.debug_barrier()                              # (the stores before this program's count)
+            done = tl.atomic_add(count + row, 1)
+            if done == parts - 1:
+                tl.debug_barrier()
+                k = tl.arange(0, PARTS)
+                pm = tl.load(part_max + row * PARTS + k, mask=k < parts, other=float("-inf"), volatile=True)
+                pi = tl.load(part_idx + row * PARTS + k, mask=k < parts, other=n, volatile=True)
+                tok = tl.min(tl.where(pm == tl.max(pm, axis=0), pi, n), axis=0).to(tl.int64)
+                tl.store(out_ptr + row, tok)
+                post_token(post_ptr, len_ptr, row, post_stride, post_rows, tok, POST)
+                tl.store(count + row, 0)
 
     @triton.jit
     def post_token(post_ptr, len_ptr, row, post_stride, post_rows, tok, POST: tl.constexpr):
@@ -166,8 +186,9 @@ if triton is not None:
     @triton.jit
     def _draw_kernel(x_ptr, out_ptr, temp_ptr, sorted_ptr, topk_ptr, topp_ptr, seed_ptr, counter_ptr, n, ns,
                      row_stride, col_stride, sorted_stride, sorted_col, post_ptr, post_len_ptr, post_stride, post_rows,
-                     FILTERED: tl.constexpr, POST: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
+                     span, parts, part_max, part_idx, count,
+                     FILTERED: tl.constexpr, POST: tl.constexpr, PARTS: tl.constexpr, BLOCK: tl.constexpr):
+        row, part = tl.program_id(0), tl.program_id(1)
         offs = tl.arange(0, BLOCK)
         temp = tl.load(temp_ptr + row).to(tl.float32)
         seed = tl.load(seed_ptr + row).to(tl.uint32)                # (the low 32 bits, as `row_keys` takes them)
@@ -182,7 +203,7 @@ if triton is not None:
         best = tl.full([BLOCK], float("-inf"), tl.float32)
         idx = tl.zeros([BLOCK], tl.int32)
         base = x_ptr + row.to(tl.int64) * row_stride
-        for start in range(0, n, BLOCK):
+        for start in range(part * span, tl.minimum(n, part * span + span), BLOCK):
             o = start + offs
             v = load_row(base, o, n, col_stride)
             z = tl.math.div_rn(v, t)                # (IEEE division, as torch's)
@@ -192,9 +213,8 @@ if triton is not None:
             s = tl.where(greedy, v, tl.where(z >= thr, z + g, float("-inf")))
             s = tl.where(o < n, s, float("-inf"))
             best, idx = keep_max(s, o, best, idx)
-        tok = first_of_max(best, idx, n)
-        tl.store(out_ptr + row, tok)
-        post_token(post_ptr, post_len_ptr, row, post_stride, post_rows, tok, POST)
+        finish_row(best, idx, n, row, part, parts, part_max, part_idx, count, out_ptr, post_ptr, post_len_ptr,
+                   post_stride, post_rows, POST, PARTS)
 
 
     @triton.jit
@@ -208,19 +228,51 @@ if triton is not None:
 
     @triton.jit
     def _argmax_kernel(x_ptr, out_ptr, post_ptr, len_ptr, n, row_stride, col_stride, post_stride, post_rows,
-                       POST: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
+                       span, parts, part_max, part_idx, count, POST: tl.constexpr, PARTS: tl.constexpr,
+                       BLOCK: tl.constexpr):
+        row, part = tl.program_id(0), tl.program_id(1)
         offs = tl.arange(0, BLOCK)
         best = tl.full([BLOCK], float("-inf"), tl.float32)
         idx = tl.zeros([BLOCK], tl.int32)
         base = x_ptr + row.to(tl.int64) * row_stride
-        for start in range(0, n, BLOCK):
+        for start in range(part * span, tl.minimum(n, part * span + span), BLOCK):
             o = start + offs
             best, idx = keep_max(load_row(base, o, n, col_stride), o, best, idx)
-        tok = first_of_max(best, idx, n)
-        tl.store(out_ptr + row, tok)
-        post_token(post_ptr, len_ptr, row, post_stride, post_rows, tok, POST)
+        finish_row(best, idx, n, row, part, parts, part_max, part_idx, count, out_ptr, post_ptr, len_ptr,
+                   post_stride, post_rows, POST, PARTS)
 
+
+PART = BLOCK             # values a part of a row when a row is split over programs (`row_parts`)
+MAX_PROGRAMS = 264       # programs a launch aims at when it splits rows (two per H200 SM)
+_scratch: dict[tuple, tuple] = {}
+
+
+def row_parts(B: int, n: int, block: int, parts: int | None = None) -> tuple[int, int, int]:
+    """(span, parts, PARTS) for rows of n values over B rows: each row split into `parts` programs of `span` values
+    (a multiple of block), at most MAX_PROGRAMS in all (B = 1 at 32768 logits: 16 programs of 2048, where one
+    program a row took 6.5 us for the argmax and 27 for the draw on the H200, 12-04); PARTS is the power of two
+    the combine reads. parts: force a count (the tests)."""
+    blocks = -(-n // block)
+    if parts is None:
+        parts = max(1, min(-(-n // max(PART, block)), MAX_PROGRAMS // max(B, 1)))
+    parts = max(1, min(parts, blocks))
+    span = -(-blocks // parts) * block
+    parts = -(-n // span)
+    return span, parts, 1 if parts == 1 else 1 << (parts - 1).bit_length()
+
+
+def part_scratch(device, B: int, PARTS: int) -> tuple[torch.Tensor, ...]:
+    """Each row's parts' maxima, their indices and the row's count of finished parts (zero between launches: the
+    last part resets it), kept per (device, B, PARTS) so a captured launch reads the same memory at every replay;
+    launches sharing them must not overlap (one stream). Made inside a capture, they are the graph's own."""
+    key = (str(device), B, PARTS)
+    if key in _scratch:
+        return _scratch[key]
+    made = (torch.empty(B, PARTS, dtype=torch.float32, device=device),
+            torch.empty(B, PARTS, dtype=torch.int32, device=device), torch.zeros(B, dtype=torch.int32, device=device))
+    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        _scratch[key] = made
+    return made
 
 
 def post_args(post: tuple | None, like: torch.Tensor) -> tuple:
@@ -301,7 +353,8 @@ def sort_width(top_k: list[int], top_p: list[float], vocab: int) -> int | None:
 
 
 def launch(logits, temperature, top_k, top_p, seed, counter, out=None, filtered: bool = True,
-           block: int = BLOCK, width: int | None = None, post: tuple | None = None) -> torch.Tensor:
+           block: int = BLOCK, width: int | None = None, post: tuple | None = None,
+           parts: int | None = None) -> torch.Tensor:
     """The Triton program itself on the logits' device (the tests run it on the CPU under TRITON_INTERPRET=1). The
     row keys are hashed in the program, so without the filter a draw is this one launch (the engine's per-slot
     buffers need no conversion: fp32 temperature, integer seed and counter). With it, the rows' values are sorted
@@ -321,9 +374,11 @@ def launch(logits, temperature, top_k, top_p, seed, counter, out=None, filtered:
     res = out if out is not None and out.dtype == torch.int64 and out.is_contiguous() else \
         torch.empty(B, dtype=torch.int64, device=dev)
     ring, post_lengths, post_stride, post_rows = post_args(post, res)
-    _draw_kernel[(B,)](logits, res, temp, ordered, top_k, top_p, seed, counter, V, ns, *logits.stride(),
-                       *ordered.stride(), ring, post_lengths, post_stride, post_rows, FILTERED=filtered,
-                       POST=post is not None, BLOCK=block, num_warps=8)
+    span, n_parts, PARTS = row_parts(B, V, block, parts)
+    _draw_kernel[(B, n_parts)](logits, res, temp, ordered, top_k, top_p, seed, counter, V, ns, *logits.stride(),
+                               *ordered.stride(), ring, post_lengths, post_stride, post_rows, span, n_parts,
+                               *part_scratch(dev, B, PARTS), FILTERED=filtered, POST=post is not None, PARTS=PARTS,
+                               BLOCK=block, num_warps=8 if n_parts == 1 else 4)
     return res if out is None or res is out else out.copy_(res)
 
 
@@ -354,12 +409,15 @@ def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None, post: tuple | 
     return launch_argmax(x, out, post=post)
 
 
-def launch_argmax(x: torch.Tensor, out: torch.Tensor | None = None, block: int = ARGMAX_BLOCK,
-           post: tuple | None = None) -> torch.Tensor:
+def launch_argmax(x: torch.Tensor, out: torch.Tensor | None = None, block: int = BLOCK,
+                  post: tuple | None = None, parts: int | None = None) -> torch.Tensor:
     """The Triton program itself on x's device (the tests run it on the CPU under TRITON_INTERPRET=1)."""
     res = out if out is not None and out.dtype == torch.int64 and out.is_contiguous() else \
         torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
     ring, lengths, stride, rows = post_args(post, res)
-    _argmax_kernel[(x.shape[0],)](x, res, ring, lengths, x.shape[1], x.stride(0), x.stride(1), stride, rows,
-                                  POST=post is not None, BLOCK=block, num_warps=8)
+    B, n = x.shape
+    span, n_parts, PARTS = row_parts(B, n, block, parts)
+    _argmax_kernel[(B, n_parts)](x, res, ring, lengths, n, x.stride(0), x.stride(1), stride, rows, span, n_parts,
+                                 *part_scratch(x.device, B, PARTS), POST=post is not None, PARTS=PARTS, BLOCK=block,
+                                 num_warps=8 if n_parts == 1 else 4)
     return res if out is None or res is out else out.copy_(res)

@@ -1,7 +1,7 @@
 """Where a device-side draw's time goes (`k3export.sampling.draw`) at B = 1 and 64 over k3-small's 32768 logits
 (--vocab 163840: K3's): host time per call (no sync between calls, then one), GPU time (CUDA events around a
 CUDA-graph replay of the draw), for the Triton program with top-p (a sort, then the program), with top-k 50 (a
-top-k instead of the sort) and without a filter, the torch form, and torch.argmax; then
+top-k instead of the sort) and without a filter, the torch form, the argmax program and torch.argmax; then
 torch.profiler's table of one filtered call. GPU only.
 
     python3 scripts/sampling_probe.py [--vocab 32768] [--iters 200]
@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from k3export.sampling import draw, draw_reference
+from k3export.sampling import argmax_rows, draw, draw_reference
 
 
 def main() -> None:
@@ -36,6 +36,7 @@ def main() -> None:
                "draw (top-k 50)": lambda: draw(x, temp, k50, top_p, seed, counter, out=out, width=50),
                "draw (no filter)": lambda: draw(x, temp, top_k, top_p, seed, counter, out=out, filtered=False),
                "torch form (top-p)": lambda: out.copy_(draw_reference(x, temp, top_k, top_p, seed, counter)),
+               "argmax program": lambda: argmax_rows(x, out=out),
                "torch.argmax": lambda: out.copy_(x.argmax(-1))}
         for name, fn in fns.items():
             for _ in range(3):

@@ -48,12 +48,15 @@ def _interpreter_cases() -> dict:
     for name, x in _rows(0).items():
         out = sm.launch_argmax(x, block=64)
         res[name] = {"got": out.tolist(), "want": x.float().argmax(-1).tolist()}
+        for parts in (2, 3):                  # rows split over programs (192 + 108; 128 x 2 + 44): the combine
+            out = sm.launch_argmax(x, block=64, parts=parts)
+            res[f"{name}-parts{parts}"] = {"got": out.tolist(), "want": x.float().argmax(-1).tolist()}
     into = torch.full((3,), -1, dtype=torch.int64)
     x = _rows(1)["stride2"]
     sm.launch_argmax(x, out=into, block=64)
     res["into"] = {"got": into.tolist(), "want": x.argmax(-1).tolist()}
     ring, lengths = torch.full((4, 5), -1, dtype=torch.int64), torch.tensor([7, 2, 5])
-    sm.launch_argmax(x, block=64, post=(ring[:, :3], lengths))
+    sm.launch_argmax(x, block=64, post=(ring[:, :3], lengths), parts=3)
     want = torch.full((4, 5), -1, dtype=torch.int64)
     sm.post_reference((want[:, :3], lengths), x.argmax(-1))
     res["post"] = {"got": ring.tolist(), "want": want.tolist()}
@@ -75,7 +78,8 @@ def test_post_puts_each_rows_token_at_its_length_in_the_ring():
 
 
 def test_the_argmax_program_equals_torch_argmax(interp):
-    assert set(interp) == {"fp32", "stride2", "bf16", "ties", "neg_inf", "nan", "one", "into", "post"}
+    cases = {"fp32", "stride2", "bf16", "ties", "neg_inf", "nan", "one"}
+    assert set(interp) == cases | {f"{c}-parts{p}" for c in cases for p in (2, 3)} | {"into", "post"}
     for name, r in interp.items():
         assert r["got"] == r["want"], (name, r)
 
@@ -136,6 +140,33 @@ def test_the_argmax_program_on_the_gpu(vocab):
         assert torch.equal(argmax_rows(x), x.argmax(-1))
     x[0, [vocab // 3, vocab - 1]] = x.max() + 1
     assert argmax_rows(x).item() == vocab // 3
+    # rows split over programs (B = 1 and 8: one part a 2048 values, up to 264 programs; B = 300: one a row), the last
+    # part combining; replayed from a CUDA graph 40 times over new values with the ring posted: each replay's
+    # index (the count of finished parts is back to 0 after each)
+    from k3export.sampling import row_parts
+    for B in (1, 8, 300):
+        print(B, row_parts(B, vocab, 2048))
+        words = torch.randn(B, 2 * vocab, generator=g, device="cuda")
+        x = words[:, 0::2]
+        assert torch.equal(argmax_rows(x), x.argmax(-1)), B
+    B = 3
+    words = torch.randn(B, 2 * vocab, generator=g, device="cuda")
+    x, out = words[:, 0::2], torch.empty(B, dtype=torch.int64, device="cuda")
+    ring = torch.full((4, B), -1, dtype=torch.int64, pin_memory=True)
+    lengths = torch.tensor([5, 9, 2], device="cuda")
+    argmax_rows(x, out=out, post=(ring, lengths))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        argmax_rows(x, out=out, post=(ring, lengths))
+        lengths.add_(1)
+    for r in range(40):
+        words.normal_(generator=g)
+        want = x.argmax(-1)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want), r
+        at = ((lengths - 1) % 4).tolist()
+        assert [int(ring[at[b], b]) for b in range(B)] == want.tolist(), r
 
 
 if __name__ == "__main__":

@@ -136,7 +136,8 @@ def _interpreter_cases() -> dict:
             got, want = [], []
             for c in range(8):                       # 8 counters: 32 draws a case
                 counter = torch.full((4,), 100 + c)
-                got += sm.launch(x, temp, top_k, top_p, seed, counter, filtered=filtered, block=64).tolist()
+                got += sm.launch(x, temp, top_k, top_p, seed, counter, filtered=filtered, block=64,
+                                 parts=1 + c % 3).tolist()          # (rows in 1, 2 or 3 programs)
                 want += sm.draw_reference(x, temp, top_k, top_p, seed, counter, filtered).tolist()
             res[f"{name}-{'filtered' if filtered else 'plain'}"] = {"got": got, "want": want}
     z = torch.randn(6, 300, generator=g) * 3
@@ -155,7 +156,8 @@ def _interpreter_cases() -> dict:
         res["width-30"]["got"] += sm.launch(z[2:4], *k_args, seed[:2], counter, width=30, block=64).tolist()
         res["width-30"]["want"] += sm.draw_reference(z[2:4], *k_args, seed[:2], counter).tolist()
     ring, lengths = torch.full((4, 6), -1, dtype=torch.int64), torch.tensor([9, 4, 6, 3])
-    toks = sm.launch(cases["stride2"], temp, top_k, top_p, seed, lengths, block=64, post=(ring[:, :4], lengths))
+    toks = sm.launch(cases["stride2"], temp, top_k, top_p, seed, lengths, block=64, post=(ring[:, :4], lengths),
+                     parts=2)
     want = torch.full((4, 6), -1, dtype=torch.int64)
     sm.post_reference((want[:, :4], lengths), toks)
     res["post"] = {"got": ring.tolist(), "want": want.tolist()}
