@@ -157,7 +157,7 @@
 #            pipelined sampled tokens == its plain loop's), scripts/sampling_probe.py (the draw's host and GPU time),
 #            then bench model compile, megakernel with the sampled generation rows ($MKBENCH_BACKENDS, default
 #            compile,megakernel; $MKSAMPLE_K picks the tests, MKSAMPLE_NO_PROBE=1 skips the probe)
-#   mkpost   (not yet run) the draw's thresholds in its program and the host ring of tokens (`Engine.post_mark` /
+#   mkpost   (run 12-04 09:10 and 10:10, docs/perf.md "Tokens posted to host memory") the draw's thresholds in its program and the host ring of tokens (`Engine.post_mark` /
 #            `posted`): cuda tests of sampling, argmax and the engines' graphed / pipelined decoding ($MKPOST_K picks
 #            them), scripts/sampling_probe.py at 32768 and 163840 logits, the megakernel's pipelined timeline
 #            (profile_decode --generate 7); its bench is `mkbench` in a call of its own
