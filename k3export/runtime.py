@@ -578,7 +578,7 @@ class Engine:
         from there (tokens None) without the host: a greedy loop can queue step t + 1 before it reads step t's
         tokens (`Generator` does, when every running request samples greedily). Returns the buffer of the argmax
         ids `[max_batch]` (device, overwritten by the next call: copy it out first, e.g. non-blocking to the host,
-        which the stream orders before that call). The step's logits are `last_logits`, valid until the next
+        which the stream orders before that call; or read them from the host ring, `post_mark` / `posted`). The step's logits are `last_logits`, valid until the next
         `decode` / `decode_greedy` (with CUDA graphs the step is its own graph, captured with the decode graph in
         its memory pool)."""
         self._advance(host=True)                        # the host copies: reading the device would wait
@@ -692,9 +692,9 @@ class Engine:
         return logits
 
     def _argmax(self, logits: torch.Tensor) -> None:
-        """The greedy step's tokens into the input buffer (and the host ring): one Triton program a row over the
-        logits as they lie (`k3export.megakernel.argmax.argmax_rows`; H200 12-03 14:05: torch's argmax over the
-        megakernel's stride-2 logits took 11.8 us a token, the program 6.0), the same index as torch.argmax. Should
+        """The greedy step's tokens into the input buffer (and the host ring): Triton programs over parts of each row
+        of the logits as they lie (`k3export.sampling.argmax_rows`; H200, the megakernel's stride-2 logits at B = 1:
+        torch's argmax 11.8 us a token on 12-03, the program 4.1 on 12-04), the same index as torch.argmax. Should
         the program fail to build or launch (the warm-up before a capture is its first call), this warns once and
         takes torch.argmax from then on, without the ring (`argmax_error` says why)."""
         n = logits.shape[0]
