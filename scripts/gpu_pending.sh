@@ -161,6 +161,10 @@
 #            `posted`): cuda tests of sampling, argmax and the engines' graphed / pipelined decoding ($MKPOST_K picks
 #            them), scripts/sampling_probe.py at 32768 and 163840 logits, the megakernel's pipelined timeline
 #            (profile_decode --generate 7); its bench is `mkbench` in a call of its own
+#   mkgapart (not yet run) the gate rows of each KDA / MLA layer a GEMV phase of their own, dealt over the blocks
+#            beside the step / attention (`g_apart`, `mla_g_apart`): the variant's cuda test (bit for bit against
+#            the default), then the layer step with neither, KDA's, MLA's and both ($MKGAPART_ROUNDS processes each,
+#            default 1, interleaved); its bench is `mkbench` with MKBENCH_BACKENDS=megakernel,megakernel-both-g-apart
 #   mkbench  bench model eager, compile, megakernel at B = 1, context 1024 ($MKBENCH_BACKENDS; $MKBENCH_ROUNDS
 #            decode rounds, the backends' order rotated each round)
 #   profile  scripts/profile_decode.py --backend $PROFILE_BACKEND (default compile): kernels per decode step, and the
@@ -462,6 +466,18 @@ for part in $parts; do
            grep -h "graph replay" "$OUT/mkpost-probe.log"
            PROFILE_BACKEND=megakernel PROFILE_ARGS="--timeline --generate 7" bash "$0" profile
            grep -h "step to step" "$OUT/profile.log" ;;
+    mkgapart) timeout 240 python3 -m pytest -q -m cuda tests/test_megakernel_backend.py -k "g_apart" -s -rs \
+             -p no:cacheprovider > "$OUT/mkgapart.log" 2>&1
+           grep -h "passed\|failed" "$OUT/mkgapart.log"
+           for r in $(seq ${MKGAPART_ROUNDS:-1}); do
+             for v in base --g-apart --mla-g-apart "--g-apart --mla-g-apart"; do
+               echo "== $v" >> "$OUT/mkgapart-step.log"
+               layer_step 100 --rounds 2 --defines PAIR_TILES=1+LIVE_SPLITS=1+ATTN_MMA=1+ATTN_X_TAIL=1 ${v/base/} \
+                 --out "$OUT/gapart.json" >> "$OUT/mkgapart-step.log" 2>&1
+             done
+           done
+           rm -f "$OUT/gapart.json"
+           grep -h "^== \|k3-small KDA" "$OUT/mkgapart-step.log" ;;
     mkbench) timeout ${MKBENCH_TIMEOUT:-400} python3 -m k3export.cli bench model --preset k3-small --dtype bf16 \
              --backends ${MKBENCH_BACKENDS:-eager,compile,megakernel} --prefill-lengths 2048 --batches 1 \
              --contexts 1024 --warmup 3 --iters 5 --decode-iters ${MKBENCH_ITERS:-100} --rounds ${MKBENCH_ROUNDS:-1} \
@@ -469,7 +485,7 @@ for part in $parts; do
              --no-new-lengths --out "$OUT/mkbench" > "$OUT/mkbench.log" 2>&1 ;;
     profile) timeout 150 python3 scripts/profile_decode.py --backend ${PROFILE_BACKEND:-compile} ${PROFILE_ARGS:-} \
              > "$OUT/profile.log" 2>&1 ;;
-    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe trtfp8 fp8eng grouped grpsmall fp8comp overlap chain layer step attnres abmix gmla greedy greedy64 mkback mkinputs mkstep mkcache mkfinal mkrouter mkpair mkargmax mksleep mkrun mkblocks mkattn mkheads mklive mktrace mktiles mksums mkmma mkmmafinal mkcombine mksample mkpost mkbench profile)"; continue ;;
+    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe trtfp8 fp8eng grouped grpsmall fp8comp overlap chain layer step attnres abmix gmla greedy greedy64 mkback mkinputs mkstep mkcache mkfinal mkrouter mkpair mkargmax mksleep mkrun mkblocks mkattn mkheads mklive mktrace mktiles mksums mkmma mkmmafinal mkcombine mksample mkpost mkgapart mkbench profile)"; continue ;;
   esac
   echo "$part: exit $? in $((SECONDS - t)) s" | tee -a "$OUT/pending.log"
   tail -4 "$OUT/$part.log" 2>/dev/null

@@ -72,6 +72,58 @@ def test_the_router_first_layout_gives_the_same_step(tiny_mla8):
             assert proj.rows == 16 and (max(tiles) < 132 if first else min(tiles) >= 132), (proj.name, tiles)
 
 
+def test_the_gate_apart_gives_the_same_step_and_deals_its_tiles_beside_the_step(tiny_mla8):
+    """`g_apart` takes each KDA layer's gate rows out of the input projection into a GEMV phase of their own after
+    the step, its x the mix's words, and `mla_g_apart` each MLA layer's out of its projection into one after the
+    attention: the same rows' sums, so the emulated step's logits equal the default's bit for
+    bit, step after step. On k3-small (the layout on an H200's 132 blocks): the input projection is 393 tiles (three
+    rounds) instead of 521 (four), every block with a step tile has at most three of them before it, and none of the
+    gate's 128 tiles runs on a block with a step tile of its layer (they are dealt over the other 68); on a grid
+    where fewer than a quarter of the blocks would be left they are dealt over every block, as any phase's. The MLA projection is 84 tiles
+    (one round) instead of 212, and its gate's tiles run on blocks without an attention tile."""
+    cfg, model = tiny_mla8
+    runs = []
+    for apart in (False, True):
+        be = mb.MegakernelBackend(model, max_len=40, prefill_backend=EagerBackend(model), emulate=True,
+                                  g_apart=apart, mla_g_apart=apart)
+        eng = Engine(be, max_batch=1, max_len=40)
+        eng.prefill([0], [PROMPTS[0]])
+        runs.append([eng.decode(torch.tensor([t]))[0].clone() for t in (5, 9, 2)])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    from k3export.model import K3Model
+    with torch.device("meta"):                      # (the layout only: no weights' values)
+        small = K3Model(K3Config.from_name("k3-small")).to(torch.bfloat16)
+    for apart in (False, True):
+        chain = mb.decode_chain(small, 64, g_apart=apart, mla_g_apart=apart)
+        names = [ph.name for ph in chain.phases]
+        steps = [p for p, ph in enumerate(chain.phases) if ph.kind == "kda"]
+        assert len(steps) == 9
+        for p in steps:
+            step, inp = chain.phases[p], chain.phases[chain.phases[p].src]
+            assert inp.ntiles == (393 if apart else 521) and step.ntiles == 64
+            tiles = mc.block_tiles(chain, 132)
+            step_blocks = {mc.tile_block(step, t, 132) for t in range(step.ntiles)}
+            for b in step_blocks:
+                before = [q for q, _, _ in tiles[b][:[q for q, _, _ in tiles[b]].index(p)]]
+                assert before.count(chain.phases.index(inp)) <= (3 if apart else 4)
+            if apart:
+                g = chain.phases[p + 1]
+                assert g.name.endswith("kda.g") and g.spare == 64 and names[p + 2].endswith("kda.o")
+                assert not step_blocks & {mc.tile_block(g, t, 132) for t in range(g.ntiles)}
+                assert mc.phase_stride(g, 132) == 68 and mc.phase_stride(g, 80) == 80
+                assert sorted(mc.tile_block(g, t, 80) for t in range(80)) == list(range(80))
+        for p in (p for p, ph in enumerate(chain.phases) if ph.kind == "attn"):
+            proj = chain.phases[names.index(chain.phases[p].name.replace(".attn", ".proj"))]
+            assert proj.name.endswith("gmla.proj") and proj.ntiles == (84 if apart else 212)
+            if apart:
+                g, at = chain.phases[p + 1], chain.phases[p]
+                assert g.name.endswith("gmla.g") and g.spare == at.ntiles
+                assert not {mc.tile_block(at, t, 132) for t in range(at.ntiles)} & \
+                    {mc.tile_block(g, t, 132) for t in range(g.ntiles)}
+        if not apart:
+            assert not any(ph.spare for ph in chain.phases)
+
+
 def test_attention_tiles_of_fewer_heads_give_the_same_step(tiny_mla8):
     """`attn_heads`: the MLA attention's tiles take 4 or 2 heads each instead of 8 (more tiles, the same key
     blocks); every (key block, head)'s words are computed as before, so the emulated step's logits equal the
@@ -342,13 +394,16 @@ CUDA_CORES = {"attn_mma": False}        # (the attention tile on CUDA cores: the
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("base, variant", [({}, {"router_first": True}), ({}, {"pair_tiles": False}),
+@pytest.mark.parametrize("base, variant", [({}, {"g_apart": True, "mla_g_apart": True}),
+                                           ({}, {"router_first": True}),
+                                           ({}, {"pair_tiles": False}),
                                            ({}, {"poll_sleep": 256}), ({}, {"x_tail": False}),
                                            (CUDA_CORES, {**CUDA_CORES, "attn_heads": 4}),
                                            (CUDA_CORES, {**CUDA_CORES, "live_splits": False}),
                                            (CUDA_CORES, {**CUDA_CORES, "sums_apart": True})], ids=str)
 def test_the_kernel_variants_equal_the_default_kernel(base, variant):
-    """k3-small in the kernel: the router rows early in each MoE's packed projection (`router_first`; 12-03 14:04 on
+    """k3-small in the kernel: each KDA layer's gate rows a phase of their own beside the step (`g_apart`: the same
+    rows' sums, dealt over the blocks without a step tile), the router rows early in each MoE's packed projection (`router_first`; 12-03 14:04 on
     the H200: passed), and each block's MoE down tiles two experts' as before PAIR_TILES (`pair_tiles=False`; the
     paired build against the unpaired one passed 12-03 14:43, before pairing became the default) give the default
     kernel's logits bit for bit under the engine's CUDA graph, over 6 steps (each row's sum is the same tensor-core

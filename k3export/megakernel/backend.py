@@ -82,7 +82,7 @@ class MegakernelBackend:
                  cubin: tuple[str, str] | None = None, step_inputs: bool = True, router_first: bool = False,
                  pair_tiles: bool = True, poll_sleep: int = 0, attn_heads: int = mc.ATTN_HEADS,
                  live_splits: bool = True, sums_apart: bool = False, attn_mma: bool = True,
-                 x_tail: bool = True):
+                 x_tail: bool = True, g_apart: bool = False, mla_g_apart: bool = False):
         """step_inputs (the default): chain.cu built with STEP_INPUTS=1 reads the token's embedding row, the key
         count and its epoch from the engine's buffers itself, four small kernels fewer a step than setting them
         around it (False: `HOST_INPUTS_DEFINES`). defines: another build (the engine directory's). router_first:
@@ -106,7 +106,11 @@ class MegakernelBackend:
         both against 0.7421 without, 0.7362 with attn_mma alone, 0.7415 with x_tail alone (which spills 12
         bytes without the tensor-core tile). (Options measured no faster and removed: `combine_words=12`, BMM2's
         combine polling 12 key blocks' words a round, and `softmax_in_sums`, the tile's softmax warps adding its
-        score chunks; both gave the default's logits bit for bit, 12-03 21:20: commit 91653d6 has them.)"""
+        score chunks; both gave the default's logits bit for bit, 12-03 21:20: commit 91653d6 has them.) g_apart:
+        each KDA layer's gate rows a GEMV phase of their own on the blocks beside the step's (`layer.kda_sublayer`),
+        so that the step waits for three rounds of the input projection's tiles, not four; mla_g_apart: each MLA
+        layer's beside the attention (`layer.mla_sublayer`: its projection one round of tiles, not two); the same
+        logits either way."""
         cfg = model.config
         self.model, self.config, self.dtype, self.device = model, cfg, model.dtype, model.device
         self.max_len, self.emulate = max_len, emulate
@@ -118,7 +122,7 @@ class MegakernelBackend:
         why = unsupported(model, max_len, emulate, attn_heads)
         if why:
             raise ValueError(f"megakernel backend: {why}")
-        chain = decode_chain(model, max_len, router_first, attn_heads)
+        chain = decode_chain(model, max_len, router_first, attn_heads, g_apart, mla_g_apart)
         self.bufs = mc.Buffers(chain, device=str(self.device))
         self.kernel = None
         if not emulate:
@@ -230,16 +234,18 @@ class MegakernelBackend:
             self.kernel.check()
 
 
-def decode_chain(model, max_len: int, router_first: bool = False, attn_heads: int = mc.ATTN_HEADS):
+def decode_chain(model, max_len: int, router_first: bool = False, attn_heads: int = mc.ATTN_HEADS,
+                 g_apart: bool = False, mla_g_apart: bool = False):
     """The whole decode step of `model` as the backend's chain: every layer, AttnRes, the LM head, the MLA caches
-    sized for `max_len` keys (projections unpacked first: the chain reads them as loaded); router_first: see
-    `layer.layers_chain`; attn_heads: the attention's heads a tile."""
+    sized for `max_len` keys (projections unpacked first: the chain reads them as loaded); router_first, g_apart,
+    mla_g_apart:
+    see `layer.layers_chain`; attn_heads: the attention's heads a tile."""
     from k3export.model import packing
     packing.unpack_projections(model)
     sms = torch.cuda.get_device_properties(model.device).multi_processor_count if model.device.type == "cuda" else 0
     return ml.layers_chain(model, list(range(model.config.num_hidden_layers)), kda=True, head=True, attnres=True,
                            mla=1, mla_room=max_len - 1, min_tiles=sms, router_first=router_first,
-                           attn_heads=attn_heads)
+                           attn_heads=attn_heads, g_apart=g_apart, mla_g_apart=mla_g_apart)
 
 
 def unsupported(model, max_len: int, emulate: bool = False, attn_heads: int = mc.ATTN_HEADS) -> str | None:

@@ -144,7 +144,7 @@ enum XOp : int32_t { X_GLU = 1, X_COMBINE_NORM = 2, X_SCORE = 3, X_KDA = 4, X_HE
                      X_ATTNRES = 8, X_MLA_Q = 9, X_MLA_COMBINE = 10, X_GATE = 11 };
 enum Mode : int { STREAM = 0, SERIAL = 1, NODEPS = 2 };
 
-struct Phase {                          // 16 int64 fields, built by megakernel_chain.py (`Buffers.table`)
+struct Phase {                          // 17 int64 fields, built by megakernel_chain.py (`Buffers.table`)
     int64_t kind, n, k, rows, ntiles, tile0;   // tile0: index of the phase's first tile in the global order
     int64_t src;                        // phase whose y is x (-1: the external input vector)
     int64_t xlen, xstride;              // x[j] = y_src[slot * xstride + j % xlen] (+ y_dep2[j % xlen2])
@@ -153,6 +153,7 @@ struct Phase {                          // 16 int64 fields, built by megakernel_
     int64_t n_experts;                  // ROUTED: experts in w (ids are clamped to it)
     int64_t dep2, xlen2;                // a second input phase, added to x elementwise (-1: none)
     int64_t xop, nxseg;                 // x by recipe: XSeg entries xop .. xop + nxseg - 1 (-1: x as above)
+    int64_t spare;                      // blocks the phase's tiles are not dealt to (`phase_stride`; 0: none)
 };
 
 // One part of a phase's x by recipe, x[j0 + j] for j < len (j0: the parts before it). 64 bytes, built by
@@ -231,12 +232,15 @@ static_assert(sizeof(MixAux) == 88, "MixAux is 88 bytes (megakernel_chain.py MIX
 struct PhaseC {                         // the table as the kernel keeps it in shared memory (64 bytes a phase; 80
     int64_t w, y;                       // with every field 32-bit left k3-small's step with AttnRes 1.8 KB short)
     int32_t n, k, ntiles, tile0, xlen, xstride, ne, xlen2;
-    int16_t kind, rows, src, route, n_experts, dep2, xop, nxseg;       // (the host checks that they fit)
+    int8_t kind;
+    uint8_t spare;
+    int16_t rows, src, route, n_experts, dep2, xop, nxseg;       // (the host checks that they fit)
 };
 static_assert(sizeof(PhaseC) == 64, "PhaseC is 64 bytes (megakernel_chain.py PHASE_BYTES)");
 __device__ __forceinline__ PhaseC compact(const Phase& f) {
     return PhaseC{f.w, f.y, (int32_t)f.n, (int32_t)f.k, (int32_t)f.ntiles, (int32_t)f.tile0, (int32_t)f.xlen,
-                  (int32_t)f.xstride, (int32_t)f.ne, (int32_t)f.xlen2, (int16_t)f.kind, (int16_t)f.rows,
+                  (int32_t)f.xstride, (int32_t)f.ne, (int32_t)f.xlen2, (int8_t)f.kind, (uint8_t)f.spare,
+                  (int16_t)f.rows,
                   (int16_t)f.src, (int16_t)f.route, (int16_t)f.n_experts, (int16_t)f.dep2, (int16_t)f.xop,
                   (int16_t)f.nxseg};
 }
@@ -656,17 +660,17 @@ __device__ __forceinline__ void kda_tile(const unsigned char* tile, float* xf, f
     if (warp == 0) store_word(y + j, bf16r(kda_parts_sum(part, j)), epoch);
 }
 
-// A KDA phase: this block's tiles (g0, g0 + nblk, ...; ring slots from tile count i on), each its head's vectors
+// A KDA phase: this block's tiles (g0, g0 + stride, ...; ring slots from tile count i on), each its head's vectors
 // into x, then the tile from the ring. Returns the tiles done, or -1: a wait gave up.
 __device__ __forceinline__ int kda_phase(const PhaseC& f, const PhaseC* ph, const XSeg* xsegs,
                                          const unsigned char* ring, float* xf, uint64_t* full, uint64_t* empty,
-                                         uint32_t i, int g0, int nblk, uint32_t epoch, bool wait, uint32_t* err,
+                                         uint32_t i, int g0, int stride, uint32_t epoch, bool wait, uint32_t* err,
                                          int64_t p, float* red, int* gave_up, unsigned long long* t_x,
                                          unsigned long long* t_tile) {
     const XSeg& g = xsegs[f.xop];
     uint64_t* y = reinterpret_cast<uint64_t*>(f.y);
     int n = 0;
-    for (int gt = g0; gt < f.tile0 + f.ntiles; gt += nblk, ++i, ++n) {
+    for (int gt = g0; gt < f.tile0 + f.ntiles; gt += stride, ++i, ++n) {
         const int t = gt - f.tile0;
         const uint32_t s = i % NSLOT;
         consumers_sync();                   // every warp is done with the last x
@@ -1486,12 +1490,22 @@ __device__ __forceinline__ void mma_tile_sum(const unsigned char* tile, const __
     }
 }
 
-// This block's first tile of phase f (tiles are dealt round robin: tile g goes to block g % gridDim.x).
+// The blocks phase f's tiles are dealt over: all nblk, or (f.spare > 0, and at least a quarter of the grid left) the
+// nblk - f.spare blocks from block tile0 mod nblk on, so that the f.spare blocks before them (the phase before's,
+// which run its tiles meanwhile) take none: tile t goes to block (tile0 + t mod stride) mod nblk.
+__device__ __forceinline__ int phase_stride(const PhaseC& f, int64_t nblk) {
+    const int n = static_cast<int>(nblk), m = n - f.spare;
+    return f.spare && 4 * m >= n ? m : n;
+}
+
+// This block's first tile of phase f (tiles are dealt round robin: tile g goes to block g % gridDim.x, over the
+// phase's `phase_stride` blocks; a block past them: tile0 + ntiles, none), its next ones g + phase_stride.
 // In 32 bits: a 64-bit remainder of a negative number is a call to a slow routine, and every thread makes this
 // one for every phase.
 __device__ __forceinline__ int first_tile(const PhaseC& f, int64_t nblk) {
-    const int d = (static_cast<int>(blockIdx.x) - f.tile0) % static_cast<int>(nblk);   // (negative: tile0 > block)
-    return f.tile0 + (d < 0 ? d + static_cast<int>(nblk) : d);
+    int d = (static_cast<int>(blockIdx.x) - f.tile0) % static_cast<int>(nblk);   // (negative: tile0 > block)
+    d = d < 0 ? d + static_cast<int>(nblk) : d;
+    return f.tile0 + (d < phase_stride(f, nblk) ? d : f.ntiles);
 }
 
 // The first row of phase f's tile t. Block b takes the tiles t = c, c + nblk, c + 2 nblk, ... (c = (b - tile0) mod
@@ -1518,7 +1532,7 @@ struct Cursor {
             if (++p < nphase) g = first_tile(ph[p], nblk);
     }
     __device__ void next(const PhaseC* ph, int64_t nphase, int64_t nblk) {
-        g += nblk;
+        g += phase_stride(ph[p], nblk);
         settle(ph, nphase, nblk);
     }
 };
@@ -1770,18 +1784,18 @@ __device__ __forceinline__ int attn_before(const PhaseC* ph, int64_t p) {     //
 #endif
 
 #if RECIPES && MMA_ONLY
-// An ATTN phase: this block's tiles (g0, g0 + nblk, ...; ring slots from tile count i on), x loaded where the head
+// An ATTN phase: this block's tiles (g0, g0 + stride, ...; ring slots from tile count i on), x loaded where the head
 // group changes. Returns the tiles done, or -1: a wait gave up.
 __device__ __forceinline__ int attn_phase(const PhaseC& f, const PhaseC* ph, const XSeg* xsegs,
                                           const unsigned char* ring, __nv_bfloat16* xs, uint64_t* full,
-                                          uint64_t* empty, uint32_t i, int g0, int nblk, uint32_t epoch, bool wait,
+                                          uint64_t* empty, uint32_t i, int g0, int stride, uint32_t epoch, bool wait,
                                           uint32_t* err, int64_t p, float* red, float* comb_w, int* gave_up,
                                           __nv_bfloat16* xdump,
                                           unsigned long long* t_x, unsigned long long* t_tile,
                                           unsigned long long* part_t) {
     const int tid = threadIdx.x;
     int n = 0, have = -1;
-    for (int gt = g0; gt < f.tile0 + f.ntiles; gt += nblk, ++i, ++n) {
+    for (int gt = g0; gt < f.tile0 + f.ntiles; gt += stride, ++i, ++n) {
         const int t = gt - f.tile0, hg = t % f.ne;
         const uint32_t s = i % NSLOT;
         const bool no_keys = LIVE_SPLITS && (t / f.ne) * f.rows >= f.n;   // (no x, no words; BMM2 skips it)
@@ -1819,12 +1833,12 @@ __device__ __forceinline__ int attn_phase(const PhaseC& f, const PhaseC* ph, con
 #endif
 
 #if RECIPES && MMA_ONLY
-// A GEMV phase whose x is X_ATTNRES: the x once, then this block's tiles (g0, g0 + nblk, ...; ring slots from tile
+// A GEMV phase whose x is X_ATTNRES: the x once, then this block's tiles (g0, g0 + stride, ...; ring slots from tile
 // count i on), tensor-core tiles all (MMA_ONLY). Apart from the tile loop: the x load's registers, inside it, made the
 // tile loop spill. Returns the tiles done, or -1: a wait gave up.
 __device__ __forceinline__ int attnres_phase(const PhaseC& f, const PhaseC* ph, const XSeg* xsegs, const XIn* x_in,
                                              const unsigned char* ring, __nv_bfloat16* xs, uint64_t* full,
-                                             uint64_t* empty, uint32_t i, int g0, int nblk, uint32_t epoch, bool wait,
+                                             uint64_t* empty, uint32_t i, int g0, int stride, uint32_t epoch, bool wait,
                                              uint32_t* err, int64_t p, float* red, float* mma_red,
                                              uint32_t& mma_count, int* gave_up, __nv_bfloat16* xdump,
                                              unsigned long long* t_x, unsigned long long* t_tile) {
@@ -1841,7 +1855,7 @@ __device__ __forceinline__ int attnres_phase(const PhaseC& f, const PhaseC* ph, 
     const MmaSplit ms = mma_split(f.rows, f.k, tid / 32);
     uint64_t* y = reinterpret_cast<uint64_t*>(f.y);
     int n = 0;
-    for (int g = g0; g < f.tile0 + f.ntiles; g += nblk, ++i, ++n) {
+    for (int g = g0; g < f.tile0 + f.ntiles; g += stride, ++i, ++n) {
         const uint32_t s = i % NSLOT;
         if (!wait_slot(&full[s], (i / NSLOT) & 1u, err, 2, p, g - f.tile0)) return -1;
 #ifdef PHASE_TIMES
@@ -1948,7 +1962,7 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
         uint32_t i = 0;
         for (int64_t p = 0; p < nphase && i < TILE_TRACE_MAX; ++p)
             for (int64_t g = first_tile(ph[p], nblk); g < ph[p].tile0 + ph[p].ntiles && i < TILE_TRACE_MAX;
-                 g += nblk, ++i) {
+                 g += phase_stride(ph[p], nblk), ++i) {
                 // (the slot's next copy cannot land before the consumers have taken this one, long after it lands)
                 uint32_t spin = 0;
                 for (; !mbar_test(&full[i % NSLOT], (i / NSLOT) & 1u) && spin < SPIN_LIMIT; ++spin)
@@ -1979,7 +1993,7 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
             const __nv_bfloat16* w = reinterpret_cast<const __nv_bfloat16*>(f.w);
             int64_t have_slot = -1, e = 0;
             bool inputs_done = mode != SERIAL;
-            for (int64_t g = first_tile(f, nblk); g < f.tile0 + f.ntiles; g += nblk, ++i) {
+            for (int64_t g = first_tile(f, nblk); g < f.tile0 + f.ntiles; g += phase_stride(f, nblk), ++i) {
                 const int64_t t = g - f.tile0;
                 const int64_t row0 = PAIR_TILES ? tile_row0(f, static_cast<int>(t), static_cast<int>(nblk))
                                                 : t * f.rows;
@@ -2089,7 +2103,7 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
 #if RECIPES
 #if MMA_ONLY
         if (kind == GEMV && f.xop >= 0 && xsegs[f.xop].op == X_ATTNRES) {
-            const int nt = attnres_phase(f, ph, xsegs, X_IN, ring, xs, full, empty, i, g0, static_cast<int>(nblk),
+            const int nt = attnres_phase(f, ph, xsegs, X_IN, ring, xs, full, empty, i, g0, phase_stride(f, nblk),
                                          epoch, wait, err, p, red, mma_red, mma_count, &gave_up,
                                          *reinterpret_cast<__nv_bfloat16* volatile*>(&xdump_s),
                                          t_done + 2 * nphase + p, t_done + 3 * nphase + p);
@@ -2097,7 +2111,7 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
             i += nt;
             done = nt;
         } else if (kind == ATTN) {
-            const int nt = attn_phase(f, ph, xsegs, ring, xs, full, empty, i, g0, static_cast<int>(nblk), epoch, wait,
+            const int nt = attn_phase(f, ph, xsegs, ring, xs, full, empty, i, g0, phase_stride(f, nblk), epoch, wait,
                                       err, p, red, comb_w, &gave_up,
                                       *reinterpret_cast<__nv_bfloat16* volatile*>(&xdump_s),
                                       t_done + 2 * nphase + p, t_done + 3 * nphase + p,
@@ -2115,14 +2129,14 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
 #endif
         if (kind == KDA) {
             const int nt = kda_phase(f, ph, xsegs, ring, reinterpret_cast<float*>(xs), full, empty, i, g0,
-                                     static_cast<int>(nblk), epoch, wait, err, p, red, &gave_up,
+                                     phase_stride(f, nblk), epoch, wait, err, p, red, &gave_up,
                                      t_done + 2 * nphase + p, t_done + 3 * nphase + p);
             if (nt < 0) return;
             i += nt;
             done = nt;
         } else
 #endif
-        for (int g = g0; g < gend; g += static_cast<int>(nblk), ++i, ++done) {
+        for (int g = g0; g < gend; g += phase_stride(f, nblk), ++i, ++done) {
             const int t = g - tile0, row0 = PAIR_TILES ? tile_row0(f, t, static_cast<int>(nblk)) : t * rows;
             const int slot = x_per_expert ? row0 / ne : 0;     // whose x (routed: per expert)
             const uint32_t s = i % NSLOT;

@@ -52,7 +52,7 @@ import torch
 
 CU = Path(__file__).resolve().parent / "chain.cu"
 FIELDS = ("kind", "n", "k", "rows", "ntiles", "tile0", "src", "xlen", "xstride", "route", "ne", "w", "y",
-          "n_experts", "dep2", "xlen2", "xop", "nxseg")        # chain.cu's `struct Phase`, one int64 each
+          "n_experts", "dep2", "xlen2", "xop", "nxseg", "spare")   # chain.cu's `struct Phase`, one int64 each
 KINDS = {"gemv": 0, "topk": 1, "routed": 2, "kda": 3, "attn": 4, "mix": 5, "mla": 6}   # (mix: no tiles, its words
 #                                             written by a consumer's x load; mla: emulated only; attn: `Chain.attn`)
 XOPS = {"glu": 1, "combine_norm": 2, "score": 3, "kda": 4, "headnorm": 5, "norm": 6,
@@ -148,6 +148,7 @@ class Phase:
     xop: int = -1           # x by recipe: Chain.xsegs[xop : xop + nxseg] (-1: x as above)
     nxseg: int = 0
     heads: int = 0          # attn: heads a tile (its head group; chain.cu's ATTN_HEADS; not a kernel field)
+    spare: int = 0          # blocks its tiles skip (`Chain.gemv` beside; chain.cu `phase_stride`)
 
     @property
     def bytes_read(self) -> int:
@@ -368,12 +369,24 @@ class Chain:
         return 1
 
     def gemv(self, name: str, n: int, k: int, src: int, dep2: int = -1, xsegs: list[XSeg] | None = None,
-             weight: torch.Tensor | None = None) -> int:
-        """y = W x; x from src (+ dep2), or by the recipe `xsegs` (then src only names the first input)."""
+             weight: torch.Tensor | None = None, beside: int = -1) -> int:
+        """y = W x; x from src (+ dep2), or by the recipe `xsegs` (then src only names the first input).
+
+        beside: the phase just before this one, whose tiles its blocks run meanwhile (a phase this one does not
+        read): this phase's tiles are then dealt over the other blocks only, the nblk - ntiles(beside) after
+        beside's, while they are at least a quarter of the grid (`block_tiles`; chain.cu `phase_stride`; beside's
+        tiles counted up to 255); so none of them waits behind a tile of beside. The outputs are the same wherever
+        a tile runs."""
         rows = self._rows(n, k)
         xlen2 = self._xlen(dep2, name) if dep2 >= 0 else 0
+        spare = 0
+        if beside >= 0:
+            if beside != len(self.phases) - 1 or self.phases[beside].ntiles < 1:
+                raise ValueError(f"{name}: beside = {beside}: must be the phase just before it "
+                                 f"({len(self.phases) - 1}), with tiles")
+            spare = min(self.phases[beside].ntiles, 255)
         return self._add(self._recipe(Phase(name, "gemv", n, k, src, self._xlen(src, name), dep2=dep2, xlen2=xlen2,
-                                            rows=rows, ntiles=-(-n // rows)), xsegs, weight))
+                                            rows=rows, ntiles=-(-n // rows), spare=spare), xsegs, weight))
 
     def topk(self, name: str, k: int, src: int, score: XSeg | None = None) -> int:
         """The ids of src's k largest values; with `score` (a "score" recipe) of the router's scores, and the
@@ -1298,6 +1311,16 @@ def tile_row0(ph: Phase, t: int, nblk: int, paired: bool = False) -> int:
     return t * ph.rows
 
 
+def phase_stride(ph: Phase, nblk: int) -> int:
+    """chain.cu's `phase_stride`: the blocks phase ph's tiles are dealt over (from block tile0 mod nblk on)."""
+    return nblk - ph.spare if ph.spare and 4 * (nblk - ph.spare) >= nblk else nblk
+
+
+def tile_block(ph: Phase, t: int, nblk: int) -> int:
+    """The block that runs phase ph's tile t on nblk blocks (chain.cu `first_tile`)."""
+    return (ph.tile0 + t % phase_stride(ph, nblk)) % nblk
+
+
 def block_tiles(chain: Chain, nblk: int, paired: bool = False) -> list[list[tuple[int, int, int]]]:
     """Per block, its tiles in the order chain.cu walks them: (phase, x slot, weight bytes); paired: a PAIR_TILES=1
     build's (`tile_row0`)."""
@@ -1310,7 +1333,7 @@ def block_tiles(chain: Chain, nblk: int, paired: bool = False) -> list[list[tupl
             if ph.kind == "attn":           # (key block t / ne, head group t % ne; the new row is not loaded)
                 slot, row0 = t % ph.ne, t // ph.ne * ph.rows
                 nbytes = max(0, min(ph.rows, ph.n - 1 - row0)) * ph.k * 2
-            out[(ph.tile0 + t) % nblk].append((p, slot, nbytes))
+            out[tile_block(ph, t, nblk)].append((p, slot, nbytes))
     return out
 
 

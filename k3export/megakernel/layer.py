@@ -66,7 +66,7 @@ def kda_start(attn, gen: torch.Generator) -> dict:
             "conv_state": torch.randn(3 * H * K, W - 1, generator=gen).bfloat16()}
 
 
-def kda_sublayer(c: mc.Chain, attn, out: list[int], name: str, start: dict) -> int:
+def kda_sublayer(c: mc.Chain, attn, out: list[int], name: str, start: dict, g_apart: bool = False) -> int:
     """A KDA attention sublayer at B = 1 as three phases (the compile backend's launches in brackets):
 
         in     GEMV [K + 4 H K + H, d]: f_a | q | k | v | g | b          (k3::gemv, packed)
@@ -75,15 +75,28 @@ def kda_sublayer(c: mc.Chain, attn, out: list[int], name: str, start: dict) -> i
         o      GEMV [d, H K] on the heads' RMSNorm and gate (the x recipe "headnorm": the step's tiles each hold
                a quarter of a head)                                       (the rest of kda_decode_inplace, k3::gemv)
 
+    g_apart (with `out` a mix): the gate's rows in a GEMV phase "g" of their own, after the step and beside it
+    (`Chain.gemv` beside: on the blocks without a step tile), its x the mix's words as the input projection's x load
+    wrote them; "in" is then f_a | q | k | v | b. The step needs all of "in", not g: on k3-small "in" drops from
+    521 tiles of 16 rows to 393, three rounds on an H200's 132 blocks instead of four, and g's 128 tiles stream on
+    the other 68 blocks while the step runs. The same rows' sums: the same outputs bit for bit.
+
     Its x is the sublayer output `out` (`gemv_on`); returns the "o" phase. `start`: `kda_start`."""
     H, K, d = attn.num_heads, attn.head_dim, attn.q_proj.in_features
-    w = torch.cat([attn.f_a_proj.weight, attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight,
-                   attn.g_proj.weight, attn.b_proj.weight])
+    if g_apart and not (len(out) == 1 and out[0] in c.mixes):
+        raise ValueError(f"{name}: g_apart reads the mix's words: the sublayer's x must be a mix (attnres)")
+    parts = [attn.f_a_proj.weight, attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
+    parts += [attn.b_proj.weight] if g_apart else [attn.g_proj.weight, attn.b_proj.weight]
+    w = torch.cat(parts)
     inp = gemv_on(c, out, name + "in", w.shape[0], d, w)
-    step = c.kda(name + "step", inp, H, q_off=K, b_off=K + 4 * H * K, fa_off=0, lb=attn.lower_bound,
-                 conv_weight=attn.conv_weight(), a_log=attn.A_log, dt_bias=attn.dt_bias, f_b=attn.f_b_proj.weight,
-                 **start)
-    norm = mc.XSeg("headnorm", step, H * K, route=inp, off2=K + 3 * H * K, aux=attn.o_norm.weight, eps=attn.eps)
+    step = c.kda(name + "step", inp, H, q_off=K, b_off=K + (3 if g_apart else 4) * H * K, fa_off=0,
+                 lb=attn.lower_bound, conv_weight=attn.conv_weight(), a_log=attn.A_log, dt_bias=attn.dt_bias,
+                 f_b=attn.f_b_proj.weight, **start)
+    if g_apart:
+        gate, g_off = c.gemv(name + "g", H * K, d, out[0], weight=attn.g_proj.weight, beside=step), 0
+    else:
+        gate, g_off = inp, K + 3 * H * K
+    norm = mc.XSeg("headnorm", step, H * K, route=gate, off2=g_off, aux=attn.o_norm.weight, eps=attn.eps)
     return c.gemv(name + "o", d, H * K, step, xsegs=[norm], weight=attn.o_proj.weight)
 
 
@@ -139,7 +152,7 @@ def mla_standin(c: mc.Chain, out: list[int], name: str, cfg) -> int:
 
 
 def mla_sublayer(c: mc.Chain, attn, out: list[int], name: str, cache: torch.Tensor, cache_len: int,
-                 capacity: int = 0, heads_tile: int = mc.ATTN_HEADS) -> int:
+                 capacity: int = 0, heads_tile: int = mc.ATTN_HEADS, g_apart: bool = False) -> int:
     """A Gated MLA attention sublayer at B = 1 (`GatedMLA.decode`) over the latent cache's rows [:cache_len] (`cache`
     [> cache_len, rank + pe]; the launch appends the new row at cache_len), as six phases:
 
@@ -151,11 +164,19 @@ def mla_sublayer(c: mc.Chain, attn, out: list[int], name: str, cache: torch.Tens
         bmm2   per head: W_UV[h] [v, rank] on the head's partials combined (the recipe "mla_combine")
         o      GEMV [d, H v] on bf16(sigmoid(g) o) (the recipe "gate")
 
+    g_apart (with `out` a mix): the gate's rows in a GEMV phase "g" of their own after the attention and beside it
+    (`Chain.gemv` beside: on the blocks without an attention tile), its x the mix's words as proj's x load wrote
+    them; proj is then q_a | kv_a. Nothing before o reads g: on k3-small proj drops from 212 tiles of 16 rows to 84,
+    one round on an H200's 132 blocks instead of two. The same rows' sums: the same outputs bit for bit.
+
     Its x is the sublayer output `out` (`gemv_on`); returns the "o" phase. capacity: keys the attention's tiles hold
     (`Chain.attn`; default cache_len + 1); heads_tile: the attention's heads a tile (`Chain.attn`)."""
     H, rank, nope, pe, v = attn.num_heads, attn.rank, attn.nope, attn.rope, attn.v_dim
     qr, d = attn.q_a_proj.out_features, attn.q_a_proj.in_features
-    w = torch.cat([attn.q_a_proj.weight, attn.kv_a_proj_with_mqa.weight, attn.g_proj.weight])
+    if g_apart and not (len(out) == 1 and out[0] in c.mixes):
+        raise ValueError(f"{name}: g_apart reads the mix's words: the sublayer's x must be a mix (attnres)")
+    parts = [attn.q_a_proj.weight, attn.kv_a_proj_with_mqa.weight]
+    w = torch.cat(parts if g_apart else parts + [attn.g_proj.weight])
     proj = gemv_on(c, out, name + "proj", w.shape[0], d, w)
     qb = c.gemv(name + "q_b", H * (nope + pe), qr, proj, weight=attn.q_b_proj.weight,
                 xsegs=[mc.XSeg("norm", proj, qr, aux=attn.q_a_layernorm.weight, eps=attn.q_a_layernorm.eps)])
@@ -164,10 +185,14 @@ def mla_sublayer(c: mc.Chain, attn, out: list[int], name: str, cache: torch.Tens
     at = c.attn(name + "attn", ql, qb, proj, qr, H, rank, nope, pe, cache, cache_len, attn.scale,
                 attn.kv_a_layernorm.weight, attn.kv_a_layernorm.eps, capacity=capacity, heads_tile=heads_tile)
     blocks = c.phases[at].ntiles // c.phases[at].ne
+    if g_apart:
+        gate, g_off = c.gemv(name + "g", H * v, d, out[0], weight=attn.g_proj.weight, beside=at), 0
+    else:
+        gate, g_off = proj, qr + rank + pe
     o = c.heads(name + "bmm2", H, v, rank, at, rank + 2, weight=w_uv,
                 xsegs=[mc.XSeg("mla_combine", at, rank, stride=H * (rank + 2), nslot=blocks)])
     return c.gemv(name + "o", d, H * v, o, weight=attn.o_proj.weight,
-                  xsegs=[mc.XSeg("gate", o, H * v, route=proj, off2=qr + rank + pe)])
+                  xsegs=[mc.XSeg("gate", o, H * v, route=gate, off2=g_off)])
 
 
 def random_cache(cfg, rows: int, gen: torch.Generator, room: int = 1) -> torch.Tensor:
@@ -178,7 +203,8 @@ def random_cache(cfg, rows: int, gen: torch.Generator, room: int = 1) -> torch.T
 def layers_chain(model, layers: list[int], slot_bytes: int = 65536, packed_out: bool = False, min_tiles: int = 0,
                  routed_rows: int = mc.MAX_ROWS, kda: bool = False, seed: int = 0, mla_standins: bool = False,
                  head: bool = False, attnres: bool = False, mla_cache: int = 0, mla: int = 0,
-                 mla_room: int = 1, router_first: bool = False, attn_heads: int = mc.ATTN_HEADS) -> mc.Chain:
+                 mla_room: int = 1, router_first: bool = False, attn_heads: int = mc.ATTN_HEADS,
+                 g_apart: bool = False, mla_g_apart: bool = False) -> mc.Chain:
     """The sublayers of `layers` as one chain, with the model's weights (an unpacked model: the weights are read
     from its modules as loaded). The first sublayer reads the chain's external input; each later one the output of
     the one before (no AttnRes: `docs/megakernel.md`, "Next"). Layer 0's MLP is dense (`dense_sublayer`), every
@@ -204,7 +230,9 @@ def layers_chain(model, layers: list[int], slot_bytes: int = 65536, packed_out: 
     the router's rows in proj right after the latent down projection's, not last, so that they are in the phase's
     first round of tiles (each block's first) and the top-k can choose while the shared experts' rows stream
     (`docs/megakernel.md`, "Next (12-03, afternoon)"); the same outputs, in another place of proj's words.
-    attn_heads: the MLA attention's heads a tile (`Chain.attn`; a build with -DATTN_HEADS=attn_heads runs it)."""
+    attn_heads: the MLA attention's heads a tile (`Chain.attn`; a build with -DATTN_HEADS=attn_heads runs it).
+    g_apart (with attnres): each KDA layer's gate rows a phase of their own beside the step (`kda_sublayer`);
+    mla_g_apart (with attnres and mla): each MLA layer's beside the attention (`mla_sublayer`)."""
     cfg = model.config
     if not (cfg.latent_moe_use_norm and cfg.num_shared_experts):
         raise ValueError("layers_chain builds LatentMoE with its latent norm and shared experts (every K3 preset)")
@@ -235,10 +263,10 @@ def layers_chain(model, layers: list[int], slot_bytes: int = 65536, packed_out: 
             if l % cfg.attn_res_block_size == 0:         # seal after the attention mix
                 bank, p_ref = bank + [p_ref], None
         if kda and not cfg.is_mla(l):
-            out = [kda_sublayer(c, attn, out, f"L{l}.kda.", kda_start(attn, gen))]
+            out = [kda_sublayer(c, attn, out, f"L{l}.kda.", kda_start(attn, gen), g_apart=g_apart)]
         elif mla and cfg.is_mla(l):
             out = [mla_sublayer(c, attn, out, f"L{l}.gmla.", random_cache(cfg, mla, gen, mla_room), mla,
-                                capacity=mla + mla_room, heads_tile=attn_heads)]
+                                capacity=mla + mla_room, heads_tile=attn_heads, g_apart=mla_g_apart)]
         elif mla_cache and cfg.is_mla(l):
             if not attnres:
                 raise ValueError("mla_cache: the emulated MLA attention is for the model's whole step (attnres)")
@@ -603,7 +631,7 @@ def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: in
         baseline: bool = True, cu: Path = mc.CU, packed_out: bool = False, spread: bool = True,
         routed_rows: int = mc.MAX_ROWS, kda: bool = True, mla_standins: bool = False, head: bool = False,
         attnres: bool = False, context: int = 1024, mla: int = 0, router_first: bool = False,
-        attn_heads: int = mc.ATTN_HEADS) -> dict:
+        attn_heads: int = mc.ATTN_HEADS, g_apart: bool = False, mla_g_apart: bool = False) -> dict:
     """Check (unless a diagnostic build), compare with the compile backend and time (`baseline`), time `modes`.
     A -DTRACE_TILES build also reports what each block's ring did in one stream launch (`tile_pipeline`). The
     compile baseline runs the chain's real sublayers (the MLA stand-ins have no counterpart there, nor AttnRes; the
@@ -622,7 +650,8 @@ def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: in
     blocks = torch.cuda.get_device_properties(0).multi_processor_count
     chain = layers_chain(model, layers, packed_out=packed_out, min_tiles=blocks if spread else 0,
                          routed_rows=routed_rows, kda=kda, seed=seed, mla_standins=mla_standins and not mla,
-                         head=head, attnres=attnres, mla=mla, router_first=router_first, attn_heads=attn_heads)
+                         head=head, attnres=attnres, mla=mla, router_first=router_first, attn_heads=attn_heads,
+                         g_apart=g_apart, mla_g_apart=mla_g_apart)
     bufs = mc.Buffers(chain)
     g = torch.Generator(device="cuda").manual_seed(seed + 1)
     bufs.x.copy_(torch.randn(cfg.hidden_size, generator=g, device="cuda").bfloat16().float())
@@ -631,8 +660,8 @@ def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: in
     kern.bind(bufs)
     res = {"device": torch.cuda.get_device_name(0), "preset": preset, "layers": layers, "kda": kda,
            "mla_standins": mla_standins, "head": head, "packed_out": packed_out, "spread": spread,
-           "routed_rows": routed_rows, "attnres": attnres, "mla": mla,
-           "phases": len(chain.phases), "tiles": chain.ntiles, "bytes_read": chain.bytes_read,
+           "routed_rows": routed_rows, "attnres": attnres, "mla": mla, "router_first": router_first,
+           "g_apart": g_apart, "mla_g_apart": mla_g_apart, "phases": len(chain.phases), "tiles": chain.ntiles, "bytes_read": chain.bytes_read,
            "copy_gbs": copy_bandwidth() / 1e9, "defines": list(kern.defines), "check": {}}
     # 1. the kernel against the torch emulation of its phases (stream and serial: the same outputs)
     for m in () if diagnostic else ("stream", "serial"):
@@ -957,6 +986,11 @@ def main() -> None:
                          "random states")
     ap.add_argument("--router-first", action="store_true",
                     help="with --step --attnres: each MoE's router rows right after the latent rows in its projection")
+    ap.add_argument("--g-apart", action="store_true",
+                    help="with --step --attnres: each KDA layer's gate rows a phase of their own beside the step")
+    ap.add_argument("--mla-g-apart", action="store_true",
+                    help="with --step --attnres --mla: each MLA layer's gate rows a phase of their own beside the "
+                         "attention")
     ap.add_argument("--out")
     ap.add_argument("--plot", help="PNG: the launch's bytes over time and its time by sublayer kind")
     ap.add_argument("--replot", metavar="JSON", help="no run: plot a saved --out result (with --plot)")
@@ -988,7 +1022,8 @@ def main() -> None:
               modes=modes, baseline=not a.no_baseline, cu=a.cu, packed_out=a.packed_out, spread=not a.no_spread,
               routed_rows=a.routed_rows, kda=not a.no_kda, mla_standins=a.step and not a.no_standins,
               head=a.step, attnres=a.step and a.attnres, mla=a.mla if a.step else 0, router_first=a.router_first,
-              attn_heads=mc.define_value(defines, "ATTN_HEADS", a.cu))
+              attn_heads=mc.define_value(defines, "ATTN_HEADS", a.cu), g_apart=a.g_apart,
+              mla_g_apart=a.mla_g_apart)
     floor = res["bytes_floor_ms"]
     what = ("KDA + MoE" if res["kda"] else "MoE") + (" + MLA stand-ins" if res["mla_standins"] and not res.get(
         "mla") else "") + (f" + MLA over {res['mla']} cache rows" if res.get("mla") else "") + (
