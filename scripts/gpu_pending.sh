@@ -161,10 +161,11 @@
 #            `posted`): cuda tests of sampling, argmax and the engines' graphed / pipelined decoding ($MKPOST_K picks
 #            them), scripts/sampling_probe.py at 32768 and 163840 logits, the megakernel's pipelined timeline
 #            (profile_decode --generate 7); its bench is `mkbench` in a call of its own
-#   mkgapart (not yet run) the gate rows of each KDA / MLA layer a GEMV phase of their own, dealt over the blocks
-#            beside the step / attention (`g_apart`, `mla_g_apart`): the variant's cuda test (bit for bit against
-#            the default), then the layer step with neither, KDA's, MLA's and both ($MKGAPART_ROUNDS processes each,
-#            default 1, interleaved); its bench is `mkbench` with MKBENCH_BACKENDS=megakernel,megakernel-both-g-apart
+#   mkgapart (run 12-04 14:50, docs/perf.md "The gate rows apart") the gate rows of each KDA / MLA layer a GEMV
+#            phase of their own, dealt over the blocks beside the step / attention (`g_apart`, `mla_g_apart`, the
+#            defaults since): the variant's cuda test (bit for bit against the gate rows in the projections), then
+#            the layer step with neither, KDA's, MLA's and both ($MKGAPART_ROUNDS processes each, default 1,
+#            interleaved); its bench is `mkbench` with MKBENCH_BACKENDS=megakernel,megakernel-g-in-proj
 #   mkbench  bench model eager, compile, megakernel at B = 1, context 1024 ($MKBENCH_BACKENDS; $MKBENCH_ROUNDS
 #            decode rounds, the backends' order rotated each round)
 #   profile  scripts/profile_decode.py --backend $PROFILE_BACKEND (default compile): kernels per decode step, and the
@@ -470,9 +471,10 @@ for part in $parts; do
              -p no:cacheprovider > "$OUT/mkgapart.log" 2>&1
            grep -h "passed\|failed" "$OUT/mkgapart.log"
            for r in $(seq ${MKGAPART_ROUNDS:-1}); do
-             for v in base --g-apart --mla-g-apart "--g-apart --mla-g-apart"; do
+             for v in "--no-g-apart --no-mla-g-apart" "--g-apart --no-mla-g-apart" "--no-g-apart --mla-g-apart" \
+                      "--g-apart --mla-g-apart"; do
                echo "== $v" >> "$OUT/mkgapart-step.log"
-               layer_step 100 --rounds 2 --defines PAIR_TILES=1+LIVE_SPLITS=1+ATTN_MMA=1+ATTN_X_TAIL=1 ${v/base/} \
+               layer_step 100 --rounds 2 --defines PAIR_TILES=1+LIVE_SPLITS=1+ATTN_MMA=1+ATTN_X_TAIL=1 $v \
                  --out "$OUT/gapart.json" >> "$OUT/mkgapart-step.log" 2>&1
              done
            done

@@ -394,7 +394,7 @@ CUDA_CORES = {"attn_mma": False}        # (the attention tile on CUDA cores: the
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("base, variant", [({}, {"g_apart": True, "mla_g_apart": True}),
+@pytest.mark.parametrize("base, variant", [({}, {"g_apart": False, "mla_g_apart": False}),
                                            ({}, {"router_first": True}),
                                            ({}, {"pair_tiles": False}),
                                            ({}, {"poll_sleep": 256}), ({}, {"x_tail": False}),
@@ -402,8 +402,10 @@ CUDA_CORES = {"attn_mma": False}        # (the attention tile on CUDA cores: the
                                            (CUDA_CORES, {**CUDA_CORES, "live_splits": False}),
                                            (CUDA_CORES, {**CUDA_CORES, "sums_apart": True})], ids=str)
 def test_the_kernel_variants_equal_the_default_kernel(base, variant):
-    """k3-small in the kernel: each KDA layer's gate rows a phase of their own beside the step (`g_apart`: the same
-    rows' sums, dealt over the blocks without a step tile), the router rows early in each MoE's packed projection (`router_first`; 12-03 14:04 on
+    """k3-small in the kernel: each KDA and MLA layer's gate rows in its input projection as before 12-04 14:50
+    (`g_apart=False, mla_g_apart=False`; the default has them in a phase of their own beside the step / attention,
+    dealt over the blocks without a tile of it: the same rows' sums; passed 14:50 the other way round), the router
+    rows early in each MoE's packed projection (`router_first`; 12-03 14:04 on
     the H200: passed), and each block's MoE down tiles two experts' as before PAIR_TILES (`pair_tiles=False`; the
     paired build against the unpaired one passed 12-03 14:43, before pairing became the default) give the default
     kernel's logits bit for bit under the engine's CUDA graph, over 6 steps (each row's sum is the same tensor-core

@@ -22,12 +22,10 @@ each hold `context` tokens (`Engine.decode`, state commit included). Backends:
     megakernel-router-first  the same with each MoE's router rows early in its packed projection
               (`MegakernelBackend(router_first=True)`; 12-03 14:04, 300 steps: 0.784 ms against 0.808, pipelined
               generation 0.779 both)
-    megakernel-g-apart  the same with each KDA layer's gate rows a phase of their own on the blocks beside the
-              step's (`MegakernelBackend(g_apart=True)`: the step waits for three rounds of the input projection,
-              not four)
-    megakernel-mla-g-apart, megakernel-both-g-apart  the same with each MLA layer's gate rows a phase of their own
-              beside the attention (`MegakernelBackend(mla_g_apart=True)`: its projection one round, not two), and
-              with both
+    megakernel-g-in-proj  the same with each KDA and MLA layer's gate rows in its input projection, as before
+              12-04 14:50 (`MegakernelBackend(g_apart=False, mla_g_apart=False)`; the default has them in a phase
+              of their own beside the step / attention: 300 steps x 3 rounds, decode 0.740 ms against 0.748,
+              pipelined 0.731 against 0.738)
     megakernel-unpaired  the same with each block's MoE down tiles two experts' (`MegakernelBackend(pair_tiles=False)`:
               two x loads a block, not one; 12-03 14:43, 300 steps: 0.784 ms against the default's 0.769)
     megakernel-poll-sleep64, megakernel-poll-sleep256  the same with a consumer sleeping 64 / 256 ns between two
@@ -91,9 +89,7 @@ COMPILE_VARIANTS = {"compile": {}, "compile-frozen": {"freezing": True}, "compil
                     "compile-fast": {"glu": True, "moe_pdl": True, "fold_norm": True}}
 MEGAKERNEL_VARIANTS = {"megakernel": {}, "megakernel-host-inputs": {"step_inputs": False},
                        "megakernel-router-first": {"router_first": True},
-                       "megakernel-g-apart": {"g_apart": True},
-                       "megakernel-mla-g-apart": {"mla_g_apart": True},
-                       "megakernel-both-g-apart": {"g_apart": True, "mla_g_apart": True},
+                       "megakernel-g-in-proj": {"g_apart": False, "mla_g_apart": False},
                        "megakernel-unpaired": {"pair_tiles": False},
                        "megakernel-poll-sleep64": {"poll_sleep": 64},
                        "megakernel-poll-sleep256": {"poll_sleep": 256},

@@ -82,7 +82,7 @@ class MegakernelBackend:
                  cubin: tuple[str, str] | None = None, step_inputs: bool = True, router_first: bool = False,
                  pair_tiles: bool = True, poll_sleep: int = 0, attn_heads: int = mc.ATTN_HEADS,
                  live_splits: bool = True, sums_apart: bool = False, attn_mma: bool = True,
-                 x_tail: bool = True, g_apart: bool = False, mla_g_apart: bool = False):
+                 x_tail: bool = True, g_apart: bool = True, mla_g_apart: bool = True):
         """step_inputs (the default): chain.cu built with STEP_INPUTS=1 reads the token's embedding row, the key
         count and its epoch from the engine's buffers itself, four small kernels fewer a step than setting them
         around it (False: `HOST_INPUTS_DEFINES`). defines: another build (the engine directory's). router_first:
@@ -106,11 +106,13 @@ class MegakernelBackend:
         both against 0.7421 without, 0.7362 with attn_mma alone, 0.7415 with x_tail alone (which spills 12
         bytes without the tensor-core tile). (Options measured no faster and removed: `combine_words=12`, BMM2's
         combine polling 12 key blocks' words a round, and `softmax_in_sums`, the tile's softmax warps adding its
-        score chunks; both gave the default's logits bit for bit, 12-03 21:20: commit 91653d6 has them.) g_apart:
-        each KDA layer's gate rows a GEMV phase of their own on the blocks beside the step's (`layer.kda_sublayer`),
-        so that the step waits for three rounds of the input projection's tiles, not four; mla_g_apart: each MLA
-        layer's beside the attention (`layer.mla_sublayer`: its projection one round of tiles, not two); the same
-        logits either way."""
+        score chunks; both gave the default's logits bit for bit, 12-03 21:20: commit 91653d6 has them.) g_apart
+        (the default): each KDA layer's gate rows a GEMV phase of their own on the blocks beside the step's
+        (`layer.kda_sublayer`), so that the step waits for three rounds of the input projection's tiles, not four;
+        mla_g_apart (the default): each MLA layer's beside the attention (`layer.mla_sublayer`: its projection one
+        round of tiles, not two); the same logits either way (12-04 14:50, cuda test). Layer step 0.7238 ms with
+        both against 0.7315 with neither (KDA's alone 0.7260, MLA's 0.7282); decode at B = 1 0.740 against 0.748,
+        pipelined 0.731 against 0.738."""
         cfg = model.config
         self.model, self.config, self.dtype, self.device = model, cfg, model.dtype, model.device
         self.max_len, self.emulate = max_len, emulate
@@ -235,7 +237,7 @@ class MegakernelBackend:
 
 
 def decode_chain(model, max_len: int, router_first: bool = False, attn_heads: int = mc.ATTN_HEADS,
-                 g_apart: bool = False, mla_g_apart: bool = False):
+                 g_apart: bool = True, mla_g_apart: bool = True):
     """The whole decode step of `model` as the backend's chain: every layer, AttnRes, the LM head, the MLA caches
     sized for `max_len` keys (projections unpacked first: the chain reads them as loaded); router_first, g_apart,
     mla_g_apart:

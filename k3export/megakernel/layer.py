@@ -986,11 +986,12 @@ def main() -> None:
                          "random states")
     ap.add_argument("--router-first", action="store_true",
                     help="with --step --attnres: each MoE's router rows right after the latent rows in its projection")
-    ap.add_argument("--g-apart", action="store_true",
-                    help="with --step --attnres: each KDA layer's gate rows a phase of their own beside the step")
-    ap.add_argument("--mla-g-apart", action="store_true",
+    ap.add_argument("--g-apart", action=argparse.BooleanOptionalAction, default=True,
+                    help="with --step --attnres: each KDA layer's gate rows a phase of their own beside the step (the "
+                         "backend's default; --no-g-apart: in the input projection)")
+    ap.add_argument("--mla-g-apart", action=argparse.BooleanOptionalAction, default=True,
                     help="with --step --attnres --mla: each MLA layer's gate rows a phase of their own beside the "
-                         "attention")
+                         "attention (the backend's default)")
     ap.add_argument("--out")
     ap.add_argument("--plot", help="PNG: the launch's bytes over time and its time by sublayer kind")
     ap.add_argument("--replot", metavar="JSON", help="no run: plot a saved --out result (with --plot)")
@@ -1022,8 +1023,8 @@ def main() -> None:
               modes=modes, baseline=not a.no_baseline, cu=a.cu, packed_out=a.packed_out, spread=not a.no_spread,
               routed_rows=a.routed_rows, kda=not a.no_kda, mla_standins=a.step and not a.no_standins,
               head=a.step, attnres=a.step and a.attnres, mla=a.mla if a.step else 0, router_first=a.router_first,
-              attn_heads=mc.define_value(defines, "ATTN_HEADS", a.cu), g_apart=a.g_apart,
-              mla_g_apart=a.mla_g_apart)
+              attn_heads=mc.define_value(defines, "ATTN_HEADS", a.cu), g_apart=a.g_apart and a.step and a.attnres,
+              mla_g_apart=a.mla_g_apart and a.step and a.attnres and a.mla > 0)
     floor = res["bytes_floor_ms"]
     what = ("KDA + MoE" if res["kda"] else "MoE") + (" + MLA stand-ins" if res["mla_standins"] and not res.get(
         "mla") else "") + (f" + MLA over {res['mla']} cache rows" if res.get("mla") else "") + (
