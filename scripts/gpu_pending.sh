@@ -166,9 +166,9 @@
 #            defaults since): the variant's cuda test (bit for bit against the gate rows in the projections), then
 #            the layer step with neither, KDA's, MLA's and both ($MKGAPART_ROUNDS processes each, default 1,
 #            interleaved); its bench is `mkbench` with MKBENCH_BACKENDS=megakernel,megakernel-g-in-proj
-#   mkshared (not yet run) each MoE's shared_down after its routed gate_up (`shared_late`), alone and with
-#            router_first: the layer step with neither, router_first, shared_late and both (one process each), the
-#            variant's cuda test (bit for bit against the default), then bench megakernel against both variants
+#   mkshared (ran 12-04 15:30, docs/perf.md "The gate rows apart") each MoE's shared_down after its routed gate_up,
+#            alone and with router_first: layer step +43 us, bench +40 us; the option is removed (commit c06737c has
+#            it and this part)
 #   mkbench  bench model eager, compile, megakernel at B = 1, context 1024 ($MKBENCH_BACKENDS; $MKBENCH_ROUNDS
 #            decode rounds, the backends' order rotated each round)
 #   profile  scripts/profile_decode.py --backend $PROFILE_BACKEND (default compile): kernels per decode step, and the
@@ -483,19 +483,6 @@ for part in $parts; do
            done
            rm -f "$OUT/gapart.json"
            grep -h "^== \|k3-small KDA" "$OUT/mkgapart-step.log" ;;
-    mkshared) for v in "" --router-first --shared-late "--router-first --shared-late"; do
-               echo "== $v" >> "$OUT/mkshared-step.log"
-               layer_step 100 --rounds 2 --defines PAIR_TILES=1+LIVE_SPLITS=1+ATTN_MMA=1+ATTN_X_TAIL=1 $v \
-                 --out "$OUT/shared.json" >> "$OUT/mkshared-step.log" 2>&1
-             done
-             rm -f "$OUT/shared.json"
-             grep -h "^== \|k3-small KDA" "$OUT/mkshared-step.log"
-             timeout 150 python3 -m pytest -q -m cuda tests/test_megakernel_backend.py -k "shared_late" -s -rs \
-               -p no:cacheprovider > "$OUT/mkshared.log" 2>&1
-             grep -h "passed\|failed" "$OUT/mkshared.log"
-             MKBENCH_BACKENDS=megakernel,megakernel-shared-late,megakernel-router-first-shared-late \
-               MKBENCH_ITERS=300 MKBENCH_ROUNDS=2 MKBENCH_TIMEOUT=200 bash "$0" mkbench
-             grep -h "^| decode | mega\|pipelined | mega\|per round" "$OUT/mkbench.log" ;;
     mkbench) timeout ${MKBENCH_TIMEOUT:-400} python3 -m k3export.cli bench model --preset k3-small --dtype bf16 \
              --backends ${MKBENCH_BACKENDS:-eager,compile,megakernel} --prefill-lengths 2048 --batches 1 \
              --contexts 1024 --warmup 3 --iters 5 --decode-iters ${MKBENCH_ITERS:-100} --rounds ${MKBENCH_ROUNDS:-1} \
@@ -503,7 +490,7 @@ for part in $parts; do
              --no-new-lengths --out "$OUT/mkbench" > "$OUT/mkbench.log" 2>&1 ;;
     profile) timeout 150 python3 scripts/profile_decode.py --backend ${PROFILE_BACKEND:-compile} ${PROFILE_ARGS:-} \
              > "$OUT/profile.log" 2>&1 ;;
-    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe trtfp8 fp8eng grouped grpsmall fp8comp overlap chain layer step attnres abmix gmla greedy greedy64 mkback mkinputs mkstep mkcache mkfinal mkrouter mkpair mkargmax mksleep mkrun mkblocks mkattn mkheads mklive mktrace mktiles mksums mkmma mkmmafinal mkcombine mksample mkpost mkgapart mkshared mkbench profile)"; continue ;;
+    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe trtfp8 fp8eng grouped grpsmall fp8comp overlap chain layer step attnres abmix gmla greedy greedy64 mkback mkinputs mkstep mkcache mkfinal mkrouter mkpair mkargmax mksleep mkrun mkblocks mkattn mkheads mklive mktrace mktiles mksums mkmma mkmmafinal mkcombine mksample mkpost mkgapart mkbench profile)"; continue ;;
   esac
   echo "$part: exit $? in $((SECONDS - t)) s" | tee -a "$OUT/pending.log"
   tail -4 "$OUT/$part.log" 2>/dev/null

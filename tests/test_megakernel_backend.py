@@ -124,25 +124,6 @@ def test_the_gate_apart_gives_the_same_step_and_deals_its_tiles_beside_the_step(
             assert not any(ph.spare for ph in chain.phases)
 
 
-def test_the_shared_down_after_the_routed_gate_up_gives_the_same_step(tiny_mla8):
-    """`shared_late` puts each MoE's shared_down after its routed gate_up in the chain (with `router_first`, the
-    routed path then waits for the projection's first round only): the same phases' arithmetic, and the next x adds
-    up + shared_down as before, so the emulated step's logits equal the default's bit for bit, step after step."""
-    cfg, model = tiny_mla8
-    runs = []
-    for kw in ({}, {"shared_late": True}, {"shared_late": True, "router_first": True}):
-        be = mb.MegakernelBackend(model, max_len=40, prefill_backend=EagerBackend(model), emulate=True, **kw)
-        eng = Engine(be, max_batch=1, max_len=40)
-        eng.prefill([0], [PROMPTS[0]])
-        runs.append([eng.decode(torch.tensor([t]))[0].clone() for t in (5, 9, 2)])
-        names = [ph.name for ph in be.bufs.chain.phases]
-        for n in (n for n in names if n.endswith(".moe.up")):
-            base = n[:-3]
-            late = names.index(base + ".shared_down") > names.index(base + ".gate_up")
-            assert late == bool(kw), (n, kw)
-    assert all(torch.equal(a, b) for r in runs[1:] for a, b in zip(runs[0], r))
-
-
 def test_attention_tiles_of_fewer_heads_give_the_same_step(tiny_mla8):
     """`attn_heads`: the MLA attention's tiles take 4 or 2 heads each instead of 8 (more tiles, the same key
     blocks); every (key block, head)'s words are computed as before, so the emulated step's logits equal the
@@ -415,7 +396,6 @@ CUDA_CORES = {"attn_mma": False}        # (the attention tile on CUDA cores: the
 @pytest.mark.cuda
 @pytest.mark.parametrize("base, variant", [({}, {"g_apart": False, "mla_g_apart": False}),
                                            ({}, {"router_first": True}),
-                                           ({}, {"router_first": True, "shared_late": True}),
                                            ({}, {"pair_tiles": False}),
                                            ({}, {"poll_sleep": 256}), ({}, {"x_tail": False}),
                                            (CUDA_CORES, {**CUDA_CORES, "attn_heads": 4}),

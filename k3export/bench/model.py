@@ -26,9 +26,6 @@ each hold `context` tokens (`Engine.decode`, state commit included). Backends:
               12-04 14:50 (`MegakernelBackend(g_apart=False, mla_g_apart=False)`; the default has them in a phase
               of their own beside the step / attention: 300 steps x 3 rounds, decode 0.740 ms against 0.748,
               pipelined 0.731 against 0.738)
-    megakernel-shared-late, megakernel-router-first-shared-late  the same with each MoE's shared_down after its
-              routed gate_up (`MegakernelBackend(shared_late=True)`), and with the router rows early too (the routed
-              path then waits for the projection's first round only)
     megakernel-unpaired  the same with each block's MoE down tiles two experts' (`MegakernelBackend(pair_tiles=False)`:
               two x loads a block, not one; 12-03 14:43, 300 steps: 0.784 ms against the default's 0.769)
     megakernel-poll-sleep64, megakernel-poll-sleep256  the same with a consumer sleeping 64 / 256 ns between two
@@ -93,8 +90,6 @@ COMPILE_VARIANTS = {"compile": {}, "compile-frozen": {"freezing": True}, "compil
 MEGAKERNEL_VARIANTS = {"megakernel": {}, "megakernel-host-inputs": {"step_inputs": False},
                        "megakernel-router-first": {"router_first": True},
                        "megakernel-g-in-proj": {"g_apart": False, "mla_g_apart": False},
-                       "megakernel-shared-late": {"shared_late": True},
-                       "megakernel-router-first-shared-late": {"router_first": True, "shared_late": True},
                        "megakernel-unpaired": {"pair_tiles": False},
                        "megakernel-poll-sleep64": {"poll_sleep": 64},
                        "megakernel-poll-sleep256": {"poll_sleep": 256},

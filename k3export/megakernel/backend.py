@@ -82,7 +82,7 @@ class MegakernelBackend:
                  cubin: tuple[str, str] | None = None, step_inputs: bool = True, router_first: bool = False,
                  pair_tiles: bool = True, poll_sleep: int = 0, attn_heads: int = mc.ATTN_HEADS,
                  live_splits: bool = True, sums_apart: bool = False, attn_mma: bool = True,
-                 x_tail: bool = True, g_apart: bool = True, mla_g_apart: bool = True, shared_late: bool = False):
+                 x_tail: bool = True, g_apart: bool = True, mla_g_apart: bool = True):
         """step_inputs (the default): chain.cu built with STEP_INPUTS=1 reads the token's embedding row, the key
         count and its epoch from the engine's buffers itself, four small kernels fewer a step than setting them
         around it (False: `HOST_INPUTS_DEFINES`). defines: another build (the engine directory's). router_first:
@@ -112,9 +112,7 @@ class MegakernelBackend:
         mla_g_apart (the default): each MLA layer's beside the attention (`layer.mla_sublayer`: its projection one
         round of tiles, not two); the same logits either way (12-04 14:50, cuda test). Layer step 0.7238 ms with
         both against 0.7315 with neither (KDA's alone 0.7260, MLA's 0.7282); decode at B = 1 0.740 against 0.748,
-        pipelined 0.731 against 0.738. shared_late: each MoE's shared_down after its routed gate_up
-        (`layer.layers_chain`), so that with router_first the routed path waits for proj's first round only; the
-        same logits."""
+        pipelined 0.731 against 0.738."""
         cfg = model.config
         self.model, self.config, self.dtype, self.device = model, cfg, model.dtype, model.device
         self.max_len, self.emulate = max_len, emulate
@@ -126,7 +124,7 @@ class MegakernelBackend:
         why = unsupported(model, max_len, emulate, attn_heads)
         if why:
             raise ValueError(f"megakernel backend: {why}")
-        chain = decode_chain(model, max_len, router_first, attn_heads, g_apart, mla_g_apart, shared_late)
+        chain = decode_chain(model, max_len, router_first, attn_heads, g_apart, mla_g_apart)
         self.bufs = mc.Buffers(chain, device=str(self.device))
         self.kernel = None
         if not emulate:
@@ -239,18 +237,17 @@ class MegakernelBackend:
 
 
 def decode_chain(model, max_len: int, router_first: bool = False, attn_heads: int = mc.ATTN_HEADS,
-                 g_apart: bool = True, mla_g_apart: bool = True, shared_late: bool = False):
+                 g_apart: bool = True, mla_g_apart: bool = True):
     """The whole decode step of `model` as the backend's chain: every layer, AttnRes, the LM head, the MLA caches
     sized for `max_len` keys (projections unpacked first: the chain reads them as loaded); router_first, g_apart,
-    mla_g_apart, shared_late:
+    mla_g_apart:
     see `layer.layers_chain`; attn_heads: the attention's heads a tile."""
     from k3export.model import packing
     packing.unpack_projections(model)
     sms = torch.cuda.get_device_properties(model.device).multi_processor_count if model.device.type == "cuda" else 0
     return ml.layers_chain(model, list(range(model.config.num_hidden_layers)), kda=True, head=True, attnres=True,
                            mla=1, mla_room=max_len - 1, min_tiles=sms, router_first=router_first,
-                           attn_heads=attn_heads, g_apart=g_apart, mla_g_apart=mla_g_apart,
-                           shared_late=shared_late)
+                           attn_heads=attn_heads, g_apart=g_apart, mla_g_apart=mla_g_apart)
 
 
 def unsupported(model, max_len: int, emulate: bool = False, attn_heads: int = mc.ATTN_HEADS) -> str | None:

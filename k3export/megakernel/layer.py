@@ -204,7 +204,7 @@ def layers_chain(model, layers: list[int], slot_bytes: int = 65536, packed_out: 
                  routed_rows: int = mc.MAX_ROWS, kda: bool = False, seed: int = 0, mla_standins: bool = False,
                  head: bool = False, attnres: bool = False, mla_cache: int = 0, mla: int = 0,
                  mla_room: int = 1, router_first: bool = False, attn_heads: int = mc.ATTN_HEADS,
-                 g_apart: bool = False, mla_g_apart: bool = False, shared_late: bool = False) -> mc.Chain:
+                 g_apart: bool = False, mla_g_apart: bool = False) -> mc.Chain:
     """The sublayers of `layers` as one chain, with the model's weights (an unpacked model: the weights are read
     from its modules as loaded). The first sublayer reads the chain's external input; each later one the output of
     the one before (no AttnRes: `docs/megakernel.md`, "Next"). Layer 0's MLP is dense (`dense_sublayer`), every
@@ -232,10 +232,7 @@ def layers_chain(model, layers: list[int], slot_bytes: int = 65536, packed_out: 
     (`docs/megakernel.md`, "Next (12-03, afternoon)"); the same outputs, in another place of proj's words.
     attn_heads: the MLA attention's heads a tile (`Chain.attn`; a build with -DATTN_HEADS=attn_heads runs it).
     g_apart (with attnres): each KDA layer's gate rows a phase of their own beside the step (`kda_sublayer`);
-    mla_g_apart (with attnres and mla): each MLA layer's beside the attention (`mla_sublayer`). shared_late: each
-    MoE's "shared_down" after the routed gate_up, not before it: a block's routed tiles then do not wait behind its
-    shared_down tile, whose x needs all of proj (the shared rows are proj's second round; with router_first the
-    top-k and gate_up need only its first); the same outputs, in the same place of the next x's sum."""
+    mla_g_apart (with attnres and mla): each MLA layer's beside the attention (`mla_sublayer`)."""
     cfg = model.config
     if not (cfg.latent_moe_use_norm and cfg.num_shared_experts):
         raise ValueError("layers_chain builds LatentMoE with its latent norm and shared experts (every K3 preset)")
@@ -300,14 +297,10 @@ def layers_chain(model, layers: list[int], slot_bytes: int = 65536, packed_out: 
                                                        renorm=cfg.moe_renormalize and K > 1,
                                                        scaling=cfg.routed_scaling_factor))
         shared_h = mc.XSeg("glu", proj, Is, off=sh_off, off2=Is, round_in=True, beta=beta, lb=lb)
-        if not packed_out and not shared_late:
+        if not packed_out:
             sd = c.gemv(n + "shared_down", d, Is, proj, xsegs=[shared_h], weight=sh.down_proj.weight)
         c.max_rows = routed_rows
         gu = c.routed(n + "gate_up", tk, 2 * I, L, E, proj, weight=torch.cat([ex.w1, ex.w3], dim=1))
-        if not packed_out and shared_late:
-            c.max_rows = mc.MAX_ROWS
-            sd = c.gemv(n + "shared_down", d, Is, proj, xsegs=[shared_h], weight=sh.down_proj.weight)
-            c.max_rows = routed_rows
         down = c.routed(n + "down", tk, L, I, E, gu, per_slot=True, weight=ex.w2,
                         xsegs=[mc.XSeg("glu", gu, I, off2=I, stride=2 * I, beta=beta, lb=lb)])
         c.max_rows = mc.MAX_ROWS
@@ -639,8 +632,7 @@ def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: in
         baseline: bool = True, cu: Path = mc.CU, packed_out: bool = False, spread: bool = True,
         routed_rows: int = mc.MAX_ROWS, kda: bool = True, mla_standins: bool = False, head: bool = False,
         attnres: bool = False, context: int = 1024, mla: int = 0, router_first: bool = False,
-        attn_heads: int = mc.ATTN_HEADS, g_apart: bool = False, mla_g_apart: bool = False,
-        shared_late: bool = False) -> dict:
+        attn_heads: int = mc.ATTN_HEADS, g_apart: bool = False, mla_g_apart: bool = False) -> dict:
     """Check (unless a diagnostic build), compare with the compile backend and time (`baseline`), time `modes`.
     A -DTRACE_TILES build also reports what each block's ring did in one stream launch (`tile_pipeline`). The
     compile baseline runs the chain's real sublayers (the MLA stand-ins have no counterpart there, nor AttnRes; the
@@ -660,7 +652,7 @@ def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: in
     chain = layers_chain(model, layers, packed_out=packed_out, min_tiles=blocks if spread else 0,
                          routed_rows=routed_rows, kda=kda, seed=seed, mla_standins=mla_standins and not mla,
                          head=head, attnres=attnres, mla=mla, router_first=router_first, attn_heads=attn_heads,
-                         g_apart=g_apart, mla_g_apart=mla_g_apart, shared_late=shared_late)
+                         g_apart=g_apart, mla_g_apart=mla_g_apart)
     bufs = mc.Buffers(chain)
     g = torch.Generator(device="cuda").manual_seed(seed + 1)
     bufs.x.copy_(torch.randn(cfg.hidden_size, generator=g, device="cuda").bfloat16().float())
@@ -670,7 +662,7 @@ def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: in
     res = {"device": torch.cuda.get_device_name(0), "preset": preset, "layers": layers, "kda": kda,
            "mla_standins": mla_standins, "head": head, "packed_out": packed_out, "spread": spread,
            "routed_rows": routed_rows, "attnres": attnres, "mla": mla, "router_first": router_first,
-           "g_apart": g_apart, "mla_g_apart": mla_g_apart, "shared_late": shared_late, "phases": len(chain.phases), "tiles": chain.ntiles, "bytes_read": chain.bytes_read,
+           "g_apart": g_apart, "mla_g_apart": mla_g_apart, "phases": len(chain.phases), "tiles": chain.ntiles, "bytes_read": chain.bytes_read,
            "copy_gbs": copy_bandwidth() / 1e9, "defines": list(kern.defines), "check": {}}
     # 1. the kernel against the torch emulation of its phases (stream and serial: the same outputs)
     for m in () if diagnostic else ("stream", "serial"):
@@ -1001,9 +993,6 @@ def main() -> None:
     ap.add_argument("--mla-g-apart", action=argparse.BooleanOptionalAction, default=True,
                     help="with --step --attnres --mla: each MLA layer's gate rows a phase of their own beside the "
                          "attention (the backend's default)")
-    ap.add_argument("--shared-late", action="store_true",
-                    help="each MoE's shared_down after its routed gate_up (with --router-first: the routed path "
-                         "waits for proj's first round only)")
     ap.add_argument("--out")
     ap.add_argument("--plot", help="PNG: the launch's bytes over time and its time by sublayer kind")
     ap.add_argument("--replot", metavar="JSON", help="no run: plot a saved --out result (with --plot)")
@@ -1036,7 +1025,7 @@ def main() -> None:
               routed_rows=a.routed_rows, kda=not a.no_kda, mla_standins=a.step and not a.no_standins,
               head=a.step, attnres=a.step and a.attnres, mla=a.mla if a.step else 0, router_first=a.router_first,
               attn_heads=mc.define_value(defines, "ATTN_HEADS", a.cu), g_apart=a.g_apart and a.step and a.attnres,
-              mla_g_apart=a.mla_g_apart and a.step and a.attnres and a.mla > 0, shared_late=a.shared_late)
+              mla_g_apart=a.mla_g_apart and a.step and a.attnres and a.mla > 0)
     floor = res["bytes_floor_ms"]
     what = ("KDA + MoE" if res["kda"] else "MoE") + (" + MLA stand-ins" if res["mla_standins"] and not res.get(
         "mla") else "") + (f" + MLA over {res['mla']} cache rows" if res.get("mla") else "") + (
