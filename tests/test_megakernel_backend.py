@@ -44,6 +44,21 @@ def test_the_emulated_backend_gives_eager_tokens_request_after_request(tiny_mla8
         assert torch.equal(eng.state.mla_cache[slot, 0, :n], be.bufs.cache[p][:n])
 
 
+def _emulated_steps(model, **options) -> list[torch.Tensor]:
+    """The emulated backend's logits over three decode steps after PROMPTS[0]'s prefill, with these options."""
+    be = mb.MegakernelBackend(model, max_len=40, prefill_backend=EagerBackend(model), emulate=True, **options)
+    eng = Engine(be, max_batch=1, max_len=40)
+    eng.prefill([0], [PROMPTS[0]])
+    return [eng.decode(torch.tensor([t]))[0].clone() for t in (5, 9, 2)]
+
+
+def _small_layout():
+    """k3-small on the meta device: the chain's layout without weights' values."""
+    from k3export.model import K3Model
+    with torch.device("meta"):
+        return K3Model(K3Config.from_name("k3-small")).to(torch.bfloat16)
+
+
 def test_the_router_first_layout_gives_the_same_step(tiny_mla8):
     """`router_first` moves each MoE's router rows to right after the latent rows in its packed projection (the top-k
     then reads them from the phase's first round of tiles): the same phases' arithmetic on the same rows, so the
@@ -51,17 +66,9 @@ def test_the_router_first_layout_gives_the_same_step(tiny_mla8):
     are among the projection's first 132 (an H200's blocks: each block's first tile; 16-row tiles, the slot's limit
     at k = 2048), where by default they are its last (second-round tiles)."""
     cfg, model = tiny_mla8
-    runs = []
-    for first in (False, True):
-        be = mb.MegakernelBackend(model, max_len=40, prefill_backend=EagerBackend(model), emulate=True,
-                                  router_first=first)
-        eng = Engine(be, max_batch=1, max_len=40)
-        eng.prefill([0], [PROMPTS[0]])
-        runs.append([eng.decode(torch.tensor([t]))[0].clone() for t in (5, 9, 2)])
+    runs = [_emulated_steps(model, router_first=first) for first in (False, True)]
     assert all(torch.equal(a, b) for a, b in zip(*runs))
-    from k3export.model import K3Model
-    with torch.device("meta"):                      # (the layout only: no weights' values)
-        small = K3Model(K3Config.from_name("k3-small")).to(torch.bfloat16)
+    small = _small_layout()
     for first in (False, True):
         chain = mb.decode_chain(small, 64, router_first=first)
         tops = [ph for ph in chain.phases if ph.kind == "topk"]
@@ -75,24 +82,16 @@ def test_the_router_first_layout_gives_the_same_step(tiny_mla8):
 def test_the_gate_apart_gives_the_same_step_and_deals_its_tiles_beside_the_step(tiny_mla8):
     """`g_apart` takes each KDA layer's gate rows out of the input projection into a GEMV phase of their own after
     the step, its x the mix's words, and `mla_g_apart` each MLA layer's out of its projection into one after the
-    attention: the same rows' sums, so the emulated step's logits equal the default's bit for
-    bit, step after step. On k3-small (the layout on an H200's 132 blocks): the input projection is 393 tiles (three
-    rounds) instead of 521 (four), every block with a step tile has at most three of them before it, and none of the
-    gate's 128 tiles runs on a block with a step tile of its layer (they are dealt over the other 68); on a grid
-    where fewer than a quarter of the blocks would be left they are dealt over every block, as any phase's. The MLA projection is 84 tiles
-    (one round) instead of 212, and its gate's tiles run on blocks without an attention tile."""
+    attention: the same rows' sums, so the emulated step's logits equal the layout before's bit for bit, step after
+    step. On k3-small (the layout on an H200's 132 blocks): the input projection is 393 tiles (three rounds) instead
+    of 521 (four), every block with a step tile has at most three of them before it, and none of the gate's 128
+    tiles runs on a block with a step tile of its layer (they are dealt over the other 68); on a grid where fewer
+    than a quarter of the blocks would be left they are dealt over every block, as any phase's. The MLA projection
+    is 84 tiles (one round) instead of 212, and its gate's tiles run on blocks without an attention tile."""
     cfg, model = tiny_mla8
-    runs = []
-    for apart in (False, True):
-        be = mb.MegakernelBackend(model, max_len=40, prefill_backend=EagerBackend(model), emulate=True,
-                                  g_apart=apart, mla_g_apart=apart)
-        eng = Engine(be, max_batch=1, max_len=40)
-        eng.prefill([0], [PROMPTS[0]])
-        runs.append([eng.decode(torch.tensor([t]))[0].clone() for t in (5, 9, 2)])
+    runs = [_emulated_steps(model, g_apart=apart, mla_g_apart=apart) for apart in (False, True)]
     assert all(torch.equal(a, b) for a, b in zip(*runs))
-    from k3export.model import K3Model
-    with torch.device("meta"):                      # (the layout only: no weights' values)
-        small = K3Model(K3Config.from_name("k3-small")).to(torch.bfloat16)
+    small = _small_layout()
     for apart in (False, True):
         chain = mb.decode_chain(small, 64, g_apart=apart, mla_g_apart=apart)
         names = [ph.name for ph in chain.phases]
@@ -139,9 +138,7 @@ def test_attention_tiles_of_fewer_heads_give_the_same_step(tiny_mla8):
         eng.prefill([0], [PROMPTS[0]])
         runs.append([eng.decode(torch.tensor([t]))[0].clone() for t in (5, 9, 2)])
     assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(*runs))
-    from k3export.model import K3Model
-    with torch.device("meta"):
-        small = K3Model(K3Config.from_name("k3-small")).to(torch.bfloat16)
+    small = _small_layout()
     for heads, tiles in ((8, 66), (4, 132)):
         chain = mb.decode_chain(small, 1025, attn_heads=heads)
         assert [ph.ntiles for ph in chain.phases if ph.kind == "attn"] == [tiles] * 3
@@ -159,9 +156,7 @@ def test_the_attention_on_tensor_cores_takes_k3_smalls_tiles():
     """chain.cu's ATTN_MMA runs an attention tile on tensor cores (m16n8k16: 8 heads, two blocks of 16 keys), its
     score partials in x's scratch: k3-small's tiles (8 heads of 576-wide rows, rank 512) fit; 4 heads a tile are
     refused with the reason. The backend's options map to their defines."""
-    from k3export.model import K3Model
-    with torch.device("meta"):
-        small = K3Model(K3Config.from_name("k3-small")).to(torch.bfloat16)
+    small = _small_layout()
     chunks = mc.cu_default("ATTN_KCHUNKS")
     assert mc.attn_mma_refusal(mb.decode_chain(small, 1025), chunks) is None
     why = mc.attn_mma_refusal(mb.decode_chain(small, 1025, attn_heads=4), chunks)
@@ -176,9 +171,7 @@ def test_paired_tiles_give_each_block_one_expert_of_k3_smalls_moe_down():
     """On an H200 (132 blocks), k3-small's MoE down projections (256 tiles of 32 rows, 32 an expert): by default a
     block with two tiles has two experts' (two x loads); with PAIR_TILES, one (a meta-device model, the layout
     only)."""
-    from k3export.model import K3Model
-    with torch.device("meta"):
-        small = K3Model(K3Config.from_name("k3-small")).to(torch.bfloat16)
+    small = _small_layout()
     chain = mb.decode_chain(small, 64)
     downs = [p for p, ph in enumerate(chain.phases) if ph.name.endswith("moe.down")]
     assert len(downs) == 11
