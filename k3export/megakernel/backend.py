@@ -240,8 +240,7 @@ def decode_chain(model, max_len: int, router_first: bool = False, attn_heads: in
                  g_apart: bool = True, mla_g_apart: bool = True):
     """The whole decode step of `model` as the backend's chain: every layer, AttnRes, the LM head, the MLA caches
     sized for `max_len` keys (projections unpacked first: the chain reads them as loaded); router_first, g_apart,
-    mla_g_apart:
-    see `layer.layers_chain`; attn_heads: the attention's heads a tile."""
+    mla_g_apart: see `layer.layers_chain`; attn_heads: the attention's heads a tile."""
     from k3export.model import packing
     packing.unpack_projections(model)
     sms = torch.cuda.get_device_properties(model.device).multi_processor_count if model.device.type == "cuda" else 0

@@ -2136,6 +2136,7 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
             done = nt;
         } else
 #endif
+        // (the stride from f each tile, not a register: one more live value spilled in the CUDA-core build)
         for (int g = g0; g < gend; g += phase_stride(f, nblk), ++i, ++done) {
             const int t = g - tile0, row0 = PAIR_TILES ? tile_row0(f, t, static_cast<int>(nblk)) : t * rows;
             const int slot = x_per_expert ? row0 / ne : 0;     // whose x (routed: per expert)

@@ -83,8 +83,6 @@ def kda_sublayer(c: mc.Chain, attn, out: list[int], name: str, start: dict, g_ap
 
     Its x is the sublayer output `out` (`gemv_on`); returns the "o" phase. `start`: `kda_start`."""
     H, K, d = attn.num_heads, attn.head_dim, attn.q_proj.in_features
-    if g_apart and not (len(out) == 1 and out[0] in c.mixes):
-        raise ValueError(f"{name}: g_apart reads the mix's words: the sublayer's x must be a mix (attnres)")
     parts = [attn.f_a_proj.weight, attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
     parts += [attn.b_proj.weight] if g_apart else [attn.g_proj.weight, attn.b_proj.weight]
     w = torch.cat(parts)
@@ -92,12 +90,18 @@ def kda_sublayer(c: mc.Chain, attn, out: list[int], name: str, start: dict, g_ap
     step = c.kda(name + "step", inp, H, q_off=K, b_off=K + (3 if g_apart else 4) * H * K, fa_off=0,
                  lb=attn.lower_bound, conv_weight=attn.conv_weight(), a_log=attn.A_log, dt_bias=attn.dt_bias,
                  f_b=attn.f_b_proj.weight, **start)
-    if g_apart:
-        gate, g_off = c.gemv(name + "g", H * K, d, out[0], weight=attn.g_proj.weight, beside=step), 0
-    else:
-        gate, g_off = inp, K + 3 * H * K
+    gate, g_off = (gate_beside(c, out, name, attn.g_proj.weight, step), 0) if g_apart else (inp, K + 3 * H * K)
     norm = mc.XSeg("headnorm", step, H * K, route=gate, off2=g_off, aux=attn.o_norm.weight, eps=attn.eps)
     return c.gemv(name + "o", d, H * K, step, xsegs=[norm], weight=attn.o_proj.weight)
+
+
+def gate_beside(c: mc.Chain, out: list[int], name: str, weight: torch.Tensor, beside: int) -> int:
+    """A sublayer's output gate g = W_g x as a GEMV phase "g" of its own, dealt beside phase `beside` (`Chain.gemv`),
+    its x the words of the mix `out` (written by the sublayer's first GEMV's x load): `kda_sublayer`'s and
+    `mla_sublayer`'s g_apart."""
+    if not (len(out) == 1 and out[0] in c.mixes):
+        raise ValueError(f"{name}: g_apart reads the mix's words: the sublayer's x must be a mix (attnres)")
+    return c.gemv(name + "g", weight.shape[0], weight.shape[1], out[0], weight=weight, beside=beside)
 
 
 def gemv_on(c: mc.Chain, out: list[int], name: str, n: int, k: int, weight: torch.Tensor) -> int:
@@ -173,8 +177,6 @@ def mla_sublayer(c: mc.Chain, attn, out: list[int], name: str, cache: torch.Tens
     (`Chain.attn`; default cache_len + 1); heads_tile: the attention's heads a tile (`Chain.attn`)."""
     H, rank, nope, pe, v = attn.num_heads, attn.rank, attn.nope, attn.rope, attn.v_dim
     qr, d = attn.q_a_proj.out_features, attn.q_a_proj.in_features
-    if g_apart and not (len(out) == 1 and out[0] in c.mixes):
-        raise ValueError(f"{name}: g_apart reads the mix's words: the sublayer's x must be a mix (attnres)")
     parts = [attn.q_a_proj.weight, attn.kv_a_proj_with_mqa.weight]
     w = torch.cat(parts if g_apart else parts + [attn.g_proj.weight])
     proj = gemv_on(c, out, name + "proj", w.shape[0], d, w)
@@ -185,10 +187,7 @@ def mla_sublayer(c: mc.Chain, attn, out: list[int], name: str, cache: torch.Tens
     at = c.attn(name + "attn", ql, qb, proj, qr, H, rank, nope, pe, cache, cache_len, attn.scale,
                 attn.kv_a_layernorm.weight, attn.kv_a_layernorm.eps, capacity=capacity, heads_tile=heads_tile)
     blocks = c.phases[at].ntiles // c.phases[at].ne
-    if g_apart:
-        gate, g_off = c.gemv(name + "g", H * v, d, out[0], weight=attn.g_proj.weight, beside=at), 0
-    else:
-        gate, g_off = proj, qr + rank + pe
+    gate, g_off = (gate_beside(c, out, name, attn.g_proj.weight, at), 0) if g_apart else (proj, qr + rank + pe)
     o = c.heads(name + "bmm2", H, v, rank, at, rank + 2, weight=w_uv,
                 xsegs=[mc.XSeg("mla_combine", at, rank, stride=H * (rank + 2), nslot=blocks)])
     return c.gemv(name + "o", d, H * v, o, weight=attn.o_proj.weight,
