@@ -483,6 +483,17 @@ for part in $parts; do
            done
            rm -f "$OUT/gapart.json"
            grep -h "^== \|k3-small KDA" "$OUT/mkgapart-step.log" ;;
+    mkqueue) timeout 120 python3 scripts/l2_queue_probe.py --out "$OUT/l2-queue-probe.json" > "$OUT/mkqueue.log" 2>&1
+           for r in $(seq ${MKQUEUE_ROUNDS:-1}); do
+             for v in ${MKQUEUE_BUILDS:-base INFLIGHT=2 INFLIGHT=1}; do
+               echo "== $v" >> "$OUT/mkqueue-step.log"
+               d=PAIR_TILES=1+LIVE_SPLITS=1+ATTN_MMA=1+ATTN_X_TAIL=1; [ "$v" = base ] || d+="+$v"
+               layer_step 100 --rounds 2 --defines $d \
+                 --out "$OUT/queue.json" >> "$OUT/mkqueue-step.log" 2>&1
+             done
+           done
+           rm -f "$OUT/queue.json"
+           cat "$OUT/mkqueue.log"; grep -h "^== \|k3-small KDA\|max rel" "$OUT/mkqueue-step.log" ;;
     mkbench) timeout ${MKBENCH_TIMEOUT:-400} python3 -m k3export.cli bench model --preset k3-small --dtype bf16 \
              --backends ${MKBENCH_BACKENDS:-eager,compile,megakernel} --prefill-lengths 2048 --batches 1 \
              --contexts 1024 --warmup 3 --iters 5 --decode-iters ${MKBENCH_ITERS:-100} --rounds ${MKBENCH_ROUNDS:-1} \

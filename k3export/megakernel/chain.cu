@@ -92,6 +92,12 @@
 #define TILE_TRACE_MAX 256             // -DTRACE_TILES: per block, the first TILE_TRACE_MAX tiles' times (TILE_FIELDS):
 #endif                                 // producer: wants the slot, has it free, has issued the copy; observer warp:
 #define TILE_FIELDS 7                  // the copy landed; consumers (thread 0): want the tile, have it, are done
+#ifndef INFLIGHT                       // copies the producer keeps on their way at most (0: as many as the ring
+#define INFLIGHT 0                     // holds): copy i waits until copy i - INFLIGHT has landed (bytes queued past
+#endif                                 // the bandwidth-delay product only lengthen every load's wait, x's included)
+#if INFLIGHT >= NSLOT
+#error "INFLIGHT must be below NSLOT (0: no limit)"
+#endif
 #ifndef PREFETCH_TILES
 #define PREFETCH_TILES 0               // GEMV tiles past the ring the producer asks L2 to fetch (measured slower)
 #endif
@@ -2056,6 +2062,8 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
                 const uint32_t bytes =                  // (the last tile may be part of one)
                     static_cast<uint32_t>(min(static_cast<int64_t>(f.rows), f.n - row0) * f.k * 2);
 #endif
+                if (INFLIGHT && i >= INFLIGHT &&
+                    !wait_slot(&full[(i - INFLIGHT) % NSLOT], ((i - INFLIGHT) / NSLOT) & 1u, err, 2, p, t)) return;
                 mbar_expect_tx(&full[s], bytes);
                 bulk_load(ring + s * SLOT_BYTES, w + wrow * f.k, bytes, &full[s], policy);
                 TT_SET(i, 2);
