@@ -83,10 +83,12 @@ probe(const unsigned char* __restrict__ buf, uint64_t buf_bytes, int slot_bytes,
     if (mode == 0) {
         if (lane == 0) {
             const uint64_t* p = words + static_cast<int64_t>(((b * 7) % nblk)) * 32;   // another block's line
+            __shared__ volatile uint64_t sink;
             uint64_t v = load_word(p);
             for (int n = 0; n < nsamples; ++n) {
                 const uint64_t t = now_ns();
                 v = load_word(p + (v & 1u));            // (v is even: the same word, but the load waits for v)
+                sink = v;                               // (issued in order: the clock is read once v is here)
                 out[n] = now_ns() - t;
             }
         }
