@@ -49,12 +49,20 @@ from k3export.megakernel import layer as ml
 # and its x's new row polled in the queries' last round (12-03 19:10, layer step: 0.7317 ms against 0.7421; 19:31,
 # 300 steps on a slower H200: pipelined generation 0.753 against 0.759, decode 0.772 against 0.773). The tile's
 # sums change order (not bit for bit: the first step within 2.4e-7 of the emulation's logits).
+# INFLIGHT=1 (`inflight`, the default 1): the producer keeps one weight copy on its way, not the ring's three, so
+# that the boundaries' stores and polls queue behind fewer bytes (12-04 17:10: a store seen by another SM's poll 1.0
+# us there and back against 2.7-2.9 under the full ring; layer step 0.699 ms against 0.726; the same words: the
+# copies land in the same slots, only later).
 
 
 def kernel_defines(step_inputs: bool = True, pair_tiles: bool = True, poll_sleep: int = 0,
                    attn_heads: int = mc.ATTN_HEADS, live_splits: bool = True, sums_apart: bool = False,
-                   attn_mma: bool = True, x_tail: bool = True) -> tuple[str, ...]:
+                   attn_mma: bool = True, x_tail: bool = True, inflight: int = 1) -> tuple[str, ...]:
     """chain.cu's defines for the backend's build with these options (`DEFINES`: the defaults)."""
+    nslot = mc.cu_default("NSLOT")
+    if not isinstance(inflight, int) or not 0 <= inflight < nslot:
+        raise ValueError(f"megakernel backend: inflight is the weight copies on their way at most, 1..{nslot - 1} "
+                         f"(0: as many as the ring's {nslot} slots), got {inflight!r}")
     if attn_mma and attn_heads != mc.ATTN_HEADS:
         raise ValueError(f"megakernel backend: the attention on tensor cores (attn_mma) takes tiles of "
                          f"{mc.ATTN_HEADS} heads (the mma's n); for attn_heads={attn_heads} pass attn_mma=False")
@@ -62,7 +70,8 @@ def kernel_defines(step_inputs: bool = True, pair_tiles: bool = True, poll_sleep
             *(("PAIR_TILES=1",) if pair_tiles else ()), *((f"POLL_SLEEP={poll_sleep}",) if poll_sleep else ()),
             *((f"ATTN_HEADS={attn_heads}",) if attn_heads != mc.ATTN_HEADS else ()),
             *(("LIVE_SPLITS=1",) if live_splits else ()), *(("ATTN_SUMS_TOGETHER=0",) if sums_apart else ()),
-            *(("ATTN_MMA=1",) if attn_mma else ()), *(("ATTN_X_TAIL=1",) if x_tail else ()))
+            *(("ATTN_MMA=1",) if attn_mma else ()), *(("ATTN_X_TAIL=1",) if x_tail else ()),
+            *((f"INFLIGHT={inflight}",) if inflight else ()))
 
 
 DEFINES = kernel_defines()
@@ -82,7 +91,7 @@ class MegakernelBackend:
                  cubin: tuple[str, str] | None = None, step_inputs: bool = True, router_first: bool = False,
                  pair_tiles: bool = True, poll_sleep: int = 0, attn_heads: int = mc.ATTN_HEADS,
                  live_splits: bool = True, sums_apart: bool = False, attn_mma: bool = True,
-                 x_tail: bool = True, g_apart: bool = True, mla_g_apart: bool = True):
+                 x_tail: bool = True, g_apart: bool = True, mla_g_apart: bool = True, inflight: int = 1):
         """step_inputs (the default): chain.cu built with STEP_INPUTS=1 reads the token's embedding row, the key
         count and its epoch from the engine's buffers itself, four small kernels fewer a step than setting them
         around it (False: `HOST_INPUTS_DEFINES`). defines: another build (the engine directory's). router_first:
@@ -112,7 +121,10 @@ class MegakernelBackend:
         mla_g_apart (the default): each MLA layer's beside the attention (`layer.mla_sublayer`: its projection one
         round of tiles, not two); the same logits either way (12-04 14:50, cuda test). Layer step 0.7238 ms with
         both against 0.7315 with neither (KDA's alone 0.7260, MLA's 0.7282); decode at B = 1 0.740 against 0.748,
-        pipelined 0.731 against 0.738."""
+        pipelined 0.731 against 0.738. inflight (default 1): chain.cu built with INFLIGHT=N, the producer keeping
+        at most N weight copies on their way (0: as many as the ring holds, as before 12-04 evening); the copies
+        land in the same slots, only later, so the same logits bit for bit. Layer step 12-04 17:10: 0.699 ms
+        against 0.726 uncapped."""
         cfg = model.config
         self.model, self.config, self.dtype, self.device = model, cfg, model.dtype, model.device
         self.max_len, self.emulate = max_len, emulate
@@ -129,7 +141,7 @@ class MegakernelBackend:
         self.kernel = None
         if not emulate:
             defines = defines or kernel_defines(step_inputs, pair_tiles, poll_sleep, attn_heads, live_splits,
-                                                sums_apart, attn_mma, x_tail)
+                                                sums_apart, attn_mma, x_tail, inflight)
             self.kernel = mc.ChainKernel(defines=defines, cubin=cubin, quiet=cubin is not None)
             self.kernel.bind(self.bufs)
         if prefill_backend is None:

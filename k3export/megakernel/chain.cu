@@ -93,23 +93,13 @@
 #endif                                 // producer: wants the slot, has it free, has issued the copy; observer warp:
 #define TILE_FIELDS 7                  // the copy landed; consumers (thread 0): want the tile, have it, are done
 #ifndef INFLIGHT                       // copies the producer keeps on their way at most (0: as many as the ring
-#define INFLIGHT 0                     // holds): copy i waits until copy i - INFLIGHT has landed (bytes queued past
-#endif                                 // the bandwidth-delay product only lengthen every load's wait, x's included)
-#ifndef PIECE_BYTES                    // > 0: the producer copies each tile in pieces of this many bytes (a multiple of
-#define PIECE_BYTES 0                  // 16), each landing on a barrier of its own, and INFLIGHT counts pieces: the
-#endif                                 // bytes on their way bounded more finely than by whole tiles
-#if PIECE_BYTES
-#if PIECE_BYTES % 16 || SLOT_BYTES % PIECE_BYTES
-#error "PIECE_BYTES must be a multiple of 16 that divides SLOT_BYTES"
-#endif
-#define NPIECE_BAR (NSLOT * (SLOT_BYTES / PIECE_BYTES))   // the ring's pieces at most: a piece's barrier is used again
-#if INFLIGHT >= NPIECE_BAR                                // only once every consumer has waited for its last use
-#error "INFLIGHT (pieces) must be below NSLOT * SLOT_BYTES / PIECE_BYTES"
-#endif
-#if defined(TRACE_TILES)
-#error "TRACE_TILES observes whole-tile copies: not with PIECE_BYTES"
-#endif
-#elif INFLIGHT >= NSLOT
+#define INFLIGHT 0                     // holds): copy i waits until copy i - INFLIGHT has landed. Bytes queued past
+#endif                                 // the bandwidth-delay product only lengthen every other load's wait: a
+// store seen by another SM's poll took 2.7-2.9 us there and back with the ring's 3 x 64 KB on their way, 1.0 us with
+// one 64 KB copy, 0.58 us with none (scripts/l2_queue_probe.py, 12-04 17:10). The backend builds with INFLIGHT=1
+// (layer step 0.699 ms against 0.726). Pieces of a tile on barriers of their own, 16 or 32 KB, 1 to 4 in flight,
+// were slower (0.730-0.786 ms; commit 63eab80 has them).
+#if INFLIGHT >= NSLOT
 #error "INFLIGHT must be below NSLOT (0: no limit)"
 #endif
 #ifndef PREFETCH_TILES
@@ -359,22 +349,6 @@ __device__ bool wait_slot(uint64_t* bar, uint32_t parity, uint32_t* err, uint32_
         if (out_of_time(spin, err, what, phase, tile)) return false;
     return true;
 }
-#if PIECE_BYTES
-__shared__ uint64_t piece_bar[NPIECE_BAR];     // piece j lands on piece_bar[j % NPIECE_BAR]
-__shared__ uint32_t tile_piece0[NSLOT], tile_pieces[NSLOT];   // slot s's tile: its first piece and piece count
-#endif
-// Ring tile i (slot i % NSLOT) is in shared memory: its slot's barrier (with PIECE_BYTES: the tile's pieces are
-// issued, and then each of their barriers). false: gave up.
-__device__ __forceinline__ bool wait_tile(uint64_t* full, uint32_t i, uint32_t* err, int64_t phase, int64_t tile) {
-    if (!wait_slot(&full[i % NSLOT], (i / NSLOT) & 1u, err, 2, phase, tile)) return false;
-#if PIECE_BYTES
-    const uint32_t j0 = tile_piece0[i % NSLOT], n = tile_pieces[i % NSLOT];
-    for (uint32_t j = j0; j < j0 + n; ++j)
-        if (!wait_slot(&piece_bar[j % NPIECE_BAR], (j / NPIECE_BAR) & 1u, err, 2, phase, tile)) return false;
-#endif
-    return true;
-}
-
 // The word at p once it carries `epoch` (any word if !wait). false: gave up.
 __device__ __forceinline__ bool poll_word(const uint64_t* p, uint64_t& v, uint32_t epoch, bool wait, uint32_t* err,
                                           uint32_t what, int64_t phase, int64_t tile) {
@@ -716,7 +690,7 @@ __device__ __forceinline__ int kda_phase(const PhaseC& f, const PhaseC* ph, cons
 #ifdef PHASE_TIMES
         if (threadIdx.x == 0 && n == 0) atomicMin(t_x, static_cast<unsigned long long>(now_ns()));
 #endif
-        if (!wait_tile(full, i, err, p, t)) return -1;
+        if (!wait_slot(&full[s], (i / NSLOT) & 1u, err, 2, p, t)) return -1;
         kda_tile(ring + s * SLOT_BYTES, xf,
                  reinterpret_cast<float*>(f.w + static_cast<int64_t>(t) * KDA_TILE + KDA_FB_BYTES), y + t * 32, g,
                  t & 3, epoch);
@@ -1849,7 +1823,7 @@ __device__ __forceinline__ int attn_phase(const PhaseC& f, const PhaseC* ph, con
 #ifdef PHASE_TIMES
         if (tid == 0 && n == 0) atomicMin(t_x, static_cast<unsigned long long>(now_ns()));
 #endif
-        if (!wait_tile(full, i, err, p, t)) return -1;
+        if (!wait_slot(&full[s], (i / NSLOT) & 1u, err, 2, p, t)) return -1;
 #ifdef PHASE_TIMES
         if (tid == 0 && n == 0) atomicMin(t_tile, static_cast<unsigned long long>(now_ns()));
 #endif
@@ -1893,7 +1867,7 @@ __device__ __forceinline__ int attnres_phase(const PhaseC& f, const PhaseC* ph, 
     int n = 0;
     for (int g = g0; g < f.tile0 + f.ntiles; g += stride, ++i, ++n) {
         const uint32_t s = i % NSLOT;
-        if (!wait_tile(full, i, err, p, g - f.tile0)) return -1;
+        if (!wait_slot(&full[s], (i / NSLOT) & 1u, err, 2, p, g - f.tile0)) return -1;
 #ifdef PHASE_TIMES
         if (tid == 0 && n == 0) atomicMin(t_tile, static_cast<unsigned long long>(now_ns()));
 #endif
@@ -1977,9 +1951,6 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
             mbar_init(&full[s], 1);                 // the producer's arrive (with the tile's bytes)
             mbar_init(&empty[s], CONSUMERS / 32);   // one arrive per consumer warp
         }
-#if PIECE_BYTES
-        for (int j = 0; j < NPIECE_BAR; ++j) mbar_init(&piece_bar[j], 1);   // the producer's arrive, with the bytes
-#endif
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         gave_up = 0;
 #if RECIPES
@@ -2027,9 +1998,6 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
         ahead.settle(ph, nphase, nblk);
         for (int q = 0; q < NSLOT; ++q) ahead.next(ph, nphase, nblk);
         uint32_t fetched = NSLOT;                               // tiles prefetched or loaded by the ring so far
-#if PIECE_BYTES
-        uint32_t piece = 0;                                     // pieces issued so far
-#endif
         for (int64_t p = 0; p < nphase; ++p) {
             const PhaseC& f = ph[p];
             const __nv_bfloat16* w = reinterpret_cast<const __nv_bfloat16*>(f.w);
@@ -2054,9 +2022,6 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
                 TT_SET(i, 0);
                 if (!wait_slot(&empty[s], ((i / NSLOT) & 1u) ^ 1u, err, 3, p, t)) return;
                 TT_SET(i, 1);
-#if PIECE_BYTES
-                tile_pieces[s] = 0;             // (a tile with nothing to load: none; the consumers are past slot s)
-#endif
                 if (!inputs_done && !(inputs_done = wait_inputs(ph, f, counters, epoch, err, p, t))) return;
                 if (f.kind == TOPK) {
                     TT_SET(i, 2);
@@ -2101,25 +2066,10 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
                 const uint32_t bytes =                  // (the last tile may be part of one)
                     static_cast<uint32_t>(min(static_cast<int64_t>(f.rows), f.n - row0) * f.k * 2);
 #endif
-#if PIECE_BYTES                             // the tile's pieces published first (the consumers wait on their
-                tile_piece0[s] = piece;         // barriers once past the slot's), each piece issued once the one
-                tile_pieces[s] = (bytes + PIECE_BYTES - 1) / PIECE_BYTES;   // INFLIGHT before it has landed
-                mbar_arrive(&full[s]);
-                for (uint32_t off = 0; off < bytes; off += PIECE_BYTES, ++piece) {
-                    const uint32_t b = min(static_cast<uint32_t>(PIECE_BYTES), bytes - off);
-                    if (INFLIGHT && piece >= INFLIGHT &&
-                        !wait_slot(&piece_bar[(piece - INFLIGHT) % NPIECE_BAR], ((piece - INFLIGHT) / NPIECE_BAR) & 1u,
-                                   err, 2, p, t)) return;
-                    mbar_expect_tx(&piece_bar[piece % NPIECE_BAR], b);
-                    bulk_load(ring + s * SLOT_BYTES + off, reinterpret_cast<const unsigned char*>(w + wrow * f.k) + off,
-                              b, &piece_bar[piece % NPIECE_BAR], policy);
-                }
-#else
                 if (INFLIGHT && i >= INFLIGHT &&
                     !wait_slot(&full[(i - INFLIGHT) % NSLOT], ((i - INFLIGHT) / NSLOT) & 1u, err, 2, p, t)) return;
                 mbar_expect_tx(&full[s], bytes);
                 bulk_load(ring + s * SLOT_BYTES, w + wrow * f.k, bytes, &full[s], policy);
-#endif
                 TT_SET(i, 2);
             }
         }
@@ -2207,7 +2157,7 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
             uint4 wreg[GROUPS][STEPS];      // (TILE_IN_REGS) this thread's share of the tile: row r0 + trow
             if (tid == 0 && TILE_IN_REGS) TT_SET(i, 4);
             if (TILE_IN_REGS) {
-                if (!wait_tile(full, i, err, p, t)) return;
+                if (!wait_slot(&full[s], (i / NSLOT) & 1u, err, 2, p, t)) return;
                 if (tid == 0) TT_SET(i, 5);
                 const uint4* tile = reinterpret_cast<const uint4*>(ring + s * SLOT_BYTES);
 #pragma unroll
@@ -2286,7 +2236,7 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
             }
             if (tid == 0 && !TILE_IN_REGS) TT_SET(i, 4);
 #ifndef NOHANDSHAKE
-            if (!TILE_IN_REGS && !wait_tile(full, i, err, p, t)) return;
+            if (!TILE_IN_REGS && !wait_slot(&full[s], (i / NSLOT) & 1u, err, 2, p, t)) return;
 #endif
             if (tid == 0 && !TILE_IN_REGS) TT_SET(i, 5);
 #ifdef PHASE_TIMES
