@@ -169,6 +169,13 @@
 #   mkshared (ran 12-04 15:30, docs/perf.md "The gate rows apart") each MoE's shared_down after its routed gate_up,
 #            alone and with router_first: layer step +43 us, bench +40 us; the option is removed (commit c06737c has
 #            it and this part)
+#   mkqueue  (ran 12-04 17:05 and 17:10, docs/perf.md "Fewer bytes in flight") scripts/l2_queue_probe.py (a small
+#            load's and a store-to-poll round trip's time under the weight stream, per bytes in flight), then the
+#            layer step for each build in $MKQUEUE_BUILDS ($MKQUEUE_ROUNDS rounds, interleaved)
+#   mkinflight the backend's INFLIGHT=1 default: its cuda tests (inflight variants bit for bit, the kernel against
+#            its emulation, an engine directory), the layer step with INFLIGHT=1 alone and with the L2 prefetch
+#            ($MKINFLIGHT_BUILDS), its phase times; its bench is `mkbench` with
+#            MKBENCH_BACKENDS=megakernel,megakernel-uncapped
 #   mkbench  bench model eager, compile, megakernel at B = 1, context 1024 ($MKBENCH_BACKENDS; $MKBENCH_ROUNDS
 #            decode rounds, the backends' order rotated each round)
 #   profile  scripts/profile_decode.py --backend $PROFILE_BACKEND (default compile): kernels per decode step, and the
@@ -494,6 +501,20 @@ for part in $parts; do
            done
            rm -f "$OUT/queue.json"
            cat "$OUT/mkqueue.log"; grep -h "^== \|k3-small KDA\|max rel" "$OUT/mkqueue-step.log" ;;
+    mkinflight) timeout 220 python3 -m pytest -q -m cuda tests/test_megakernel_backend.py \
+             -k "${MKINFLIGHT_K:-inflight or follows_its_emulation or directory_builds}" -s -rs -p no:cacheprovider \
+             > "$OUT/mkinflight.log" 2>&1
+           grep -h "passed\|failed" "$OUT/mkinflight.log"
+           for v in ${MKINFLIGHT_BUILDS:-INFLIGHT=1 INFLIGHT=1+PREFETCH_TILES=1 INFLIGHT=1+PREFETCH_TILES=2 base}; do
+             echo "== $v" >> "$OUT/mkinflight-step.log"
+             d=PAIR_TILES=1+LIVE_SPLITS=1+ATTN_MMA=1+ATTN_X_TAIL=1; [ "$v" = base ] || d+="+$v"
+             layer_step 60 --rounds 2 --defines $d --out "$OUT/inflight.json" >> "$OUT/mkinflight-step.log" 2>&1
+           done
+           layer_step 60 --rounds 1 --defines PHASE_TIMES+PAIR_TILES=1+LIVE_SPLITS=1+ATTN_MMA=1+ATTN_X_TAIL=1+INFLIGHT=1 \
+             --out "$OUT/inflight-phase-times.json" > "$OUT/mkinflight-phase-times.log" 2>&1
+           rm -f "$OUT/inflight.json"
+           grep -h "^== \|k3-small KDA\|max rel" "$OUT/mkinflight-step.log"
+           grep -h "after the phase before" "$OUT/mkinflight-phase-times.log" ;;
     mkbench) timeout ${MKBENCH_TIMEOUT:-400} python3 -m k3export.cli bench model --preset k3-small --dtype bf16 \
              --backends ${MKBENCH_BACKENDS:-eager,compile,megakernel} --prefill-lengths 2048 --batches 1 \
              --contexts 1024 --warmup 3 --iters 5 --decode-iters ${MKBENCH_ITERS:-100} --rounds ${MKBENCH_ROUNDS:-1} \
