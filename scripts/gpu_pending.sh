@@ -169,7 +169,7 @@
 #   mkshared (ran 12-04 15:30, docs/perf.md "The gate rows apart") each MoE's shared_down after its routed gate_up,
 #            alone and with router_first: layer step +43 us, bench +40 us; the option is removed (commit c06737c has
 #            it and this part)
-#   mkqueue  (ran 12-04 17:05 and 17:10, docs/perf.md "Fewer bytes in flight") scripts/l2_queue_probe.py (a small
+#   mkqueue  (ran 12-04 16:48 and 16:57, docs/perf.md "Fewer bytes in flight") scripts/l2_queue_probe.py (a small
 #            load's and a store-to-poll round trip's time under the weight stream, per bytes in flight), then the
 #            layer step for each build in $MKQUEUE_BUILDS ($MKQUEUE_ROUNDS rounds, interleaved)
 #   mkinflight the backend's INFLIGHT=1 default: its cuda tests (inflight variants bit for bit, the kernel against

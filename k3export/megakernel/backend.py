@@ -50,9 +50,9 @@ from k3export.megakernel import layer as ml
 # 300 steps on a slower H200: pipelined generation 0.753 against 0.759, decode 0.772 against 0.773). The tile's
 # sums change order (not bit for bit: the first step within 2.4e-7 of the emulation's logits).
 # INFLIGHT=1 (`inflight`, the default 1): the producer keeps one weight copy on its way, not the ring's three, so
-# that the boundaries' stores and polls queue behind fewer bytes (12-04 17:10: a store seen by another SM's poll 1.0
-# us there and back against 2.7-2.9 under the full ring; layer step 0.699 ms against 0.726; the same words: the
-# copies land in the same slots, only later).
+# that the boundaries' stores and polls queue behind fewer bytes (12-04 16:53-16:57: a store seen by another SM's
+# poll 1.0 us there and back against 2.7-2.9 under the full ring; layer step 0.699 ms against 0.726; the same
+# words: the copies land in the same slots, only later).
 
 
 def kernel_defines(step_inputs: bool = True, pair_tiles: bool = True, poll_sleep: int = 0,
@@ -123,7 +123,7 @@ class MegakernelBackend:
         both against 0.7315 with neither (KDA's alone 0.7260, MLA's 0.7282); decode at B = 1 0.740 against 0.748,
         pipelined 0.731 against 0.738. inflight (default 1): chain.cu built with INFLIGHT=N, the producer keeping
         at most N weight copies on their way (0: as many as the ring holds, as before 12-04 evening); the copies
-        land in the same slots, only later, so the same logits bit for bit. Layer step 12-04 17:10: 0.699 ms
+        land in the same slots, only later, so the same logits bit for bit. Layer step 12-04 16:57: 0.699 ms
         against 0.726 uncapped."""
         cfg = model.config
         self.model, self.config, self.dtype, self.device = model, cfg, model.dtype, model.device

@@ -96,7 +96,7 @@
 #define INFLIGHT 0                     // holds): copy i waits until copy i - INFLIGHT has landed. Bytes queued past
 #endif                                 // the bandwidth-delay product only lengthen every other load's wait: a
 // store seen by another SM's poll took 2.7-2.9 us there and back with the ring's 3 x 64 KB on their way, 1.0 us with
-// one 64 KB copy, 0.58 us with none (scripts/l2_queue_probe.py, 12-04 17:10). The backend builds with INFLIGHT=1
+// one 64 KB copy, 0.58 us with none (scripts/l2_queue_probe.py, 12-04 16:53). The backend builds with INFLIGHT=1
 // (layer step 0.699 ms against 0.726). Pieces of a tile on barriers of their own, 16 or 32 KB, 1 to 4 in flight,
 // were slower (0.730-0.786 ms; commit 63eab80 has them).
 #if INFLIGHT >= NSLOT
