@@ -102,9 +102,6 @@
 #if INFLIGHT >= NSLOT
 #error "INFLIGHT must be below NSLOT (0: no limit)"
 #endif
-#ifndef QUIET_X                        // 1: the producer issues no copy while its block's consumers load an x (a flag in
-#define QUIET_X 0                      // shared memory), so that the boundaries' polls meet a quieter memory system
-#endif
 #ifndef PREFETCH_TILES
 #define PREFETCH_TILES 0               // GEMV tiles past the ring the producer asks L2 to fetch (measured slower)
 #endif
@@ -137,12 +134,6 @@
 #ifndef COMBINE_WORDS                  // X_MLA_COMBINE (BMM2's x): key blocks' words a thread polls together a round
 #define COMBINE_WORDS 8                // (12: 3 rounds at 1025 keys, not 5, the same adds; 16 spills. H200 12-03
 #endif                                 // 21:20: 12 no faster, layer step 0.7326 ms against 0.7310 / 0.7315)
-#ifndef COMBINE_EARLY                  // N > 0: X_MLA_COMBINE polls key blocks 0 .. N - 1's O words with the m / l
-#define COMBINE_EARLY 0                // words (they need no max; the rounds after them start at key block N): a round
-#endif                                 // trip fewer where N covers a round (the same adds in the same order)
-#if COMBINE_EARLY > COMBINE_WORDS
-#error "COMBINE_EARLY is at most COMBINE_WORDS"
-#endif
 #ifndef ATTN_MMA                       // 1: an ATTN tile's scores and O on tensor cores (`attn_tile`; fp32 sums in
 #define ATTN_MMA 0                     // other orders, the weights as three bf16 parts)
 #endif
@@ -358,15 +349,6 @@ __device__ bool wait_slot(uint64_t* bar, uint32_t parity, uint32_t* err, uint32_
         if (out_of_time(spin, err, what, phase, tile)) return false;
     return true;
 }
-#if QUIET_X
-__shared__ volatile int x_busy;                // QUIET_X: the consumers are loading an x
-#define X_BEGIN() do { if (threadIdx.x == 0) x_busy = 1; } while (0)
-#define X_END() do { if (threadIdx.x == 0) x_busy = 0; } while (0)
-#else
-#define X_BEGIN() do { } while (0)
-#define X_END() do { } while (0)
-#endif
-
 // The word at p once it carries `epoch` (any word if !wait). false: gave up.
 __device__ __forceinline__ bool poll_word(const uint64_t* p, uint64_t& v, uint32_t epoch, bool wait, uint32_t* err,
                                           uint32_t what, int64_t phase, int64_t tile) {
@@ -702,10 +684,8 @@ __device__ __forceinline__ int kda_phase(const PhaseC& f, const PhaseC* ph, cons
         const int t = gt - f.tile0;
         const uint32_t s = i % NSLOT;
         consumers_sync();                   // every warp is done with the last x
-        X_BEGIN();
         if (!load_x_kda(xf, g, ph, t, epoch, wait, err, p, red)) *gave_up = 1;
         consumers_sync();
-        X_END();
         if (*gave_up) return -1;
 #ifdef PHASE_TIMES
         if (threadIdx.x == 0 && n == 0) atomicMin(t_x, static_cast<unsigned long long>(now_ns()));
@@ -1236,45 +1216,12 @@ __device__ __forceinline__ bool load_x_recipe(__nv_bfloat16* xs, const PhaseC& f
 #else
             const int live = g.nslot;
 #endif
-#if COMBINE_EARLY                               // key blocks 0 .. COMBINE_EARLY - 1's O words of element tid,
-            float v0[COMBINE_EARLY];                // polled with the m / l words: they need no max
-            const int ns0 = tid < g.len ? min(COMBINE_EARLY, live) : 0;
-            for (uint32_t spin = 0;; ++spin) {
-                uint64_t w[COMBINE_EARLY], ml[2];
-#pragma unroll
-                for (int q2 = 0; q2 < COMBINE_EARLY; ++q2)
-                    w[q2] = q2 < ns0 ? load_word(hb + static_cast<int64_t>(q2) * g.stride + 2 + tid)
-                                     : static_cast<uint64_t>(epoch) << 32;
-#pragma unroll
-                for (int u = 0; u < 2; ++u)
-                    ml[u] = tid < live ? load_word(hb + static_cast<int64_t>(tid) * g.stride + u)
-                                       : static_cast<uint64_t>(epoch) << 32;
-                bool fresh = epoch_of(ml[0]) == epoch && epoch_of(ml[1]) == epoch;
-#pragma unroll
-                for (int q2 = 0; q2 < COMBINE_EARLY; ++q2) {
-                    v0[q2] = value_of(w[q2]);
-                    fresh = fresh && epoch_of(w[q2]) == epoch;
-                }
-                if (fresh || !wait) {
-                    if (tid < live) {
-                        sc[tid] = value_of(ml[0]);
-                        sc[ATTN_SPLITS + tid] = value_of(ml[1]);
-                    }
-                    break;
-                }
-                if (out_of_time(spin, err, 1, p, t)) {
-                    ok = false;
-                    break;
-                }
-            }
-#else
             if (tid < live) {
                 float ml[2];
                 ok = poll_strided(hb + static_cast<int64_t>(tid) * g.stride, 1, 2, ml, epoch, wait, err, p, t);
                 sc[tid] = ml[0];
                 sc[ATTN_SPLITS + tid] = ml[1];
             }
-#endif
             consumers_sync();
             float mx = -INFINITY;
             for (int q2 = 0; q2 < live; ++q2) mx = fmaxf(mx, sc[q2]);
@@ -1285,16 +1232,7 @@ __device__ __forceinline__ bool load_x_recipe(__nv_bfloat16* xs, const PhaseC& f
                 den = __fadd_rn(den, __fmul_rn(sc[2 * ATTN_SPLITS + q2], sc[ATTN_SPLITS + q2]));
             for (int j = tid; ok && j < g.len; j += CONSUMERS) {
                 float acc = 0.f;
-                int s1 = 0;
-#if COMBINE_EARLY
-                if (j == tid) {                     // (the first round's words, polled above: the same adds)
-#pragma unroll
-                    for (int q2 = 0; q2 < COMBINE_EARLY; ++q2)
-                        if (q2 < ns0) acc = __fadd_rn(acc, __fmul_rn(sc[2 * ATTN_SPLITS + q2], v0[q2]));
-                    s1 = COMBINE_EARLY;
-                }
-#endif
-                for (int s0 = s1; ok && s0 < live; s0 += COMBINE_WORDS) {    // COMBINE_WORDS splits' words a round
+                for (int s0 = 0; ok && s0 < live; s0 += COMBINE_WORDS) {     // COMBINE_WORDS splits' words a round
                     float v[COMBINE_WORDS];
                     const int ns = min(COMBINE_WORDS, live - s0);
                     ok = poll_strided(hb + static_cast<int64_t>(s0) * g.stride + 2 + j, g.stride, ns, v, epoch,
@@ -1873,11 +1811,9 @@ __device__ __forceinline__ int attn_phase(const PhaseC& f, const PhaseC* ph, con
         const bool no_keys = LIVE_SPLITS && (t / f.ne) * f.rows >= f.n;   // (no x, no words; BMM2 skips it)
         if (!no_keys && hg != have) {
             consumers_sync();               // every warp is done with the last x
-            X_BEGIN();
             if (!load_x_recipe(xs, f, ph, xsegs, hg, epoch, wait, err, p, t, red, comb_w, n ? nullptr : part_t))
                 *gave_up = 1;
             consumers_sync();
-            X_END();
             if (*gave_up) return -1;
             if (xdump && t < f.ne && hg < XDUMP_SLOTS)
                 for (int j = tid; j < (ATTN_HEADS + 1) * f.k; j += CONSUMERS)
@@ -1918,10 +1854,8 @@ __device__ __forceinline__ int attnres_phase(const PhaseC& f, const PhaseC* ph, 
                                              unsigned long long* t_x, unsigned long long* t_tile) {
     const int tid = threadIdx.x;
     consumers_sync();                       // every warp is done with the last x
-    X_BEGIN();
     if (!attnres_x(xs, xsegs[f.xop], ph, x_in, g0 - f.tile0, epoch, wait, err, p, red, mma_red)) *gave_up = 1;
     consumers_sync();
-    X_END();
     if (*gave_up) return -1;
     if (xdump && g0 == f.tile0)
         for (int j = tid; j < f.k; j += CONSUMERS) xdump[p * XDUMP_SLOTS * XMAX + j] = xs[j];
@@ -2019,9 +1953,6 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         gave_up = 0;
-#if QUIET_X
-        x_busy = 0;
-#endif
 #if RECIPES
         xdump_s = xdump;
 #endif
@@ -2137,10 +2068,6 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
 #endif
                 if (INFLIGHT && i >= INFLIGHT &&
                     !wait_slot(&full[(i - INFLIGHT) % NSLOT], ((i - INFLIGHT) / NSLOT) & 1u, err, 2, p, t)) return;
-#if QUIET_X                                 // (the consumers' x needs no copy of this block's: never a cycle)
-                for (uint32_t spin = 0; x_busy; ++spin)
-                    if (out_of_time(spin, err, 3, p, t)) return;
-#endif
                 mbar_expect_tx(&full[s], bytes);
                 bulk_load(ring + s * SLOT_BYTES, w + wrow * f.k, bytes, &full[s], policy);
                 TT_SET(i, 2);
@@ -2254,14 +2181,12 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
 #endif
 #ifndef NOLOADX                             // -DNOLOADX: a diagnostic, x never loaded (the boundary's loads alone)
                 consumers_sync();
-                X_BEGIN();
                 const bool had = XPREFETCH && pre_p == p && have_slot < 0;   // (loaded for the phase's first slot)
 #if RECIPES
                 if (!(f.xop >= 0 ? load_x_recipe(xs, f, ph, xsegs, slot, epoch, wait, err, p, t, red, comb_w)
                                  : load_x(xs, f, ph, X_IN, slot, epoch, wait, err, p, t, had, pre, pre2)))
                     gave_up = 1;
                 consumers_sync();
-                X_END();
                 __nv_bfloat16* xd = *reinterpret_cast<__nv_bfloat16* volatile*>(&xdump_s);
                 if (xd && f.xop >= 0 && kind != TOPK && row0 == (x_per_expert ? slot * ne : 0) && slot < XDUMP_SLOTS)
                     for (int j = tid; j < f.k; j += CONSUMERS)
@@ -2269,7 +2194,6 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
 #else
                 if (!load_x(xs, f, ph, X_IN, slot, epoch, wait, err, p, t, had, pre, pre2)) gave_up = 1;
                 consumers_sync();
-                X_END();
 #endif
 #endif
 #ifdef TRACE
