@@ -166,7 +166,6 @@ def test_the_attention_on_tensor_cores_takes_k3_smalls_tiles():
     assert not {"ATTN_MMA=1", "ATTN_X_TAIL=1"} & set(mb.kernel_defines(attn_mma=False, x_tail=False))
 
 
-
 def test_the_producer_keeps_one_copy_in_flight_by_default():
     """The backend builds chain.cu with INFLIGHT=1 (one weight copy on its way: the boundaries' stores and polls
     queue behind fewer bytes); inflight=0 is the whole ring, as before; a cap the ring cannot have is refused."""
