@@ -8,8 +8,12 @@
 //           timed alone (the load's value feeds the next one's address, so they cannot overlap);
 //   mode 1: a ping-pong between block b and block b + blocks / 2: one side stores {value, epoch} as chain.cu's
 //           store_word does, the other polls until it sees it and answers; each sample is one round trip (two
-//           store-to-poll hops), what a phase boundary pays once per hop.
-// inflight 0: no stream (the idle figures).
+//           store-to-poll hops), what a phase boundary pays once per hop;
+//   mode 2: one hop at a time: block b < blocks / 2 stores, notes %globaltimer before the store; block b + blocks
+//           / 2 notes it when its poll sees the word (the host subtracts: one store-to-poll hop), then answers so
+//           that the next sample starts after it.
+// inflight 0: no stream (the idle figures). who: the blocks that stream (0 all, 1 the first half: the writers in
+// mode 2, 2 the second half: the readers), so that a hop's cost can be put on the writer's SM or the reader's.
 #include <cstdint>
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
@@ -37,11 +41,12 @@ __device__ __forceinline__ bool mbar_test(uint64_t* bar, uint32_t parity) {
 extern "C" __global__ void __launch_bounds__(64, 1)
 probe(const unsigned char* __restrict__ buf, uint64_t buf_bytes, int slot_bytes, int inflight, uint64_t* words,
       unsigned long long* lat, int nsamples, int mode, unsigned long long warm_ns, unsigned long long* streamed,
-      unsigned long long* span) {
+      unsigned long long* span, int who) {
     extern __shared__ __align__(128) unsigned char ring[];
     __shared__ uint64_t full[16];
     __shared__ volatile int done;
     const int tid = threadIdx.x, nblk = gridDim.x, b = blockIdx.x;
+    if (who && (b < nblk / 2) != (who == 1)) inflight = 0;   // (this block does not stream)
     if (tid == 0) {
         for (int s = 0; s < inflight; ++s)
             asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(&full[s])));
@@ -90,6 +95,25 @@ probe(const unsigned char* __restrict__ buf, uint64_t buf_bytes, int slot_bytes,
                 v = load_word(p + (v & 1u));            // (v is even: the same word, but the load waits for v)
                 sink = v;                               // (issued in order: the clock is read once v is here)
                 out[n] = now_ns() - t;
+            }
+        }
+    } else if (mode == 2) {
+        const int half = nblk / 2;
+        if (lane == 0 && b < 2 * half) {
+            const bool writer = b < half;
+            uint64_t* mine = words + static_cast<int64_t>(b) * 32;
+            const uint64_t* theirs = words + static_cast<int64_t>(writer ? b + half : b - half) * 32;
+            for (int n = 0; n < nsamples; ++n) {
+                const uint64_t want = (static_cast<uint64_t>(n + 1) << 33);
+                if (writer) {
+                    out[n] = now_ns();
+                    store_word(mine, want);
+                    while (load_word(theirs) != want) {}    // (the answer: the next sample starts after it)
+                } else {
+                    while (load_word(theirs) != want) {}
+                    out[n] = now_ns();
+                    store_word(mine, want);
+                }
             }
         }
     } else {
