@@ -171,7 +171,7 @@
 #            it and this part)
 #   mkqueue  (ran 12-04 16:48 and 16:57, docs/perf.md "Fewer bytes in flight") scripts/l2_queue_probe.py (a small
 #            load's and a store-to-poll round trip's time under the weight stream, per bytes in flight; its one-hop
-#            mode, with only the writers' or the readers' SMs streaming, added 17:35 and not yet run), then the
+#            mode, with only the writers' or the readers' SMs streaming, added 12-04 evening, not yet run), then the
 #            layer step for each build in $MKQUEUE_BUILDS ($MKQUEUE_ROUNDS rounds, interleaved)
 #   mkinflight the backend's INFLIGHT=1 default: its cuda tests (inflight variants bit for bit, the kernel against
 #            its emulation, an engine directory), the layer step with INFLIGHT=1 alone and with the L2 prefetch
