@@ -97,26 +97,7 @@ probe(const unsigned char* __restrict__ buf, uint64_t buf_bytes, int slot_bytes,
                 out[n] = now_ns() - t;
             }
         }
-    } else if (mode == 2) {
-        const int half = nblk / 2;
-        if (lane == 0 && b < 2 * half) {
-            const bool writer = b < half;
-            uint64_t* mine = words + static_cast<int64_t>(b) * 32;
-            const uint64_t* theirs = words + static_cast<int64_t>(writer ? b + half : b - half) * 32;
-            for (int n = 0; n < nsamples; ++n) {
-                const uint64_t want = (static_cast<uint64_t>(n + 1) << 33);
-                if (writer) {
-                    out[n] = now_ns();
-                    store_word(mine, want);
-                    while (load_word(theirs) != want) {}    // (the answer: the next sample starts after it)
-                } else {
-                    while (load_word(theirs) != want) {}
-                    out[n] = now_ns();
-                    store_word(mine, want);
-                }
-            }
-        }
-    } else {
+    } else {                                            // (mode 1: round trips; mode 2: one hop's two ends)
         const int half = nblk / 2;
         if (lane == 0 && b < 2 * half) {
             const bool first = b < half;
@@ -125,14 +106,16 @@ probe(const unsigned char* __restrict__ buf, uint64_t buf_bytes, int slot_bytes,
             for (int n = 0; n < nsamples; ++n) {
                 const uint64_t want = (static_cast<uint64_t>(n + 1) << 33);   // even
                 const uint64_t t = now_ns();
+                uint64_t seen = 0;
                 if (first) {
                     store_word(mine, want);
                     while (load_word(theirs) != want) {}
                 } else {
                     while (load_word(theirs) != want) {}
+                    if (mode == 2) seen = now_ns();
                     store_word(mine, want);
                 }
-                out[n] = now_ns() - t;
+                out[n] = mode == 1 ? now_ns() - t : (first ? t : seen);
             }
         }
     }
