@@ -903,3 +903,16 @@ def test_greedy_steps_in_the_kernel_from_the_models_prefill():
     res = ml.greedy_run("k3-small", 4, mla=256, follow=True, prefill=256)
     assert [r["cache_len"] for r in res["steps"]] == [256, 257, 258, 259]
     print("tokens", [(r["token"], r["model_token"], round(r["logits_max_rel"], 4)) for r in res["steps"]])
+
+
+def test_phase_times_are_read_after_the_phases_a_phase_waits_for():
+    """`phase_before`: a phase's times are read after the last to finish of the phases with tiles since the last one
+    dealt over the whole grid; a gate dealt beside the attention (`spare`) counts only where it finished last, phases
+    without tiles (the AttnRes mixes) never, and unrecorded times (NaN) lose."""
+    def phase(ntiles: int, spare: int = 0) -> mc.Phase:
+        return mc.Phase(name="p", kind="gemv", n=1, k=8, src=-1, xlen=8, ntiles=ntiles, spare=spare)
+
+    phases = [phase(10), phase(70), phase(128, spare=62), phase(0), phase(32)]   # ..., attn, gate, mix, bmm2
+    assert ml.phase_before(phases, [1.0, 20.0, 9.0, math.nan, 25.0]) == {0: -1, 1: 0, 2: 1, 3: 1, 4: 1}
+    assert ml.phase_before(phases, [1.0, 20.0, 22.0, math.nan, 25.0])[4] == 2
+    assert ml.phase_before(phases, [1.0, 20.0, math.nan, math.nan, 25.0])[4] == 1

@@ -789,13 +789,13 @@ def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: in
         if kern.trace is not None:
             kern.trace.zero_()
         res["phase_times_us"] = pt = kern.phase_times(modes[0])
-        before = {p: max((q for q in range(p) if chain.phases[q].ntiles), default=-1) for p in range(len(chain.phases))}
+        before = phase_before(chain.phases, pt["done"])
         for kind in ("kda.in", "kda.o", "moe.proj", "router", "topk", "shared_down", "gate_up", "down", "up",
                      "out", "gmla.proj", "gmla.q_b", "gmla.bmm1", "gmla.attn", "gmla.bmm2", "gmla.o"):             # (a KDA step records when it began and finished only)
             ps = [p for p, f in enumerate(chain.phases) if f.name.endswith("." + kind) and before[p] >= 0][1:-1]
             if ps:                  # (us after the phase with tiles before it finished, mean over those layers)
                 after = lambda key: statistics.fmean(pt[key][p] - pt["done"][before[p]] for p in ps)
-                print(f"{kind}: after the phase before it finished, began {after('begin'):+.1f} us, had x "
+                print(f"{kind}: after the phases before it finished, began {after('begin'):+.1f} us, had x "
                       f"{after('x'):+.1f} us, a tile {after('tile'):+.1f} us, done {after('done'):+.1f} us",
                       flush=True)
                 if "blocks" in pt:      # -DBLOCK_TIMES: over the phase's blocks, first / median / last
@@ -808,6 +808,23 @@ def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: in
     res["phase_names"] = [p.name for p in chain.phases]
     res["phase_bytes"] = [p.bytes_read for p in chain.phases]
     return res
+
+
+def phase_before(phases: list, done: list[float]) -> dict[int, int]:
+    """Per phase, the one its times are read after: of the phases with tiles since the last one dealt over the whole
+    grid (that one included), the last to finish. A phase dealt beside another (`spare`, a gate) sits between a
+    sublayer's phases in the table without being what the next one waits for; taking the phase just before would
+    time the attention's BMM2 after the MLA gate (12-04: "11 us" that were 2.3-3.7 after the attention). -1: none."""
+    out = {}
+    for p in range(len(phases)):
+        near = []
+        for q in range(p - 1, -1, -1):
+            if phases[q].ntiles:
+                near.append(q)
+                if not phases[q].spare:
+                    break
+        out[p] = max(near, key=lambda q: done[q] if done[q] == done[q] else float("-inf"), default=-1)
+    return out
 
 
 def _spread(per: list[tuple[float, float, float]]) -> str:
