@@ -54,15 +54,16 @@ from k3export.megakernel import layer as ml
 # poll 1.0 us there and back against 2.7-2.9 under the full ring; layer step 0.699 ms against 0.726; the same
 # words: the copies land in the same slots, only later).
 
+NSLOT = mc.cu_default("NSLOT")          # chain.cu's ring slots (read once: `kernel_defines` runs per backend)
+
 
 def kernel_defines(step_inputs: bool = True, pair_tiles: bool = True, poll_sleep: int = 0,
                    attn_heads: int = mc.ATTN_HEADS, live_splits: bool = True, sums_apart: bool = False,
                    attn_mma: bool = True, x_tail: bool = True, inflight: int = 1) -> tuple[str, ...]:
     """chain.cu's defines for the backend's build with these options (`DEFINES`: the defaults)."""
-    nslot = mc.cu_default("NSLOT")
-    if not isinstance(inflight, int) or not 0 <= inflight < nslot:
-        raise ValueError(f"megakernel backend: inflight is the weight copies on their way at most, 1..{nslot - 1} "
-                         f"(0: as many as the ring's {nslot} slots), got {inflight!r}")
+    if not isinstance(inflight, int) or not 0 <= inflight < NSLOT:
+        raise ValueError(f"megakernel backend: inflight is the weight copies on their way at most, 1..{NSLOT - 1} "
+                         f"(0: as many as the ring's {NSLOT} slots), got {inflight!r}")
     if attn_mma and attn_heads != mc.ATTN_HEADS:
         raise ValueError(f"megakernel backend: the attention on tensor cores (attn_mma) takes tiles of "
                          f"{mc.ATTN_HEADS} heads (the mma's n); for attn_heads={attn_heads} pass attn_mma=False")
@@ -312,7 +313,7 @@ def build_megakernel(model, out, manifest: dict, log) -> dict:
     why = unsupported(model, max_len)
     if why:
         raise EngineError(f"megakernel: {why}")
-    nslot, slot_bytes = mc.cu_default("NSLOT"), mc.cu_default("SLOT_BYTES")
+    nslot, slot_bytes = NSLOT, mc.cu_default("SLOT_BYTES")
     with tempfile.TemporaryDirectory(prefix="k3chain-") as tmp:
         path, ptxas = log.step("nvcc chain.cu (sm_90a)", mc.compile_cubin, nslot, slot_bytes, tmp, None, DEFINES)
         tmp_cubin = out / (CUBIN + ".tmp")

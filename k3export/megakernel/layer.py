@@ -793,7 +793,7 @@ def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: in
         for kind in ("kda.in", "kda.o", "moe.proj", "router", "topk", "shared_down", "gate_up", "down", "up",
                      "out", "gmla.proj", "gmla.q_b", "gmla.bmm1", "gmla.attn", "gmla.bmm2", "gmla.o"):             # (a KDA step records when it began and finished only)
             ps = [p for p, f in enumerate(chain.phases) if f.name.endswith("." + kind) and before[p] >= 0][1:-1]
-            if ps:                  # (us after the phase with tiles before it finished, mean over those layers)
+            if ps:                  # (us after the phases it waits for finished, `phase_before`; mean over layers)
                 after = lambda key: statistics.fmean(pt[key][p] - pt["done"][before[p]] for p in ps)
                 print(f"{kind}: after the phases before it finished, began {after('begin'):+.1f} us, had x "
                       f"{after('x'):+.1f} us, a tile {after('tile'):+.1f} us, done {after('done'):+.1f} us",
