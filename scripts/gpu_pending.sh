@@ -177,6 +177,10 @@
 #            its emulation, an engine directory), the layer step with INFLIGHT=1 alone and with the L2 prefetch
 #            ($MKINFLIGHT_BUILDS), its phase times; its bench is `mkbench` with
 #            MKBENCH_BACKENDS=megakernel,megakernel-uncapped
+#   mkxparts the layer step's x loads part by part (-DTRACE with the backend's defines, `layer.x_load_parts`): per
+#            phase kind, when each block began its x, had every warp done with the last one, had the words polled,
+#            the x made, in shared memory, its first tile; and when the phase before's last warp was done
+#            ($MKXPARTS_DEFINES: more, "+NAME=V...")
 #   mkbench  bench model eager, compile, megakernel at B = 1, context 1024 ($MKBENCH_BACKENDS; $MKBENCH_ROUNDS
 #            decode rounds, the backends' order rotated each round)
 #   profile  scripts/profile_decode.py --backend $PROFILE_BACKEND (default compile): kernels per decode step, and the
@@ -516,6 +520,11 @@ for part in $parts; do
            rm -f "$OUT/inflight.json"
            grep -h "^== \|k3-small KDA\|max rel" "$OUT/mkinflight-step.log"
            grep -h "after the phase before" "$OUT/mkinflight-phase-times.log" ;;
+    mkxparts) layer_step 100 --rounds 1 \
+             --defines PHASE_TIMES+BLOCK_TIMES+TRACE+PAIR_TILES=1+LIVE_SPLITS=1+ATTN_MMA=1+ATTN_X_TAIL=1+INFLIGHT=1${MKXPARTS_DEFINES:-} \
+             --out "$OUT/xparts.json" > "$OUT/mkxparts.log" 2>&1
+           rm -f "$OUT/xparts.json"
+           grep -v "vs emulation\|GEMV / routed" "$OUT/mkxparts.log" | tail -60 ;;
     mkbench) timeout ${MKBENCH_TIMEOUT:-400} python3 -m k3export.cli bench model --preset k3-small --dtype bf16 \
              --backends ${MKBENCH_BACKENDS:-eager,compile,megakernel} --prefill-lengths 2048 --batches 1 \
              --contexts 1024 --warmup 3 --iters 5 --decode-iters ${MKBENCH_ITERS:-100} --rounds ${MKBENCH_ROUNDS:-1} \
@@ -523,7 +532,7 @@ for part in $parts; do
              --no-new-lengths --out "$OUT/mkbench" > "$OUT/mkbench.log" 2>&1 ;;
     profile) timeout 150 python3 scripts/profile_decode.py --backend ${PROFILE_BACKEND:-compile} ${PROFILE_ARGS:-} \
              > "$OUT/profile.log" 2>&1 ;;
-    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe trtfp8 fp8eng grouped grpsmall fp8comp overlap chain layer step attnres abmix gmla greedy greedy64 mkback mkinputs mkstep mkcache mkfinal mkrouter mkpair mkargmax mksleep mkrun mkblocks mkattn mkheads mklive mktrace mktiles mksums mkmma mkmmafinal mkcombine mksample mkpost mkgapart mkbench profile)"; continue ;;
+    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe trtfp8 fp8eng grouped grpsmall fp8comp overlap chain layer step attnres abmix gmla greedy greedy64 mkback mkinputs mkstep mkcache mkfinal mkrouter mkpair mkargmax mksleep mkrun mkblocks mkattn mkheads mklive mktrace mktiles mksums mkmma mkmmafinal mkcombine mksample mkpost mkgapart mkxparts mkbench profile)"; continue ;;
   esac
   echo "$part: exit $? in $((SECONDS - t)) s" | tee -a "$OUT/pending.log"
   tail -4 "$OUT/$part.log" 2>/dev/null

@@ -916,3 +916,34 @@ def test_phase_times_are_read_after_the_phases_a_phase_waits_for():
     assert ml.phase_before(phases, [1.0, 20.0, 9.0, math.nan, 25.0]) == {0: -1, 1: 0, 2: 1, 3: 1, 4: 1}
     assert ml.phase_before(phases, [1.0, 20.0, 22.0, math.nan, 25.0])[4] == 2
     assert ml.phase_before(phases, [1.0, 20.0, math.nan, math.nan, 25.0])[4] == 1
+
+
+def test_x_load_parts_are_read_per_block_after_the_phase_before():
+    """`trace_units` keeps each block's first unit per phase (fields in ns after the launch, 0: not reached) and
+    `x_load_parts` reads them in us after the phase before finished: first / median / last block; an AttnRes x (its
+    sums' barrier marked) by its own parts; the source's last warp after its warp 0."""
+    class Kern:
+        blocks = 3
+        t_start = torch.tensor([1_000_000])
+        trace = torch.zeros(3 * mc.TRACE_UNITS * mc.TRACE_FIELDS, dtype=torch.int64)
+
+    tr = Kern.trace.view(3, mc.TRACE_UNITS, mc.TRACE_FIELDS)
+    for b in range(3):                      # phase 0 (the source), then phase 1 twice (a routed phase's two slots)
+        tr[b, 0, 16], tr[b, 0, 8] = 1, 1_000_000 + 10_000 + 500 * b          # warps done 10.0 / 10.5 / 11.0 us
+        for u, extra in ((1, 0), (2, 7_000)):
+            tr[b, u, 16] = 2
+            tr[b, u, 0] = 1_000_000 + 9_000 + extra                          # begun 9 us (the second unit: later)
+            tr[b, u, 4] = 1_000_000 + 11_000 + 1_000 * b + extra             # words 11 / 12 / 13 us
+            tr[b, u, 1] = 1_000_000 + 12_000 + 1_000 * b + extra
+    units = ml.trace_units(Kern)
+    assert sorted(units) == [0, 1] and len(units[1]) == 3
+    pt = {"done": [10.0, 20.0]}
+    text = ml.x_load_parts(units, [1], pt, {1: 0})
+    assert "begun -1.0 / -1.0 / -1.0" in text
+    assert "words +1.0 / +2.0 / +3.0" in text
+    assert "in shared +2.0 / +3.0 / +4.0" in text
+    assert "source's warps done +1.00 us" in text
+    assert "old sources" not in text
+    tr[:, 1, 6] = tr[:, 1, 4]               # an AttnRes x: its parts by name
+    assert "old sources +1.0 / +2.0 / +3.0" in ml.x_load_parts(ml.trace_units(Kern), [1], pt, {1: 0})
+    assert ml.x_load_parts(units, [5], pt, {5: 0}) == "x load parts: no trace units"

@@ -87,7 +87,12 @@
 #endif                                 // x load begun, x in shared memory, the x's first tile in the ring
 #define TRACE_FIELDS 17                // (an ATTN phase's first x load and tile: its x parts, then tile begun,
                                        // scores, softmax, done; -DATTN_TWICE: the same four for the tile again;
-                                       // then clock64 at the tile's begun and done: [11], [12] ([15], [16]))
+                                       // then clock64 at the tile's begun and done: [11], [12] ([15], [16]).
+                                       // Any other unit: [0] begun, [3] every warp done with the last x, [4 + q]
+                                       // part q's words here (before its norm; an AttnRes x: [4] the old sources,
+                                       // [5] y, [6] and [7] its two barriers passed), [10 + q] part q done, [1] x in
+                                       // shared memory, [2] its first tile here, [8] the last warp done with the
+                                       // block's tiles of the phase, [16] the phase + 1: `layer.x_load_parts`)
 #ifndef TILE_TRACE_MAX
 #define TILE_TRACE_MAX 256             // -DTRACE_TILES: per block, the first TILE_TRACE_MAX tiles' times (TILE_FIELDS):
 #endif                                 // producer: wants the slot, has it free, has issued the copy; observer warp:
@@ -312,6 +317,11 @@ __device__ __forceinline__ uint64_t now_ns() {
     asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
     return t;
 }
+#ifdef TRACE                                        // -DTRACE: thread 0 notes the time in field k of a trace unit
+#define TMARK(tr, k) do { if ((tr) && threadIdx.x == 0) (tr)[k] = now_ns(); } while (0)
+#else
+#define TMARK(tr, k) do { } while (0)
+#endif
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" ::"n"(CONSUMERS) : "memory"); }
 
 // err[0] = what ran out (1 an input word, 2 a filled slot, 3 a free slot, 4 the top-k's words, 5 an input
@@ -813,7 +823,7 @@ __device__ __forceinline__ void warp_sums(float (&v)[2 * S], float* sums, int i0
 // Every consumer thread calls it (two barriers). false: gave up.
 __device__ __forceinline__ bool attnres_x(__nv_bfloat16* xs, const XSeg& g, const PhaseC* ph, const XIn* x_in,
                                           int64_t t, uint32_t epoch, bool wait, uint32_t* err, int64_t p,
-                                          float* red, float* sums) {
+                                          float* red, float* sums, unsigned long long* tr = nullptr) {
     constexpr int NP = MIX_E / 2;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, len = g.len;
     const MixAux& a = *reinterpret_cast<const MixAux*>(g.aux);
@@ -852,6 +862,7 @@ __device__ __forceinline__ bool attnres_x(__nv_bfloat16* xs, const XSeg& g, cons
         }
         float v[MIX_BANK + 1][NP];
         ok = poll_grid(b, n, v, epoch, wait, err, p, t);
+        TMARK(tr, 4);                               // (-DTRACE: the old sources here)
         float part[2 * MIX_BANK];                   // the bank rows' sums of squares and dots
 #pragma unroll
         for (int s = 0; s <= MIX_BANK; ++s) {
@@ -913,6 +924,7 @@ __device__ __forceinline__ bool attnres_x(__nv_bfloat16* xs, const XSeg& g, cons
             if (q0 + 1 < a.ny) y[e] = __fadd_rn(y[e], v[1][e]);
         }
     }
+    TMARK(tr, 5);                                   // (y here)
     uint64_t* words = reinterpret_cast<uint64_t*>(ph[g.src].y);
     const bool writer = a.writer == p && t == 0 && ok;
     float ps[2] = {0.f, 0.f};                       // p's sum of squares and dot
@@ -943,6 +955,7 @@ __device__ __forceinline__ bool attnres_x(__nv_bfloat16* xs, const XSeg& g, cons
     if (nb) {
         warp_sums<1>(ps, sums, 2 * MIX_BANK);
         consumers_sync();
+        TMARK(tr, 6);                               // (the sums' barrier passed)
         // the warps' sums added in warp order, lane j & 7 making total j (its 16 loads issue before the first add; as
         // a loop per source in every thread, each add waited for its load), then shuffled to the warp
         static_assert(2 * MIX_BANK + 2 == 8, "a warp's sums are 8 floats");
@@ -987,6 +1000,7 @@ __device__ __forceinline__ bool attnres_x(__nv_bfloat16* xs, const XSeg& g, cons
     for (int o = 16; o; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
     if (lane == 0) red[warp] = ss;
     consumers_sync();
+    TMARK(tr, 7);                                   // (the norm's barrier passed)
     float total = 0.f;
     for (int w2 = 0; w2 < CONSUMER_WARPS; ++w2) total += red[w2];
     const float r = rsqrtf(__fadd_rn(__fdiv_rn(total, static_cast<float>(len)), a.out_eps));
@@ -1019,7 +1033,8 @@ __device__ __forceinline__ const uint64_t* query_word(const XSeg& g, const uint6
 __device__ __forceinline__ bool load_x_recipe(__nv_bfloat16* xs, const PhaseC& f, const PhaseC* ph, const XSeg* xsegs,
                                               int slot, uint32_t epoch, bool wait, uint32_t* err, int64_t p,
                                               int64_t t, float* red, float* comb_w,
-                                              unsigned long long* part_t = nullptr) {
+                                              unsigned long long* part_t = nullptr,
+                                              unsigned long long* poll_t = nullptr) {
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     bool ok = true;
     int j0 = 0;                                     // where this part starts in x
@@ -1070,6 +1085,7 @@ __device__ __forceinline__ bool load_x_recipe(__nv_bfloat16* xs, const PhaseC& f
                 xs[j0 + j] = __float2bfloat16_rn(u);
                 ss = fmaf(u, u, ss);
             }
+            if (q < 4) TMARK(poll_t, q);            // (-DTRACE: thread 0's words here, before the norm)
             ok = rms_norm_x(xs + j0, g.len, g.eps, aux_bf16(g), ss, red) && ok;
         } else if (g.op == X_NORM) {
             const uint64_t* b2 = g.route >= 0 ? reinterpret_cast<const uint64_t*>(ph[g.route].y) + g.off2 : nullptr;
@@ -1093,6 +1109,7 @@ __device__ __forceinline__ bool load_x_recipe(__nv_bfloat16* xs, const PhaseC& f
                     ss = fmaf(x, x, ss);
                 }
             }
+            if (q < 4) TMARK(poll_t, q);
             ok = rms_norm_x(xs + j0, g.len, g.eps, aux_bf16(g), ss, red) && ok;
         } else if (g.op == X_SUM) {
             for (int jb = tid; ok && jb < g.len; jb += 2 * CONSUMERS) {     // 2 elements of 4 parts polled together
@@ -1287,6 +1304,7 @@ __device__ __forceinline__ bool load_x_recipe(__nv_bfloat16* xs, const PhaseC& f
             // The top-k itself, here where the tile loop's registers are free: each key's rank among them (larger
             // first, ties: the lower id first), one key a thread; the k best write their ids and, in slot order,
             // their scores. (12-02 14:10: k rounds of a warp argmax, in the tile loop, took ~6 us a sublayer.)
+            if (q < 4) TMARK(poll_t, q);            // (-DTRACE: the scores made, before the ranks)
             consumers_sync();
             uint64_t* y = reinterpret_cast<uint64_t*>(f.y);
             float* chosen = xf + 2 * g.len;
@@ -1310,8 +1328,8 @@ __device__ __forceinline__ bool load_x_recipe(__nv_bfloat16* xs, const PhaseC& f
                 store_word(y + f.ne + tid, __fmul_rn(w, g.scaling), epoch);
             }
         }
-#ifdef TRACE                                        // (-DTRACE: an ATTN x load's parts, thread 0's view)
-        if (part_t && tid == 0 && q < TRACE_FIELDS) part_t[q] = now_ns();
+#ifdef TRACE                                        // (-DTRACE: each part's end, thread 0's view)
+        if (part_t && tid == 0 && q < 6) part_t[q] = now_ns();
 #endif
         j0 += g.len;
     }
@@ -1851,11 +1869,17 @@ __device__ __forceinline__ int attnres_phase(const PhaseC& f, const PhaseC* ph, 
                                              uint64_t* empty, uint32_t i, int g0, int stride, uint32_t epoch, bool wait,
                                              uint32_t* err, int64_t p, float* red, float* mma_red,
                                              uint32_t& mma_count, int* gave_up, __nv_bfloat16* xdump,
-                                             unsigned long long* t_x, unsigned long long* t_tile) {
+                                             unsigned long long* t_x, unsigned long long* t_tile,
+                                             unsigned long long* tr) {
     const int tid = threadIdx.x;
+    TMARK(tr, 0);                           // (-DTRACE: a generic trace unit, `x_load_parts`)
+    if (tr && tid == 0) tr[16] = p + 1;
     consumers_sync();                       // every warp is done with the last x
-    if (!attnres_x(xs, xsegs[f.xop], ph, x_in, g0 - f.tile0, epoch, wait, err, p, red, mma_red)) *gave_up = 1;
+    TMARK(tr, 3);
+    if (!attnres_x(xs, xsegs[f.xop], ph, x_in, g0 - f.tile0, epoch, wait, err, p, red, mma_red, tr)) *gave_up = 1;
+    TMARK(tr, 10);
     consumers_sync();
+    TMARK(tr, 1);
     if (*gave_up) return -1;
     if (xdump && g0 == f.tile0)
         for (int j = tid; j < f.k; j += CONSUMERS) xdump[p * XDUMP_SLOTS * XMAX + j] = xs[j];
@@ -1871,6 +1895,7 @@ __device__ __forceinline__ int attnres_phase(const PhaseC& f, const PhaseC* ph, 
 #ifdef PHASE_TIMES
         if (tid == 0 && n == 0) atomicMin(t_tile, static_cast<unsigned long long>(now_ns()));
 #endif
+        if (n == 0) TMARK(tr, 2);
         mma_tile_sum(ring + s * SLOT_BYTES, xs, f.rows, ms, mma_red, mma_count, y + (g - f.tile0) * f.rows, epoch);
         __syncwarp();
         if (tid % 32 == 0) mbar_arrive(&empty[s]);     // this warp is done with slot s
@@ -2118,7 +2143,14 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
             const int nt = attnres_phase(f, ph, xsegs, X_IN, ring, xs, full, empty, i, g0, phase_stride(f, nblk),
                                          epoch, wait, err, p, red, mma_red, mma_count, &gave_up,
                                          *reinterpret_cast<__nv_bfloat16* volatile*>(&xdump_s),
-                                         t_done + 2 * nphase + p, t_done + 3 * nphase + p);
+                                         t_done + 2 * nphase + p, t_done + 3 * nphase + p,
+#ifdef TRACE
+                                         unit < TRACE_UNITS - 4 ? trace + (blockIdx.x * TRACE_UNITS + unit++) *
+                                                                          TRACE_FIELDS : nullptr
+#else
+                                         nullptr
+#endif
+                                         );
             if (nt < 0) return;
             i += nt;
             done = nt;
@@ -2177,13 +2209,23 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
 #ifdef TRACE
                 tr = tid == 0 && unit < TRACE_UNITS - 4 ? trace + (blockIdx.x * TRACE_UNITS + unit) * TRACE_FIELDS
                                                     : nullptr;
-                if (tr) tr[0] = now_ns();
+                if (tr) {
+                    tr[0] = now_ns();
+                    tr[16] = p + 1;
+                }
 #endif
 #ifndef NOLOADX                             // -DNOLOADX: a diagnostic, x never loaded (the boundary's loads alone)
                 consumers_sync();
+#ifdef TRACE
+                TMARK(tr, 3);
+#endif
                 const bool had = XPREFETCH && pre_p == p && have_slot < 0;   // (loaded for the phase's first slot)
 #if RECIPES
-                if (!(f.xop >= 0 ? load_x_recipe(xs, f, ph, xsegs, slot, epoch, wait, err, p, t, red, comb_w)
+                if (!(f.xop >= 0 ? load_x_recipe(xs, f, ph, xsegs, slot, epoch, wait, err, p, t, red, comb_w
+#ifdef TRACE
+                                                 , tr ? tr + 10 : nullptr, tr ? tr + 4 : nullptr
+#endif
+                                                 )
                                  : load_x(xs, f, ph, X_IN, slot, epoch, wait, err, p, t, had, pre, pre2)))
                     gave_up = 1;
                 consumers_sync();
@@ -2326,6 +2368,13 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
             }
 #endif
         }
+#ifdef TRACE    // each warp done with its last tile of p: field 8 of the block's unit for p (`x_load_parts`)
+        if (lane == 0 && unit > 0 && unit <= TRACE_UNITS - 4) {
+            unsigned long long* lt = trace + (blockIdx.x * TRACE_UNITS + unit - 1) * TRACE_FIELDS;
+            if (lt[16] == static_cast<unsigned long long>(p + 1))
+                atomicMax(lt + 8, static_cast<unsigned long long>(now_ns()));
+        }
+#endif
         // this block's tiles of p are done: add them to p's counter
         if (mode == SERIAL) consumers_sync();           // (SERIAL's producers wait on it: every row written)
         if (tid == 0) {

@@ -802,6 +802,8 @@ def run(preset: str, layers: list[int] | None, rounds: int, iters: int, seed: in
                     print("    " + block_spread(pt, ps, before), flush=True)
                 if "blocks" in pt and kind == "gmla.attn" and kern.trace is not None:   # (+ -DTRACE)
                     print("    " + attn_x_parts(kern, chain, pt, before), flush=True)
+                elif "blocks" in pt and kern.trace is not None:
+                    print("    " + x_load_parts(trace_units(kern), ps, pt, before), flush=True)
     if kern.tile_trace is not None:
         tp = res["tile_pipeline"] = kern.tiles_traced(modes[0])
         print("tiles: " + json.dumps({k: v for k, v in tp.items() if k != "landed_tbs"}), flush=True)
@@ -876,6 +878,59 @@ def attn_x_parts(kern, chain, pt: dict, before: dict) -> str:
     return "x and tile parts: " + ", ".join(f"{names[q]} {_spread(per[q])}" for q in per if per[q]) + \
         " us (first / median / last block)" + \
         (f"; SM clock over the tile {_spread([_first_median_last(mhz)])} MHz" if mhz else "")
+
+
+def trace_units(kern) -> dict[int, list[list[int]]]:
+    """A -DTRACE run's generic trace units (`chain.cu` TRACE_FIELDS): per phase, each block's first unit for it (its
+    fields, ns after the launch began; 0: not reached)."""
+    tr = kern.trace.view(kern.blocks, mc.TRACE_UNITS, mc.TRACE_FIELDS).cpu().tolist()
+    t0 = int(kern.t_start.cpu())
+    out: dict[int, list[list[int]]] = {}
+    for b in range(kern.blocks):
+        seen = set()
+        for u in tr[b][:mc.TRACE_UNITS - 4]:
+            p = int(u[16]) - 1
+            if p < 0 or p in seen:
+                continue
+            seen.add(p)
+            out.setdefault(p, []).append([int(x) - t0 if 0 < int(x) and q < 16 else 0 for q, x in enumerate(u)])
+    return out
+
+
+X_PARTS = {"begun": (0,), "synced": (3,), "words": (4, 5, 6, 7), "made": (10, 11, 12, 13, 14, 15),
+           "in shared": (1,), "tile": (2,)}
+ATTNRES_PARTS = {"begun": (0,), "synced": (3,), "old sources": (4,), "y": (5,), "sums": (6,), "norm": (7,),
+                 "made": (10,), "in shared": (1,), "tile": (2,)}
+
+
+def x_load_parts(units: dict, ps: list[int], pt: dict, before: dict) -> str:
+    """A -DPHASE_TIMES -DBLOCK_TIMES -DTRACE run (`trace_units`): when each block's thread 0 had each part of its
+    x load for the phases ps (one kind, a layer each): begun, every warp done with the last x ("synced"), the words
+    polled (before a norm; an AttnRes x: its old sources, y, its two barriers), the x made, in shared memory, its
+    first tile; us after the phase before finished (its warp 0), the first, median and last block, means over the
+    phases. "source's warps": the last of the phase before's warps done, after its warp 0."""
+    ps = [p for p in ps if p in units]
+    if not ps:
+        return "x load parts: no trace units"
+    attnres = any(u[6] for u in units[ps[0]])       # (an AttnRes x marks its sums' barrier)
+    parts = ATTNRES_PARTS if attnres else X_PARTS
+    per = {k: [] for k in parts}
+    late = []
+    for p in ps:
+        ref = pt["done"][before[p]]
+        for k, fields in parts.items():
+            v = [max(u[q] for q in fields) / 1e3 - ref for u in units[p] if max(u[q] for q in fields)]
+            if v:
+                per[k].append(_first_median_last(v))
+        src = units.get(before[p], [])
+        w = [u[8] for u in src if u[8]]
+        if w:
+            late.append(max(w) / 1e3 - ref)
+    text = "x load parts: " + ", ".join(f"{k} {_spread(v)}" for k, v in per.items() if v) + \
+        " us (first / median / last block)"
+    if late:
+        text += f"; source's warps done {statistics.fmean(late):+.2f} us"
+    return text
 
 
 KIND_COLOURS = {"kda": "tab:blue", "moe": "tab:orange", "dense": "tab:green", "mla stand-in": "tab:gray",
