@@ -944,6 +944,6 @@ def test_x_load_parts_are_read_per_block_after_the_phase_before():
     assert "in shared +2.0 / +3.0 / +4.0" in text
     assert "source's warps done +1.00 us" in text
     assert "old sources" not in text
-    tr[:, 1, 6] = tr[:, 1, 4]               # an AttnRes x: its parts by name
+    tr[:, 1, 11] = tr[:, 1, 4]              # an AttnRes x: its parts by name
     assert "old sources +1.0 / +2.0 / +3.0" in ml.x_load_parts(ml.trace_units(Kern), [1], pt, {1: 0})
     assert ml.x_load_parts(units, [5], pt, {5: 0}) == "x load parts: no trace units"

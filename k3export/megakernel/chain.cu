@@ -89,10 +89,13 @@
                                        // scores, softmax, done; -DATTN_TWICE: the same four for the tile again;
                                        // then clock64 at the tile's begun and done: [11], [12] ([15], [16]).
                                        // Any other unit: [0] begun, [3] every warp done with the last x, [4 + q]
-                                       // part q's words here (before its norm; an AttnRes x: [4] the old sources,
-                                       // [5] y, [6] and [7] its two barriers passed), [10 + q] part q done, [1] x in
-                                       // shared memory, [2] its first tile here, [8] the last warp done with the
-                                       // block's tiles of the phase, [16] the phase + 1: `layer.x_load_parts`)
+                                       // part q's words here (thread 0's, before a norm; part 0's norm: [5] every
+                                       // thread's, [6] normed; a top-k: [5] every score, [6] key 0 ranked, [7]
+                                       // every key; an AttnRes x: [4] the old sources, [5] y, [6] its sums'
+                                       // barrier, [11] the scores, [12] the mix, [7] its norm's barrier),
+                                       // [10 + q] part q done, [1] x in shared memory, [2] its first tile here, [8]
+                                       // the last warp done with the block's tiles of the phase, [16] the phase + 1:
+                                       // `layer.x_load_parts`)
 #ifndef TILE_TRACE_MAX
 #define TILE_TRACE_MAX 256             // -DTRACE_TILES: per block, the first TILE_TRACE_MAX tiles' times (TILE_FIELDS):
 #endif                                 // producer: wants the slot, has it free, has issued the copy; observer warp:
@@ -718,11 +721,12 @@ __device__ __forceinline__ int kda_phase(const PhaseC& f, const PhaseC* ph, cons
 // x = bf16(w bf16(u r)) with r = rsqrt(mean + eps), w = nw (bf16), as `RMSNorm` rounds. Every consumer thread calls
 // it (two barriers).
 __device__ __forceinline__ bool rms_norm_x(__nv_bfloat16* x, int len, float eps, const __nv_bfloat16* nw, float ss,
-                                           float* red) {
+                                           float* red, unsigned long long* tr = nullptr) {
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     for (int o = 16; o; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
     if (lane == 0) red[warp] = ss;
     consumers_sync();
+    TMARK(tr, 0);                                   // (-DTRACE: every thread's words here)
     float total = 0.f;
     for (int w = 0; w < CONSUMER_WARPS; ++w) total += red[w];
     const float r = rsqrtf(__fadd_rn(__fdiv_rn(total, static_cast<float>(len)), eps));
@@ -731,6 +735,7 @@ __device__ __forceinline__ bool rms_norm_x(__nv_bfloat16* x, int len, float eps,
         x[j] = __float2bfloat16_rn(__fmul_rn(__bfloat162float(nw[j]), nu));
     }
     consumers_sync();                               // (red is free again)
+    TMARK(tr, 1);
     return true;
 }
 
@@ -970,6 +975,7 @@ __device__ __forceinline__ bool attnres_x(__nv_bfloat16* xs, const XSeg& g, cons
             e[s] = __fmul_rn(rsqrtf(__fadd_rn(__fdiv_rn(ss, static_cast<float>(len)), a.eps)), dt);   // the score
             if (s <= nb) mx = fmaxf(mx, e[s]);
         }
+        TMARK(tr, 11);                              // (-DTRACE: the scores)
 #pragma unroll
         for (int s = 0; s <= MIX_BANK; ++s) {
             e[s] = s <= nb ? expf(__fsub_rn(e[s], mx)) : 0.f;
@@ -991,6 +997,7 @@ __device__ __forceinline__ bool attnres_x(__nv_bfloat16* xs, const XSeg& g, cons
             mix[2 * i] = bf16r(acc.x);
             mix[2 * i + 1] = bf16r(acc.y);
         }
+        TMARK(tr, 12);                              // (the softmax and the mix)
     }
     // the RMSNorm of the mix: bf16(w bf16(u rsqrt(mean(u^2) + eps)))
     float ss = 0.f;
@@ -1086,7 +1093,7 @@ __device__ __forceinline__ bool load_x_recipe(__nv_bfloat16* xs, const PhaseC& f
                 ss = fmaf(u, u, ss);
             }
             if (q < 4) TMARK(poll_t, q);            // (-DTRACE: thread 0's words here, before the norm)
-            ok = rms_norm_x(xs + j0, g.len, g.eps, aux_bf16(g), ss, red) && ok;
+            ok = rms_norm_x(xs + j0, g.len, g.eps, aux_bf16(g), ss, red, poll_t && !q ? poll_t + 1 : nullptr) && ok;
         } else if (g.op == X_NORM) {
             const uint64_t* b2 = g.route >= 0 ? reinterpret_cast<const uint64_t*>(ph[g.route].y) + g.off2 : nullptr;
             float ss = 0.f;
@@ -1110,7 +1117,7 @@ __device__ __forceinline__ bool load_x_recipe(__nv_bfloat16* xs, const PhaseC& f
                 }
             }
             if (q < 4) TMARK(poll_t, q);
-            ok = rms_norm_x(xs + j0, g.len, g.eps, aux_bf16(g), ss, red) && ok;
+            ok = rms_norm_x(xs + j0, g.len, g.eps, aux_bf16(g), ss, red, poll_t && !q ? poll_t + 1 : nullptr) && ok;
         } else if (g.op == X_SUM) {
             for (int jb = tid; ok && jb < g.len; jb += 2 * CONSUMERS) {     // 2 elements of 4 parts polled together
                 const uint64_t* a[8];
@@ -1304,8 +1311,9 @@ __device__ __forceinline__ bool load_x_recipe(__nv_bfloat16* xs, const PhaseC& f
             // The top-k itself, here where the tile loop's registers are free: each key's rank among them (larger
             // first, ties: the lower id first), one key a thread; the k best write their ids and, in slot order,
             // their scores. (12-02 14:10: k rounds of a warp argmax, in the tile loop, took ~6 us a sublayer.)
-            if (q < 4) TMARK(poll_t, q);            // (-DTRACE: the scores made, before the ranks)
+            if (q < 4) TMARK(poll_t, q);            // (-DTRACE: thread 0's scores made, before the ranks)
             consumers_sync();
+            if (!q) TMARK(poll_t, 1);               // (every thread's)
             uint64_t* y = reinterpret_cast<uint64_t*>(f.y);
             float* chosen = xf + 2 * g.len;
             for (int j = tid; ok && j < g.len; j += CONSUMERS) {
@@ -1320,7 +1328,9 @@ __device__ __forceinline__ bool load_x_recipe(__nv_bfloat16* xs, const PhaseC& f
                     chosen[rank] = xf[g.len + j];
                 }
             }
+            if (!q) TMARK(poll_t, 2);               // (thread 0's key ranked)
             consumers_sync();
+            if (!q) TMARK(poll_t, 3);               // (every key's)
             if (ok && tid < f.ne) {     // `_topk`: w = s / (sum s + 1e-20) when renormalising, then * scaling
                 float sum = 0.f;
                 for (int r = 0; r < f.ne; ++r) sum = __fadd_rn(sum, chosen[r]);

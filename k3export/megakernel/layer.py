@@ -897,23 +897,27 @@ def trace_units(kern) -> dict[int, list[list[int]]]:
     return out
 
 
-X_PARTS = {"begun": (0,), "synced": (3,), "words": (4, 5, 6, 7), "made": (10, 11, 12, 13, 14, 15),
-           "in shared": (1,), "tile": (2,)}
-ATTNRES_PARTS = {"begun": (0,), "synced": (3,), "old sources": (4,), "y": (5,), "sums": (6,), "norm": (7,),
-                 "made": (10,), "in shared": (1,), "tile": (2,)}
+X_PARTS = {"begun": (0,), "synced": (3,), "words": (4,), "all words": (5,), "normed": (6,),
+           "made": (10, 11, 12, 13, 14, 15), "in shared": (1,), "tile": (2,)}
+TOPK_PARTS = {"begun": (0,), "synced": (3,), "scores": (4,), "all scores": (5,), "ranked": (6,), "all ranked": (7,),
+              "made": (10,), "in shared": (1,), "tile": (2,)}
+ATTNRES_PARTS = {"begun": (0,), "synced": (3,), "old sources": (4,), "y": (5,), "sums": (6,), "scores": (11,),
+                 "mix": (12,), "norm": (7,), "made": (10,), "in shared": (1,), "tile": (2,)}
 
 
 def x_load_parts(units: dict, ps: list[int], pt: dict, before: dict) -> str:
     """A -DPHASE_TIMES -DBLOCK_TIMES -DTRACE run (`trace_units`): when each block's thread 0 had each part of its
-    x load for the phases ps (one kind, a layer each): begun, every warp done with the last x ("synced"), the words
-    polled (before a norm; an AttnRes x: its old sources, y, its two barriers), the x made, in shared memory, its
-    first tile; us after the phase before finished (its warp 0), the first, median and last block, means over the
-    phases. "source's warps": the last of the phase before's warps done, after its warp 0."""
+    x load for the phases ps (one kind, a layer each): begun, every warp done with the last x ("synced"), its first
+    part's words polled (thread 0's, then every thread's: the norm's first barrier) and normed; a top-k's scores,
+    every thread's, thread 0's key ranked, every key's; an AttnRes x's old sources, y, its sums' barrier, the
+    scores, the softmax and mix, the norm's barrier; then the x made, in shared memory, its first tile. us after
+    the phase before finished (its warp 0), the first, median and last block, means over the phases. "source's
+    warps": the last of the phase before's warps done, after its warp 0."""
     ps = [p for p in ps if p in units]
     if not ps:
         return "x load parts: no trace units"
-    attnres = any(u[6] for u in units[ps[0]])       # (an AttnRes x marks its sums' barrier)
-    parts = ATTNRES_PARTS if attnres else X_PARTS
+    attnres = any(u[11] for u in units[ps[0]])      # (an AttnRes x marks its scores)
+    parts = ATTNRES_PARTS if attnres else TOPK_PARTS if any(u[7] for u in units[ps[0]]) else X_PARTS
     per = {k: [] for k in parts}
     late = []
     for p in ps:
