@@ -181,6 +181,8 @@
 #            phase kind, when each block began its x, had every warp done with the last one, had the words polled,
 #            the x made, in shared memory, its first tile; and when the phase before's last warp was done
 #            ($MKXPARTS_DEFINES: more, "+NAME=V...")
+#   mkab     the layer step of each chain.cu in $MKAB_CUS (paths), interleaved, $MKAB_ROUNDS rounds (default 2), with
+#            the backend's defines ($MKAB_DEFINES: more); the checkout's chain.cu is put back after
 #   mkbench  bench model eager, compile, megakernel at B = 1, context 1024 ($MKBENCH_BACKENDS; $MKBENCH_ROUNDS
 #            decode rounds, the backends' order rotated each round)
 #   profile  scripts/profile_decode.py --backend $PROFILE_BACKEND (default compile): kernels per decode step, and the
@@ -525,6 +527,19 @@ for part in $parts; do
              --out "$OUT/xparts.json" > "$OUT/mkxparts.log" 2>&1
            rm -f "$OUT/xparts.json"
            grep -v "vs emulation\|GEMV / routed" "$OUT/mkxparts.log" | tail -60 ;;
+    mkab)  cp k3export/megakernel/chain.cu "$OUT/chain.cu.checkout"
+           for r in $(seq ${MKAB_ROUNDS:-2}); do
+             for v in ${MKAB_CUS:?}; do          # (each a chain.cu; the checkout's put back after)
+               echo "== $v" >> "$OUT/mkab-step.log"
+               cp "$v" k3export/megakernel/chain.cu
+               layer_step 100 --rounds 2 \
+                 --defines PAIR_TILES=1+LIVE_SPLITS=1+ATTN_MMA=1+ATTN_X_TAIL=1+INFLIGHT=1${MKAB_DEFINES:-} \
+                 --out "$OUT/ab.json" >> "$OUT/mkab-step.log" 2>&1
+             done
+           done
+           cp "$OUT/chain.cu.checkout" k3export/megakernel/chain.cu
+           rm -f "$OUT/ab.json" "$OUT/chain.cu.checkout"
+           grep -h "^== \|k3-small KDA\|max rel\|AttnRes (25" "$OUT/mkab-step.log" ;;
     mkbench) timeout ${MKBENCH_TIMEOUT:-400} python3 -m k3export.cli bench model --preset k3-small --dtype bf16 \
              --backends ${MKBENCH_BACKENDS:-eager,compile,megakernel} --prefill-lengths 2048 --batches 1 \
              --contexts 1024 --warmup 3 --iters 5 --decode-iters ${MKBENCH_ITERS:-100} --rounds ${MKBENCH_ROUNDS:-1} \
@@ -532,7 +547,7 @@ for part in $parts; do
              --no-new-lengths --out "$OUT/mkbench" > "$OUT/mkbench.log" 2>&1 ;;
     profile) timeout 150 python3 scripts/profile_decode.py --backend ${PROFILE_BACKEND:-compile} ${PROFILE_ARGS:-} \
              > "$OUT/profile.log" 2>&1 ;;
-    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe trtfp8 fp8eng grouped grpsmall fp8comp overlap chain layer step attnres abmix gmla greedy greedy64 mkback mkinputs mkstep mkcache mkfinal mkrouter mkpair mkargmax mksleep mkrun mkblocks mkattn mkheads mklive mktrace mktiles mksums mkmma mkmmafinal mkcombine mksample mkpost mkgapart mkxparts mkbench profile)"; continue ;;
+    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe trtfp8 fp8eng grouped grpsmall fp8comp overlap chain layer step attnres abmix gmla greedy greedy64 mkback mkinputs mkstep mkcache mkfinal mkrouter mkpair mkargmax mksleep mkrun mkblocks mkattn mkheads mklive mktrace mktiles mksums mkmma mkmmafinal mkcombine mksample mkpost mkgapart mkxparts mkab mkbench profile)"; continue ;;
   esac
   echo "$part: exit $? in $((SECONDS - t)) s" | tee -a "$OUT/pending.log"
   tail -4 "$OUT/$part.log" 2>/dev/null

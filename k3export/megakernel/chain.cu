@@ -716,12 +716,26 @@ __device__ __forceinline__ int kda_phase(const PhaseC& f, const PhaseC* ph, cons
     return n;
 }
 
+#define NORM_W_PRE 2                    // a norm's weights a thread loaded before its words are polled (`norm_w_pre`)
+// This thread's first NORM_W_PRE weights of an RMSNorm over len values (elements tid + u CONSUMERS), two bf16 a word:
+// loaded before the polls, so that the norm, after its barrier, does not wait on an L2 round trip (under the weight
+// stream the slowest of 512 such loads held the barrier after it: the MoE up's x spent 1.6 us in its norm; 12-04).
+__device__ __forceinline__ void norm_w_pre(uint32_t (&w)[NORM_W_PRE / 2], const __nv_bfloat16* nw, int len) {
+    const unsigned short* h = reinterpret_cast<const unsigned short*>(nw);
+#pragma unroll
+    for (int u = 0; u < NORM_W_PRE / 2; ++u) {
+        const int j0 = threadIdx.x + 2 * u * CONSUMERS, j1 = j0 + CONSUMERS;
+        w[u] = (j0 < len ? h[j0] : 0u) | (j1 < len ? static_cast<uint32_t>(h[j1]) << 16 : 0u);
+    }
+}
+
 // The RMSNorm of X_COMBINE_NORM, X_NORM and X_ATTNRES over x (len values, bf16 in x already; ss: this thread's sum
 // of their squares, fmaf in order): the threads' sums by warp butterflies, then over the warps in order;
-// x = bf16(w bf16(u r)) with r = rsqrt(mean + eps), w = nw (bf16), as `RMSNorm` rounds. Every consumer thread calls
-// it (two barriers).
+// x = bf16(w bf16(u r)) with r = rsqrt(mean + eps), w = nw (bf16), as `RMSNorm` rounds; wpre (null: none): this
+// thread's first NORM_W_PRE weights (`norm_w_pre`). Every consumer thread calls it (two barriers).
 __device__ __forceinline__ bool rms_norm_x(__nv_bfloat16* x, int len, float eps, const __nv_bfloat16* nw, float ss,
-                                           float* red, unsigned long long* tr = nullptr) {
+                                           float* red, unsigned long long* tr = nullptr,
+                                           const uint32_t* wpre = nullptr) {
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     for (int o = 16; o; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
     if (lane == 0) red[warp] = ss;
@@ -730,7 +744,17 @@ __device__ __forceinline__ bool rms_norm_x(__nv_bfloat16* x, int len, float eps,
     float total = 0.f;
     for (int w = 0; w < CONSUMER_WARPS; ++w) total += red[w];
     const float r = rsqrtf(__fadd_rn(__fdiv_rn(total, static_cast<float>(len)), eps));
-    for (int j = tid; j < len; j += CONSUMERS) {      // RMSNorm: bf16(u r), times the weight, bf16
+    int j = tid;
+    if (wpre) {
+#pragma unroll
+        for (int u = 0; u < NORM_W_PRE; ++u, j += CONSUMERS) {
+            if (j >= len) continue;
+            const float nu = bf16r(__fmul_rn(__bfloat162float(x[j]), r));
+            const float w = __uint_as_float((u % 2 ? wpre[u / 2] >> 16 : wpre[u / 2] & 0xffffu) << 16);
+            x[j] = __float2bfloat16_rn(__fmul_rn(w, nu));
+        }
+    }
+    for (; j < len; j += CONSUMERS) {               // RMSNorm: bf16(u r), times the weight, bf16
         const float nu = bf16r(__fmul_rn(__bfloat162float(x[j]), r));
         x[j] = __float2bfloat16_rn(__fmul_rn(__bfloat162float(nw[j]), nu));
     }
@@ -967,22 +991,23 @@ __device__ __forceinline__ bool attnres_x(__nv_bfloat16* xs, const XSeg& g, cons
         float tsum = 0.f;
 #pragma unroll
         for (int w2 = 0; w2 < CONSUMER_WARPS; ++w2) tsum += sums[w2 * 8 + (lane & 7)];
+        // the softmax over the sources, source lane % 4 in each lane (the same values as one source after another
+        // in every lane, with a quarter of the instructions: 16 warps ran them all, ~1 us; 12-04). Its sums: bank
+        // row s's at 2 s, p's at 2 MIX_BANK.
+        const int sl = lane % (MIX_BANK + 1), at = sl < nb ? 2 * sl : 2 * MIX_BANK;
+        const float ss = __shfl_sync(0xffffffffu, tsum, at), dt = __shfl_sync(0xffffffffu, tsum, at + 1);
+        float el = __fmul_rn(rsqrtf(__fadd_rn(__fdiv_rn(ss, static_cast<float>(len)), a.eps)), dt);   // the score
+        const float ml = sl <= nb ? el : -INFINITY;
         float e[MIX_BANK + 1], mx = -INFINITY, tot = 0.f;
 #pragma unroll
-        for (int s = 0; s <= MIX_BANK; ++s) {       // source s's sums: bank rows at 2 s, p at 2 MIX_BANK
-            const int at = s < nb ? 2 * s : 2 * MIX_BANK;
-            const float ss = __shfl_sync(0xffffffffu, tsum, at), dt = __shfl_sync(0xffffffffu, tsum, at + 1);
-            e[s] = __fmul_rn(rsqrtf(__fadd_rn(__fdiv_rn(ss, static_cast<float>(len)), a.eps)), dt);   // the score
-            if (s <= nb) mx = fmaxf(mx, e[s]);
-        }
+        for (int s = 0; s <= MIX_BANK; ++s) mx = fmaxf(mx, __shfl_sync(0xffffffffu, ml, s));
         TMARK(tr, 11);                              // (-DTRACE: the scores)
+        el = sl <= nb ? expf(__fsub_rn(el, mx)) : 0.f;
 #pragma unroll
-        for (int s = 0; s <= MIX_BANK; ++s) {
-            e[s] = s <= nb ? expf(__fsub_rn(e[s], mx)) : 0.f;
-            tot = __fadd_rn(tot, e[s]);
-        }
+        for (int s = 0; s <= MIX_BANK; ++s) tot = __fadd_rn(tot, __shfl_sync(0xffffffffu, el, s));   // (in order)
+        el = __fdiv_rn(el, tot);
 #pragma unroll
-        for (int s = 0; s <= MIX_BANK; ++s) e[s] = __fdiv_rn(e[s], tot);      // the softmax's weights
+        for (int s = 0; s <= MIX_BANK; ++s) e[s] = __shfl_sync(0xffffffffu, el, s);     // the softmax's weights
 #pragma unroll
         for (int i = 0; i < NP; ++i) {              // the mix: sum_s w_s v_s in source order, rounded
             const int q = tid + i * CONSUMERS;
@@ -1069,6 +1094,8 @@ __device__ __forceinline__ bool load_x_recipe(__nv_bfloat16* xs, const PhaseC& f
                 }
             }
         } else if (g.op == X_COMBINE_NORM) {
+            uint32_t wpre[NORM_W_PRE / 2];
+            norm_w_pre(wpre, aux_bf16(g), g.len);
             if (tid < g.nslot) {                    // the top-k's weights, into shared memory (in registers with
                 float w[1];                         // the rows, they spill)
                 ok = poll_strided(reinterpret_cast<const uint64_t*>(ph[g.route].y) + ph[g.route].ne + tid, 1, 1, w,
@@ -1093,9 +1120,12 @@ __device__ __forceinline__ bool load_x_recipe(__nv_bfloat16* xs, const PhaseC& f
                 ss = fmaf(u, u, ss);
             }
             if (q < 4) TMARK(poll_t, q);            // (-DTRACE: thread 0's words here, before the norm)
-            ok = rms_norm_x(xs + j0, g.len, g.eps, aux_bf16(g), ss, red, poll_t && !q ? poll_t + 1 : nullptr) && ok;
+            ok = rms_norm_x(xs + j0, g.len, g.eps, aux_bf16(g), ss, red, poll_t && !q ? poll_t + 1 : nullptr, wpre)
+                 && ok;
         } else if (g.op == X_NORM) {
             const uint64_t* b2 = g.route >= 0 ? reinterpret_cast<const uint64_t*>(ph[g.route].y) + g.off2 : nullptr;
+            uint32_t wpre[NORM_W_PRE / 2];
+            norm_w_pre(wpre, aux_bf16(g), g.len);
             float ss = 0.f;
             for (int jb = tid; ok && jb < g.len; jb += 4 * CONSUMERS) {     // 4 words a thread (and their second
                 const uint64_t* a[8];                                        // parts) polled together
@@ -1117,7 +1147,8 @@ __device__ __forceinline__ bool load_x_recipe(__nv_bfloat16* xs, const PhaseC& f
                 }
             }
             if (q < 4) TMARK(poll_t, q);
-            ok = rms_norm_x(xs + j0, g.len, g.eps, aux_bf16(g), ss, red, poll_t && !q ? poll_t + 1 : nullptr) && ok;
+            ok = rms_norm_x(xs + j0, g.len, g.eps, aux_bf16(g), ss, red, poll_t && !q ? poll_t + 1 : nullptr, wpre)
+                 && ok;
         } else if (g.op == X_SUM) {
             for (int jb = tid; ok && jb < g.len; jb += 2 * CONSUMERS) {     // 2 elements of 4 parts polled together
                 const uint64_t* a[8];
@@ -1147,6 +1178,10 @@ __device__ __forceinline__ bool load_x_recipe(__nv_bfloat16* xs, const PhaseC& f
             // every round's words polled together (one round trip), the rounds' sums of squares side by side past
             // x in shared memory (HEADNORM_ROUNDS x CONSUMER_WARPS floats at byte XBYTES / 2), one barrier
             float* sq = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(xs) + XBYTES / 2);
+            // this thread's norm weight, the same every round (element e's is nw[e & 127], e & 127 = tid & 127),
+            // loaded before the polls: after the barrier, the slowest of 512 L2 loads held the next one (12-04)
+            static_assert(CONSUMERS % 128 == 0, "X_HEADNORM: a thread's weight is the same every round");
+            const float nwt = __bfloat162float(nw[tid & 127]);
             // (every thread takes every round, also after a wait gave up: each round has its barriers)
             for (int e0 = 0; e0 < g.len; e0 += HEADNORM_ROUNDS * CONSUMERS) {    // (len: a multiple of 128)
                 const uint64_t* a[2 * HEADNORM_ROUNDS];
@@ -1167,7 +1202,7 @@ __device__ __forceinline__ bool load_x_recipe(__nv_bfloat16* xs, const PhaseC& f
                     const float r = rsqrt_approx(__fadd_rn(div_full(four_warps(sq + u * CONSUMER_WARPS, warp & ~3),
                                                                     128.f), g.eps));
                     const float on = bf16r(__fmul_rn(r, v[u]));
-                    const float wn = bf16r(__fmul_rn(__bfloat162float(nw[e & 127]), on));
+                    const float wn = bf16r(__fmul_rn(nwt, on));
                     if (e < g.len)
                         xs[j0 + e] = __float2bfloat16_rn(__fmul_rn(wn, sigmoid_tl(bf16r(v[HEADNORM_ROUNDS + u]))));
                 }
@@ -1309,21 +1344,26 @@ __device__ __forceinline__ bool load_x_recipe(__nv_bfloat16* xs, const PhaseC& f
                 }
             }
             // The top-k itself, here where the tile loop's registers are free: each key's rank among them (larger
-            // first, ties: the lower id first), one key a thread; the k best write their ids and, in slot order,
-            // their scores. (12-02 14:10: k rounds of a warp argmax, in the tile loop, took ~6 us a sublayer.)
+            // first, ties: the lower id first), P lanes a key (each counts every P-th key, then a butterfly); the k
+            // best write their ids and, in slot order, their scores. (12-02 14:10: k rounds of a warp argmax, in the
+            // tile loop, took ~6 us a sublayer; 12-04: one key a thread, 64 dependent shared loads, 1.4 us.)
             if (q < 4) TMARK(poll_t, q);            // (-DTRACE: thread 0's scores made, before the ranks)
             consumers_sync();
             if (!q) TMARK(poll_t, 1);               // (every thread's)
             uint64_t* y = reinterpret_cast<uint64_t*>(f.y);
             float* chosen = xf + 2 * g.len;
-            for (int j = tid; ok && j < g.len; j += CONSUMERS) {
-                const float kj = xf[j];
+            int P = 1;                              // lanes a key (a power of two: a warp holds whole keys)
+            while (P < 32 && 2 * P * g.len <= CONSUMERS) P *= 2;
+            for (int jb = 0; jb < g.len; jb += CONSUMERS / P) {     // (the same trips in every lane: the shuffles)
+                const int j = jb + tid / P;
+                const float kj = j < g.len ? xf[j] : 0.f;
                 int rank = 0;
-                for (int i = 0; i < g.len; ++i) {
+                for (int i = tid % P; j < g.len && i < g.len; i += P) {
                     const float ki = xf[i];
                     rank += ki > kj || (ki == kj && i < j);
                 }
-                if (rank < f.ne) {
+                for (int o = P / 2; o; o >>= 1) rank += __shfl_xor_sync(0xffffffffu, rank, o);
+                if (ok && j < g.len && tid % P == 0 && rank < f.ne) {
                     store_word(y + rank, static_cast<float>(j), epoch);
                     chosen[rank] = xf[g.len + j];
                 }
