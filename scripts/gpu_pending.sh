@@ -171,19 +171,20 @@
 #            it and this part)
 #   mkqueue  (ran 12-04 16:48 and 16:57, docs/perf.md "Fewer bytes in flight") scripts/l2_queue_probe.py (a small
 #            load's and a store-to-poll round trip's time under the weight stream, per bytes in flight; its one-hop
-#            mode, with only the writers' or the readers' SMs streaming: ran 12-04 18:57, docs/perf.md "Each x load part
-#            by part"), then the
-#            layer step for each build in $MKQUEUE_BUILDS ($MKQUEUE_ROUNDS rounds, interleaved)
+#            mode, with only the writers' or the readers' SMs streaming, ran 12-04 18:57: docs/perf.md "Each x load
+#            part by part"), then the layer step for each build in $MKQUEUE_BUILDS ($MKQUEUE_ROUNDS rounds,
+#            interleaved)
 #   mkinflight the backend's INFLIGHT=1 default: its cuda tests (inflight variants bit for bit, the kernel against
 #            its emulation, an engine directory), the layer step with INFLIGHT=1 alone and with the L2 prefetch
 #            ($MKINFLIGHT_BUILDS), its phase times; its bench is `mkbench` with
 #            MKBENCH_BACKENDS=megakernel,megakernel-uncapped
-#   mkxparts (ran 12-04 18:57-19:15) the layer step's x loads part by part (-DTRACE with the backend's defines, `layer.x_load_parts`): per
-#            phase kind, when each block began its x, had every warp done with the last one, had the words polled,
-#            the x made, in shared memory, its first tile; and when the phase before's last warp was done
-#            ($MKXPARTS_DEFINES: more, "+NAME=V...")
-#   mkab     (ran 12-04 19:10-19:50) the layer step of each chain.cu in $MKAB_CUS (paths), interleaved, $MKAB_ROUNDS rounds (default 2), with
-#            the backend's defines ($MKAB_DEFINES: more); the checkout's chain.cu is put back after
+#   mkxparts (ran 12-04 18:57-19:15) the layer step's x loads part by part (-DTRACE with the backend's defines,
+#            `layer.x_load_parts`): per phase kind, when each block began its x, had every warp done with the last
+#            one, had the words polled, the x made, in shared memory, its first tile; and when the phase before's
+#            last warp was done ($MKXPARTS_DEFINES: more, "+NAME=V...")
+#   mkab     (ran 12-04 19:10-19:50) the layer step of each chain.cu in $MKAB_CUS (paths), interleaved,
+#            $MKAB_ROUNDS rounds (default 2), with the backend's defines ($MKAB_DEFINES: more); the checkout's
+#            chain.cu is put back after
 #   mkbench  bench model eager, compile, megakernel at B = 1, context 1024 ($MKBENCH_BACKENDS; $MKBENCH_ROUNDS
 #            decode rounds, the backends' order rotated each round)
 #   profile  scripts/profile_decode.py --backend $PROFILE_BACKEND (default compile): kernels per decode step, and the
