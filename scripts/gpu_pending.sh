@@ -525,7 +525,7 @@ for part in $parts; do
            grep -h "^== \|k3-small KDA\|max rel" "$OUT/mkinflight-step.log"
            grep -h "after the phase before" "$OUT/mkinflight-phase-times.log" ;;
     mkxparts) layer_step 100 --rounds 1 \
-             --defines PHASE_TIMES+BLOCK_TIMES+TRACE+PAIR_TILES=1+LIVE_SPLITS=1+ATTN_MMA=1+ATTN_X_TAIL=1+INFLIGHT=1${MKXPARTS_DEFINES:-} \
+             --defines PHASE_TIMES+BLOCK_TIMES+TRACE+PAIR_TILES=1+LIVE_SPLITS=1+ATTN_MMA=1+ATTN_X_TAIL=1+INFLIGHT=1+NORM_W_FIRST=1${MKXPARTS_DEFINES:-} \
              --out "$OUT/xparts.json" > "$OUT/mkxparts.log" 2>&1
            rm -f "$OUT/xparts.json"
            grep -v "vs emulation\|GEMV / routed" "$OUT/mkxparts.log" | tail -60 ;;
@@ -535,7 +535,7 @@ for part in $parts; do
                echo "== $v" >> "$OUT/mkab-step.log"
                cp "$v" k3export/megakernel/chain.cu
                layer_step 100 --rounds 2 \
-                 --defines PAIR_TILES=1+LIVE_SPLITS=1+ATTN_MMA=1+ATTN_X_TAIL=1+INFLIGHT=1${MKAB_DEFINES:-} \
+                 --defines PAIR_TILES=1+LIVE_SPLITS=1+ATTN_MMA=1+ATTN_X_TAIL=1+INFLIGHT=1+NORM_W_FIRST=1${MKAB_DEFINES:-} \
                  --out "$OUT/ab.json" >> "$OUT/mkab-step.log" 2>&1
              done
            done

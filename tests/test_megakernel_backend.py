@@ -170,6 +170,7 @@ def test_the_producer_keeps_one_copy_in_flight_by_default():
     """The backend builds chain.cu with INFLIGHT=1 (one weight copy on its way: the boundaries' stores and polls
     queue behind fewer bytes); inflight=0 is the whole ring, as before; a cap the ring cannot have is refused."""
     assert "INFLIGHT=1" in mb.DEFINES and "INFLIGHT=1" in mb.HOST_INPUTS_DEFINES
+    assert "NORM_W_FIRST=1" in mb.DEFINES and "NORM_W_FIRST=1" in mb.HOST_INPUTS_DEFINES   # (12-04: -18 us)
     assert not any(d.startswith("INFLIGHT") for d in mb.kernel_defines(inflight=0))
     assert "INFLIGHT=2" in mb.kernel_defines(inflight=2)
     nslot = mc.cu_default("NSLOT")

@@ -72,7 +72,7 @@ def kernel_defines(step_inputs: bool = True, pair_tiles: bool = True, poll_sleep
             *((f"ATTN_HEADS={attn_heads}",) if attn_heads != mc.ATTN_HEADS else ()),
             *(("LIVE_SPLITS=1",) if live_splits else ()), *(("ATTN_SUMS_TOGETHER=0",) if sums_apart else ()),
             *(("ATTN_MMA=1",) if attn_mma else ()), *(("ATTN_X_TAIL=1",) if x_tail else ()),
-            *((f"INFLIGHT={inflight}",) if inflight else ()))
+            *((f"INFLIGHT={inflight}",) if inflight else ()), "NORM_W_FIRST=1")
 
 
 DEFINES = kernel_defines()

@@ -716,6 +716,10 @@ __device__ __forceinline__ int kda_phase(const PhaseC& f, const PhaseC* ph, cons
     return n;
 }
 
+#ifndef NORM_W_FIRST                    // 1: the norms' weights loaded before their words are polled (`norm_w_pre`,
+#define NORM_W_FIRST 0                  // X_HEADNORM); the backend builds with it (layer step 0.6822 ms against
+#endif                                  // 0.6999 with the top-k and AttnRes changes of 12-04). 0 for the layer
+                                        // script's base build (RECIPES MMA_ONLY), which it makes spill 8 bytes
 #define NORM_W_PRE 2                    // a norm's weights a thread loaded before its words are polled (`norm_w_pre`)
 // This thread's first NORM_W_PRE weights of an RMSNorm over len values (elements tid + u CONSUMERS), two bf16 a word:
 // loaded before the polls, so that the norm, after its barrier, does not wait on an L2 round trip (under the weight
@@ -725,7 +729,7 @@ __device__ __forceinline__ void norm_w_pre(uint32_t (&w)[NORM_W_PRE / 2], const 
 #pragma unroll
     for (int u = 0; u < NORM_W_PRE / 2; ++u) {
         const int j0 = threadIdx.x + 2 * u * CONSUMERS, j1 = j0 + CONSUMERS;
-        w[u] = (j0 < len ? h[j0] : 0u) | (j1 < len ? static_cast<uint32_t>(h[j1]) << 16 : 0u);
+        w[u] = !NORM_W_FIRST ? 0u : (j0 < len ? h[j0] : 0u) | (j1 < len ? static_cast<uint32_t>(h[j1]) << 16 : 0u);
     }
 }
 
@@ -1120,8 +1124,8 @@ __device__ __forceinline__ bool load_x_recipe(__nv_bfloat16* xs, const PhaseC& f
                 ss = fmaf(u, u, ss);
             }
             if (q < 4) TMARK(poll_t, q);            // (-DTRACE: thread 0's words here, before the norm)
-            ok = rms_norm_x(xs + j0, g.len, g.eps, aux_bf16(g), ss, red, poll_t && !q ? poll_t + 1 : nullptr, wpre)
-                 && ok;
+            ok = rms_norm_x(xs + j0, g.len, g.eps, aux_bf16(g), ss, red, poll_t && !q ? poll_t + 1 : nullptr,
+                            NORM_W_FIRST ? wpre : nullptr) && ok;
         } else if (g.op == X_NORM) {
             const uint64_t* b2 = g.route >= 0 ? reinterpret_cast<const uint64_t*>(ph[g.route].y) + g.off2 : nullptr;
             uint32_t wpre[NORM_W_PRE / 2];
@@ -1147,8 +1151,8 @@ __device__ __forceinline__ bool load_x_recipe(__nv_bfloat16* xs, const PhaseC& f
                 }
             }
             if (q < 4) TMARK(poll_t, q);
-            ok = rms_norm_x(xs + j0, g.len, g.eps, aux_bf16(g), ss, red, poll_t && !q ? poll_t + 1 : nullptr, wpre)
-                 && ok;
+            ok = rms_norm_x(xs + j0, g.len, g.eps, aux_bf16(g), ss, red, poll_t && !q ? poll_t + 1 : nullptr,
+                            NORM_W_FIRST ? wpre : nullptr) && ok;
         } else if (g.op == X_SUM) {
             for (int jb = tid; ok && jb < g.len; jb += 2 * CONSUMERS) {     // 2 elements of 4 parts polled together
                 const uint64_t* a[8];
@@ -1181,7 +1185,7 @@ __device__ __forceinline__ bool load_x_recipe(__nv_bfloat16* xs, const PhaseC& f
             // this thread's norm weight, the same every round (element e's is nw[e & 127], e & 127 = tid & 127),
             // loaded before the polls: after the barrier, the slowest of 512 L2 loads held the next one (12-04)
             static_assert(CONSUMERS % 128 == 0, "X_HEADNORM: a thread's weight is the same every round");
-            const float nwt = __bfloat162float(nw[tid & 127]);
+            const float nwt = NORM_W_FIRST ? __bfloat162float(nw[tid & 127]) : 0.f;
             // (every thread takes every round, also after a wait gave up: each round has its barriers)
             for (int e0 = 0; e0 < g.len; e0 += HEADNORM_ROUNDS * CONSUMERS) {    // (len: a multiple of 128)
                 const uint64_t* a[2 * HEADNORM_ROUNDS];
@@ -1202,7 +1206,7 @@ __device__ __forceinline__ bool load_x_recipe(__nv_bfloat16* xs, const PhaseC& f
                     const float r = rsqrt_approx(__fadd_rn(div_full(four_warps(sq + u * CONSUMER_WARPS, warp & ~3),
                                                                     128.f), g.eps));
                     const float on = bf16r(__fmul_rn(r, v[u]));
-                    const float wn = bf16r(__fmul_rn(nwt, on));
+                    const float wn = bf16r(__fmul_rn(NORM_W_FIRST ? nwt : __bfloat162float(nw[e & 127]), on));
                     if (e < g.len)
                         xs[j0 + e] = __float2bfloat16_rn(__fmul_rn(wn, sigmoid_tl(bf16r(v[HEADNORM_ROUNDS + u]))));
                 }
