@@ -729,7 +729,7 @@ __device__ __forceinline__ void norm_w_pre(uint32_t (&w)[NORM_W_PRE / 2], const 
 #pragma unroll
     for (int u = 0; u < NORM_W_PRE / 2; ++u) {
         const int j0 = threadIdx.x + 2 * u * CONSUMERS, j1 = j0 + CONSUMERS;
-        w[u] = !NORM_W_FIRST ? 0u : (j0 < len ? h[j0] : 0u) | (j1 < len ? static_cast<uint32_t>(h[j1]) << 16 : 0u);
+        w[u] = (j0 < len ? h[j0] : 0u) | (j1 < len ? static_cast<uint32_t>(h[j1]) << 16 : 0u);
     }
 }
 
