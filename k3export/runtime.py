@@ -71,6 +71,9 @@ class Backend(Protocol):
     # Optional: `decode_(input_ids, kda_conv, kda_state, mla_cache, cache_len) -> (logits, rows)`, as
     # `K3Model.forward_decode_` (KDA state updated in place). The engine uses it when the backend has it. rows None:
     # the backend wrote each slot's new MLA row into mla_cache at cache_len itself (the engine only counts it).
+    # Optional: `takes_argmax = True` (with `decode_`): the greedy step calls `decode_(..., argmax=(ids out, host ring
+    # or None, active))` and the backend's own program writes each slot's argmax token to ids out and the ring (at
+    # row (cache_len + active) mod rows), where the engine would run its argmax program after the step.
     # Optional: `prefill_last(...)`: `prefill` returning only each sequence's last new token's logits `[B, V]`
     # (`K3Model.forward_prefill_last`); the engine uses it when the backend has it.
     # Optional: `state_views = True`: decode takes the state as strided views of the first n slots (what
@@ -687,6 +690,9 @@ class Engine:
         return batch_bucket(hi + 1, self.max_batch)
 
     def _greedy_step(self, n: int | None = None) -> torch.Tensor:
+        if getattr(self.backend, "takes_argmax", False):       # (megakernel: the token is taken in its launch)
+            ring = None if self._post is None else self._post[:, :n]
+            return self._step(n, argmax=(self._ids[:n], ring, self.active[:n]))
         logits = self._step(n)
         self._argmax(logits)
         return logits
@@ -732,12 +738,14 @@ class Engine:
             return full
         return tuple(t[:n] if t.dim() == 1 else t[:, :n] for t in full)
 
-    def _step(self, n: int | None = None) -> torch.Tensor:
+    def _step(self, n: int | None = None, argmax: tuple | None = None) -> torch.Tensor:
         """The decode program and its commit over the first n slots (default all); every op here is capturable
-        (no host sync, fixed addresses)."""
+        (no host sync, fixed addresses). argmax: (ids out, host ring or None, active), for a backend that
+        `takes_argmax` in its own program (greedy steps)."""
         ids, conv, rec, cache, lengths, active = self._rows(n)
         if hasattr(self.backend, "decode_"):                       # the KDA state is updated where it lies
-            logits, rows = self.backend.decode_(ids, conv, rec, cache, lengths)
+            kw = {} if argmax is None else {"argmax": argmax}
+            logits, rows = self.backend.decode_(ids, conv, rec, cache, lengths, **kw)
         else:
             logits, new_conv, new_rec, rows = self.backend.decode(ids, conv, rec, cache, lengths)
             conv.copy_(new_conv)

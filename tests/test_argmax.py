@@ -169,6 +169,47 @@ def test_the_argmax_program_on_the_gpu(vocab):
         assert [int(ring[at[b], b]) for b in range(B)] == want.tolist(), r
 
 
+def test_a_backend_that_takes_the_argmax_in_its_step_replaces_the_engines_program(tiny_mla8, monkeypatch):
+    """A backend with `takes_argmax` (the megakernel's launch) gets the engine's ids buffer, host ring and active
+    flags in its greedy `decode_` and writes the tokens there itself: the engine runs no argmax program of its own
+    (its Triton argmax here raises if called), the plain step passes nothing, and the Generator's greedy tokens,
+    pipelined and not, and the ring's posts are those of the engine's own argmax."""
+    from k3export import runtime as rt
+    from k3export.sampling import post_reference
+    cfg, model = tiny_mla8
+    seen = []
+
+    class Taking(rt.EagerBackend):
+        takes_argmax = True
+
+        def decode_(self, ids, conv, rec, cache, lengths, argmax=None):
+            seen.append(argmax is not None)
+            logits, rows = model.forward_decode_(ids, conv, rec, cache, lengths)
+            if argmax is not None:                      # (what the launch does: after the step, before the count)
+                out, ring, active = argmax
+                out.copy_(logits.argmax(-1))
+                if ring is not None:
+                    post_reference((ring, lengths + active), out)
+            return logits, rows
+
+    prompts = [[1, 2, 3], [4, 5, 6, 7]]
+    want = rt.Generator(rt.Engine(rt.EagerBackend(model), 2, 24, cuda_graphs=False)).generate(prompts, 6)
+
+    def refused(*a, **k):
+        raise AssertionError("the engine ran its own argmax")
+    monkeypatch.setattr(rt, "argmax_rows", refused)
+    for pipeline in (True, False):
+        eng = rt.Engine(Taking(model), 2, 24, cuda_graphs=False)
+        assert rt.Generator(eng, pipeline=pipeline).generate(prompts, 6) == want
+    assert seen.count(True) >= 3                    # (the pipelined loop's greedy steps; the plain one decodes)
+    eng.prefill([1], [[9, 8]])
+    ids = eng.decode_greedy().tolist()
+    assert eng.posted(eng.post_mark())[1] == ids[1] == int(eng.last_logits[1].argmax())
+    seen.clear()
+    eng.decode(torch.tensor([3, 4]))
+    assert seen == [False]
+
+
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     print(json.dumps(_interpreter_cases()))

@@ -179,6 +179,21 @@ def test_the_producer_keeps_one_copy_in_flight_by_default():
             mb.kernel_defines(inflight=bad)
 
 
+def test_the_launch_takes_the_greedy_token_only_when_asked(tiny_mla8):
+    """argmax=True builds chain.cu with ARGMAX=1 (the greedy token taken in the launch, 12-05), which reads the
+    engine's buffers as STEP_INPUTS does: never in the build whose inputs are set around the launch, and not by
+    default until its GPU test has run; an emulated backend takes no argmax (the engine's program does)."""
+    assert "ARGMAX=1" in mb.kernel_defines(argmax=True)
+    assert "ARGMAX=1" not in mb.kernel_defines(step_inputs=False, argmax=True)
+    assert "ARGMAX=1" not in mb.DEFINES and "ARGMAX=1" not in mb.HOST_INPUTS_DEFINES
+    cfg, model = tiny_mla8
+    be = mb.MegakernelBackend(model, max_len=40, prefill_backend=EagerBackend(model), emulate=True, argmax=True)
+    assert not be.takes_argmax
+    z = torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="does not take the argmax"):
+        be.decode_(z, None, None, None, z, argmax=(z, None, torch.ones(1, dtype=torch.bool)))
+
+
 def test_paired_tiles_give_each_block_one_expert_of_k3_smalls_moe_down():
     """On an H200 (132 blocks), k3-small's MoE down projections (256 tiles of 32 rows, 32 an expert): by default a
     block with two tiles has two experts' (two x loads); with PAIR_TILES, one (a meta-device model, the layout
@@ -393,6 +408,46 @@ def test_the_kernel_reading_its_step_inputs_equals_the_host_set_build():
         del eng, be
     assert runs[0][0] == runs[1][0]
     assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+
+
+@pytest.mark.cuda
+def test_the_launch_takes_the_engines_greedy_token():
+    """chain.cu built with ARGMAX=1 (argmax=True) writes each greedy step's token itself: under the engine's CUDA
+    graph, step after step, the token in the engine's ids buffer and in its host ring is torch.argmax of the step's
+    logits, and the Generator's greedy tokens (pipelined, from the ring, and plain) are those of the build whose
+    engine runs its argmax program after the launch (argmax=False), for a request and a second one (the count of
+    blocks done starts from zero each launch)."""
+    _needs_the_kernel()
+    from k3export.bench.fp8 import gpu_random_model
+    model = gpu_random_model(K3Config.from_name("k3-small"), 0)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in (64, 33)]
+    runs = []
+    for argmax in (True, False):
+        be = mb.MegakernelBackend(model, max_len=96, prefill_backend=EagerBackend(model), argmax=argmax)
+        assert be.takes_argmax == argmax
+        eng = Engine(be, max_batch=1, max_len=96)
+        assert eng.graphed, eng.graph_error
+        toks = []
+        for prompt in prompts:
+            first = int(eng.prefill([0], [prompt])[0].argmax())
+            ids = eng.decode_greedy(torch.tensor([first], device="cuda"))
+            for i in range(8):
+                mark = eng.post_mark()
+                torch.cuda.synchronize()
+                tok = int(ids[0])
+                assert tok == int(eng.last_logits[0].argmax()) and eng.posted(mark)[0] == tok, (argmax, i)
+                toks.append(tok)
+                ids = eng.decode_greedy()
+            torch.cuda.synchronize()
+            eng.release(0)
+        gen = [Generator(eng, pipeline=p).generate(prompts, 8) for p in (True, False)]
+        be.check()
+        assert gen[0] == gen[1]
+        runs.append((toks, gen[0]))
+        print("argmax in the launch" if argmax else "the engine's argmax", toks)
+        del eng, be
+    assert runs[0] == runs[1]
 
 
 CUDA_CORES = {"attn_mma": False}        # (the attention tile on CUDA cores: the variants of that tile compare to it)

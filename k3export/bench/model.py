@@ -19,6 +19,8 @@ each hold `context` tokens (`Engine.decode`, state commit included). Backends:
               top; GPU, B = 1, decode and generation rows only: its prefill is the `compile` backend's)
     megakernel-host-inputs  the same with the token's embedding row, the key count and the epoch set by small
               kernels around the launch (`MegakernelBackend(step_inputs=False)`; the default reads them itself)
+    megakernel-argmax  the same with the greedy token taken in the launch (`MegakernelBackend(argmax=True)`, chain.cu
+              built with ARGMAX=1; the default runs the engine's argmax program after the launch). Not yet timed
     megakernel-router-first  the same with each MoE's router rows early in its packed projection
               (`MegakernelBackend(router_first=True)`; 12-03 14:04, 300 steps: 0.784 ms against 0.808, pipelined
               generation 0.779 both)
@@ -100,7 +102,8 @@ MEGAKERNEL_VARIANTS = {"megakernel": {}, "megakernel-host-inputs": {"step_inputs
                        "megakernel-dead-splits": {"live_splits": False},
                        "megakernel-sums-apart": {"sums_apart": True},
                        "megakernel-attn-cuda-cores": {"attn_mma": False, "x_tail": False},
-                       "megakernel-uncapped": {"inflight": 0}}
+                       "megakernel-uncapped": {"inflight": 0},
+                       "megakernel-argmax": {"argmax": True}}
 BACKENDS = ("eager", "graph", *COMPILE_VARIANTS, "aoti", *MEGAKERNEL_VARIANTS)
 
 

@@ -5,9 +5,11 @@ AttnRes and the LM head), its weights and states streamed through each SM's shar
 Around the launch, on the device: the next token's embedding row into the kernel's input, the attention phases'
 key count from the engine's lengths, and the launch's epoch (chain.cu built with EPOCH_PTR=1 reads it from device
 memory, bumped before each launch); by default (`step_inputs`, chain.cu built with STEP_INPUTS=1) the launch reads
-all three itself (its epoch is a base plus the length), and nothing runs before it. The engine then counts the step and
-takes the argmax, as for every backend. Nothing reads the device, so the engine captures the step, launch included,
-as a CUDA graph and replays it.
+all three itself (its epoch is a base plus the length), and nothing runs before it. The engine then counts the step
+and takes the argmax, as for every backend; with `argmax` (chain.cu built with ARGMAX=1; opt-in until its GPU test
+has run) the last block to finish writes the logits' argmax into the engine's ids buffer and host ring itself, and
+the engine runs no argmax program. Nothing reads the device, so the engine captures the step, launch included, as a
+CUDA graph and replays it.
 
 The kernel keeps the KDA state in its own layouts (the state in its weight tiles, each conv window in two copies),
 carried from launch to launch, and reads and appends the MLA rows in the engine's own cache (`bind_engine_cache`:
@@ -59,8 +61,10 @@ NSLOT = mc.cu_default("NSLOT")          # chain.cu's ring slots (read once: `ker
 
 def kernel_defines(step_inputs: bool = True, pair_tiles: bool = True, poll_sleep: int = 0,
                    attn_heads: int = mc.ATTN_HEADS, live_splits: bool = True, sums_apart: bool = False,
-                   attn_mma: bool = True, x_tail: bool = True, inflight: int = 1) -> tuple[str, ...]:
-    """chain.cu's defines for the backend's build with these options (`DEFINES`: the defaults)."""
+                   attn_mma: bool = True, x_tail: bool = True, inflight: int = 1,
+                   argmax: bool = False) -> tuple[str, ...]:
+    """chain.cu's defines for the backend's build with these options (`DEFINES`: the defaults; ARGMAX, the greedy
+    token taken in the launch, only with STEP_INPUTS)."""
     if not isinstance(inflight, int) or not 0 <= inflight < NSLOT:
         raise ValueError(f"megakernel backend: inflight is the weight copies on their way at most, 1..{NSLOT - 1} "
                          f"(0: as many as the ring's {NSLOT} slots), got {inflight!r}")
@@ -72,7 +76,8 @@ def kernel_defines(step_inputs: bool = True, pair_tiles: bool = True, poll_sleep
             *((f"ATTN_HEADS={attn_heads}",) if attn_heads != mc.ATTN_HEADS else ()),
             *(("LIVE_SPLITS=1",) if live_splits else ()), *(("ATTN_SUMS_TOGETHER=0",) if sums_apart else ()),
             *(("ATTN_MMA=1",) if attn_mma else ()), *(("ATTN_X_TAIL=1",) if x_tail else ()),
-            *((f"INFLIGHT={inflight}",) if inflight else ()), "NORM_W_FIRST=1")
+            *((f"INFLIGHT={inflight}",) if inflight else ()), "NORM_W_FIRST=1",
+            *(("ARGMAX=1",) if argmax and step_inputs else ()))
 
 
 DEFINES = kernel_defines()
@@ -92,7 +97,8 @@ class MegakernelBackend:
                  cubin: tuple[str, str] | None = None, step_inputs: bool = True, router_first: bool = False,
                  pair_tiles: bool = True, poll_sleep: int = 0, attn_heads: int = mc.ATTN_HEADS,
                  live_splits: bool = True, sums_apart: bool = False, attn_mma: bool = True,
-                 x_tail: bool = True, g_apart: bool = True, mla_g_apart: bool = True, inflight: int = 1):
+                 x_tail: bool = True, g_apart: bool = True, mla_g_apart: bool = True, inflight: int = 1,
+                 argmax: bool = False):
         """step_inputs (the default): chain.cu built with STEP_INPUTS=1 reads the token's embedding row, the key
         count and its epoch from the engine's buffers itself, four small kernels fewer a step than setting them
         around it (False: `HOST_INPUTS_DEFINES`). defines: another build (the engine directory's). router_first:
@@ -125,7 +131,11 @@ class MegakernelBackend:
         pipelined 0.731 against 0.738. inflight (default 1): chain.cu built with INFLIGHT=N, the producer keeping
         at most N weight copies on their way (0: as many as the ring holds, as before 12-04 evening); the copies
         land in the same slots, only later, so the same logits bit for bit. Layer step 12-04 16:57: 0.699 ms
-        against 0.726 uncapped."""
+        against 0.726 uncapped. argmax (with step_inputs; not yet the default): chain.cu built with ARGMAX=1, the
+        greedy step's token taken in the launch (`takes_argmax`: the engine passes its ids buffer and host ring to
+        `decode_`, and runs no argmax program of its own), meant to be the same token as `torch.argmax` of the
+        logits. Written 12-05 and built here (sm_90a, no spill beyond the default build's), its GPU test and timing
+        not yet run (no device machine was lent): it becomes the default once `gpu_pending.sh mkgreedy` passes."""
         cfg = model.config
         self.model, self.config, self.dtype, self.device = model, cfg, model.dtype, model.device
         self.max_len, self.emulate = max_len, emulate
@@ -142,9 +152,11 @@ class MegakernelBackend:
         self.kernel = None
         if not emulate:
             defines = defines or kernel_defines(step_inputs, pair_tiles, poll_sleep, attn_heads, live_splits,
-                                                sums_apart, attn_mma, x_tail, inflight)
+                                                sums_apart, attn_mma, x_tail, inflight, argmax)
             self.kernel = mc.ChainKernel(defines=defines, cubin=cubin, quiet=cubin is not None)
             self.kernel.bind(self.bufs)
+        # the engine's greedy step passes its ids buffer and host ring to `decode_` (`argmax`), and takes no argmax
+        self.takes_argmax = self.kernel is not None and self.kernel.argmax
         if prefill_backend is None:
             from k3export.runtime import CompileBackend, EagerBackend
             prefill_backend = CompileBackend(model) if self.device.type == "cuda" else EagerBackend(model)
@@ -216,14 +228,22 @@ class MegakernelBackend:
         return logits, kda_conv, kda_state, rows
 
     @torch.no_grad()
-    def decode_(self, ids, kda_conv, kda_state, mla_cache, cache_len):
+    def decode_(self, ids, kda_conv, kda_state, mla_cache, cache_len, argmax: tuple | None = None):
         """One step of the one sequence, on the device only (capturable): ids `[1]`, cache_len `[1]` (the engine's
         lengths); the other state tensors are not read (`before_decode` loaded them) -> (logits `[1, V]`, a view
         valid until the next step; None for the new MLA rows: the launch appended them to the engine's cache itself,
-        which `before_decode` bound, and the emulation copies them there)."""
+        which `before_decode` bound, and the emulation copies them there). argmax (`takes_argmax` only): (ids out
+        `[1]` int64, the engine's host ring `[rows, slots]` or None, active `[1]` bool): the launch also writes the
+        logits' argmax to ids out and to the ring at row (cache_len + active) mod rows, as the engine's argmax program
+        would after the step."""
         if ids.shape[0] != 1:
             raise ValueError(f"megakernel backend: decodes one sequence (an engine with max_batch=1), got "
                              f"{ids.shape[0]}")
+        if argmax is not None and not self.takes_argmax:
+            raise ValueError("megakernel backend: this build does not take the argmax in its launch (ARGMAX; an "
+                             "emulation, or step_inputs=False / argmax=False): take it from the logits")
+        if self.takes_argmax:
+            self.kernel.argmax_args = argmax
         b = self.bufs
         pos = cache_len[:1].to(torch.int64)                      # the new row's; the keys: pos + 1
         if self.kernel is not None and self.kernel.step_inputs:   # (the launch reads them, and its epoch, itself)

@@ -78,6 +78,16 @@
 #if STEP_INPUTS && !EPOCH_PTR
 #error "STEP_INPUTS takes its epoch base from device memory: build it with EPOCH_PTR=1"
 #endif
+#ifndef ARGMAX                         // 1 (with STEP_INPUTS and MMA_ONLY): the launch also takes the greedy token, the
+#define ARGMAX 0                       // first index of the largest logit (the last phase's values; NaN as +inf), when
+#endif                                 // am_ids is not null: each consumer keeps its LM-head rows' largest as a 64-bit
+                                       // key (`argmax_key`), the block's largest goes to am_best (a max at L2), and the
+                                       // last block to count itself in (counters[nphase]) writes the token to am_ids[0]
+                                       // and, when am_ring is not null, to the engine's host ring at row
+                                       // (step_lengths[0] + am_active[0]) mod am_ring_rows, then zeroes both words
+#if ARGMAX && !(STEP_INPUTS && MMA_ONLY)
+#error "ARGMAX reads the sums of tensor-core tiles (MMA_ONLY) and writes the engine's ids (STEP_INPUTS)"
+#endif
 #ifndef RECIPES
 #define RECIPES 0                      // 1: phases may form x by a recipe (real layers, milestone 2); 0: the synthetic
 #endif                                 // chains' kernel (with the recipes, the diagnostic builds spill registers)
@@ -139,6 +149,7 @@
 #ifndef ATTN_X_TAIL                    // 1: an ATTN x's new row and pe words polled in its queries' last round (one
 #define ATTN_X_TAIL 0                  // round trip a thread, not three; the same x bit for bit)
 #endif
+                                // them there after its barrier, not from L2 (no register held over the poll)
 #ifndef COMBINE_WORDS                  // X_MLA_COMBINE (BMM2's x): key blocks' words a thread polls together a round
 #define COMBINE_WORDS 8                // (12: 3 rounds at 1025 keys, not 5, the same adds; 16 spills. H200 12-03
 #endif                                 // 21:20: 12 no faster, layer step 0.7326 ms against 0.7310 / 0.7315)
@@ -309,6 +320,17 @@ __device__ __forceinline__ void store_word(uint64_t* p, float value, uint32_t ep
 }
 __device__ __forceinline__ uint32_t epoch_of(uint64_t v) { return static_cast<uint32_t>(v >> 32); }
 __device__ __forceinline__ float value_of(uint64_t v) { return __uint_as_float(static_cast<uint32_t>(v)); }
+// ARGMAX: (value, index) as a key whose unsigned order is the argmax's: the larger value, then the smaller index
+// (the value's bits mapped to an order-preserving u32; NaN as +inf, -0 as +0: compared as torch.argmax compares, bar
+// NaN). Every key is above 0, which stands for no row. (MMA_ONLY: every tile full, no index past the phase's n.)
+__device__ __forceinline__ unsigned long long argmax_key(float v, int index) {
+    v = v != v ? INFINITY : (v == 0.f ? 0.f : v);
+    const uint32_t u = __float_as_uint(v), o = u & 0x80000000u ? ~u : u | 0x80000000u;
+    return (static_cast<unsigned long long>(o) << 32) | (0xFFFFFFFFu - static_cast<uint32_t>(index));
+}
+__device__ __forceinline__ unsigned long long max_u64(unsigned long long a, unsigned long long b) {
+    return a > b ? a : b;
+}
 __device__ __forceinline__ void add_release(uint32_t* p, uint32_t v) {
     asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
@@ -1555,21 +1577,24 @@ __device__ __forceinline__ void mma_partials(const uint4* tile, const uint4* x8,
 // An MMA tile's rows into y[0 .. rows) (every consumer thread calls it: one barrier). The partials go to mma_red by
 // the parity of MMA tiles: a warp writes the half of MMA tile j + 2 only once past MMA tile j + 1's sync, which the
 // threads summing tile j reach after they have read it.
-__device__ __forceinline__ void mma_tile_sum(const unsigned char* tile, const __nv_bfloat16* xs, int rows,
-                                             const MmaSplit& ms, float* mma_red, uint32_t& mma_count, uint64_t* y,
-                                             uint32_t epoch) {
+__device__ __forceinline__ float mma_tile_sum(const unsigned char* tile, const __nv_bfloat16* xs, int rows,
+                                              const MmaSplit& ms, float* mma_red, uint32_t& mma_count, uint64_t* y,
+                                              uint32_t epoch) {
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     float* r16 = mma_red + (mma_count++ & 1u) * CONSUMER_WARPS * 16;
 #ifndef SKIP_COMPUTE
     mma_partials(reinterpret_cast<const uint4*>(tile), reinterpret_cast<const uint4*>(xs), rows, ms, warp, lane, r16);
 #endif
     consumers_sync();                       // every warp's partials are in (the next tile's use the other half)
+    float value = 0.f;                      // (returned: row tid's value, for ARGMAX; threads past the rows: 0)
     if (tid < rows) {                       // row tid: its row block's warps' partials, in order
         float sum = 0.f;
         const float* part = r16 + (tid / 16) * ms.wpr * 16 + tid % 16;
         for (int w2 = 0; w2 < ms.wpr; ++w2) sum += part[w2 * 16];
         store_word(y + tid, sum, epoch);
+        value = sum;
     }
+    return value;
 }
 
 // The blocks phase f's tiles are dealt over: all nblk, or (f.spare > 0, and at least a quarter of the grid left) the
@@ -1924,7 +1949,7 @@ __device__ __forceinline__ int attnres_phase(const PhaseC& f, const PhaseC* ph, 
                                              uint32_t* err, int64_t p, float* red, float* mma_red,
                                              uint32_t& mma_count, int* gave_up, __nv_bfloat16* xdump,
                                              unsigned long long* t_x, unsigned long long* t_tile,
-                                             unsigned long long* tr) {
+                                             unsigned long long* tr, unsigned long long* am_block) {
     const int tid = threadIdx.x;
     TMARK(tr, 0);                           // (-DTRACE: a generic trace unit, `x_load_parts`)
     if (tr && tid == 0) tr[16] = p + 1;
@@ -1950,7 +1975,17 @@ __device__ __forceinline__ int attnres_phase(const PhaseC& f, const PhaseC* ph, 
         if (tid == 0 && n == 0) atomicMin(t_tile, static_cast<unsigned long long>(now_ns()));
 #endif
         if (n == 0) TMARK(tr, 2);
-        mma_tile_sum(ring + s * SLOT_BYTES, xs, f.rows, ms, mma_red, mma_count, y + (g - f.tile0) * f.rows, epoch);
+        const float v = mma_tile_sum(ring + s * SLOT_BYTES, xs, f.rows, ms, mma_red, mma_count,
+                                     y + (g - f.tile0) * f.rows, epoch);
+        (void)v;
+#if ARGMAX
+        if (am_block && (tid & ~31) < f.rows) {     // (the tile's rows' warps) the warp's largest key, then the
+            unsigned long long key = tid < f.rows ? argmax_key(v, (g - f.tile0) * f.rows + tid) : 0ull;  // block's
+#pragma unroll
+            for (int off = 16; off; off >>= 1) key = max_u64(key, __shfl_xor_sync(0xffffffffu, key, off));
+            if (tid % 32 == 0) atomicMax(am_block, key);
+        }
+#endif
         __syncwarp();
         if (tid % 32 == 0) mbar_arrive(&empty[s]);     // this warp is done with slot s
     }
@@ -1976,6 +2011,10 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
 #if STEP_INPUTS
              , const int64_t* __restrict__ step_ids, const int64_t* __restrict__ step_lengths, int64_t x_len
 #endif
+#if ARGMAX
+             , int64_t* am_ids, int64_t* am_ring, const unsigned char* __restrict__ am_active,
+             int64_t am_ring_stride, int64_t am_ring_rows, unsigned long long* am_best
+#endif
              ) {
     extern __shared__ __align__(128) unsigned char smem[];
 #ifdef BLOCK_TIMES     // -DBLOCK_TIMES (with PHASE_TIMES): the four times per phase of each block, not of the first
@@ -1998,6 +2037,9 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
 #define X_IN x_in
 #endif
     __shared__ __align__(16) float red[CONSUMERS / 32];
+#if ARGMAX
+    __shared__ unsigned long long am_block;     // the block's largest LM-head key (`argmax_key`; 0: none)
+#endif
 #if RECIPES
     __shared__ float comb_w[COMBINE_MAX];       // an X_COMBINE_NORM's weights
 #endif
@@ -2032,6 +2074,9 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         gave_up = 0;
+#if ARGMAX
+        am_block = 0;
+#endif
 #if RECIPES
         xdump_s = xdump;
 #endif
@@ -2200,7 +2245,12 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
                                          t_done + 2 * nphase + p, t_done + 3 * nphase + p,
 #ifdef TRACE
                                          unit < TRACE_UNITS - 4 ? trace + (blockIdx.x * TRACE_UNITS + unit++) *
-                                                                          TRACE_FIELDS : nullptr
+                                                                          TRACE_FIELDS : nullptr,
+#else
+                                         nullptr,
+#endif
+#if ARGMAX
+                                         am_ids && p == nphase - 1 ? &am_block : nullptr
 #else
                                          nullptr
 #endif
@@ -2437,4 +2487,28 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
             atomicMax(t_done + p, static_cast<unsigned long long>(now_ns()));
         }
     }
+#if ARGMAX
+    // The greedy token: the block's key into am_best, the block counted in (release: after its max); the last block
+    // (acquire: after every block's max) takes am_best, zeroes it and the count, and writes the token. Every block
+    // counts, those without LM-head rows too, so the token is written after every block has read step_ids[0].
+    if (am_ids) {
+        consumers_sync();                   // every warp's max is in am_block
+        if (tid == 0) {
+            if (am_block) asm volatile("red.relaxed.gpu.global.max.u64 [%0], %1;" ::"l"(am_best), "l"(am_block)
+                                       : "memory");
+            uint32_t before;
+            asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(before) : "l"(counters + nphase)
+                         : "memory");
+            if (before == static_cast<uint32_t>(nblk) - 1) {
+                unsigned long long best;
+                asm volatile("atom.relaxed.gpu.global.exch.b64 %0, [%1], 0;" : "=l"(best) : "l"(am_best) : "memory");
+                counters[nphase] = 0;
+                const int64_t token = 0xFFFFFFFFu - static_cast<uint32_t>(best);
+                am_ids[0] = token;
+                if (am_ring)
+                    am_ring[((*step_lengths + am_active[0]) % am_ring_rows) * am_ring_stride] = token;
+            }
+        }
+    }
+#endif
 }

@@ -1526,6 +1526,12 @@ class ChainKernel:
         # its epoch is epoch_dev[0] + lengths[0] (`start_sequence` sets the base), so nothing runs between launches
         self.step_inputs = bool(define_value(defines, "STEP_INPUTS", cu, default=0))
         self.step_args = None
+        # -DARGMAX=1: a launch with `argmax_args` = (ids [>= 1] int64, host ring [rows, slots] int64 or None, active
+        # [>= 1] bool) also writes the greedy token (the first index of the last phase's largest value, NaN as +inf)
+        # to ids[0] and the ring's row (lengths[0] + active[0]) mod rows, column 0; None: it does not (the plain step)
+        self.argmax = bool(define_value(defines, "ARGMAX", cu, default=0))
+        self.argmax_args = None
+        self.am_best = None
         self._streams: dict[int, object] = {}
 
     def stream(self):
@@ -1597,7 +1603,8 @@ class ChainKernel:
         bufs.use_mma_layout(min_k)
         self.fn.max_dynamic_shared_size_bytes = self.smem
         self.bufs = bufs
-        self.counters = torch.zeros(n, dtype=torch.int32, device="cuda")
+        self.counters = torch.zeros(n + 1, dtype=torch.int32, device="cuda")    # (ARGMAX: the blocks done, [n])
+        self.am_best = torch.zeros(1, dtype=torch.int64, device="cuda") if self.argmax else None
         self.err = torch.zeros(4, dtype=torch.int32, device="cuda")
         # (-DPHASE_TIMES: 4 per phase; -DBLOCK_TIMES: 4 per phase and block)
         self.t_done = torch.zeros(4 * n * (self.blocks if "BLOCK_TIMES" in self.defines else 1), dtype=torch.int64,
@@ -1647,9 +1654,34 @@ class ChainKernel:
                                  f"lengths, got {embed.dtype} {tuple(embed.shape)}, {ids.dtype}, {lengths.dtype}")
             args = (args[0], args[1], u(embed.data_ptr()), *args[3:], u(ids.data_ptr()), u(lengths.data_ptr()),
                     np.int64(embed.shape[1]))
+        if self.argmax:
+            args = (*args, *self._argmax_launch_args())
         b.dumped = dump
         with self.stream():
             self.fn((self.blocks,), (self.threads,), args, shared_mem=self.smem)
+
+    def _argmax_launch_args(self) -> tuple:
+        """ARGMAX's kernel arguments from `argmax_args` (nulls: no token), checked."""
+        import numpy as np
+        u = np.uint64
+        if self.argmax_args is None:
+            return u(0), u(0), u(0), np.int64(0), np.int64(1), u(self.am_best.data_ptr())
+        ids, ring, active = self.argmax_args
+        last = self.bufs.chain.phases[-1]
+        xop = self.bufs.chain.xsegs[last.xop].op if last.xop >= 0 else None
+        if last.kind != "gemv" or xop != "attnres":
+            raise ValueError(f"ARGMAX: the launch takes the argmax of its last phase when it is a GEMV on an AttnRes "
+                             f"x (the LM head after the final mix); this chain ends with {last.name} ({last.kind}, "
+                             f"x {xop})")
+        if ids.dtype != torch.int64 or ids.device.type != "cuda" or active.dtype != torch.bool:
+            raise ValueError(f"ARGMAX: ids int64 on the GPU and active bool, got {ids.dtype} on {ids.device}, "
+                             f"{active.dtype}")
+        if ring is not None and (ring.dim() != 2 or ring.dtype != torch.int64 or ring.stride(1) != 1):
+            raise ValueError(f"ARGMAX: the ring is [rows, slots] int64 with unit column stride, got "
+                             f"{tuple(ring.shape)} {ring.dtype} strides {ring.stride()}")
+        return (u(ids.data_ptr()), u(ring.data_ptr() if ring is not None else 0), u(active.data_ptr()),
+                np.int64(ring.stride(0) if ring is not None else 0), np.int64(ring.shape[0] if ring is not None else 1),
+                u(self.am_best.data_ptr()))
 
     def check(self) -> None:
         """Raise if a wait ran out in any launch so far (then reset counters, outputs and epoch, so that no word of
@@ -1660,6 +1692,8 @@ class ChainKernel:
             name = self.bufs.chain.phases[p].name if 0 <= p < len(self.bufs.chain.phases) else "?"
             self.counters.zero_()
             self.err.zero_()
+            if self.am_best is not None:
+                self.am_best.zero_()
             self.bufs.clear()
             self.epoch = 0
             if self.epoch_dev is not None:
