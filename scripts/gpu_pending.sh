@@ -185,6 +185,8 @@
 #   mkab     (ran 12-04 19:10-19:50) the layer step of each chain.cu in $MKAB_CUS (paths), interleaved,
 #            $MKAB_ROUNDS rounds (default 2), with the backend's defines ($MKAB_DEFINES: more); the checkout's
 #            chain.cu is put back after
+#   mkdefs   (not yet run) the layer step of the checkout's chain.cu with each of $MKDEFS_VARIANTS (extra defines,
+#            "+"-joined, "-" for none; e.g. "- +ATTN_ROW_W_SMEM=1"), interleaved, $MKAB_ROUNDS rounds (default 2)
 #   mkgreedy (not yet run) ARGMAX, the greedy token taken in the launch (MegakernelBackend(argmax=True)): the cuda
 #            tests (its tokens, ids and ring posts against torch.argmax and the engine's argmax build; an engine
 #            directory; STEP_INPUTS), the pipelined generation's timeline, then mkbench with
@@ -546,6 +548,16 @@ for part in $parts; do
            cp "$OUT/chain.cu.checkout" k3export/megakernel/chain.cu
            rm -f "$OUT/ab.json" "$OUT/chain.cu.checkout"
            grep -h "^== \|k3-small KDA\|max rel\|AttnRes (25" "$OUT/mkab-step.log" ;;
+    mkdefs) for r in $(seq ${MKAB_ROUNDS:-2}); do
+             for v in ${MKDEFS_VARIANTS:?}; do
+               echo "== $v" >> "$OUT/mkdefs-step.log"
+               layer_step 100 --rounds 2 \
+                 --defines PAIR_TILES=1+LIVE_SPLITS=1+ATTN_MMA=1+ATTN_X_TAIL=1+INFLIGHT=1+NORM_W_FIRST=1${v#-} \
+                 --out "$OUT/ab.json" >> "$OUT/mkdefs-step.log" 2>&1
+             done
+           done
+           rm -f "$OUT/ab.json"
+           grep -h "^== \|k3-small KDA\|max rel\|AttnRes (25" "$OUT/mkdefs-step.log" ;;
     mkgreedy) timeout 330 python3 -m pytest -q -m cuda tests/test_megakernel_backend.py -k \
              "greedy_token or directory_builds or step_inputs" -s -rs -p no:cacheprovider > "$OUT/mkgreedy.log" 2>&1
            timeout 150 python3 scripts/profile_decode.py --backend megakernel --timeline --generate 6 --top 10 \
@@ -557,7 +569,7 @@ for part in $parts; do
              --no-new-lengths --out "$OUT/mkbench" > "$OUT/mkbench.log" 2>&1 ;;
     profile) timeout 150 python3 scripts/profile_decode.py --backend ${PROFILE_BACKEND:-compile} ${PROFILE_ARGS:-} \
              > "$OUT/profile.log" 2>&1 ;;
-    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe trtfp8 fp8eng grouped grpsmall fp8comp overlap chain layer step attnres abmix gmla greedy greedy64 mkback mkinputs mkstep mkcache mkfinal mkrouter mkpair mkargmax mksleep mkrun mkblocks mkattn mkheads mklive mktrace mktiles mksums mkmma mkmmafinal mkcombine mksample mkpost mkgapart mkxparts mkab mkgreedy mkbench profile)"; continue ;;
+    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe trtfp8 fp8eng grouped grpsmall fp8comp overlap chain layer step attnres abmix gmla greedy greedy64 mkback mkinputs mkstep mkcache mkfinal mkrouter mkpair mkargmax mksleep mkrun mkblocks mkattn mkheads mklive mktrace mktiles mksums mkmma mkmmafinal mkcombine mksample mkpost mkgapart mkxparts mkab mkdefs mkgreedy mkbench profile)"; continue ;;
   esac
   echo "$part: exit $? in $((SECONDS - t)) s" | tee -a "$OUT/pending.log"
   tail -4 "$OUT/$part.log" 2>/dev/null

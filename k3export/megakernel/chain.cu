@@ -149,7 +149,9 @@
 #ifndef ATTN_X_TAIL                    // 1: an ATTN x's new row and pe words polled in its queries' last round (one
 #define ATTN_X_TAIL 0                  // round trip a thread, not three; the same x bit for bit)
 #endif
-                                // them there after its barrier, not from L2 (no register held over the poll)
+#ifndef ATTN_ROW_W_SMEM                 // 1 (with ATTN_X_TAIL): the new row's norm weights copied into shared memory
+#define ATTN_ROW_W_SMEM 0              // (cp.async, past the x) before its words are polled, so that its norm reads
+#endif                                 // them there after its barrier, not from L2 (no register held over the poll)
 #ifndef COMBINE_WORDS                  // X_MLA_COMBINE (BMM2's x): key blocks' words a thread polls together a round
 #define COMBINE_WORDS 8                // (12: 3 rounds at 1025 keys, not 5, the same adds; 16 spills. H200 12-03
 #endif                                 // 21:20: 12 no faster, layer step 0.7326 ms against 0.7310 / 0.7315)
@@ -1265,6 +1267,14 @@ __device__ __forceinline__ bool load_x_recipe(__nv_bfloat16* xs, const PhaseC& f
                 const int jb = tid + (nr - 1) * 8 * CONSUMERS;          // and 7 (uq <= 6; fixed slots keep a and v
                 const uint64_t* a[8];                                   // in registers)
                 float v[8];
+#if ATTN_ROW_W_SMEM                         // the row's norm weights past the x (when they fit), 4 bytes a thread
+                const int wat = (j0 + g.len + gn->len + gn[1].len + 7) / 8 * 8;   // (elements: 16-byte aligned)
+                const bool w_smem = (wat + gn->len) * 2 <= XBYTES && gn->len % 2 == 0 &&
+                                    (reinterpret_cast<uintptr_t>(aux_bf16(*gn)) & 3u) == 0;   // (4-byte copies)
+                if (w_smem && 2 * tid < gn->len)
+                    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_u32(xs + wat + 2 * tid)),
+                                 "l"(aux_bf16(*gn) + 2 * tid) : "memory");
+#endif
 #pragma unroll
                 for (int u = 0; u < 6; ++u) a[u] = query_word(g, base, qb, slot, hw, qw, jb + u * CONSUMERS);
                 a[6] = tid < gn->len ? reinterpret_cast<const uint64_t*>(ph[gn->src].y) + gn->off + tid : nullptr;
@@ -1283,7 +1293,12 @@ __device__ __forceinline__ bool load_x_recipe(__nv_bfloat16* xs, const PhaseC& f
                     ss = fmaf(x, x, ss);
                 }
                 if (tid < gn[1].len) xs[j0 + g.len + gn->len + tid] = __float2bfloat16_rn(pv);
+#if ATTN_ROW_W_SMEM
+                asm volatile("cp.async.wait_all;" ::: "memory");    // (the norm's barrier: every thread's copy)
+                ok = rms_norm_x(xs + j0 + g.len, gn->len, gn->eps, w_smem ? xs + wat : aux_bf16(*gn), ss, red) && ok;
+#else
                 ok = rms_norm_x(xs + j0 + g.len, gn->len, gn->eps, aux_bf16(*gn), ss, red) && ok;
+#endif
 #ifdef TRACE
                 if (part_t && tid == 0) part_t[0] = part_t[1] = now_ns();
 #endif
