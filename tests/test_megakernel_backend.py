@@ -263,6 +263,15 @@ def _needs_the_kernel():
         pytest.skip("chain.cu is built for sm_90a")
 
 
+def _small_model_and_prompts(seed: int, *lengths: int):
+    """A random k3-small on the GPU (bf16, seed 0) and random prompts of these lengths (a generator seeded seed)."""
+    _needs_the_kernel()
+    from k3export.bench.fp8 import gpu_random_model
+    model = gpu_random_model(K3Config.from_name("k3-small"), 0)
+    g = torch.Generator().manual_seed(seed)
+    return model, [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in lengths]
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("variant", [{}, {"attn_mma": False, "x_tail": False}], ids=str)
 def test_the_kernel_backend_follows_its_emulation_on_k3_small(variant):
@@ -279,10 +288,7 @@ def test_the_kernel_backend_follows_its_emulation_on_k3_small(variant):
     the rows' largest element) of the emulation's (the layers before are fp32 sums in another order).
     The default build's attention runs on tensor cores (`attn_mma`: fp32 sums in other orders; passed 12-03 19:10,
     first step 2.4e-7); the CUDA-core tile (`attn_mma=False`) is held to the same bounds."""
-    _needs_the_kernel()
-    from k3export.bench.fp8 import gpu_random_model
-    model = gpu_random_model(K3Config.from_name("k3-small"), 0)
-    prompt = torch.randint(0, model.config.vocab_size, (64,), generator=torch.Generator().manual_seed(1)).tolist()
+    model, (prompt,) = _small_model_and_prompts(1, 64)
     kernel = mb.MegakernelBackend(model, max_len=96, prefill_backend=EagerBackend(model), **variant)
     backends = {"emulated": mb.MegakernelBackend(model, max_len=96, prefill_backend=EagerBackend(model),
                                                  emulate=True),
@@ -377,11 +383,7 @@ def test_the_kernel_reading_its_step_inputs_equals_the_host_set_build():
     launch (`step_inputs=False`) bit for bit, step after step under the engine's CUDA graph (the same x values, bf16 rows as the host set them in fp32,
     and the same key counts), for a request and then a shorter one (its epochs restart from a new base above the
     first's: a stale word of the first request would pass for the second's if they did not)."""
-    _needs_the_kernel()
-    from k3export.bench.fp8 import gpu_random_model
-    model = gpu_random_model(K3Config.from_name("k3-small"), 0)
-    g = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in (64, 40)]
+    model, prompts = _small_model_and_prompts(2, 64, 40)
     runs = []
     for step_inputs in (False, True):
         be = mb.MegakernelBackend(model, max_len=96, prefill_backend=EagerBackend(model), step_inputs=step_inputs)
@@ -417,11 +419,7 @@ def test_the_launch_takes_the_engines_greedy_token():
     logits, and the Generator's greedy tokens (pipelined, from the ring, and plain) are those of the build whose
     engine runs its argmax program after the launch (argmax=False), for a request and a second one (the count of
     blocks done starts from zero each launch)."""
-    _needs_the_kernel()
-    from k3export.bench.fp8 import gpu_random_model
-    model = gpu_random_model(K3Config.from_name("k3-small"), 0)
-    g = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in (64, 33)]
+    model, prompts = _small_model_and_prompts(4, 64, 33)
     runs = []
     for argmax in (True, False):
         be = mb.MegakernelBackend(model, max_len=96, prefill_backend=EagerBackend(model), argmax=argmax)
@@ -483,10 +481,7 @@ def test_the_kernel_variants_equal_the_default_kernel(base, variant):
     (Passed here too before they were dropped as no faster: a router warp choosing each block's experts, 12-03 14:24,
     commit aef7f58; BMM2's combine polling 12 key blocks' words a round and the tensor-core tile's softmax warps
     adding its score chunks, 12-03 21:20, commit 91653d6.)"""
-    _needs_the_kernel()
-    from k3export.bench.fp8 import gpu_random_model
-    model = gpu_random_model(K3Config.from_name("k3-small"), 0)
-    prompt = torch.randint(0, model.config.vocab_size, (64,), generator=torch.Generator().manual_seed(3)).tolist()
+    model, (prompt,) = _small_model_and_prompts(3, 64)
     runs = []
     for kw in (base, variant):
         be = mb.MegakernelBackend(model, max_len=160, prefill_backend=EagerBackend(model), **kw)
