@@ -186,7 +186,8 @@
 #            $MKAB_ROUNDS rounds (default 2), with the backend's defines ($MKAB_DEFINES: more); the checkout's
 #            chain.cu is put back after
 #   mkdefs   (not yet run) the layer step of the checkout's chain.cu with each of $MKDEFS_VARIANTS (extra defines,
-#            "+"-joined, "-" for none; e.g. "- +ATTN_ROW_W_SMEM=1"), interleaved, $MKAB_ROUNDS rounds (default 2)
+#            "+"-joined, "-" for none; e.g. "- +ATTN_ROW_W_SMEM=1 +POW2_MEAN=1"), interleaved, $MKAB_ROUNDS rounds
+#            (default 2)
 #   mkgreedy (not yet run) ARGMAX, the greedy token taken in the launch (MegakernelBackend(argmax=True)): the cuda
 #            tests (its tokens, ids and ring posts against torch.argmax and the engine's argmax build; an engine
 #            directory; STEP_INPUTS), the pipelined generation's timeline, then mkbench with

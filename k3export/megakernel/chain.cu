@@ -452,6 +452,17 @@ __device__ __forceinline__ bool load_x_fast(__nv_bfloat16* xs, const uint64_t* s
 // ------------------------------------------------------------------------- x by recipe (milestone 2: real layers)
 // The Triton kernels' arithmetic op for op, each op rounded as there (no contraction into FMA where they have none).
 __device__ __forceinline__ float bf16r(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+#ifndef POW2_MEAN                       // 1: a norm's or score's mean over len values, len a power of two, as a multiply
+#define POW2_MEAN 0                     // by 2^-log2(len), not an IEEE division (the same real number, so the same
+#endif                                  // rounding: bit for bit; k3-small's norms are over 2048, 1024 and 512 values,
+                                        // its q norm over 768 still divides)
+// x / len, rounded to nearest (a mean's division)
+__device__ __forceinline__ float div_len(float x, int len) {
+#if POW2_MEAN
+    if ((len & (len - 1)) == 0) return __fmul_rn(x, __int_as_float((127 - (31 - __clz(len))) << 23));
+#endif
+    return __fdiv_rn(x, static_cast<float>(len));
+}
 __device__ __forceinline__ float sigmoid_k3(float x) {          // plugins/moe/kernels.py `_sigmoid`
     return __fdiv_rn(1.f, __fadd_rn(1.f, expf(-x)));
 }
@@ -771,7 +782,7 @@ __device__ __forceinline__ bool rms_norm_x(__nv_bfloat16* x, int len, float eps,
     TMARK(tr, 0);                                   // (-DTRACE: every thread's words here)
     float total = 0.f;
     for (int w = 0; w < CONSUMER_WARPS; ++w) total += red[w];
-    const float r = rsqrtf(__fadd_rn(__fdiv_rn(total, static_cast<float>(len)), eps));
+    const float r = rsqrtf(__fadd_rn(div_len(total, len), eps));
     int j = tid;
     if (wpre) {
 #pragma unroll
@@ -1024,7 +1035,7 @@ __device__ __forceinline__ bool attnres_x(__nv_bfloat16* xs, const XSeg& g, cons
         // row s's at 2 s, p's at 2 MIX_BANK.
         const int sl = lane % (MIX_BANK + 1), at = sl < nb ? 2 * sl : 2 * MIX_BANK;
         const float ss = __shfl_sync(0xffffffffu, tsum, at), dt = __shfl_sync(0xffffffffu, tsum, at + 1);
-        float el = __fmul_rn(rsqrtf(__fadd_rn(__fdiv_rn(ss, static_cast<float>(len)), a.eps)), dt);   // the score
+        float el = __fmul_rn(rsqrtf(__fadd_rn(div_len(ss, len), a.eps)), dt);   // the score
         const float ml = sl <= nb ? el : -INFINITY;
         float e[MIX_BANK + 1], mx = -INFINITY, tot = 0.f;
 #pragma unroll
@@ -1063,7 +1074,7 @@ __device__ __forceinline__ bool attnres_x(__nv_bfloat16* xs, const XSeg& g, cons
     TMARK(tr, 7);                                   // (the norm's barrier passed)
     float total = 0.f;
     for (int w2 = 0; w2 < CONSUMER_WARPS; ++w2) total += red[w2];
-    const float r = rsqrtf(__fadd_rn(__fdiv_rn(total, static_cast<float>(len)), a.out_eps));
+    const float r = rsqrtf(__fadd_rn(div_len(total, len), a.out_eps));
 #pragma unroll
     for (int i = 0; i < NP; ++i) {
         if (i >= n) continue;
