@@ -1676,9 +1676,11 @@ class ChainKernel:
         if ids.dtype != torch.int64 or ids.device.type != "cuda" or active.dtype != torch.bool:
             raise ValueError(f"ARGMAX: ids int64 on the GPU and active bool, got {ids.dtype} on {ids.device}, "
                              f"{active.dtype}")
-        if ring is not None and (ring.dim() != 2 or ring.dtype != torch.int64 or ring.stride(1) != 1):
-            raise ValueError(f"ARGMAX: the ring is [rows, slots] int64 with unit column stride, got "
-                             f"{tuple(ring.shape)} {ring.dtype} strides {ring.stride()}")
+        if ring is not None and (ring.dim() != 2 or ring.dtype != torch.int64 or ring.stride(1) != 1 or not (
+                ring.device.type == "cuda" or ring.is_pinned())):
+            raise ValueError(f"ARGMAX: the ring is [rows, slots] int64 with unit column stride, on the GPU or in "
+                             f"pinned host memory (the launch writes it), got {tuple(ring.shape)} {ring.dtype} "
+                             f"strides {ring.stride()} on {ring.device}{'' if ring.is_pinned() else ', not pinned'}")
         return (u(ids.data_ptr()), u(ring.data_ptr() if ring is not None else 0), u(active.data_ptr()),
                 np.int64(ring.stride(0) if ring is not None else 0), np.int64(ring.shape[0] if ring is not None else 1),
                 u(self.am_best.data_ptr()))
