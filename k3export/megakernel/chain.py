@@ -1532,6 +1532,7 @@ class ChainKernel:
         self.argmax = bool(define_value(defines, "ARGMAX", cu, default=0))
         self.argmax_args = None
         self.am_best = None
+        self._argmax_refused = None
         self._streams: dict[int, object] = {}
 
     def stream(self):
@@ -1605,6 +1606,12 @@ class ChainKernel:
         self.bufs = bufs
         self.counters = torch.zeros(n + 1, dtype=torch.int32, device="cuda")    # (ARGMAX: the blocks done, [n])
         self.am_best = torch.zeros(1, dtype=torch.int64, device="cuda") if self.argmax else None
+        if self.argmax:                             # (why this chain's launch cannot take the argmax; None: it can)
+            last = bufs.chain.phases[-1]
+            xop = bufs.chain.xsegs[last.xop].op if last.xop >= 0 else None
+            self._argmax_refused = None if last.kind == "gemv" and xop == "attnres" else (
+                f"ARGMAX: the launch takes the argmax of its last phase when it is a GEMV on an AttnRes x (the LM "
+                f"head after the final mix); this chain ends with {last.name} ({last.kind}, x {xop})")
         self.err = torch.zeros(4, dtype=torch.int32, device="cuda")
         # (-DPHASE_TIMES: 4 per phase; -DBLOCK_TIMES: 4 per phase and block)
         self.t_done = torch.zeros(4 * n * (self.blocks if "BLOCK_TIMES" in self.defines else 1), dtype=torch.int64,
@@ -1667,12 +1674,8 @@ class ChainKernel:
         if self.argmax_args is None:
             return u(0), u(0), u(0), np.int64(0), np.int64(1), u(self.am_best.data_ptr())
         ids, ring, active = self.argmax_args
-        last = self.bufs.chain.phases[-1]
-        xop = self.bufs.chain.xsegs[last.xop].op if last.xop >= 0 else None
-        if last.kind != "gemv" or xop != "attnres":
-            raise ValueError(f"ARGMAX: the launch takes the argmax of its last phase when it is a GEMV on an AttnRes "
-                             f"x (the LM head after the final mix); this chain ends with {last.name} ({last.kind}, "
-                             f"x {xop})")
+        if self._argmax_refused:
+            raise ValueError(self._argmax_refused)
         if ids.dtype != torch.int64 or ids.device.type != "cuda" or active.dtype != torch.bool:
             raise ValueError(f"ARGMAX: ids int64 on the GPU and active bool, got {ids.dtype} on {ids.device}, "
                              f"{active.dtype}")
