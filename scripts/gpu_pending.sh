@@ -185,13 +185,14 @@
 #   mkab     (ran 12-04 19:10-19:50) the layer step of each chain.cu in $MKAB_CUS (paths), interleaved,
 #            $MKAB_ROUNDS rounds (default 2), with the backend's defines ($MKAB_DEFINES: more); the checkout's
 #            chain.cu is put back after
-#   mkdefs   (not yet run) the layer step of the checkout's chain.cu with each of $MKDEFS_VARIANTS (extra defines,
+#   mkdefs   (ran 12-05 07:45, ATTN_ROW_W_SMEM and POW2_MEAN: no faster) the layer step of the checkout's chain.cu with each of $MKDEFS_VARIANTS (extra defines,
 #            "+"-joined, "-" for none; e.g. "- +ATTN_ROW_W_SMEM=1 +POW2_MEAN=1"), interleaved, $MKAB_ROUNDS rounds
 #            (default 2)
-#   mkgreedy (not yet run) ARGMAX, the greedy token taken in the launch (MegakernelBackend(argmax=True)): the cuda
-#            tests (its tokens, ids and ring posts against torch.argmax and the engine's argmax build; an engine
-#            directory; STEP_INPUTS), the pipelined generation's timeline, then mkbench with
-#            MKBENCH_BACKENDS=megakernel,megakernel-argmax in a call of its own
+#   mkgreedy (ran 12-05 07:35 with ARGMAX=1 only: passed; ARGMAX=2 not yet) ARGMAX, the greedy token taken in the
+#            launch (MegakernelBackend(argmax=1 / 2)): the cuda tests (its tokens, ids and ring posts against
+#            torch.argmax and the engine's argmax build, both ARGMAX builds; an engine directory; STEP_INPUTS), the
+#            pipelined generation's timeline, then mkbench with
+#            MKBENCH_BACKENDS=megakernel,megakernel-argmax,megakernel-argmax-after in a call of its own
 #   mkbench  bench model eager, compile, megakernel at B = 1, context 1024 ($MKBENCH_BACKENDS; $MKBENCH_ROUNDS
 #            decode rounds, the backends' order rotated each round)
 #   profile  scripts/profile_decode.py --backend $PROFILE_BACKEND (default compile): kernels per decode step, and the

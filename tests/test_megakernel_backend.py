@@ -180,13 +180,17 @@ def test_the_producer_keeps_one_copy_in_flight_by_default():
 
 
 def test_the_launch_takes_the_greedy_token_only_when_asked(tiny_mla8):
-    """argmax=True builds chain.cu with ARGMAX=1 (the greedy token taken in the launch, 12-05), which reads the
-    engine's buffers as STEP_INPUTS does: never in the build whose inputs are set around the launch, and not by
-    default until its GPU test has run; an emulated backend takes no argmax (the engine's program does)."""
-    assert "ARGMAX=1" in mb.kernel_defines(argmax=True)
-    assert "ARGMAX=1" not in mb.kernel_defines(step_inputs=False, argmax=True)
-    assert "ARGMAX=1" not in mb.DEFINES and "ARGMAX=1" not in mb.HOST_INPUTS_DEFINES
+    """argmax=True builds chain.cu with ARGMAX=1 (the greedy token taken in the launch, 12-05) and argmax=2 with
+    ARGMAX=2 (its keys after the phases), which read the engine's buffers as STEP_INPUTS does: never in the build
+    whose inputs are set around the launch, and not by default (12-05 on the H200: no faster); any other value is
+    refused; an emulated backend takes no argmax (the engine's program does)."""
+    assert "ARGMAX=1" in mb.kernel_defines(argmax=True) and "ARGMAX=2" in mb.kernel_defines(argmax=2)
+    assert not any(d.startswith("ARGMAX") for d in mb.kernel_defines(step_inputs=False, argmax=True))
+    assert not any(d.startswith("ARGMAX") for d in (*mb.DEFINES, *mb.HOST_INPUTS_DEFINES))
     cfg, model = tiny_mla8
+    for bad in (3, -1, 1.0, "2"):
+        with pytest.raises(ValueError, match="argmax is False / 0"):
+            mb.MegakernelBackend(model, max_len=40, prefill_backend=EagerBackend(model), emulate=True, argmax=bad)
     be = mb.MegakernelBackend(model, max_len=40, prefill_backend=EagerBackend(model), emulate=True, argmax=True)
     assert not be.takes_argmax
     z = torch.zeros(1, dtype=torch.int64)
@@ -413,17 +417,18 @@ def test_the_kernel_reading_its_step_inputs_equals_the_host_set_build():
 
 
 @pytest.mark.cuda
-def test_the_launch_takes_the_engines_greedy_token():
-    """chain.cu built with ARGMAX=1 (argmax=True) writes each greedy step's token itself: under the engine's CUDA
-    graph, step after step, the token in the engine's ids buffer and in its host ring is torch.argmax of the step's
-    logits, and the Generator's greedy tokens (pipelined, from the ring, and plain) are those of the build whose
-    engine runs its argmax program after the launch (argmax=False), for a request and a second one (the count of
-    blocks done starts from zero each launch)."""
+@pytest.mark.parametrize("taken", [1, 2])
+def test_the_launch_takes_the_engines_greedy_token(taken):
+    """chain.cu built with ARGMAX=1 (argmax=True; passed 12-05 07:35 on an H100) or ARGMAX=2 (its keys after the
+    phases) writes each greedy step's token itself: under the engine's CUDA graph, step after step, the token in the
+    engine's ids buffer and in its host ring is torch.argmax of the step's logits, and the Generator's greedy tokens
+    (pipelined, from the ring, and plain) are those of the build whose engine runs its argmax program after the
+    launch (argmax=False), for a request and a second one (the count of blocks done starts from zero each launch)."""
     model, prompts = _small_model_and_prompts(4, 64, 33)
     runs = []
-    for argmax in (True, False):
+    for argmax in (taken, False):
         be = mb.MegakernelBackend(model, max_len=96, prefill_backend=EagerBackend(model), argmax=argmax)
-        assert be.takes_argmax == argmax
+        assert be.takes_argmax == bool(argmax)
         eng = Engine(be, max_batch=1, max_len=96)
         assert eng.graphed, eng.graph_error
         toks = []

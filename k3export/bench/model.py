@@ -20,7 +20,10 @@ each hold `context` tokens (`Engine.decode`, state commit included). Backends:
     megakernel-host-inputs  the same with the token's embedding row, the key count and the epoch set by small
               kernels around the launch (`MegakernelBackend(step_inputs=False)`; the default reads them itself)
     megakernel-argmax  the same with the greedy token taken in the launch (`MegakernelBackend(argmax=True)`, chain.cu
-              built with ARGMAX=1; the default runs the engine's argmax program after the launch). Not yet timed
+              built with ARGMAX=1; the default runs the engine's argmax program after the launch). 12-05 07:51, H200:
+              pipelined greedy 0.698 ms against 0.694, decode 0.747 against 0.735
+    megakernel-argmax-after  the same with the launch's argmax keys taken after the phases, from the block's own
+              stores (`argmax=2`, ARGMAX=2; the LM head's tile loop as in the default). Not yet run on a GPU
     megakernel-router-first  the same with each MoE's router rows early in its packed projection
               (`MegakernelBackend(router_first=True)`; 12-03 14:04, 300 steps: 0.784 ms against 0.808, pipelined
               generation 0.779 both)
@@ -103,7 +106,8 @@ MEGAKERNEL_VARIANTS = {"megakernel": {}, "megakernel-host-inputs": {"step_inputs
                        "megakernel-sums-apart": {"sums_apart": True},
                        "megakernel-attn-cuda-cores": {"attn_mma": False, "x_tail": False},
                        "megakernel-uncapped": {"inflight": 0},
-                       "megakernel-argmax": {"argmax": True}}
+                       "megakernel-argmax": {"argmax": True},
+                       "megakernel-argmax-after": {"argmax": 2}}
 BACKENDS = ("eager", "graph", *COMPILE_VARIANTS, "aoti", *MEGAKERNEL_VARIANTS)
 
 

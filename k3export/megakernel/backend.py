@@ -59,12 +59,22 @@ from k3export.megakernel import layer as ml
 NSLOT = mc.cu_default("NSLOT")          # chain.cu's ring slots (read once: `kernel_defines` runs per backend)
 
 
+def check_argmax(argmax) -> None:
+    """Refuses an `argmax` option that is not one of chain.cu's ARGMAX builds."""
+    if isinstance(argmax, float) or argmax not in (False, True, 0, 1, 2):
+        raise ValueError(f"megakernel backend: argmax is False / 0 (the engine's argmax program), True / 1 (the "
+                         f"token taken in the launch, its keys in the LM head's tile loop) or 2 (its keys after the "
+                         f"phases), got {argmax!r}")
+
+
 def kernel_defines(step_inputs: bool = True, pair_tiles: bool = True, poll_sleep: int = 0,
                    attn_heads: int = mc.ATTN_HEADS, live_splits: bool = True, sums_apart: bool = False,
                    attn_mma: bool = True, x_tail: bool = True, inflight: int = 1,
-                   argmax: bool = False) -> tuple[str, ...]:
+                   argmax: bool | int = False) -> tuple[str, ...]:
     """chain.cu's defines for the backend's build with these options (`DEFINES`: the defaults; ARGMAX, the greedy
-    token taken in the launch, only with STEP_INPUTS)."""
+    token taken in the launch, only with STEP_INPUTS: argmax True or 1, the keys in the LM head's tile loop; 2, after
+    the phases, read back from the block's stores)."""
+    check_argmax(argmax)
     if not isinstance(inflight, int) or not 0 <= inflight < NSLOT:
         raise ValueError(f"megakernel backend: inflight is the weight copies on their way at most, 1..{NSLOT - 1} "
                          f"(0: as many as the ring's {NSLOT} slots), got {inflight!r}")
@@ -77,7 +87,7 @@ def kernel_defines(step_inputs: bool = True, pair_tiles: bool = True, poll_sleep
             *(("LIVE_SPLITS=1",) if live_splits else ()), *(("ATTN_SUMS_TOGETHER=0",) if sums_apart else ()),
             *(("ATTN_MMA=1",) if attn_mma else ()), *(("ATTN_X_TAIL=1",) if x_tail else ()),
             *((f"INFLIGHT={inflight}",) if inflight else ()), "NORM_W_FIRST=1",
-            *(("ARGMAX=1",) if argmax and step_inputs else ()))
+            *((f"ARGMAX={int(argmax)}",) if argmax and step_inputs else ()))
 
 
 DEFINES = kernel_defines()
@@ -98,7 +108,7 @@ class MegakernelBackend:
                  pair_tiles: bool = True, poll_sleep: int = 0, attn_heads: int = mc.ATTN_HEADS,
                  live_splits: bool = True, sums_apart: bool = False, attn_mma: bool = True,
                  x_tail: bool = True, g_apart: bool = True, mla_g_apart: bool = True, inflight: int = 1,
-                 argmax: bool = False):
+                 argmax: bool | int = False):
         """step_inputs (the default): chain.cu built with STEP_INPUTS=1 reads the token's embedding row, the key
         count and its epoch from the engine's buffers itself, four small kernels fewer a step than setting them
         around it (False: `HOST_INPUTS_DEFINES`). defines: another build (the engine directory's). router_first:
@@ -131,11 +141,13 @@ class MegakernelBackend:
         pipelined 0.731 against 0.738. inflight (default 1): chain.cu built with INFLIGHT=N, the producer keeping
         at most N weight copies on their way (0: as many as the ring holds, as before 12-04 evening); the copies
         land in the same slots, only later, so the same logits bit for bit. Layer step 12-04 16:57: 0.699 ms
-        against 0.726 uncapped. argmax (with step_inputs; not yet the default): chain.cu built with ARGMAX=1, the
-        greedy step's token taken in the launch (`takes_argmax`: the engine passes its ids buffer and host ring to
-        `decode_`, and runs no argmax program of its own), meant to be the same token as `torch.argmax` of the
-        logits. Written 12-05 and built here (sm_90a, no spill beyond the default build's), its GPU test and timing
-        not yet run (no device machine was lent): it becomes the default once `gpu_pending.sh mkgreedy` passes."""
+        against 0.726 uncapped. argmax (with step_inputs; off by default): chain.cu built with ARGMAX=1 (True),
+        the greedy step's token taken in the launch (`takes_argmax`: the engine passes its ids buffer and host ring
+        to `decode_`, and runs no argmax program of its own), the token `torch.argmax` of the logits gives (12-05
+        cuda test, 16 steps) but no faster: pipelined greedy 0.698 ms against 0.694 on the H200, the plain decode
+        launch 12-13 us slower for the code in the LM head's tile loop (12-05 07:51). argmax=2: chain.cu's ARGMAX=2,
+        the keys taken after the phases from the block's own stores, the tile loop untouched; built here, its GPU
+        test and timing not yet run (`gpu_pending.sh mkgreedy`)."""
         cfg = model.config
         self.model, self.config, self.dtype, self.device = model, cfg, model.dtype, model.device
         self.max_len, self.emulate = max_len, emulate
@@ -150,6 +162,7 @@ class MegakernelBackend:
         chain = decode_chain(model, max_len, router_first, attn_heads, g_apart, mla_g_apart)
         self.bufs = mc.Buffers(chain, device=str(self.device))
         self.kernel = None
+        check_argmax(argmax)                # (an emulation too: it takes no argmax, but a wrong value is refused)
         if not emulate:
             defines = defines or kernel_defines(step_inputs, pair_tiles, poll_sleep, attn_heads, live_splits,
                                                 sums_apart, attn_mma, x_tail, inflight, argmax)

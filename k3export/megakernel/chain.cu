@@ -81,10 +81,14 @@
 #ifndef ARGMAX                         // 1 (with STEP_INPUTS and MMA_ONLY): the launch also takes the greedy token, the
 #define ARGMAX 0                       // first index of the largest logit (the last phase's values; NaN as +inf), when
 #endif                                 // am_ids is not null: each consumer keeps its LM-head rows' largest as a 64-bit
-                                       // key (`argmax_key`), the block's largest goes to am_best (a max at L2), and the
+                                       // key (`argmax_key`; 1: in the LM head's tile loop, 2: after the phases, read
+                                       // back from its stores), the block's largest goes to am_best (a max at L2), and the
                                        // last block to count itself in (counters[nphase]) writes the token to am_ids[0]
                                        // and, when am_ring is not null, to the engine's host ring at row
                                        // (step_lengths[0] + am_active[0]) mod am_ring_rows, then zeroes both words
+#if ARGMAX != 0 && ARGMAX != 1 && ARGMAX != 2
+#error "ARGMAX is 0 (none), 1 (keys in the LM head's tile loop) or 2 (keys after the phases)"
+#endif
 #if ARGMAX && !(STEP_INPUTS && MMA_ONLY)
 #error "ARGMAX reads the sums of tensor-core tiles (MMA_ONLY) and writes the engine's ids (STEP_INPUTS)"
 #endif
@@ -2004,7 +2008,7 @@ __device__ __forceinline__ int attnres_phase(const PhaseC& f, const PhaseC* ph, 
         const float v = mma_tile_sum(ring + s * SLOT_BYTES, xs, f.rows, ms, mma_red, mma_count,
                                      y + (g - f.tile0) * f.rows, epoch);
         (void)v;
-#if ARGMAX
+#if ARGMAX == 1
         if (am_block && (tid & ~31) < f.rows) {     // (the tile's rows' warps) the warp's largest key, then the
             unsigned long long key = tid < f.rows ? argmax_key(v, (g - f.tile0) * f.rows + tid) : 0ull;  // block's
 #pragma unroll
@@ -2275,7 +2279,7 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
 #else
                                          nullptr,
 #endif
-#if ARGMAX
+#if ARGMAX == 1
                                          am_ids && p == nphase - 1 ? &am_block : nullptr
 #else
                                          nullptr
@@ -2518,6 +2522,27 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
     // (acquire: after every block's max) takes am_best, zeroes it and the count, and writes the token. Every block
     // counts, those without LM-head rows too, so the token is written after every block has read step_ids[0].
     if (am_ids) {
+#if ARGMAX == 2
+        // ARGMAX=2: the block's largest key taken here, after the phases, from the LM head's words it stored
+        // (`mma_tile_sum`: thread r stores row r of each of the block's tiles, so each reads back its own stores: no
+        // fence), not in the tile loop. That loop's code (ARGMAX=1) made the plain decode launch 12-13 us slower
+        // (H200, 12-05 07:51), more than the argmax program it replaces.
+        {
+            const PhaseC& f = ph[nphase - 1];
+            unsigned long long key = 0;
+            if (tid < f.rows) {
+                const uint64_t* y = reinterpret_cast<const uint64_t*>(f.y);
+                const int stride = phase_stride(f, nblk);
+                for (int g = first_tile(f, nblk); g < f.tile0 + f.ntiles; g += stride) {
+                    const int row = (g - f.tile0) * static_cast<int>(f.rows) + tid;
+                    key = max_u64(key, argmax_key(value_of(load_word(y + row)), row));
+                }
+            }
+#pragma unroll
+            for (int off = 16; off; off >>= 1) key = max_u64(key, __shfl_xor_sync(0xffffffffu, key, off));
+            if (lane == 0 && key) atomicMax(&am_block, key);
+        }
+#endif
         consumers_sync();                   // every warp's max is in am_block
         if (tid == 0) {
             if (am_block) asm volatile("red.relaxed.gpu.global.max.u64 [%0], %1;" ::"l"(am_best), "l"(am_block)
