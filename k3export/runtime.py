@@ -74,6 +74,8 @@ class Backend(Protocol):
     # Optional: `takes_argmax = True` (with `decode_`): the greedy step calls `decode_(..., argmax=(ids out, host ring
     # or None, active))` and the backend's own program writes each slot's argmax token to ids out and the ring (at
     # row (cache_len + active) mod rows), where the engine would run its argmax program after the step.
+    # Optional: `commits_lengths = True` (with `decode_`, rows None): every step calls `decode_(..., active=active)`
+    # and the backend's own program adds active to cache_len, where the engine would add it after the step.
     # Optional: `prefill_last(...)`: `prefill` returning only each sequence's last new token's logits `[B, V]`
     # (`K3Model.forward_prefill_last`); the engine uses it when the backend has it.
     # Optional: `state_views = True`: decode takes the state as strided views of the first n slots (what
@@ -743,9 +745,16 @@ class Engine:
         (no host sync, fixed addresses). argmax: (ids out, host ring or None, active), for a backend that
         `takes_argmax` in its own program (greedy steps)."""
         ids, conv, rec, cache, lengths, active = self._rows(n)
+        commits = False
         if hasattr(self.backend, "decode_"):                       # the KDA state is updated where it lies
             kw = {} if argmax is None else {"argmax": argmax}
+            commits = getattr(self.backend, "commits_lengths", False)
+            if commits:                                            # (megakernel: the launch adds active itself)
+                kw["active"] = active
             logits, rows = self.backend.decode_(ids, conv, rec, cache, lengths, **kw)
+            if commits and rows is not None:
+                raise RuntimeError(f"{type(self.backend).__name__} commits the lengths in its step, so it must "
+                                   "write the new MLA rows into the cache itself (decode_ returned rows)")
         else:
             logits, new_conv, new_rec, rows = self.backend.decode(ids, conv, rec, cache, lengths)
             conv.copy_(new_conv)
@@ -754,7 +763,8 @@ class Engine:
         if n_mla and rows is not None:                             # (None: the backend wrote them there)
             pos = lengths.clamp(max=self.max_len - 1).view(1, B, 1, 1).expand(n_mla, B, 1, R)
             cache.scatter_(2, pos, rows.to(cache.dtype))
-        lengths.add_(active)
+        if not commits:
+            lengths.add_(active)
         return logits
 
     def _bucket_graph(self, n: int) -> tuple | None:

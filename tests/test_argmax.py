@@ -14,6 +14,65 @@ import json
 import os
 import sys
 
+def test_a_backend_that_commits_the_lengths_in_its_step_replaces_the_engines_add(tiny_mla8):
+    """A backend with `commits_lengths` (the megakernel's COMMIT_LENGTHS launch) gets the engine's active flags in
+    every `decode_` and adds them to the lengths itself, writing its new MLA rows into the cache (rows None): the
+    engine adds nothing, so each slot's length moves once a step, and greedy and sampled generation over requests
+    of different lengths, joining and leaving (with `takes_argmax` too, as the megakernel has both), give the
+    engine's own tokens. A backend that commits the lengths but hands rows back is refused."""
+    from k3export import runtime as rt
+    from k3export.generate import Sampling
+    from k3export.sampling import post_reference
+    cfg, model = tiny_mla8
+    calls = []
+
+    class Committing(rt.EagerBackend):
+        commits_lengths = True
+        rows_back = False
+
+        def decode_(self, ids, conv, rec, cache, lengths, argmax=None, active=None):
+            calls.append(active is not None)
+            logits, rows = model.forward_decode_(ids, conv, rec, cache, lengths)
+            if self.rows_back:
+                return logits, rows
+            n_mla, B, _, R = cache.shape            # (what the launch does: its rows in, then the lengths moved)
+            pos = lengths.clamp(max=cache.shape[2] - 1).view(1, B, 1, 1).expand(n_mla, B, 1, R)
+            cache.scatter_(2, pos, rows.to(cache.dtype))
+            if argmax is not None:
+                out, ring, _ = argmax
+                out.copy_(logits.argmax(-1))
+                if ring is not None:
+                    post_reference((ring, lengths + active), out)
+            lengths.add_(active)
+            return logits, None
+
+    class CommittingArgmax(Committing):
+        takes_argmax = True
+
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    sampled = Sampling(temperature=0.8, top_p=0.9, seed=3)
+    ref = rt.Engine(rt.EagerBackend(model), 2, 24, cuda_graphs=False)
+    want = rt.Generator(ref).generate(prompts, 6)
+    want_sampled = rt.Generator(ref).generate(prompts, 6, sampled)
+    for cls in (Committing, CommittingArgmax):
+        for pipeline in (True, False):
+            eng = rt.Engine(cls(model), 2, 24, cuda_graphs=False)
+            assert rt.Generator(eng, pipeline=pipeline).generate(prompts, 6) == want, (cls, pipeline)
+            assert rt.Generator(eng, pipeline=pipeline).generate(prompts, 6, sampled) == want_sampled, (cls, pipeline)
+    assert calls and all(calls)
+    eng = rt.Engine(Committing(model), 2, 24, cuda_graphs=False)
+    eng.prefill([0], [[1, 2, 3]])
+    eng.decode(torch.tensor([5, 0]))
+    eng.decode(torch.tensor([6, 0]))
+    assert eng.state.lengths.tolist() == [5, 0]        # (3 prompt rows, 2 steps; the idle slot not moved)
+    bad = Committing(model)
+    bad.rows_back = True
+    eng = rt.Engine(bad, 2, 24, cuda_graphs=False)
+    eng.prefill([0], [[1, 2, 3]])
+    with pytest.raises(RuntimeError, match="commits the lengths in its step"):
+        eng.decode(torch.tensor([5, 0]))
+
+
 if __name__ == "__main__":  # the interpreter run (see `interp`): the flag must be set before triton is imported
     os.environ["TRITON_INTERPRET"] = "1"
 

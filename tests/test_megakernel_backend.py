@@ -198,6 +198,22 @@ def test_the_launch_takes_the_greedy_token_only_when_asked(tiny_mla8):
         be.decode_(z, None, None, None, z, argmax=(z, None, torch.ones(1, dtype=torch.bool)))
 
 
+def test_the_launch_commits_the_lengths_only_when_asked(tiny_mla8):
+    """commit_lengths=True builds chain.cu with COMMIT_LENGTHS=1 (the step's lengths advanced in the launch, 12-05),
+    only with STEP_INPUTS and not by default; an emulated backend commits nothing and refuses the active flags."""
+    assert "COMMIT_LENGTHS=1" in mb.kernel_defines(commit_lengths=True)
+    assert "COMMIT_LENGTHS=1" in mb.kernel_defines(argmax=2, commit_lengths=True)
+    assert "COMMIT_LENGTHS=1" not in mb.kernel_defines(step_inputs=False, commit_lengths=True)
+    assert "COMMIT_LENGTHS=1" not in (*mb.DEFINES, *mb.HOST_INPUTS_DEFINES)
+    cfg, model = tiny_mla8
+    be = mb.MegakernelBackend(model, max_len=40, prefill_backend=EagerBackend(model), emulate=True,
+                              commit_lengths=True)
+    assert not be.commits_lengths
+    z = torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="does not advance the lengths"):
+        be.decode_(z, None, None, None, z, active=torch.ones(1, dtype=torch.bool))
+
+
 def test_paired_tiles_give_each_block_one_expert_of_k3_smalls_moe_down():
     """On an H200 (132 blocks), k3-small's MoE down projections (256 tiles of 32 rows, 32 an expert): by default a
     block with two tiles has two experts' (two x loads); with PAIR_TILES, one (a meta-device model, the layout
@@ -417,18 +433,21 @@ def test_the_kernel_reading_its_step_inputs_equals_the_host_set_build():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("taken", [1, 2])
-def test_the_launch_takes_the_engines_greedy_token(taken):
+@pytest.mark.parametrize("taken, commit", [(1, False), (2, False), (2, True), (0, True)], ids=str)
+def test_the_launch_takes_the_engines_greedy_token(taken, commit):
     """chain.cu built with ARGMAX=1 (argmax=True; passed 12-05 07:35 on an H100) or ARGMAX=2 (its keys after the
     phases) writes each greedy step's token itself: under the engine's CUDA graph, step after step, the token in the
     engine's ids buffer and in its host ring is torch.argmax of the step's logits, and the Generator's greedy tokens
     (pipelined, from the ring, and plain) are those of the build whose engine runs its argmax program after the
-    launch (argmax=False), for a request and a second one (the count of blocks done starts from zero each launch)."""
+    launch (argmax=False), for a request and a second one (the count of blocks done starts from zero each launch).
+    With COMMIT_LENGTHS (commit_lengths=True) the launch also moves the engine's length each step, as its add would:
+    the lengths on the device follow the engine's host copies."""
     model, prompts = _small_model_and_prompts(4, 64, 33)
     runs = []
-    for argmax in (taken, False):
-        be = mb.MegakernelBackend(model, max_len=96, prefill_backend=EagerBackend(model), argmax=argmax)
-        assert be.takes_argmax == bool(argmax)
+    for argmax, commits in ((taken, commit), (False, False)):
+        be = mb.MegakernelBackend(model, max_len=96, prefill_backend=EagerBackend(model), argmax=argmax,
+                                  commit_lengths=commits)
+        assert be.takes_argmax == bool(argmax) and be.commits_lengths == commits
         eng = Engine(be, max_batch=1, max_len=96)
         assert eng.graphed, eng.graph_error
         toks = []
@@ -440,6 +459,7 @@ def test_the_launch_takes_the_engines_greedy_token(taken):
                 torch.cuda.synchronize()
                 tok = int(ids[0])
                 assert tok == int(eng.last_logits[0].argmax()) and eng.posted(mark)[0] == tok, (argmax, i)
+                assert int(eng.state.lengths[0]) == len(prompt) + 1 + i == mark[0], (commits, i)
                 toks.append(tok)
                 ids = eng.decode_greedy()
             torch.cuda.synchronize()
@@ -448,7 +468,7 @@ def test_the_launch_takes_the_engines_greedy_token(taken):
         be.check()
         assert gen[0] == gen[1]
         runs.append((toks, gen[0]))
-        print("argmax in the launch" if argmax else "the engine's argmax", toks)
+        print(f"argmax={argmax} commit_lengths={commits}", toks)
         del eng, be
     assert runs[0] == runs[1]
 

@@ -24,6 +24,10 @@ each hold `context` tokens (`Engine.decode`, state commit included). Backends:
               pipelined greedy 0.698 ms against 0.694, decode 0.747 against 0.735
     megakernel-argmax-after  the same with the launch's argmax keys taken after the phases, from the block's own
               stores (`argmax=2`, ARGMAX=2; the LM head's tile loop as in the default). Not yet run on a GPU
+    megakernel-commit-lengths  the same with the step's lengths advanced by the launch's last block, not by the
+              engine's add after it (`commit_lengths=True`, COMMIT_LENGTHS=1). Not yet run on a GPU
+    megakernel-argmax-after-commit  both (`argmax=2, commit_lengths=True`): the greedy step one launch and nothing
+              else. Not yet run on a GPU
     megakernel-router-first  the same with each MoE's router rows early in its packed projection
               (`MegakernelBackend(router_first=True)`; 12-03 14:04, 300 steps: 0.784 ms against 0.808, pipelined
               generation 0.779 both)
@@ -107,7 +111,9 @@ MEGAKERNEL_VARIANTS = {"megakernel": {}, "megakernel-host-inputs": {"step_inputs
                        "megakernel-attn-cuda-cores": {"attn_mma": False, "x_tail": False},
                        "megakernel-uncapped": {"inflight": 0},
                        "megakernel-argmax": {"argmax": True},
-                       "megakernel-argmax-after": {"argmax": 2}}
+                       "megakernel-argmax-after": {"argmax": 2},
+                       "megakernel-commit-lengths": {"commit_lengths": True},
+                       "megakernel-argmax-after-commit": {"argmax": 2, "commit_lengths": True}}
 BACKENDS = ("eager", "graph", *COMPILE_VARIANTS, "aoti", *MEGAKERNEL_VARIANTS)
 
 

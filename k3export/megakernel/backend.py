@@ -70,10 +70,11 @@ def check_argmax(argmax) -> None:
 def kernel_defines(step_inputs: bool = True, pair_tiles: bool = True, poll_sleep: int = 0,
                    attn_heads: int = mc.ATTN_HEADS, live_splits: bool = True, sums_apart: bool = False,
                    attn_mma: bool = True, x_tail: bool = True, inflight: int = 1,
-                   argmax: bool | int = False) -> tuple[str, ...]:
+                   argmax: bool | int = False, commit_lengths: bool = False) -> tuple[str, ...]:
     """chain.cu's defines for the backend's build with these options (`DEFINES`: the defaults; ARGMAX, the greedy
     token taken in the launch, only with STEP_INPUTS: argmax True or 1, the keys in the LM head's tile loop; 2, after
-    the phases, read back from the block's stores)."""
+    the phases, read back from the block's stores; COMMIT_LENGTHS, the step's lengths advanced in the launch, only
+    with STEP_INPUTS too)."""
     check_argmax(argmax)
     if not isinstance(inflight, int) or not 0 <= inflight < NSLOT:
         raise ValueError(f"megakernel backend: inflight is the weight copies on their way at most, 1..{NSLOT - 1} "
@@ -87,7 +88,8 @@ def kernel_defines(step_inputs: bool = True, pair_tiles: bool = True, poll_sleep
             *(("LIVE_SPLITS=1",) if live_splits else ()), *(("ATTN_SUMS_TOGETHER=0",) if sums_apart else ()),
             *(("ATTN_MMA=1",) if attn_mma else ()), *(("ATTN_X_TAIL=1",) if x_tail else ()),
             *((f"INFLIGHT={inflight}",) if inflight else ()), "NORM_W_FIRST=1",
-            *((f"ARGMAX={int(argmax)}",) if argmax and step_inputs else ()))
+            *((f"ARGMAX={int(argmax)}",) if argmax and step_inputs else ()),
+            *(("COMMIT_LENGTHS=1",) if commit_lengths and step_inputs else ()))
 
 
 DEFINES = kernel_defines()
@@ -108,7 +110,7 @@ class MegakernelBackend:
                  pair_tiles: bool = True, poll_sleep: int = 0, attn_heads: int = mc.ATTN_HEADS,
                  live_splits: bool = True, sums_apart: bool = False, attn_mma: bool = True,
                  x_tail: bool = True, g_apart: bool = True, mla_g_apart: bool = True, inflight: int = 1,
-                 argmax: bool | int = False):
+                 argmax: bool | int = False, commit_lengths: bool = False):
         """step_inputs (the default): chain.cu built with STEP_INPUTS=1 reads the token's embedding row, the key
         count and its epoch from the engine's buffers itself, four small kernels fewer a step than setting them
         around it (False: `HOST_INPUTS_DEFINES`). defines: another build (the engine directory's). router_first:
@@ -147,7 +149,10 @@ class MegakernelBackend:
         cuda test, 16 steps) but no faster: pipelined greedy 0.698 ms against 0.694 on the H200, the plain decode
         launch 12-13 us slower for the code in the LM head's tile loop (12-05 07:51). argmax=2: chain.cu's ARGMAX=2,
         the keys taken after the phases from the block's own stores, the tile loop untouched; built here, its GPU
-        test and timing not yet run (`gpu_pending.sh mkgreedy`)."""
+        test and timing not yet run (`gpu_pending.sh mkgreedy`). commit_lengths (with step_inputs; off by default,
+        written 12-05, not yet run on a GPU): chain.cu built with COMMIT_LENGTHS=1, the launch's last block adding
+        the engine's active flag to its lengths (`commits_lengths`: the engine passes `active` to `decode_` and
+        runs no `lengths.add_` of its own: one kernel and a gap fewer a step)."""
         cfg = model.config
         self.model, self.config, self.dtype, self.device = model, cfg, model.dtype, model.device
         self.max_len, self.emulate = max_len, emulate
@@ -165,11 +170,13 @@ class MegakernelBackend:
         check_argmax(argmax)                # (an emulation too: it takes no argmax, but a wrong value is refused)
         if not emulate:
             defines = defines or kernel_defines(step_inputs, pair_tiles, poll_sleep, attn_heads, live_splits,
-                                                sums_apart, attn_mma, x_tail, inflight, argmax)
+                                                sums_apart, attn_mma, x_tail, inflight, argmax, commit_lengths)
             self.kernel = mc.ChainKernel(defines=defines, cubin=cubin, quiet=cubin is not None)
             self.kernel.bind(self.bufs)
         # the engine's greedy step passes its ids buffer and host ring to `decode_` (`argmax`), and takes no argmax
         self.takes_argmax = self.kernel is not None and self.kernel.argmax
+        # ... and its `active` flags, whose add to the lengths the launch makes itself (the engine then makes none)
+        self.commits_lengths = self.kernel is not None and self.kernel.commit_lengths
         if prefill_backend is None:
             from k3export.runtime import CompileBackend, EagerBackend
             prefill_backend = CompileBackend(model) if self.device.type == "cuda" else EagerBackend(model)
@@ -241,22 +248,30 @@ class MegakernelBackend:
         return logits, kda_conv, kda_state, rows
 
     @torch.no_grad()
-    def decode_(self, ids, kda_conv, kda_state, mla_cache, cache_len, argmax: tuple | None = None):
+    def decode_(self, ids, kda_conv, kda_state, mla_cache, cache_len, argmax: tuple | None = None,
+                active: torch.Tensor | None = None):
         """One step of the one sequence, on the device only (capturable): ids `[1]`, cache_len `[1]` (the engine's
         lengths); the other state tensors are not read (`before_decode` loaded them) -> (logits `[1, V]`, a view
         valid until the next step; None for the new MLA rows: the launch appended them to the engine's cache itself,
         which `before_decode` bound, and the emulation copies them there). argmax (`takes_argmax` only): (ids out
         `[1]` int64, the engine's host ring `[rows, slots]` or None, active `[1]` bool): the launch also writes the
         logits' argmax to ids out and to the ring at row (cache_len + active) mod rows, as the engine's argmax program
-        would after the step."""
+        would after the step. active (`commits_lengths` only): the engine's `[1]` bool flags; the launch then adds
+        them to cache_len itself, as the engine's `lengths.add_(active)` would after the step (None: it does not)."""
         if ids.shape[0] != 1:
             raise ValueError(f"megakernel backend: decodes one sequence (an engine with max_batch=1), got "
                              f"{ids.shape[0]}")
         if argmax is not None and not self.takes_argmax:
             raise ValueError("megakernel backend: this build does not take the argmax in its launch (ARGMAX; an "
                              "emulation, or step_inputs=False / argmax=False): take it from the logits")
+        if active is not None and not self.commits_lengths:
+            raise ValueError("megakernel backend: this build does not advance the lengths in its launch "
+                             "(COMMIT_LENGTHS; an emulation, or step_inputs=False / commit_lengths=False): add "
+                             "active to them after the step")
         if self.takes_argmax:
             self.kernel.argmax_args = argmax
+        if self.commits_lengths:
+            self.kernel.commit_active = active
         b = self.bufs
         pos = cache_len[:1].to(torch.int64)                      # the new row's; the keys: pos + 1
         if self.kernel is not None and self.kernel.step_inputs:   # (the launch reads them, and its epoch, itself)

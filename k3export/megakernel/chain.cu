@@ -78,6 +78,18 @@
 #if STEP_INPUTS && !EPOCH_PTR
 #error "STEP_INPUTS takes its epoch base from device memory: build it with EPOCH_PTR=1"
 #endif
+#ifndef COMMIT_LENGTHS                 // 1 (with STEP_INPUTS): when commit_active is not null, the launch also commits
+#define COMMIT_LENGTHS 0               // the step: the last block to count itself in (counters[nphase], after every
+#endif                                 // block has read step_lengths[0]) adds commit_active[0] to step_lengths[0], the
+                                       // engine's `lengths.add_(active)` after the step, one kernel and a gap fewer
+#if COMMIT_LENGTHS && !STEP_INPUTS
+#error "COMMIT_LENGTHS advances the lengths the launch reads (STEP_INPUTS): build it with STEP_INPUTS=1"
+#endif
+#if COMMIT_LENGTHS                     // (written by the last block: not read-only to the compiler)
+#define STEP_LENGTHS_PTR int64_t*
+#else
+#define STEP_LENGTHS_PTR const int64_t* __restrict__
+#endif
 #ifndef ARGMAX                         // 1 (with STEP_INPUTS and MMA_ONLY): the launch also takes the greedy token, the
 #define ARGMAX 0                       // first index of the largest logit (the last phase's values; NaN as +inf), when
 #endif                                 // am_ids is not null: each consumer keeps its LM-head rows' largest as a 64-bit
@@ -2039,11 +2051,14 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
              unsigned long long* t_start, unsigned long long* trace, unsigned long long* tile_trace,
              const XSeg* __restrict__ xseg_global, int64_t nxseg, __nv_bfloat16* xdump
 #if STEP_INPUTS
-             , const int64_t* __restrict__ step_ids, const int64_t* __restrict__ step_lengths, int64_t x_len
+             , const int64_t* __restrict__ step_ids, STEP_LENGTHS_PTR step_lengths, int64_t x_len
 #endif
 #if ARGMAX
              , int64_t* am_ids, int64_t* am_ring, const unsigned char* __restrict__ am_active,
              int64_t am_ring_stride, int64_t am_ring_rows, unsigned long long* am_best
+#endif
+#if COMMIT_LENGTHS
+             , const unsigned char* __restrict__ commit_active
 #endif
              ) {
     extern __shared__ __align__(128) unsigned char smem[];
@@ -2517,17 +2532,29 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
             atomicMax(t_done + p, static_cast<unsigned long long>(now_ns()));
         }
     }
+#if ARGMAX || COMMIT_LENGTHS
+    // The greedy token: the block's key into am_best, the block counted in (release: after its max and its reads of
+    // the step's inputs); the last block (acquire: after every block's max and reads) takes am_best, zeroes it and
+    // the count, and writes the token; COMMIT_LENGTHS: then the step's lengths. Every block counts, those without
+    // LM-head rows too, so the token and the length are written after every block has read step_ids[0] and
+    // step_lengths[0].
 #if ARGMAX
-    // The greedy token: the block's key into am_best, the block counted in (release: after its max); the last block
-    // (acquire: after every block's max) takes am_best, zeroes it and the count, and writes the token. Every block
-    // counts, those without LM-head rows too, so the token is written after every block has read step_ids[0].
-    if (am_ids) {
+    const bool am_on = am_ids != nullptr;
+#else
+    const bool am_on = false;
+#endif
+#if COMMIT_LENGTHS
+    const bool commit = commit_active != nullptr;
+#else
+    const bool commit = false;
+#endif
+    if (am_on || commit) {
 #if ARGMAX == 2
         // ARGMAX=2: the block's largest key taken here, after the phases, from the LM head's words it stored
         // (`mma_tile_sum`: thread r stores row r of each of the block's tiles, so each reads back its own stores: no
         // fence), not in the tile loop. That loop's code (ARGMAX=1) made the plain decode launch 12-13 us slower
         // (H200, 12-05 07:51), more than the argmax program it replaces.
-        {
+        if (am_on) {
             const PhaseC& f = ph[nphase - 1];
             unsigned long long key = 0;
             if (tid < f.rows) {
@@ -2545,19 +2572,32 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
 #endif
         consumers_sync();                   // every warp's max is in am_block
         if (tid == 0) {
-            if (am_block) asm volatile("red.relaxed.gpu.global.max.u64 [%0], %1;" ::"l"(am_best), "l"(am_block)
-                                       : "memory");
+#if ARGMAX
+            if (am_on && am_block)
+                asm volatile("red.relaxed.gpu.global.max.u64 [%0], %1;" ::"l"(am_best), "l"(am_block) : "memory");
+#endif
             uint32_t before;
             asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(before) : "l"(counters + nphase)
                          : "memory");
             if (before == static_cast<uint32_t>(nblk) - 1) {
-                unsigned long long best;
-                asm volatile("atom.relaxed.gpu.global.exch.b64 %0, [%1], 0;" : "=l"(best) : "l"(am_best) : "memory");
+#if ARGMAX
+                unsigned long long best = 0;
+                if (am_on)
+                    asm volatile("atom.relaxed.gpu.global.exch.b64 %0, [%1], 0;" : "=l"(best) : "l"(am_best)
+                                 : "memory");
+#endif
                 counters[nphase] = 0;
-                const int64_t token = 0xFFFFFFFFu - static_cast<uint32_t>(best);
-                am_ids[0] = token;
-                if (am_ring)
-                    am_ring[((*step_lengths + am_active[0]) % am_ring_rows) * am_ring_stride] = token;
+#if ARGMAX
+                if (am_on) {                // (step_lengths[0]: this step's, which no block has moved yet)
+                    const int64_t token = 0xFFFFFFFFu - static_cast<uint32_t>(best);
+                    am_ids[0] = token;
+                    if (am_ring)
+                        am_ring[((*step_lengths + am_active[0]) % am_ring_rows) * am_ring_stride] = token;
+                }
+#endif
+#if COMMIT_LENGTHS
+                if (commit) step_lengths[0] = *step_lengths + commit_active[0];
+#endif
             }
         }
     }

@@ -1531,6 +1531,11 @@ class ChainKernel:
         # to ids[0] and the ring's row (lengths[0] + active[0]) mod rows, column 0; None: it does not (the plain step)
         self.argmax = bool(define_value(defines, "ARGMAX", cu, default=0))
         self.argmax_args = None
+        # -DCOMMIT_LENGTHS=1 (with STEP_INPUTS): a launch with `commit_active` ([>= 1] bool on the GPU) also adds
+        # active[0] to the step_args' lengths[0] once every block has read it (the engine's `lengths.add_(active)`
+        # after the step); None: it does not
+        self.commit_lengths = bool(define_value(defines, "COMMIT_LENGTHS", cu, default=0))
+        self.commit_active = None
         self.am_best = None
         self._argmax_refused = None
         self._streams: dict[int, object] = {}
@@ -1604,7 +1609,8 @@ class ChainKernel:
         bufs.use_mma_layout(min_k)
         self.fn.max_dynamic_shared_size_bytes = self.smem
         self.bufs = bufs
-        self.counters = torch.zeros(n + 1, dtype=torch.int32, device="cuda")    # (ARGMAX: the blocks done, [n])
+        # (ARGMAX, COMMIT_LENGTHS: the blocks done, [n])
+        self.counters = torch.zeros(n + 1, dtype=torch.int32, device="cuda")
         self.am_best = torch.zeros(1, dtype=torch.int64, device="cuda") if self.argmax else None
         if self.argmax:                             # (why this chain's launch cannot take the argmax; None: it can)
             last = bufs.chain.phases[-1]
@@ -1663,6 +1669,11 @@ class ChainKernel:
                     np.int64(embed.shape[1]))
         if self.argmax:
             args = (*args, *self._argmax_launch_args())
+        if self.commit_lengths:
+            active = self.commit_active
+            if active is not None and (active.dtype != torch.bool or active.device.type != "cuda"):
+                raise ValueError(f"COMMIT_LENGTHS: active is bool on the GPU, got {active.dtype} on {active.device}")
+            args = (*args, u(active.data_ptr() if active is not None else 0))
         b.dumped = dump
         with self.stream():
             self.fn((self.blocks,), (self.threads,), args, shared_mem=self.smem)
