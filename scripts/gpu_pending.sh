@@ -570,7 +570,7 @@ for part in $parts; do
     mkcommit) timeout 300 python3 -m pytest -q -m cuda tests/test_megakernel_backend.py -k "greedy_token" -s -rs \
              -p no:cacheprovider > "$OUT/mkcommit.log" 2>&1
            MKBENCH_BACKENDS=${MKCOMMIT_BACKENDS:-megakernel,megakernel-argmax-after,megakernel-commit-lengths,megakernel-argmax-after-commit} \
-             MKBENCH_ITERS=300 MKBENCH_ROUNDS=3 MKBENCH_TIMEOUT=280 bash "$0" mkbench
+             MKBENCH_ITERS=300 MKBENCH_ROUNDS=3 MKBENCH_TIMEOUT=320 bash "$0" mkbench
            rm -f "$OUT/mkbench/model.partial.json" ;;
     mkbench) timeout ${MKBENCH_TIMEOUT:-400} python3 -m k3export.cli bench model --preset k3-small --dtype bf16 \
              --backends ${MKBENCH_BACKENDS:-eager,compile,megakernel} --prefill-lengths 2048 --batches 1 \
