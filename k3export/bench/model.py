@@ -26,8 +26,8 @@ each hold `context` tokens (`Engine.decode`, state commit included). Backends:
               stores (`argmax=2`, ARGMAX=2; the LM head's tile loop as in the default). Not yet run on a GPU
     megakernel-commit-lengths  the same with the step's lengths advanced by the launch's last block, not by the
               engine's add after it (`commit_lengths=True`, COMMIT_LENGTHS=1). Not yet run on a GPU
-    megakernel-argmax-after-commit  both (`argmax=2, commit_lengths=True`): the greedy step one launch and nothing
-              else. Not yet run on a GPU
+    megakernel-argmax-after-commit  both (`argmax=2, commit_lengths=True`): neither the engine's argmax program nor
+              its lengths add after the greedy step's launch. Not yet run on a GPU
     megakernel-router-first  the same with each MoE's router rows early in its packed projection
               (`MegakernelBackend(router_first=True)`; 12-03 14:04, 300 steps: 0.784 ms against 0.808, pipelined
               generation 0.779 both)
