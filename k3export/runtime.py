@@ -74,6 +74,8 @@ class Backend(Protocol):
     # Optional: `takes_argmax = True` (with `decode_`): the greedy step calls `decode_(..., argmax=(ids out, host ring
     # or None, active))` and the backend's own program writes each slot's argmax token to ids out and the ring (at
     # row (cache_len + active) mod rows), where the engine would run its argmax program after the step.
+    # Optional: `launches_pdl = True`: the step's program is a programmatic dependent launch that waits before it
+    # reads anything (the megakernel's `pdl`): the greedy step's argmax program then lets it begin early.
     # Optional: `commits_lengths = True` (with `decode_`, rows None): every step calls `decode_(..., active=active)`
     # and the backend's own program adds active to cache_len, where the engine would add it after the step.
     # Optional: `prefill_last(...)`: `prefill` returning only each sequence's last new token's logits `[B, V]`
@@ -708,7 +710,8 @@ class Engine:
         n = logits.shape[0]
         if self.argmax_error is None:
             try:
-                argmax_rows(logits, out=self._ids[:n], post=self._post_rows(n))
+                argmax_rows(logits, out=self._ids[:n], post=self._post_rows(n),
+                            early=getattr(self.backend, "launches_pdl", False))
                 return
             except Exception as e:                                                  # noqa: BLE001
                 self.argmax_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"

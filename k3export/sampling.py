@@ -94,6 +94,8 @@ def keep_threshold(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) ->
 
 
 if triton is not None:
+    from triton.language.extra.cuda import gdc_launch_dependents
+
     @triton.jit
     def load_row(base, o, n, col_stride):
         """A block of a row's values at offsets o as fp32, NaN as +inf (-inf past n): what an argmax compares."""
@@ -230,7 +232,9 @@ if triton is not None:
     @triton.jit
     def _argmax_kernel(x_ptr, out_ptr, post_ptr, len_ptr, n, row_stride, col_stride, post_stride, post_rows,
                        span, parts, part_max, part_idx, count, POST: tl.constexpr, PARTS: tl.constexpr,
-                       BLOCK: tl.constexpr):
+                       BLOCK: tl.constexpr, EARLY: tl.constexpr = False):
+        if EARLY:                           # (`launch_argmax(early=True)`: the next PDL launch may begin now)
+            gdc_launch_dependents()
         row, part = tl.program_id(0), tl.program_id(1)
         offs = tl.arange(0, BLOCK)
         best = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -396,10 +400,14 @@ def program_thresholds(logits, temperature, top_k, top_p, width: int | None = No
     return thr
 
 
-def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None, post: tuple | None = None) -> torch.Tensor:
+def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None, post: tuple | None = None,
+                early: bool = False) -> torch.Tensor:
     """x `[B, V]` (any strides, fp32 / bf16 / fp16) -> the index of each row's largest value `[B]` int64 (into out
     when given); capturable in a CUDA graph. post: also write each row's index into a ring (`k3export.sampling.draw`'s
-    post: the program itself does, on a GPU)."""
+    post: the program itself does, on a GPU). early: on a GPU of compute capability >= 9, the program lets the
+    stream's next kernel, when that is a programmatic dependent launch, begin first thing
+    (`griddepcontrol.launch_dependents`): for a next kernel that waits before it reads anything (the megakernel's
+    PDL build), not for one that reads this program's output before its wait."""
     if x.dim() != 2:
         raise ValueError(f"argmax_rows: logits [B, V], got shape {tuple(x.shape)}")
     if x.device.type != "cuda" or triton is None:
@@ -407,12 +415,13 @@ def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None, post: tuple | 
         if post is not None:
             post_reference(post, r)
         return r if out is None else out.copy_(r)
-    return launch_argmax(x, out, post=post)
+    return launch_argmax(x, out, post=post, early=early and torch.cuda.get_device_capability(x.device)[0] >= 9)
 
 
 def launch_argmax(x: torch.Tensor, out: torch.Tensor | None = None, block: int = BLOCK,
-                  post: tuple | None = None, parts: int | None = None) -> torch.Tensor:
-    """The Triton program itself on x's device (the tests run it on the CPU under TRITON_INTERPRET=1)."""
+                  post: tuple | None = None, parts: int | None = None, early: bool = False) -> torch.Tensor:
+    """The Triton program itself on x's device (the tests run it on the CPU under TRITON_INTERPRET=1). early: see
+    `argmax_rows` (sm_90 and later only)."""
     res = out if out is not None and out.dtype == torch.int64 and out.is_contiguous() else \
         torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
     ring, lengths, stride, rows = post_args(post, res)
@@ -420,5 +429,5 @@ def launch_argmax(x: torch.Tensor, out: torch.Tensor | None = None, block: int =
     span, n_parts, PARTS = row_parts(B, n, block, parts)
     _argmax_kernel[(B, n_parts)](x, res, ring, lengths, n, x.stride(0), x.stride(1), stride, rows, span, n_parts,
                                  *part_scratch(x.device, B, PARTS), POST=post is not None, PARTS=PARTS, BLOCK=block,
-                                 num_warps=8 if n_parts == 1 else 4)
+                                 EARLY=bool(early), num_warps=8 if n_parts == 1 else 4)
     return res if out is None or res is out else out.copy_(res)

@@ -193,9 +193,13 @@
 #            torch.argmax and the engine's argmax build, both ARGMAX builds; an engine directory; STEP_INPUTS), the
 #            pipelined generation's timeline, then mkbench with
 #            MKBENCH_BACKENDS=megakernel,megakernel-argmax,megakernel-argmax-after in a call of its own
-#   mkcommit (not yet run) ARGMAX=2 and COMMIT_LENGTHS (the greedy token's keys after the phases; the step's lengths
+#   mkcommit (ran 12-05 09:09, H100: all 4 tests passed, none faster) ARGMAX=2 and COMMIT_LENGTHS (the greedy token's keys after the phases; the step's lengths
 #            moved by the launch): the cuda tests (tokens, ring posts and lengths against the engine's own, each
 #            build), then mkbench with megakernel and the three new variants, 300 steps, 3 rounds (~8 min in all)
+#   mkpdl    (not yet run) the launch as a programmatic dependent launch on a stream (PDL; no CUDA graphs): the
+#            greedy-token cuda tests (each build's logits, tokens, ring and lengths against the default's), then
+#            mkbench with megakernel, megakernel-stream, -pdl, -pdl-commit and -pdl-argmax-commit, 300 steps, 3
+#            rounds, then the pipelined greedy timeline of megakernel-pdl (~8 min in all)
 #   mkbench  bench model eager, compile, megakernel at B = 1, context 1024 ($MKBENCH_BACKENDS; $MKBENCH_ROUNDS
 #            decode rounds, the backends' order rotated each round)
 #   profile  scripts/profile_decode.py --backend $PROFILE_BACKEND (default compile): kernels per decode step, and the
@@ -572,6 +576,13 @@ for part in $parts; do
            MKBENCH_BACKENDS=${MKCOMMIT_BACKENDS:-megakernel,megakernel-argmax-after,megakernel-commit-lengths,megakernel-argmax-after-commit} \
              MKBENCH_ITERS=300 MKBENCH_ROUNDS=3 MKBENCH_TIMEOUT=320 bash "$0" mkbench
            rm -f "$OUT/mkbench/model.partial.json" ;;
+    mkpdl) timeout 330 python3 -m pytest -q -m cuda tests/test_megakernel_backend.py -k "greedy_token" -s -rs \
+             -p no:cacheprovider > "$OUT/mkpdl.log" 2>&1
+           MKBENCH_BACKENDS=${MKPDL_BACKENDS:-megakernel,megakernel-stream,megakernel-pdl,megakernel-pdl-commit,megakernel-pdl-argmax-commit} \
+             MKBENCH_ITERS=300 MKBENCH_ROUNDS=3 MKBENCH_TIMEOUT=360 bash "$0" mkbench
+           rm -f "$OUT/mkbench/model.partial.json"
+           timeout 150 python3 scripts/profile_decode.py --backend megakernel-pdl --timeline --generate 6 --top 10 \
+             > "$OUT/mkpdl-profile.log" 2>&1 ;;
     mkbench) timeout ${MKBENCH_TIMEOUT:-400} python3 -m k3export.cli bench model --preset k3-small --dtype bf16 \
              --backends ${MKBENCH_BACKENDS:-eager,compile,megakernel} --prefill-lengths 2048 --batches 1 \
              --contexts 1024 --warmup 3 --iters 5 --decode-iters ${MKBENCH_ITERS:-100} --rounds ${MKBENCH_ROUNDS:-1} \
@@ -579,7 +590,7 @@ for part in $parts; do
              --no-new-lengths --out "$OUT/mkbench" > "$OUT/mkbench.log" 2>&1 ;;
     profile) timeout 150 python3 scripts/profile_decode.py --backend ${PROFILE_BACKEND:-compile} ${PROFILE_ARGS:-} \
              > "$OUT/profile.log" 2>&1 ;;
-    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe trtfp8 fp8eng grouped grpsmall fp8comp overlap chain layer step attnres abmix gmla greedy greedy64 mkback mkinputs mkstep mkcache mkfinal mkrouter mkpair mkargmax mksleep mkrun mkblocks mkattn mkheads mklive mktrace mktiles mksums mkmma mkmmafinal mkcombine mksample mkpost mkgapart mkxparts mkab mkdefs mkgreedy mkcommit mkbench profile)"; continue ;;
+    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe trtfp8 fp8eng grouped grpsmall fp8comp overlap chain layer step attnres abmix gmla greedy greedy64 mkback mkinputs mkstep mkcache mkfinal mkrouter mkpair mkargmax mksleep mkrun mkblocks mkattn mkheads mklive mktrace mktiles mksums mkmma mkmmafinal mkcombine mksample mkpost mkgapart mkxparts mkab mkdefs mkgreedy mkcommit mkpdl mkbench profile)"; continue ;;
   esac
   echo "$part: exit $? in $((SECONDS - t)) s" | tee -a "$OUT/pending.log"
   tail -4 "$OUT/$part.log" 2>/dev/null

@@ -171,7 +171,7 @@ def test_the_engine_posts_its_tokens_and_falls_back_to_torch_argmax_once_the_pro
     assert [eng.posted(eng.post_mark())[b] for b in (0, 2)] == [ids[0], ids[2]]
     calls = []
 
-    def broken(x, out=None, post=None):
+    def broken(x, out=None, post=None, early=False):
         calls.append(1)
         raise RuntimeError("no sm_90 build\nmore")
     monkeypatch.setattr(rt, "argmax_rows", broken)

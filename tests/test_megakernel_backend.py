@@ -198,6 +198,29 @@ def test_the_launch_takes_the_greedy_token_only_when_asked(tiny_mla8):
         be.decode_(z, None, None, None, z, argmax=(z, None, torch.ones(1, dtype=torch.bool)))
 
 
+def test_the_pdl_launch_is_built_only_when_asked_and_leaves_the_graphs_off(tiny_mla8):
+    """pdl=True builds chain.cu with PDL=1 (each launch a programmatic dependent one, 12-05), which reads the step's
+    inputs after its wait: only with STEP_INPUTS (refused without), not by default. A backend with it asks the engine
+    for no CUDA graphs (the overlap is between launches of one stream), and so does cuda_graphs=False; an emulated
+    backend launches nothing, so nothing to overlap."""
+    assert "PDL=1" in mb.kernel_defines(pdl=True)
+    assert "PDL=1" in mb.kernel_defines(pdl=True, argmax=2, commit_lengths=True)
+    assert "PDL=1" not in (*mb.DEFINES, *mb.HOST_INPUTS_DEFINES)
+    with pytest.raises(ValueError, match="pdl reads the step's inputs"):
+        mb.kernel_defines(step_inputs=False, pdl=True)
+    cfg, model = tiny_mla8
+    for kw in ({"pdl": True}, {"cuda_graphs": False}, {}):
+        be = mb.MegakernelBackend(model, max_len=40, prefill_backend=EagerBackend(model), emulate=True, **kw)
+        assert not be.launches_pdl and not be.cuda_graphs                 # (an emulation is never captured)
+    # the launch's ctypes structures as cuda.h lays them out: CUlaunchAttribute (id, pad to 8, a 64-byte union),
+    # CUlaunchConfig (7 unsigned ints, the stream at 32, the attributes at 40, their count at 48)
+    import ctypes
+    from k3export.megakernel import chain as mc
+    assert ctypes.sizeof(mc._LaunchAttribute) == 72 and mc._LaunchAttribute.value.offset == 8
+    assert ctypes.sizeof(mc._LaunchConfig) == 56
+    assert (mc._LaunchConfig.stream.offset, mc._LaunchConfig.attrs.offset, mc._LaunchConfig.nattrs.offset) == (32, 40, 48)
+
+
 def test_the_launch_commits_the_lengths_only_when_asked(tiny_mla8):
     """commit_lengths=True builds chain.cu with COMMIT_LENGTHS=1 (the step's lengths advanced in the launch, 12-05),
     only with STEP_INPUTS and not by default; an emulated backend commits nothing and refuses the active flags."""
@@ -432,25 +455,33 @@ def test_the_kernel_reading_its_step_inputs_equals_the_host_set_build():
     assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
 
 
+GREEDY_BUILDS = [{"argmax": 1}, {"argmax": 2}, {"argmax": 2, "commit_lengths": True}, {"commit_lengths": True},
+                 {"cuda_graphs": False}, {"pdl": True}, {"pdl": True, "commit_lengths": True},
+                 {"pdl": True, "argmax": 2, "commit_lengths": True}]
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("taken, commit", [(1, False), (2, False), (2, True), (0, True)], ids=str)
-def test_the_launch_takes_the_engines_greedy_token(taken, commit):
-    """chain.cu built with ARGMAX=1 (argmax=True; passed 12-05 07:35 on an H100) or ARGMAX=2 (its keys after the
-    phases) writes each greedy step's token itself: under the engine's CUDA graph, step after step, the token in the
-    engine's ids buffer and in its host ring is torch.argmax of the step's logits, and the Generator's greedy tokens
-    (pipelined, from the ring, and plain) are those of the build whose engine runs its argmax program after the
-    launch (argmax=False), for a request and a second one (the count of blocks done starts from zero each launch).
-    With COMMIT_LENGTHS (commit_lengths=True) the launch also moves the engine's length each step, as its add would:
-    the lengths on the device follow the engine's host copies."""
+@pytest.mark.parametrize("opts", GREEDY_BUILDS, ids=str)
+def test_the_launch_takes_the_engines_greedy_token(opts):
+    """Each greedy-step build against the default one (its engine's argmax program and lengths add after the
+    launch, the step a CUDA graph), step after step: the same logits bit for bit, the token in the engine's ids buffer
+    and its host ring torch.argmax of them, the device length the engine's host copy, and the same Generator tokens
+    (pipelined, from the ring, and plain), for a request and a second one (the count of blocks done starts from zero
+    each launch). The builds: chain.cu with ARGMAX=1 (`argmax=1`, the token taken in the launch, keys in the LM
+    head's tile loop; passed 12-05 07:35 on an H100) or ARGMAX=2 (keys after the phases), with COMMIT_LENGTHS (the
+    launch moves the length itself; ARGMAX=2 and COMMIT_LENGTHS passed 12-05 09:09 on an H100), the default build
+    without the engine's graphs (`cuda_graphs=False`), and with PDL (`pdl`: each launch a programmatic dependent
+    one on the stream, begun while the kernel before it runs; no graphs)."""
     model, prompts = _small_model_and_prompts(4, 64, 33)
     runs = []
-    for argmax, commits in ((taken, commit), (False, False)):
-        be = mb.MegakernelBackend(model, max_len=96, prefill_backend=EagerBackend(model), argmax=argmax,
-                                  commit_lengths=commits)
-        assert be.takes_argmax == bool(argmax) and be.commits_lengths == commits
+    for kw in (opts, {}):
+        be = mb.MegakernelBackend(model, max_len=96, prefill_backend=EagerBackend(model), **kw)
+        assert be.takes_argmax == bool(kw.get("argmax")) and be.commits_lengths == kw.get("commit_lengths", False)
+        assert be.launches_pdl == kw.get("pdl", False)
         eng = Engine(be, max_batch=1, max_len=96)
-        assert eng.graphed, eng.graph_error
-        toks = []
+        graphed = not (kw.get("pdl") or kw.get("cuda_graphs") is False)
+        assert eng.graphed == graphed, eng.graph_error
+        toks, logits = [], []
         for prompt in prompts:
             first = int(eng.prefill([0], [prompt])[0].argmax())
             ids = eng.decode_greedy(torch.tensor([first], device="cuda"))
@@ -458,19 +489,22 @@ def test_the_launch_takes_the_engines_greedy_token(taken, commit):
                 mark = eng.post_mark()
                 torch.cuda.synchronize()
                 tok = int(ids[0])
-                assert tok == int(eng.last_logits[0].argmax()) and eng.posted(mark)[0] == tok, (argmax, i)
-                assert int(eng.state.lengths[0]) == len(prompt) + 1 + i == mark[0], (commits, i)
+                assert tok == int(eng.last_logits[0].argmax()) and eng.posted(mark)[0] == tok, (kw, i)
+                assert int(eng.state.lengths[0]) == len(prompt) + 1 + i == mark[0], (kw, i)
                 toks.append(tok)
+                logits.append(eng.last_logits[0].clone())
                 ids = eng.decode_greedy()
             torch.cuda.synchronize()
             eng.release(0)
         gen = [Generator(eng, pipeline=p).generate(prompts, 8) for p in (True, False)]
         be.check()
         assert gen[0] == gen[1]
-        runs.append((toks, gen[0]))
-        print(f"argmax={argmax} commit_lengths={commits}", toks)
+        runs.append((toks, gen[0], logits))
+        print(kw, toks)
         del eng, be
-    assert runs[0] == runs[1]
+    assert runs[0][:2] == runs[1][:2]
+    bad = [i for i, (a, b) in enumerate(zip(runs[0][2], runs[1][2])) if not torch.equal(a, b)]
+    assert not bad, f"{opts}: steps {bad} differ from the default build's logits"
 
 
 CUDA_CORES = {"attn_mma": False}        # (the attention tile on CUDA cores: the variants of that tile compare to it)

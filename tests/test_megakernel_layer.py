@@ -281,7 +281,8 @@ def test_layer_build_has_no_spills(tmp_path):
     bytes, one value stored at the launch's start and loaded once a tile outside the tensor-core loops (nvdisasm);
     that build's layer step took 0.7317 ms against 0.7362 for ATTN_MMA alone, spill-free. The same 4 bytes, no
     more, in the builds that take the greedy token in the launch (ARGMAX=1 and 2, the latter with COMMIT_LENGTHS,
-    the step's lengths moved in the launch) and that copy the new row's norm
+    the step's lengths moved in the launch), in the PDL builds (the step's inputs read after the launch's wait) and
+    in those that copy the new row's norm
     weights into shared memory (ATTN_ROW_W_SMEM), and that takes a power-of-two mean as a multiply (POW2_MEAN), all
     12-05 (timed on the H200 that day, ARGMAX=2 aside: none faster). Any other spill fails."""
     from k3export.megakernel.backend import DEFINES, HOST_INPUTS_DEFINES, kernel_defines
@@ -290,6 +291,8 @@ def test_layer_build_has_no_spills(tmp_path):
     for defines, kernel in ((ml.DEFINES, clean), (DEFINES, measured), (HOST_INPUTS_DEFINES, measured),
                             (kernel_defines(argmax=True), measured), (kernel_defines(argmax=2), measured),
                             (kernel_defines(argmax=2, commit_lengths=True), measured),
+                            (kernel_defines(pdl=True), measured),
+                            (kernel_defines(pdl=True, argmax=2, commit_lengths=True), measured),
                             ((*DEFINES, "ATTN_ROW_W_SMEM=1"), measured),
                             ((*DEFINES, "POW2_MEAN=1"), measured)):
         _, report = mc.compile_cubin(3, 65536, str(tmp_path), defines=defines)

@@ -28,6 +28,14 @@ each hold `context` tokens (`Engine.decode`, state commit included). Backends:
               engine's add after it (`commit_lengths=True`, COMMIT_LENGTHS=1). Not yet run on a GPU
     megakernel-argmax-after-commit  both (`argmax=2, commit_lengths=True`): neither the engine's argmax program nor
               its lengths add after the greedy step's launch. Not yet run on a GPU
+    megakernel-stream  the same without the engine's CUDA graphs: each step's launches go to the stream one by one
+              (`MegakernelBackend(cuda_graphs=False)`). Not yet run on a GPU
+    megakernel-pdl  the same, each launch a programmatic dependent launch (`pdl=True`, chain.cu built with PDL=1):
+              its blocks take the SMs, and its producers stream the first phase's weights, while the engine's argmax
+              program before it runs (no CUDA graphs: the overlap is between kernels of one stream). Not yet run
+    megakernel-pdl-commit  the same with COMMIT_LENGTHS (no lengths add between launch and argmax). Not yet run
+    megakernel-pdl-argmax-commit  PDL with ARGMAX=2 and COMMIT_LENGTHS: launch after launch, nothing between. Not
+              yet run
     megakernel-router-first  the same with each MoE's router rows early in its packed projection
               (`MegakernelBackend(router_first=True)`; 12-03 14:04, 300 steps: 0.784 ms against 0.808, pipelined
               generation 0.779 both)
@@ -113,7 +121,11 @@ MEGAKERNEL_VARIANTS = {"megakernel": {}, "megakernel-host-inputs": {"step_inputs
                        "megakernel-argmax": {"argmax": True},
                        "megakernel-argmax-after": {"argmax": 2},
                        "megakernel-commit-lengths": {"commit_lengths": True},
-                       "megakernel-argmax-after-commit": {"argmax": 2, "commit_lengths": True}}
+                       "megakernel-argmax-after-commit": {"argmax": 2, "commit_lengths": True},
+                       "megakernel-stream": {"cuda_graphs": False},
+                       "megakernel-pdl": {"pdl": True},
+                       "megakernel-pdl-commit": {"pdl": True, "commit_lengths": True},
+                       "megakernel-pdl-argmax-commit": {"pdl": True, "argmax": 2, "commit_lengths": True}}
 BACKENDS = ("eager", "graph", *COMPILE_VARIANTS, "aoti", *MEGAKERNEL_VARIANTS)
 
 

@@ -70,12 +70,15 @@ def check_argmax(argmax) -> None:
 def kernel_defines(step_inputs: bool = True, pair_tiles: bool = True, poll_sleep: int = 0,
                    attn_heads: int = mc.ATTN_HEADS, live_splits: bool = True, sums_apart: bool = False,
                    attn_mma: bool = True, x_tail: bool = True, inflight: int = 1,
-                   argmax: bool | int = False, commit_lengths: bool = False) -> tuple[str, ...]:
+                   argmax: bool | int = False, commit_lengths: bool = False, pdl: bool = False) -> tuple[str, ...]:
     """chain.cu's defines for the backend's build with these options (`DEFINES`: the defaults; ARGMAX, the greedy
     token taken in the launch, only with STEP_INPUTS: argmax True or 1, the keys in the LM head's tile loop; 2, after
-    the phases, read back from the block's stores; COMMIT_LENGTHS, the step's lengths advanced in the launch, only
-    with STEP_INPUTS too)."""
+    the phases, read back from the block's stores; COMMIT_LENGTHS, the step's lengths advanced in the launch, and
+    PDL, the launch a programmatic dependent one, only with STEP_INPUTS too)."""
     check_argmax(argmax)
+    if pdl and not step_inputs:
+        raise ValueError("megakernel backend: pdl reads the step's inputs after the launch's wait (STEP_INPUTS); "
+                         "it needs step_inputs=True")
     if not isinstance(inflight, int) or not 0 <= inflight < NSLOT:
         raise ValueError(f"megakernel backend: inflight is the weight copies on their way at most, 1..{NSLOT - 1} "
                          f"(0: as many as the ring's {NSLOT} slots), got {inflight!r}")
@@ -89,7 +92,7 @@ def kernel_defines(step_inputs: bool = True, pair_tiles: bool = True, poll_sleep
             *(("ATTN_MMA=1",) if attn_mma else ()), *(("ATTN_X_TAIL=1",) if x_tail else ()),
             *((f"INFLIGHT={inflight}",) if inflight else ()), "NORM_W_FIRST=1",
             *((f"ARGMAX={int(argmax)}",) if argmax and step_inputs else ()),
-            *(("COMMIT_LENGTHS=1",) if commit_lengths and step_inputs else ()))
+            *(("COMMIT_LENGTHS=1",) if commit_lengths and step_inputs else ()), *(("PDL=1",) if pdl else ()))
 
 
 DEFINES = kernel_defines()
@@ -110,7 +113,8 @@ class MegakernelBackend:
                  pair_tiles: bool = True, poll_sleep: int = 0, attn_heads: int = mc.ATTN_HEADS,
                  live_splits: bool = True, sums_apart: bool = False, attn_mma: bool = True,
                  x_tail: bool = True, g_apart: bool = True, mla_g_apart: bool = True, inflight: int = 1,
-                 argmax: bool | int = False, commit_lengths: bool = False):
+                 argmax: bool | int = False, commit_lengths: bool = False, pdl: bool = False,
+                 cuda_graphs: bool | None = None):
         """step_inputs (the default): chain.cu built with STEP_INPUTS=1 reads the token's embedding row, the key
         count and its epoch from the engine's buffers itself, four small kernels fewer a step than setting them
         around it (False: `HOST_INPUTS_DEFINES`). defines: another build (the engine directory's). router_first:
@@ -152,7 +156,14 @@ class MegakernelBackend:
         test and timing not yet run (`gpu_pending.sh mkgreedy`). commit_lengths (with step_inputs; off by default,
         written 12-05, not yet run on a GPU): chain.cu built with COMMIT_LENGTHS=1, the launch's last block adding
         the engine's active flag to its lengths (`commits_lengths`: the engine passes `active` to `decode_` and
-        runs no `lengths.add_` of its own: one kernel and a gap fewer a step)."""
+        runs no `lengths.add_` of its own: one kernel and a gap fewer a step). pdl (with step_inputs; off by
+        default, written 12-05 morning, not yet run on a GPU): chain.cu built with PDL=1 and each launch a
+        programmatic dependent launch (`chain.launch_pdl`), so that its blocks take the SMs, and its producers
+        stream the first phase's weights, while the kernel before it still runs (the engine's argmax program
+        signals it first thing: `launches_pdl`). The overlap acts between kernels of one stream, and a CUDA graph
+        a step puts a graph boundary before each launch, so pdl turns the engine's graphs off. cuda_graphs (None:
+        on, except with pdl): False keeps the engine from capturing the step (the launches go to the stream one by
+        one; bench `megakernel-stream`)."""
         cfg = model.config
         self.model, self.config, self.dtype, self.device = model, cfg, model.dtype, model.device
         self.max_len, self.emulate = max_len, emulate
@@ -170,7 +181,7 @@ class MegakernelBackend:
         check_argmax(argmax)                # (an emulation too: it takes no argmax, but a wrong value is refused)
         if not emulate:
             defines = defines or kernel_defines(step_inputs, pair_tiles, poll_sleep, attn_heads, live_splits,
-                                                sums_apart, attn_mma, x_tail, inflight, argmax, commit_lengths)
+                                                sums_apart, attn_mma, x_tail, inflight, argmax, commit_lengths, pdl)
             self.kernel = mc.ChainKernel(defines=defines, cubin=cubin, quiet=cubin is not None)
             self.kernel.bind(self.bufs)
         # the engine's greedy step passes its ids buffer and host ring to `decode_` (`argmax`), and takes no argmax
@@ -192,7 +203,11 @@ class MegakernelBackend:
         self._n_index = torch.tensor([p * len(mc.FIELDS) + n_col for p in self.attn], device=self.device)
         self.loaded = False                  # the kernel holds the engine's sequence (else: load it first)
         self.steps = 0                       # decode steps run
-        self.cuda_graphs = not emulate       # (the emulation reads the device on the host)
+        # (the emulation reads the device on the host; a PDL launch overlaps the kernel before it in a stream, not
+        # across graph launches)
+        self.cuda_graphs = not emulate and (not pdl if cuda_graphs is None else bool(cuda_graphs))
+        # the engine's greedy step lets this launch begin early: its argmax program signals first thing
+        self.launches_pdl = self.kernel is not None and self.kernel.pdl
 
     def check_engine(self, max_batch: int, max_len: int) -> None:
         """Refuse an engine this backend cannot serve (called by `Engine`)."""

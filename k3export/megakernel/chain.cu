@@ -104,6 +104,18 @@
 #if ARGMAX && !(STEP_INPUTS && MMA_ONLY)
 #error "ARGMAX reads the sums of tensor-core tiles (MMA_ONLY) and writes the engine's ids (STEP_INPUTS)"
 #endif
+#ifndef PDL                            // 1 (with STEP_INPUTS): launched with programmatic dependent launch
+#define PDL 0                          // (`ChainKernel` does, on a stream): the launch may begin while the kernel
+#endif                                 // before it still runs, so nothing that the step's inputs or an earlier launch
+                                       // wrote is read before `griddepcontrol.wait` (which returns once that kernel
+                                       // has completed, its writes visible); the producer streams phase 0's weight
+                                       // tiles before it when phase 0 is a GEMV (weights only, in stream mode). Every
+                                       // block first lets the stream's next PDL launch begin
+                                       // (`griddepcontrol.launch_dependents`): its blocks take SMs as this launch's
+                                       // exit, and wait there. Launched without the attribute, the wait is a no-op.
+#if PDL && !STEP_INPUTS
+#error "PDL reads the step's inputs after its wait (STEP_INPUTS): build it with STEP_INPUTS=1"
+#endif
 #ifndef RECIPES
 #define RECIPES 0                      // 1: phases may form x by a recipe (real layers, milestone 2); 0: the synthetic
 #endif                                 // chains' kernel (with the recipes, the diagnostic builds spill registers)
@@ -366,6 +378,9 @@ __device__ __forceinline__ uint64_t now_ns() {
 #define TMARK(tr, k) do { } while (0)
 #endif
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" ::"n"(CONSUMERS) : "memory"); }
+#if PDL                                 // (PDL: the kernel before this launch in the stream has completed)
+__device__ __forceinline__ void grid_dep_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+#endif
 
 // err[0] = what ran out (1 an input word, 2 a filled slot, 3 a free slot, 4 the top-k's words, 5 an input
 // phase's counter), err[1..3] = block, phase, tile
@@ -2093,13 +2108,16 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
     const int tid = threadIdx.x;
     const int64_t nblk = gridDim.x;
     const bool wait = mode != NODEPS;
-#if STEP_INPUTS                             // this launch's epoch: the base plus the sequence's length
+#if PDL                                     // (read after the wait, by the producer and the consumers)
+    uint32_t epoch = 0;
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#elif STEP_INPUTS                           // this launch's epoch: the base plus the sequence's length
     const uint32_t epoch = epoch_at[0] + static_cast<uint32_t>(*step_lengths);
 #elif EPOCH_PTR
     const uint32_t epoch = *epoch_at;       // this launch's epoch, from device memory: a CUDA graph can replay it
 #endif
 
-#if STEP_INPUTS
+#if STEP_INPUTS && !PDL                     // (PDL: the consumers set the key count after their wait)
     const int32_t keys = static_cast<int32_t>(*step_lengths) + 1;   // the cache rows and the new one
     for (int64_t p = tid; p < nphase; p += THREADS) {
         PhaseC c = compact(ph_global[p]);
@@ -2125,10 +2143,12 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
 #if RECIPES
         xdump_s = xdump;
 #endif
+#if !PDL
         if (blockIdx.x == 0) *t_start = now_ns();
 #if STEP_INPUTS
         x_row_s = x_in + *step_ids * x_len;
         if (blockIdx.x == 0) atomicMax(epoch_at + 1, epoch);
+#endif
 #endif
     }
     __syncthreads();
@@ -2167,8 +2187,23 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
         ahead.settle(ph, nphase, nblk);
         for (int q = 0; q < NSLOT; ++q) ahead.next(ph, nphase, nblk);
         uint32_t fetched = NSLOT;                               // tiles prefetched or loaded by the ring so far
+#if PDL         // phase 0's tiles before the wait when they are a GEMV's weights; an ATTN phase's key count from
+        int keys = 0;   // the producer's own read (the consumers set the table's after their wait)
+        bool ready = false;
+#define PH_N(f) ((f).kind == ATTN ? keys : (f).n)
+#else
+#define PH_N(f) ((f).n)
+#endif
         for (int64_t p = 0; p < nphase; ++p) {
             const PhaseC& f = ph[p];
+#if PDL
+            if (!ready && (p > 0 || f.kind != GEMV || mode == SERIAL)) {
+                grid_dep_wait();
+                epoch = epoch_at[0] + static_cast<uint32_t>(*step_lengths);
+                keys = static_cast<int>(*step_lengths) + 1;
+                ready = true;
+            }
+#endif
             const __nv_bfloat16* w = reinterpret_cast<const __nv_bfloat16*>(f.w);
             int64_t have_slot = -1, e = 0;
             bool inputs_done = mode != SERIAL;
@@ -2199,10 +2234,10 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
                 }
                 int64_t wrow = row0;
 #if RECIPES && MMA_ONLY                     // (the MLA attention's kinds: built with them only)
-                int64_t nrows = min(static_cast<int64_t>(f.rows), f.n - row0);
+                int64_t nrows = min(static_cast<int64_t>(f.rows), PH_N(f) - row0);
                 if (f.kind == ATTN) {           // key block t / ne of the cache (the new row is the consumers')
                     wrow = (t / f.ne) * f.rows;
-                    nrows = min(static_cast<int64_t>(f.rows), f.n - 1 - wrow);
+                    nrows = min(static_cast<int64_t>(f.rows), PH_N(f) - 1 - wrow);
                     if (nrows <= 0) {           // (a block of the new row alone: nothing to load)
                         TT_SET(i, 2);
                         mbar_arrive(&full[s]);
@@ -2233,7 +2268,7 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
                 const uint32_t bytes = static_cast<uint32_t>(nrows * f.k * 2);    // (the last tile may be part of one)
 #else
                 const uint32_t bytes =                  // (the last tile may be part of one)
-                    static_cast<uint32_t>(min(static_cast<int64_t>(f.rows), f.n - row0) * f.k * 2);
+                    static_cast<uint32_t>(min(static_cast<int64_t>(f.rows), PH_N(f) - row0) * f.k * 2);
 #endif
                 if (INFLIGHT && i >= INFLIGHT &&
                     !wait_slot(&full[(i - INFLIGHT) % NSLOT], ((i - INFLIGHT) / NSLOT) & 1u, err, 2, p, t)) return;
@@ -2242,10 +2277,26 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
                 TT_SET(i, 2);
             }
         }
+#undef PH_N
         return;
     }
 
     // ------------------------------------------------------------------------------------------ consumer warps
+#if PDL                                     // the step's inputs, once the kernel before this launch has completed
+    grid_dep_wait();
+    epoch = epoch_at[0] + static_cast<uint32_t>(*step_lengths);
+    {
+        const int32_t keys = static_cast<int32_t>(*step_lengths) + 1;   // the cache rows and the new one
+        for (int64_t p = tid; p < nphase; p += CONSUMERS)
+            if (ph[p].kind == ATTN) ph[p].n = keys;
+    }
+    if (tid == 0) {
+        if (blockIdx.x == 0) *t_start = now_ns();
+        x_row_s = x_in + *step_ids * x_len;
+        if (blockIdx.x == 0) atomicMax(epoch_at + 1, epoch);
+    }
+    consumers_sync();
+#endif
     const int warp = tid / 32, lane = tid % 32;
     uint32_t i = 0, unit = 0, mma_count = 0;   // tiles, x loads and MMA_TILES tiles so far
 #ifdef TRACE

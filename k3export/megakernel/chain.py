@@ -35,6 +35,7 @@ times interleaved rounds (CUDA events around each launch) and records when each 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
 import itertools
 import json
@@ -1490,8 +1491,45 @@ def kernel_report(ptxas: str) -> list[str]:
     return lines[k + 1:k + 3]
 
 
+PDL_ATTRIBUTE = 6          # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h)
+
+
+class _LaunchAttribute(ctypes.Structure):          # CUlaunchAttribute: the id, padded to 8 bytes, a 64-byte union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int), ("rest", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):             # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("nattrs", ctypes.c_uint)]
+
+
+_C_TYPES = {"uint64": ctypes.c_uint64, "int64": ctypes.c_int64, "uint32": ctypes.c_uint32, "int32": ctypes.c_int32}
+_libcuda = None
+
+
+def launch_pdl(fn, grid: int, block: int, smem: int, stream: int, args: tuple) -> None:
+    """Launch cupy function `fn` with programmatic dependent launch (`cuLaunchKernelEx` through ctypes, as cupy has
+    no launch attributes): it may begin while the kernel before it on `stream` still runs, and must wait
+    (`griddepcontrol.wait`) before it reads anything that kernel or an earlier one wrote (chain.cu's PDL). args: numpy
+    scalars, in the kernel's order."""
+    global _libcuda
+    if _libcuda is None:
+        _libcuda = ctypes.CDLL("libcuda.so.1")
+        _libcuda.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p,
+                                              ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+    values = [_C_TYPES[a.dtype.name](a.item()) for a in args]
+    params = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values])
+    attr = _LaunchAttribute(id=PDL_ATTRIBUTE, value=1)
+    cfg = _LaunchConfig(grid=(ctypes.c_uint * 3)(grid, 1, 1), block=(ctypes.c_uint * 3)(block, 1, 1), shared=smem,
+                        stream=stream, attrs=ctypes.pointer(attr), nattrs=1)
+    err = _libcuda.cuLaunchKernelEx(ctypes.byref(cfg), ctypes.c_void_p(fn.ptr), params, None)
+    if err:
+        raise RuntimeError(f"cuLaunchKernelEx (programmatic dependent launch) failed: CUresult {err}")
+
+
 class ChainKernel:
-    """chain.cu compiled for one ring, launched through cupy on torch's current stream."""
+    """chain.cu compiled for one ring, launched through cupy on torch's current stream (built with PDL: through
+    `launch_pdl`)."""
 
     def __init__(self, nslot: int = 3, slot_bytes: int = 65536, build_dir: str | None = None,
                  spin_limit: int | None = None, defines: tuple[str, ...] = (), cu: Path = CU,
@@ -1536,6 +1574,9 @@ class ChainKernel:
         # after the step); None: it does not
         self.commit_lengths = bool(define_value(defines, "COMMIT_LENGTHS", cu, default=0))
         self.commit_active = None
+        # -DPDL=1 (with STEP_INPUTS): each launch is a programmatic dependent launch (`launch_pdl`), so that its
+        # blocks take the SMs, and its producers stream phase 0's weights, while the kernel before it still runs
+        self.pdl = bool(define_value(defines, "PDL", cu, default=0))
         self.am_best = None
         self._argmax_refused = None
         self._streams: dict[int, object] = {}
@@ -1675,6 +1716,9 @@ class ChainKernel:
                 raise ValueError(f"COMMIT_LENGTHS: active is bool on the GPU, got {active.dtype} on {active.device}")
             args = (*args, u(active.data_ptr() if active is not None else 0))
         b.dumped = dump
+        if self.pdl:
+            launch_pdl(self.fn, self.blocks, self.threads, self.smem, torch.cuda.current_stream().cuda_stream, args)
+            return
         with self.stream():
             self.fn((self.blocks,), (self.threads,), args, shared_mem=self.smem)
 
