@@ -576,7 +576,7 @@ for part in $parts; do
            MKBENCH_BACKENDS=${MKCOMMIT_BACKENDS:-megakernel,megakernel-argmax-after,megakernel-commit-lengths,megakernel-argmax-after-commit} \
              MKBENCH_ITERS=300 MKBENCH_ROUNDS=3 MKBENCH_TIMEOUT=320 bash "$0" mkbench
            rm -f "$OUT/mkbench/model.partial.json" ;;
-    mkpdl) timeout 330 python3 -m pytest -q -m cuda tests/test_megakernel_backend.py -k "greedy_token" -s -rs \
+    mkpdl) timeout 330 python3 -m pytest -q -m cuda tests/test_megakernel_backend.py -k "${MKPDL_TESTS:-greedy_token}" -s -rs \
              -p no:cacheprovider > "$OUT/mkpdl.log" 2>&1
            MKBENCH_BACKENDS=${MKPDL_BACKENDS:-megakernel,megakernel-stream,megakernel-pdl,megakernel-pdl-commit,megakernel-pdl-argmax-commit} \
              MKBENCH_ITERS=300 MKBENCH_ROUNDS=3 MKBENCH_TIMEOUT=360 bash "$0" mkbench

@@ -1508,7 +1508,7 @@ _libcuda = None
 
 
 def launch_pdl(fn, grid: int, block: int, smem: int, stream: int, args: tuple) -> None:
-    """Launch cupy function `fn` with programmatic dependent launch (`cuLaunchKernelEx` through ctypes, as cupy has
+    """Launch cupy RawKernel `fn` (its CUfunction: `fn.kernel.ptr`) with programmatic dependent launch (`cuLaunchKernelEx` through ctypes, as cupy has
     no launch attributes): it may begin while the kernel before it on `stream` still runs, and must wait
     (`griddepcontrol.wait`) before it reads anything that kernel or an earlier one wrote (chain.cu's PDL). args: numpy
     scalars, in the kernel's order."""
@@ -1522,7 +1522,7 @@ def launch_pdl(fn, grid: int, block: int, smem: int, stream: int, args: tuple) -
     attr = _LaunchAttribute(id=PDL_ATTRIBUTE, value=1)
     cfg = _LaunchConfig(grid=(ctypes.c_uint * 3)(grid, 1, 1), block=(ctypes.c_uint * 3)(block, 1, 1), shared=smem,
                         stream=stream, attrs=ctypes.pointer(attr), nattrs=1)
-    err = _libcuda.cuLaunchKernelEx(ctypes.byref(cfg), ctypes.c_void_p(fn.ptr), params, None)
+    err = _libcuda.cuLaunchKernelEx(ctypes.byref(cfg), ctypes.c_void_p(fn.kernel.ptr), params, None)
     if err:
         raise RuntimeError(f"cuLaunchKernelEx (programmatic dependent launch) failed: CUresult {err}")
 
