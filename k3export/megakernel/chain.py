@@ -1508,10 +1508,10 @@ _libcuda = None
 
 
 def launch_pdl(fn, grid: int, block: int, smem: int, stream: int, args: tuple) -> None:
-    """Launch cupy RawKernel `fn` (its CUfunction: `fn.kernel.ptr`) with programmatic dependent launch (`cuLaunchKernelEx` through ctypes, as cupy has
-    no launch attributes): it may begin while the kernel before it on `stream` still runs, and must wait
-    (`griddepcontrol.wait`) before it reads anything that kernel or an earlier one wrote (chain.cu's PDL). args: numpy
-    scalars, in the kernel's order."""
+    """Launch cupy RawKernel `fn` (its CUfunction: `fn.kernel.ptr`) with programmatic dependent launch
+    (`cuLaunchKernelEx` through ctypes, as cupy has no launch attributes): it may begin while the kernel before it on
+    `stream` still runs, and must wait (`griddepcontrol.wait`) before it reads anything that kernel or an earlier one
+    wrote (chain.cu's PDL). args: numpy scalars, in the kernel's order."""
     global _libcuda
     if _libcuda is None:
         _libcuda = ctypes.CDLL("libcuda.so.1")
