@@ -218,7 +218,8 @@ def test_the_pdl_launch_is_built_only_when_asked_and_leaves_the_graphs_off(tiny_
     from k3export.megakernel import chain as mc
     assert ctypes.sizeof(mc._LaunchAttribute) == 72 and mc._LaunchAttribute.value.offset == 8
     assert ctypes.sizeof(mc._LaunchConfig) == 56
-    assert (mc._LaunchConfig.stream.offset, mc._LaunchConfig.attrs.offset, mc._LaunchConfig.nattrs.offset) == (32, 40, 48)
+    cfg_ = mc._LaunchConfig
+    assert (cfg_.stream.offset, cfg_.attrs.offset, cfg_.nattrs.offset) == (32, 40, 48)
 
 
 def test_the_launch_commits_the_lengths_only_when_asked(tiny_mla8):
