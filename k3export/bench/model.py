@@ -23,13 +23,15 @@ each hold `context` tokens (`Engine.decode`, state commit included). Backends:
               built with ARGMAX=1; the default runs the engine's argmax program after the launch). 12-05 07:51, H200:
               pipelined greedy 0.698 ms against 0.694, decode 0.747 against 0.735
     megakernel-argmax-after  the same with the launch's argmax keys taken after the phases, from the block's own
-              stores (`argmax=2`, ARGMAX=2; the LM head's tile loop as in the default). Not yet run on a GPU
+              stores (`argmax=2`, ARGMAX=2; the LM head's tile loop as in the default). 12-05 09:09, H100:
+              pipelined greedy 0.792 ms against 0.788
     megakernel-commit-lengths  the same with the step's lengths advanced by the launch's last block, not by the
-              engine's add after it (`commit_lengths=True`, COMMIT_LENGTHS=1). Not yet run on a GPU
+              engine's add after it (`commit_lengths=True`, COMMIT_LENGTHS=1). 12-05 09:09, H100: 0.791
     megakernel-argmax-after-commit  both (`argmax=2, commit_lengths=True`): neither the engine's argmax program nor
-              its lengths add after the greedy step's launch. Not yet run on a GPU
+              its lengths add after the greedy step's launch. 12-05 09:09, H100: 0.789
     megakernel-stream  the same without the engine's CUDA graphs: each step's launches go to the stream one by one
-              (`MegakernelBackend(cuda_graphs=False)`). Not yet run on a GPU
+              (`MegakernelBackend(cuda_graphs=False)`; its logits the default's bit for bit, 12-05 09:22). Not
+              yet timed
     megakernel-pdl  the same, each launch a programmatic dependent launch (`pdl=True`, chain.cu built with PDL=1):
               its blocks take the SMs, and its producers stream the first phase's weights, while the engine's argmax
               program before it runs (no CUDA graphs: the overlap is between kernels of one stream). Not yet run

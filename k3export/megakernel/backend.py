@@ -152,9 +152,10 @@ class MegakernelBackend:
         to `decode_`, and runs no argmax program of its own), the token `torch.argmax` of the logits gives (12-05
         cuda test, 16 steps) but no faster: pipelined greedy 0.698 ms against 0.694 on the H200, the plain decode
         launch 12-13 us slower for the code in the LM head's tile loop (12-05 07:51). argmax=2: chain.cu's ARGMAX=2,
-        the keys taken after the phases from the block's own stores, the tile loop untouched; built here, its GPU
-        test and timing not yet run (`gpu_pending.sh mkgreedy`). commit_lengths (with step_inputs; off by default,
-        written 12-05, not yet run on a GPU): chain.cu built with COMMIT_LENGTHS=1, the launch's last block adding
+        the keys taken after the phases from the block's own stores, the tile loop untouched (12-05 09:09, H100:
+        the right tokens, no faster, pipelined greedy 0.792 ms against 0.788). commit_lengths (with step_inputs;
+        off by default; 12-05 09:09, H100: right, no faster, 0.791 alone and 0.789 with argmax=2): chain.cu built
+        with COMMIT_LENGTHS=1, the launch's last block adding
         the engine's active flag to its lengths (`commits_lengths`: the engine passes `active` to `decode_` and
         runs no `lengths.add_` of its own: one kernel and a gap fewer a step). pdl (with step_inputs; off by
         default, written 12-05 morning, not yet run on a GPU): chain.cu built with PDL=1 and each launch a
