@@ -415,7 +415,10 @@ def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None, post: tuple | 
         if post is not None:
             post_reference(post, r)
         return r if out is None else out.copy_(r)
-    return launch_argmax(x, out, post=post, early=early and torch.cuda.get_device_capability(x.device)[0] >= 9)
+    if early:
+        from k3export.plugins.launch import pdl_capable
+        early = pdl_capable(x.device)
+    return launch_argmax(x, out, post=post, early=early)
 
 
 def launch_argmax(x: torch.Tensor, out: torch.Tensor | None = None, block: int = BLOCK,

@@ -153,6 +153,15 @@ def pdl(on: bool = True, moe: bool | None = None, early: bool | None = None):
         _pdl, _pdl_moe, _pdl_early = prev
 
 
+def pdl_capable(device: torch.device) -> bool:
+    """Whether CUDA device `device` has programmatic dependent launch (compute capability >= 9; queried once)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    ok = _pdl_capable.get(idx)
+    if ok is None:
+        ok = _pdl_capable[idx] = torch.cuda.get_device_capability(idx)[0] >= 9
+    return ok
+
+
 def pdl_args(t: torch.Tensor, moe: bool = False) -> dict:
     """`{"PDL": True, "launch_pdl": True}` for a kernel launched on t's device when the PDL switch is on (for a MoE
     kernel, `moe`, its MoE switch too), t is on a CUDA device of compute capability >= 9 and the launch is eager
@@ -161,11 +170,7 @@ def pdl_args(t: torch.Tensor, moe: bool = False) -> dict:
     if not _pdl or (moe and not _pdl_moe) or _traced or t.device.type != "cuda" \
             or os.environ.get("TRITON_INTERPRET") == "1":
         return {}
-    idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
-    ok = _pdl_capable.get(idx)
-    if ok is None:
-        ok = _pdl_capable[idx] = torch.cuda.get_device_capability(idx)[0] >= 9
-    if not ok:
+    if not pdl_capable(t.device):
         return {}
     env = os.environ.get("K3_PDL_EARLY")                  # read at each launch: an A/B switch over `pdl(early=)`
     early = _pdl_early if env is None else env == "1"

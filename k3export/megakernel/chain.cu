@@ -378,6 +378,10 @@ __device__ __forceinline__ uint64_t now_ns() {
 #define TMARK(tr, k) do { } while (0)
 #endif
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" ::"n"(CONSUMERS) : "memory"); }
+// STEP_INPUTS: a launch's epoch, the base plus the sequence's length
+__device__ __forceinline__ uint32_t step_epoch(const uint32_t* epoch_at, const int64_t* step_lengths) {
+    return epoch_at[0] + static_cast<uint32_t>(*step_lengths);
+}
 #if PDL                                 // (PDL: the kernel before this launch in the stream has completed)
 __device__ __forceinline__ void grid_dep_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 #endif
@@ -2112,7 +2116,7 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
     uint32_t epoch = 0;
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #elif STEP_INPUTS                           // this launch's epoch: the base plus the sequence's length
-    const uint32_t epoch = epoch_at[0] + static_cast<uint32_t>(*step_lengths);
+    const uint32_t epoch = step_epoch(epoch_at, step_lengths);
 #elif EPOCH_PTR
     const uint32_t epoch = *epoch_at;       // this launch's epoch, from device memory: a CUDA graph can replay it
 #endif
@@ -2199,7 +2203,7 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
 #if PDL
             if (!ready && (p > 0 || f.kind != GEMV || mode == SERIAL)) {
                 grid_dep_wait();
-                epoch = epoch_at[0] + static_cast<uint32_t>(*step_lengths);
+                epoch = step_epoch(epoch_at, step_lengths);
                 keys = static_cast<int>(*step_lengths) + 1;
                 ready = true;
             }
@@ -2284,7 +2288,7 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
     // ------------------------------------------------------------------------------------------ consumer warps
 #if PDL                                     // the step's inputs, once the kernel before this launch has completed
     grid_dep_wait();
-    epoch = epoch_at[0] + static_cast<uint32_t>(*step_lengths);
+    epoch = step_epoch(epoch_at, step_lengths);
     {
         const int32_t keys = static_cast<int32_t>(*step_lengths) + 1;   // the cache rows and the new one
         for (int64_t p = tid; p < nphase; p += CONSUMERS)

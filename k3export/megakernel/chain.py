@@ -1503,6 +1503,7 @@ class _LaunchConfig(ctypes.Structure):             # CUlaunchConfig
                 ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("nattrs", ctypes.c_uint)]
 
 
+_PDL_ON = _LaunchAttribute(id=PDL_ATTRIBUTE, value=1)      # (the one attribute every PDL launch passes)
 _C_TYPES = {"uint64": ctypes.c_uint64, "int64": ctypes.c_int64, "uint32": ctypes.c_uint32, "int32": ctypes.c_int32}
 _libcuda = None
 
@@ -1519,9 +1520,8 @@ def launch_pdl(fn, grid: int, block: int, smem: int, stream: int, args: tuple) -
                                               ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
     values = [_C_TYPES[a.dtype.name](a.item()) for a in args]
     params = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values])
-    attr = _LaunchAttribute(id=PDL_ATTRIBUTE, value=1)
     cfg = _LaunchConfig(grid=(ctypes.c_uint * 3)(grid, 1, 1), block=(ctypes.c_uint * 3)(block, 1, 1), shared=smem,
-                        stream=stream, attrs=ctypes.pointer(attr), nattrs=1)
+                        stream=stream, attrs=ctypes.pointer(_PDL_ON), nattrs=1)
     err = _libcuda.cuLaunchKernelEx(ctypes.byref(cfg), ctypes.c_void_p(fn.kernel.ptr), params, None)
     if err:
         raise RuntimeError(f"cuLaunchKernelEx (programmatic dependent launch) failed: CUresult {err}")
