@@ -443,6 +443,56 @@ def test_bench_model_rounds_pool_the_decode_samples(tmp_path):
     assert "Decode medians per round (ms): eager B 1 context 8: " in (out / "model.md").read_text()
 
 
+def test_bench_model_keeps_going_past_a_backend_that_fails_while_timed(tmp_path, monkeypatch):
+    """A backend that raises while timed (first pass, or a later --rounds round) is reported in `builds` and on the
+    bar, and the run goes on: the other backends' rows are written, and one that failed in round 2 keeps round 1.
+    (Two stand-ins for compile variants, both eager underneath, so that this runs in seconds.)"""
+    from click.testing import CliRunner
+    from k3export.bench import model as bm
+    from k3export.cli import main
+    from k3export.runtime import EagerBackend
+    make, run, samples = bm.make_backend, bm.run_backend, bm.decode_samples
+    monkeypatch.setattr(bm, "make_backend", lambda name, model, *a, **k: (EagerBackend(model), False, {})
+                        if name.startswith("compile") else make(name, model, *a, **k))
+    def run_backend(name, *a):
+        if name == "compile":
+            raise RuntimeError("launch failed: boom")
+        return run(name, *a)
+    calls = {"n": 0}
+    def decode_samples(backend, *a):
+        calls["n"] += 1
+        if calls["n"] > 2 and getattr(backend, "doomed", False):
+            raise RuntimeError("illegal address")
+        return samples(backend, *a)
+    orig_eager = EagerBackend.__init__
+    monkeypatch.setattr(bm, "run_backend", run_backend)
+    monkeypatch.setattr(bm, "decode_samples", decode_samples)
+    built = {"n": 0}
+    def init(self, model):
+        orig_eager(self, model)
+        built["n"] += 1
+        self.doomed = built["n"] == 3                                 # eager, compile, compile-frozen: the third
+    monkeypatch.setattr(EagerBackend, "__init__", init)
+    out = tmp_path / "bench"
+    threads = torch.get_num_threads()
+    r = CliRunner().invoke(main, ["bench", "model", "--backends", "eager,compile,compile-frozen", "--prefill-lengths",
+                                  "8", "--batches", "1", "--contexts", "8", "--warmup", "0", "--iters", "2",
+                                  "--rounds", "2", "--generate-tokens", "0", "--no-new-lengths", "--threads", "1",
+                                  "--device", "cpu", "--out", str(out)])
+    torch.set_num_threads(threads)
+    assert r.exit_code == 0, r.output
+    assert "compile: timing failed, its rows left out (RuntimeError: launch failed: boom)" in r.output
+    assert "compile-frozen: round 2 failed" in r.output
+    res = json.loads((out / "model.json").read_text())
+    builds = res["meta"]["builds"]
+    assert builds["compile"]["error"] == "timing: RuntimeError: launch failed: boom"
+    assert builds["compile-frozen"]["error"] == "round 2: RuntimeError: illegal address"
+    rows = {(x["phase"], x["backend"]): x for x in res["rows"]}
+    assert set(rows) == {("prefill", "eager"), ("decode", "eager"), ("prefill", "compile-frozen"),
+                         ("decode", "compile-frozen")}
+    assert len(rows["decode", "eager"]["rounds"]) == 2 and "rounds" not in rows["decode", "compile-frozen"]
+
+
 def test_bench_mla_table_and_plot(tmp_path):
     """`bench mla`'s markdown table and plot from decode rows (the GPU writes the rows; this checks the rendering):
     cache GB/s and TFLOP/s from the graph-replay time, baselines only where measured."""

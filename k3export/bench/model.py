@@ -319,14 +319,31 @@ def decode_row(row: dict, rounds: list[list[float]]) -> dict:
     return row
 
 
-def more_rounds(kept: list, rows: list[dict], model, args, bar) -> None:
+def failed(name: str, stage: str, e: Exception, bar) -> str:
+    """A backend that raised while being built or timed: said on the bar, and the text for its `builds` entry."""
+    bar.write(f"{name}: {stage} failed, its rows left out ({type(e).__name__}: {str(e)[:200]})")
+    return f"{stage}: {type(e).__name__}: {str(e)[:300]}"
+
+
+def more_rounds(kept: list, rows: list[dict], model, args, bar, builds: dict | None = None) -> None:
     """--rounds: the decode cases of every kept (name, backend, graphs) again, args["rounds"] - 1 times, the
-    backends' order rotated by one each round; each decode row pools its new samples (`decode_row`)."""
+    backends' order rotated by one each round; each decode row pools its new samples (`decode_row`). A backend
+    that raises in a later round keeps the rounds it finished, is noted in `builds` and is not run again."""
     by_key = {(r["backend"], r["batch"], r["context"]): r for r in rows if r["phase"] == "decode"}
+    dropped = set()
     for k in range(1, args["rounds"]):
         for name, backend, graphs in kept[k % len(kept):] + kept[:k % len(kept)]:
+            if name in dropped:
+                continue
             bar.set_postfix_str(f"{name}, round {k + 1}")
-            for (B, ctx), (ms, _) in decode_samples(backend, graphs, model, args, bar).items():
+            try:
+                samples = decode_samples(backend, graphs, model, args, bar)
+            except Exception as e:
+                dropped.add(name)
+                if builds is not None:
+                    builds.setdefault(name, {})["error"] = failed(name, f"round {k + 1}", e, bar)
+                continue
+            for (B, ctx), (ms, _) in samples.items():
                 r = by_key[(name, B, ctx)]
                 decode_row(r, r["_rounds"] + [ms])
 
@@ -534,13 +551,17 @@ def model_bench(ctx, preset, dtype, device, backends, prefill_lengths, batches, 
                 backend, graphs, info = make_backend(name, model, engines, profiles, lambda s: bar.write(s),
                                                      max_len=decode_len)
             except Exception as e:                                  # a backend that cannot build is reported
-                bar.write(f"{name}: not run ({type(e).__name__}: {str(e)[:200]})")
-                builds[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                builds[name] = {"error": failed(name, "build", e, bar)}
                 bar.update(len(args["prefill_lengths"]) + rounds * len(args["batches"]) * len(args["contexts"]))
                 continue
             builds[name] = info
             with dynamo_limit_watch() as watch:
-                rows += run_backend(name, backend, graphs, model, args, bw, rate, pb, bar)
+                try:
+                    rows += run_backend(name, backend, graphs, model, args, bw, rate, pb, bar)
+                except Exception as e:                              # so is one that fails while timed: its rows
+                    info["error"] = failed(name, "timing", e, bar)  # go, the other backends' rows stay
+                    del backend
+                    continue
             if watch["hits"]:                       # Dynamo fell back to running uncompiled: say so, loudly
                 info["dynamo_recompile_limit_hit"] = watch["hits"]
                 bar.write(f"WARNING {name}: Dynamo hit its recompile limit {watch['hits']} time(s): rows timed after "
@@ -553,7 +574,7 @@ def model_bench(ctx, preset, dtype, device, backends, prefill_lengths, batches, 
                 torch.cuda.empty_cache()
         if kept:
             with dynamo_limit_watch() as watch:
-                more_rounds(kept, rows, model, args, bar)
+                more_rounds(kept, rows, model, args, bar, builds)
             if watch["hits"]:
                 bar.write(f"WARNING: Dynamo hit its recompile limit {watch['hits']} time(s) in the later rounds")
             del kept
