@@ -196,7 +196,7 @@
 #   mkcommit (ran 12-05 09:09, H100: all 4 tests passed, none faster) ARGMAX=2 and COMMIT_LENGTHS (the greedy token's keys after the phases; the step's lengths
 #            moved by the launch): the cuda tests (tokens, ring posts and lengths against the engine's own, each
 #            build), then mkbench with megakernel and the three new variants, 300 steps, 3 rounds (~8 min in all)
-#   mkpdl    (not yet run) the launch as a programmatic dependent launch on a stream (PDL; no CUDA graphs): the
+#   mkpdl    (ran 12-05 13:00, H100: 3 passed, no faster) the launch as a programmatic dependent launch on a stream (PDL; no CUDA graphs): the
 #            greedy-token cuda tests (each build's logits, tokens, ring and lengths against the default's), then
 #            mkbench with megakernel, megakernel-stream, -pdl, -pdl-commit and -pdl-argmax-commit, 300 steps, 3
 #            rounds, then the pipelined greedy timeline of megakernel-pdl (~8 min in all)

@@ -30,14 +30,16 @@ each hold `context` tokens (`Engine.decode`, state commit included). Backends:
     megakernel-argmax-after-commit  both (`argmax=2, commit_lengths=True`): neither the engine's argmax program nor
               its lengths add after the greedy step's launch. 12-05 09:09, H100: 0.789
     megakernel-stream  the same without the engine's CUDA graphs: each step's launches go to the stream one by one
-              (`MegakernelBackend(cuda_graphs=False)`; its logits the default's bit for bit, 12-05 09:22). Not
-              yet timed
+              (`MegakernelBackend(cuda_graphs=False)`; its logits the default's bit for bit, 12-05 09:22). 12-05
+              13:00, H100: pipelined greedy 0.791 against the graph's 0.781; decode 1.027 against 0.803 (the
+              host's launch path is no longer hidden when each step is waited for)
     megakernel-pdl  the same, each launch a programmatic dependent launch (`pdl=True`, chain.cu built with PDL=1):
               its blocks take the SMs, and its producers stream the first phase's weights, while the engine's argmax
-              program before it runs (no CUDA graphs: the overlap is between kernels of one stream). Not yet run
-    megakernel-pdl-commit  the same with COMMIT_LENGTHS (no lengths add between launch and argmax). Not yet run
-    megakernel-pdl-argmax-commit  PDL with ARGMAX=2 and COMMIT_LENGTHS: launch after launch, nothing between. Not
-              yet run
+              program before it runs (no CUDA graphs: the overlap is between kernels of one stream). 12-05 13:00,
+              H100: right (bit for bit), no faster: pipelined greedy 0.791 against the graph's 0.781
+    megakernel-pdl-commit  the same with COMMIT_LENGTHS (no lengths add between launch and argmax). 13:00: 0.782
+    megakernel-pdl-argmax-commit  PDL with ARGMAX=2 and COMMIT_LENGTHS: launch after launch, nothing between.
+              13:00: 0.786
     megakernel-router-first  the same with each MoE's router rows early in its packed projection
               (`MegakernelBackend(router_first=True)`; 12-03 14:04, 300 steps: 0.784 ms against 0.808, pipelined
               generation 0.779 both)
