@@ -36,8 +36,8 @@ def lockstep(model, prompt: list[int], steps: int, max_len: int = 96, **kernel_k
     ker = mb.MegakernelBackend(model, max_len=max_len, prefill_backend=EagerBackend(model), **kernel_kw)
     engines = {name: Engine(be, max_batch=1, max_len=max_len, cuda_graphs=False) for name, be in
                (("emu", emu), ("kernel", ker))}
-    tok = {name: int(e.prefill([0], [prompt])[0].argmax()) for name, e in engines.items()}
-    token = tok["emu"]
+    for e in engines.values():                                 # (the same eager prefill, loaded by each)
+        token = int(e.prefill([0], [prompt])[0].argmax())
     phases = emu.bufs.chain.phases
     out = []
     for i in range(steps):
@@ -49,8 +49,7 @@ def lockstep(model, prompt: list[int], steps: int, max_len: int = 96, **kernel_k
         for p, ph in enumerate(phases):
             a, b = ker.bufs.out(p), emu.bufs.out(p)
             if ph.kind == "topk":
-                n = ph.ne
-                differ = sorted(set(a[:n].tolist()) ^ set(b[:n].tolist()))
+                differ = sorted(set(a[:ph.ne].tolist()) ^ set(b[:ph.ne].tolist()))
                 if differ:
                     diffs.append({"phase": p, "name": ph.name, "kind": ph.kind, "topk_differ": differ[:8]})
                 continue

@@ -158,8 +158,8 @@ class MegakernelBackend:
         with COMMIT_LENGTHS=1, the launch's last block adding
         the engine's active flag to its lengths (`commits_lengths`: the engine passes `active` to `decode_` and
         runs no `lengths.add_` of its own: one kernel and a gap fewer a step). pdl (with step_inputs; off by
-        default: right and no faster than the step's graph, 12-05 13:00 on an H100): chain.cu built with PDL=1 and each launch a
-        programmatic dependent launch (`chain.launch_pdl`), so that its blocks take the SMs, and its producers
+        default: right and no faster than the step's graph, 12-05 13:00 on an H100): chain.cu built with PDL=1
+        and each launch a programmatic dependent launch (`chain.launch_pdl`), so that its blocks take the SMs, and its producers
         stream the first phase's weights, while the kernel before it still runs (the engine's argmax program
         signals it first thing: `launches_pdl`). The overlap acts between kernels of one stream, and a CUDA graph
         a step puts a graph boundary before each launch, so pdl turns the engine's graphs off. cuda_graphs (None:
