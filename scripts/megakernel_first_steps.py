@@ -4,7 +4,9 @@
 H200 on 12-04): the first two steps' logits 0.0095 and 0.55 of the largest from the emulation's, the next three
 2e-7. This runs the kernel backend and the emulated backend in lockstep through two engines (the same prefill, the
 emulation's tokens fed to both) and after each step compares every phase's output of the kernel's buffers with the
-emulation's: the first phases that differ say where. Builds: the default (STEP_INPUTS) and the host-set inputs.
+emulation's: the first phases that differ say where; after the first step also each of the kernel's phases against
+the emulation of that phase on the kernel's own inputs (`first_step_errors`). Builds: the default (STEP_INPUTS) and
+the host-set inputs.
 
     python3 scripts/megakernel_first_steps.py [--prompts 64,130] [--steps 6] [--out diag.json]
 """
@@ -30,6 +32,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def lockstep(model, prompt: list[int], steps: int, max_len: int = 96, **kernel_kw) -> list[dict]:
     from k3export.megakernel import backend as mb
+    from k3export.megakernel import chain as mc
     from k3export.runtime import EagerBackend, Engine
     max_len = max(max_len, len(prompt) + steps + 1)        # (96: the cuda test's)
     emu = mb.MegakernelBackend(model, max_len=max_len, prefill_backend=EagerBackend(model), emulate=True)
@@ -45,6 +48,7 @@ def lockstep(model, prompt: list[int], steps: int, max_len: int = 96, **kernel_k
         for name, e in engines.items():
             logits[name] = e.decode(torch.tensor([token], device="cuda"))[0].float().clone()
         torch.cuda.synchronize()
+        own = ker.first_step_errors(token) if i == 0 else None     # (the kernel's phases on their own inputs)
         diffs = []
         for p, ph in enumerate(phases):
             a, b = ker.bufs.out(p), emu.bufs.out(p)
@@ -58,6 +62,8 @@ def lockstep(model, prompt: list[int], steps: int, max_len: int = 96, **kernel_k
                 diffs.append({"phase": p, "name": ph.name, "kind": ph.kind, "rel": r})
         row = {"step": i, "token": token, "logits_rel": rel(logits["kernel"], logits["emu"]),
                "kernel_token": int(logits["kernel"].argmax()), "phases_differing": len(diffs), "first": diffs[:12]}
+        if own is not None:
+            row["own_inputs"] = {"failed": mc.Buffers.failed(own), **own}
         print(json.dumps(row), flush=True)
         out.append(row)
         token = int(logits["emu"].argmax())

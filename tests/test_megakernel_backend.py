@@ -25,17 +25,32 @@ def _eager_tokens(model, prompts, n, max_len):
     return Generator(Engine(EagerBackend(model), max_batch=1, max_len=max_len)).generate(prompts, n)
 
 
-def test_the_emulated_backend_gives_eager_tokens_request_after_request(tiny_mla8):
-    """Two requests one after the other through `Generator` (greedy, 6 tokens each): the backend's tokens equal
-    the eager engine's; the second request starts from its own prefill (the kernel's layouts reloaded), not from
-    the first request's state; the engine's MLA cache holds the rows the backend appended."""
+def test_the_emulated_backend_serves_request_after_request(tiny_mla8):
+    """Two requests one after the other through `Generator` (greedy, 6 tokens each): each request's tokens equal
+    those of a fresh backend serving it alone (the second starts from its own prefill, the kernel's layouts
+    reloaded, not from the first request's state), and its first two (the prefill's, then the first step's from the
+    same loaded states) equal the eager engine's; the engine's MLA cache holds the rows the backend appended.
+    Later tokens are not held to eager's: the emulation's sums run in other orders, and on this random bf16 model a
+    router then and again picks between experts whose scores differ by less than that noise. 12-05, a CPU with AMX
+    (torch 2.13): eager's 6th token of the first request 158 (fp64's too), the emulation's 126, after layer 5's
+    router had chosen differently at the 2nd and 3rd decode steps (eager's margin at the 16th expert 0.0017 and
+    0.00043) and layer 6's at the 5th (0.0061); eager bf16 itself is 0.02-0.17 of the largest logit from fp64 on
+    those steps."""
     cfg, model = tiny_mla8
     want = _eager_tokens(model, PROMPTS, 6, 40)
-    be = mb.MegakernelBackend(model, max_len=40, prefill_backend=EagerBackend(model), emulate=True)
-    eng = Engine(be, max_batch=1, max_len=40)
-    got = Generator(eng).generate(PROMPTS, 6)
-    assert got == want
+
+    def served(prompts):
+        be = mb.MegakernelBackend(model, max_len=40, prefill_backend=EagerBackend(model), emulate=True)
+        eng = Engine(be, max_batch=1, max_len=40)
+        return be, eng, Generator(eng).generate(prompts, 6)
+    be, eng, got = served(PROMPTS)
+    alone = [served([p])[2][0] for p in PROMPTS]
+    assert got == alone
+    assert [t[:2] for t in got] == [t[:2] for t in want], (got, want)
     assert be.steps == 2 * 5                      # (each request: the prefill, then 5 decode steps)
+    assert be.steps_since_load == 5
+    with pytest.raises(ValueError, match="no launch to check"):       # (the GPU test checks the kernel's)
+        be.first_step_errors(5)
     # the engine's cache rows of the last request equal the kernel's own cache rows
     n = len(PROMPTS[1]) + 5
     assert eng.state.lengths.tolist() == [n]
@@ -321,23 +336,23 @@ def _small_model_and_prompts(seed: int, *lengths: int):
 def test_the_kernel_backend_follows_its_emulation_on_k3_small(variant):
     """k3-small on the GPU through the engine: a 64-token prompt's prefill loaded into the kernel's layouts, then 8
     steps, the same tokens fed to the kernel backend (launched, and replayed as the engine's CUDA graph), the
-    emulated backend and eager (the emulation's greedy tokens). Each launch's phases equal their emulation
-    (`megakernel_layer.py --greedy`), so the first step's logits do too up to the fp32 sums' order (measured under
-    5e-5 of the largest, 12-03 08:53; asserted within 1e-4). The KDA states carried are not bit-equal (fp32 sums in
-    another order, ~1e-7), and a random model amplifies the bf16 roundings they move over 12 layers and 11 routers
-    (0.012-1.6 later in that run, as the kernel against the model's own decode from the same states: `--greedy 8
-    --follow`), so the later steps are reported only.
+    emulated backend and eager (the emulation's greedy tokens). The first launch's phases each equal their
+    emulation on the launch's own inputs (`first_step_errors`, as `megakernel_layer.py --greedy` checks every
+    launch): fp32 sums in other orders within CHECK_REL, top-k sets and appended rows equal, KDA and mix within
+    their bounds. The logits are reported, not asserted: one bf16 rounding that such a sum tips early in the chain
+    is amplified by a random model's 12 layers and 11 routers (the first step's logits 2.4e-7 of the largest from
+    the emulation's on an H200, 12-03 19:10; 0.0095 on an H100, 12-05 19:15, with every phase within bounds), and
+    the KDA states carried are not bit-equal either (~1e-7), so later steps differ by 0.012-1.6.
     The kernel reads and appends the MLA rows in the engine's own cache (`bind_engine_cache`): its 8 new rows are
-    written there, equal between the launched and the graphed runs, and the first step's within two bf16 ulps (at
-    the rows' largest element) of the emulation's (the layers before are fp32 sums in another order).
-    The default build's attention runs on tensor cores (`attn_mma`: fp32 sums in other orders; passed 12-03 19:10,
-    first step 2.4e-7); the CUDA-core tile (`attn_mma=False`) is held to the same bounds."""
+    written there and equal between the launched and the graphed runs (the step replayed is the step launched, bit
+    for bit). The default build's attention runs on tensor cores (`attn_mma`); the CUDA-core tile
+    (`attn_mma=False`) is held to the same bounds."""
     model, (prompt,) = _small_model_and_prompts(1, 64)
     kernel = mb.MegakernelBackend(model, max_len=96, prefill_backend=EagerBackend(model), **variant)
     backends = {"emulated": mb.MegakernelBackend(model, max_len=96, prefill_backend=EagerBackend(model),
                                                  emulate=True),
                 "kernel": kernel, "kernel, CUDA graph": kernel, "eager": EagerBackend(model)}
-    tokens, logits, rows = None, {}, {}
+    tokens, logits, rows, first_step = None, {}, {}, None
     for name, be in backends.items():
         eng = Engine(be, max_batch=1, max_len=96, cuda_graphs=name == "kernel, CUDA graph")
         assert eng.graphed == (name == "kernel, CUDA graph"), eng.graph_error
@@ -347,6 +362,8 @@ def test_the_kernel_backend_follows_its_emulation_on_k3_small(variant):
             got.append(eng.decode(torch.tensor([feed[i]], device="cuda"))[0].float().clone())
             if tokens is None:
                 feed.append(int(got[-1].argmax()))
+            if name == "kernel" and i == 0:
+                first_step = kernel.first_step_errors(feed[0])
         tokens = tokens or feed[1:]
         logits[name] = got
         rows[name] = eng.state.mla_cache[:, 0, 64:72].float().clone()        # (the 8 steps' new rows)
@@ -361,13 +378,13 @@ def test_the_kernel_backend_follows_its_emulation_on_k3_small(variant):
     print("kernel argmax", [int(v.argmax()) for v in logits["kernel"]], "eager", [int(v.argmax()) for v in
                                                                               logits["eager"]])
     print("kernel vs emulation", [f"{v:.3g}" for v in vs_emu], "vs eager", [f"{v:.3g}" for v in vs_eager])
+    print("first step's phases on their own inputs", first_step)
     assert all(torch.isfinite(v).all() for v in logits["kernel"])
-    assert vs_emu[0] <= 1e-4, vs_emu
+    assert not mc.Buffers.failed(first_step), first_step
     assert torch.equal(rows["kernel, CUDA graph"], rows["kernel"])
     assert all(bool(rows["kernel"][:, i].abs().amax(-1).gt(0).all()) for i in range(8)), "a step's row is unwritten"
-    row0 = rel(rows["kernel"][:, 0], rows["emulated"][:, 0])
+    row0 = rel(rows["kernel"][:, 0], rows["emulated"][:, 0])     # (reported: `first_step_errors` checks the rows)
     print("first step's new MLA rows, kernel vs emulation (of the largest):", f"{row0:.3g}")
-    assert row0 <= 2 ** -6
 
 
 def test_megakernel_engine_directories_are_refused_where_they_cannot_run(tmp_path, tiny_mla8):

@@ -204,6 +204,7 @@ class MegakernelBackend:
         self._n_index = torch.tensor([p * len(mc.FIELDS) + n_col for p in self.attn], device=self.device)
         self.loaded = False                  # the kernel holds the engine's sequence (else: load it first)
         self.steps = 0                       # decode steps run
+        self.steps_since_load = 0            # ... since the engine's sequence was last loaded (`first_step_errors`)
         # (the emulation reads the device on the host; a PDL launch overlaps the kernel before it in a stream, not
         # across graph launches)
         self.cuda_graphs = not emulate and (not pdl if cuda_graphs is None else bool(cuda_graphs))
@@ -237,7 +238,9 @@ class MegakernelBackend:
                 if self.kernel.step_inputs:
                     self.kernel.start_sequence(length)
             self.loaded = True
+            self.steps_since_load = 0
         self.steps += 1
+        self.steps_since_load += 1
 
     def bind_engine_cache(self, state) -> None:
         """Point the kernel's attention phases at the engine's MLA cache (sequence 0's rows of each layer's slot):
@@ -306,6 +309,37 @@ class MegakernelBackend:
         else:
             self.kernel.launch("stream")
         return self.logits[None], None            # (the rows: in the engine's cache, `bind_engine_cache`)
+
+    def first_step_errors(self, token: int) -> dict:
+        """After the first decode step since the engine's sequence was loaded, fed `token`: that launch's phases
+        against their emulation on the launch's own inputs (`Buffers.errors`: each output from the x the kernel
+        read, fp32 sums in another order within CHECK_REL; top-k sets, the appended rows and the mix weights
+        equal; KDA steps and mix outputs within their bounds; no row unwritten); `Buffers.failed` says whether they
+        fail the kernel. Only then: later launches start from the states the kernel carries in its own layouts,
+        which the emulation's copies do not follow. This check is robust where comparing logits is not: one rounding
+        that an fp32 sum in another order tips early in the chain moves a random model's logits by ~1e-2 (12-05
+        19:15, H100: the first step's logits 0.0095 of the largest from the emulation's, every phase within these
+        bounds: GEMVs 3.8e-7, routed 3.1e-7, attention 3.6e-7, top-k sets equal, one KDA output 1 bf16 ulp off)."""
+        if self.kernel is None:
+            raise ValueError("megakernel backend: an emulation has no launch to check")
+        if self.steps_since_load != 1:
+            raise ValueError(f"megakernel backend: first_step_errors checks the first step after the sequence's "
+                             f"load; {self.steps_since_load} steps have run since")
+        self.kernel.check()
+        torch.cuda.synchronize(self.device)
+        b, k = self.bufs, self.kernel
+        if not 0 <= token < self.embed.shape[0]:
+            raise ValueError(f"megakernel backend: token {token} is outside the vocabulary ({self.embed.shape[0]})")
+        if k.step_inputs:     # (the launch read its token's row itself; the checks read b.x, which it left alone)
+            b.x.copy_(self.embed[token])
+            # the copy of each conv window it wrote: its epoch's, the base plus the length
+            length = b.chain.phases[self.attn[0]].n - 1          # (`load_model_state`'s `set_cache_len`)
+            b.kda_conv_out = ((int(k.epoch_dev[0]) + length) & 1) ^ 1
+        for p in self.attn:                   # (the launch appended its new row to the engine's cache, not b's)
+            n = b.chain.phases[p].n
+            slot = self.model.state_slot[ml.layer_of(b.chain.phases[p].name)]
+            b.cache[p][n - 1] = self._engine_cache[slot, 0, n - 1]
+        return b.errors()
 
     def check(self) -> None:
         """Raise if a launch so far gave up waiting (a kernel error, not an input error; reads the device)."""
