@@ -249,15 +249,25 @@ def test_bucketed_prefill_equals_unpadded(model, max_prefill_tokens):
         backend.prefill_last = lambda *a, real=real, calls=calls: calls.append(a[0].shape[1]) or real(*a)
         eng = Engine(backend, max_batch=2, max_len=80, prefill_buckets=on)
         last = eng.prefill([0, 1], prompts)
-        runs[on] = (last, {k: getattr(eng.state, k) for k in ("kda_conv", "kda_state", "lengths")},
-                    eng.state.mla_cache[:, :, :37], eng.state.mla_cache[:, :, 37:].abs().max(), calls)
-    (l0, s0, c0, _, calls0), (l1, s1, c1, pad1, calls1) = runs[False], runs[True]
+        runs[on] = (last, {k: getattr(eng.state, k).clone() for k in ("kda_conv", "kda_state", "lengths")},
+                    eng.state.mla_cache[:, :, :37].clone(), eng.state.mla_cache[:, :, 37:].abs().max(), calls)
+        tok, greedy = last.argmax(-1), []
+        for _ in range(4):
+            tok = eng.decode(tok).argmax(-1)
+            greedy.append(tok.tolist())
+        runs[on] += (greedy,)
+    (l0, s0, c0, _, calls0, g0), (l1, s1, c1, pad1, calls1, g1) = runs[False], runs[True]
+    assert g1 == g0
     assert calls0 == [37] and calls1 == ([64] if max_prefill_tokens is None else [40])
     assert pad1 == 0                                                    # nothing written past a prompt's rows
-    assert (l1 - l0).abs().max() <= 1e-5 * l0.abs().max()
+    # fp32 GEMMs of 64 rows and of 37 need not round alike: each tensor within 1e-5 of its largest magnitude (12-05,
+    # the CI suite on a 2-core AMX CPU: 2 of the 6912 conv-window values 2.1e-6 apart, the windows' largest ~3; the
+    # test alone there, bit for bit)
+    close = lambda a, b: bool((a.float() - b.float()).abs().max() <= 1e-5 * b.float().abs().max())
+    assert close(l1, l0)
     for k in s0:
-        assert torch.allclose(s1[k].float(), s0[k].float(), rtol=1e-5, atol=1e-6), k
-    assert torch.allclose(c1, c0, rtol=1e-5, atol=1e-6)
+        assert close(s1[k], s0[k]), k
+    assert close(c1, c0)
 
 
 def test_batch_bucket():

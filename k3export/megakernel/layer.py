@@ -408,7 +408,8 @@ def top2_gap(logits: torch.Tensor) -> float:
 def routes_differ(bufs: mc.Buffers, topks: list[int], moes: dict, seen: dict) -> list[dict]:
     """The MoE layers whose experts the kernel (or its emulation) chose differently from the model's router on the
     model's own router input (`seen`: layer -> x [d]), each with the kernel's own margin at the cut: its k-th and
-    (k+1)-th largest biased scores' difference (a near tie flips on bf16-sized differences of the input)."""
+    (k+1)-th largest biased scores' difference, and the k-th itself (`kernel_cut`: a margin under one bf16 step
+    there is a tie that bf16-sized differences of the input flip)."""
     res = []
     for p in topks:
         ph, l = bufs.chain.phases[p], layer_of(bufs.chain.phases[p].name)
@@ -420,7 +421,7 @@ def routes_differ(bufs: mc.Buffers, topks: list[int], moes: dict, seen: dict) ->
             keys = bufs.x_of(p)[:ph.xlen].float().sort(descending=True).values
             res.append({"layer": l, "kernel_only": sorted(set(kern) - set(model_ids)),
                         "model_only": sorted(set(model_ids) - set(kern)),
-                        "kernel_margin": float(keys[ph.ne - 1] - keys[ph.ne])})
+                        "kernel_margin": float(keys[ph.ne - 1] - keys[ph.ne]), "kernel_cut": float(keys[ph.ne - 1])})
     return res
 
 
