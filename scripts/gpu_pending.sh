@@ -200,6 +200,8 @@
 #            greedy-token cuda tests (each build's logits, tokens, ring and lengths against the default's), then
 #            mkbench with megakernel, megakernel-stream, -pdl, -pdl-commit and -pdl-argmax-commit, 300 steps, 3
 #            rounds, then the pipelined greedy timeline of megakernel-pdl (~8 min in all)
+#   mkcheck  the backend's test against its emulation (the first launch's phases on their own inputs,
+#            `first_step_errors`), scripts/megakernel_first_steps.py --steps 1, then mkbench compile, megakernel
 #   mkbench  bench model eager, compile, megakernel at B = 1, context 1024 ($MKBENCH_BACKENDS; $MKBENCH_ROUNDS
 #            decode rounds, the backends' order rotated each round)
 #   profile  scripts/profile_decode.py --backend $PROFILE_BACKEND (default compile): kernels per decode step, and the
@@ -583,6 +585,11 @@ for part in $parts; do
            rm -f "$OUT/mkbench/model.partial.json"
            timeout 150 python3 scripts/profile_decode.py --backend megakernel-pdl --timeline --generate 6 --top 10 \
              > "$OUT/mkpdl-profile.log" 2>&1 ;;
+    mkcheck) timeout 240 python3 -m pytest -q -m cuda tests/test_megakernel_backend.py -k follows_its_emulation -s -rs \
+             -p no:cacheprovider > "$OUT/mkcheck-tests.log" 2>&1
+           timeout 150 python3 scripts/megakernel_first_steps.py --prompts 64 --steps 1 --out "$OUT/mkcheck-diag.json" \
+             > "$OUT/mkcheck-diag.log" 2>&1
+           MKBENCH_BACKENDS=compile,megakernel MKBENCH_ITERS=300 MKBENCH_ROUNDS=3 MKBENCH_TIMEOUT=300 bash "$0" mkbench ;;
     mkbench) timeout ${MKBENCH_TIMEOUT:-400} python3 -m k3export.cli bench model --preset k3-small --dtype bf16 \
              --backends ${MKBENCH_BACKENDS:-eager,compile,megakernel} --prefill-lengths 2048 --batches 1 \
              --contexts 1024 --warmup 3 --iters 5 --decode-iters ${MKBENCH_ITERS:-100} --rounds ${MKBENCH_ROUNDS:-1} \
