@@ -445,7 +445,8 @@ def test_bench_model_rounds_pool_the_decode_samples(tmp_path):
 
 def test_bench_model_keeps_going_past_a_backend_that_fails_while_timed(tmp_path, monkeypatch):
     """A backend that raises while timed (first pass, or a later --rounds round) is reported in `builds` and on the
-    bar, and the run goes on: the other backends' rows are written, and one that failed in round 2 keeps round 1.
+    bar, and the run goes on: the other backends' rows are written, one that failed in round 2 keeps round 1, and the
+    bar still ends full (a failed backend's cases counted as skipped).
     (Two stand-ins for compile variants, both eager underneath, so that this runs in seconds.)"""
     from click.testing import CliRunner
     from k3export.bench import model as bm
@@ -473,14 +474,22 @@ def test_bench_model_keeps_going_past_a_backend_that_fails_while_timed(tmp_path,
         built["n"] += 1
         self.doomed = built["n"] == 3                                 # eager, compile, compile-frozen: the third
     monkeypatch.setattr(EagerBackend, "__init__", init)
+    import tqdm
+    bars = []
+    class Bar(tqdm.tqdm):
+        def close(self):
+            bars.append((self.n, self.total))
+            super().close()
+    monkeypatch.setattr(tqdm, "tqdm", Bar)
     out = tmp_path / "bench"
     threads = torch.get_num_threads()
     r = CliRunner().invoke(main, ["bench", "model", "--backends", "eager,compile,compile-frozen", "--prefill-lengths",
-                                  "8", "--batches", "1", "--contexts", "8", "--warmup", "0", "--iters", "2",
-                                  "--rounds", "2", "--generate-tokens", "0", "--no-new-lengths", "--threads", "1",
+                                  "8", "--batches", "1,2", "--contexts", "8", "--warmup", "0", "--iters", "2",
+                                  "--rounds", "3", "--generate-tokens", "0", "--no-new-lengths", "--threads", "1",
                                   "--device", "cpu", "--out", str(out)])
     torch.set_num_threads(threads)
     assert r.exit_code == 0, r.output
+    assert bars == [(3 * (1 + 3 * 2), 3 * (1 + 3 * 2))]    # the bar ends full: the failed backends' cases skipped
     assert "compile: timing failed, its rows left out (RuntimeError: launch failed: boom)" in r.output
     assert "compile-frozen: round 2 failed" in r.output
     res = json.loads((out / "model.json").read_text())
@@ -490,7 +499,7 @@ def test_bench_model_keeps_going_past_a_backend_that_fails_while_timed(tmp_path,
     rows = {(x["phase"], x["backend"]): x for x in res["rows"]}
     assert set(rows) == {("prefill", "eager"), ("decode", "eager"), ("prefill", "compile-frozen"),
                          ("decode", "compile-frozen")}
-    assert len(rows["decode", "eager"]["rounds"]) == 2 and "rounds" not in rows["decode", "compile-frozen"]
+    assert len(rows["decode", "eager"]["rounds"]) == 3 and "rounds" not in rows["decode", "compile-frozen"]
 
 
 def test_bench_mla_table_and_plot(tmp_path):

@@ -338,10 +338,12 @@ def more_rounds(kept: list, rows: list[dict], model, args, bar, builds: dict | N
             if name in dropped:
                 continue
             bar.set_postfix_str(f"{name}, round {k + 1}")
+            start = bar.n
             try:
                 samples = decode_samples(backend, graphs, model, args, bar)
             except Exception as e:
-                dropped.add(name)
+                dropped.add(name)                    # (its cases of this round and the later ones: skipped)
+                bar.update(start + (args["rounds"] - k) * len(args["batches"]) * len(args["contexts"]) - bar.n)
                 if builds is not None:
                     builds.setdefault(name, {})["error"] = failed(name, f"round {k + 1}", e, bar)
                 continue
@@ -543,18 +545,20 @@ def model_bench(ctx, preset, dtype, device, backends, prefill_lengths, batches, 
     decode_len = max(max(args["contexts"]) + len(args["contexts"]) * (warmup + args["decode_iters"]) + 2,
                      min(args["contexts"]) + generate_tokens + 2)
     rows, builds = [], {}
-    n_cases = len(names) * (len(args["prefill_lengths"]) + rounds * len(args["batches"]) * len(args["contexts"]) +
-                            2 * bool(generate_tokens))
+    per_backend = (len(args["prefill_lengths"]) + rounds * len(args["batches"]) * len(args["contexts"]) +
+                   2 * bool(generate_tokens))
+    n_cases = len(names) * per_backend
     kept = []                                                   # (name, backend, graphs) for --rounds
     with tqdm(total=n_cases, desc="bench model", unit="case") as bar:
         for name in names:
             bar.set_postfix_str(name)
+            start = bar.n                                           # (a backend that fails skips its other cases)
             try:
                 backend, graphs, info = make_backend(name, model, engines, profiles, lambda s: bar.write(s),
                                                      max_len=decode_len)
             except Exception as e:                                  # a backend that cannot build is reported
                 builds[name] = {"error": failed(name, "build", e, bar)}
-                bar.update(len(args["prefill_lengths"]) + rounds * len(args["batches"]) * len(args["contexts"]))
+                bar.update(start + per_backend - bar.n)
                 continue
             builds[name] = info
             with dynamo_limit_watch() as watch:
@@ -562,6 +566,7 @@ def model_bench(ctx, preset, dtype, device, backends, prefill_lengths, batches, 
                     rows += run_backend(name, backend, graphs, model, args, bw, rate, pb, bar)
                 except Exception as e:                              # so is one that fails while timed: its rows
                     info["error"] = failed(name, "timing", e, bar)  # go, the other backends' rows stay
+                    bar.update(start + per_backend - bar.n)
                     del backend
                     continue
             if watch["hits"]:                       # Dynamo fell back to running uncompiled: say so, loudly
