@@ -1,6 +1,7 @@
 """Engine directories: each CPU backend gives eager's greedy tokens on k3-tiny; bad directories are refused."""
 
 import json
+import shlex
 import shutil
 from pathlib import Path
 
@@ -439,7 +440,12 @@ def test_bench_model_rounds_pool_the_decode_samples(tmp_path):
     assert len(dec["rounds"]) == 3 and all(v > 0 for v in dec["rounds"]) and "rounds" not in rows[0]
     assert dec["p10"] <= dec["ms"] <= dec["p90"] and dec["x_floor"] == pytest.approx(dec["ms"] / dec["floor_ms"])
     assert not any(k.startswith("_") for x in rows for k in x)
-    assert "--rounds 3" in json.loads((out / "model.json").read_text())["meta"]["command"]
+    cmd = json.loads((out / "model.json").read_text())["meta"]["command"]
+    assert "--rounds 3" in cmd and "--no-new-lengths" in cmd and "False" not in cmd
+    from k3export.bench.model import model_bench         # the recorded command parses as the options it ran with
+    assert shlex.split(cmd)[:3] == ["k3export", "bench", "model"]
+    again = model_bench.make_context("model", shlex.split(cmd)[3:]).params
+    assert again["rounds"] == 3 and again["new_lengths"] is False and again["out"] == out
     assert "Decode medians per round (ms): eager B 1 context 8: " in (out / "model.md").read_text()
 
 

@@ -89,6 +89,7 @@ from __future__ import annotations
 import datetime
 import json
 import platform
+import shlex
 import statistics
 import time
 from pathlib import Path
@@ -319,6 +320,23 @@ def decode_row(row: dict, rounds: list[list[float]]) -> dict:
     if len(rounds) > 1:
         row["rounds"] = [statistics.median(r) for r in rounds]
     return row
+
+
+def command_line(ctx, prefix: str, skip: tuple[str, ...] = ()) -> str:
+    """The command that reruns this one: `prefix`, then every option set (given or by default) as its user types it,
+    a flag pair by the name of its value (`--no-new-lengths`, not `--new-lengths False`)."""
+    parts = [prefix]
+    for p in ctx.command.params:
+        v = ctx.params.get(p.name)
+        if p.name in skip or v is None or not isinstance(p, click.Option):
+            continue
+        if p.is_flag:
+            name = p.opts[0] if v else (p.secondary_opts or [None])[0]
+            if name:
+                parts.append(name)
+        else:
+            parts.append(f"{p.opts[0]} {shlex.quote(str(v))}")
+    return " ".join(parts)
 
 
 def failed(name: str, stage: str, e: Exception, bar) -> str:
@@ -587,8 +605,7 @@ def model_bench(ctx, preset, dtype, device, backends, prefill_lengths, batches, 
             del kept
     rows = public(rows)
     add_speedups(rows)
-    cmd = "k3export bench model " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in ctx.params.items()
-                                             if k != "layer" and v is not None)
+    cmd = command_line(ctx, "k3export bench model", skip=("layer",))
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "machine": where,
             "command": cmd, "preset": preset, "dtype": dtype, "copy_gb_s": bw / 1e9,
             "matmul_tflops": rate / 1e12 if rate else None, "param_bytes": pb, "builds": builds}
