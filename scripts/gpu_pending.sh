@@ -202,6 +202,8 @@
 #            rounds, then the pipelined greedy timeline of megakernel-pdl (~8 min in all)
 #   mkcheck  the backend's test against its emulation (the first launch's phases on their own inputs,
 #            `first_step_errors`), scripts/megakernel_first_steps.py --steps 1, then mkbench compile, megakernel
+#   mkhead   the megakernel layer file's cuda tests at HEAD (test_greedy_steps_in_the_kernel_from_the_models_prefill
+#            among them, never run on a GPU before 12-06), then mkbench compile, megakernel (300 steps, 3 rounds)
 #   mkbench  bench model eager, compile, megakernel at B = 1, context 1024 ($MKBENCH_BACKENDS; $MKBENCH_ROUNDS
 #            decode rounds, the backends' order rotated each round)
 #   profile  scripts/profile_decode.py --backend $PROFILE_BACKEND (default compile): kernels per decode step, and the
@@ -590,6 +592,9 @@ for part in $parts; do
            timeout 150 python3 scripts/megakernel_first_steps.py --prompts 64 --steps 1 --out "$OUT/mkcheck-diag.json" \
              > "$OUT/mkcheck-diag.log" 2>&1
            MKBENCH_BACKENDS=compile,megakernel MKBENCH_ITERS=300 MKBENCH_ROUNDS=3 MKBENCH_TIMEOUT=300 bash "$0" mkbench ;;
+    mkhead) timeout ${MKHEAD_TIMEOUT:-330} python3 -m pytest -q -m cuda tests/test_megakernel_layer.py -s -rs --durations=0 \
+             -p no:cacheprovider > "$OUT/mkhead-tests.log" 2>&1
+           MKBENCH_BACKENDS=compile,megakernel MKBENCH_ITERS=300 MKBENCH_ROUNDS=3 MKBENCH_TIMEOUT=220 bash "$0" mkbench ;;
     mkbench) timeout ${MKBENCH_TIMEOUT:-400} python3 -m k3export.cli bench model --preset k3-small --dtype bf16 \
              --backends ${MKBENCH_BACKENDS:-eager,compile,megakernel} --prefill-lengths 2048 --batches 1 \
              --contexts 1024 --warmup 3 --iters 5 --decode-iters ${MKBENCH_ITERS:-100} --rounds ${MKBENCH_ROUNDS:-1} \
@@ -597,7 +602,7 @@ for part in $parts; do
              --no-new-lengths --out "$OUT/mkbench" > "$OUT/mkbench.log" 2>&1 ;;
     profile) timeout 150 python3 scripts/profile_decode.py --backend ${PROFILE_BACKEND:-compile} ${PROFILE_ARGS:-} \
              > "$OUT/profile.log" 2>&1 ;;
-    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe trtfp8 fp8eng grouped grpsmall fp8comp overlap chain layer step attnres abmix gmla greedy greedy64 mkback mkinputs mkstep mkcache mkfinal mkrouter mkpair mkargmax mksleep mkrun mkblocks mkattn mkheads mklive mktrace mktiles mksums mkmma mkmmafinal mkcombine mksample mkpost mkgapart mkxparts mkab mkdefs mkgreedy mkcommit mkpdl mkbench profile)"; continue ;;
+    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe trtfp8 fp8eng grouped grpsmall fp8comp overlap chain layer step attnres abmix gmla greedy greedy64 mkback mkinputs mkstep mkcache mkfinal mkrouter mkpair mkargmax mksleep mkrun mkblocks mkattn mkheads mklive mktrace mktiles mksums mkmma mkmmafinal mkcombine mksample mkpost mkgapart mkxparts mkab mkdefs mkgreedy mkcommit mkpdl mkcheck mkhead mkbench profile)"; continue ;;
   esac
   echo "$part: exit $? in $((SECONDS - t)) s" | tee -a "$OUT/pending.log"
   tail -4 "$OUT/$part.log" 2>/dev/null
