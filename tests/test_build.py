@@ -5,6 +5,7 @@ import shlex
 import shutil
 from pathlib import Path
 
+import click
 import pytest
 import torch
 
@@ -506,6 +507,40 @@ def test_bench_model_keeps_going_past_a_backend_that_fails_while_timed(tmp_path,
     assert set(rows) == {("prefill", "eager"), ("decode", "eager"), ("prefill", "compile-frozen"),
                          ("decode", "compile-frozen")}
     assert len(rows["decode", "eager"]["rounds"]) == 3 and "rounds" not in rows["decode", "compile-frozen"]
+
+
+def test_every_bench_records_a_command_that_reruns_it():
+    """Each `bench` subcommand records `command_line(ctx, ...)` with its results (not sys.argv, which under a test
+    runner is the runner's). For every subcommand, with its defaults and with each non-default value this test can
+    make (a flag flipped, a choice's other value, a number changed), the recorded line parses back into the same
+    options."""
+    from k3export.bench import bench, command_line
+    checked = 0
+    for name, cmd in bench.commands.items():
+        cases = [[]]
+        for p in cmd.params:
+            if not isinstance(p, click.Option):
+                continue
+            if p.is_flag:
+                cases.append([p.opts[0]] if not p.default else list(p.secondary_opts[:1]))
+            elif isinstance(p.type, click.Choice):
+                other = [c for c in p.type.choices if c != p.default]
+                cases.append([p.opts[0], other[0]] if other else [])
+            elif isinstance(p.type, (click.types.IntParamType, click.types.FloatParamType)):
+                cases.append([p.opts[0], "3"])
+            elif p.type is click.STRING or isinstance(p.type, click.Path):
+                cases.append([p.opts[0], "a b,c"])      # (a space: quoted)
+        for args in cases:
+            try:
+                ctx = cmd.make_context(name, list(args))
+            except click.BadParameter:              # (a value its option's check refuses: not a case)
+                continue
+            checked += 1
+            line = command_line(ctx, f"k3export bench {name}")
+            assert shlex.split(line)[:3] == ["k3export", "bench", name], line
+            again = cmd.make_context(name, shlex.split(line)[3:]).params
+            assert again == ctx.params, (name, args, line)
+    assert len(bench.commands) >= 6 and checked >= 50, (sorted(bench.commands), checked)
 
 
 def test_bench_mla_table_and_plot(tmp_path):

@@ -25,14 +25,14 @@ import copy
 import datetime
 import functools
 import json
-import sys
 import time
 from pathlib import Path
 
 import click
 import torch
 
-from k3export.bench import bench, require_cuda
+from k3export.bench import bench, command_line, require_cuda
+from k3export.manifest import atomic_write
 
 
 @torch.no_grad()
@@ -541,8 +541,9 @@ def fp8_bench(preset, batches, context, prefill_tokens, report_tokens, noise_dty
     outdir = Path(out)
     outdir.mkdir(parents=True, exist_ok=True)
     res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "machine": machine(), "command": " ".join(["k3export", *sys.argv[1:]]), "preset": preset}
-    save = lambda: (outdir / "fp8.json").write_text(json.dumps(res, indent=2))          # noqa: E731
+           "machine": machine(), "command": command_line(click.get_current_context(), "k3export bench fp8"),
+           "preset": preset}
+    save = lambda: atomic_write(outdir / "fp8.json", json.dumps(res, indent=2))          # noqa: E731
     recipe = Recipe.load(DEFAULT_RECIPE)
     bw = copy_bandwidth()
     res["copy_GBps"] = bw / 1e9

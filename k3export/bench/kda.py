@@ -21,8 +21,9 @@ from pathlib import Path
 import click
 import torch
 
-from k3export.bench import bench, require_cuda
+from k3export.bench import bench, command_line, require_cuda
 from k3export.bench.ceilings import bench_ms, copy_bandwidth, graph_ms, kernel_times   # median ms
+from k3export.manifest import atomic_write
 from k3export.plugins.kda.kernels import INTRA_CONFIGS
 
 
@@ -411,8 +412,8 @@ def run_sweep(out: Path, T: int, H: int, batches, budget_s: float, res: dict,
     out.mkdir(parents=True, exist_ok=True)
 
     def save():
-        (out / "kda_sweep.json").write_text(json.dumps(res, indent=1, default=str))
-        (out / "kda_sweep.md").write_text(_sweep_markdown(res))
+        atomic_write(out / "kda_sweep.json", json.dumps(res, indent=1, default=str))
+        atomic_write(out / "kda_sweep.md", _sweep_markdown(res))
     res["decode_H"], res["decode"] = H, []
     if "prefill" in phases:
         res["prefill"] = sweep_prefill(T, H, deadline - (0.5 * budget_s if "decode" in phases else 0.),
@@ -448,12 +449,10 @@ def kda_bench(out_dir: str, T: int, H: int, batches: str, sweep: bool, budget_s:
               checked: Path | None) -> None:
     """Prefill and decode KDA kernels vs fla-core and eager PyTorch (needs a CUDA GPU)."""
     require_cuda("kda")
-    import sys
-
     import triton
     res = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
            "device": torch.cuda.get_device_name(), "host": platform.node(), "torch": torch.__version__,
-           "triton": triton.__version__, "command": "k3export bench kda " + " ".join(sys.argv[3:])}
+           "triton": triton.__version__, "command": command_line(click.get_current_context(), "k3export bench kda")}
     res["copy_GBs"] = copy_bandwidth() / 1e9
     click.echo(f"copy bandwidth {res['copy_GBs']:.0f} GB/s")
     if sweep:
@@ -469,7 +468,7 @@ def kda_bench(out_dir: str, T: int, H: int, batches: str, sweep: bool, budget_s:
     res["decode"] = bench_decode([int(x) for x in batches.split(",")], H, copy_gbs=res["copy_GBs"])
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "kda.json").write_text(json.dumps(res, indent=1))
+    atomic_write(out / "kda.json", json.dumps(res, indent=1))
     md = _markdown(res)
-    (out / "kda.md").write_text(md)
+    atomic_write(out / "kda.md", md)
     click.echo(md)

@@ -16,8 +16,9 @@ from pathlib import Path
 import click
 import torch
 
-from k3export.bench import bench, require_cuda
+from k3export.bench import bench, command_line, require_cuda
 from k3export.bench.ceilings import bench_ms, copy_bandwidth, machine
+from k3export.manifest import atomic_write
 
 
 def _init_(module: torch.nn.Module) -> None:
@@ -129,7 +130,8 @@ def layer(out: Path, cache_len: int) -> None:
     print(f"{machine()}; copy {bw / 1e12:.2f} TB/s; Triton kernels loaded: {src}", flush=True)
     cfg, mla, kda, inputs = build_pair(cache_len)
     res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "machine": machine(), "copy_TBps": bw / 1e12, "kernels": src, "cache_len": cache_len, "rows": []}
+           "machine": machine(), "command": command_line(click.get_current_context(), "k3export bench layer"),
+           "copy_TBps": bw / 1e12, "kernels": src, "cache_len": cache_len, "rows": []}
     with torch.inference_mode():
         for name, layer_ in (("MLA+MoE", mla), ("KDA+MoE", kda)):
             fn = lambda: decode_step(cfg, layer_, inputs)  # noqa: E731
@@ -145,5 +147,5 @@ def layer(out: Path, cache_len: int) -> None:
             res["rows"].append(r)
             print("  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()),
                   flush=True)
-    (out / "layer.json").write_text(json.dumps(res, indent=1))
+    atomic_write(out / "layer.json", json.dumps(res, indent=1))
     print(f"wrote {out / 'layer.json'}")

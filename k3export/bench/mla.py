@@ -15,8 +15,9 @@ from pathlib import Path
 import click
 import torch
 
-from k3export.bench import bench, require_cuda
+from k3export.bench import bench, command_line, require_cuda
 from k3export.bench.ceilings import bench_ms, copy_bandwidth, graph_ms, machine
+from k3export.manifest import atomic_write, replacing
 
 SCALE = 1.0 / math.sqrt(192)
 ERR_BOUND = 1e-2   # a sweep variant counts only within the GPU tests' bf16 bound (P and o rounded once each)
@@ -136,7 +137,8 @@ def mla(out: Path, quick: bool, sweep: bool) -> None:
     batches = (1, 8, 32, 128) if not quick else (1, 32)
     lengths = (1024, 8192, 65536) if not quick else (1024, 65536)
     res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "machine": machine(), "copy_TBps": bw / 1e12, "sweep": sweep, "config": dict(DECODE_CONFIG)}
+           "machine": machine(), "command": command_line(click.get_current_context(), "k3export bench mla"),
+           "copy_TBps": bw / 1e12, "sweep": sweep, "config": dict(DECODE_CONFIG)}
     rows = []
     for H in (96, 12):
         if sweep.get(H):   # the best config for this head count
@@ -145,8 +147,8 @@ def mla(out: Path, quick: bool, sweep: bool) -> None:
         rows += decode_rows((H,), batches, lengths, bw, baselines_up_to=256 * 1024)
     res["decode"] = rows
     res["prefill"] = prefill_rows()
-    (out / "mla.json").write_text(json.dumps(res, indent=1))
-    (out / "mla.md").write_text(decode_table(res))
+    atomic_write(out / "mla.json", json.dumps(res, indent=1))
+    atomic_write(out / "mla.md", decode_table(res))
     print(decode_table(res))
     png = plot(res, out / "mla.png")
     print(f"wrote {out / 'mla.json'}, {out / 'mla.md'}" + (f", {png}" if png else " (no matplotlib: no plot)"))
@@ -177,7 +179,8 @@ def plot(res: dict, path: Path) -> Path | None:
         ax.legend(fontsize=8)
     fig.suptitle(f"{res['machine']}, copy {res['copy_TBps']:.2f} TB/s, {res['date']}")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    with replacing(path) as tmp:
+        fig.savefig(tmp, dpi=100)
     plt.close(fig)
     return path
 

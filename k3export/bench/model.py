@@ -89,7 +89,6 @@ from __future__ import annotations
 import datetime
 import json
 import platform
-import shlex
 import statistics
 import time
 from pathlib import Path
@@ -97,8 +96,9 @@ from pathlib import Path
 import click
 import torch
 
-from k3export.bench import bench
+from k3export.bench import bench, command_line
 from k3export.commands import device_option
+from k3export.manifest import atomic_write, replacing
 from k3export.runtime import dynamo_limit_watch
 
 # The `compile` backend and variants that turn one of its serving choices off (or Inductor freezing on), for
@@ -322,23 +322,6 @@ def decode_row(row: dict, rounds: list[list[float]]) -> dict:
     return row
 
 
-def command_line(ctx, prefix: str, skip: tuple[str, ...] = ()) -> str:
-    """The command that reruns this one: `prefix`, then every option set (given or by default) as its user types it,
-    a flag pair by the name of its value (`--no-new-lengths`, not `--new-lengths False`)."""
-    parts = [prefix]
-    for p in ctx.command.params:
-        v = ctx.params.get(p.name)
-        if p.name in skip or v is None or not isinstance(p, click.Option):
-            continue
-        if p.is_flag:
-            name = p.opts[0] if v else (p.secondary_opts or [None])[0]
-            if name:
-                parts.append(name)
-        else:
-            parts.append(f"{p.opts[0]} {shlex.quote(str(v))}")
-    return " ".join(parts)
-
-
 def failed(name: str, stage: str, e: Exception, bar) -> str:
     """A backend that raised while being built or timed: said on the bar, and the text for its `builds` entry."""
     bar.write(f"{name}: {stage} failed, its rows left out ({type(e).__name__}: {str(e)[:200]})")
@@ -478,7 +461,8 @@ def plot(rows: list[dict], path: Path, title: str) -> Path | None:
         ax.legend(fontsize=7)
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with replacing(path) as tmp:
+        fig.savefig(tmp, dpi=110)
     plt.close(fig)
     return path
 
@@ -609,10 +593,10 @@ def model_bench(ctx, preset, dtype, device, backends, prefill_lengths, batches, 
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "machine": where,
             "command": cmd, "preset": preset, "dtype": dtype, "copy_gb_s": bw / 1e9,
             "matmul_tflops": rate / 1e12 if rate else None, "param_bytes": pb, "builds": builds}
-    (out / "model.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    atomic_write(out / "model.json", json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     table = markdown(rows)
     notes = "".join(f"- {name}: {json.dumps(info)}\n" for name, info in builds.items() if info)
-    (out / "model.md").write_text(f"{meta['date']}, {where}\n\n`{cmd}`\n\n{table}" + (f"\n{notes}" if notes else ""))
+    atomic_write(out / "model.md", f"{meta['date']}, {where}\n\n`{cmd}`\n\n{table}" + (f"\n{notes}" if notes else ""))
     png = plot(rows, out / "model.png", f"{preset} {dtype}, {where}")
     click.echo(table)
     for name, info in builds.items():

@@ -21,9 +21,10 @@ from pathlib import Path
 import click
 import torch
 
-from k3export.bench import bench, require_cuda
+from k3export.bench import bench, command_line, require_cuda
 from k3export.bench.ceilings import (bench_ms, copy_bandwidth, fp8_matmul_rate, graph_ms, kernel_times, machine,
                                      matmul_rate)
+from k3export.manifest import atomic_write, replacing
 
 E, D, L, I, K = 896, 7168, 3584, 3072, 16
 ARGS = dict(top_k=K, renormalize=True, scaling=1.0, beta=4.0, linear_beta=25.0)
@@ -277,6 +278,7 @@ def moe(out: Path, quick: bool, budget_s: float, phases: str, tiles: str, tokens
     print(f"{machine()}; copy {bw / 1e12:.2f} TB/s; bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
     w = k3_weights()
     res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
+           "command": command_line(click.get_current_context(), "k3export bench moe"),
            "copy_TBps": bw / 1e12, "matmul_TFLOPs": rate / 1e12}
     res["defaults"] = {k: repr(v) for k, v in Km.CONFIGS.items()}
     if precision != "bf16":
@@ -294,7 +296,7 @@ def moe(out: Path, quick: bool, budget_s: float, phases: str, tiles: str, tokens
                                              _subset(names, FP8_PREFILL_TILINGS))
         bank = None
         torch.cuda.empty_cache()
-        (out / "moe.json").write_text(json.dumps(res, indent=1))
+        atomic_write(out / "moe.json", json.dumps(res, indent=1))
     if "prefill" in want and precision != "fp8" and _subset(names, Km.TILINGS["prefill"]) != set():
         wp = None
         if layout != "separate":         # the same values, gate/up rows interleaved: one weight tile per gemm1 step
@@ -303,11 +305,11 @@ def moe(out: Path, quick: bool, budget_s: float, phases: str, tiles: str, tokens
                                    True, _subset(names, Km.TILINGS["prefill"]), wp, layout != "paired")
         wp = None
         torch.cuda.empty_cache()
-        (out / "moe.json").write_text(json.dumps(res, indent=1))     # written per section: a cut run keeps some
+        atomic_write(out / "moe.json", json.dumps(res, indent=1))     # written per section: a cut run keeps some
     if "decode" in want:
         res["decode"] = run_sweep(w, "decode", (1, 64) if quick else (1, 2, 4, 16, 64), bw, t0 + budget_s, True,
                                   _subset(names, Km.TILINGS["decode"]) or None)
-        (out / "moe.json").write_text(json.dumps(res, indent=1))
+        atomic_write(out / "moe.json", json.dumps(res, indent=1))
     png = plot(res, out / "moe.png")
     print(f"wrote {out / 'moe.json'}" + (f", {png}" if png else ""))
     summary(res)
@@ -360,7 +362,8 @@ def plot(res: dict, path: Path, title: str | None = None) -> Path | None:
     fig.suptitle(textwrap.fill(title or f"{res['machine']}, copy {res['copy_TBps']:.2f} TB/s, bf16 matmul "
                                f"{res['matmul_TFLOPs']:.0f} TFLOP/s, {res['date']}", 90 * len(panels)), fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    with replacing(path) as tmp:
+        fig.savefig(tmp, dpi=100)
     plt.close(fig)
     return path
 
