@@ -334,7 +334,7 @@ def greedy_steps(model, bufs: mc.Buffers, token: int, steps: int, step=None, fol
     restarts every step from the chain's states (each step's own error, not the two trajectories' drift apart: a
     random model amplifies bf16 differences from step to step). ref64 (with follow): also the model in fp64 on the
     CPU from the same states: each bf16 computation's largest difference from its logits over their largest ("fp64":
-    kernel, model), and its argmax. On k3-tiny in the kernel's shapes (tests/test_megakernel_layer.py): the same token
+    kernel, model), its argmax, and each MoE layer's router keys against its own (`key_err64`, `key_errors`). On k3-tiny in the kernel's shapes (tests/test_megakernel_layer.py): the same token
     every step, the emulation's logits 0.003-0.042 of the largest from fp64's after a first step from random states
     (1.08), the model's own bf16 0.006-0.049 (1.17)."""
     if ref64 and not follow:
@@ -358,9 +358,12 @@ def greedy_steps(model, bufs: mc.Buffers, token: int, steps: int, step=None, fol
     topks = [p for p, ph in enumerate(bufs.chain.phases) if ph.kind == "topk"]
     moes = {layer_of(bufs.chain.phases[p].name): model.model.layers[layer_of(bufs.chain.phases[p].name)]
             .block_sparse_moe for p in topks}
-    seen = {}
+    seen, seen64 = {}, {}
     hooks = [m.register_forward_pre_hook(lambda mod, args, l=l: seen.__setitem__(l, args[0].detach()[-1].float()))
              for l, m in moes.items()]
+    moes64 = {l: model64.model.layers[l].block_sparse_moe for l in moes} if model64 is not None else {}
+    hooks += [m.register_forward_pre_hook(lambda mod, args, l=l: seen64.__setitem__(l, args[0].detach()[-1]))
+              for l, m in moes64.items()]
     try:
         for i in range(steps):
             if follow and i:
@@ -374,6 +377,7 @@ def greedy_steps(model, bufs: mc.Buffers, token: int, steps: int, step=None, fol
             logits = bufs.out(last).clone()
             r64 = None
             if model64 is not None:                  # (from the step's start states, before the model moves them on)
+                seen64.clear()
                 with torch.no_grad():
                     states64 = (t.cpu().double() for t in (conv, state, cache))
                     r64 = model64.forward_decode(torch.tensor([token]), *states64, torch.tensor([L + i]))[0][0]
@@ -390,7 +394,8 @@ def greedy_steps(model, bufs: mc.Buffers, token: int, steps: int, step=None, fol
                         "routes_differ": routes_differ(bufs, topks, moes, seen)})
             if r64 is not None:
                 rel64 = lambda v: float((v.double().cpu() - r64).abs().max() / r64.abs().max())
-                out[-1].update(fp64={"kernel": rel64(logits), "model": rel64(ref)}, fp64_token=int(r64.argmax()))
+                out[-1].update(fp64={"kernel": rel64(logits), "model": rel64(ref)}, fp64_token=int(r64.argmax()),
+                               key_err64=key_errors(bufs, topks, moes, seen, moes64, seen64))
             if i + 1 < steps:
                 bufs.advance()
     finally:
@@ -422,6 +427,30 @@ def routes_differ(bufs: mc.Buffers, topks: list[int], moes: dict, seen: dict) ->
             res.append({"layer": l, "kernel_only": sorted(set(kern) - set(model_ids)),
                         "model_only": sorted(set(model_ids) - set(kern)),
                         "kernel_margin": float(keys[ph.ne - 1] - keys[ph.ne]), "kernel_cut": float(keys[ph.ne - 1])})
+    return res
+
+
+def router_keys(moe, x: torch.Tensor) -> torch.Tensor:
+    """The keys a model's router ranks for x [d]: sigmoid(x W^T) + bias, in x's dtype (fp32, or fp64 for the fp64
+    model), as `route` makes them."""
+    w, bias = moe.gate.weight.to(x.device, x.dtype), moe.gate.e_score_correction_bias.to(x.device, x.dtype)
+    return torch.sigmoid(x @ w.T) + bias
+
+
+def key_errors(bufs: mc.Buffers, topks: list[int], moes: dict, seen: dict, moes64: dict, seen64: dict) -> dict:
+    """Per MoE layer, how far the kernel's router keys (its top-k's x) and the model's (`seen`: its own router input)
+    are from the fp64 model's (`seen64`), each the largest absolute difference over the experts: {layer: {"kernel":
+    ..., "model": ...}}. A route the kernel picks otherwise than the model is a tie at their precision when the
+    kernel's keys are as close to fp64's as the bf16 model's own are."""
+    res = {}
+    for p in topks:
+        ph, l = bufs.chain.phases[p], layer_of(bufs.chain.phases[p].name)
+        if l not in seen or l not in seen64:
+            continue
+        k64 = router_keys(moes64[l], seen64[l].double().cpu())
+        kern = bufs.x_of(p)[:ph.xlen].double().cpu()
+        model = router_keys(moes[l], seen[l].float()).double().cpu()
+        res[l] = {"kernel": float((kern - k64).abs().max()), "model": float((model - k64).abs().max())}
     return res
 
 
