@@ -334,9 +334,10 @@ def greedy_steps(model, bufs: mc.Buffers, token: int, steps: int, step=None, fol
     restarts every step from the chain's states (each step's own error, not the two trajectories' drift apart: a
     random model amplifies bf16 differences from step to step). ref64 (with follow): also the model in fp64 on the
     CPU from the same states: each bf16 computation's largest difference from its logits over their largest ("fp64":
-    kernel, model), its argmax, and each MoE layer's router keys against its own (`key_err64`, `key_errors`). On k3-tiny in the kernel's shapes (tests/test_megakernel_layer.py): the same token
-    every step, the emulation's logits 0.003-0.042 of the largest from fp64's after a first step from random states
-    (1.08), the model's own bf16 0.006-0.049 (1.17)."""
+    kernel, model), its argmax, and each MoE layer's router keys against its own (`key_err64`, `key_errors`). On
+    k3-tiny in the kernel's shapes (tests/test_megakernel_layer.py): the same token every step, the emulation's
+    logits 0.003-0.042 of the largest from fp64's after a first step from random states (1.08), the model's own bf16
+    0.006-0.049 (1.17)."""
     if ref64 and not follow:
         raise ValueError("ref64: the fp64 model starts from the chain's states every step (follow=True)")
     model64 = None
@@ -431,10 +432,11 @@ def routes_differ(bufs: mc.Buffers, topks: list[int], moes: dict, seen: dict) ->
 
 
 def router_keys(moe, x: torch.Tensor) -> torch.Tensor:
-    """The keys a model's router ranks for x [d]: sigmoid(x W^T) + bias, in x's dtype (fp32, or fp64 for the fp64
-    model), as `route` makes them."""
-    w, bias = moe.gate.weight.to(x.device, x.dtype), moe.gate.e_score_correction_bias.to(x.device, x.dtype)
-    return torch.sigmoid(x @ w.T) + bias
+    """The keys a model's router ranks for x [d] (`router_scores` plus the bias, as `route` ranks them; fp32, or
+    fp64 for the fp64 model)."""
+    from k3export.plugins.moe.naive import router_scores
+    s = router_scores(x[None], moe.gate.weight.to(x.device))[0]
+    return s + moe.gate.e_score_correction_bias.to(x.device, s.dtype)
 
 
 def key_errors(bufs: mc.Buffers, topks: list[int], moes: dict, seen: dict, moes64: dict, seen64: dict) -> dict:
@@ -449,7 +451,7 @@ def key_errors(bufs: mc.Buffers, topks: list[int], moes: dict, seen: dict, moes6
             continue
         k64 = router_keys(moes64[l], seen64[l].double().cpu())
         kern = bufs.x_of(p)[:ph.xlen].double().cpu()
-        model = router_keys(moes[l], seen[l].float()).double().cpu()
+        model = router_keys(moes[l], seen[l]).double().cpu()
         res[l] = {"kernel": float((kern - k64).abs().max()), "model": float((model - k64).abs().max())}
     return res
 

@@ -17,14 +17,19 @@ def situ_glu(a, b, beta: float, linear_beta: float):
     return beta * torch.tanh(a / beta) * torch.sigmoid(a) * (linear_beta * torch.tanh(b / linear_beta))
 
 
+def router_scores(x, gate_weight):
+    """The sigmoid router's scores `[N, E]` for x `[N, d]`, in at least fp32 (`route` ranks them plus the bias)."""
+    dt = acc_dtype(x, gate_weight)
+    return torch.sigmoid(x.to(dt) @ gate_weight.to(dt).T)
+
+
 def route(x, gate_weight, bias, top_k: int, renormalize: bool, scaling: float):
     """fp32 sigmoid router; the bias picks the experts but never enters the weights.
 
     x `[N, d]` -> (expert ids `[N, k]` int64, weights `[N, k]` in at least fp32).
     """
-    dt = acc_dtype(x, gate_weight)
-    s = torch.sigmoid(x.to(dt) @ gate_weight.to(dt).T)                   # [N, E]
-    top = torch.topk(s + bias.to(dt), top_k, dim=-1).indices
+    s = router_scores(x, gate_weight)                                     # [N, E]
+    top = torch.topk(s + bias.to(s.dtype), top_k, dim=-1).indices
     w = s.gather(1, top)
     if renormalize and top_k > 1:
         w = w / (w.sum(-1, keepdim=True) + 1e-20)
