@@ -204,6 +204,9 @@
 #            `first_step_errors`), scripts/megakernel_first_steps.py --steps 1, then mkbench compile, megakernel
 #   mkhead   the megakernel layer file's cuda tests at HEAD (test_greedy_steps_in_the_kernel_from_the_models_prefill
 #            among them, never run on a GPU before 12-06), then mkbench compile, megakernel (300 steps, 3 rounds)
+#   mkh200   on an H200 only (anything else: says so, runs nothing): #6's number of the day and the launch variants
+#            never timed there, mkbench with compile, megakernel, megakernel-argmax-after-commit and
+#            megakernel-pdl-argmax-commit ($MKH200_BACKENDS), 300 steps, 3 rounds (~5 min)
 #   mkbench  bench model eager, compile, megakernel at B = 1, context 1024 ($MKBENCH_BACKENDS; $MKBENCH_ROUNDS
 #            decode rounds, the backends' order rotated each round)
 #   profile  scripts/profile_decode.py --backend $PROFILE_BACKEND (default compile): kernels per decode step, and the
@@ -595,6 +598,13 @@ for part in $parts; do
     mkhead) timeout ${MKHEAD_TIMEOUT:-330} python3 -m pytest -q -m cuda tests/test_megakernel_layer.py -s -rs --durations=0 \
              -p no:cacheprovider > "$OUT/mkhead-tests.log" 2>&1
            MKBENCH_BACKENDS=compile,megakernel MKBENCH_ITERS=300 MKBENCH_ROUNDS=3 MKBENCH_TIMEOUT=220 bash "$0" mkbench ;;
+    mkh200) if ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+             echo "mkh200: not an H200 ($(nvidia-smi --query-gpu=name --format=csv,noheader)); nothing run" \
+               | tee "$OUT/mkh200.log"
+             continue
+           fi
+           MKBENCH_BACKENDS=${MKH200_BACKENDS:-compile,megakernel,megakernel-argmax-after-commit,megakernel-pdl-argmax-commit} \
+             MKBENCH_ITERS=300 MKBENCH_ROUNDS=3 MKBENCH_TIMEOUT=420 bash "$0" mkbench ;;
     mkbench) timeout ${MKBENCH_TIMEOUT:-400} python3 -m k3export.cli bench model --preset k3-small --dtype bf16 \
              --backends ${MKBENCH_BACKENDS:-eager,compile,megakernel} --prefill-lengths 2048 --batches 1 \
              --contexts 1024 --warmup 3 --iters 5 --decode-iters ${MKBENCH_ITERS:-100} --rounds ${MKBENCH_ROUNDS:-1} \
@@ -602,7 +612,7 @@ for part in $parts; do
              --no-new-lengths --out "$OUT/mkbench" > "$OUT/mkbench.log" 2>&1 ;;
     profile) timeout 150 python3 scripts/profile_decode.py --backend ${PROFILE_BACKEND:-compile} ${PROFILE_ARGS:-} \
              > "$OUT/profile.log" 2>&1 ;;
-    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe trtfp8 fp8eng grouped grpsmall fp8comp overlap chain layer step attnres abmix gmla greedy greedy64 mkback mkinputs mkstep mkcache mkfinal mkrouter mkpair mkargmax mksleep mkrun mkblocks mkattn mkheads mklive mktrace mktiles mksums mkmma mkmmafinal mkcombine mksample mkpost mkgapart mkxparts mkab mkdefs mkgreedy mkcommit mkpdl mkcheck mkhead mkbench profile)"; continue ;;
+    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe trtfp8 fp8eng grouped grpsmall fp8comp overlap chain layer step attnres abmix gmla greedy greedy64 mkback mkinputs mkstep mkcache mkfinal mkrouter mkpair mkargmax mksleep mkrun mkblocks mkattn mkheads mklive mktrace mktiles mksums mkmma mkmmafinal mkcombine mksample mkpost mkgapart mkxparts mkab mkdefs mkgreedy mkcommit mkpdl mkcheck mkhead mkh200 mkbench profile)"; continue ;;
   esac
   echo "$part: exit $? in $((SECONDS - t)) s" | tee -a "$OUT/pending.log"
   tail -4 "$OUT/$part.log" 2>/dev/null
