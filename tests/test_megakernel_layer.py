@@ -927,7 +927,8 @@ def test_greedy_steps_in_the_kernel_from_the_models_prefill():
     """k3-small: the model's eager prefill of 256 random tokens loaded into the kernel's layouts, then 4 greedy steps
     in the kernel, the model restarted from the kernel's states every step (`follow`): greedy_run raises unless
     every launch matches its emulation; the cache lengths move from 256. (First run 12-06 03:15, an H100: passed;
-    tokens equal to the model's at steps 0, 1 and 3, and at step 2 where the model's top two logits tie exactly.)"""
+    tokens equal to the model's at steps 0, 1 and 3; at step 2 they differ, where the model's top two logits tie
+    exactly.)"""
     _needs_the_kernel()
     res = ml.greedy_run("k3-small", 4, mla=256, follow=True, prefill=256)
     assert [r["cache_len"] for r in res["steps"]] == [256, 257, 258, 259]

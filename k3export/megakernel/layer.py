@@ -414,8 +414,9 @@ def top2_gap(logits: torch.Tensor) -> float:
 def routes_differ(bufs: mc.Buffers, topks: list[int], moes: dict, seen: dict) -> list[dict]:
     """The MoE layers whose experts the kernel (or its emulation) chose differently from the model's router on the
     model's own router input (`seen`: layer -> x [d]), each with the kernel's own margin at the cut: its k-th and
-    (k+1)-th largest biased scores' difference, and the k-th itself (`kernel_cut`: a margin under one bf16 step
-    there is a tie that bf16-sized differences of the input flip)."""
+    (k+1)-th largest biased scores' difference, and the k-th itself (`kernel_cut`), as a report of how close the
+    tie was. Whether the kernel's router is right is `key_errors`' question: a margin alone has been 0.64 and 1.12
+    bf16 steps at flips that the keys' error from fp64 explains."""
     res = []
     for p in topks:
         ph, l = bufs.chain.phases[p], layer_of(bufs.chain.phases[p].name)
