@@ -148,6 +148,15 @@
 #if INFLIGHT >= NSLOT
 #error "INFLIGHT must be below NSLOT (0: no limit)"
 #endif
+#ifndef INFLIGHT_DEEP                  // -DINFLIGHT_DEEP=N (with INFLIGHT): N copies on their way at most for a
+#define INFLIGHT_DEEP 0                // block's tiles of a phase past its first DEEP_FROM of that phase (0: INFLIGHT
+#endif                                 // for every tile). By then the block's consumers have their x, so the copies
+#ifndef DEEP_FROM                      // queue behind no poll of theirs; the phases it reaches are the long streams
+#define DEEP_FROM NSLOT                // (the LM head, layer 0's dense MLP, the KDA input projections' last tiles),
+#endif                                 // where one copy at a time keeps the stream ~6% under its rate (12-04 16:53)
+#if INFLIGHT_DEEP && (!INFLIGHT || INFLIGHT_DEEP >= NSLOT || INFLIGHT_DEEP < INFLIGHT)
+#error "INFLIGHT_DEEP must be in INFLIGHT .. NSLOT - 1, with INFLIGHT set"
+#endif
 #ifndef PREFETCH_TILES
 #define PREFETCH_TILES 0               // GEMV tiles past the ring the producer asks L2 to fetch (measured slower)
 #endif
@@ -2211,7 +2220,8 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
             const __nv_bfloat16* w = reinterpret_cast<const __nv_bfloat16*>(f.w);
             int64_t have_slot = -1, e = 0;
             bool inputs_done = mode != SERIAL;
-            for (int64_t g = first_tile(f, nblk); g < f.tile0 + f.ntiles; g += phase_stride(f, nblk), ++i) {
+            uint32_t j = 0;                     // (the block's tiles of this phase so far)
+            for (int64_t g = first_tile(f, nblk); g < f.tile0 + f.ntiles; g += phase_stride(f, nblk), ++i, ++j) {
                 const int64_t t = g - f.tile0;
                 const int64_t row0 = PAIR_TILES ? tile_row0(f, static_cast<int>(t), static_cast<int>(nblk))
                                                 : t * f.rows;
@@ -2274,8 +2284,9 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
                 const uint32_t bytes =                  // (the last tile may be part of one)
                     static_cast<uint32_t>(min(static_cast<int64_t>(f.rows), PH_N(f) - row0) * f.k * 2);
 #endif
-                if (INFLIGHT && i >= INFLIGHT &&
-                    !wait_slot(&full[(i - INFLIGHT) % NSLOT], ((i - INFLIGHT) / NSLOT) & 1u, err, 2, p, t)) return;
+                const uint32_t lim = INFLIGHT_DEEP && j >= DEEP_FROM ? INFLIGHT_DEEP : INFLIGHT;
+                if (lim && i >= lim &&
+                    !wait_slot(&full[(i - lim) % NSLOT], ((i - lim) / NSLOT) & 1u, err, 2, p, t)) return;
                 mbar_expect_tx(&full[s], bytes);
                 bulk_load(ring + s * SLOT_BYTES, w + wrow * f.k, bytes, &full[s], policy);
                 TT_SET(i, 2);
