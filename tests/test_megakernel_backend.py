@@ -194,18 +194,6 @@ def test_the_producer_keeps_one_copy_in_flight_by_default():
             mb.kernel_defines(inflight=bad)
 
 
-def test_more_copies_in_flight_past_a_phases_first_tiles_only_when_asked():
-    """inflight_deep=N builds chain.cu with INFLIGHT_DEEP=N (N copies on their way once a block's consumers have
-    the phase's x; written 12-06, not the default); it needs inflight's cap under it and the ring's slots over it."""
-    assert not any(d.startswith("INFLIGHT_DEEP") for d in mb.DEFINES + mb.HOST_INPUTS_DEFINES)
-    assert "INFLIGHT_DEEP=2" in mb.kernel_defines(inflight_deep=2)
-    nslot = mc.cu_default("NSLOT")
-    for bad in ({"inflight_deep": nslot}, {"inflight_deep": 2, "inflight": 0}, {"inflight_deep": -1},
-                {"inflight_deep": 1, "inflight": 2}, {"inflight_deep": 1.5}):
-        with pytest.raises(ValueError, match="inflight_deep is the copies on their way at most"):
-            mb.kernel_defines(**bad)
-
-
 def test_the_launch_takes_the_greedy_token_only_when_asked(tiny_mla8):
     """argmax=True builds chain.cu with ARGMAX=1 (the greedy token taken in the launch, 12-05) and argmax=2 with
     ARGMAX=2 (its keys after the phases), which read the engine's buffers as STEP_INPUTS does: never in the build
@@ -546,7 +534,6 @@ CUDA_CORES = {"attn_mma": False}        # (the attention tile on CUDA cores: the
                                            ({}, {"pair_tiles": False}),
                                            ({}, {"poll_sleep": 256}), ({}, {"x_tail": False}),
                                            ({}, {"inflight": 0}), ({}, {"inflight": 2}),
-                                           ({}, {"inflight_deep": 2}),
                                            (CUDA_CORES, {**CUDA_CORES, "attn_heads": 4}),
                                            (CUDA_CORES, {**CUDA_CORES, "live_splits": False}),
                                            (CUDA_CORES, {**CUDA_CORES, "sums_apart": True})], ids=str)
@@ -566,8 +553,7 @@ def test_the_kernel_variants_equal_the_default_kernel(base, variant):
     ATTN_SUMS_TOGETHER (`sums_apart`: the same adds; passed 19:10), and the attention x's new row polled in four
     round trips as before ATTN_X_TAIL (`x_tail=False`: the same x; x_tail against that passed 19:10), and the
     producer keeping the whole ring's copies or two on their way (`inflight=0` / `2`; the default keeps one, since
-    12-04 evening: the same tiles in the same slots, landing later), or two once a block has a phase's x
-    (`inflight_deep=2`, written 12-06). The
+    12-04 evening: the same tiles in the same slots, landing later). The
     attention-tile variants compare with the CUDA-core tile (`attn_mma=False`), the default being on tensor cores.
     (Passed here too before they were dropped as no faster: a router warp choosing each block's experts, 12-03 14:24,
     commit aef7f58; BMM2's combine polling 12 key blocks' words a round and the tensor-core tile's softmax warps

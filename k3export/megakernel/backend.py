@@ -70,8 +70,7 @@ def check_argmax(argmax) -> None:
 def kernel_defines(step_inputs: bool = True, pair_tiles: bool = True, poll_sleep: int = 0,
                    attn_heads: int = mc.ATTN_HEADS, live_splits: bool = True, sums_apart: bool = False,
                    attn_mma: bool = True, x_tail: bool = True, inflight: int = 1,
-                   argmax: bool | int = False, commit_lengths: bool = False, pdl: bool = False,
-                   inflight_deep: int = 0) -> tuple[str, ...]:
+                   argmax: bool | int = False, commit_lengths: bool = False, pdl: bool = False) -> tuple[str, ...]:
     """chain.cu's defines for the backend's build with these options (`DEFINES`: the defaults; ARGMAX, the greedy
     token taken in the launch, only with STEP_INPUTS: argmax True or 1, the keys in the LM head's tile loop; 2, after
     the phases, read back from the block's stores; COMMIT_LENGTHS, the step's lengths advanced in the launch, and
@@ -83,10 +82,6 @@ def kernel_defines(step_inputs: bool = True, pair_tiles: bool = True, poll_sleep
     if not isinstance(inflight, int) or not 0 <= inflight < NSLOT:
         raise ValueError(f"megakernel backend: inflight is the weight copies on their way at most, 1..{NSLOT - 1} "
                          f"(0: as many as the ring's {NSLOT} slots), got {inflight!r}")
-    if inflight_deep and not (isinstance(inflight_deep, int) and inflight and inflight <= inflight_deep < NSLOT):
-        raise ValueError(f"megakernel backend: inflight_deep is the copies on their way at most once a block has "
-                         f"its x, {max(inflight, 1)}..{NSLOT - 1} with inflight set (0: inflight's), got "
-                         f"{inflight_deep!r} with inflight={inflight!r}")
     if attn_mma and attn_heads != mc.ATTN_HEADS:
         raise ValueError(f"megakernel backend: the attention on tensor cores (attn_mma) takes tiles of "
                          f"{mc.ATTN_HEADS} heads (the mma's n); for attn_heads={attn_heads} pass attn_mma=False")
@@ -96,7 +91,6 @@ def kernel_defines(step_inputs: bool = True, pair_tiles: bool = True, poll_sleep
             *(("LIVE_SPLITS=1",) if live_splits else ()), *(("ATTN_SUMS_TOGETHER=0",) if sums_apart else ()),
             *(("ATTN_MMA=1",) if attn_mma else ()), *(("ATTN_X_TAIL=1",) if x_tail else ()),
             *((f"INFLIGHT={inflight}",) if inflight else ()), "NORM_W_FIRST=1",
-            *((f"INFLIGHT_DEEP={inflight_deep}",) if inflight_deep else ()),
             *((f"ARGMAX={int(argmax)}",) if argmax and step_inputs else ()),
             *(("COMMIT_LENGTHS=1",) if commit_lengths and step_inputs else ()), *(("PDL=1",) if pdl else ()))
 
@@ -120,7 +114,7 @@ class MegakernelBackend:
                  live_splits: bool = True, sums_apart: bool = False, attn_mma: bool = True,
                  x_tail: bool = True, g_apart: bool = True, mla_g_apart: bool = True, inflight: int = 1,
                  argmax: bool | int = False, commit_lengths: bool = False, pdl: bool = False,
-                 cuda_graphs: bool | None = None, inflight_deep: int = 0):
+                 cuda_graphs: bool | None = None):
         """step_inputs (the default): chain.cu built with STEP_INPUTS=1 reads the token's embedding row, the key
         count and its epoch from the engine's buffers itself, four small kernels fewer a step than setting them
         around it (False: `HOST_INPUTS_DEFINES`). defines: another build (the engine directory's). router_first:
@@ -153,10 +147,7 @@ class MegakernelBackend:
         pipelined 0.731 against 0.738. inflight (default 1): chain.cu built with INFLIGHT=N, the producer keeping
         at most N weight copies on their way (0: as many as the ring holds, as before 12-04 evening); the copies
         land in the same slots, only later, so the same logits bit for bit. Layer step 12-04 16:57: 0.699 ms
-        against 0.726 uncapped. inflight_deep (off by default; written 12-06, not yet timed): chain.cu built with
-        INFLIGHT_DEEP=N, N copies on their way for a block's tiles of a phase past its first three (its consumers
-        then have their x, so no poll of theirs waits behind them): the long streams (LM head, layer 0's dense MLP)
-        nearer the copy rate; the same slots, so the same logits bit for bit. argmax (with step_inputs; off by default): chain.cu built with ARGMAX=1 (True),
+        against 0.726 uncapped. argmax (with step_inputs; off by default): chain.cu built with ARGMAX=1 (True),
         the greedy step's token taken in the launch (`takes_argmax`: the engine passes its ids buffer and host ring
         to `decode_`, and runs no argmax program of its own), the token `torch.argmax` of the logits gives (12-05
         cuda test, 16 steps) but no faster: pipelined greedy 0.698 ms against 0.694 on the H200, the plain decode
@@ -191,8 +182,7 @@ class MegakernelBackend:
         check_argmax(argmax)                # (an emulation too: it takes no argmax, but a wrong value is refused)
         if not emulate:
             defines = defines or kernel_defines(step_inputs, pair_tiles, poll_sleep, attn_heads, live_splits,
-                                                sums_apart, attn_mma, x_tail, inflight, argmax, commit_lengths, pdl,
-                                                inflight_deep)
+                                                sums_apart, attn_mma, x_tail, inflight, argmax, commit_lengths, pdl)
             self.kernel = mc.ChainKernel(defines=defines, cubin=cubin, quiet=cubin is not None)
             self.kernel.bind(self.bufs)
         # the engine's greedy step passes its ids buffer and host ring to `decode_` (`argmax`), and takes no argmax

@@ -144,18 +144,11 @@
 // store seen by another SM's poll took 2.7-2.9 us there and back with the ring's 3 x 64 KB on their way, 1.0 us with
 // one 64 KB copy, 0.58 us with none (scripts/l2_queue_probe.py, 12-04 16:53). The backend builds with INFLIGHT=1
 // (layer step 0.699 ms against 0.726). Pieces of a tile on barriers of their own, 16 or 32 KB, 1 to 4 in flight,
-// were slower (0.730-0.786 ms; commit 63eab80 has them).
+// were slower (0.730-0.786 ms; commit 63eab80 has them). Two copies on their way once a block's consumers have a
+// phase's x (its tiles past the first three: the long streams) were no faster, and from its second tile 15 us slower
+// (INFLIGHT_DEEP, 12-06 05:13 on an H100: 0.7705 / 0.7847 ms against 0.7706; commit 9a4e4ae has it).
 #if INFLIGHT >= NSLOT
 #error "INFLIGHT must be below NSLOT (0: no limit)"
-#endif
-#ifndef INFLIGHT_DEEP                  // -DINFLIGHT_DEEP=N (with INFLIGHT): N copies on their way at most for a
-#define INFLIGHT_DEEP 0                // block's tiles of a phase past its first DEEP_FROM of that phase (0: INFLIGHT
-#endif                                 // for every tile). By then the block's consumers have their x, so the copies
-#ifndef DEEP_FROM                      // queue behind no poll of theirs; the phases it reaches are the long streams
-#define DEEP_FROM NSLOT                // (the LM head, layer 0's dense MLP, the KDA input projections' last tiles),
-#endif                                 // where one copy at a time keeps the stream ~6% under its rate (12-04 16:53)
-#if INFLIGHT_DEEP && (!INFLIGHT || INFLIGHT_DEEP >= NSLOT || INFLIGHT_DEEP < INFLIGHT)
-#error "INFLIGHT_DEEP must be in INFLIGHT .. NSLOT - 1, with INFLIGHT set"
 #endif
 #ifndef PREFETCH_TILES
 #define PREFETCH_TILES 0               // GEMV tiles past the ring the producer asks L2 to fetch (measured slower)
@@ -2220,8 +2213,7 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
             const __nv_bfloat16* w = reinterpret_cast<const __nv_bfloat16*>(f.w);
             int64_t have_slot = -1, e = 0;
             bool inputs_done = mode != SERIAL;
-            uint32_t j = 0;                     // (the block's tiles of this phase so far)
-            for (int64_t g = first_tile(f, nblk); g < f.tile0 + f.ntiles; g += phase_stride(f, nblk), ++i, ++j) {
+            for (int64_t g = first_tile(f, nblk); g < f.tile0 + f.ntiles; g += phase_stride(f, nblk), ++i) {
                 const int64_t t = g - f.tile0;
                 const int64_t row0 = PAIR_TILES ? tile_row0(f, static_cast<int>(t), static_cast<int>(nblk))
                                                 : t * f.rows;
@@ -2284,9 +2276,8 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
                 const uint32_t bytes =                  // (the last tile may be part of one)
                     static_cast<uint32_t>(min(static_cast<int64_t>(f.rows), PH_N(f) - row0) * f.k * 2);
 #endif
-                const uint32_t lim = INFLIGHT_DEEP && j >= DEEP_FROM ? INFLIGHT_DEEP : INFLIGHT;
-                if (lim && i >= lim &&
-                    !wait_slot(&full[(i - lim) % NSLOT], ((i - lim) / NSLOT) & 1u, err, 2, p, t)) return;
+                if (INFLIGHT && i >= INFLIGHT &&
+                    !wait_slot(&full[(i - INFLIGHT) % NSLOT], ((i - INFLIGHT) / NSLOT) & 1u, err, 2, p, t)) return;
                 mbar_expect_tx(&full[s], bytes);
                 bulk_load(ring + s * SLOT_BYTES, w + wrow * f.k, bytes, &full[s], policy);
                 TT_SET(i, 2);
