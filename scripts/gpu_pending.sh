@@ -207,9 +207,6 @@
 #   mkh200   on an H200 only (anything else: says so, runs nothing): #6's number of the day and the launch variants
 #            never timed there, mkbench with compile, megakernel, megakernel-argmax-after-commit and
 #            megakernel-pdl-argmax-commit ($MKH200_BACKENDS), 300 steps, 3 rounds (~5 min)
-#   mkcomb   COMBINE_W_EARLY (the MoE up's weights beside its first words): its cuda test, then on an H200 mkh200
-#            with megakernel, -combine-early and -argmax-after-commit ($MKCOMB_BACKENDS), elsewhere the mkdefs A/B of
-#            the default and +COMBINE_W_EARLY=1 ($MKCOMB_ROUNDS rounds, 2)
 #   mkbench  bench model eager, compile, megakernel at B = 1, context 1024 ($MKBENCH_BACKENDS; $MKBENCH_ROUNDS
 #            decode rounds, the backends' order rotated each round)
 #   profile  scripts/profile_decode.py --backend $PROFILE_BACKEND (default compile): kernels per decode step, and the
@@ -601,17 +598,6 @@ for part in $parts; do
     mkhead) timeout ${MKHEAD_TIMEOUT:-330} python3 -m pytest -q -m cuda tests/test_megakernel_layer.py -s -rs --durations=0 \
              -p no:cacheprovider > "$OUT/mkhead-tests.log" 2>&1
            MKBENCH_BACKENDS=compile,megakernel MKBENCH_ITERS=300 MKBENCH_ROUNDS=3 MKBENCH_TIMEOUT=220 bash "$0" mkbench ;;
-    mkcomb) # COMBINE_W_EARLY (12-06): its cuda test (6 engine steps bit for bit with the default build), then on an
-           # H200 bench model with it beside the default and the launch variant; elsewhere the layer step A/B, each
-           # build checked against its emulation first (~6 min)
-           timeout 240 python3 -m pytest -m cuda tests/test_megakernel_backend.py -q -rs -k combine_early \
-             > "$OUT/mkcomb.log" 2>&1
-           if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
-             MKH200_BACKENDS=${MKCOMB_BACKENDS:-megakernel,megakernel-combine-early,megakernel-argmax-after-commit} \
-               bash "$0" mkh200
-           else
-             MKDEFS_VARIANTS="- +COMBINE_W_EARLY=1" MKAB_ROUNDS=${MKCOMB_ROUNDS:-2} bash "$0" mkdefs
-           fi ;;
     mkh200) if ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
              echo "mkh200: not an H200 ($(nvidia-smi --query-gpu=name --format=csv,noheader)); nothing run" \
                | tee "$OUT/mkh200.log"
@@ -626,7 +612,7 @@ for part in $parts; do
              --no-new-lengths --out "$OUT/mkbench" > "$OUT/mkbench.log" 2>&1 ;;
     profile) timeout 150 python3 scripts/profile_decode.py --backend ${PROFILE_BACKEND:-compile} ${PROFILE_ARGS:-} \
              > "$OUT/profile.log" 2>&1 ;;
-    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe trtfp8 fp8eng grouped grpsmall fp8comp overlap chain layer step attnres abmix gmla greedy greedy64 mkback mkinputs mkstep mkcache mkfinal mkrouter mkpair mkargmax mksleep mkrun mkblocks mkattn mkheads mklive mktrace mktiles mksums mkmma mkmmafinal mkcombine mksample mkpost mkgapart mkxparts mkab mkdefs mkgreedy mkcommit mkpdl mkcheck mkhead mkh200 mkcomb mkbench profile)"; continue ;;
+    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe trtfp8 fp8eng grouped grpsmall fp8comp overlap chain layer step attnres abmix gmla greedy greedy64 mkback mkinputs mkstep mkcache mkfinal mkrouter mkpair mkargmax mksleep mkrun mkblocks mkattn mkheads mklive mktrace mktiles mksums mkmma mkmmafinal mkcombine mksample mkpost mkgapart mkxparts mkab mkdefs mkgreedy mkcommit mkpdl mkcheck mkhead mkh200 mkbench profile)"; continue ;;
   esac
   echo "$part: exit $? in $((SECONDS - t)) s" | tee -a "$OUT/pending.log"
   tail -4 "$OUT/$part.log" 2>/dev/null

@@ -194,14 +194,6 @@ def test_the_producer_keeps_one_copy_in_flight_by_default():
             mb.kernel_defines(inflight=bad)
 
 
-def test_the_moe_ups_weights_come_early_only_when_asked():
-    """combine_early builds chain.cu with COMBINE_W_EARLY=1 (each warp of the MoE up's x load copies the top-k's
-    weights beside its first words; written 12-06), not by default."""
-    assert not any(d.startswith("COMBINE_W_EARLY") for d in mb.DEFINES + mb.HOST_INPUTS_DEFINES)
-    assert "COMBINE_W_EARLY=1" in mb.kernel_defines(combine_early=True)
-    assert "COMBINE_W_EARLY=1" in mb.kernel_defines(step_inputs=False, combine_early=True)
-
-
 def test_the_launch_takes_the_greedy_token_only_when_asked(tiny_mla8):
     """argmax=True builds chain.cu with ARGMAX=1 (the greedy token taken in the launch, 12-05) and argmax=2 with
     ARGMAX=2 (its keys after the phases), which read the engine's buffers as STEP_INPUTS does: never in the build
@@ -542,7 +534,6 @@ CUDA_CORES = {"attn_mma": False}        # (the attention tile on CUDA cores: the
                                            ({}, {"pair_tiles": False}),
                                            ({}, {"poll_sleep": 256}), ({}, {"x_tail": False}),
                                            ({}, {"inflight": 0}), ({}, {"inflight": 2}),
-                                           ({}, {"combine_early": True}),
                                            (CUDA_CORES, {**CUDA_CORES, "attn_heads": 4}),
                                            (CUDA_CORES, {**CUDA_CORES, "live_splits": False}),
                                            (CUDA_CORES, {**CUDA_CORES, "sums_apart": True})], ids=str)
@@ -562,8 +553,7 @@ def test_the_kernel_variants_equal_the_default_kernel(base, variant):
     ATTN_SUMS_TOGETHER (`sums_apart`: the same adds; passed 19:10), and the attention x's new row polled in four
     round trips as before ATTN_X_TAIL (`x_tail=False`: the same x; x_tail against that passed 19:10), and the
     producer keeping the whole ring's copies or two on their way (`inflight=0` / `2`; the default keeps one, since
-    12-04 evening: the same tiles in the same slots, landing later), and the MoE up's x taking the top-k's weights
-    beside its first words (`combine_early`, written 12-06: the same sums in the same order). The
+    12-04 evening: the same tiles in the same slots, landing later). The
     attention-tile variants compare with the CUDA-core tile (`attn_mma=False`), the default being on tensor cores.
     (Passed here too before they were dropped as no faster: a router warp choosing each block's experts, 12-03 14:24,
     commit aef7f58; BMM2's combine polling 12 key blocks' words a round and the tensor-core tile's softmax warps

@@ -68,9 +68,6 @@ each hold `context` tokens (`Engine.decode`, state commit included). Backends:
     megakernel-uncapped  the same with the producer keeping as many weight copies on their way as its ring holds
               (three), as before 12-04 evening (`MegakernelBackend(inflight=0)`; the default keeps one: layer step
               0.726 ms uncapped against 0.699)
-    megakernel-combine-early  the same with each warp of the MoE up's x load copying the top-k's weights itself
-              beside its first words, not after a poll and a barrier (`MegakernelBackend(combine_early=True)`,
-              COMBINE_W_EARLY=1; written 12-06)
 
 Napkin math beside every time. Decode floor = bytes a step must move / measured copy bandwidth: every weight
 except the routed experts and the embedding table, the routed experts a batch of B hits in expectation
@@ -126,7 +123,6 @@ MEGAKERNEL_VARIANTS = {"megakernel": {}, "megakernel-host-inputs": {"step_inputs
                        "megakernel-sums-apart": {"sums_apart": True},
                        "megakernel-attn-cuda-cores": {"attn_mma": False, "x_tail": False},
                        "megakernel-uncapped": {"inflight": 0},
-                       "megakernel-combine-early": {"combine_early": True},
                        "megakernel-argmax": {"argmax": True},
                        "megakernel-argmax-after": {"argmax": 2},
                        "megakernel-commit-lengths": {"commit_lengths": True},

@@ -70,8 +70,7 @@ def check_argmax(argmax) -> None:
 def kernel_defines(step_inputs: bool = True, pair_tiles: bool = True, poll_sleep: int = 0,
                    attn_heads: int = mc.ATTN_HEADS, live_splits: bool = True, sums_apart: bool = False,
                    attn_mma: bool = True, x_tail: bool = True, inflight: int = 1,
-                   argmax: bool | int = False, commit_lengths: bool = False, pdl: bool = False,
-                   combine_early: bool = False) -> tuple[str, ...]:
+                   argmax: bool | int = False, commit_lengths: bool = False, pdl: bool = False) -> tuple[str, ...]:
     """chain.cu's defines for the backend's build with these options (`DEFINES`: the defaults; ARGMAX, the greedy
     token taken in the launch, only with STEP_INPUTS: argmax True or 1, the keys in the LM head's tile loop; 2, after
     the phases, read back from the block's stores; COMMIT_LENGTHS, the step's lengths advanced in the launch, and
@@ -92,7 +91,6 @@ def kernel_defines(step_inputs: bool = True, pair_tiles: bool = True, poll_sleep
             *(("LIVE_SPLITS=1",) if live_splits else ()), *(("ATTN_SUMS_TOGETHER=0",) if sums_apart else ()),
             *(("ATTN_MMA=1",) if attn_mma else ()), *(("ATTN_X_TAIL=1",) if x_tail else ()),
             *((f"INFLIGHT={inflight}",) if inflight else ()), "NORM_W_FIRST=1",
-            *(("COMBINE_W_EARLY=1",) if combine_early else ()),
             *((f"ARGMAX={int(argmax)}",) if argmax and step_inputs else ()),
             *(("COMMIT_LENGTHS=1",) if commit_lengths and step_inputs else ()), *(("PDL=1",) if pdl else ()))
 
@@ -116,7 +114,7 @@ class MegakernelBackend:
                  live_splits: bool = True, sums_apart: bool = False, attn_mma: bool = True,
                  x_tail: bool = True, g_apart: bool = True, mla_g_apart: bool = True, inflight: int = 1,
                  argmax: bool | int = False, commit_lengths: bool = False, pdl: bool = False,
-                 cuda_graphs: bool | None = None, combine_early: bool = False):
+                 cuda_graphs: bool | None = None):
         """step_inputs (the default): chain.cu built with STEP_INPUTS=1 reads the token's embedding row, the key
         count and its epoch from the engine's buffers itself, four small kernels fewer a step than setting them
         around it (False: `HOST_INPUTS_DEFINES`). defines: another build (the engine directory's). router_first:
@@ -149,10 +147,7 @@ class MegakernelBackend:
         pipelined 0.731 against 0.738. inflight (default 1): chain.cu built with INFLIGHT=N, the producer keeping
         at most N weight copies on their way (0: as many as the ring holds, as before 12-04 evening); the copies
         land in the same slots, only later, so the same logits bit for bit. Layer step 12-04 16:57: 0.699 ms
-        against 0.726 uncapped. combine_early (off by default; written 12-06): chain.cu built with
-        COMBINE_W_EARLY=1, each warp of the MoE up's x load copying the top-k's weights itself (cp.async) beside its
-        first element's words, not one thread's poll and a barrier before them: one round trip fewer a MoE layer,
-        the same sums in the same order, so the same logits bit for bit. argmax (with step_inputs; off by default): chain.cu built with ARGMAX=1 (True),
+        against 0.726 uncapped. argmax (with step_inputs; off by default): chain.cu built with ARGMAX=1 (True),
         the greedy step's token taken in the launch (`takes_argmax`: the engine passes its ids buffer and host ring
         to `decode_`, and runs no argmax program of its own), the token `torch.argmax` of the logits gives (12-05
         cuda test, 16 steps) but no faster: pipelined greedy 0.698 ms against 0.694 on the H200, the plain decode
@@ -187,8 +182,7 @@ class MegakernelBackend:
         check_argmax(argmax)                # (an emulation too: it takes no argmax, but a wrong value is refused)
         if not emulate:
             defines = defines or kernel_defines(step_inputs, pair_tiles, poll_sleep, attn_heads, live_splits,
-                                                sums_apart, attn_mma, x_tail, inflight, argmax, commit_lengths, pdl,
-                                                combine_early)
+                                                sums_apart, attn_mma, x_tail, inflight, argmax, commit_lengths, pdl)
             self.kernel = mc.ChainKernel(defines=defines, cubin=cubin, quiet=cubin is not None)
             self.kernel.bind(self.bufs)
         # the engine's greedy step passes its ids buffer and host ring to `decode_` (`argmax`), and takes no argmax

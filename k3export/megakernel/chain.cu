@@ -792,12 +792,6 @@ __device__ __forceinline__ int kda_phase(const PhaseC& f, const PhaseC* ph, cons
 #define NORM_W_FIRST 0                  // X_HEADNORM); the backend builds with it (layer step 0.6822 ms against
 #endif                                  // 0.6999 with the top-k and AttnRes changes of 12-04). 0 for the layer
                                         // script's base build (RECIPES MMA_ONLY), which it makes spill 8 bytes
-#ifndef COMBINE_W_EARLY                 // 1: each warp copies X_COMBINE_NORM's top-k weights itself, beside its first
-#define COMBINE_W_EARLY 0               // element's slot words (one round trip before them, and a barrier, fewer)
-#endif                                  // into mma_red, COMBINE_MAX words a warp
-#if COMBINE_W_EARLY && !MMA_TILES
-#error "COMBINE_W_EARLY keeps each warp's weight words in mma_red, which holds COMBINE_MAX a warp with MMA_TILES only"
-#endif
 #define NORM_W_PRE 2                    // a norm's weights a thread loaded before its words are polled (`norm_w_pre`)
 // This thread's first NORM_W_PRE weights of an RMSNorm over len values (elements tid + u CONSUMERS), two bf16 a word:
 // loaded before the polls, so that the norm, after its barrier, does not wait on an L2 round trip (under the weight
@@ -1146,7 +1140,7 @@ __device__ __forceinline__ const uint64_t* query_word(const XSeg& g, const uint6
 
 __device__ __forceinline__ bool load_x_recipe(__nv_bfloat16* xs, const PhaseC& f, const PhaseC* ph, const XSeg* xsegs,
                                               int slot, uint32_t epoch, bool wait, uint32_t* err, int64_t p,
-                                              int64_t t, float* red, float* comb_w, float* warp_w,
+                                              int64_t t, float* red, float* comb_w,
                                               unsigned long long* part_t = nullptr,
                                               unsigned long long* poll_t = nullptr) {
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -1178,57 +1172,26 @@ __device__ __forceinline__ bool load_x_recipe(__nv_bfloat16* xs, const PhaseC& f
         } else if (g.op == X_COMBINE_NORM) {
             uint32_t wpre[NORM_W_PRE / 2];
             norm_w_pre(wpre, aux_bf16(g), g.len);
-            const uint64_t* wsrc = reinterpret_cast<const uint64_t*>(ph[g.route].y) + ph[g.route].ne;
-            // COMBINE_W_EARLY: each warp copies the weights' words into its own part of warp_w (cp.async, 16 bytes,
-            // from L2) while it polls its first element's words, and takes them after a warp sync: no round trip
-            // and no barrier before the words (whole warps, an even count of weights at a 16-byte address only;
-            // `_ticket_combine`'s sums in the same order)
-            const bool early = COMBINE_W_EARLY && warp_w && g.len % 32 == 0 && g.nslot % 2 == 0
-                               && (reinterpret_cast<uintptr_t>(wsrc) & 15) == 0;
-            uint64_t* ww = early ? reinterpret_cast<uint64_t*>(warp_w) + warp * COMBINE_MAX : nullptr;
-            if (early) {
-                if (tid < g.len && 2 * lane < g.nslot)     // (a warp that copies waits for its copies below)
-                    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_u32(ww + 2 * lane)),
-                                 "l"(wsrc + 2 * lane) : "memory");
-                asm volatile("cp.async.commit_group;" ::: "memory");
-            } else {
-                if (tid < g.nslot) {                // the top-k's weights, into shared memory (in registers with
-                    float w[1];                     // the rows, they spill)
-                    ok = poll_strided(wsrc + tid, 1, 1, w, epoch, wait, err, p, t);
-                    comb_w[tid] = w[0];
-                }
-                consumers_sync();
+            // (Each warp copying the weights itself beside its first words, with no barrier before them, was
+            // right and 6-8 us slower a step: COMBINE_W_EARLY, 12-06 05:25 on an H100, commit c4b320b.)
+            if (tid < g.nslot) {                    // the top-k's weights, into shared memory (in registers with
+                float w[1];                         // the rows, they spill)
+                ok = poll_strided(reinterpret_cast<const uint64_t*>(ph[g.route].y) + ph[g.route].ne + tid, 1, 1, w,
+                                  epoch, wait, err, p, t);
+                comb_w[tid] = w[0];
             }
-            // COMBINE_W_EARLY: element tid's first 8 slots here, the weights' words taken once they are (whole
-            // warps: every lane of a warp with elements reaches the warp syncs)
-            float acc0 = 0.f;
-            if (early && tid < g.len) {
-                float v[8];
-                const int ns = min(8, g.nslot);
-                ok = poll_strided(base + tid, g.stride, ns, v, epoch, wait, err, p, t) && ok;
-                asm volatile("cp.async.wait_all;" ::: "memory");
-                __syncwarp();
-                if (lane < g.nslot && epoch_of(ww[lane]) != epoch) {   // (written with the top-k's ids, long before:
-                    float w[1];                                        // not expected) polled again
-                    ok = poll_strided(wsrc + lane, 1, 1, w, epoch, wait, err, p, t) && ok;
-                    ww[lane] = (static_cast<uint64_t>(epoch) << 32) | __float_as_uint(w[0]);
-                }
-                __syncwarp();
-#pragma unroll
-                for (int s = 0; s < 8; ++s)
-                    if (s < ns) acc0 = fmaf(value_of(ww[s]), v[s], acc0);
-            }
+            consumers_sync();
             float ss = 0.f;
             for (int j = tid; ok && j < g.len; j += CONSUMERS) {
-                float acc = early && j == tid ? acc0 : 0.f;     // `_ticket_combine`: out += w_s * y_s in slot order
-                for (int s0 = early && j == tid ? 8 : 0; ok && s0 < g.nslot; s0 += 8) {   // 8 slots' rows at a time
+                float acc = 0.f;                    // `_ticket_combine`: out += w_s * y_s in slot order
+                for (int s0 = 0; ok && s0 < g.nslot; s0 += 8) {     // 8 slots' rows at a time
                     float v[8];
                     const int ns = min(8, g.nslot - s0);
                     ok = poll_strided(base + static_cast<int64_t>(s0) * g.stride + j, g.stride, ns, v, epoch, wait,
                                       err, p, t);
 #pragma unroll
                     for (int s = 0; s < 8; ++s)
-                        if (s < ns) acc = fmaf(early ? value_of(ww[s0 + s]) : comb_w[s0 + s], v[s], acc);
+                        if (s < ns) acc = fmaf(comb_w[s0 + s], v[s], acc);
                 }
                 const float u = bf16r(acc);         // the op's output u, in z's dtype
                 xs[j0 + j] = __float2bfloat16_rn(u);
@@ -2010,8 +1973,7 @@ __device__ __forceinline__ int attn_phase(const PhaseC& f, const PhaseC* ph, con
         const bool no_keys = LIVE_SPLITS && (t / f.ne) * f.rows >= f.n;   // (no x, no words; BMM2 skips it)
         if (!no_keys && hg != have) {
             consumers_sync();               // every warp is done with the last x
-            if (!load_x_recipe(xs, f, ph, xsegs, hg, epoch, wait, err, p, t, red, comb_w, nullptr,
-                               n ? nullptr : part_t))
+            if (!load_x_recipe(xs, f, ph, xsegs, hg, epoch, wait, err, p, t, red, comb_w, n ? nullptr : part_t))
                 *gave_up = 1;
             consumers_sync();
             if (*gave_up) return -1;
@@ -2467,8 +2429,7 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
 #endif
                 const bool had = XPREFETCH && pre_p == p && have_slot < 0;   // (loaded for the phase's first slot)
 #if RECIPES
-                if (!(f.xop >= 0 ? load_x_recipe(xs, f, ph, xsegs, slot, epoch, wait, err, p, t, red, comb_w,
-                                                 mma_red     // (free in an x load: every warp is past its last tile)
+                if (!(f.xop >= 0 ? load_x_recipe(xs, f, ph, xsegs, slot, epoch, wait, err, p, t, red, comb_w
 #ifdef TRACE
                                                  , tr ? tr + 10 : nullptr, tr ? tr + 4 : nullptr
 #endif
