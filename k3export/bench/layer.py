@@ -17,7 +17,7 @@ import click
 import torch
 
 from k3export.bench import bench, command_line, require_cuda
-from k3export.bench.ceilings import bench_ms, copy_bandwidth, machine
+from k3export.bench.ceilings import bench_ms, copy_bandwidth, graph_replay, machine
 from k3export.manifest import atomic_write
 
 
@@ -95,18 +95,10 @@ def floor_bytes(cfg, layer, i) -> int:
 
 
 def _graphed(fn):
-    """fn captured in a CUDA graph (None when capture fails: a host sync or an allocation it cannot replay)."""
+    """fn captured in a CUDA graph after two warm-up calls (None when capture fails: a host sync or an allocation it
+    cannot replay)."""
     try:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        return g.replay
+        return graph_replay(fn, warmup=2)
     except Exception as e:  # noqa: BLE001 (reported, not hidden)
         print(f"  CUDA graph capture failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
         return None
