@@ -253,6 +253,36 @@ def test_the_launch_commits_the_lengths_only_when_asked(tiny_mla8):
         be.decode_(z, None, None, None, z, active=torch.ones(1, dtype=torch.bool))
 
 
+def test_several_steps_a_launch_are_built_only_when_asked(tiny_mla8):
+    """steps_per_launch > 1 builds chain.cu with STEP_LOOP=1 (several greedy steps in one launch, 12-06), which feeds
+    each step's token to the next and moves the lengths in the launch: only with ARGMAX and COMMIT_LENGTHS (the
+    defines refuse it without, or with PDL), not by default. The emulation runs a step a call, so it refuses more;
+    a value that is not a whole number >= 1 is refused. chain.cu refuses the build itself without ARGMAX or
+    COMMIT_LENGTHS."""
+    defs = mb.kernel_defines(argmax=2, commit_lengths=True, step_loop=True)
+    assert "STEP_LOOP=1" in defs and "ARGMAX=2" in defs and "COMMIT_LENGTHS=1" in defs
+    assert "STEP_LOOP=1" not in (*mb.DEFINES, *mb.HOST_INPUTS_DEFINES)
+    for kw in ({"argmax": 2}, {"commit_lengths": True}, {"argmax": 2, "commit_lengths": True, "pdl": True},
+               {"argmax": 2, "commit_lengths": True, "step_inputs": False}):
+        with pytest.raises(ValueError, match="several steps a launch"):
+            mb.kernel_defines(step_loop=True, **kw)
+    src = mc.CU.read_text()
+    assert "#if STEP_LOOP && !(ARGMAX && COMMIT_LENGTHS && STEP_INPUTS)" in src
+    cfg, model = tiny_mla8
+    with pytest.raises(ValueError, match="the emulation runs one step a call"):
+        mb.MegakernelBackend(model, max_len=40, prefill_backend=EagerBackend(model), emulate=True,
+                             steps_per_launch=4)
+    for bad in (0, 2.0, True):
+        with pytest.raises(ValueError, match="steps_per_launch is the greedy steps"):
+            mb.MegakernelBackend(model, max_len=40, prefill_backend=EagerBackend(model), emulate=True,
+                                 steps_per_launch=bad)
+    be = mb.MegakernelBackend(model, max_len=40, prefill_backend=EagerBackend(model), emulate=True)
+    assert be.steps_per_launch == 1
+    z = torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="steps is 1..1"):
+        be.decode_(z, None, None, None, z, steps=2)
+
+
 def test_paired_tiles_give_each_block_one_expert_of_k3_smalls_moe_down():
     """On an H200 (132 blocks), k3-small's MoE down projections (256 tiles of 32 rows, 32 an expert): by default a
     block with two tiles has two experts' (two x loads); with PAIR_TILES, one (a meta-device model, the layout
@@ -523,6 +553,54 @@ def test_the_launch_takes_the_engines_greedy_token(opts):
     assert runs[0][:2] == runs[1][:2]
     bad = [i for i, (a, b) in enumerate(zip(runs[0][2], runs[1][2])) if not torch.equal(a, b)]
     assert not bad, f"{opts}: steps {bad} differ from the default build's logits"
+
+
+@pytest.mark.cuda
+def test_several_steps_in_one_launch_equal_single_launches():
+    """The STEP_LOOP build (`steps_per_launch=4`) against the default build, both under the engine's CUDA graphs,
+    after a 64-token prompt's prefill: two launches of 4 steps (`decode_greedy_steps`) give the 8 tokens of 8 single
+    greedy steps (each step's from the host ring), the last step's logits bit for bit and the device length; then
+    a single step of the loop build (a launch of one step) the default's next token. The Generator, pipelined (with
+    bursts of 4 and single steps at the end) and plain, gives the default build's tokens for a first request and a
+    second one (the epoch base moved past the loop's last step)."""
+    model, prompts = _small_model_and_prompts(5, 64, 33)
+    runs = []
+    for kw in ({"steps_per_launch": 4}, {}):
+        be = mb.MegakernelBackend(model, max_len=160, prefill_backend=EagerBackend(model), **kw)
+        eng = Engine(be, max_batch=1, max_len=160)
+        assert eng.graphed, eng.graph_error
+        assert eng.steps_per_launch == kw.get("steps_per_launch", 1)
+        if kw:
+            assert eng._steps_graph is not None, eng.graph_error
+        first = int(eng.prefill([0], [prompts[0]])[0].argmax())
+        toks, ids = [], torch.tensor([first], device="cuda")
+        for _ in range(2):
+            if kw:
+                eng.decode_greedy_steps(4, ids)
+                mark = eng.post_mark()
+                torch.cuda.synchronize()
+                toks += [row[0] for row in eng.posted_steps(mark, 4)]
+            else:
+                for j in range(4):
+                    eng.decode_greedy(ids if j == 0 else None)
+                    mark = eng.post_mark()
+                    torch.cuda.synchronize()
+                    toks.append(eng.posted(mark)[0])
+            ids = None
+        torch.cuda.synchronize()
+        assert int(eng.state.lengths[0]) == len(prompts[0]) + 8 == eng._host_lengths[0]
+        last = eng.last_logits[0].clone()
+        assert toks[-1] == int(last.argmax())
+        nxt = int(eng.decode_greedy()[0])
+        eng.release(0)
+        gen = [Generator(eng, pipeline=p).generate(prompts, 11) for p in (True, False)]
+        be.check()
+        assert gen[0] == gen[1], kw
+        runs.append((toks, nxt, gen[0], last))
+        print(kw, toks, nxt)
+        del eng, be
+    assert runs[0][:3] == runs[1][:3]
+    assert torch.equal(runs[0][3], runs[1][3])
 
 
 CUDA_CORES = {"attn_mma": False}        # (the attention tile on CUDA cores: the variants of that tile compare to it)

@@ -166,6 +166,7 @@ def test_blocks_that_cannot_all_be_resident_are_refused():
     assert mc.not_resident(1, 544, 96, mc.smem_bytes(3, 65536, n)) is None                 # the default build
     assert mc.not_resident(2, 288, 92, mc.smem_bytes(2, 32768, n)) is None                 # 2 blocks, 8 warps each
     assert "registers" in mc.not_resident(2, 544, 96, mc.smem_bytes(2, 32768, n))
+    assert "registers" in mc.not_resident(1, 544, 104, mc.smem_bytes(3, 65536, n))   # 5 warps of 104 a quarter
     assert "shared memory" in mc.not_resident(2, 288, 92, mc.smem_bytes(3, 32768, n))
     assert "shared memory" in mc.not_resident(1, 544, 96, mc.smem_bytes(4, 65536, n))
 

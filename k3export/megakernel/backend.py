@@ -70,12 +70,18 @@ def check_argmax(argmax) -> None:
 def kernel_defines(step_inputs: bool = True, pair_tiles: bool = True, poll_sleep: int = 0,
                    attn_heads: int = mc.ATTN_HEADS, live_splits: bool = True, sums_apart: bool = False,
                    attn_mma: bool = True, x_tail: bool = True, inflight: int = 1,
-                   argmax: bool | int = False, commit_lengths: bool = False, pdl: bool = False) -> tuple[str, ...]:
+                   argmax: bool | int = False, commit_lengths: bool = False, pdl: bool = False,
+                   step_loop: bool = False) -> tuple[str, ...]:
     """chain.cu's defines for the backend's build with these options (`DEFINES`: the defaults; ARGMAX, the greedy
     token taken in the launch, only with STEP_INPUTS: argmax True or 1, the keys in the LM head's tile loop; 2, after
     the phases, read back from the block's stores; COMMIT_LENGTHS, the step's lengths advanced in the launch, and
-    PDL, the launch a programmatic dependent one, only with STEP_INPUTS too)."""
+    PDL, the launch a programmatic dependent one, only with STEP_INPUTS too; STEP_LOOP, several greedy steps a
+    launch, with ARGMAX and COMMIT_LENGTHS and without PDL)."""
     check_argmax(argmax)
+    if step_loop and not (step_inputs and argmax and commit_lengths and not pdl):
+        raise ValueError("megakernel backend: several steps a launch (STEP_LOOP) feed each step's token to the next "
+                         "and advance the lengths in the launch: they need step_inputs, argmax and commit_lengths, "
+                         "and not pdl")
     if pdl and not step_inputs:
         raise ValueError("megakernel backend: pdl reads the step's inputs after the launch's wait (STEP_INPUTS); "
                          "it needs step_inputs=True")
@@ -92,7 +98,8 @@ def kernel_defines(step_inputs: bool = True, pair_tiles: bool = True, poll_sleep
             *(("ATTN_MMA=1",) if attn_mma else ()), *(("ATTN_X_TAIL=1",) if x_tail else ()),
             *((f"INFLIGHT={inflight}",) if inflight else ()), "NORM_W_FIRST=1",
             *((f"ARGMAX={int(argmax)}",) if argmax and step_inputs else ()),
-            *(("COMMIT_LENGTHS=1",) if commit_lengths and step_inputs else ()), *(("PDL=1",) if pdl else ()))
+            *(("COMMIT_LENGTHS=1",) if commit_lengths and step_inputs else ()), *(("PDL=1",) if pdl else ()),
+            *(("STEP_LOOP=1",) if step_loop else ()))
 
 
 DEFINES = kernel_defines()
@@ -114,7 +121,7 @@ class MegakernelBackend:
                  live_splits: bool = True, sums_apart: bool = False, attn_mma: bool = True,
                  x_tail: bool = True, g_apart: bool = True, mla_g_apart: bool = True, inflight: int = 1,
                  argmax: bool | int = False, commit_lengths: bool = False, pdl: bool = False,
-                 cuda_graphs: bool | None = None):
+                 cuda_graphs: bool | None = None, steps_per_launch: int = 1):
         """step_inputs (the default): chain.cu built with STEP_INPUTS=1 reads the token's embedding row, the key
         count and its epoch from the engine's buffers itself, four small kernels fewer a step than setting them
         around it (False: `HOST_INPUTS_DEFINES`). defines: another build (the engine directory's). router_first:
@@ -164,7 +171,13 @@ class MegakernelBackend:
         signals it first thing: `launches_pdl`). The overlap acts between kernels of one stream, and a CUDA graph
         a step puts a graph boundary before each launch, so pdl turns the engine's graphs off. cuda_graphs (None:
         on, except with pdl): False keeps the engine from capturing the step (the launches go to the stream one by
-        one; bench `megakernel-stream`)."""
+        one; bench `megakernel-stream`). steps_per_launch (default 1): K > 1 builds chain.cu with STEP_LOOP=1 (and
+        ARGMAX, argmax=2 unless given, and COMMIT_LENGTHS), so that the engine's `decode_greedy_steps(K)` runs K
+        greedy steps in one launch, each fed the last one's token on the device (docs/megakernel.md, "Several
+        decode steps in one launch"); single steps are launches of one step. Right (12-06, H200: the default
+        build's tokens and logits bit for bit) and slower: the loop spills the consumers' ring index (92 bytes at
+        the 96 registers 17 warps allow), 0.821-0.824 ms a token in launches of 4 or 8 steps against 0.827-0.830
+        for the same build a step a launch and 0.689 for the default build."""
         cfg = model.config
         self.model, self.config, self.dtype, self.device = model, cfg, model.dtype, model.device
         self.max_len, self.emulate = max_len, emulate
@@ -173,6 +186,17 @@ class MegakernelBackend:
         if not isinstance(attn_heads, int) or attn_heads < 1:
             raise ValueError(f"megakernel backend: attn_heads is the MLA heads an attention tile takes (>= 1), got "
                              f"{attn_heads!r}")
+        if isinstance(steps_per_launch, bool) or not isinstance(steps_per_launch, int) or steps_per_launch < 1:
+            raise ValueError(f"megakernel backend: steps_per_launch is the greedy steps one launch may run (>= 1), "
+                             f"got {steps_per_launch!r}")
+        if steps_per_launch > 1:
+            if emulate:
+                raise ValueError("megakernel backend: steps_per_launch > 1 runs several steps in one launch; the "
+                                 "emulation runs one step a call")
+            if pdl:
+                raise ValueError("megakernel backend: steps_per_launch > 1 (STEP_LOOP) is built without pdl")
+            argmax = argmax or 2
+            commit_lengths = True
         why = unsupported(model, max_len, emulate, attn_heads)
         if why:
             raise ValueError(f"megakernel backend: {why}")
@@ -182,13 +206,19 @@ class MegakernelBackend:
         check_argmax(argmax)                # (an emulation too: it takes no argmax, but a wrong value is refused)
         if not emulate:
             defines = defines or kernel_defines(step_inputs, pair_tiles, poll_sleep, attn_heads, live_splits,
-                                                sums_apart, attn_mma, x_tail, inflight, argmax, commit_lengths, pdl)
+                                                sums_apart, attn_mma, x_tail, inflight, argmax, commit_lengths, pdl,
+                                                steps_per_launch > 1)
             self.kernel = mc.ChainKernel(defines=defines, cubin=cubin, quiet=cubin is not None)
             self.kernel.bind(self.bufs)
         # the engine's greedy step passes its ids buffer and host ring to `decode_` (`argmax`), and takes no argmax
         self.takes_argmax = self.kernel is not None and self.kernel.argmax
         # ... and its `active` flags, whose add to the lengths the launch makes itself (the engine then makes none)
         self.commits_lengths = self.kernel is not None and self.kernel.commit_lengths
+        # ... and the most greedy steps one `decode_` may run (`decode_greedy(steps=...)`; STEP_LOOP builds)
+        self.steps_per_launch = steps_per_launch if self.kernel is not None and self.kernel.step_loop else 1
+        if steps_per_launch > 1 and self.steps_per_launch == 1:
+            raise ValueError("megakernel backend: steps_per_launch > 1 needs a STEP_LOOP build; these defines "
+                             "have none")
         if prefill_backend is None:
             from k3export.runtime import CompileBackend, EagerBackend
             prefill_backend = CompileBackend(model) if self.device.type == "cuda" else EagerBackend(model)
@@ -226,10 +256,10 @@ class MegakernelBackend:
         from them (`before_decode`)."""
         self.loaded = False
 
-    def before_decode(self, state) -> None:
-        """Called by the engine before each decode step (outside its CUDA graph): after a change of the engine's
-        state, load sequence 0's into the kernel's layouts (after checking that no launch so far gave up; one host
-        read of the length)."""
+    def before_decode(self, state, steps: int = 1) -> None:
+        """Called by the engine before each decode launch (outside its CUDA graph) of `steps` steps: after a change
+        of the engine's state, load sequence 0's into the kernel's layouts (after checking that no launch so far
+        gave up; one host read of the length)."""
         if not self.loaded:             # (the engine keeps a sequence under its max_len, at most the backend's)
             self.check()
             length = ml.load_model_state(self.bufs, self.model, state)
@@ -239,8 +269,8 @@ class MegakernelBackend:
                     self.kernel.start_sequence(length)
             self.loaded = True
             self.steps_since_load = 0
-        self.steps += 1
-        self.steps_since_load += 1
+        self.steps += steps
+        self.steps_since_load += steps
 
     def bind_engine_cache(self, state) -> None:
         """Point the kernel's attention phases at the engine's MLA cache (sequence 0's rows of each layer's slot):
@@ -268,7 +298,7 @@ class MegakernelBackend:
 
     @torch.no_grad()
     def decode_(self, ids, kda_conv, kda_state, mla_cache, cache_len, argmax: tuple | None = None,
-                active: torch.Tensor | None = None):
+                active: torch.Tensor | None = None, steps: int = 1):
         """One step of the one sequence, on the device only (capturable): ids `[1]`, cache_len `[1]` (the engine's
         lengths); the other state tensors are not read (`before_decode` loaded them) -> (logits `[1, V]`, a view
         valid until the next step; None for the new MLA rows: the launch appended them to the engine's cache itself,
@@ -276,7 +306,9 @@ class MegakernelBackend:
         `[1]` int64, the engine's host ring `[rows, slots]` or None, active `[1]` bool): the launch also writes the
         logits' argmax to ids out and to the ring at row (cache_len + active) mod rows, as the engine's argmax program
         would after the step. active (`commits_lengths` only): the engine's `[1]` bool flags; the launch then adds
-        them to cache_len itself, as the engine's `lengths.add_(active)` would after the step (None: it does not)."""
+        them to cache_len itself, as the engine's `lengths.add_(active)` would after the step (None: it does not).
+        steps (at most `steps_per_launch`; with argmax and active): the launch runs that many greedy steps, each fed
+        the last one's token, each token posted to the ring's next row; the logits are the last step's."""
         if ids.shape[0] != 1:
             raise ValueError(f"megakernel backend: decodes one sequence (an engine with max_batch=1), got "
                              f"{ids.shape[0]}")
@@ -287,6 +319,14 @@ class MegakernelBackend:
             raise ValueError("megakernel backend: this build does not advance the lengths in its launch "
                              "(COMMIT_LENGTHS; an emulation, or step_inputs=False / commit_lengths=False): add "
                              "active to them after the step")
+        if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= self.steps_per_launch:
+            raise ValueError(f"megakernel backend: steps is 1..{self.steps_per_launch} (steps_per_launch), got "
+                             f"{steps!r}")
+        if steps > 1 and (argmax is None or active is None):
+            raise ValueError("megakernel backend: a launch of several steps feeds each step's greedy token to the "
+                             "next: pass argmax and active (the engine's `decode_greedy(steps=...)` does)")
+        if self.kernel is not None and self.kernel.step_loop:
+            self.kernel.nsteps = steps
         if self.takes_argmax:
             self.kernel.argmax_args = argmax
         if self.commits_lengths:

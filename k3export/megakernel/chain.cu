@@ -116,6 +116,20 @@
 #if PDL && !STEP_INPUTS
 #error "PDL reads the step's inputs after its wait (STEP_INPUTS): build it with STEP_INPUTS=1"
 #endif
+#ifndef STEP_LOOP                      // 1 (with ARGMAX and COMMIT_LENGTHS): a launch runs `nsteps` greedy steps, one
+#define STEP_LOOP 0                    // after another (docs/megakernel.md, "Several decode steps in one launch"): step
+#endif                                 // st's epoch and key count are the first step's plus st; the last block of a
+                                       // step writes its token (ids, host ring), advances the lengths and then, with
+                                       // a release, the token word counters[nphase + 1] = the next step's epoch. Each
+                                       // block's consumers poll that word (acquire) before the next step's first x
+                                       // (the token's embedding row), its producer before the next step's first tile
+                                       // that reads state (a KDA tile: the state its consumers wrote; an attention
+                                       // tile: the MLA rows another block appended), then fence.proxy.async (those
+                                       // were generic stores, the tile is a bulk copy). Weight tiles wait for nothing,
+                                       // so the producers stream the next step's first weights while the LM head ends
+#if STEP_LOOP && !(ARGMAX && COMMIT_LENGTHS && STEP_INPUTS)
+#error "STEP_LOOP feeds each step's token to the next and advances the lengths in the launch: build it with ARGMAX, COMMIT_LENGTHS and STEP_INPUTS"
+#endif
 #ifndef RECIPES
 #define RECIPES 0                      // 1: phases may form x by a recipe (real layers, milestone 2); 0: the synthetic
 #endif                                 // chains' kernel (with the recipes, the diagnostic builds spill registers)
@@ -432,6 +446,16 @@ __device__ __forceinline__ bool poll_word(const uint64_t* p, uint64_t& v, uint32
     }
     return true;
 }
+
+#if STEP_LOOP
+// STEP_LOOP: the step's token word once it holds `epoch`, the step's (acquire: the last step's writes, every
+// block's, are visible). false: gave up (err what 6).
+__device__ bool wait_token(const uint32_t* word, uint32_t epoch, uint32_t* err, int64_t phase) {
+    for (uint32_t spin = 0; load_acquire(word) != epoch; ++spin)
+        if (out_of_time(spin, err, 6, phase, 0)) return false;
+    return true;
+}
+#endif
 
 // Wait until phase f's input phases (src, dep2) are done in this launch (mode SERIAL's producer).
 __device__ bool wait_inputs(const PhaseC* ph, const PhaseC& f, const uint32_t* counters, uint32_t epoch, uint32_t* err,
@@ -2063,6 +2087,9 @@ __device__ __forceinline__ int attnres_phase(const PhaseC& f, const PhaseC* ph, 
 // phase p, slot s, as bf16 at xdump + (p XDUMP_SLOTS + s) XMAX, written by the block with the slot's first tile (a
 // check of the recipes against the host's). Producer and consumers walk the same tiles in the same order: phase by
 // phase, this block's tiles of each phase.
+#if STEP_LOOP && (PDL || PREFETCH_TILES || defined(TRACE) || defined(TRACE_TILES))
+#error "STEP_LOOP is built without PDL, PREFETCH_TILES, TRACE and TRACE_TILES (their bookkeeping is per launch)"
+#endif
 extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM)
 chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __restrict__ x_in,
 #if EPOCH_PTR
@@ -2082,6 +2109,9 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
 #endif
 #if COMMIT_LENGTHS
              , const unsigned char* __restrict__ commit_active
+#endif
+#if STEP_LOOP
+             , int64_t nsteps
 #endif
              ) {
     extern __shared__ __align__(128) unsigned char smem[];
@@ -2108,6 +2138,17 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
 #if ARGMAX
     __shared__ unsigned long long am_block;     // the block's largest LM-head key (`argmax_key`; 0: none)
 #endif
+#if STEP_LOOP
+    __shared__ uint32_t last_epoch_s, epoch_s;  // the launch's last step's epoch, the consumers' step's
+    __shared__ int32_t nsteps_s;                // the steps this launch runs
+    // the arguments the step's tail and the next step's start read, from shared memory there (each a load after a
+    // barrier, never hoisted out of the step loop: kept in registers across it, they spilled the tile loops')
+    __shared__ struct {
+        uint32_t* counters; uint32_t* err; int64_t* am_ids; int64_t* am_ring; const unsigned char* am_active;
+        unsigned long long* am_best; int64_t* step_lengths; const unsigned char* commit_active; const XIn* x_in;
+        int64_t am_ring_stride, am_ring_rows, x_len, nphase;
+    } tail_s;
+#endif
 #if RECIPES
     __shared__ float comb_w[COMBINE_MAX];       // an X_COMBINE_NORM's weights
 #endif
@@ -2116,9 +2157,12 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
     const int tid = threadIdx.x;
     const int64_t nblk = gridDim.x;
     const bool wait = mode != NODEPS;
+
 #if PDL                                     // (read after the wait, by the producer and the consumers)
     uint32_t epoch = 0;
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#elif STEP_LOOP                             // the first step's epoch (each role adds one a step)
+    uint32_t epoch = step_epoch(epoch_at, step_lengths);
 #elif STEP_INPUTS                           // this launch's epoch: the base plus the sequence's length
     const uint32_t epoch = step_epoch(epoch_at, step_lengths);
 #elif EPOCH_PTR
@@ -2151,11 +2195,37 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
 #if RECIPES
         xdump_s = xdump;
 #endif
+#if STEP_LOOP
+        // Only an active sequence runs more than one step: an inactive one's lengths do not move, so its epochs
+        // repeat from launch to launch (the engine's capture warm-ups), and the token word a step waits for may
+        // already hold the awaited epoch from an earlier launch (that step would begin before every block ended the
+        // last). An active sequence's epochs only grow (a step's length; a new sequence's base above them all).
+        nsteps_s = commit_active && commit_active[0] ? static_cast<int32_t>(nsteps) : 1;
+        tail_s.counters = counters;
+        tail_s.err = err;
+        tail_s.am_ids = am_ids;
+        tail_s.am_ring = am_ring;
+        tail_s.am_active = am_active;
+        tail_s.am_best = am_best;
+        tail_s.step_lengths = step_lengths;
+        tail_s.commit_active = commit_active;
+        tail_s.x_in = x_in;
+        tail_s.am_ring_stride = am_ring_stride;
+        tail_s.am_ring_rows = am_ring_rows;
+        tail_s.x_len = x_len;
+        tail_s.nphase = nphase;
+        last_epoch_s = epoch + static_cast<uint32_t>(nsteps_s) - 1u;
+        epoch_s = epoch;
+#endif
 #if !PDL
         if (blockIdx.x == 0) *t_start = now_ns();
 #if STEP_INPUTS
         x_row_s = x_in + *step_ids * x_len;
+#if STEP_LOOP                               // (the last step's epoch: the host's next base goes past it)
+        if (blockIdx.x == 0) atomicMax(epoch_at + 1, last_epoch_s);
+#else
         if (blockIdx.x == 0) atomicMax(epoch_at + 1, epoch);
+#endif
 #endif
 #endif
     }
@@ -2199,11 +2269,27 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
         int keys = 0;   // the producer's own read (the consumers set the table's after their wait)
         bool ready = false;
 #define PH_N(f) ((f).kind == ATTN ? keys : (f).n)
+#elif STEP_LOOP
+#define PH_N(f) ((f).kind == ATTN ? keys + static_cast<int>(st) : (f).n)
 #else
 #define PH_N(f) ((f).n)
 #endif
+#if STEP_LOOP
+        for (int st = 0; st < nsteps_s; ++st, ++epoch) {
+        bool stepped = st == 0;             // the state this step reads is there (step 0: the launch's inputs)
+#endif
         for (int64_t p = 0; p < nphase; ++p) {
             const PhaseC& f = ph[p];
+#if STEP_LOOP
+            // a KDA tile holds the state its block's consumers wrote in the last step, an attention tile the MLA
+            // rows another block appended: wait for the step's token, then order those generic stores before the
+            // bulk copies (async proxy). Weight tiles before them need neither.
+            if (!stepped && (f.kind == KDA || f.kind == ATTN)) {
+                if (!wait_token(counters + nphase + 1, epoch, err, p)) return;
+                asm volatile("fence.proxy.async.global;" ::: "memory");
+                stepped = true;
+            }
+#endif
 #if PDL
             if (!ready && (p > 0 || f.kind != GEMV || mode == SERIAL)) {
                 grid_dep_wait();
@@ -2285,6 +2371,9 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
                 TT_SET(i, 2);
             }
         }
+#if STEP_LOOP
+        }
+#endif
 #undef PH_N
         return;
     }
@@ -2312,8 +2401,141 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
 #endif
     uint64_t pre[XPREFETCH_N], pre2[XPREFETCH_N];   // the next phase's first x words, loaded ahead
     int pre_p = -1;                                   // ... of this phase (-1: none)
+    // The step's tail, after its phases (ARGMAX / COMMIT_LENGTHS). STEP_LOOP: called at the top of the one loop
+    // over (step, phase), whose phase index wraps to 0 there: a step loop around the phase loop spilled the ring
+    // index in the tile loops (92 bytes; a step 0.83 ms against 0.69, H200 12-06); this form spills 20.
+    auto step_tail = [&]() {
+#if STEP_LOOP
+    consumers_sync();
+    uint32_t* const counters = tail_s.counters;
+    uint32_t* const err = tail_s.err;
+    int64_t* const am_ids = tail_s.am_ids;
+    int64_t* const am_ring = tail_s.am_ring;
+    const unsigned char* const am_active = tail_s.am_active;
+    unsigned long long* const am_best = tail_s.am_best;
+    int64_t* const step_lengths = tail_s.step_lengths;
+    const unsigned char* const commit_active = tail_s.commit_active;
+    const XIn* const x_in = tail_s.x_in;
+    const int64_t am_ring_stride = tail_s.am_ring_stride, am_ring_rows = tail_s.am_ring_rows;
+    const int64_t x_len = tail_s.x_len, nphase = tail_s.nphase;
+#endif
+#if ARGMAX || COMMIT_LENGTHS
+    // The greedy token: the block's key into am_best, the block counted in (release: after its max and its reads of
+    // the step's inputs); the last block (acquire: after every block's max and reads) takes am_best, zeroes it and
+    // the count, and writes the token; COMMIT_LENGTHS: then the step's lengths. Every block counts, those without
+    // LM-head rows too, so the token and the length are written after every block has read step_ids[0] and
+    // step_lengths[0].
+#if ARGMAX
+    const bool am_on = am_ids != nullptr;
+#else
+    const bool am_on = false;
+#endif
+#if COMMIT_LENGTHS
+    const bool commit = commit_active != nullptr;
+#else
+    const bool commit = false;
+#endif
+    if (am_on || commit) {
+#if ARGMAX == 2
+        // ARGMAX=2: the block's largest key taken here, after the phases, from the LM head's words it stored
+        // (`mma_tile_sum`: thread r stores row r of each of the block's tiles, so each reads back its own stores: no
+        // fence), not in the tile loop. That loop's code (ARGMAX=1) made the plain decode launch 12-13 us slower
+        // (H200, 12-05 07:51), more than the argmax program it replaces.
+        if (am_on) {
+            const PhaseC& f = ph[nphase - 1];
+            unsigned long long key = 0;
+            if (tid < f.rows) {
+                const uint64_t* y = reinterpret_cast<const uint64_t*>(f.y);
+                const int stride = phase_stride(f, nblk);
+                for (int g = first_tile(f, nblk); g < f.tile0 + f.ntiles; g += stride) {
+                    const int row = (g - f.tile0) * static_cast<int>(f.rows) + tid;
+                    key = max_u64(key, argmax_key(value_of(load_word(y + row)), row));
+                }
+            }
+#pragma unroll
+            for (int off = 16; off; off >>= 1) key = max_u64(key, __shfl_xor_sync(0xffffffffu, key, off));
+            if (lane == 0 && key) atomicMax(&am_block, key);
+        }
+#endif
+        consumers_sync();                   // every warp's max is in am_block
+        if (tid == 0) {
+#if ARGMAX
+            if (am_on && am_block)
+                asm volatile("red.relaxed.gpu.global.max.u64 [%0], %1;" ::"l"(am_best), "l"(am_block) : "memory");
+#endif
+            uint32_t before;
+            asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(before) : "l"(counters + nphase)
+                         : "memory");
+            if (before == static_cast<uint32_t>(nblk) - 1) {
+#if ARGMAX
+                unsigned long long best = 0;
+                if (am_on)
+                    asm volatile("atom.relaxed.gpu.global.exch.b64 %0, [%1], 0;" : "=l"(best) : "l"(am_best)
+                                 : "memory");
+#endif
+                counters[nphase] = 0;
+#if ARGMAX
+                if (am_on) {                // (step_lengths[0]: this step's, which no block has moved yet)
+                    const int64_t token = 0xFFFFFFFFu - static_cast<uint32_t>(best);
+                    am_ids[0] = token;
+                    if (am_ring)
+                        am_ring[((*step_lengths + am_active[0]) % am_ring_rows) * am_ring_stride] = token;
+                }
+#endif
+#if COMMIT_LENGTHS
+                if (commit) step_lengths[0] = *step_lengths + commit_active[0];
+#endif
+#if STEP_LOOP           // the next step may begin: after the token, the lengths and the zeroed count and key
+                asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(counters + nphase + 1), "r"(epoch_s + 1u)
+                             : "memory");
+#endif
+            }
+        }
+    }
+#endif
+    };
+#if STEP_LOOP
+    for (int p = 0; ; ++p) {
+    if (p == nphase) {      // this step's tail, then the next step's start
+    step_tail();
+    if (epoch_s == last_epoch_s) break;
+    {
+    uint32_t* const counters = tail_s.counters;
+    uint32_t* const err = tail_s.err;
+    int64_t* const am_ids = tail_s.am_ids;
+    int64_t* const step_lengths = tail_s.step_lengths;
+    const XIn* const x_in = tail_s.x_in;
+    const int64_t x_len = tail_s.x_len, nphase = tail_s.nphase;
+    consumers_sync();   // (every thread has read epoch_s)
+    // the next step's token (every block done with the last step), its embedding row, the key count
+    if (tid == 0) {
+        const uint32_t epoch = epoch_s + 1u;
+        epoch_s = epoch;
+        if (wait_token(counters + nphase + 1, epoch, err, 0))
+            x_row_s = x_in + *reinterpret_cast<volatile const int64_t*>(am_ids) * x_len;
+        else
+            gave_up = 1;
+        am_block = 0;
+    }
+    consumers_sync();
+    if (gave_up) return;
+    {                   // (the lengths the last step's last block advanced: read after the token's acquire)
+        const int32_t n_keys = static_cast<int32_t>(*reinterpret_cast<volatile const int64_t*>(step_lengths)) + 1;
+        for (int64_t p = tid; p < nphase; p += CONSUMERS)
+            if (ph[p].kind == ATTN) ph[p].n = n_keys;
+    }
+    consumers_sync();
+    }
+    p = 0;
+    pre_p = -1;
+    }
+#else
     for (int p = 0; p < nphase; ++p) {
+#endif
         const PhaseC& f = ph[p];
+#if STEP_LOOP           // (from shared memory each phase: a register live across the step loop spilled others)
+        const uint32_t epoch = epoch_s;
+#endif
         // the fields every tile uses, in 32-bit registers: each asm "memory" clobber below would otherwise make the
         // compiler read them again from shared memory on every tile
         const int kind = f.kind, n = f.n, ne = f.ne, tile0 = f.tile0;
@@ -2591,74 +2813,7 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
             atomicMax(t_done + p, static_cast<unsigned long long>(now_ns()));
         }
     }
-#if ARGMAX || COMMIT_LENGTHS
-    // The greedy token: the block's key into am_best, the block counted in (release: after its max and its reads of
-    // the step's inputs); the last block (acquire: after every block's max and reads) takes am_best, zeroes it and
-    // the count, and writes the token; COMMIT_LENGTHS: then the step's lengths. Every block counts, those without
-    // LM-head rows too, so the token and the length are written after every block has read step_ids[0] and
-    // step_lengths[0].
-#if ARGMAX
-    const bool am_on = am_ids != nullptr;
-#else
-    const bool am_on = false;
-#endif
-#if COMMIT_LENGTHS
-    const bool commit = commit_active != nullptr;
-#else
-    const bool commit = false;
-#endif
-    if (am_on || commit) {
-#if ARGMAX == 2
-        // ARGMAX=2: the block's largest key taken here, after the phases, from the LM head's words it stored
-        // (`mma_tile_sum`: thread r stores row r of each of the block's tiles, so each reads back its own stores: no
-        // fence), not in the tile loop. That loop's code (ARGMAX=1) made the plain decode launch 12-13 us slower
-        // (H200, 12-05 07:51), more than the argmax program it replaces.
-        if (am_on) {
-            const PhaseC& f = ph[nphase - 1];
-            unsigned long long key = 0;
-            if (tid < f.rows) {
-                const uint64_t* y = reinterpret_cast<const uint64_t*>(f.y);
-                const int stride = phase_stride(f, nblk);
-                for (int g = first_tile(f, nblk); g < f.tile0 + f.ntiles; g += stride) {
-                    const int row = (g - f.tile0) * static_cast<int>(f.rows) + tid;
-                    key = max_u64(key, argmax_key(value_of(load_word(y + row)), row));
-                }
-            }
-#pragma unroll
-            for (int off = 16; off; off >>= 1) key = max_u64(key, __shfl_xor_sync(0xffffffffu, key, off));
-            if (lane == 0 && key) atomicMax(&am_block, key);
-        }
-#endif
-        consumers_sync();                   // every warp's max is in am_block
-        if (tid == 0) {
-#if ARGMAX
-            if (am_on && am_block)
-                asm volatile("red.relaxed.gpu.global.max.u64 [%0], %1;" ::"l"(am_best), "l"(am_block) : "memory");
-#endif
-            uint32_t before;
-            asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(before) : "l"(counters + nphase)
-                         : "memory");
-            if (before == static_cast<uint32_t>(nblk) - 1) {
-#if ARGMAX
-                unsigned long long best = 0;
-                if (am_on)
-                    asm volatile("atom.relaxed.gpu.global.exch.b64 %0, [%1], 0;" : "=l"(best) : "l"(am_best)
-                                 : "memory");
-#endif
-                counters[nphase] = 0;
-#if ARGMAX
-                if (am_on) {                // (step_lengths[0]: this step's, which no block has moved yet)
-                    const int64_t token = 0xFFFFFFFFu - static_cast<uint32_t>(best);
-                    am_ids[0] = token;
-                    if (am_ring)
-                        am_ring[((*step_lengths + am_active[0]) % am_ring_rows) * am_ring_stride] = token;
-                }
-#endif
-#if COMMIT_LENGTHS
-                if (commit) step_lengths[0] = *step_lengths + commit_active[0];
-#endif
-            }
-        }
-    }
+#if !STEP_LOOP
+    step_tail();
 #endif
 }

@@ -120,7 +120,7 @@ ATTN_HEADS = cu_default("ATTN_HEADS")    # chain.cu: heads an ATTN tile (its x h
 ATTN_ROWS = cu_default("ATTN_ROWS_WARP") * cu_default("CONSUMER_WARPS")    # ... and its keys
 ATTN_SPLITS = cu_default("ATTN_SPLITS")  # ... key blocks an X_MLA_COMBINE adds at most
 WAITS = {1: "an input word of this launch", 2: "a filled ring slot", 3: "a free ring slot",
-         4: "the top-k's words", 5: "an input phase's counter"}
+         4: "the top-k's words", 5: "an input phase's counter", 6: "the last step's token (STEP_LOOP)"}
 
 # k3-small at B = 1, context 1024 (docs/megakernel.md's table); `lat` is the width of the few-byte links.
 WIDTHS = dict(d=2048, q_rank=768, e_lat=1024, e_w=768, dense=8192, vocab=32768, kda_in=8376, heads=16,
@@ -1479,8 +1479,13 @@ def not_resident(per_sm: int, threads: int, regs: int, smem: int, static: int = 
     or None."""
     if smem + static > SMEM_LIMIT or per_sm * (smem + static + 1024) > SMEM_PER_SM:
         return f"{smem} + {static} (static) bytes of shared memory a block, over what an SM has"
-    if per_sm * (threads // 32) * (-(-regs * 32 // 256) * 256) > REGS_PER_SM:
-        return f"{threads} threads at {regs} registers a block, over an SM's {REGS_PER_SM}"
+    # registers: each of an SM's 4 sub-partitions holds a quarter of the file and takes every 4th warp, so the
+    # fullest holds ceil(warps / 4) of them (17 warps at 104 registers do not launch though 64K would hold them:
+    # CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES, H100 12-06; ptxas caps 544 threads at 96 for the same reason)
+    warps = per_sm * (threads // 32)
+    if -(-warps // 4) * (-(-regs * 32 // 256) * 256) > REGS_PER_SM // 4:
+        return (f"{threads} threads at {regs} registers a block, over an SM's {REGS_PER_SM} (a quarter to each "
+                f"scheduler, {-(-warps // 4)} warps on the fullest)")
     return None
 
 
@@ -1577,6 +1582,10 @@ class ChainKernel:
         # -DPDL=1 (with STEP_INPUTS): each launch is a programmatic dependent launch (`launch_pdl`), so that its
         # blocks take the SMs, and its producers stream phase 0's weights, while the kernel before it still runs
         self.pdl = bool(define_value(defines, "PDL", cu, default=0))
+        # -DSTEP_LOOP=1 (with ARGMAX and COMMIT_LENGTHS): a launch runs `nsteps` greedy steps, each fed the last
+        # one's token; more than one needs `argmax_args` and `commit_active` (the tokens and the lengths move in it)
+        self.step_loop = bool(define_value(defines, "STEP_LOOP", cu, default=0))
+        self.nsteps = 1
         self.am_best = None
         self._argmax_refused = None
         self._streams: dict[int, object] = {}
@@ -1650,8 +1659,8 @@ class ChainKernel:
         bufs.use_mma_layout(min_k)
         self.fn.max_dynamic_shared_size_bytes = self.smem
         self.bufs = bufs
-        # (ARGMAX, COMMIT_LENGTHS: the blocks done, [n])
-        self.counters = torch.zeros(n + 1, dtype=torch.int32, device="cuda")
+        # (ARGMAX, COMMIT_LENGTHS: the blocks done, [n]; STEP_LOOP: the step's token word, [n + 1])
+        self.counters = torch.zeros(n + 2, dtype=torch.int32, device="cuda")
         self.am_best = torch.zeros(1, dtype=torch.int64, device="cuda") if self.argmax else None
         if self.argmax:                             # (why this chain's launch cannot take the argmax; None: it can)
             last = bufs.chain.phases[-1]
@@ -1715,12 +1724,26 @@ class ChainKernel:
             if active is not None and (active.dtype != torch.bool or active.device.type != "cuda"):
                 raise ValueError(f"COMMIT_LENGTHS: active is bool on the GPU, got {active.dtype} on {active.device}")
             args = (*args, u(active.data_ptr() if active is not None else 0))
+        if self.step_loop:
+            args = (*args, np.int64(self._launch_steps()))
+        elif self.nsteps != 1:
+            raise ValueError(f"nsteps={self.nsteps}: this build runs one step a launch (build with STEP_LOOP=1)")
         b.dumped = dump
         if self.pdl:
             launch_pdl(self.fn, self.blocks, self.threads, self.smem, torch.cuda.current_stream().cuda_stream, args)
             return
         with self.stream():
             self.fn((self.blocks,), (self.threads,), args, shared_mem=self.smem)
+
+    def _launch_steps(self) -> int:
+        """STEP_LOOP: the steps this launch runs (`nsteps`), checked."""
+        k = self.nsteps
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"STEP_LOOP: nsteps is the steps a launch runs, a whole number >= 1, got {k!r}")
+        if k > 1 and (self.argmax_args is None or self.commit_active is None):
+            raise ValueError(f"STEP_LOOP: a launch of {k} steps feeds each step's greedy token to the next and "
+                             "advances the lengths itself: set argmax_args and commit_active")
+        return k
 
     def _argmax_launch_args(self) -> tuple:
         """ARGMAX's kernel arguments from `argmax_args` (nulls: no token), checked."""
