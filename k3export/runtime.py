@@ -398,7 +398,11 @@ class Engine:
         # draw program itself: the pipelined Generator reads a queued step's tokens there (`post_mark`, `posted`)
         # rather than copying them out between steps (H200 12-03, mkrun-01.log: the copy and the graph boundary
         # around it left the GPU idle ~4-15 us a token). None once the Triton argmax has failed (`argmax_error`).
-        self._post: torch.Tensor | None = torch.zeros(POST_ROWS, max_batch, dtype=torch.int64,
+        # A backend that runs several greedy steps in one program (`steps_per_launch`: the megakernel's STEP_LOOP)
+        # serves `decode_greedy(steps=...)` up to that many; the ring then holds two such launches' tokens.
+        self.steps_per_launch = max(1, int(getattr(backend, "steps_per_launch", 1)))
+        self._ring_rows = max(POST_ROWS, 2 * self.steps_per_launch + 2)
+        self._post: torch.Tensor | None = torch.zeros(self._ring_rows, max_batch, dtype=torch.int64,
                                                       pin_memory=self.device.type == "cuda")
         self._post_view = self._post.numpy()
         self.argmax_error: str | None = None
@@ -407,6 +411,8 @@ class Engine:
         self._graph_logits: torch.Tensor | None = None
         self._greedy_graph: torch.cuda.CUDAGraph | None = None            # `decode_greedy`'s
         self._greedy_logits: torch.Tensor | None = None
+        self._steps_graph: torch.cuda.CUDAGraph | None = None    # `decode_greedy(steps=steps_per_launch)`'s
+        self._steps_logits: torch.Tensor | None = None
         self.last_logits: torch.Tensor | None = None                      # `decode_greedy`'s logits
         self.graph_error: str | None = None
         # (a backend whose step cannot be captured says so: `cuda_graphs = False`)
@@ -594,6 +600,24 @@ class Engine:
         self.last_logits = self._run(greedy=True)
         return self._ids
 
+    @torch.no_grad()
+    def decode_greedy_steps(self, steps: int, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """`decode_greedy` `steps` times in one program of the backend (at most its `steps_per_launch`; the
+        megakernel's STEP_LOOP launch), each step fed the last one's tokens on the device: the same tokens, state
+        and host ring rows as `steps` calls of `decode_greedy`, with one launch (one graph replay) for them all.
+        Returns the ids buffer (the last step's tokens); `post_mark` / `posted_steps` give every step's;
+        `last_logits` are the last step's. Refused where a slot would pass max_len within the steps."""
+        if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= self.steps_per_launch:
+            raise ValueError(f"steps is 1..{self.steps_per_launch} (the greedy steps the {self.backend.name} "
+                             f"backend runs in one program), got {steps!r}")
+        if steps == 1:
+            return self.decode_greedy(tokens)
+        self._advance(host=True, steps=steps)
+        if tokens is not None:
+            self._ids.copy_(tokens)
+        self.last_logits = self._run(greedy=True, steps=steps)
+        return self._ids
+
     def set_sampling(self, slots: list[int], samplings: list[Sampling]) -> None:
         """How `decode_sampled` draws each of these slots' tokens (a slot keeps its setting until the next)."""
         if len(slots) != len(samplings):
@@ -655,11 +679,22 @@ class Engine:
                 self._capture_failed(e, "the draw: ")
         return self._draw_graphs[key]
 
-    def _run(self, greedy: bool) -> torch.Tensor:
-        """One step over `decode_rows()` slots (its graph's replay when captured) -> its logits."""
+    def _run(self, greedy: bool, steps: int = 1) -> torch.Tensor:
+        """One step (greedy: `steps` of them in one program) over `decode_rows()` slots (its graph's replay when
+        captured) -> its (last step's) logits."""
         if hasattr(self.backend, "before_decode"):        # (outside the graph: e.g. load the state it keeps)
-            self.backend.before_decode(self.state)
+            if steps == 1:
+                self.backend.before_decode(self.state)
+            else:
+                self.backend.before_decode(self.state, steps=steps)
         n = self.decode_rows()
+        if steps > 1:
+            if self._steps_graph is not None and n == self.max_batch and steps == self.steps_per_launch:
+                self._replayed = True
+                self._steps_graph.replay()
+                return self._steps_logits
+            self._replayed = False
+            return self._greedy_step(n, steps)
         if n < self.max_batch:
             g = self._bucket_graph(n)
         else:
@@ -672,18 +707,19 @@ class Engine:
         graph.replay()
         return logits
 
-    def _advance(self, host: bool) -> None:
-        """Refuse the step if an active slot already holds max_len rows (checked on the host copies, or on the
-        device tensors when `host` is False), else count it in the host copies."""
+    def _advance(self, host: bool, steps: int = 1) -> None:
+        """Refuse the step (`steps` steps) if an active slot already holds max_len rows (would pass it; checked on
+        the host copies, or on the device tensors when `host` is False), else count it in the host copies."""
         if host:
-            full = [b for b in range(self.max_batch) if self._host_active[b] and self._host_lengths[b] >= self.max_len]
+            full = [b for b in range(self.max_batch)
+                    if self._host_active[b] and self._host_lengths[b] + steps - 1 >= self.max_len]
         else:
             full = torch.nonzero(self.active & (self.state.lengths >= self.max_len)).flatten().tolist()
         if full:
             raise ValueError(f"slots {full} are full (max_len={self.max_len} cache rows); a decode step would "
                              "overwrite their last row: release them or use an engine with a larger max_len")
         for b in range(self.max_batch):
-            self._host_lengths[b] += self._host_active[b]
+            self._host_lengths[b] += self._host_active[b] * steps
 
     def decode_rows(self) -> int:
         """The slots the next decode step runs: all, or with `decode_buckets` the bucket of the highest active
@@ -693,10 +729,12 @@ class Engine:
         hi = max((b for b in range(self.max_batch) if self._host_active[b]), default=0)
         return batch_bucket(hi + 1, self.max_batch)
 
-    def _greedy_step(self, n: int | None = None) -> torch.Tensor:
+    def _greedy_step(self, n: int | None = None, steps: int = 1) -> torch.Tensor:
         if getattr(self.backend, "takes_argmax", False):       # (megakernel: the token is taken in its launch)
             ring = None if self._post is None else self._post[:, :n]
-            return self._step(n, argmax=(self._ids[:n], ring, self.active[:n]))
+            return self._step(n, argmax=(self._ids[:n], ring, self.active[:n]), steps=steps)
+        if steps != 1:
+            raise ValueError(f"the {self.backend.name} backend takes no greedy token in its program: one step a call")
         logits = self._step(n)
         self._argmax(logits)
         return logits
@@ -731,8 +769,16 @@ class Engine:
 
     def posted(self, mark: list[int]) -> list[int]:
         """The tokens `[max_batch]` that the step with this `post_mark` left in the host ring (valid until the
-        ring's POST_ROWS - 1 later steps; inactive slots' entries are junk)."""
-        return [int(self._post_view[length % POST_ROWS, b]) for b, length in enumerate(mark)]
+        ring's rows less one later steps: at least POST_ROWS - 1; inactive slots' entries are junk)."""
+        return [int(self._post_view[length % self._ring_rows, b]) for b, length in enumerate(mark)]
+
+    def posted_steps(self, mark: list[int], steps: int) -> list[list[int]]:
+        """`posted` for `decode_greedy_steps(steps)`: each step's tokens `[max_batch]`, in order (the last is
+        `posted(mark)`)."""
+        if not 1 <= steps <= self._ring_rows // 2:
+            raise ValueError(f"the host ring holds {self._ring_rows} rows: read at most {self._ring_rows // 2} "
+                             f"steps a mark, not {steps}")
+        return [self.posted([length - (steps - 1 - j) for length in mark]) for j in range(steps)]
 
     def _rows(self, n: int | None) -> tuple[torch.Tensor, ...]:
         """ids, KDA conv, KDA state, MLA cache, lengths, active of the first n slots (the tensors themselves for
@@ -743,7 +789,7 @@ class Engine:
             return full
         return tuple(t[:n] if t.dim() == 1 else t[:, :n] for t in full)
 
-    def _step(self, n: int | None = None, argmax: tuple | None = None) -> torch.Tensor:
+    def _step(self, n: int | None = None, argmax: tuple | None = None, steps: int = 1) -> torch.Tensor:
         """The decode program and its commit over the first n slots (default all); every op here is capturable
         (no host sync, fixed addresses). argmax: (ids out, host ring or None, active), for a backend that
         `takes_argmax` in its own program (greedy steps)."""
@@ -751,7 +797,12 @@ class Engine:
         commits = False
         if hasattr(self.backend, "decode_"):                       # the KDA state is updated where it lies
             kw = {} if argmax is None else {"argmax": argmax}
+            if steps != 1:
+                kw["steps"] = steps
             commits = getattr(self.backend, "commits_lengths", False)
+            if steps != 1 and not commits:
+                raise RuntimeError(f"{type(self.backend).__name__} runs several steps a program, so it must advance "
+                                   "the lengths itself (commits_lengths)")
             if commits:                                            # (megakernel: the launch adds active itself)
                 kw["active"] = active
             logits, rows = self.backend.decode_(ids, conv, rec, cache, lengths, **kw)
@@ -821,6 +872,21 @@ class Engine:
             self._graph, self._graph_logits, self._greedy_graph, self._greedy_logits = None, None, None, None
             self.last_logits = None
             self._capture_failed(e)
+        if self._graph is not None and self.steps_per_launch > 1:
+            try:                                # (the program of steps_per_launch greedy steps: one graph more)
+                k = self.steps_per_launch
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    self._greedy_step(None, k)
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._graph.pool()):
+                    logits = self._greedy_step(None, k)
+                self._steps_graph, self._steps_logits = graph, logits
+            except Exception as e:                                                    # noqa: BLE001
+                self._steps_graph = self._steps_logits = None
+                self._capture_failed(e, f"{self.steps_per_launch} steps a program: ")
         for t in (s.kda_conv, s.kda_state, s.mla_cache, s.lengths):
             t.zero_()
 
@@ -855,7 +921,7 @@ class Generator:
     length (`k3export.sampling`), so they do not depend on what else shares the batch."""
 
     def __init__(self, engine: Engine, on_token: Callable[[Request, int], None] | None = None,
-                 pipeline: bool = True):
+                 pipeline: bool = True, steps_per_launch: int | None = None):
         self.engine, self.on_token = engine, on_token
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}                       # slot -> request
@@ -868,7 +934,16 @@ class Generator:
         # --generate-tokens 64`, 2026-11-30 14:08 UTC): inter-token latency 1.003 ms plain, 0.884 pipelined (the
         # engine's own decode call 0.881 in the same run): the default.
         self.pipeline = pipeline
-        self._inflight: tuple[torch.Tensor, object, list[tuple[int, Request]]] | None = None
+        # steps_per_launch (default: the engine's; the megakernel with `steps_per_launch` > 1): a pipelined greedy
+        # step runs that many steps in one program while every running request has room for them all (its
+        # max_new_tokens), else one. A request that stops early discards the steps after its stop token (their
+        # state is released with the slot); the tokens are those of the plain loop.
+        k = engine.steps_per_launch if steps_per_launch is None else steps_per_launch
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= engine.steps_per_launch:
+            raise ValueError(f"steps_per_launch is 1..{engine.steps_per_launch} (the engine's), got {k!r}")
+        self.steps_per_launch = k
+        # (tokens' place on the host, the event after the step, its requests, the steps it runs)
+        self._inflight: tuple[object, object, list[tuple[int, Request]], int] | None = None
 
     def submit(self, prompt: list[int], max_new_tokens: int, sampling: Sampling = Sampling(),
                stop_tokens: tuple[int, ...] = ()) -> Request:
@@ -924,15 +999,22 @@ class Generator:
         then write past the cache rows that request asked for)."""
         if not (self.pipeline and self.running):
             return False
-        pending = self._inflight is not None
+        pending = 0 if self._inflight is None else self._inflight[3]
         if self.waiting and len(self.running) < self.engine.max_batch:
             return False
         return all(len(r.tokens) + pending < r.max_new_tokens for r in self.running.values())
 
     def _step_pipelined(self, finished: list[Request]) -> list[Request]:
         e = self.engine
-        step = e.decode_greedy if all(r.sampling.temperature == 0 for r in self.running.values()) \
-            else e.decode_sampled
+        greedy = all(r.sampling.temperature == 0 for r in self.running.values())
+        step = e.decode_greedy if greedy else e.decode_sampled
+        steps, k = 1, self.steps_per_launch
+        pending = 0 if self._inflight is None else self._inflight[3]
+        if greedy and k > 1 and all(len(r.tokens) + pending + k <= r.max_new_tokens for r in self.running.values()):
+            steps = k
+
+            def step(tokens=None):
+                return e.decode_greedy_steps(k, tokens)
         if self._inflight is None:                                   # the inputs come from the host once
             ids = torch.zeros(e.max_batch, dtype=torch.int64)
             for slot, r in self.running.items():
@@ -942,6 +1024,8 @@ class Generator:
             out = step()
         cuda = out.is_cuda
         host = e.post_mark()                      # (the step's program leaves its tokens in host memory itself)
+        if host is None and steps > 1:
+            raise RuntimeError("several steps a program need the engine's host ring (its tokens are posted there)")
         if host is None:
             host = torch.empty(out.shape, dtype=out.dtype, pin_memory=cuda)
             host.copy_(out, non_blocking=cuda)
@@ -949,7 +1033,7 @@ class Generator:
         if cuda:
             done = torch.cuda.Event()
             done.record()
-        prev, self._inflight = self._inflight, (host, done, list(self.running.items()))
+        prev, self._inflight = self._inflight, (host, done, list(self.running.items()), steps)
         if prev is not None:
             self._read(prev, finished)
         if not self.running:                     # the step just queued serves only requests that have finished
@@ -957,12 +1041,16 @@ class Generator:
         return finished
 
     def _read(self, inflight, finished: list[Request]) -> None:
-        host, done, reqs = inflight
+        host, done, reqs, steps = inflight
         if done is not None:
             done.synchronize()
-        toks = self.engine.posted(host) if isinstance(host, list) else host.tolist()
-        live = [(slot, r) for slot, r in reqs if not r.done]
-        self._accept([r for _, r in live], [toks[slot] for slot, _ in live], finished)
+        if steps > 1:
+            rows = self.engine.posted_steps(host, steps)
+        else:
+            rows = [self.engine.posted(host) if isinstance(host, list) else host.tolist()]
+        for toks in rows:                        # (a request that stops takes none of the later steps' tokens)
+            live = [(slot, r) for slot, r in reqs if not r.done]
+            self._accept([r for _, r in live], [toks[slot] for slot, _ in live], finished)
 
     def _drain(self, finished: list[Request]) -> None:
         """Read the step in flight, if any (before anything that needs every token on the host)."""
