@@ -40,6 +40,12 @@ each hold `context` tokens (`Engine.decode`, state commit included). Backends:
     megakernel-pdl-commit  the same with COMMIT_LENGTHS (no lengths add between launch and argmax). 13:00: 0.782
     megakernel-pdl-argmax-commit  PDL with ARGMAX=2 and COMMIT_LENGTHS: launch after launch, nothing between.
               13:00: 0.786
+    megakernel-steps4, megakernel-steps8, megakernel-steps16  the pipelined greedy Generator runs 4 / 8 / 16 steps
+              in one launch while the request has room for them (`steps_per_launch=K`, chain.cu built with
+              STEP_LOOP=1, ARGMAX=2 and COMMIT_LENGTHS); its generation rows' ms is the mean a token over windows
+              of K gaps (the tokens of a launch reach the host together: the plain mean of the gaps depends on
+              where the first and last timed tokens fall in their launches). 12-06, H100: right, and slower than
+              the default build (a token 0.800 ms in launches of 8 steps, 0.78 default; docs/megakernel.md)
     megakernel-router-first  the same with each MoE's router rows early in its packed projection
               (`MegakernelBackend(router_first=True)`; 12-03 14:04, 300 steps: 0.784 ms against 0.808, pipelined
               generation 0.779 both)
@@ -130,7 +136,10 @@ MEGAKERNEL_VARIANTS = {"megakernel": {}, "megakernel-host-inputs": {"step_inputs
                        "megakernel-stream": {"cuda_graphs": False},
                        "megakernel-pdl": {"pdl": True},
                        "megakernel-pdl-commit": {"pdl": True, "commit_lengths": True},
-                       "megakernel-pdl-argmax-commit": {"pdl": True, "argmax": 2, "commit_lengths": True}}
+                       "megakernel-pdl-argmax-commit": {"pdl": True, "argmax": 2, "commit_lengths": True},
+                       "megakernel-steps4": {"steps_per_launch": 4},
+                       "megakernel-steps8": {"steps_per_launch": 8},
+                       "megakernel-steps16": {"steps_per_launch": 16}}
 BACKENDS = ("eager", "graph", *COMPILE_VARIANTS, "aoti", *MEGAKERNEL_VARIANTS)
 
 
@@ -378,8 +387,11 @@ def generate_rows(name, backend, graphs, model, args, bw, pb, g) -> list[dict]:
         gen.step()                                               # prefill and the first decode step: not timed
         gen.run()
         ms = [(b - a) * 1e3 for a, b in zip(stamps[2:], stamps[3:])]
+        k = gen.steps_per_launch if pipe and sampling.temperature == 0 else 1
+        if k > 1:       # (a launch's K tokens reach the host together: the gaps are ~0 and ~K steps; per token,
+            ms = [sum(ms[i:i + k]) / k for i in range(len(ms) - k + 1)]    # the mean over each window of K)
         s = summary(ms)
-        rows.append({"phase": phase, "backend": name, "batch": 1,
+        rows.append({"phase": phase, "backend": name, "batch": 1, "steps_per_launch": k,
                      "context": ctx, **s, "tokens_per_s": 1e3 / s["ms"], "gb_s": nbytes / s["ms"] / 1e6,
                      "floor_ms": nbytes / bw * 1e3, "x_floor": s["ms"] / (nbytes / bw * 1e3),
                      "graphed": eng.graphed})
