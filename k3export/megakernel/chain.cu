@@ -2092,7 +2092,10 @@ __device__ __forceinline__ int attnres_phase(const PhaseC& f, const PhaseC* ph, 
 #endif
 extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS_PER_SM)
 chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __restrict__ x_in,
-#if EPOCH_PTR
+#if EPOCH_PTR && STEP_LOOP                  // (STEP_LOOP: stream mode, a constant: the host refuses others)
+             uint32_t* counters, uint32_t* __restrict__ epoch_at, int mode_arg, uint32_t* err,
+             unsigned long long* t_done,
+#elif EPOCH_PTR
              uint32_t* counters, uint32_t* __restrict__ epoch_at, int mode, uint32_t* err,
              unsigned long long* t_done,
 #else
@@ -2154,6 +2157,10 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
 #endif
     // per tile parity, warp, row of 16 (and X_ATTNRES's sums in an x load: 8 a warp)
     __shared__ __align__(16) float mma_red[MMA_TILES ? 2 * CONSUMER_WARPS * 16 : (RECIPES ? 8 * CONSUMER_WARPS : 1)];
+#if STEP_LOOP           // (a register or a spill slot less: the tile loops test the mode)
+    constexpr int mode = STREAM;
+    (void)mode_arg;
+#endif
     const int tid = threadIdx.x;
     const int64_t nblk = gridDim.x;
     const bool wait = mode != NODEPS;

@@ -1695,6 +1695,8 @@ class ChainKernel:
         if self.step_inputs and mode == "serial":
             raise ValueError("STEP_INPUTS: mode serial counts tiles by epoch; its epochs (base + length) are not "
                              "consecutive across sequences; use stream")
+        if self.step_loop and mode != "stream":
+            raise ValueError(f"STEP_LOOP: the build runs stream mode only (a constant in chain.cu), not {mode}")
         self.epoch += 1
         b.kda_conv_out = (self.epoch & 1) ^ 1           # (chain.cu: the copy of each conv window this launch writes;
         if self.epoch_dev is not None and not self.step_inputs:  # STEP_INPUTS and graph replays: the host's count
