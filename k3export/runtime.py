@@ -399,7 +399,7 @@ class Engine:
         # rather than copying them out between steps (H200 12-03, mkrun-01.log: the copy and the graph boundary
         # around it left the GPU idle ~4-15 us a token). None once the Triton argmax has failed (`argmax_error`).
         # A backend that runs several greedy steps in one program (`steps_per_launch`: the megakernel's STEP_LOOP)
-        # serves `decode_greedy(steps=...)` up to that many; the ring then holds two such launches' tokens.
+        # serves `decode_greedy_steps` up to that many; the ring then holds two such launches' tokens.
         self.steps_per_launch = max(1, int(getattr(backend, "steps_per_launch", 1)))
         self._ring_rows = max(POST_ROWS, 2 * self.steps_per_launch + 2)
         self._post: torch.Tensor | None = torch.zeros(self._ring_rows, max_batch, dtype=torch.int64,
@@ -411,7 +411,7 @@ class Engine:
         self._graph_logits: torch.Tensor | None = None
         self._greedy_graph: torch.cuda.CUDAGraph | None = None            # `decode_greedy`'s
         self._greedy_logits: torch.Tensor | None = None
-        self._steps_graph: torch.cuda.CUDAGraph | None = None    # `decode_greedy(steps=steps_per_launch)`'s
+        self._steps_graph: torch.cuda.CUDAGraph | None = None    # `decode_greedy_steps(steps_per_launch)`'s
         self._steps_logits: torch.Tensor | None = None
         self.last_logits: torch.Tensor | None = None                      # `decode_greedy`'s logits
         self.graph_error: str | None = None

@@ -174,10 +174,10 @@ class MegakernelBackend:
         one; bench `megakernel-stream`). steps_per_launch (default 1): K > 1 builds chain.cu with STEP_LOOP=1 (and
         ARGMAX, argmax=2 unless given, and COMMIT_LENGTHS), so that the engine's `decode_greedy_steps(K)` runs K
         greedy steps in one launch, each fed the last one's token on the device (docs/megakernel.md, "Several
-        decode steps in one launch"); single steps are launches of one step. Right (12-06, H200: the default
-        build's tokens and logits bit for bit) and slower: the loop spills the consumers' ring index (92 bytes at
-        the 96 registers 17 warps allow), 0.821-0.824 ms a token in launches of 4 or 8 steps against 0.827-0.830
-        for the same build a step a launch and 0.689 for the default build."""
+        decode steps in one launch"); single steps are launches of one step. Right (12-06 cuda test: the default
+        build's tokens and logits bit for bit) and faster on an H100: 0.755 ms a token in launches of 8 steps, 0.758-
+        0.761 in launches of 4, against 0.765-0.782 for the default build (device time); pipelined generation 0.754
+        against 0.771. Not yet timed on an H200, so not the default."""
         cfg = model.config
         self.model, self.config, self.dtype, self.device = model, cfg, model.dtype, model.device
         self.max_len, self.emulate = max_len, emulate

@@ -2144,8 +2144,9 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
 #if STEP_LOOP
     __shared__ uint32_t last_epoch_s, epoch_s;  // the launch's last step's epoch, the consumers' step's
     __shared__ int32_t nsteps_s;                // the steps this launch runs
-    // the arguments the step's tail and the next step's start read, from shared memory there (each a load after a
-    // barrier, never hoisted out of the step loop: kept in registers across it, they spilled the tile loops')
+    // the arguments the step's tail and the next step's start read, from shared memory there (a load after a
+    // barrier, which the compiler cannot hoist out of the loop into a register; alone it left the spills as they
+    // were, 92 bytes, and it is kept as built and measured)
     __shared__ struct {
         uint32_t* counters; uint32_t* err; int64_t* am_ids; int64_t* am_ring; const unsigned char* am_active;
         unsigned long long* am_best; int64_t* step_lengths; const unsigned char* commit_active; const XIn* x_in;
@@ -2410,7 +2411,8 @@ chain_kernel(const Phase* __restrict__ ph_global, int64_t nphase, const XIn* __r
     int pre_p = -1;                                   // ... of this phase (-1: none)
     // The step's tail, after its phases (ARGMAX / COMMIT_LENGTHS). STEP_LOOP: called at the top of the one loop
     // over (step, phase), whose phase index wraps to 0 there: a step loop around the phase loop spilled the ring
-    // index in the tile loops (92 bytes; a step 0.83 ms against 0.69, H200 12-06); this form spills 20.
+    // index in the tile loops (92 bytes; a step 0.83 ms against 0.69, H200 12-06); this form spills 20, and 8 with
+    // the mode a constant (none in the tile loops; H100: a step 0.761-0.775 ms, the default 0.765-0.782).
     auto step_tail = [&]() {
 #if STEP_LOOP
     consumers_sync();
