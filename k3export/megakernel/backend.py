@@ -214,7 +214,7 @@ class MegakernelBackend:
         self.takes_argmax = self.kernel is not None and self.kernel.argmax
         # ... and its `active` flags, whose add to the lengths the launch makes itself (the engine then makes none)
         self.commits_lengths = self.kernel is not None and self.kernel.commit_lengths
-        # ... and the most greedy steps one `decode_` may run (`decode_greedy(steps=...)`; STEP_LOOP builds)
+        # ... and the most greedy steps one `decode_` may run (`Engine.decode_greedy_steps`; STEP_LOOP builds)
         self.steps_per_launch = steps_per_launch if self.kernel is not None and self.kernel.step_loop else 1
         if steps_per_launch > 1 and self.steps_per_launch == 1:
             raise ValueError("megakernel backend: steps_per_launch > 1 needs a STEP_LOOP build; these defines "
@@ -324,7 +324,7 @@ class MegakernelBackend:
                              f"{steps!r}")
         if steps > 1 and (argmax is None or active is None):
             raise ValueError("megakernel backend: a launch of several steps feeds each step's greedy token to the "
-                             "next: pass argmax and active (the engine's `decode_greedy(steps=...)` does)")
+                             "next: pass argmax and active (the engine's `decode_greedy_steps` does)")
         if self.kernel is not None and self.kernel.step_loop:
             self.kernel.nsteps = steps
         if self.takes_argmax:
