@@ -177,7 +177,8 @@ class MegakernelBackend:
         decode steps in one launch"); single steps are launches of one step. Right (12-06 cuda test: the default
         build's tokens and logits bit for bit) and faster on an H100: 0.755 ms a token in launches of 8 steps, 0.758-
         0.761 in launches of 4, against 0.765-0.782 for the default build (device time); pipelined generation 0.754
-        against 0.771. Not yet timed on an H200, so not the default."""
+        against 0.771. Not yet timed on an H200, and a build of the same semantics hung once in 24 launches of 8 steps
+        (docs/megakernel.md, "Several decode steps in one launch, built"), so not the default."""
         cfg = model.config
         self.model, self.config, self.dtype, self.device = model, cfg, model.dtype, model.device
         self.max_len, self.emulate = max_len, emulate
