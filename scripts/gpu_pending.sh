@@ -212,6 +212,9 @@
 #            $MKLOOP_BACKENDS (default megakernel-steps4,megakernel-steps8), $MKLOOP_ROUNDS rounds (default 2)
 #   mkprobe  scripts/mkloop_probe.py $MKPROBE_ARGS: the STEP_LOOP build's stages checked one by one, then pipelined
 #            greedy generation with K steps a launch against the default build in one process
+#   mkstress scripts/mkloop_stress.py $MKSTRESS_ARGS: the STEP_LOOP build's intermittent hang hunted (the failing
+#            pattern, prefill + a plain step + 12 launches of 8 steps, over many cycles; one long sequence; Generator
+#            runs), failures counted with the step each was in
 #   mkbench  bench model eager, compile, megakernel at B = 1, context 1024 ($MKBENCH_BACKENDS; $MKBENCH_ROUNDS
 #            decode rounds, the backends' order rotated each round)
 #   profile  scripts/profile_decode.py --backend $PROFILE_BACKEND (default compile): kernels per decode step, and the
@@ -616,6 +619,8 @@ for part in $parts; do
            MKBENCH_BACKENDS=megakernel,${MKLOOP_BACKENDS:-megakernel-steps4,megakernel-steps8} MKBENCH_ITERS=300 \
              MKBENCH_ROUNDS=${MKLOOP_ROUNDS:-2} MKBENCH_TIMEOUT=${MKLOOP_BENCH_TIMEOUT:-400} bash "$0" mkbench ;;
     mkprobe) timeout ${MKPROBE_TIMEOUT:-400} python3 scripts/mkloop_probe.py ${MKPROBE_ARGS:-} > "$OUT/mkprobe.log" 2>&1 ;;
+    mkstress) timeout ${MKSTRESS_TIMEOUT:-300} python3 scripts/mkloop_stress.py ${MKSTRESS_ARGS:-} > "$OUT/mkstress.log" 2>&1
+           echo "mkstress: exit $?" | tee -a "$OUT/pending.log"; grep -h "FAILED\|^summary\|^cycle:\|^long:\|^gen:" "$OUT/mkstress.log" ;;
     mkbench) timeout ${MKBENCH_TIMEOUT:-400} python3 -m k3export.cli bench model --preset k3-small --dtype bf16 \
              --backends ${MKBENCH_BACKENDS:-eager,compile,megakernel} --prefill-lengths 2048 --batches 1 \
              --contexts 1024 --warmup 3 --iters 5 --decode-iters ${MKBENCH_ITERS:-100} --rounds ${MKBENCH_ROUNDS:-1} \
@@ -623,7 +628,7 @@ for part in $parts; do
              --no-new-lengths --out "$OUT/mkbench" > "$OUT/mkbench.log" 2>&1 ;;
     profile) timeout 150 python3 scripts/profile_decode.py --backend ${PROFILE_BACKEND:-compile} ${PROFILE_ARGS:-} \
              > "$OUT/profile.log" 2>&1 ;;
-    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe trtfp8 fp8eng grouped grpsmall fp8comp overlap chain layer step attnres abmix gmla greedy greedy64 mkback mkinputs mkstep mkcache mkfinal mkrouter mkpair mkargmax mksleep mkrun mkblocks mkattn mkheads mklive mktrace mktiles mksums mkmma mkmmafinal mkcombine mksample mkpost mkgapart mkxparts mkab mkdefs mkgreedy mkcommit mkpdl mkcheck mkhead mkh200 mkloop mkprobe mkbench profile)"; continue ;;
+    *)     echo "unknown part $part (toy demo aoti mla mlabench mlasplit mlatest mlawide moe moetest moefused moepair pdl model fused serve fp8split gemvprobe gemvpdl gemvtest normtest gentest ab pdltest kda fp8c probe barrier fp8ftest fp8fab bucket dbuckets trtmoe trtfp8 fp8eng grouped grpsmall fp8comp overlap chain layer step attnres abmix gmla greedy greedy64 mkback mkinputs mkstep mkcache mkfinal mkrouter mkpair mkargmax mksleep mkrun mkblocks mkattn mkheads mklive mktrace mktiles mksums mkmma mkmmafinal mkcombine mksample mkpost mkgapart mkxparts mkab mkdefs mkgreedy mkcommit mkpdl mkcheck mkhead mkh200 mkloop mkprobe mkstress mkbench profile)"; continue ;;
   esac
   echo "$part: exit $? in $((SECONDS - t)) s" | tee -a "$OUT/pending.log"
   tail -4 "$OUT/$part.log" 2>/dev/null

@@ -1775,6 +1775,7 @@ class ChainKernel:
         what, blk, p, t = self.err.tolist()
         if what:
             name = self.bufs.chain.phases[p].name if 0 <= p < len(self.bufs.chain.phases) else "?"
+            where = self._steps_postmortem() if self.step_loop else ""
             self.counters.zero_()
             self.err.zero_()
             if self.am_best is not None:
@@ -1786,7 +1787,19 @@ class ChainKernel:
                 if self.step_inputs:
                     self.epoch_dev[0] = 1
             raise RuntimeError(f"chain kernel gave up waiting for {WAITS.get(what, what)}: block {blk}, "
-                               f"phase {p} ({name}), tile {t}")
+                               f"phase {p} ({name}), tile {t}{where}")
+
+    def _steps_postmortem(self) -> str:
+        """STEP_LOOP, after a wait ran out: which of the last launch's steps it was in, from the words the steps
+        leave (read before `check` resets them): the token word (the epoch of the step the last block released, the
+        first step's epoch + the steps ended), the tail count (blocks that had ended the step after) and the epochs."""
+        n = len(self.bufs.chain.phases)
+        count, token = (int(v) for v in self.counters[n:n + 2].tolist())
+        base, high = (int(v) for v in self.epoch_dev.tolist())
+        first = high - self.nsteps + 1          # (block 0 leaves the launch's last step's epoch in epoch_dev[1])
+        return (f"; in a launch of {self.nsteps} step(s) (epochs {first}..{high}): the token word says "
+                f"{token - first} step(s) had ended (epoch {token}), {count} of {self.blocks} blocks had ended the "
+                f"step after")
 
     def traced(self, mode: str) -> dict:
         """One launch with -DTRACE: per x load of the consumers (a (phase, slot); the first TRACE_UNITS per block),
