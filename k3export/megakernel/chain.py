@@ -1792,10 +1792,12 @@ class ChainKernel:
     def _steps_postmortem(self) -> str:
         """STEP_LOOP, after a wait ran out: which of the last launch's steps it was in, from the words the steps
         leave (read before `check` resets them): the token word (the epoch of the step the last block released, the
-        first step's epoch + the steps ended), the tail count (blocks that had ended the step after) and the epochs."""
+        first step's epoch + the steps ended), the tail count (blocks that had ended the step after) and the epochs.
+        `nsteps` is the host's last setting: a CUDA graph replays the one it captured, and a launch for an inactive
+        sequence runs one step. (Written 12-06 for the hang hunt; not yet exercised on a GPU.)"""
         n = len(self.bufs.chain.phases)
         count, token = (int(v) for v in self.counters[n:n + 2].tolist())
-        base, high = (int(v) for v in self.epoch_dev.tolist())
+        high = int(self.epoch_dev[1])
         first = high - self.nsteps + 1          # (block 0 leaves the launch's last step's epoch in epoch_dev[1])
         return (f"; in a launch of {self.nsteps} step(s) (epochs {first}..{high}): the token word says "
                 f"{token - first} step(s) had ended (epoch {token}), {count} of {self.blocks} blocks had ended the "
