@@ -16,6 +16,7 @@ from k3export.config import K3Config
 from k3export.generate import Sampling
 from k3export.megakernel import backend as mb
 from k3export.megakernel import chain as mc
+from k3export.model.moe import LatentMoE
 from k3export.runtime import EagerBackend, Engine, Generator
 
 PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79, 50, 28, 84, 19], [7, 1, 8, 2, 8, 1, 8]]
@@ -601,6 +602,31 @@ def test_several_steps_in_one_launch_equal_single_launches():
         del eng, be
     assert runs[0][:3] == runs[1][:3]
     assert torch.equal(runs[0][3], runs[1][3])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kw", [{}, {"steps_per_launch": 4}], ids=str)
+def test_a_nan_router_score_stops_the_launch_with_the_expert(kw):
+    """A NaN key in the kernel's top-k (here the first MoE's score-correction bias of expert 5, which only the top-k's
+    keys read) ranks nowhere, so some id words would never be written and the producers waiting for them would run
+    out of time far from the cause: the launch stops at once and `check` names the expert and the router's phase
+    (and, for STEP_LOOP, the step)."""
+    model, prompts = _small_model_and_prompts(6, 32)
+    first_moe = next(m for m in model.modules() if isinstance(m, LatentMoE))
+    with torch.no_grad():
+        first_moe.gate.e_score_correction_bias[5] = float("nan")
+    # (the engine's graph warm-ups launch already, on the zero state: the check before the first step after the
+    # prefill may be the one that raises)
+    with pytest.raises(RuntimeError, match=r"router score of expert 5 is NaN \(block \d+, phase \d+ \(\S+\)\)"
+                                           + (r"; in a launch of \d+ step\(s\)" if kw else "")):
+        be = mb.MegakernelBackend(model, max_len=96, prefill_backend=EagerBackend(model), **kw)
+        eng = Engine(be, max_batch=1, max_len=96)
+        first = int(eng.prefill([0], [prompts[0]])[0].argmax())     # (eager: the bias only picks; finite)
+        if kw:
+            eng.decode_greedy_steps(4, torch.tensor([first], device="cuda"))
+        else:
+            eng.decode_greedy(torch.tensor([first], device="cuda"))
+        be.check()
 
 
 CUDA_CORES = {"attn_mma": False}        # (the attention tile on CUDA cores: the variants of that tile compare to it)

@@ -403,7 +403,8 @@ __device__ __forceinline__ void grid_dep_wait() { asm volatile("griddepcontrol.w
 #endif
 
 // err[0] = what ran out (1 an input word, 2 a filled slot, 3 a free slot, 4 the top-k's words, 5 an input
-// phase's counter), err[1..3] = block, phase, tile
+// phase's counter, 6 the last step's token; 7: not a wait, a NaN router score), err[1..3] = block, phase, tile
+// (7: the expert)
 __device__ bool give_up(uint32_t* err, uint32_t what, int64_t phase, int64_t tile) {
     if (atomicCAS(err, 0u, what) == 0u) {
         err[1] = blockIdx.x;
@@ -1456,6 +1457,9 @@ __device__ __forceinline__ bool load_x_recipe(__nv_bfloat16* xs, const PhaseC& f
                     const float sc = sigmoid_k3(v[u]);
                     xf[j] = __fadd_rn(sc, bias[j]);
                     xf[g.len + j] = sc;
+                    // a NaN key ranks nowhere (it compares false both ways): ranks would go unwritten and the
+                    // producers waiting for those ids would run out of time far from the cause. Say so here.
+                    if (isnan(xf[j])) ok = give_up(err, 7, p, j);
                 }
             }
             // The top-k itself, here where the tile loop's registers are free: each key's rank among them (larger

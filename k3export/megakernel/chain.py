@@ -121,6 +121,7 @@ ATTN_ROWS = cu_default("ATTN_ROWS_WARP") * cu_default("CONSUMER_WARPS")    # ...
 ATTN_SPLITS = cu_default("ATTN_SPLITS")  # ... key blocks an X_MLA_COMBINE adds at most
 WAITS = {1: "an input word of this launch", 2: "a filled ring slot", 3: "a free ring slot",
          4: "the top-k's words", 5: "an input phase's counter", 6: "the last step's token (STEP_LOOP)"}
+NAN_SCORE = 7                            # err[0] when a top-k's key is NaN (err[3]: the expert), not a wait
 
 # k3-small at B = 1, context 1024 (docs/megakernel.md's table); `lat` is the width of the few-byte links.
 WIDTHS = dict(d=2048, q_rank=768, e_lat=1024, e_w=768, dense=8192, vocab=32768, kda_in=8376, heads=16,
@@ -1786,6 +1787,9 @@ class ChainKernel:
                 self.epoch_dev.zero_()
                 if self.step_inputs:
                     self.epoch_dev[0] = 1
+            if what == NAN_SCORE:
+                raise RuntimeError(f"chain kernel stopped: router score of expert {t} is NaN (block {blk}, phase {p} "
+                                   f"({name})){where}; the layers before it made a NaN (weights or state)")
             raise RuntimeError(f"chain kernel gave up waiting for {WAITS.get(what, what)}: block {blk}, "
                                f"phase {p} ({name}), tile {t}{where}")
 
