@@ -185,16 +185,21 @@ class BuildLog:
 
 def build(backend: str, model, out_root: str | Path = "engines", *, graphs: str | Path | None = None,
           weights_id: str = "unknown", profiles: dict | None = None, echo=print,
-          load_check: bool | None = None, quant: dict | None = None) -> Path:
+          load_check: bool | None = None, quant: dict | None = None,
+          steps_per_launch: int | None = None) -> Path:
     """Build `backend` for `model` (its config, dtype and device define the target) under `out_root`.
     `quant`: the model was quantized to FP8 (`quantize_for_engine`'s entry, recorded in the manifest; eager and
     compile backends only).
     `graphs`: an export directory (prefill.pt2, decode.pt2, manifest.json) for aoti/tensorrt; exported into
     the engine directory when not given. `load_check`: open the engine in a child process and run one decode
     step (default: aoti engines on CUDA; see the module docstring); raises EngineLoadError when that fails.
+    `steps_per_launch`: megakernel only, the greedy steps one launch may run (default 8, `ENGINE_STEPS`).
     Returns the engine directory."""
     if backend not in BACKENDS:
         raise EngineError(f"unknown backend '{backend}'; choose one of {', '.join(BACKENDS)}")
+    if steps_per_launch is not None and backend != "megakernel":
+        raise EngineError(f"steps_per_launch is for the megakernel backend (several greedy steps a launch), not "
+                          f"{backend}")
     if quant:
         check_fp8_backend(backend, graphs, quant["scales_sha256"])
     if backend == "tensorrt":
@@ -233,8 +238,9 @@ def build(backend: str, model, out_root: str | Path = "engines", *, graphs: str 
         from k3export.build_trt import build_tensorrt
         files.update(build_tensorrt(out, graphs, manifest, log))
     elif backend == "megakernel":
-        from k3export.megakernel.backend import build_megakernel
-        files.update(build_megakernel(model, out, manifest, log))
+        from k3export.megakernel.backend import ENGINE_STEPS, build_megakernel
+        files.update(build_megakernel(model, out, manifest, log,
+                                      ENGINE_STEPS if steps_per_launch is None else steps_per_launch))
     manifest["weights_key"] = weights_key
     manifest["files"] = {name: {"bytes": (out / rel).stat().st_size, "sha256": file_sha256(out / rel)}
                          for name, rel in files.items()}
@@ -507,12 +513,15 @@ def profiles_for(max_batch: int, max_tokens: int, max_len: int) -> dict:
 @click.option("--scales", type=click.Path(exists=True, dir_okay=False),
               help="An FP8 engine: quantize the recipe's modules with this `k3export calibrate` scales file "
                    "(calibrated on the same weights and dtype; eager / compile, or tensorrt from FP8 graphs).")
+@click.option("--steps-per-launch", type=click.IntRange(min=1),
+              help="megakernel only: greedy steps one kernel launch may run [default: 8; 1 for one step a launch, "
+                   "which wastes no steps after a stop token].")
 @click.option("--dry-run", is_flag=True,
               help="tensorrt only, needs no TensorRT: rewrite --graphs' ONNX into plugin nodes and build every "
                    "plugin node against its registration (PTX compiled, shapes checked); writes trt-plan.json "
                    "beside the graphs, no engine.")
 def build_command(backend, checkpoint, preset, seed, dtype, device, graphs, out, max_batch, max_tokens, max_len,
-                  load_check, scales, dry_run):
+                  load_check, scales, steps_per_launch, dry_run):
     """Build an engine directory: engine files, manifest.json (versions, GPU, config hash, file hashes,
     profiles, state layout) and build.log with timings. Unchanged inputs are reused (weights, AOTI packages)."""
     if dry_run:
@@ -532,6 +541,8 @@ def build_command(backend, checkpoint, preset, seed, dtype, device, graphs, out,
             "eager" if scales else best_backend(device)
     if backend == "megakernel" and max_batch != 1:
         raise click.UsageError(f"--backend megakernel decodes one sequence: pass --max-batch 1 (not {max_batch})")
+    if steps_per_launch is not None and backend != "megakernel":
+        raise click.UsageError(f"--steps-per-launch is for --backend megakernel, not {backend}")
     try:
         if scales:
             check_fp8_backend(backend, graphs, file_sha256(scales))     # before loading the model
@@ -542,11 +553,15 @@ def build_command(backend, checkpoint, preset, seed, dtype, device, graphs, out,
         quant = quantize_for_engine(model, scales) if scales else None
         path = build(backend, model, out, graphs=graphs, weights_id=wid,
                      profiles=profiles_for(max_batch, max_tokens, max_len), echo=click.echo, load_check=load_check,
-                     quant=quant)
+                     quant=quant, steps_per_launch=steps_per_launch)
     except (EngineError, ValueError) as e:
         raise click.ClickException(str(e))
     m = json.loads((path / "manifest.json").read_text())
     click.echo(f"built {backend} engine in {time.perf_counter() - t0:.1f}s -> {path}/")
+    if backend == "megakernel":
+        k = m["megakernel"]["steps_per_launch"]
+        click.echo(f"  megakernel: {k} greedy step(s) a launch" + (" (pipelined greedy generation runs bursts of "
+                                                                  f"{k}; sampled and single steps run one)" if k > 1 else ""))
     if quant:
         q = quant["quantized"]
         click.echo(f"  FP8 (E4M3): {q['linear']} linears and {q['experts']} expert banks quantized with {scales}; "

@@ -5,7 +5,7 @@ Patterns, each counted (launches, failures) and reported as it goes:
   cycle  the failing one: prefill, one plain greedy step, then --launches K-step launches, sync, check; the slot
          released and prefilled again each cycle (one Engine). Every cycle's tokens (each launch's last) are the same
          prompt's, so they must equal the default build's (one cycle of single steps first).
-  long   one sequence: prefill, then --long K-step launches, checked every 25.
+  long   --long K-step launches, checked every 25; the prompt prefilled again whenever the sequence is full.
   gen    the pipelined Generator (K-step bursts), --gens runs of --tokens tokens.
 A failure prints `ChainKernel.check`'s message (for STEP_LOOP: the step the launch was in, from the token word and
 the tail count) and the pattern goes on after the reset. Usage: python scripts/mkloop_stress.py [--steps 8]
@@ -39,7 +39,9 @@ def main():
     V, K = model.config.vocab_size, a.steps
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, V, (1024,), generator=g).tolist()
-    max_len = 1024 + 2 + K * max(a.launches, a.long + 1, -(-a.tokens // K) + 2) + 64
+    max_len = 2048                  # (the most the backend's attention takes: ATTN_SPLITS key blocks)
+    if 1024 + 2 + K * max(a.launches, -(-a.tokens // K) + 2) > max_len:
+        raise SystemExit(f"--launches / --tokens: a sequence holds {max_len} rows, 1024 of them the prompt")
     pre = EagerBackend(model)
     be = mb.MegakernelBackend(model, max_len=max_len, prefill_backend=pre, steps_per_launch=K)
     print(f"build: {' '.join(be.kernel.defines)}", flush=True)
@@ -98,6 +100,8 @@ def main():
         try:
             start(eng)
             for i in range(a.long):
+                if eng._host_lengths[0] + K >= max_len:     # (full: the prompt again, as a new sequence)
+                    start(eng)
                 eng.decode_greedy_steps(K)
                 if i % 25 == 24 or i == a.long - 1:
                     be.check()

@@ -433,27 +433,63 @@ def test_megakernel_engine_directories_are_refused_where_they_cannot_run(tmp_pat
     assert r.exit_code != 0 and "NVIDIA GPU" in r.output, r.output
     assert mb.stale_build({"megakernel": {"chain_cu_sha256": file_sha256(mc.CU)}}) is None
     assert "another chain.cu" in mb.stale_build({"megakernel": {"chain_cu_sha256": "0" * 64}})
+    r = CliRunner().invoke(build_command, ["--backend", "compile", "--preset", "k3-tiny", "--steps-per-launch", "8",
+                                           "--out", str(tmp_path)])
+    assert r.exit_code != 0 and "--steps-per-launch is for --backend megakernel" in r.output, r.output
+    r = CliRunner().invoke(build_command, ["--backend", "megakernel", "--max-batch", "1", "--steps-per-launch", "0",
+                                           "--out", str(tmp_path)])
+    assert r.exit_code != 0 and "--steps-per-launch" in r.output, r.output
+
+
+def test_an_engine_directory_runs_eight_greedy_steps_a_launch_unless_built_with_one(tmp_path):
+    """The engine directory's build: STEP_LOOP with 8 steps a launch by default (12-06 H200: pipelined greedy 0.683 ms
+    a token against 0.693), the plain build with 1; a manifest whose defines are not those of its steps a launch
+    (or of this k3export) is refused with a rebuild hint before any kernel is made."""
+    from k3export.build import EngineError
+    assert mb.ENGINE_STEPS == 8
+    assert mb.engine_defines(1) == mb.DEFINES
+    assert mb.engine_defines(8) == mb.kernel_defines(argmax=2, commit_lengths=True, step_loop=True)
+    assert "STEP_LOOP=1" in mb.engine_defines(8) and "STEP_LOOP=1" not in mb.DEFINES
+    for rec in ({"defines": list(mb.DEFINES), "steps_per_launch": 8},           # the plain build, said to loop
+                {"defines": list(mb.engine_defines(8))},                        # no steps: from before, one a launch
+                {"defines": list(mb.DEFINES), "steps_per_launch": 0}):
+        with pytest.raises(EngineError, match="rebuild with `k3export build --backend megakernel`"):
+            mb.open_megakernel(tmp_path, {"megakernel": {**rec, "max_len": 96, "ptxas": ""}}, None)
+    with pytest.raises(EngineError, match="steps_per_launch is for the megakernel backend"):
+        from k3export.build import build
+        build("eager", None, tmp_path, steps_per_launch=8)
 
 
 @pytest.mark.cuda
 def test_a_megakernel_engine_directory_builds_opens_and_decodes(tmp_path):
-    """k3-small: `build --backend megakernel` (nvcc, the chain bound to the new cubin), `load_engine` through the
-    manifest's checks, greedy tokens equal to a backend made in process (the same kernel: deterministic), and a
-    corrupted cubin refused."""
+    """k3-small: `build --backend megakernel` (nvcc, the chain bound to the new cubin; 8 greedy steps a launch by
+    default, and 1), `load_engine` through the manifest's checks, greedy tokens equal to a single-step backend made
+    in process (pipelined: bursts of 8 steps a launch), and a corrupted cubin refused."""
     _needs_the_kernel()
     from k3export.bench.fp8 import gpu_random_model
     from k3export.build import EngineError, build, load_engine, profiles_for
     model = gpu_random_model(K3Config.from_name("k3-small"), 0)
-    prompt = list(range(100, 164))
+    prompt, n = list(range(100, 164)), 20
+    direct = mb.MegakernelBackend(model, max_len=96)
+    want = Generator(Engine(direct, 1, 96)).generate([prompt], n)
+    del direct
+    path1 = build("megakernel", model, tmp_path / "one", profiles=profiles_for(1, 128, 96), echo=print,
+                  steps_per_launch=1)
+    m1 = json.loads((path1 / "manifest.json").read_text())["megakernel"]
+    assert tuple(m1["defines"]) == mb.DEFINES and m1["steps_per_launch"] == 1
+    one = load_engine(path1, 1, 96)
+    assert one.steps_per_launch == 1 and Generator(one).generate([prompt], n) == want
+    del one
     path = build("megakernel", model, tmp_path, profiles=profiles_for(1, 128, 96), echo=print)
     m = json.loads((path / "manifest.json").read_text())
     assert m["megakernel"]["max_len"] == 96 and (path / mb.CUBIN).stat().st_size > 0
+    assert m["megakernel"]["steps_per_launch"] == mb.ENGINE_STEPS == 8 and "STEP_LOOP=1" in m["megakernel"]["defines"]
     print("build:", m["build"]["seconds"])
     loaded = load_engine(path, 1, 96)
-    got = Generator(loaded).generate([prompt], 6)
-    direct = mb.MegakernelBackend(model, max_len=96)
-    assert Generator(Engine(direct, 1, 96)).generate([prompt], 6) == got
-    assert Generator(loaded, pipeline=False).generate([prompt], 6) == got        # (pipelined: from the host ring)
+    assert loaded.steps_per_launch == 8
+    got = Generator(loaded).generate([prompt], n)
+    assert got == want
+    assert Generator(loaded, pipeline=False).generate([prompt], n) == got        # (pipelined: from the host ring)
     assert loaded.post_mark() is not None, loaded.argmax_error
     # sampled on the device (`Engine.decode_sampled` over the launch's strided logits): queued ahead, the plain
     # loop's tokens

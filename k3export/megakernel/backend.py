@@ -104,6 +104,18 @@ def kernel_defines(step_inputs: bool = True, pair_tiles: bool = True, poll_sleep
 
 DEFINES = kernel_defines()
 HOST_INPUTS_DEFINES = kernel_defines(step_inputs=False)
+# An engine directory's greedy steps a launch (`k3export build --backend megakernel --steps-per-launch`): 8, the
+# STEP_LOOP build. 12-06 20:30, H200, k3-small B = 1, two calls: pipelined greedy 0.683 ms a token against the
+# single-step build's 0.693-0.694 (the bytes floor 0.3436: 1.99x against 2.02x); one step a launch no slower (0.701-
+# 0.703 against 0.705-0.714), sampled generation the same (0.781); 9,900 launches of 8 steps and 30 Generator runs
+# of a stress run (scripts/mkloop_stress.py) all clean and equal to the single-step build's tokens.
+ENGINE_STEPS = 8
+
+
+def engine_defines(steps_per_launch: int) -> tuple[str, ...]:
+    """chain.cu's defines for an engine directory that runs `steps_per_launch` greedy steps a launch (the backend's
+    build with `steps_per_launch` and every other option at its default)."""
+    return kernel_defines(argmax=2, commit_lengths=True, step_loop=True) if steps_per_launch > 1 else DEFINES
 
 
 class MegakernelBackend:
@@ -435,15 +447,20 @@ def unsupported(model, max_len: int, emulate: bool = False, attn_heads: int = mc
 CUBIN = "chain.cubin"
 
 
-def build_megakernel(model, out, manifest: dict, log) -> dict:
+def build_megakernel(model, out, manifest: dict, log, steps_per_launch: int = ENGINE_STEPS) -> dict:
     """`k3export build --backend megakernel`: chain.cu compiled for sm_90a (nvcc) into the engine directory, and
     checked against the model: its chain built and bound to the new cubin (every shape check the kernel makes),
-    then dropped. Records the build (defines, ring, chain.cu's sha256, ptxas's report, the caches' rows) in the
-    manifest's "megakernel" entry; returns {file name: path relative to `out`}."""
+    then dropped. steps_per_launch: the greedy steps one launch may run (> 1: the STEP_LOOP build; 1: one step a
+    launch). Records the build (defines, steps a launch, ring, chain.cu's sha256, ptxas's report, the caches' rows)
+    in the manifest's "megakernel" entry; returns {file name: path relative to `out`}."""
     import os
     import tempfile
     from k3export.build import EngineError
     from k3export.manifest import file_sha256
+    if isinstance(steps_per_launch, bool) or not isinstance(steps_per_launch, int) or steps_per_launch < 1:
+        raise EngineError(f"megakernel: steps_per_launch is the greedy steps one launch may run (>= 1), got "
+                          f"{steps_per_launch!r}")
+    defines = engine_defines(steps_per_launch)
     dec = manifest["profiles"]["decode"]
     max_len = dec["cache"][2]
     if dec["batch"][2] != 1:
@@ -454,21 +471,22 @@ def build_megakernel(model, out, manifest: dict, log) -> dict:
         raise EngineError(f"megakernel: {why}")
     nslot, slot_bytes = NSLOT, mc.cu_default("SLOT_BYTES")
     with tempfile.TemporaryDirectory(prefix="k3chain-") as tmp:
-        path, ptxas = log.step("nvcc chain.cu (sm_90a)", mc.compile_cubin, nslot, slot_bytes, tmp, None, DEFINES)
+        path, ptxas = log.step("nvcc chain.cu (sm_90a)", mc.compile_cubin, nslot, slot_bytes, tmp, None, defines)
         tmp_cubin = out / (CUBIN + ".tmp")
         tmp_cubin.write_bytes(open(path, "rb").read())
         os.replace(tmp_cubin, out / CUBIN)
 
     def check():
         chain = decode_chain(model, max_len)
-        kern = mc.ChainKernel(nslot, slot_bytes, defines=DEFINES, cubin=(str(out / CUBIN), ptxas), quiet=True)
+        kern = mc.ChainKernel(nslot, slot_bytes, defines=defines, cubin=(str(out / CUBIN), ptxas), quiet=True)
         kern.bind(mc.Buffers(chain, device=str(model.device)))
         return len(chain.phases)
     phases = log.step("chain built and bound (the kernel's shape checks)", check)
     torch.cuda.empty_cache()
     report = mc.kernel_report(ptxas)
-    log.note(f"chain.cu: {phases} phases; " + " | ".join(report))
-    manifest["megakernel"] = {"defines": list(DEFINES), "ring": [nslot, slot_bytes], "max_len": max_len,
+    log.note(f"chain.cu: {phases} phases; {steps_per_launch} greedy step(s) a launch; " + " | ".join(report))
+    manifest["megakernel"] = {"defines": list(defines), "steps_per_launch": steps_per_launch,
+                              "ring": [nslot, slot_bytes], "max_len": max_len,
                               "chain_cu_sha256": file_sha256(mc.CU), "ptxas": ptxas, "phases": phases}
     return {CUBIN: CUBIN}
 
@@ -487,8 +505,12 @@ def stale_build(manifest: dict) -> str | None:
 def open_megakernel(path, manifest: dict, model) -> MegakernelBackend:
     """The backend of a megakernel engine directory (checked by `build.check_engine_dir`)."""
     rec = manifest["megakernel"]
-    if tuple(rec["defines"]) != DEFINES:
+    steps = rec.get("steps_per_launch", 1)          # (directories from before 12-06 20:30: one step a launch)
+    want = engine_defines(steps) if isinstance(steps, int) and steps >= 1 else None
+    if want is None or tuple(rec["defines"]) != want:
         from k3export.build import EngineError
-        raise EngineError(f"{path}: built with defines {rec['defines']}, this k3export runs {list(DEFINES)}; "
-                          "rebuild with `k3export build --backend megakernel`")
-    return MegakernelBackend(model, max_len=rec["max_len"], cubin=(str(path / CUBIN), rec["ptxas"]))
+        raise EngineError(f"{path}: built with defines {rec['defines']} ({steps!r} step(s) a launch), this k3export "
+                          f"runs {list(want) if want else '?'} for that; rebuild with `k3export build --backend "
+                          f"megakernel`")
+    return MegakernelBackend(model, max_len=rec["max_len"], cubin=(str(path / CUBIN), rec["ptxas"]),
+                             steps_per_launch=steps)
