@@ -29,11 +29,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol
 
+import numpy as np
 import torch
 
 from k3export.config import K3Config
 from k3export.generate import Sampling, check_prompts, filtered, sample, sampling_rows, width
-from k3export.sampling import argmax_rows, draw
+from k3export.sampling import UNPOSTED, argmax_rows, draw
 from k3export.model.state import K3State
 
 
@@ -594,7 +595,7 @@ class Engine:
         which the stream orders before that call; or read them from the host ring, `post_mark` / `posted`). The step's logits are `last_logits`, valid until the next
         `decode` / `decode_greedy` (with CUDA graphs the step is its own graph, captured with the decode graph in
         its memory pool)."""
-        self._advance(host=True)                        # the host copies: reading the device would wait
+        self._advance(host=True, post=True)             # the host copies: reading the device would wait
         if tokens is not None:
             self._ids.copy_(tokens)
         self.last_logits = self._run(greedy=True)
@@ -612,7 +613,7 @@ class Engine:
                              f"backend runs in one program), got {steps!r}")
         if steps == 1:
             return self.decode_greedy(tokens)
-        self._advance(host=True, steps=steps)
+        self._advance(host=True, steps=steps, post=True)
         if tokens is not None:
             self._ids.copy_(tokens)
         self.last_logits = self._run(greedy=True, steps=steps)
@@ -636,7 +637,7 @@ class Engine:
         buffer (tokens None). Returns the buffer `[max_batch]` (overwritten by the next call). The draw runs
         after the step's graph, as a kernel or two of its own (with a sort a row, or a top-k when every filtered slot
         sets top_k, first)."""
-        self._advance(host=True)
+        self._advance(host=True, post=True)
         if tokens is not None:
             self._ids.copy_(tokens)
         logits = self._run(greedy=False)
@@ -707,9 +708,10 @@ class Engine:
         graph.replay()
         return logits
 
-    def _advance(self, host: bool, steps: int = 1) -> None:
+    def _advance(self, host: bool, steps: int = 1, post: bool = False) -> None:
         """Refuse the step (`steps` steps) if an active slot already holds max_len rows (would pass it; checked on
-        the host copies, or on the device tensors when `host` is False), else count it in the host copies."""
+        the host copies, or on the device tensors when `host` is False), else count it in the host copies. post:
+        the step posts its tokens to the host ring; the rows it will write are cleared first (`unposted`)."""
         if host:
             full = [b for b in range(self.max_batch)
                     if self._host_active[b] and self._host_lengths[b] + steps - 1 >= self.max_len]
@@ -718,6 +720,11 @@ class Engine:
         if full:
             raise ValueError(f"slots {full} are full (max_len={self.max_len} cache rows); a decode step would "
                              "overwrite their last row: release them or use an engine with a larger max_len")
+        if post and self._post is not None:     # (the rows this step posts to, cleared: `unposted`)
+            act = [b for b in range(self.max_batch) if self._host_active[b]]
+            if act:
+                rows = np.add.outer(np.arange(1, steps + 1), [self._host_lengths[b] for b in act]) % self._ring_rows
+                self._post_view[rows, np.array(act)] = UNPOSTED
         for b in range(self.max_batch):
             self._host_lengths[b] += self._host_active[b] * steps
 
@@ -759,7 +766,12 @@ class Engine:
         self._ids[:n].copy_(logits.argmax(-1))
 
     def _post_rows(self, n: int) -> tuple | None:
-        return None if self._post is None else (self._post[:, :n], self.state.lengths[:n])
+        """The post of a program that writes the first n slots' tokens to the host ring: (ring, lengths), and the
+        backend's `post_fail` word when it has one (set when its step failed: the program posts UNPOSTED)."""
+        if self._post is None:
+            return None
+        fail = getattr(self.backend, "post_fail", None)
+        return (self._post[:, :n], self.state.lengths[:n]) + (() if fail is None else (fail,))
 
     def post_mark(self) -> list[int] | None:
         """Where the greedy or sampled step just queued (`decode_greedy`, `decode_sampled`) leaves each slot's token
@@ -769,8 +781,22 @@ class Engine:
 
     def posted(self, mark: list[int]) -> list[int]:
         """The tokens `[max_batch]` that the step with this `post_mark` left in the host ring (valid until the
-        ring's rows less one later steps: at least POST_ROWS - 1; inactive slots' entries are junk)."""
+        ring's rows less one later steps: at least POST_ROWS - 1; inactive slots' entries are junk). An active slot's
+        UNPOSTED (-1): the step's program never wrote it (it failed; `unposted` raises for it)."""
         return [int(self._post_view[length % self._ring_rows, b]) for b, length in enumerate(mark)]
+
+    def unposted(self, tokens: list[int], slots) -> None:
+        """Raise if any of these slots' tokens, as `posted` read them, was never written: a greedy or sampled step
+        clears its rows of the host ring (`UNPOSTED`) before it is queued, so a program that failed without saying
+        so (the megakernel's launch that gave up waiting) leaves them so instead of an earlier step's tokens. The
+        backend's own `check` speaks first (it names what failed)."""
+        missing = [b for b in slots if tokens[b] == UNPOSTED]
+        if missing:
+            check = getattr(self.backend, "check", None)
+            if check is not None:
+                check()
+            raise RuntimeError(f"the {self.backend.name} backend's decode program left no token in the host ring for "
+                               f"slot(s) {missing}: it did not run to its end")
 
     def posted_steps(self, mark: list[int], steps: int) -> list[list[int]]:
         """`posted` for `decode_greedy_steps(steps)`: each step's tokens `[max_batch]`, in order (the last is
@@ -1050,6 +1076,8 @@ class Generator:
             rows = [self.engine.posted(host) if isinstance(host, list) else host.tolist()]
         for toks in rows:                        # (a request that stops takes none of the later steps' tokens)
             live = [(slot, r) for slot, r in reqs if not r.done]
+            if isinstance(host, list):
+                self.engine.unposted(toks, [slot for slot, _ in live])
             self._accept([r for _, r in live], [toks[slot] for slot, _ in live], finished)
 
     def _drain(self, finished: list[Request]) -> None:

@@ -47,6 +47,8 @@ except ImportError:                                   # (the CPU wheel's machine
 M32 = 0xFFFFFFFF
 GOLDEN, SEED_MUL, COUNTER_MUL = 0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D     # (the Triton program's literals too)
 BLOCK = 2048             # values a round of the argmax and draw programs (a part of a row: `row_parts`)
+UNPOSTED = -1            # a ring entry that holds no step's token (a post whose fail word is set; the runtime clears
+                         # a step's rows to it before queueing the step: `Engine.unposted`)
 
 
 def _mul32(a: torch.Tensor, b: int) -> torch.Tensor:
@@ -109,7 +111,7 @@ if triton is not None:
         return tl.where(take, s, best), tl.where(take, o, idx)
 
     @triton.jit
-    def finish_row(best, idx, n, row, part, parts, part_max, part_idx, count, out_ptr, post_ptr, len_ptr,
+    def finish_row(best, idx, n, row, part, parts, part_max, part_idx, count, out_ptr, post_ptr, len_ptr, fail_ptr,
                    post_stride, post_rows, POST: tl.constexpr, PARTS: tl.constexpr):
         """A program's part of a row done: the first index of its largest value across the lanes (as torch.argmax
         picks it) is the row's token when the row is one part (PARTS 1); else it goes to the row's scratch, and the
@@ -119,7 +121,7 @@ if triton is not None:
         i = tl.min(tl.where(best == m, idx, n), axis=0)
         if PARTS == 1:
             tl.store(out_ptr + row, i.to(tl.int64))
-            post_token(post_ptr, len_ptr, row, post_stride, post_rows, i.to(tl.int64), POST)
+            post_token(post_ptr, len_ptr, fail_ptr, row, post_stride, post_rows, i.to(tl.int64), POST)
         else:
             tl.store(part_max + row * PARTS + part, m)
             tl.store(part_idx + row * PARTS + part, i)
@@ -132,14 +134,18 @@ if triton is not None:
                 pi = tl.load(part_idx + row * PARTS + k, mask=k < parts, other=n, volatile=True)
                 tok = tl.min(tl.where(pm == tl.max(pm, axis=0), pi, n), axis=0).to(tl.int64)
                 tl.store(out_ptr + row, tok)
-                post_token(post_ptr, len_ptr, row, post_stride, post_rows, tok, POST)
+                post_token(post_ptr, len_ptr, fail_ptr, row, post_stride, post_rows, tok, POST)
                 tl.store(count + row, 0)
 
     @triton.jit
-    def post_token(post_ptr, len_ptr, row, post_stride, post_rows, tok, POST: tl.constexpr):
-        """With POST, a row's token also into its column of the ring, at the row's length modulo the ring's rows."""
+    def post_token(post_ptr, len_ptr, fail_ptr, row, post_stride, post_rows, tok, POST: tl.constexpr):
+        """With POST, a row's token also into its column of the ring, at the row's length modulo the ring's rows;
+        POST 2: UNPOSTED instead when the word at fail_ptr is set (the program before this one failed: the logits
+        are not a step's)."""
         if POST:
             at = tl.load(len_ptr + row).to(tl.int64) % post_rows
+            if POST == 2:
+                tok = tl.where(tl.load(fail_ptr) != 0, -1, tok)         # (-1: UNPOSTED)
             tl.store(post_ptr + at * post_stride + row, tok)
 
     @triton.jit
@@ -189,7 +195,8 @@ if triton is not None:
 
     @triton.jit
     def _draw_kernel(x_ptr, out_ptr, temp_ptr, sorted_ptr, topk_ptr, topp_ptr, seed_ptr, counter_ptr, n, ns,
-                     row_stride, col_stride, sorted_stride, sorted_col, post_ptr, post_len_ptr, post_stride, post_rows,
+                     row_stride, col_stride, sorted_stride, sorted_col, post_ptr, post_len_ptr, fail_ptr, post_stride,
+                     post_rows,
                      span, parts, part_max, part_idx, count,
                      FILTERED: tl.constexpr, POST: tl.constexpr, PARTS: tl.constexpr, BLOCK: tl.constexpr):
         row, part = tl.program_id(0), tl.program_id(1)
@@ -218,7 +225,7 @@ if triton is not None:
             s = tl.where(o < n, s, float("-inf"))
             best, idx = keep_max(s, o, best, idx)
         finish_row(best, idx, n, row, part, parts, part_max, part_idx, count, out_ptr, post_ptr, post_len_ptr,
-                   post_stride, post_rows, POST, PARTS)
+                   fail_ptr, post_stride, post_rows, POST, PARTS)
 
     @triton.jit
     def _threshold_kernel(sorted_ptr, thr_ptr, temp_ptr, topk_ptr, topp_ptr, n, ns, sorted_stride, sorted_col,
@@ -230,7 +237,7 @@ if triton is not None:
                                            BLOCK))
 
     @triton.jit
-    def _argmax_kernel(x_ptr, out_ptr, post_ptr, len_ptr, n, row_stride, col_stride, post_stride, post_rows,
+    def _argmax_kernel(x_ptr, out_ptr, post_ptr, len_ptr, fail_ptr, n, row_stride, col_stride, post_stride, post_rows,
                        span, parts, part_max, part_idx, count, POST: tl.constexpr, PARTS: tl.constexpr,
                        BLOCK: tl.constexpr, EARLY: tl.constexpr = False):
         if EARLY:                           # (`launch_argmax(early=True)`: the next PDL launch may begin now)
@@ -243,7 +250,7 @@ if triton is not None:
         for start in range(part * span, tl.minimum(n, part * span + span), BLOCK):
             o = start + offs
             best, idx = keep_max(load_row(base, o, n, col_stride), o, best, idx)
-        finish_row(best, idx, n, row, part, parts, part_max, part_idx, count, out_ptr, post_ptr, len_ptr,
+        finish_row(best, idx, n, row, part, parts, part_max, part_idx, count, out_ptr, post_ptr, len_ptr, fail_ptr,
                    post_stride, post_rows, POST, PARTS)
 
 
@@ -281,21 +288,33 @@ def part_scratch(device, B: int, PARTS: int) -> tuple[torch.Tensor, ...]:
 
 
 def post_args(post: tuple | None, like: torch.Tensor) -> tuple:
-    """(ring, lengths, ring row stride, ring rows) for a program's POST arguments (placeholders without a post)."""
+    """(ring, lengths, fail, ring row stride, ring rows, POST) for a program's POST arguments (placeholders
+    without a post). post: (ring, lengths) or (ring, lengths, fail), fail a device word that, when set, makes the
+    program post UNPOSTED instead of its tokens (POST 2)."""
     if post is None:
-        return like, like, 0, 1
-    ring, lengths = post
+        return like, like, like, 0, 1, 0
+    if len(post) not in (2, 3):
+        raise ValueError(f"post: (ring, lengths) or (ring, lengths, fail), got {len(post)} items")
+    ring, lengths = post[:2]
     if ring.dim() != 2 or ring.dtype != torch.int64 or ring.stride(1) != 1:
         raise ValueError(f"post: the ring is [rows, slots] int64 with unit column stride, got {tuple(ring.shape)} "
                          f"{ring.dtype} strides {ring.stride()}")
-    return ring, lengths, ring.stride(0), ring.shape[0]
+    fail = post[2] if len(post) == 3 else None
+    if fail is not None and (fail.dtype != torch.int32 or fail.numel() < 1 or fail.device != like.device):
+        raise ValueError(f"post: fail is an int32 word on the program's device ({like.device}), got {fail.dtype} "
+                         f"{tuple(fail.shape)} on {fail.device}")
+    return ring, lengths, like if fail is None else fail, ring.stride(0), ring.shape[0], 1 if fail is None else 2
 
 
 def post_reference(post: tuple, tokens: torch.Tensor) -> None:
-    """What the programs' POST does, as torch ops: row b's token into ring[lengths[b] % rows, b]."""
-    ring, lengths = post
+    """What the programs' POST does, as torch ops: row b's token into ring[lengths[b] % rows, b] (UNPOSTED when
+    the post's fail word is set)."""
+    ring, lengths = post[:2]
+    tokens = tokens.to(ring.device)
+    if len(post) == 3:
+        tokens = torch.where(post[2].reshape(-1)[:1].to(ring.device) != 0, UNPOSTED, tokens)
     rows = torch.arange(tokens.numel(), device=ring.device)
-    ring[lengths.to(ring.device) % ring.shape[0], rows] = tokens.to(ring.device)
+    ring[lengths.to(ring.device) % ring.shape[0], rows] = tokens
 
 
 def _prepare(logits, temperature, top_k, top_p, filtered):
@@ -378,11 +397,11 @@ def launch(logits, temperature, top_k, top_p, seed, counter, out=None, filtered:
         ns, ordered = 0, logits
     res = out if out is not None and out.dtype == torch.int64 and out.is_contiguous() else \
         torch.empty(B, dtype=torch.int64, device=dev)
-    ring, post_lengths, post_stride, post_rows = post_args(post, res)
+    ring, post_lengths, fail, post_stride, post_rows, mode = post_args(post, res)
     span, n_parts, PARTS = row_parts(B, V, block, parts)
     _draw_kernel[(B, n_parts)](logits, res, temp, ordered, top_k, top_p, seed, counter, V, ns, *logits.stride(),
-                               *ordered.stride(), ring, post_lengths, post_stride, post_rows, span, n_parts,
-                               *part_scratch(dev, B, PARTS), FILTERED=filtered, POST=post is not None, PARTS=PARTS,
+                               *ordered.stride(), ring, post_lengths, fail, post_stride, post_rows, span, n_parts,
+                               *part_scratch(dev, B, PARTS), FILTERED=filtered, POST=mode, PARTS=PARTS,
                                BLOCK=block, num_warps=8 if n_parts == 1 else 4)
     return res if out is None or res is out else out.copy_(res)
 
@@ -427,10 +446,10 @@ def launch_argmax(x: torch.Tensor, out: torch.Tensor | None = None, block: int =
     `argmax_rows` (sm_90 and later only)."""
     res = out if out is not None and out.dtype == torch.int64 and out.is_contiguous() else \
         torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
-    ring, lengths, stride, rows = post_args(post, res)
+    ring, lengths, fail, stride, rows, mode = post_args(post, res)
     B, n = x.shape
     span, n_parts, PARTS = row_parts(B, n, block, parts)
-    _argmax_kernel[(B, n_parts)](x, res, ring, lengths, n, x.stride(0), x.stride(1), stride, rows, span, n_parts,
-                                 *part_scratch(x.device, B, PARTS), POST=post is not None, PARTS=PARTS, BLOCK=block,
+    _argmax_kernel[(B, n_parts)](x, res, ring, lengths, fail, n, x.stride(0), x.stride(1), stride, rows, span,
+                                 n_parts, *part_scratch(x.device, B, PARTS), POST=mode, PARTS=PARTS, BLOCK=block,
                                  EARLY=bool(early), num_warps=8 if n_parts == 1 else 4)
     return res if out is None or res is out else out.copy_(res)

@@ -119,6 +119,12 @@ def _interpreter_cases() -> dict:
     want = torch.full((4, 5), -1, dtype=torch.int64)
     sm.post_reference((want[:, :3], lengths), x.argmax(-1))
     res["post"] = {"got": ring.tolist(), "want": want.tolist()}
+    for f in (0, 1):                          # a fail word: set, the program posts UNPOSTED (-1) instead
+        ring, fail = torch.full((4, 5), 77, dtype=torch.int64), torch.tensor([f, 5], dtype=torch.int32)
+        out = sm.launch_argmax(x, block=64, post=(ring[:, :3], lengths, fail), parts=2)
+        want = torch.full((4, 5), 77, dtype=torch.int64)
+        sm.post_reference((want[:, :3], lengths, fail), x.argmax(-1))
+        res[f"post-fail{f}"] = {"got": [ring.tolist(), out.tolist()], "want": [want.tolist(), x.argmax(-1).tolist()]}
     return res
 
 
@@ -134,11 +140,21 @@ def test_post_puts_each_rows_token_at_its_length_in_the_ring():
     assert ring[0, :3].tolist() == x.argmax(-1).tolist()
     with pytest.raises(ValueError, match="unit column stride"):
         post_args((ring.t(), torch.zeros(5, dtype=torch.int64)), ring)
+    # a fail word (the megakernel's give-up word): set, UNPOSTED where the tokens would go; clear, the tokens
+    for f, want in ((1, [-1, -1, -1]), (0, [21, 22, 23])):
+        ring = torch.full((4, 5), 9, dtype=torch.int64)
+        post_reference((ring[:, :3], torch.tensor([6, 6, 6]), torch.tensor([f], dtype=torch.int32)),
+                       torch.tensor([21, 22, 23]))
+        assert ring[2, :3].tolist() == want and int((ring != 9).sum()) == 3
+    with pytest.raises(ValueError, match="fail is an int32 word"):
+        post_args((ring, torch.zeros(5, dtype=torch.int64), torch.zeros(1)), ring)
 
 
 def test_the_argmax_program_equals_torch_argmax(interp):
     cases = {"fp32", "stride2", "bf16", "ties", "neg_inf", "nan", "one"}
-    assert set(interp) == cases | {f"{c}-parts{p}" for c in cases for p in (2, 3)} | {"into", "post"}
+    assert set(interp) == cases | {f"{c}-parts{p}" for c in cases for p in (2, 3)} | {"into", "post", "post-fail0",
+                                                                                         "post-fail1"}
+    assert -1 in interp["post-fail1"]["got"][0][0] + interp["post-fail1"]["got"][0][3]    # (rows 7 % 4, 5 % 4...)
     for name, r in interp.items():
         assert r["got"] == r["want"], (name, r)
 
@@ -272,3 +288,41 @@ def test_a_backend_that_takes_the_argmax_in_its_step_replaces_the_engines_progra
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     print(json.dumps(_interpreter_cases()))
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_a_backend_whose_step_failed_gets_no_token_posted_and_the_generator_stops(tiny_mla8, sampled):
+    """A backend with a `post_fail` word (the megakernel's give-up word) that its failed step sets: the engine's
+    argmax / draw program posts UNPOSTED instead of tokens from that step's logits, and the pipelined Generator
+    raises the backend's `check` where it would have taken them; every token taken is one the model gave."""
+    from k3export import runtime as rt
+    from k3export.generate import Sampling
+    cfg, model = tiny_mla8
+
+    class Failing(rt.EagerBackend):
+        post_fail = torch.zeros(1, dtype=torch.int32)
+        steps = 0
+
+        def decode(self, ids, conv, rec, cache, lengths):
+            self.steps += 1
+            out = super().decode(ids, conv, rec, cache, lengths)
+            if self.steps > 6:                      # (a launch that gave up: stale logits, the word set)
+                self.post_fail[0] = 1
+                return (torch.zeros_like(out[0]), *out[1:])
+            return out
+
+        def check(self):
+            if int(self.post_fail[0]):
+                self.post_fail.zero_()
+                raise RuntimeError("chain kernel gave up waiting for a filled ring slot")
+
+    s = Sampling(temperature=0.9, top_p=0.8, seed=3) if sampled else Sampling()
+    be = Failing(model)
+    gen = rt.Generator(rt.Engine(be, 1, 40, cuda_graphs=False))
+    req = gen.submit([3, 1, 4], 30, s)
+    with pytest.raises(RuntimeError, match="gave up waiting"):
+        gen.run()
+    assert 1 <= len(req.tokens) <= 7 and not req.done
+    ref = rt.Generator(rt.Engine(rt.EagerBackend(model), 1, 40, cuda_graphs=False)).generate([[3, 1, 4]],
+                                                                                             len(req.tokens), s)[0]
+    assert req.tokens == ref

@@ -161,6 +161,12 @@ def _interpreter_cases() -> dict:
     want = torch.full((4, 6), -1, dtype=torch.int64)
     sm.post_reference((want[:, :4], lengths), toks)
     res["post"] = {"got": ring.tolist(), "want": want.tolist()}
+    ring = torch.full((4, 6), 77, dtype=torch.int64)            # a fail word set: UNPOSTED (-1) where the tokens go
+    fail = torch.tensor([3], dtype=torch.int32)
+    sm.launch(cases["stride2"], temp, top_k, top_p, seed, lengths, block=64, post=(ring[:, :4], lengths, fail))
+    want = torch.full((4, 6), 77, dtype=torch.int64)
+    sm.post_reference((want[:, :4], lengths, fail), toks)
+    res["post-fail"] = {"got": ring.tolist(), "want": want.tolist()}
     into = torch.full((4,), -1, dtype=torch.int64)
     counter = torch.full((4,), 3)
     sm.launch(cases["stride2"], temp, top_k, top_p, seed, counter, out=into, block=64)
@@ -170,7 +176,7 @@ def _interpreter_cases() -> dict:
 
 
 def test_the_draw_program_equals_the_torch_form(interp):
-    assert len(interp) == 13
+    assert len(interp) == 14 and -1 in sum(interp["post-fail"]["got"], [])
     for name, r in interp.items():
         assert r["got"] == r["want"], (name, r)
 

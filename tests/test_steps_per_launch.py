@@ -118,3 +118,39 @@ def test_an_engine_whose_backend_runs_one_step_refuses_several(tiny_mla8):
     eng.prefill([0], [[1, 2]])
     with pytest.raises(ValueError, match="steps is 1..1"):
         eng.decode_greedy_steps(2)
+
+
+@pytest.mark.parametrize("k", [4, 1])
+def test_a_program_that_stops_short_is_caught_before_its_stale_tokens_are_taken(tiny_mla8, k):
+    """A decode program that ends without posting its tokens (the megakernel's launch that gave up waiting: its rows
+    of the host ring would hold an earlier step's tokens) is caught where the pipelined Generator reads them, bursts
+    of k steps or single steps: the engine clears a step's rows before queueing it, finds them still clear, and
+    lets the backend's `check` name the failure (else says the program did not run to its end). No request takes a
+    token of the failed program."""
+    cfg, model = tiny_mla8
+    for with_check in (True, False):
+        be = looping_backend(model, k)
+        decode_ = be.decode_
+        good = 5                                    # programs that run; the next ones post nothing
+
+        def failing(ids, conv, rec, cache, lengths, argmax=None, active=None, steps=1):
+            if len(be.calls) >= good:
+                be.calls.append(-steps)
+                return torch.zeros(ids.shape[0], cfg.vocab_size), None
+            return decode_(ids, conv, rec, cache, lengths, argmax=argmax, active=active, steps=steps)
+        be.decode_ = failing
+        if with_check:
+            def check():
+                if any(c < 0 for c in be.calls):
+                    raise RuntimeError("chain kernel gave up waiting for the top-k's words")
+            be.check = check
+        eng = rt.Engine(be, 1, 64, cuda_graphs=False)
+        gen = rt.Generator(eng)
+        req = gen.submit([3, 1, 4, 1, 5], 40)
+        with pytest.raises(RuntimeError, match="gave up waiting" if with_check else "did not run to its end"):
+            gen.run()
+        ran = sum(c for c in be.calls if c > 0)      # (steps of the programs that ran: the first one is single)
+        assert ran >= good and len(req.tokens) == 1 + ran and not req.done, (len(req.tokens), be.calls)
+        ref = rt.Generator(rt.Engine(looping_backend(model, k), 1, 64, cuda_graphs=False)).generate(
+            [[3, 1, 4, 1, 5]], 1 + ran)[0]
+        assert req.tokens == ref                    # (every token taken is a program's that ran)

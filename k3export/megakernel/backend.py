@@ -399,6 +399,13 @@ class MegakernelBackend:
         if self.kernel is not None and self.steps:
             self.kernel.check()
 
+    @property
+    def post_fail(self) -> torch.Tensor | None:
+        """The kernel's give-up word (int32, set by a launch that gave up waiting, until `check` reads and clears
+        it): the engine's argmax and draw programs after a launch post UNPOSTED instead of tokens while it is set, so
+        that stale logits never reach a request as tokens (`Engine.unposted`)."""
+        return None if self.kernel is None or self.kernel.err is None else self.kernel.err[:1]
+
 
 def decode_chain(model, max_len: int, router_first: bool = False, attn_heads: int = mc.ATTN_HEADS,
                  g_apart: bool = True, mla_g_apart: bool = True):
