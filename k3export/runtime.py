@@ -406,6 +406,7 @@ class Engine:
         self._post: torch.Tensor | None = torch.zeros(self._ring_rows, max_batch, dtype=torch.int64,
                                                       pin_memory=self.device.type == "cuda")
         self._post_view = self._post.numpy()
+        self._fail_host: torch.Tensor | None = None     # (`queue_fail_read`: the backend's post_fail word, copied)
         self.argmax_error: str | None = None
         self._replayed = False                          # whether the last step was a graph's replay
         self._graph: torch.cuda.CUDAGraph | None = None
@@ -798,6 +799,26 @@ class Engine:
             raise RuntimeError(f"the {self.backend.name} backend's decode program left no token in the host ring for "
                                f"slot(s) {missing}: it did not run to its end")
 
+    def queue_fail_read(self) -> None:
+        """After a step is queued whose tokens or logits the host will read from the device (not the host ring): a
+        copy of the backend's `post_fail` word into host memory, queued behind it, for `failed_check`."""
+        fail = getattr(self.backend, "post_fail", None)
+        if fail is None:
+            return
+        if self._fail_host is None:
+            self._fail_host = torch.zeros(1, dtype=torch.int32, pin_memory=fail.is_cuda)
+        self._fail_host.copy_(fail.reshape(-1)[:1], non_blocking=True)
+
+    def failed_check(self) -> None:
+        """Once what the host read after `queue_fail_read` has arrived (a sync): raise if the backend's step had
+        failed (its `check` names the failure), so that its stale logits give no request a token."""
+        if self._fail_host is not None and int(self._fail_host[0]):
+            self._fail_host.zero_()
+            check = getattr(self.backend, "check", None)
+            if check is not None:
+                check()
+            raise RuntimeError(f"the {self.backend.name} backend's decode program failed (its post_fail word is set)")
+
     def posted_steps(self, mark: list[int], steps: int) -> list[list[int]]:
         """`posted` for `decode_greedy_steps(steps)`: each step's tokens `[max_batch]`, in order (the last is
         `posted(mark)`)."""
@@ -1013,9 +1034,14 @@ class Generator:
             reqs = list(self.running.values())
             if all(r.sampling.temperature == 0 for r in reqs):
                 logits = self.engine.decode(ids.to(self.engine.device))
-                self._emit(reqs, logits[torch.tensor([r.slot for r in reqs], device=logits.device)], finished)
+                self.engine.queue_fail_read()
+                self._emit(reqs, logits[torch.tensor([r.slot for r in reqs], device=logits.device)], finished,
+                           check=True)
             else:                               # (the draw on the device, as a queued step's: its graph on a GPU)
-                toks = self.engine.decode_sampled(ids.to(self.engine.device)).tolist()
+                out = self.engine.decode_sampled(ids.to(self.engine.device))
+                self.engine.queue_fail_read()
+                toks = out.tolist()
+                self.engine.failed_check()
                 self._accept(reqs, [toks[r.slot] for r in reqs], finished)
         return finished
 
@@ -1086,11 +1112,14 @@ class Generator:
             inflight, self._inflight = self._inflight, None
             self._read(inflight, finished)
 
-    def _emit(self, reqs: list[Request], logits: torch.Tensor, finished: list[Request]) -> None:
+    def _emit(self, reqs: list[Request], logits: torch.Tensor, finished: list[Request], check: bool = False) -> None:
         """Draw one token per request from its logits row `[len(reqs), V]` (counter: its length, prompt and
-        tokens so far, as `decode_sampled` keys it); retire the finished."""
+        tokens so far, as `decode_sampled` keys it); retire the finished. check: the logits are a decode step's
+        after `queue_fail_read` (`failed_check` before the tokens are taken)."""
         counter = torch.tensor([len(r.prompt) + len(r.tokens) for r in reqs])
         toks = sample(logits, [r.sampling for r in reqs], counter).tolist()
+        if check:
+            self.engine.failed_check()
         self._accept(reqs, toks, finished)
 
     def _accept(self, reqs: list[Request], toks: list[int], finished: list[Request]) -> None:

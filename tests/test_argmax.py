@@ -290,11 +290,14 @@ if __name__ == "__main__":
     print(json.dumps(_interpreter_cases()))
 
 
+@pytest.mark.parametrize("pipeline", [True, False], ids=["pipelined", "plain"])
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
-def test_a_backend_whose_step_failed_gets_no_token_posted_and_the_generator_stops(tiny_mla8, sampled):
+def test_a_backend_whose_step_failed_gets_no_token_posted_and_the_generator_stops(tiny_mla8, sampled, pipeline):
     """A backend with a `post_fail` word (the megakernel's give-up word) that its failed step sets: the engine's
     argmax / draw program posts UNPOSTED instead of tokens from that step's logits, and the pipelined Generator
-    raises the backend's `check` where it would have taken them; every token taken is one the model gave."""
+    raises the backend's `check` where it would have taken them; the plain loop, which reads the step's logits or
+    tokens from the device, reads the word beside them (`queue_fail_read`, `failed_check`) and raises too. Every
+    token taken is one the model gave."""
     from k3export import runtime as rt
     from k3export.generate import Sampling
     cfg, model = tiny_mla8
@@ -318,7 +321,7 @@ def test_a_backend_whose_step_failed_gets_no_token_posted_and_the_generator_stop
 
     s = Sampling(temperature=0.9, top_p=0.8, seed=3) if sampled else Sampling()
     be = Failing(model)
-    gen = rt.Generator(rt.Engine(be, 1, 40, cuda_graphs=False))
+    gen = rt.Generator(rt.Engine(be, 1, 40, cuda_graphs=False), pipeline=pipeline)
     req = gen.submit([3, 1, 4], 30, s)
     with pytest.raises(RuntimeError, match="gave up waiting"):
         gen.run()

@@ -666,12 +666,13 @@ def test_a_nan_router_score_stops_the_launch_with_the_expert(kw):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("kw", [{}, {"steps_per_launch": 8}], ids=str)
-def test_a_launch_that_stops_mid_generation_raises_before_its_tokens_are_taken(kw):
+@pytest.mark.parametrize("kw, pipeline", [({}, True), ({"steps_per_launch": 8}, True), ({}, False)], ids=str)
+def test_a_launch_that_stops_mid_generation_raises_before_its_tokens_are_taken(kw, pipeline):
     """The kernel's first router bias poisoned (expert 5, in the kernel's own buffers) after 20 tokens of a pipelined
     greedy generation: the launch after stops (err 7), its tokens are never posted (the default build's argmax
     program sees the give-up word and posts UNPOSTED; the STEP_LOOP build posts nothing), and the Generator raises
-    the kernel's message where it would have read them. Every token taken is the clean run's."""
+    the kernel's message where it would have read them; the plain loop reads the give-up word beside the logits.
+    Every token taken is the clean run's."""
     model, prompts = _small_model_and_prompts(7, 48)
     be = mb.MegakernelBackend(model, max_len=160, prefill_backend=EagerBackend(model), **kw)
     eng = Engine(be, max_batch=1, max_len=160)
@@ -683,11 +684,11 @@ def test_a_launch_that_stops_mid_generation_raises_before_its_tokens_are_taken(k
         taken.append(t)
         if len(taken) == 20:
             be.bufs.aux[score][5] = float("nan")
-    gen = Generator(eng, on_token=on_token)
+    gen = Generator(eng, on_token=on_token, pipeline=pipeline)
     gen.submit(prompts[0], 60)
     with pytest.raises(RuntimeError, match=r"router score of expert 5 is NaN"):
         gen.run()
-    print(kw, f"{len(taken)} tokens taken before the failure")
+    print(kw, pipeline, f"{len(taken)} tokens taken before the failure")
     assert 20 <= len(taken) < 60 and taken == want[:len(taken)]
 
 
