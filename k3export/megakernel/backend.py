@@ -516,8 +516,8 @@ def open_megakernel(path, manifest: dict, model) -> MegakernelBackend:
     want = engine_defines(steps) if isinstance(steps, int) and steps >= 1 else None
     if want is None or tuple(rec["defines"]) != want:
         from k3export.build import EngineError
-        raise EngineError(f"{path}: built with defines {rec['defines']} ({steps!r} step(s) a launch), this k3export "
-                          f"runs {list(want) if want else '?'} for that; rebuild with `k3export build --backend "
-                          f"megakernel`")
+        raise EngineError(f"{path}: built with defines {rec['defines']} for {steps!r} greedy step(s) a launch; this "
+                          f"k3export builds {list(want) if want else 'nothing'} for that; rebuild with `k3export build "
+                          f"--backend megakernel`")
     return MegakernelBackend(model, max_len=rec["max_len"], cubin=(str(path / CUBIN), rec["ptxas"]),
                              steps_per_launch=steps)
