@@ -793,11 +793,14 @@ class Engine:
         backend's own `check` speaks first (it names what failed)."""
         missing = [b for b in slots if tokens[b] == UNPOSTED]
         if missing:
-            check = getattr(self.backend, "check", None)
-            if check is not None:
-                check()
-            raise RuntimeError(f"the {self.backend.name} backend's decode program left no token in the host ring for "
-                               f"slot(s) {missing}: it did not run to its end")
+            self._failed(f"left no token in the host ring for slot(s) {missing}: it did not run to its end")
+
+    def _failed(self, what: str) -> None:
+        """Raise for a decode program that failed: the backend's `check` first (it names the failure), else this."""
+        check = getattr(self.backend, "check", None)
+        if check is not None:
+            check()
+        raise RuntimeError(f"the {self.backend.name} backend's decode program {what}")
 
     def queue_fail_read(self) -> None:
         """After a step is queued whose tokens or logits the host will read from the device (not the host ring): a
@@ -814,10 +817,7 @@ class Engine:
         failed (its `check` names the failure), so that its stale logits give no request a token."""
         if self._fail_host is not None and int(self._fail_host[0]):
             self._fail_host.zero_()
-            check = getattr(self.backend, "check", None)
-            if check is not None:
-                check()
-            raise RuntimeError(f"the {self.backend.name} backend's decode program failed (its post_fail word is set)")
+            self._failed("failed (its post_fail word is set)")
 
     def posted_steps(self, mark: list[int], steps: int) -> list[list[int]]:
         """`posted` for `decode_greedy_steps(steps)`: each step's tokens `[max_batch]`, in order (the last is
