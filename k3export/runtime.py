@@ -407,6 +407,10 @@ class Engine:
                                                       pin_memory=self.device.type == "cuda")
         self._post_view = self._post.numpy()
         self._fail_host: torch.Tensor | None = None     # (`queue_fail_read`: the backend's post_fail word, copied)
+        # whether a step's ring rows are cleared before it is queued (`unposted`): where the program that posts can
+        # end without posting and without raising (one the backend runs itself, or one its post_fail word stops)
+        self._clear_posts = bool(getattr(backend, "takes_argmax", False)) or \
+            getattr(backend, "post_fail", None) is not None
         self.argmax_error: str | None = None
         self._replayed = False                          # whether the last step was a graph's replay
         self._graph: torch.cuda.CUDAGraph | None = None
@@ -712,7 +716,8 @@ class Engine:
     def _advance(self, host: bool, steps: int = 1, post: bool = False) -> None:
         """Refuse the step (`steps` steps) if an active slot already holds max_len rows (would pass it; checked on
         the host copies, or on the device tensors when `host` is False), else count it in the host copies. post:
-        the step posts its tokens to the host ring; the rows it will write are cleared first (`unposted`)."""
+        the step posts its tokens to the host ring; the rows it will write are cleared first where its program can end
+        without posting (`unposted`)."""
         if host:
             full = [b for b in range(self.max_batch)
                     if self._host_active[b] and self._host_lengths[b] + steps - 1 >= self.max_len]
@@ -721,7 +726,7 @@ class Engine:
         if full:
             raise ValueError(f"slots {full} are full (max_len={self.max_len} cache rows); a decode step would "
                              "overwrite their last row: release them or use an engine with a larger max_len")
-        if post and self._post is not None:     # (the rows this step posts to, cleared: `unposted`)
+        if post and self._clear_posts and self._post is not None:     # (the rows it posts to: `unposted`)
             act = [b for b in range(self.max_batch) if self._host_active[b]]
             if act:
                 rows = np.add.outer(np.arange(1, steps + 1), [self._host_lengths[b] for b in act]) % self._ring_rows

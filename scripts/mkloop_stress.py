@@ -33,13 +33,14 @@ def main():
     from k3export.bench.fp8 import gpu_random_model
     from k3export.config import K3Config
     from k3export.megakernel import backend as mb
+    from k3export.megakernel import chain as mc
     from k3export.runtime import EagerBackend, Engine, Generator
     print(f"GPU: {torch.cuda.get_device_name()}", flush=True)
     model = gpu_random_model(K3Config.from_name("k3-small"), 0)
     V, K = model.config.vocab_size, a.steps
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, V, (1024,), generator=g).tolist()
-    max_len = 2048                  # (the most the backend's attention takes: ATTN_SPLITS key blocks)
+    max_len = mc.ATTN_SPLITS * mc.ATTN_ROWS         # (the most rows the backend's attention takes)
     if 1024 + 2 + K * max(a.launches, -(-a.tokens // K) + 2) > max_len:
         raise SystemExit(f"--launches / --tokens: a sequence holds {max_len} rows, 1024 of them the prompt")
     pre = EagerBackend(model)
